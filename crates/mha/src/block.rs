@@ -1,0 +1,360 @@
+//! Transformer blocks: an encoder block (self-attention, feed-forward) and a decoder
+//! block (causal self-attention, cross-attention, feed-forward), each with residuals,
+//! LayerNorm (pre-norm by default, post-norm as an option) and dropout where PyTorch's
+//! `nn.TransformerEncoderLayer` / `nn.TransformerDecoderLayer` put it, so weights import
+//! one to one.
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::activation::{Activation, ActivationConfig};
+use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Tensor};
+
+use crate::error::{Check, ConfigError};
+use crate::mask::AttentionMask;
+use crate::mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+
+/// The feed-forward activation.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum FeedForwardActivation {
+    /// Exact (erf) GELU, PyTorch's `"gelu"`.
+    Gelu,
+    /// ReLU, PyTorch's `"relu"` (its default).
+    Relu,
+}
+
+/// Configuration of [`EncoderBlock`].
+#[derive(Config, Debug)]
+pub struct EncoderBlockConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA). Default: `n_heads`.
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
+    /// Hidden width of the feed-forward. Default: `4 · d_model`.
+    #[config(default = "None")]
+    pub d_ff: Option<usize>,
+    /// Dropout on attention weights, the feed-forward hidden layer and each residual
+    /// branch, in training only. Default: 0.1, as PyTorch.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Feed-forward activation. Default: GELU.
+    #[config(default = "FeedForwardActivation::Gelu")]
+    pub activation: FeedForwardActivation,
+    /// Pre-norm (`x + f(norm(x))`, PyTorch's `norm_first=True`) when true, post-norm
+    /// (`norm(x + f(x))`) when false. Default: true.
+    #[config(default = true)]
+    pub norm_first: bool,
+    /// LayerNorm epsilon. Default: 1e-5.
+    #[config(default = 1e-5)]
+    pub layer_norm_eps: f64,
+    /// Bias in the linear layers and LayerNorms. Default: true.
+    #[config(default = true)]
+    pub bias: bool,
+    /// Whether the self-attention is causal. Default: false.
+    #[config(default = false)]
+    pub causal: bool,
+}
+
+/// Configuration of [`DecoderBlock`]; its self-attention is always causal.
+#[derive(Config, Debug)]
+pub struct DecoderBlockConfig {
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads.
+    pub n_heads: usize,
+    /// Key/value heads (GQA). Default: `n_heads`.
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
+    /// Hidden width of the feed-forward. Default: `4 · d_model`.
+    #[config(default = "None")]
+    pub d_ff: Option<usize>,
+    /// Dropout on attention weights, the feed-forward hidden layer and each residual
+    /// branch, in training only. Default: 0.1, as PyTorch.
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Feed-forward activation. Default: GELU.
+    #[config(default = "FeedForwardActivation::Gelu")]
+    pub activation: FeedForwardActivation,
+    /// Pre-norm (`x + f(norm(x))`, PyTorch's `norm_first=True`) when true, post-norm
+    /// (`norm(x + f(x))`) when false. Default: true.
+    #[config(default = true)]
+    pub norm_first: bool,
+    /// LayerNorm epsilon. Default: 1e-5.
+    #[config(default = 1e-5)]
+    pub layer_norm_eps: f64,
+    /// Bias in the linear layers and LayerNorms. Default: true.
+    #[config(default = true)]
+    pub bias: bool,
+}
+
+impl EncoderBlockConfig {
+    fn validate(&self, name: &'static str) -> Result<(), ConfigError> {
+        let check = Check(name);
+        check.nonzero("d_ff", self.d_ff())?;
+        check.probability("dropout", self.dropout)?;
+        check.positive("layer_norm_eps", self.layer_norm_eps)
+    }
+
+    fn d_ff(&self) -> usize {
+        self.d_ff.unwrap_or(4 * self.d_model)
+    }
+
+    fn attention(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
+        MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
+            .with_n_kv_heads(self.n_kv_heads)
+            .with_bias(self.bias)
+            .with_dropout(self.dropout)
+            .try_init(device)
+    }
+
+    fn norm(&self, device: &Device) -> LayerNorm {
+        LayerNormConfig::new(self.d_model)
+            .with_epsilon(self.layer_norm_eps)
+            .with_bias(self.bias)
+            .init(device)
+    }
+
+    fn dropout(&self) -> Dropout {
+        DropoutConfig::new(self.dropout).init()
+    }
+
+    fn feed_forward(&self, device: &Device) -> FeedForward {
+        FeedForward {
+            linear1: LinearConfig::new(self.d_model, self.d_ff())
+                .with_bias(self.bias)
+                .init(device),
+            activation: match self.activation {
+                FeedForwardActivation::Gelu => ActivationConfig::Gelu,
+                FeedForwardActivation::Relu => ActivationConfig::Relu,
+            }
+            .init(device),
+            dropout: self.dropout(),
+            linear2: LinearConfig::new(self.d_ff(), self.d_model)
+                .with_bias(self.bias)
+                .init(device),
+        }
+    }
+
+    /// Builds an [`EncoderBlock`].
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field and values (see
+    /// [`MultiHeadAttentionConfig::try_init`], and `d_ff`, `dropout`, `layer_norm_eps`).
+    pub fn try_init(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
+        self.validate("EncoderBlockConfig")?;
+        Ok(EncoderBlock {
+            self_attn: self.attention(device)?,
+            feed_forward: self.feed_forward(device),
+            norm1: self.norm(device),
+            norm2: self.norm(device),
+            dropout1: self.dropout(),
+            dropout2: self.dropout(),
+            norm_first: self.norm_first,
+            causal: self.causal,
+        })
+    }
+
+    /// Builds an [`EncoderBlock`].
+    ///
+    /// # Panics
+    /// With the message of [`try_init`](Self::try_init)'s error.
+    pub fn init(&self, device: &Device) -> EncoderBlock {
+        self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+}
+
+impl DecoderBlockConfig {
+    /// Builds a [`DecoderBlock`].
+    ///
+    /// # Errors
+    /// As [`EncoderBlockConfig::try_init`].
+    pub fn try_init(&self, device: &Device) -> Result<DecoderBlock, ConfigError> {
+        let parts = self.parts();
+        parts.validate("DecoderBlockConfig")?;
+        Ok(DecoderBlock {
+            self_attn: parts.attention(device)?,
+            cross_attn: parts.attention(device)?,
+            feed_forward: parts.feed_forward(device),
+            norm1: parts.norm(device),
+            norm2: parts.norm(device),
+            norm3: parts.norm(device),
+            dropout1: parts.dropout(),
+            dropout2: parts.dropout(),
+            dropout3: parts.dropout(),
+            norm_first: self.norm_first,
+        })
+    }
+
+    /// Builds a [`DecoderBlock`].
+    ///
+    /// # Panics
+    /// With the message of [`try_init`](Self::try_init)'s error.
+    pub fn init(&self, device: &Device) -> DecoderBlock {
+        self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// The shared hyperparameters, as an encoder block's.
+    fn parts(&self) -> EncoderBlockConfig {
+        EncoderBlockConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            d_ff: self.d_ff,
+            dropout: self.dropout,
+            activation: self.activation,
+            norm_first: self.norm_first,
+            layer_norm_eps: self.layer_norm_eps,
+            bias: self.bias,
+            causal: true,
+        }
+    }
+}
+
+/// `linear2(dropout(activation(linear1(x))))`.
+#[derive(Module, Debug)]
+pub struct FeedForward {
+    /// `[d_model, d_ff]`.
+    pub linear1: Linear,
+    /// GELU or ReLU.
+    pub activation: Activation,
+    /// Dropout on the hidden layer.
+    pub dropout: Dropout,
+    /// `[d_ff, d_model]`.
+    pub linear2: Linear,
+}
+
+impl FeedForward {
+    /// # Shapes
+    /// `[B, T, d_model]` -> `[B, T, d_model]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let hidden = self.activation.forward(self.linear1.forward(x)); // [B, T, d_ff]
+        self.linear2.forward(self.dropout.forward(hidden))
+    }
+}
+
+/// A residual branch `x + dropout(f(norm(x)))` (pre-norm) or `norm(x + dropout(f(x)))`
+/// (post-norm).
+fn residual(
+    x: Tensor<3>,
+    norm: &LayerNorm,
+    dropout: &Dropout,
+    norm_first: bool,
+    f: impl FnOnce(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    if norm_first {
+        x.clone() + dropout.forward(f(norm.forward(x)))
+    } else {
+        norm.forward(x.clone() + dropout.forward(f(x)))
+    }
+}
+
+/// Self-attention and feed-forward, PyTorch's `nn.TransformerEncoderLayer`.
+#[derive(Module, Debug)]
+pub struct EncoderBlock {
+    /// Self-attention.
+    pub self_attn: MultiHeadAttention,
+    /// Feed-forward.
+    pub feed_forward: FeedForward,
+    /// Norm of the attention branch.
+    pub norm1: LayerNorm,
+    /// Norm of the feed-forward branch.
+    pub norm2: LayerNorm,
+    /// Dropout on the attention branch.
+    pub dropout1: Dropout,
+    /// Dropout on the feed-forward branch.
+    pub dropout2: Dropout,
+    /// Pre-norm when true.
+    pub norm_first: bool,
+    /// Causal self-attention when true.
+    pub causal: bool,
+}
+
+impl EncoderBlock {
+    /// # Shapes
+    /// - `x`: `[B, T, d_model]` -> `[B, T, d_model]`
+    /// - `mask`: broadcastable to `[B, H, T, T]`, combined with the causal mask when the
+    ///   block is causal.
+    ///
+    /// # Panics
+    /// If `x` is not `[B, T, d_model]` or the mask does not broadcast.
+    pub fn forward(&self, x: Tensor<3>, mask: &AttentionMask) -> Tensor<3> {
+        let mask = self.self_mask(mask);
+        let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            self.self_attn
+                .forward(MhaInput::self_attn(h).mask(mask))
+                .context
+        });
+        residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
+            self.feed_forward.forward(h)
+        })
+    }
+
+    fn self_mask(&self, mask: &AttentionMask) -> AttentionMask {
+        match self.causal {
+            true => mask.clone().and(AttentionMask::causal()),
+            false => mask.clone(),
+        }
+    }
+}
+
+/// Causal self-attention, cross-attention to an encoded memory, and feed-forward:
+/// PyTorch's `nn.TransformerDecoderLayer` with `tgt_is_causal=True`.
+#[derive(Module, Debug)]
+pub struct DecoderBlock {
+    /// Causal self-attention.
+    pub self_attn: MultiHeadAttention,
+    /// Cross-attention to the memory (PyTorch's `multihead_attn`).
+    pub cross_attn: MultiHeadAttention,
+    /// Feed-forward.
+    pub feed_forward: FeedForward,
+    /// Norm of the self-attention branch.
+    pub norm1: LayerNorm,
+    /// Norm of the cross-attention branch.
+    pub norm2: LayerNorm,
+    /// Norm of the feed-forward branch.
+    pub norm3: LayerNorm,
+    /// Dropout on the self-attention branch.
+    pub dropout1: Dropout,
+    /// Dropout on the cross-attention branch.
+    pub dropout2: Dropout,
+    /// Dropout on the feed-forward branch.
+    pub dropout3: Dropout,
+    /// Pre-norm when true.
+    pub norm_first: bool,
+}
+
+impl DecoderBlock {
+    /// # Shapes
+    /// - `x`: `[B, Tq, d_model]` -> `[B, Tq, d_model]`
+    /// - `memory`: `[B, Tk, d_model]`
+    /// - `self_mask`: broadcastable to `[B, H, Tq, Tq]`, combined with the causal mask
+    /// - `memory_mask`: broadcastable to `[B, H, Tq, Tk]` (e.g. the memory's padding)
+    ///
+    /// # Panics
+    /// If the shapes disagree or a mask does not broadcast.
+    pub fn forward(
+        &self,
+        x: Tensor<3>,
+        memory: Tensor<3>,
+        self_mask: &AttentionMask,
+        memory_mask: &AttentionMask,
+    ) -> Tensor<3> {
+        let self_mask = self_mask.clone().and(AttentionMask::causal());
+        let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            self.self_attn
+                .forward(MhaInput::self_attn(h).mask(self_mask))
+                .context
+        });
+        let x = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
+            self.cross_attn
+                .forward(MhaInput::cross(h, memory).mask(memory_mask.clone()))
+                .context
+        });
+        residual(x, &self.norm3, &self.dropout3, self.norm_first, |h| {
+            self.feed_forward.forward(h)
+        })
+    }
+}

@@ -1,0 +1,400 @@
+//! Multi-head attention: projections, heads, [`scaled_dot_product_attention`], output
+//! projection. Self-, cross- and causal self-attention are three ways of filling one
+//! [`MhaInput`]; the mechanism is the same.
+//!
+//! Shapes are batch-first, `[B, T, d_model]` (PyTorch's `batch_first=True`).
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::tensor::{Device, Tensor, module::linear};
+
+use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
+use crate::error::{Check, ConfigError};
+use crate::mask::AttentionMask;
+
+/// Configuration of [`MultiHeadAttention`].
+#[derive(Config, Debug)]
+pub struct MultiHeadAttentionConfig {
+    /// Model width (PyTorch's `embed_dim`): width of the query input and of the output.
+    pub d_model: usize,
+    /// Number of query heads `H`; the head width is `d_model / n_heads`.
+    pub n_heads: usize,
+    /// Number of key/value heads `Hkv`: `n_heads` is classic multi-head attention, fewer
+    /// is grouped-query attention (GQA), 1 is multi-query attention (MQA). Default:
+    /// `n_heads`.
+    #[config(default = "None")]
+    pub n_kv_heads: Option<usize>,
+    /// Width of the key input (PyTorch's `kdim`). Default: `d_model`.
+    #[config(default = "None")]
+    pub kdim: Option<usize>,
+    /// Width of the value input (PyTorch's `vdim`). Default: `d_model`.
+    #[config(default = "None")]
+    pub vdim: Option<usize>,
+    /// Whether the projections have a bias. Default: `true`, as in PyTorch.
+    #[config(default = true)]
+    pub bias: bool,
+    /// Dropout on the attention weights after the softmax, in training only. Default: 0.
+    #[config(default = 0.0)]
+    pub dropout: f64,
+    /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(d_model / n_heads)`.
+    #[config(default = "None")]
+    pub scale: Option<f64>,
+}
+
+/// The input projection: PyTorch's packed `in_proj` when keys and values have width
+/// `d_model`, separate `q/k/v_proj` otherwise.
+#[derive(Module, Debug)]
+pub enum InputProjection {
+    /// One `[d_model, (H + 2·Hkv)·Dh]` weight whose output columns are Q, then K, then V:
+    /// self-attention projects all three with one matmul.
+    Packed(Linear),
+    /// Separate weights, for key and value inputs of other widths (`kdim`, `vdim`).
+    Separate(SeparateProjection),
+}
+
+/// Separate Q, K and V projections.
+#[derive(Module, Debug)]
+pub struct SeparateProjection {
+    /// `[d_model, H·Dh]`.
+    pub q_proj: Linear,
+    /// `[kdim, Hkv·Dh]`.
+    pub k_proj: Linear,
+    /// `[vdim, Hkv·Dh]`.
+    pub v_proj: Linear,
+}
+
+/// Multi-head attention with typed masks, GQA, fused kernels and optional weights.
+///
+/// Build it with [`MultiHeadAttentionConfig::try_init`]; call it with
+/// [`forward`](Self::forward) and an [`MhaInput`], or with the shortcuts
+/// [`self_attention`](Self::self_attention), [`causal_self_attention`](Self::causal_self_attention)
+/// and [`cross_attention`](Self::cross_attention).
+#[derive(Module, Debug)]
+pub struct MultiHeadAttention {
+    /// Q, K, V projections.
+    pub in_proj: InputProjection,
+    /// Output projection `[H·Dh, d_model]`.
+    pub out_proj: Linear,
+    /// Dropout on the attention weights (its probability and training flag).
+    pub dropout: Dropout,
+    /// Query heads `H`.
+    pub n_heads: usize,
+    /// Key/value heads `Hkv`.
+    pub n_kv_heads: usize,
+    /// Head width `Dh`.
+    pub head_dim: usize,
+    /// Width of the key input.
+    pub kdim: usize,
+    /// Width of the value input.
+    pub vdim: usize,
+    /// Score scale.
+    pub scale: f64,
+}
+
+/// Where keys and values come from.
+#[derive(Clone, Debug)]
+enum Source {
+    /// From the query input.
+    SelfAttention,
+    /// From one context tensor (keys = values).
+    Context(Tensor<3>),
+    /// From separate key and value tensors.
+    KeyValue(Tensor<3>, Tensor<3>),
+}
+
+/// The input of [`MultiHeadAttention::forward`]: what attends to what, the mask, and
+/// which weights to return.
+#[derive(Clone, Debug)]
+pub struct MhaInput {
+    query: Tensor<3>,
+    source: Source,
+    mask: AttentionMask,
+    weights: AttentionWeights,
+}
+
+impl MhaInput {
+    /// Self-attention: queries, keys and values all come from `x` `[B, T, d_model]`.
+    pub fn self_attn(x: Tensor<3>) -> Self {
+        Self {
+            query: x,
+            source: Source::SelfAttention,
+            mask: AttentionMask::none(),
+            weights: AttentionWeights::None,
+        }
+    }
+
+    /// Causal self-attention: each position attends to itself and earlier ones.
+    pub fn causal(x: Tensor<3>) -> Self {
+        Self::self_attn(x).mask(AttentionMask::causal())
+    }
+
+    /// Cross-attention: queries from `x` `[B, Tq, d_model]`, keys and values from
+    /// `context` `[B, Tk, kdim]` (requires `kdim == vdim`).
+    pub fn cross(x: Tensor<3>, context: Tensor<3>) -> Self {
+        Self {
+            source: Source::Context(context),
+            ..Self::self_attn(x)
+        }
+    }
+
+    /// PyTorch's call `mha(query, key, value)`: `[B, Tq, d_model]`, `[B, Tk, kdim]`,
+    /// `[B, Tk, vdim]`.
+    pub fn new(query: Tensor<3>, key: Tensor<3>, value: Tensor<3>) -> Self {
+        Self {
+            source: Source::KeyValue(key, value),
+            ..Self::self_attn(query)
+        }
+    }
+
+    /// Adds a mask (combined with any mask already set, see [`AttentionMask::and`]).
+    pub fn mask(mut self, mask: AttentionMask) -> Self {
+        self.mask = core::mem::take(&mut self.mask).and(mask);
+        self
+    }
+
+    /// Asks for the attention weights.
+    pub fn weights(mut self, weights: AttentionWeights) -> Self {
+        self.weights = weights;
+        self
+    }
+}
+
+/// The output of [`MultiHeadAttention::forward`].
+#[derive(Clone, Debug)]
+pub struct MhaOutput {
+    /// `[B, Tq, d_model]`.
+    pub context: Tensor<3>,
+    /// `[B, H, Tq, Tk]` or `[B, 1, Tq, Tk]` when asked for (see [`AttentionWeights`]).
+    pub weights: Option<Tensor<4>>,
+}
+
+impl MultiHeadAttentionConfig {
+    /// Checks the configuration and builds the module, initialised as PyTorch does:
+    /// Xavier-uniform input projections, zero input and output biases, and the output
+    /// weight uniform in `±1/sqrt(d_model)`.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field and values when a size is zero, `d_model` is
+    /// not divisible by `n_heads`, `n_heads` not by `n_kv_heads`, the dropout is outside
+    /// `[0, 1)` or the scale is not positive and finite.
+    pub fn try_init(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
+        let check = Check("MultiHeadAttentionConfig");
+        let n_kv_heads = self.n_kv_heads.unwrap_or(self.n_heads);
+        let kdim = self.kdim.unwrap_or(self.d_model);
+        let vdim = self.vdim.unwrap_or(self.d_model);
+        check.nonzero("d_model", self.d_model)?;
+        check.nonzero("n_heads", self.n_heads)?;
+        check.nonzero("n_kv_heads", n_kv_heads)?;
+        check.nonzero("kdim", kdim)?;
+        check.nonzero("vdim", vdim)?;
+        check.divisible("d_model", self.d_model, "n_heads", self.n_heads)?;
+        check.divisible("n_heads", self.n_heads, "n_kv_heads", n_kv_heads)?;
+        check.probability("dropout", self.dropout)?;
+        if let Some(scale) = self.scale {
+            check.positive("scale", scale)?;
+        }
+
+        let head_dim = self.d_model / self.n_heads;
+        let q_width = self.n_heads * head_dim;
+        let kv_width = n_kv_heads * head_dim;
+        let xavier = |d_in, d_out| {
+            zero_bias(
+                LinearConfig::new(d_in, d_out)
+                    .with_bias(self.bias)
+                    .with_initializer(Initializer::XavierUniform { gain: 1.0 })
+                    .init(device),
+            )
+        };
+        let in_proj = if kdim == self.d_model && vdim == self.d_model {
+            InputProjection::Packed(xavier(self.d_model, q_width + 2 * kv_width))
+        } else {
+            InputProjection::Separate(SeparateProjection {
+                q_proj: xavier(self.d_model, q_width),
+                k_proj: xavier(kdim, kv_width),
+                v_proj: xavier(vdim, kv_width),
+            })
+        };
+        let out_proj = zero_bias(
+            LinearConfig::new(q_width, self.d_model)
+                .with_bias(self.bias)
+                .init(device),
+        );
+        Ok(MultiHeadAttention {
+            in_proj,
+            out_proj,
+            dropout: DropoutConfig::new(self.dropout).init(),
+            n_heads: self.n_heads,
+            n_kv_heads,
+            head_dim,
+            kdim,
+            vdim,
+            scale: self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt()),
+        })
+    }
+
+    /// Builds the module.
+    ///
+    /// # Panics
+    /// With the message of [`try_init`](Self::try_init)'s error.
+    pub fn init(&self, device: &Device) -> MultiHeadAttention {
+        self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+}
+
+fn zero_bias(mut linear: Linear) -> Linear {
+    linear.bias = linear
+        .bias
+        .map(|b| b.map(|t| t.zeros_like().set_require_grad(t.is_require_grad())));
+    linear
+}
+
+impl MultiHeadAttention {
+    /// Model width `d_model`.
+    pub fn d_model(&self) -> usize {
+        self.out_proj.weight.shape().dims::<2>()[1]
+    }
+
+    /// Attention as described by `input`.
+    ///
+    /// # Shapes
+    /// - query: `[B, Tq, d_model]`; key `[B, Tk, kdim]`; value `[B, Tk, vdim]`
+    /// - mask: broadcastable to `[B, H, Tq, Tk]`
+    /// - context: `[B, Tq, d_model]`; weights `[B, H or 1, Tq, Tk]` when asked for
+    ///
+    /// # Panics
+    /// If an input has the wrong width or batch size, naming the expected and actual
+    /// shapes, or if the mask does not broadcast to the scores.
+    pub fn forward(&self, input: MhaInput) -> MhaOutput {
+        let MhaInput {
+            query,
+            source,
+            mask,
+            weights,
+        } = input;
+        let [batch, queries, _] = query.dims();
+        let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
+        let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
+        let k = self.split_heads(k, self.n_kv_heads); // [B, Hkv, Tk, Dh]
+        let v = self.split_heads(v, self.n_kv_heads); // [B, Hkv, Tk, Dh]
+
+        let training = self.dropout.training.is_enabled() && q.device().is_autodiff();
+        let options = SdpaOptions {
+            scale: Some(self.scale),
+            dropout: if training { self.dropout.prob } else { 0.0 },
+            weights,
+        };
+        let out = scaled_dot_product_attention(q, k, v, &mask, options);
+        let context =
+            out.context
+                .swap_dims(1, 2)
+                .reshape([batch, queries, self.n_heads * self.head_dim]); // [B, Tq, H·Dh]
+        MhaOutput {
+            context: self.out_proj.forward(context),
+            weights: out.weights,
+        }
+    }
+
+    /// Self-attention of `x` `[B, T, d_model]` under `mask`; returns `[B, T, d_model]`.
+    pub fn self_attention(&self, x: Tensor<3>, mask: AttentionMask) -> Tensor<3> {
+        self.forward(MhaInput::self_attn(x).mask(mask)).context
+    }
+
+    /// Causal self-attention of `x` `[B, T, d_model]`; returns `[B, T, d_model]`.
+    pub fn causal_self_attention(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward(MhaInput::causal(x)).context
+    }
+
+    /// Cross-attention from `x` `[B, Tq, d_model]` to `context` `[B, Tk, kdim]` under
+    /// `mask`; returns `[B, Tq, d_model]`.
+    pub fn cross_attention(
+        &self,
+        x: Tensor<3>,
+        context: Tensor<3>,
+        mask: AttentionMask,
+    ) -> Tensor<3> {
+        self.forward(MhaInput::cross(x, context).mask(mask)).context
+    }
+
+    /// Projects the inputs to Q `[B, Tq, H·Dh]`, K and V `[B, Tk, Hkv·Dh]`.
+    fn project(&self, query: Tensor<3>, source: Source) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+        let d_model = self.d_model();
+        let [batch, _, _] = query.dims();
+        check_input("query", &query, batch, d_model);
+        let q_width = self.n_heads * self.head_dim;
+        let kv_width = self.n_kv_heads * self.head_dim;
+        match (&self.in_proj, source) {
+            (InputProjection::Packed(proj), Source::SelfAttention) => {
+                let qkv = proj.forward(query); // [B, T, (H + 2·Hkv)·Dh]
+                let q = qkv.clone().narrow(2, 0, q_width);
+                let k = qkv.clone().narrow(2, q_width, kv_width);
+                let v = qkv.narrow(2, q_width + kv_width, kv_width);
+                (q, k, v)
+            }
+            (InputProjection::Packed(proj), Source::Context(context)) => {
+                check_input("context", &context, batch, d_model);
+                let q = linear_columns(proj, query, 0, q_width);
+                let kv = linear_columns(proj, context, q_width, 2 * kv_width); // [B, Tk, 2·Hkv·Dh]
+                let k = kv.clone().narrow(2, 0, kv_width);
+                let v = kv.narrow(2, kv_width, kv_width);
+                (q, k, v)
+            }
+            (InputProjection::Packed(proj), Source::KeyValue(key, value)) => {
+                check_input("key", &key, batch, d_model);
+                check_input("value", &value, batch, d_model);
+                check_same_len(&key, &value);
+                (
+                    linear_columns(proj, query, 0, q_width),
+                    linear_columns(proj, key, q_width, kv_width),
+                    linear_columns(proj, value, q_width + kv_width, kv_width),
+                )
+            }
+            (InputProjection::Separate(proj), source) => {
+                let (key, value) = match source {
+                    Source::SelfAttention => (query.clone(), query.clone()),
+                    Source::Context(context) => (context.clone(), context),
+                    Source::KeyValue(key, value) => (key, value),
+                };
+                check_input("key", &key, batch, self.kdim);
+                check_input("value", &value, batch, self.vdim);
+                check_same_len(&key, &value);
+                (
+                    proj.q_proj.forward(query),
+                    proj.k_proj.forward(key),
+                    proj.v_proj.forward(value),
+                )
+            }
+        }
+    }
+
+    /// `[B, T, heads·Dh]` -> `[B, heads, T, Dh]`.
+    fn split_heads(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
+        let [batch, len, _] = x.dims();
+        x.reshape([batch, len, heads, self.head_dim])
+            .swap_dims(1, 2)
+    }
+}
+
+/// `x W[:, start..start+len] + b[start..start+len]`: one block of a packed projection.
+fn linear_columns(proj: &Linear, x: Tensor<3>, start: usize, len: usize) -> Tensor<3> {
+    let weight = proj.weight.val().narrow(1, start, len);
+    let bias = proj.bias.as_ref().map(|b| b.val().narrow(0, start, len));
+    linear(x, weight, bias)
+}
+
+fn check_input(name: &str, x: &Tensor<3>, batch: usize, width: usize) {
+    let dims = x.dims();
+    assert!(
+        dims[0] == batch && dims[2] == width,
+        "MultiHeadAttention: expected {name} of shape [B = {batch}, T, {width}], got {dims:?}"
+    );
+}
+
+fn check_same_len(key: &Tensor<3>, value: &Tensor<3>) {
+    assert!(
+        key.dims()[1] == value.dims()[1],
+        "MultiHeadAttention: key {:?} and value {:?} have different lengths",
+        key.dims(),
+        value.dims()
+    );
+}

@@ -1,0 +1,477 @@
+//! Loading PyTorch weights: a `state_dict` saved with safetensors
+//! (`safetensors.torch.save_file(model.state_dict(), path)`) loads into the matching
+//! module, under an optional key prefix.
+//!
+//! | PyTorch | mha |
+//! |---|---|
+//! | `nn.MultiheadAttention(batch_first=True)` | [`MultiHeadAttention`] |
+//! | `nn.TransformerEncoderLayer` | [`EncoderBlock`] |
+//! | `nn.TransformerDecoderLayer` | [`DecoderBlock`] |
+//! | `nn.TransformerEncoder` / `nn.TransformerDecoder` | [`Encoder`] / [`Decoder`] |
+//!
+//! Build the module from a configuration that matches the PyTorch one (sizes, bias,
+//! `norm_first`, activation), then call [`LoadPyTorch::load_pytorch`]. PyTorch stores a
+//! linear weight as `[out, in]`; Burn as `[in, out]`: the import transposes. A missing
+//! key, a key the module has no place for (such as `bias_k` of `add_bias_kv=True`), or a
+//! shape that differs is an [`ImportError`] naming the key and both shapes.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use burn::module::Param;
+use burn::nn::{LayerNorm, Linear};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors};
+
+use crate::block::{DecoderBlock, EncoderBlock, FeedForward};
+use crate::mha::{InputProjection, MultiHeadAttention, SeparateProjection};
+use crate::stack::{Decoder, Encoder};
+
+/// Why weights could not be imported.
+#[derive(Debug)]
+pub enum ImportError {
+    /// The file could not be read.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The bytes are not a safetensors file.
+    Format {
+        /// Where the bytes came from.
+        source: String,
+        /// What the parser said.
+        message: String,
+    },
+    /// The module needs a key the weights lack.
+    MissingKey {
+        /// The full key, prefix included.
+        key: String,
+    },
+    /// The weights hold a key the module has no place for.
+    UnexpectedKey {
+        /// The full key.
+        key: String,
+        /// Why the module cannot take it.
+        reason: &'static str,
+    },
+    /// A tensor has a different shape than the module expects (in PyTorch's layout).
+    Shape {
+        /// The full key.
+        key: String,
+        /// The shape the module expects.
+        expected: Vec<usize>,
+        /// The shape in the weights.
+        found: Vec<usize>,
+    },
+    /// A tensor is not a floating-point type.
+    Dtype {
+        /// The full key.
+        key: String,
+        /// The stored type.
+        dtype: String,
+    },
+}
+
+impl fmt::Display for ImportError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Io { path, source } => write!(f, "cannot read {}: {source}", path.display()),
+            Self::Format { source, message } => {
+                write!(f, "{source} is not a safetensors file: {message}")
+            }
+            Self::MissingKey { key } => write!(f, "missing key `{key}`"),
+            Self::UnexpectedKey { key, reason } => write!(f, "unexpected key `{key}`: {reason}"),
+            Self::Shape {
+                key,
+                expected,
+                found,
+            } => write!(
+                f,
+                "key `{key}`: expected shape {expected:?}, found {found:?}"
+            ),
+            Self::Dtype { key, dtype } => {
+                write!(f, "key `{key}`: expected a float tensor, found {dtype}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ImportError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+/// The tensors of a PyTorch `state_dict`, as `f32`, by key.
+#[derive(Clone, Debug)]
+pub struct PyTorchWeights {
+    tensors: HashMap<String, TensorData>,
+    /// Keys of tensors that are not floating point, with their type: an error only when
+    /// a module asks for one (a full model's `state_dict` may hold integer buffers).
+    others: HashMap<String, String>,
+}
+
+impl PyTorchWeights {
+    /// Reads a safetensors file.
+    ///
+    /// # Errors
+    /// [`ImportError::Io`] when it cannot be read, [`ImportError::Format`] when it is not
+    /// safetensors.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Parses safetensors bytes; `source` names them in errors.
+    ///
+    /// # Errors
+    /// [`ImportError::Format`] when the bytes are not safetensors.
+    pub fn from_bytes(bytes: &[u8], source: &str) -> Result<Self, ImportError> {
+        let file = SafeTensors::deserialize(bytes).map_err(|err| ImportError::Format {
+            source: source.to_string(),
+            message: err.to_string(),
+        })?;
+        let mut tensors = HashMap::new();
+        let mut others = HashMap::new();
+        for (key, view) in file.tensors() {
+            let dtype = match view.dtype() {
+                Dtype::F32 => DType::F32,
+                Dtype::F64 => DType::F64,
+                Dtype::F16 => DType::F16,
+                Dtype::BF16 => DType::BF16,
+                other => {
+                    others.insert(key, format!("{other:?}"));
+                    continue;
+                }
+            };
+            let bytes = view.data().to_vec();
+            let data = TensorData::from_bytes_vec(bytes, view.shape().to_vec(), dtype);
+            tensors.insert(key, data.convert::<f32>());
+        }
+        Ok(Self { tensors, others })
+    }
+
+    /// The keys, in no particular order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.tensors
+            .keys()
+            .chain(self.others.keys())
+            .map(String::as_str)
+    }
+
+    /// Whether `key` is present.
+    pub fn contains(&self, key: &str) -> bool {
+        self.tensors.contains_key(key) || self.others.contains_key(key)
+    }
+
+    /// The tensor under `key`, checked to have shape `expected`.
+    ///
+    /// # Errors
+    /// [`ImportError::MissingKey`], [`ImportError::Dtype`] or [`ImportError::Shape`].
+    pub fn tensor<const D: usize>(
+        &self,
+        key: &str,
+        expected: [usize; D],
+        device: &Device,
+    ) -> Result<Tensor<D>, ImportError> {
+        if let Some(dtype) = self.others.get(key) {
+            return Err(ImportError::Dtype {
+                key: key.to_string(),
+                dtype: dtype.clone(),
+            });
+        }
+        let data = self
+            .tensors
+            .get(key)
+            .ok_or_else(|| ImportError::MissingKey {
+                key: key.to_string(),
+            })?;
+        let found = data.shape().to_vec();
+        if found != expected {
+            return Err(ImportError::Shape {
+                key: key.to_string(),
+                expected: expected.to_vec(),
+                found,
+            });
+        }
+        Ok(Tensor::from_data(data.clone(), device))
+    }
+
+    /// Fails with [`ImportError::UnexpectedKey`] if `key` is present.
+    fn reject(&self, key: String, reason: &'static str) -> Result<(), ImportError> {
+        match self.contains(&key) {
+            true => Err(ImportError::UnexpectedKey { key, reason }),
+            false => Ok(()),
+        }
+    }
+}
+
+/// A module whose parameters can be replaced by those of the matching PyTorch module.
+pub trait LoadPyTorch: Sized {
+    /// Replaces every parameter with the one stored under `prefix` (e.g. `"encoder."`,
+    /// or `""` for a bare module) and returns the module.
+    ///
+    /// # Errors
+    /// An [`ImportError`] naming the key, when a key is missing, unexpected, or of
+    /// another shape than this module's configuration implies.
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError>;
+}
+
+/// Replaces a parameter's value, keeping its id and whether it is trained.
+fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> Param<Tensor<D>> {
+    param.map(|old| value.set_require_grad(old.is_require_grad()))
+}
+
+/// Where a linear parameter is stored: the key, and for packed tensors (PyTorch's
+/// `in_proj_*`) the total rows and the first row of this linear's block.
+struct Stored<'a> {
+    key: &'a str,
+    packed: Option<(usize, usize)>,
+}
+
+impl<'a> Stored<'a> {
+    fn whole(key: &'a str) -> Self {
+        Self { key, packed: None }
+    }
+
+    fn rows(key: &'a str, total: usize, start: usize) -> Self {
+        Self {
+            key,
+            packed: Some((total, start)),
+        }
+    }
+
+    /// Loads `[rows, ..rest]`, checked whole, then cuts out this linear's `len` rows.
+    fn load<const D: usize>(
+        &self,
+        weights: &PyTorchWeights,
+        len: usize,
+        rest: [usize; D],
+        device: &Device,
+    ) -> Result<Tensor<D>, ImportError> {
+        let (total, start) = self.packed.unwrap_or((len, 0));
+        let mut shape = rest;
+        shape[0] = total;
+        Ok(weights
+            .tensor(self.key, shape, device)?
+            .narrow(0, start, len))
+    }
+}
+
+/// Loads a linear from PyTorch's `weight` `[out, in]` (transposed into Burn's
+/// `[in, out]`) and `bias` `[out]`.
+fn load_linear_from(
+    linear: Linear,
+    weights: &PyTorchWeights,
+    weight_at: Stored,
+    bias_at: Stored,
+) -> Result<Linear, ImportError> {
+    let [d_in, d_out] = linear.weight.shape().dims::<2>();
+    let device = linear.weight.val().device();
+    let Linear { weight, bias } = linear;
+    let w = weight_at.load(weights, d_out, [0, d_in], &device)?;
+    let weight = set(weight, w.transpose());
+    let bias = match bias {
+        Some(bias) => Some(set(bias, bias_at.load(weights, d_out, [0], &device)?)),
+        None => {
+            weights.reject(
+                bias_at.key.to_string(),
+                "the module was configured without bias",
+            )?;
+            None
+        }
+    };
+    Ok(Linear { weight, bias })
+}
+
+fn load_linear(
+    linear: Linear,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<Linear, ImportError> {
+    let (weight, bias) = (format!("{prefix}weight"), format!("{prefix}bias"));
+    load_linear_from(
+        linear,
+        weights,
+        Stored::whole(&weight),
+        Stored::whole(&bias),
+    )
+}
+
+fn load_norm(
+    norm: LayerNorm,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<LayerNorm, ImportError> {
+    let [d] = norm.gamma.shape().dims::<1>();
+    let device = norm.gamma.val().device();
+    let mut norm = norm;
+    norm.gamma = set(
+        norm.gamma,
+        weights.tensor(&format!("{prefix}weight"), [d], &device)?,
+    );
+    norm.beta = match norm.beta {
+        Some(beta) => Some(set(
+            beta,
+            weights.tensor(&format!("{prefix}bias"), [d], &device)?,
+        )),
+        None => {
+            weights.reject(
+                format!("{prefix}bias"),
+                "the module was configured without bias",
+            )?;
+            None
+        }
+    };
+    Ok(norm)
+}
+
+impl LoadPyTorch for MultiHeadAttention {
+    /// Keys: `in_proj_weight` (or `q_proj_weight`, `k_proj_weight`, `v_proj_weight` when
+    /// `kdim`/`vdim` differ), `in_proj_bias`, `out_proj.weight`, `out_proj.bias`.
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        for extra in ["bias_k", "bias_v"] {
+            weights.reject(
+                format!("{prefix}{extra}"),
+                "add_bias_kv=True has no counterpart in MultiHeadAttention",
+            )?;
+        }
+        let q_width = self.n_heads * self.head_dim;
+        let kv_width = self.n_kv_heads * self.head_dim;
+        let total = q_width + 2 * kv_width;
+        let bias = format!("{prefix}in_proj_bias");
+        self.in_proj = match self.in_proj {
+            InputProjection::Packed(proj) => {
+                let weight = format!("{prefix}in_proj_weight");
+                InputProjection::Packed(load_linear_from(
+                    proj,
+                    weights,
+                    Stored::rows(&weight, total, 0),
+                    Stored::rows(&bias, total, 0),
+                )?)
+            }
+            InputProjection::Separate(p) => {
+                // Separate weights, but PyTorch still packs the three biases.
+                let (q, k, v) = (
+                    format!("{prefix}q_proj_weight"),
+                    format!("{prefix}k_proj_weight"),
+                    format!("{prefix}v_proj_weight"),
+                );
+                InputProjection::Separate(SeparateProjection {
+                    q_proj: load_linear_from(
+                        p.q_proj,
+                        weights,
+                        Stored::whole(&q),
+                        Stored::rows(&bias, total, 0),
+                    )?,
+                    k_proj: load_linear_from(
+                        p.k_proj,
+                        weights,
+                        Stored::whole(&k),
+                        Stored::rows(&bias, total, q_width),
+                    )?,
+                    v_proj: load_linear_from(
+                        p.v_proj,
+                        weights,
+                        Stored::whole(&v),
+                        Stored::rows(&bias, total, q_width + kv_width),
+                    )?,
+                })
+            }
+        };
+        self.out_proj = load_linear(self.out_proj, weights, &format!("{prefix}out_proj."))?;
+        Ok(self)
+    }
+}
+
+impl LoadPyTorch for FeedForward {
+    /// Keys: `linear1.*`, `linear2.*` (PyTorch's layer keeps them at the layer's top).
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        self.linear1 = load_linear(self.linear1, weights, &format!("{prefix}linear1."))?;
+        self.linear2 = load_linear(self.linear2, weights, &format!("{prefix}linear2."))?;
+        Ok(self)
+    }
+}
+
+impl LoadPyTorch for EncoderBlock {
+    /// Keys of `nn.TransformerEncoderLayer`: `self_attn.*`, `linear1.*`, `linear2.*`,
+    /// `norm1.*`, `norm2.*`.
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        self.self_attn = self
+            .self_attn
+            .load_pytorch(weights, &format!("{prefix}self_attn."))?;
+        self.feed_forward = self.feed_forward.load_pytorch(weights, prefix)?;
+        self.norm1 = load_norm(self.norm1, weights, &format!("{prefix}norm1."))?;
+        self.norm2 = load_norm(self.norm2, weights, &format!("{prefix}norm2."))?;
+        Ok(self)
+    }
+}
+
+impl LoadPyTorch for DecoderBlock {
+    /// Keys of `nn.TransformerDecoderLayer`: `self_attn.*`, `multihead_attn.*`,
+    /// `linear1.*`, `linear2.*`, `norm1.*`, `norm2.*`, `norm3.*`.
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        self.self_attn = self
+            .self_attn
+            .load_pytorch(weights, &format!("{prefix}self_attn."))?;
+        self.cross_attn = self
+            .cross_attn
+            .load_pytorch(weights, &format!("{prefix}multihead_attn."))?;
+        self.feed_forward = self.feed_forward.load_pytorch(weights, prefix)?;
+        self.norm1 = load_norm(self.norm1, weights, &format!("{prefix}norm1."))?;
+        self.norm2 = load_norm(self.norm2, weights, &format!("{prefix}norm2."))?;
+        self.norm3 = load_norm(self.norm3, weights, &format!("{prefix}norm3."))?;
+        Ok(self)
+    }
+}
+
+/// Loads `layers.{i}.*` and, when the stack has one, `norm.*`.
+fn load_stack<L: LoadPyTorch>(
+    layers: Vec<L>,
+    norm: Option<LayerNorm>,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<(Vec<L>, Option<LayerNorm>), ImportError> {
+    let layers = layers
+        .into_iter()
+        .enumerate()
+        .map(|(i, layer)| layer.load_pytorch(weights, &format!("{prefix}layers.{i}.")))
+        .collect::<Result<_, _>>()?;
+    let norm = match norm {
+        Some(norm) => Some(load_norm(norm, weights, &format!("{prefix}norm."))?),
+        None => {
+            weights.reject(
+                format!("{prefix}norm.weight"),
+                "the stack has no final norm (post-norm configuration)",
+            )?;
+            None
+        }
+    };
+    Ok((layers, norm))
+}
+
+impl LoadPyTorch for Encoder {
+    /// Keys of `nn.TransformerEncoder`: `layers.{i}.*`, `norm.*`.
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        let (layers, norm) = load_stack(self.layers, self.norm, weights, prefix)?;
+        Ok(Self { layers, norm })
+    }
+}
+
+impl LoadPyTorch for Decoder {
+    /// Keys of `nn.TransformerDecoder`: `layers.{i}.*`, `norm.*`.
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        let (layers, norm) = load_stack(self.layers, self.norm, weights, prefix)?;
+        Ok(Self { layers, norm })
+    }
+}

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Writes the PyTorch reference fixtures the tests compare against.
+
+    python3 -m pip install torch safetensors
+    python3 scripts/golden.py            # writes tests/fixtures/*.safetensors
+
+Each fixture is one safetensors file holding
+- `model.*`: the PyTorch module's state_dict, exactly as a user would save it (the tests
+  load it through mha's public import, with the prefix "model.");
+- `io.*`: inputs, the random upstream gradient `io.grad_out`, and PyTorch's results:
+  `io.out`, `io.weights` (when the case has them), `io.grad.<input>` and
+  `io.grad.model.<param>` for every input and parameter, all float32. Boolean masks are
+  stored as float32 with 1.0 = blocked (PyTorch's convention for `nn.MultiheadAttention`).
+
+The loss whose gradients are stored is `(out * grad_out).sum()`. Models run in eval mode
+(no dropout) with gradients on, so PyTorch takes its reference (non-fused) paths.
+"""
+
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
+
+
+def save(name, model, inputs, out, weights=None, extra=None):
+    """Backprop (out * grad_out).sum() and write the fixture."""
+    g = torch.Generator().manual_seed(1234)
+    grad_out = torch.randn(out.shape, generator=g)
+    (out * grad_out).sum().backward()
+    tensors = {}
+    if model is not None:
+        for k, v in model.state_dict().items():
+            tensors[f"model.{k}"] = v.detach().clone().contiguous()
+        for k, p in model.named_parameters():
+            tensors[f"io.grad.model.{k}"] = p.grad.detach().clone().contiguous()
+    for k, v in inputs.items():
+        tensors[f"io.{k}"] = v.detach().float().clone().contiguous()
+        if v.requires_grad:
+            tensors[f"io.grad.{k}"] = v.grad.detach().clone().contiguous()
+    tensors["io.out"] = out.detach().clone().contiguous()
+    tensors["io.grad_out"] = grad_out
+    if weights is not None:
+        tensors["io.weights"] = weights.detach().clone().contiguous()
+    for k, v in (extra or {}).items():
+        tensors[f"io.{k}"] = v.detach().float().clone().contiguous()
+    path = os.path.join(OUT, f"{name}.safetensors")
+    save_file(tensors, path)
+    print(f"{path}: {len(tensors)} tensors")
+
+
+def leaf(*shape):
+    return torch.randn(*shape).requires_grad_(True)
+
+
+def causal_self_attention():
+    torch.manual_seed(0)
+    B, T, E, H = 2, 6, 16, 4
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():  # non-zero biases, so that the bias import is checked
+        mha.in_proj_bias.normal_()
+        mha.out_proj.bias.normal_()
+    x = leaf(B, T, E)
+    blocked = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    out, w = mha(x, x, x, attn_mask=blocked, need_weights=True, average_attn_weights=False)
+    save("mha_causal_self", mha, {"x": x}, out, w)
+
+
+def cross_attention_kdim_vdim():
+    torch.manual_seed(1)
+    B, Tq, Tk, E, H, KD, VD = 2, 5, 7, 16, 2, 12, 10
+    mha = nn.MultiheadAttention(E, H, bias=False, kdim=KD, vdim=VD, batch_first=True).eval()
+    q, k, v = leaf(B, Tq, E), leaf(B, Tk, KD), leaf(B, Tk, VD)
+    padding = torch.zeros(B, Tk, dtype=torch.bool)
+    padding[0, 5:] = True
+    padding[1, 3:] = True
+    out, w = mha(q, k, v, key_padding_mask=padding, need_weights=True, average_attn_weights=True)
+    save("mha_cross_kdim_vdim", mha, {"query": q, "key": k, "value": v}, out, w,
+         extra={"key_padding": padding})
+
+
+def encoder_layer(name, norm_first, activation, seed):
+    torch.manual_seed(seed)
+    B, T, E, H, FF = 2, 6, 16, 4, 32
+    layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, activation=activation,
+                                       batch_first=True, norm_first=norm_first).eval()
+    with torch.no_grad():
+        for n in (layer.norm1, layer.norm2):
+            n.weight.normal_(1.0, 0.1)
+            n.bias.normal_(0.0, 0.1)
+        layer.self_attn.in_proj_bias.normal_(0.0, 0.1)
+    x = leaf(B, T, E)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[1, 4:] = True
+    out = layer(x, src_key_padding_mask=padding)
+    save(name, layer, {"x": x}, out, extra={"key_padding": padding})
+
+
+def decoder_layer():
+    torch.manual_seed(3)
+    B, T, S, E, H, FF = 2, 5, 7, 16, 4, 32
+    layer = nn.TransformerDecoderLayer(E, H, FF, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True).eval()
+    with torch.no_grad():
+        for n in (layer.norm1, layer.norm2, layer.norm3):
+            n.weight.normal_(1.0, 0.1)
+            n.bias.normal_(0.0, 0.1)
+    x, memory = leaf(B, T, E), leaf(B, S, E)
+    memory_padding = torch.zeros(B, S, dtype=torch.bool)
+    memory_padding[0, 6:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    out = layer(x, memory, tgt_mask=causal, tgt_is_causal=True,
+                memory_key_padding_mask=memory_padding)
+    save("decoder_layer_pre_gelu", layer, {"x": x, "memory": memory}, out,
+         extra={"memory_padding": memory_padding})
+
+
+def sdpa_gqa_bias_scale():
+    torch.manual_seed(4)
+    B, H, HKV, TQ, TK, D = 2, 4, 2, 5, 6, 8
+    q, k, v = leaf(B, H, TQ, D), leaf(B, HKV, TK, D), leaf(B, HKV, TK, D)
+    bias = torch.randn(1, H, TQ, TK)
+    scale = 0.3
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    # The weights, for the explicit path: SDPA does not return them.
+    kr = k.detach().repeat_interleave(H // HKV, dim=1)
+    w = torch.softmax(q.detach() @ kr.transpose(-1, -2) * scale + bias, dim=-1)
+    save("sdpa_gqa_bias_scale", None, {"q": q, "k": k, "v": v}, out, w, extra={"bias": bias})
+
+
+def sdpa_fully_blocked_row():
+    """Query row 2 of batch 0 sees no key: its output and weights are 0 (PyTorch: NaN).
+    The reference runs PyTorch without that row and puts zeros in its place."""
+    torch.manual_seed(5)
+    B, H, T, D = 2, 2, 4, 8
+    dead_b, dead_t = 0, 2
+    q, k, v = leaf(B, H, T, D), leaf(B, H, T, D), leaf(B, H, T, D)
+    blocked = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    blocked[1, :, :, 3] = True
+    blocked[dead_b, :, dead_t, :] = True
+    alive = [t for t in range(T) if t != dead_t]
+    g = torch.Generator().manual_seed(1234)
+    grad_out = torch.randn(B, H, T, D, generator=g)
+    outs, ws = [], []
+    for b in range(B):
+        rows = alive if b == dead_b else list(range(T))
+        qb = q[b:b + 1, :, rows]
+        mb = blocked[b:b + 1, :, rows]
+        ob = F.scaled_dot_product_attention(qb, k[b:b + 1], v[b:b + 1], attn_mask=~mb)
+        wb = torch.softmax((qb @ k[b:b + 1].transpose(-1, -2) / math.sqrt(D)).masked_fill(mb, -math.inf), -1)
+        full_o = torch.zeros(1, H, T, D)
+        full_w = torch.zeros(1, H, T, T)
+        full_o[:, :, rows] = ob
+        full_w[:, :, rows] = wb.detach()
+        outs.append(full_o)
+        ws.append(full_w)
+    out = torch.cat(outs)
+    (out * grad_out).sum().backward()
+    tensors = {f"io.{n}": t.detach().clone() for n, t in (("q", q), ("k", k), ("v", v))}
+    tensors.update({f"io.grad.{n}": t.grad.clone() for n, t in (("q", q), ("k", k), ("v", v))})
+    tensors["io.blocked"] = blocked.float()
+    tensors["io.out"] = out.detach()
+    tensors["io.weights"] = torch.cat(ws)
+    tensors["io.grad_out"] = grad_out
+    path = os.path.join(OUT, "sdpa_fully_blocked_row.safetensors")
+    save_file(tensors, path)
+    print(f"{path}: {len(tensors)} tensors")
+
+
+if __name__ == "__main__":
+    os.makedirs(OUT, exist_ok=True)
+    torch.use_deterministic_algorithms(True)
+    causal_self_attention()
+    cross_attention_kdim_vdim()
+    encoder_layer("encoder_layer_pre_gelu", True, "gelu", 2)
+    encoder_layer("encoder_layer_post_relu", False, "relu", 6)
+    decoder_layer()
+    sdpa_gqa_bias_scale()
+    sdpa_fully_blocked_row()

@@ -1,0 +1,225 @@
+//! What a user can get wrong gets an error naming the field or key and the values.
+
+use burn::tensor::Device;
+use mha::{
+    DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError, LoadPyTorch, MhaInput,
+    MultiHeadAttentionConfig, PyTorchWeights,
+};
+
+use crate::util::{Fixture, randn};
+
+fn dev() -> Device {
+    crate::util::backends()[0].device.clone()
+}
+
+fn mha_error(config: MultiHeadAttentionConfig) -> String {
+    config.try_init(&dev()).unwrap_err().to_string()
+}
+
+#[test]
+fn bad_attention_configs_name_the_field_and_values() {
+    let cases = [
+        (
+            MultiHeadAttentionConfig::new(100, 3),
+            "MultiHeadAttentionConfig.d_model: 100 is not divisible by n_heads = 3",
+        ),
+        (
+            MultiHeadAttentionConfig::new(64, 8).with_n_kv_heads(Some(3)),
+            "MultiHeadAttentionConfig.n_heads: 8 is not divisible by n_kv_heads = 3",
+        ),
+        (
+            MultiHeadAttentionConfig::new(0, 1),
+            "MultiHeadAttentionConfig.d_model: must be at least 1, got 0",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 0),
+            "MultiHeadAttentionConfig.n_heads: must be at least 1, got 0",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_n_kv_heads(Some(0)),
+            "MultiHeadAttentionConfig.n_kv_heads: must be at least 1, got 0",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_kdim(Some(0)),
+            "MultiHeadAttentionConfig.kdim: must be at least 1, got 0",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_dropout(1.0),
+            "MultiHeadAttentionConfig.dropout: must be in [0, 1), got 1",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_dropout(-0.1),
+            "MultiHeadAttentionConfig.dropout: must be in [0, 1), got -0.1",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_scale(Some(0.0)),
+            "MultiHeadAttentionConfig.scale: must be positive and finite, got 0",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_scale(Some(f64::NAN)),
+            "MultiHeadAttentionConfig.scale: must be positive and finite, got NaN",
+        ),
+    ];
+    for (config, expected) in cases {
+        assert_eq!(mha_error(config), expected);
+    }
+}
+
+#[test]
+fn bad_block_and_stack_configs_name_the_field_and_values() {
+    let d = dev();
+    let err = |r: Result<_, mha::ConfigError>| r.map(|_: ()| ()).unwrap_err().to_string();
+    assert_eq!(
+        err(EncoderBlockConfig::new(16, 4)
+            .with_layer_norm_eps(0.0)
+            .try_init(&d)
+            .map(|_| ())),
+        "EncoderBlockConfig.layer_norm_eps: must be positive and finite, got 0"
+    );
+    assert_eq!(
+        err(EncoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(0))
+            .try_init(&d)
+            .map(|_| ())),
+        "EncoderBlockConfig.d_ff: must be at least 1, got 0"
+    );
+    assert_eq!(
+        err(DecoderBlockConfig::new(16, 4)
+            .with_dropout(1.5)
+            .try_init(&d)
+            .map(|_| ())),
+        "DecoderBlockConfig.dropout: must be in [0, 1), got 1.5"
+    );
+    assert_eq!(
+        err(DecoderBlockConfig::new(15, 4).try_init(&d).map(|_| ())),
+        "MultiHeadAttentionConfig.d_model: 15 is not divisible by n_heads = 4"
+    );
+    assert_eq!(
+        err(EncoderConfig::new(EncoderBlockConfig::new(16, 4), 0)
+            .try_init(&d)
+            .map(|_| ())),
+        "EncoderConfig.n_layers: must be at least 1, got 0"
+    );
+}
+
+#[test]
+#[should_panic(expected = "MultiHeadAttentionConfig.d_model: 100 is not divisible by n_heads = 3")]
+fn init_panics_with_the_same_message() {
+    MultiHeadAttentionConfig::new(100, 3).init(&dev());
+}
+
+#[test]
+#[should_panic(
+    expected = "MultiHeadAttention: expected query of shape [B = 2, T, 16], got [2, 5, 12]"
+)]
+fn wrong_query_width_panics_naming_the_shapes() {
+    let m = MultiHeadAttentionConfig::new(16, 4).init(&dev());
+    m.forward(MhaInput::self_attn(randn([2, 5, 12], 1, &dev())));
+}
+
+#[test]
+#[should_panic(
+    expected = "MultiHeadAttention: expected key of shape [B = 2, T, 12], got [3, 7, 12]"
+)]
+fn wrong_key_batch_panics_naming_the_shapes() {
+    let m = MultiHeadAttentionConfig::new(16, 4)
+        .with_kdim(Some(12))
+        .init(&dev());
+    let q = randn([2, 5, 16], 1, &dev());
+    m.forward(MhaInput::new(q.clone(), randn([3, 7, 12], 2, &dev()), q));
+}
+
+#[test]
+#[should_panic(
+    expected = "the boolean mask of shape [1, 1, 4, 4] does not broadcast to the scores [B, H, Tq, Tk] = [2, 4, 5, 5]"
+)]
+fn mask_of_the_wrong_size_panics_naming_the_shapes() {
+    let d = dev();
+    let m = MultiHeadAttentionConfig::new(16, 4).init(&d);
+    let mask = burn::tensor::Tensor::<2, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(vec![false; 16], [4, 4]),
+        &d,
+    );
+    m.self_attention(randn([2, 5, 16], 1, &d), mha::AttentionMask::blocking(mask));
+}
+
+#[test]
+fn import_errors_name_the_key_and_shapes() {
+    let d = dev();
+    let f = Fixture::load("mha_causal_self");
+    // Wrong size: the fixture has d_model 16.
+    let err = MultiHeadAttentionConfig::new(32, 4)
+        .init(&d)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "key `model.in_proj_weight`: expected shape [96, 32], found [48, 16]"
+    );
+    // Wrong prefix.
+    let err = MultiHeadAttentionConfig::new(16, 4)
+        .init(&d)
+        .load_pytorch(&f.weights, "encoder.")
+        .unwrap_err();
+    assert_eq!(err.to_string(), "missing key `encoder.in_proj_weight`");
+    // A bias the module was configured without.
+    let err = MultiHeadAttentionConfig::new(16, 4)
+        .with_bias(false)
+        .init(&d)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err();
+    assert!(matches!(err, ImportError::UnexpectedKey { .. }));
+    assert_eq!(
+        err.to_string(),
+        "unexpected key `model.in_proj_bias`: the module was configured without bias"
+    );
+    // GQA has no PyTorch counterpart: the packed weight has the wrong number of rows.
+    let err = MultiHeadAttentionConfig::new(16, 4)
+        .with_n_kv_heads(Some(2))
+        .init(&d)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "key `model.in_proj_weight`: expected shape [32, 16], found [48, 16]"
+    );
+    // A post-norm encoder block given a pre-norm layer loads (same keys); a missing layer key fails.
+    let err = EncoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .init(&d)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "missing key `model.self_attn.in_proj_weight`"
+    );
+}
+
+#[test]
+fn unreadable_files_name_the_file() {
+    let err = PyTorchWeights::from_file("/nonexistent/weights.safetensors").unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("cannot read /nonexistent/weights.safetensors: "),
+        "{err}"
+    );
+    let err = PyTorchWeights::from_bytes(b"not a safetensors file", "garbage.bin").unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("garbage.bin is not a safetensors file: "),
+        "{err}"
+    );
+    // A truncated file.
+    let path = format!(
+        "{}/tests/fixtures/mha_causal_self.safetensors",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let bytes = std::fs::read(path).unwrap();
+    let err =
+        PyTorchWeights::from_bytes(&bytes[..bytes.len() / 2], "half.safetensors").unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("half.safetensors is not a safetensors file: "),
+        "{err}"
+    );
+}

@@ -1,0 +1,283 @@
+//! The PyTorch fixtures of scripts/golden.py, loaded through the public import and
+//! compared on every backend: forward outputs, attention weights, gradients of the
+//! inputs and of every parameter.
+
+use burn::module::Module;
+use burn::tensor::{Device, Gradients, Tensor};
+use mha::{
+    AttentionMask, AttentionWeights, DecoderBlockConfig, EncoderBlockConfig, FeedForwardActivation,
+    LoadPyTorch, MhaInput, MultiHeadAttentionConfig, SdpaOptions, scaled_dot_product_attention,
+};
+
+use crate::util::{Backend, Fixture, assert_close, backends, param_grads, param_values};
+
+/// `(out * grad_out).sum().backward()`, the loss golden.py differentiates.
+fn backward<const D: usize>(f: &Fixture, out: &Tensor<D>, device: &Device) -> Gradients {
+    let grad_out = f.io("grad_out", out.dims(), device);
+    (out.clone() * grad_out).sum().backward()
+}
+
+/// Compares the gradient of every parameter of `module` with PyTorch's, loaded into
+/// `fresh` (a module of the same configuration) through the same import.
+fn check_param_grads<M: Module + LoadPyTorch>(
+    b: &Backend,
+    f: &Fixture,
+    module: &M,
+    fresh: M,
+    grads: &Gradients,
+) {
+    let ours = param_grads(module, grads);
+    let reference = fresh
+        .load_pytorch(&f.weights, "io.grad.model.")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let expected = param_values(&reference);
+    assert_eq!(ours.len(), expected.len());
+    let worst = ours
+        .into_iter()
+        .zip(expected)
+        .map(|(a, e)| crate::util::max_abs_diff(a, e))
+        .fold(0.0, f32::max);
+    println!(
+        "{} [{}] parameter grads: max abs error {worst:.2e}",
+        f.name, b.name
+    );
+    assert!(
+        worst <= b.grad_tol(),
+        "{} [{}] parameter grads: {worst:e} > {:e}",
+        f.name,
+        b.name,
+        b.grad_tol()
+    );
+}
+
+fn check_input_grad<const D: usize>(
+    b: &Backend,
+    f: &Fixture,
+    name: &str,
+    x: &Tensor<D>,
+    grads: &Gradients,
+) {
+    let dev = x.device();
+    let grad = x
+        .grad(grads)
+        .unwrap_or_else(|| panic!("no gradient for {name}"));
+    let expected = f.io(&format!("grad.{name}"), x.dims(), &dev);
+    assert_close(
+        &format!("{} [{}] grad {name}", f.name, b.name),
+        grad,
+        expected,
+        b.grad_tol(),
+    );
+}
+
+fn check_forward<const D: usize>(
+    b: &Backend,
+    f: &Fixture,
+    what: &str,
+    actual: Tensor<D>,
+    key: &str,
+) {
+    let expected = f.io(key, actual.dims(), &actual.device());
+    assert_close(
+        &format!("{} [{}] {what}", f.name, b.name),
+        actual,
+        expected,
+        b.forward_tol(),
+    );
+}
+
+#[test]
+fn mha_causal_self_attention_with_per_head_weights() {
+    let f = Fixture::load("mha_causal_self");
+    for b in backends() {
+        let dev = b.autodiff();
+        let config = MultiHeadAttentionConfig::new(16, 4);
+        let mha = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let x = f.io("x", [2, 6, 16], &dev).require_grad();
+        let out = mha.forward(MhaInput::causal(x.clone()).weights(AttentionWeights::PerHead));
+        check_forward(&b, &f, "out", out.context.clone(), "out");
+        check_forward(&b, &f, "weights", out.weights.unwrap(), "weights");
+        let grads = backward(&f, &out.context, &dev);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
+    }
+}
+
+#[test]
+fn mha_cross_attention_kdim_vdim_padding_no_bias_averaged_weights() {
+    let f = Fixture::load("mha_cross_kdim_vdim");
+    for b in backends() {
+        let dev = b.autodiff();
+        let config = MultiHeadAttentionConfig::new(16, 2)
+            .with_bias(false)
+            .with_kdim(Some(12))
+            .with_vdim(Some(10));
+        let mha = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let q = f.io("query", [2, 5, 16], &dev).require_grad();
+        let k = f.io("key", [2, 7, 12], &dev).require_grad();
+        let v = f.io("value", [2, 7, 10], &dev).require_grad();
+        let padding = f.io_mask("key_padding", [2, 7], &dev);
+        let input = MhaInput::new(q.clone(), k.clone(), v.clone())
+            .mask(AttentionMask::key_padding(padding))
+            .weights(AttentionWeights::Averaged);
+        let out = mha.forward(input);
+        check_forward(&b, &f, "out", out.context.clone(), "out");
+        let weights = out.weights.unwrap().squeeze_dim::<3>(1); // [B, Tq, Tk], as PyTorch
+        check_forward(&b, &f, "weights", weights, "weights");
+        let grads = backward(&f, &out.context, &dev);
+        for (name, x) in [("query", &q), ("key", &k), ("value", &v)] {
+            check_input_grad(&b, &f, name, x, &grads);
+        }
+        check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
+    }
+}
+
+fn encoder_layer(fixture: &'static str, norm_first: bool, activation: FeedForwardActivation) {
+    let f = Fixture::load(fixture);
+    for b in backends() {
+        let dev = b.autodiff();
+        let config = EncoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(32))
+            .with_dropout(0.0)
+            .with_norm_first(norm_first)
+            .with_activation(activation);
+        let block = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let x = f.io("x", [2, 6, 16], &dev).require_grad();
+        let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 6], &dev));
+        let out = block.forward(x.clone(), &padding);
+        check_forward(&b, &f, "out", out.clone(), "out");
+        let grads = backward(&f, &out, &dev);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &block, config.init(&dev), &grads);
+    }
+}
+
+#[test]
+fn encoder_layer_pre_norm_gelu() {
+    encoder_layer("encoder_layer_pre_gelu", true, FeedForwardActivation::Gelu);
+}
+
+#[test]
+fn encoder_layer_post_norm_relu() {
+    encoder_layer(
+        "encoder_layer_post_relu",
+        false,
+        FeedForwardActivation::Relu,
+    );
+}
+
+#[test]
+fn decoder_layer_pre_norm_gelu_with_memory_padding() {
+    let f = Fixture::load("decoder_layer_pre_gelu");
+    for b in backends() {
+        let dev = b.autodiff();
+        let config = DecoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(32))
+            .with_dropout(0.0);
+        let block = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let x = f.io("x", [2, 5, 16], &dev).require_grad();
+        let memory = f.io("memory", [2, 7, 16], &dev).require_grad();
+        let padding = AttentionMask::key_padding(f.io_mask("memory_padding", [2, 7], &dev));
+        let out = block.forward(x.clone(), memory.clone(), &AttentionMask::none(), &padding);
+        check_forward(&b, &f, "out", out.clone(), "out");
+        let grads = backward(&f, &out, &dev);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_input_grad(&b, &f, "memory", &memory, &grads);
+        check_param_grads(&b, &f, &block, config.init(&dev), &grads);
+    }
+}
+
+/// Both paths of the core: fused (no weights) and explicit (weights asked for).
+fn sdpa_paths(
+    fixture: &'static str,
+    q: [usize; 4],
+    k: [usize; 4],
+    mask: impl Fn(&Fixture, &Device) -> AttentionMask,
+    scale: Option<f64>,
+) {
+    let f = Fixture::load(fixture);
+    for b in backends() {
+        let dev = b.autodiff();
+        for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+            let path = if weights == AttentionWeights::None {
+                "fused"
+            } else {
+                "explicit"
+            };
+            let qt = f.io("q", q, &dev).require_grad();
+            let kt = f.io("k", k, &dev).require_grad();
+            let vt = f.io("v", k, &dev).require_grad();
+            let options = SdpaOptions {
+                scale,
+                dropout: 0.0,
+                weights,
+            };
+            let out = scaled_dot_product_attention(
+                qt.clone(),
+                kt.clone(),
+                vt.clone(),
+                &mask(&f, &dev),
+                options,
+            );
+            check_forward(&b, &f, &format!("{path} out"), out.context.clone(), "out");
+            if let Some(w) = out.weights {
+                check_forward(&b, &f, "weights", w, "weights");
+            }
+            let grads = backward(&f, &out.context, &dev);
+            for (name, x) in [("q", &qt), ("k", &kt), ("v", &vt)] {
+                check_input_grad(&b, &f, &format!("{name}"), x, &grads);
+            }
+        }
+        // Without autodiff the fused op runs the backend's own kernel (flash on flex/wgpu).
+        let dev = b.device.clone();
+        let out = scaled_dot_product_attention(
+            f.io("q", q, &dev),
+            f.io("k", k, &dev),
+            f.io("v", k, &dev),
+            &mask(&f, &dev),
+            SdpaOptions {
+                scale,
+                ..Default::default()
+            },
+        );
+        check_forward(&b, &f, "fused kernel out", out.context, "out");
+    }
+}
+
+#[test]
+fn sdpa_gqa_additive_bias_custom_scale() {
+    let mask = |f: &Fixture, dev: &Device| AttentionMask::bias(f.io("bias", [1, 4, 5, 6], dev));
+    sdpa_paths(
+        "sdpa_gqa_bias_scale",
+        [2, 4, 5, 8],
+        [2, 2, 6, 8],
+        mask,
+        Some(0.3),
+    );
+}
+
+#[test]
+fn sdpa_fully_blocked_row_gives_zeros_and_finite_gradients() {
+    let mask = |f: &Fixture, dev: &Device| {
+        AttentionMask::blocking(f.io_mask("blocked", [2, 1, 4, 4], dev))
+    };
+    sdpa_paths(
+        "sdpa_fully_blocked_row",
+        [2, 2, 4, 8],
+        [2, 2, 4, 8],
+        mask,
+        None,
+    );
+}

@@ -1,0 +1,203 @@
+//! Properties that hold for any weights and inputs, checked on a few hundred seeded
+//! random cases each, on every backend.
+
+use burn::tensor::{Device, Tensor};
+use mha::{
+    AttentionMask, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, mha::InputProjection,
+};
+
+use crate::util::{SplitMix, backends, max_abs_diff, randn};
+
+const CASES: usize = 200;
+/// Shapes `(B, T, d_model, heads, kv_heads)`: few, so GPU kernels compile once each.
+const SHAPES: [(usize, usize, usize, usize, usize); 3] =
+    [(2, 7, 16, 4, 4), (1, 12, 32, 4, 2), (3, 5, 8, 2, 1)];
+
+fn module(shape: usize, device: &Device) -> MultiHeadAttention {
+    let (_, _, d, h, hkv) = SHAPES[shape];
+    MultiHeadAttentionConfig::new(d, h)
+        .with_n_kv_heads(Some(hkv))
+        .init(device)
+}
+
+/// Rows `rows` of `x` `[B, T, D]` along T, replaced by fresh random values.
+fn replace_rows(x: Tensor<3>, rows: std::ops::Range<usize>, seed: u64) -> Tensor<3> {
+    let [b, _, d] = x.dims();
+    let fresh = randn([b, rows.len(), d], seed, &x.device());
+    x.slice_assign([0..b, rows, 0..d], fresh)
+}
+
+#[test]
+fn causal_attention_ignores_future_tokens() {
+    for be in backends() {
+        let mut rng = SplitMix(11);
+        let modules: Vec<_> = (0..SHAPES.len()).map(|s| module(s, &be.device)).collect();
+        for case in 0..CASES {
+            let s = case % SHAPES.len();
+            let (b, t, d, _, _) = SHAPES[s];
+            let cut = rng.range(0, t - 2); // positions 0..=cut are kept
+            let x = randn([b, t, d], rng.next_u64(), &be.device);
+            let x2 = replace_rows(x.clone(), cut + 1..t, rng.next_u64());
+            let y = modules[s].causal_self_attention(x);
+            let y2 = modules[s].causal_self_attention(x2);
+            let past = max_abs_diff(
+                y.clone().narrow(1, 0, cut + 1),
+                y2.clone().narrow(1, 0, cut + 1),
+            );
+            assert!(
+                past <= 1e-5,
+                "[{}] case {case}: outputs up to {cut} moved by {past}",
+                be.name
+            );
+            let future = max_abs_diff(
+                y.narrow(1, cut + 1, t - cut - 1),
+                y2.narrow(1, cut + 1, t - cut - 1),
+            );
+            assert!(
+                future > 1e-4,
+                "[{}] case {case}: later outputs did not change",
+                be.name
+            );
+        }
+    }
+}
+
+#[test]
+fn unmasked_self_attention_is_permutation_equivariant() {
+    for be in backends() {
+        let mut rng = SplitMix(12);
+        let modules: Vec<_> = (0..SHAPES.len()).map(|s| module(s, &be.device)).collect();
+        for case in 0..CASES {
+            let s = case % SHAPES.len();
+            let (b, t, d, _, _) = SHAPES[s];
+            let mut perm: Vec<usize> = (0..t).collect();
+            for i in (1..t).rev() {
+                perm.swap(i, rng.range(0, i));
+            }
+            let index = Tensor::<1, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(
+                    perm.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+                    [t],
+                ),
+                &be.device,
+            );
+            let x = randn([b, t, d], rng.next_u64(), &be.device);
+            let y = modules[s].self_attention(x.clone(), AttentionMask::none());
+            let y_perm =
+                modules[s].self_attention(x.select(1, index.clone()), AttentionMask::none());
+            let err = max_abs_diff(y_perm, y.select(1, index));
+            assert!(
+                err <= 1e-5,
+                "[{}] case {case}: permuted output differs by {err}",
+                be.name
+            );
+        }
+    }
+}
+
+#[test]
+fn padded_keys_do_not_change_outputs() {
+    for be in backends() {
+        let mut rng = SplitMix(13);
+        let modules: Vec<_> = (0..SHAPES.len()).map(|s| module(s, &be.device)).collect();
+        for case in 0..CASES {
+            let s = case % SHAPES.len();
+            let (b, t, d, _, _) = SHAPES[s];
+            let tk = t + 3;
+            let lengths: Vec<usize> = (0..b).map(|_| rng.range(1, tk)).collect();
+            let x = randn([b, t, d], rng.next_u64(), &be.device);
+            let context = randn([b, tk, d], rng.next_u64(), &be.device);
+            // Change every padded key position of every sequence.
+            let mut context2 = context.clone();
+            for (i, &len) in lengths.iter().enumerate() {
+                if len < tk {
+                    let fresh = randn([1, tk - len, d], rng.next_u64(), &be.device);
+                    context2 = context2.slice_assign([i..i + 1, len..tk, 0..d], fresh);
+                }
+            }
+            let mask = AttentionMask::key_lengths(&lengths, tk, &be.device);
+            let y = modules[s].cross_attention(x.clone(), context, mask.clone());
+            let y2 = modules[s].cross_attention(x, context2, mask);
+            let err = max_abs_diff(y, y2);
+            assert!(
+                err <= 1e-5,
+                "[{}] case {case}: padding changed outputs by {err}",
+                be.name
+            );
+        }
+    }
+}
+
+/// Adds `delta` to columns `cols` of a `[d_in, d_out]` weight.
+fn perturb_cols(w: Tensor<2>, cols: std::ops::Range<usize>, delta: f32) -> Tensor<2> {
+    let [d_in, _] = w.dims();
+    let block = w.clone().slice([0..d_in, cols.clone()]) + delta;
+    w.slice_assign([0..d_in, cols], block)
+}
+
+#[test]
+fn every_projection_matters() {
+    for be in backends() {
+        let mut rng = SplitMix(14);
+        for case in 0..CASES {
+            let s = case % SHAPES.len();
+            let (b, t, d, h, hkv) = SHAPES[s];
+            let dh = d / h;
+            let base = module(s, &be.device);
+            let x = randn([b, t, d], rng.next_u64(), &be.device);
+            let y = base.causal_self_attention(x.clone());
+            let delta = 0.05 + rng.uniform();
+            // Q, K and V blocks of the packed projection, then the output projection.
+            let blocks = [(0, h * dh), (h * dh, hkv * dh), ((h + hkv) * dh, hkv * dh)];
+            for (name, (start, len)) in ["W_q", "W_k", "W_v"].iter().zip(blocks) {
+                let mut m = base.clone();
+                let InputProjection::Packed(mut proj) = m.in_proj else {
+                    unreachable!()
+                };
+                proj.weight = proj
+                    .weight
+                    .map(|w| perturb_cols(w, start..start + len, delta));
+                m.in_proj = InputProjection::Packed(proj);
+                let change = max_abs_diff(m.causal_self_attention(x.clone()), y.clone());
+                assert!(
+                    change > 1e-4,
+                    "[{}] case {case}: perturbing {name} changed nothing",
+                    be.name
+                );
+            }
+            let mut m = base.clone();
+            m.out_proj.weight = m.out_proj.weight.map(|w| perturb_cols(w, 0..d, delta));
+            let change = max_abs_diff(m.causal_self_attention(x), y);
+            assert!(
+                change > 1e-4,
+                "[{}] case {case}: perturbing W_o changed nothing",
+                be.name
+            );
+        }
+    }
+}
+
+/// Self-attention, the PyTorch `(q, k, v)` form and cross-attention agree given one tensor.
+#[test]
+fn mha_input_forms_agree() {
+    for be in backends() {
+        let m = module(0, &be.device);
+        let (b, t, d, _, _) = SHAPES[0];
+        let x = randn([b, t, d], 5, &be.device);
+        let self_form = m.forward(MhaInput::self_attn(x.clone())).context;
+        let qkv_form = m
+            .forward(MhaInput::new(x.clone(), x.clone(), x.clone()))
+            .context;
+        let cross_form = m.forward(MhaInput::cross(x.clone(), x)).context;
+        assert!(
+            max_abs_diff(self_form.clone(), qkv_form) <= 1e-5,
+            "[{}] forward(q, k, v)",
+            be.name
+        );
+        assert!(
+            max_abs_diff(self_form, cross_form) <= 1e-5,
+            "[{}] cross(x, x)",
+            be.name
+        );
+    }
+}

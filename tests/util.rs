@@ -1,0 +1,195 @@
+//! Devices, fixtures, comparisons and seeded random inputs shared by the tests.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use mha::PyTorchWeights;
+
+/// A backend under test: its name and device.
+#[derive(Clone, Debug)]
+pub struct Backend {
+    pub name: &'static str,
+    pub device: Device,
+}
+
+impl Backend {
+    /// Max abs error allowed against PyTorch for forward values.
+    pub fn forward_tol(&self) -> f32 {
+        if self.is_gpu() { 1e-4 } else { 1e-5 }
+    }
+
+    /// Max abs error allowed against PyTorch for gradients.
+    pub fn grad_tol(&self) -> f32 {
+        if self.is_gpu() { 1e-3 } else { 1e-4 }
+    }
+
+    fn is_gpu(&self) -> bool {
+        matches!(self.name, "wgpu" | "cuda")
+    }
+
+    /// The same device with autodiff.
+    pub fn autodiff(&self) -> Device {
+        self.device.clone().autodiff()
+    }
+}
+
+/// Every backend compiled in: flex by default, ndarray, wgpu and cuda by feature.
+#[allow(deprecated, clippy::vec_init_then_push)]
+pub fn backends() -> Vec<Backend> {
+    let mut all = Vec::new();
+    #[cfg(feature = "flex")]
+    all.push(Backend {
+        name: "flex",
+        device: Device::flex(),
+    });
+    #[cfg(feature = "ndarray")]
+    all.push(Backend {
+        name: "ndarray",
+        device: Device::ndarray(),
+    });
+    #[cfg(feature = "wgpu")]
+    all.push(Backend {
+        name: "wgpu",
+        device: Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+    });
+    #[cfg(feature = "cuda")]
+    all.push(Backend {
+        name: "cuda",
+        device: Device::cuda(0),
+    });
+    assert!(!all.is_empty(), "no backend feature enabled");
+    all
+}
+
+/// A PyTorch fixture written by scripts/golden.py.
+pub struct Fixture {
+    pub name: &'static str,
+    pub weights: PyTorchWeights,
+}
+
+impl Fixture {
+    pub fn load(name: &'static str) -> Self {
+        let path = format!(
+            "{}/tests/fixtures/{name}.safetensors",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let weights = PyTorchWeights::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
+        Self { name, weights }
+    }
+
+    /// The tensor `io.<key>`, checked to have shape `shape`.
+    pub fn io<const D: usize>(&self, key: &str, shape: [usize; D], device: &Device) -> Tensor<D> {
+        self.weights
+            .tensor(&format!("io.{key}"), shape, device)
+            .unwrap_or_else(|e| panic!("{}: {e}", self.name))
+    }
+
+    /// `io.<key>` as a boolean mask (stored as 1.0 = blocked).
+    pub fn io_mask<const D: usize>(
+        &self,
+        key: &str,
+        shape: [usize; D],
+        device: &Device,
+    ) -> Tensor<D, burn::tensor::Bool> {
+        self.io(key, shape, device).greater_elem(0.5)
+    }
+}
+
+/// Largest absolute difference; panics on a shape mismatch or a non-finite value.
+pub fn max_abs_diff<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) -> f32 {
+    assert_eq!(actual.dims(), expected.dims(), "shape mismatch");
+    let a = to_vec(actual);
+    let e = to_vec(expected);
+    assert!(
+        a.iter().all(|v| v.is_finite()),
+        "non-finite value in result"
+    );
+    a.iter()
+        .zip(&e)
+        .map(|(a, e)| (a - e).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Asserts `max |actual - expected| <= tol`, printing the measured error.
+pub fn assert_close<const D: usize>(
+    what: &str,
+    actual: Tensor<D>,
+    expected: Tensor<D>,
+    tol: f32,
+) -> f32 {
+    let err = max_abs_diff(actual, expected);
+    println!("{what}: max abs error {err:.2e} (tolerance {tol:.0e})");
+    assert!(err <= tol, "{what}: max abs error {err:e} > {tol:e}");
+    err
+}
+
+pub fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .unwrap()
+}
+
+/// Seeded normal tensor, generated on the host so every backend sees the same numbers.
+pub fn randn<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
+    let mut rng = SplitMix(seed);
+    let n: usize = shape.iter().product();
+    let values: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// A small deterministic generator (SplitMix64) for reproducible inputs on every backend.
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Uniform integer in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f32 {
+        let u1 = self.uniform().max(1e-7);
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+    }
+}
+
+/// Every float parameter of a module, flattened, in visiting order.
+pub fn param_values<M: Module>(module: &M) -> Vec<Tensor<1>> {
+    collect(module, None)
+}
+
+/// The gradient of every float parameter, flattened, in visiting order.
+pub fn param_grads<M: Module>(module: &M, grads: &Gradients) -> Vec<Tensor<1>> {
+    collect(module, Some(grads))
+}
+
+fn collect<M: Module>(module: &M, grads: Option<&Gradients>) -> Vec<Tensor<1>> {
+    struct Collect<'a>(Vec<Tensor<1>>, Option<&'a Gradients>);
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            let t = match self.1 {
+                Some(grads) => value.grad(grads).expect("a parameter has no gradient"),
+                None => value,
+            };
+            self.0.push(t.flatten(0, D - 1));
+        }
+    }
+    let mut c = Collect(Vec::new(), grads);
+    module.visit(&mut c);
+    c.0
+}
