@@ -11,7 +11,7 @@
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`.
 
 use burn::tensor::{
-    Distribution, Tensor, module::attention as fused_attention, ops::AttentionModuleOptions,
+    Device, Distribution, Tensor, module::attention as fused_attention, ops::AttentionModuleOptions,
 };
 
 use crate::mask::AttentionMask;
@@ -122,7 +122,13 @@ pub fn scaled_dot_product_attention(
             softcap: None,
             is_causal: mask.is_causal(),
         };
-        let blocked = mask.blocked().cloned();
+        let full = [batch, heads, queries, keys];
+        let blocked = mask
+            .blocked()
+            .map(|m| match fused_mask_broadcasts(&query.device()) {
+                true => m.clone(),
+                false => m.clone().expand(full),
+            });
         let bias = mask.additive_bias().cloned();
         let context = fused_attention(query, key, value, blocked, bias, fused_options);
         return AttentionOutput {
@@ -181,6 +187,18 @@ pub fn attention_weights(
     weights * open
 }
 
+/// Whether the backend's fused attention takes a mask that broadcasts over heads and
+/// queries. Flex's kernel and the decomposed fallback (ndarray, autodiff) do; the CubeCL
+/// flash kernels (wgpu, cuda) read the mask with the scores' shape, so it is expanded for
+/// them (a strided view, not a copy).
+fn fused_mask_broadcasts(device: &Device) -> bool {
+    if device.is_autodiff() {
+        return true;
+    }
+    let name = format!("{device:?}");
+    name.starts_with("Device<Flex") || name.starts_with("Device<NdArray")
+}
+
 /// Whether some query row may have every key blocked.
 fn may_block_rows(mask: &AttentionMask, queries: usize, keys: usize) -> bool {
     mask.blocked().is_some()
@@ -235,4 +253,30 @@ fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {
         k[2] == v[2],
         "scaled_dot_product_attention: key and value lengths Tk differ: {shapes}"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn flex_takes_broadcast_masks_in_the_fused_op() {
+        assert!(fused_mask_broadcasts(&Device::flex()));
+        assert!(fused_mask_broadcasts(&Device::flex().autodiff()));
+    }
+
+    #[cfg(feature = "ndarray")]
+    #[allow(deprecated)]
+    #[test]
+    fn ndarray_takes_broadcast_masks_in_the_fused_op() {
+        assert!(fused_mask_broadcasts(&Device::ndarray()));
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn wgpu_gets_full_masks_in_the_fused_op() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        assert!(!fused_mask_broadcasts(&device));
+    }
 }

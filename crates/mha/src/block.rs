@@ -6,7 +6,6 @@
 
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::activation::{Activation, ActivationConfig};
 use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
@@ -21,6 +20,20 @@ pub enum FeedForwardActivation {
     Gelu,
     /// ReLU, PyTorch's `"relu"` (its default).
     Relu,
+}
+
+impl FeedForwardActivation {
+    /// Applies the activation.
+    ///
+    /// GELU is written with `erf` so that autodiff derives its exact gradient on every
+    /// backend (Burn's fused `gelu` backward is the tanh approximation's outside flex,
+    /// which is off from PyTorch by about 3e-4).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self {
+            Self::Gelu => x.clone() * ((x / core::f64::consts::SQRT_2).erf() + 1.0) * 0.5,
+            Self::Relu => burn::tensor::activation::relu(x),
+        }
+    }
 }
 
 /// Configuration of [`EncoderBlock`].
@@ -126,11 +139,7 @@ impl EncoderBlockConfig {
             linear1: LinearConfig::new(self.d_model, self.d_ff())
                 .with_bias(self.bias)
                 .init(device),
-            activation: match self.activation {
-                FeedForwardActivation::Gelu => ActivationConfig::Gelu,
-                FeedForwardActivation::Relu => ActivationConfig::Relu,
-            }
-            .init(device),
+            activation: self.activation,
             dropout: self.dropout(),
             linear2: LinearConfig::new(self.d_ff(), self.d_model)
                 .with_bias(self.bias)
@@ -219,7 +228,8 @@ pub struct FeedForward {
     /// `[d_model, d_ff]`.
     pub linear1: Linear,
     /// GELU or ReLU.
-    pub activation: Activation,
+    #[module(skip)]
+    pub activation: FeedForwardActivation,
     /// Dropout on the hidden layer.
     pub dropout: Dropout,
     /// `[d_ff, d_model]`.
