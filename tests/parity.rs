@@ -237,7 +237,7 @@ fn sdpa_paths(
             }
             let grads = backward(&f, &out.context, &dev);
             for (name, x) in [("q", &qt), ("k", &kt), ("v", &vt)] {
-                check_input_grad(&b, &f, &format!("{name}"), x, &grads);
+                check_input_grad(&b, &f, name, x, &grads);
             }
         }
         // Without autodiff the fused op runs the backend's own kernel (flash on flex/wgpu).

@@ -241,7 +241,7 @@ fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {
         "scaled_dot_product_attention: batch sizes differ: {shapes}"
     );
     assert!(
-        k[1] == v[1] && k[1] > 0 && q[1] % k[1] == 0,
+        k[1] == v[1] && k[1] > 0 && q[1].is_multiple_of(k[1]),
         "scaled_dot_product_attention: expected key and value heads Hkv to divide query heads H \
          ([B, H, Tq, Dk], [B, Hkv, Tk, Dk], [B, Hkv, Tk, Dv]), got {shapes}"
     );

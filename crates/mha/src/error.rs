@@ -52,7 +52,7 @@ impl Check {
         by_name: &str,
         by: usize,
     ) -> Result<(), ConfigError> {
-        if by != 0 && value % by != 0 {
+        if by != 0 && !value.is_multiple_of(by) {
             return Err(self.err(
                 field,
                 format!("{value} is not divisible by {by_name} = {by}"),

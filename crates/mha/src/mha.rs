@@ -44,6 +44,8 @@ pub struct MultiHeadAttentionConfig {
 
 /// The input projection: PyTorch's packed `in_proj` when keys and values have width
 /// `d_model`, separate `q/k/v_proj` otherwise.
+// One per module: the size of the enum does not matter, and Burn's derive takes no Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum InputProjection {
     /// One `[d_model, (H + 2·Hkv)·Dh]` weight whose output columns are Q, then K, then V:
@@ -93,6 +95,8 @@ pub struct MultiHeadAttention {
 }
 
 /// Where keys and values come from.
+// Lives for one forward call.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 enum Source {
     /// From the query input.
