@@ -119,6 +119,26 @@ def decoder_layer():
          extra={"memory_padding": memory_padding})
 
 
+def encoder_stack():
+    """nn.TransformerEncoder of two pre-norm layers with the final norm pre-norm needs,
+    causal and with key padding."""
+    torch.manual_seed(7)
+    B, T, E, H, FF = 2, 6, 16, 4, 32
+    layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, activation="gelu",
+                                       batch_first=True, norm_first=True)
+    stack = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E), enable_nested_tensor=False).eval()
+    with torch.no_grad():
+        for name, p in stack.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    x = leaf(B, T, E)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[0, 5:] = True
+    causal = nn.Transformer.generate_square_subsequent_mask(T)
+    out = stack(x, mask=causal, is_causal=True, src_key_padding_mask=padding)
+    save("encoder_stack_pre_gelu", stack, {"x": x}, out, extra={"key_padding": padding})
+
+
 def sdpa_gqa_bias_scale():
     torch.manual_seed(4)
     B, H, HKV, TQ, TK, D = 2, 4, 2, 5, 6, 8
@@ -179,5 +199,6 @@ if __name__ == "__main__":
     encoder_layer("encoder_layer_pre_gelu", True, "gelu", 2)
     encoder_layer("encoder_layer_post_relu", False, "relu", 6)
     decoder_layer()
+    encoder_stack()
     sdpa_gqa_bias_scale()
     sdpa_fully_blocked_row()

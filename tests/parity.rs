@@ -5,8 +5,9 @@
 use burn::module::Module;
 use burn::tensor::{Device, Gradients, Tensor};
 use mha::{
-    AttentionMask, AttentionWeights, DecoderBlockConfig, EncoderBlockConfig, FeedForwardActivation,
-    LoadPyTorch, MhaInput, MultiHeadAttentionConfig, SdpaOptions, scaled_dot_product_attention,
+    AttentionMask, AttentionWeights, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig,
+    FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig, SdpaOptions,
+    scaled_dot_product_attention,
 };
 
 use crate::util::{Backend, Fixture, assert_close, backends, param_grads, param_values};
@@ -196,6 +197,30 @@ fn decoder_layer_pre_norm_gelu_with_memory_padding() {
         check_input_grad(&b, &f, "x", &x, &grads);
         check_input_grad(&b, &f, "memory", &memory, &grads);
         check_param_grads(&b, &f, &block, config.init(&dev), &grads);
+    }
+}
+
+#[test]
+fn encoder_stack_pre_norm_causal_with_final_norm() {
+    let f = Fixture::load("encoder_stack_pre_gelu");
+    for b in backends() {
+        let dev = b.autodiff();
+        let block = EncoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(32))
+            .with_dropout(0.0)
+            .with_causal(true);
+        let config = EncoderConfig::new(block, 2);
+        let stack = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let x = f.io("x", [2, 6, 16], &dev).require_grad();
+        let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 6], &dev));
+        let out = stack.forward(x.clone(), &padding);
+        check_forward(&b, &f, "out", out.clone(), "out");
+        let grads = backward(&f, &out, &dev);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &stack, config.init(&dev), &grads);
     }
 }
 
