@@ -9,6 +9,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
+use crate::attention::AttentionWeights;
 use crate::error::{Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
@@ -291,22 +292,42 @@ impl EncoderBlock {
     /// # Panics
     /// If `x` is not `[B, T, d_model]` or the mask does not broadcast.
     pub fn forward(&self, x: Tensor<3>, mask: &AttentionMask) -> Tensor<3> {
-        let mask = self.self_mask(mask);
-        let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
-            self.self_attn
-                .forward(MhaInput::self_attn(h).mask(mask))
-                .context
-        });
-        residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
-            self.feed_forward.forward(h)
-        })
+        self.run(x, mask, AttentionWeights::None).0
     }
 
-    fn self_mask(&self, mask: &AttentionMask) -> AttentionMask {
-        match self.causal {
+    /// [`forward`](Self::forward), also returning the self-attention weights
+    /// `[B, H, T, T]`.
+    pub fn forward_with_weights(
+        &self,
+        x: Tensor<3>,
+        mask: &AttentionMask,
+    ) -> (Tensor<3>, Tensor<4>) {
+        let (y, weights) = self.run(x, mask, AttentionWeights::PerHead);
+        (y, weights.expect("weights were asked for"))
+    }
+
+    fn run(
+        &self,
+        x: Tensor<3>,
+        mask: &AttentionMask,
+        weights: AttentionWeights,
+    ) -> (Tensor<3>, Option<Tensor<4>>) {
+        let mask = match self.causal {
             true => mask.clone().and(AttentionMask::causal()),
             false => mask.clone(),
-        }
+        };
+        let mut attn_weights = None;
+        let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            let out = self
+                .self_attn
+                .forward(MhaInput::self_attn(h).mask(mask).weights(weights));
+            attn_weights = out.weights;
+            out.context
+        });
+        let y = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
+            self.feed_forward.forward(h)
+        });
+        (y, attn_weights)
     }
 }
 
@@ -352,19 +373,49 @@ impl DecoderBlock {
         self_mask: &AttentionMask,
         memory_mask: &AttentionMask,
     ) -> Tensor<3> {
+        self.run(x, memory, self_mask, memory_mask, AttentionWeights::None)
+            .0
+    }
+
+    /// [`forward`](Self::forward), also returning the cross-attention weights
+    /// `[B, H, Tq, Tk]`: which memory positions each output position read.
+    pub fn forward_with_weights(
+        &self,
+        x: Tensor<3>,
+        memory: Tensor<3>,
+        self_mask: &AttentionMask,
+        memory_mask: &AttentionMask,
+    ) -> (Tensor<3>, Tensor<4>) {
+        let (y, weights) = self.run(x, memory, self_mask, memory_mask, AttentionWeights::PerHead);
+        (y, weights.expect("weights were asked for"))
+    }
+
+    fn run(
+        &self,
+        x: Tensor<3>,
+        memory: Tensor<3>,
+        self_mask: &AttentionMask,
+        memory_mask: &AttentionMask,
+        weights: AttentionWeights,
+    ) -> (Tensor<3>, Option<Tensor<4>>) {
         let self_mask = self_mask.clone().and(AttentionMask::causal());
         let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
             self.self_attn
                 .forward(MhaInput::self_attn(h).mask(self_mask))
                 .context
         });
+        let mut cross_weights = None;
         let x = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
-            self.cross_attn
-                .forward(MhaInput::cross(h, memory).mask(memory_mask.clone()))
-                .context
+            let input = MhaInput::cross(h, memory)
+                .mask(memory_mask.clone())
+                .weights(weights);
+            let out = self.cross_attn.forward(input);
+            cross_weights = out.weights;
+            out.context
         });
-        residual(x, &self.norm3, &self.dropout3, self.norm_first, |h| {
+        let y = residual(x, &self.norm3, &self.dropout3, self.norm_first, |h| {
             self.feed_forward.forward(h)
-        })
+        });
+        (y, cross_weights)
     }
 }

@@ -95,6 +95,13 @@ impl DecoderConfig {
     }
 }
 
+fn norm(norm: &Option<LayerNorm>, x: Tensor<3>) -> Tensor<3> {
+    match norm {
+        Some(norm) => norm.forward(x),
+        None => x,
+    }
+}
+
 /// N encoder blocks and, for pre-norm, a final LayerNorm.
 #[derive(Module, Debug)]
 pub struct Encoder {
@@ -112,10 +119,23 @@ impl Encoder {
             .layers
             .iter()
             .fold(x, |x, layer| layer.forward(x, mask));
-        match &self.norm {
-            Some(norm) => norm.forward(x),
-            None => x,
-        }
+        norm(&self.norm, x)
+    }
+
+    /// [`forward`](Self::forward), also returning each block's self-attention weights
+    /// `[B, H, T, T]`, first block first.
+    pub fn forward_with_weights(
+        &self,
+        x: Tensor<3>,
+        mask: &AttentionMask,
+    ) -> (Tensor<3>, Vec<Tensor<4>>) {
+        let mut all = Vec::with_capacity(self.layers.len());
+        let x = self.layers.iter().fold(x, |x, layer| {
+            let (y, weights) = layer.forward_with_weights(x, mask);
+            all.push(weights);
+            y
+        });
+        (norm(&self.norm, x), all)
     }
 }
 
@@ -143,9 +163,25 @@ impl Decoder {
         let x = self.layers.iter().fold(x, |x, layer| {
             layer.forward(x, memory.clone(), self_mask, memory_mask)
         });
-        match &self.norm {
-            Some(norm) => norm.forward(x),
-            None => x,
-        }
+        norm(&self.norm, x)
+    }
+
+    /// [`forward`](Self::forward), also returning each block's cross-attention weights
+    /// `[B, H, Tq, Tk]`, first block first.
+    pub fn forward_with_weights(
+        &self,
+        x: Tensor<3>,
+        memory: Tensor<3>,
+        self_mask: &AttentionMask,
+        memory_mask: &AttentionMask,
+    ) -> (Tensor<3>, Vec<Tensor<4>>) {
+        let mut all = Vec::with_capacity(self.layers.len());
+        let x = self.layers.iter().fold(x, |x, layer| {
+            let (y, weights) =
+                layer.forward_with_weights(x, memory.clone(), self_mask, memory_mask);
+            all.push(weights);
+            y
+        });
+        (norm(&self.norm, x), all)
     }
 }

@@ -1,0 +1,315 @@
+//! Two small transformers built only from `mha` modules:
+//! - decoder-only: token + position embeddings, N causal blocks, final norm, LM head,
+//!   reading `input SEP output`;
+//! - encoder-decoder: the encoder reads the input, the decoder writes `output` while
+//!   cross-attending to it.
+//!
+//! The loss counts only output tokens (and the closing EOS).
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
+use mha::{
+    AttentionMask, Decoder, DecoderBlockConfig, DecoderConfig, Encoder, EncoderBlockConfig,
+    EncoderConfig,
+};
+
+use crate::data::{EOS, PAD, SEP, SeqBatch};
+
+/// Which model.
+#[derive(Config, Debug, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelKind {
+    /// Causal blocks over `input SEP output`.
+    DecoderOnly,
+    /// An encoder over the input and a decoder with cross-attention.
+    EncoderDecoder,
+}
+
+/// The model's shape.
+#[derive(Config, Debug)]
+pub struct ModelConfig {
+    /// Which model.
+    #[config(default = "ModelKind::DecoderOnly")]
+    pub kind: ModelKind,
+    /// Width.
+    #[config(default = 128)]
+    pub d_model: usize,
+    /// Blocks (in each stack of the encoder-decoder).
+    #[config(default = 3)]
+    pub n_layers: usize,
+    /// Attention heads.
+    #[config(default = 4)]
+    pub n_heads: usize,
+    /// Dropout in the blocks.
+    #[config(default = 0.0)]
+    pub dropout: f64,
+}
+
+impl ModelConfig {
+    /// Builds the model for a vocabulary of `vocab` tokens and sequences up to `max_len`.
+    pub fn init(&self, vocab: usize, max_len: usize, device: &Device) -> anyhow::Result<Model> {
+        let embed = |n| EmbeddingConfig::new(n, self.d_model).init(device);
+        let head = LinearConfig::new(self.d_model, vocab).init(device);
+        Ok(match self.kind {
+            ModelKind::DecoderOnly => {
+                let block = EncoderBlockConfig::new(self.d_model, self.n_heads)
+                    .with_dropout(self.dropout)
+                    .with_causal(true);
+                Model::DecoderOnly(DecoderOnly {
+                    tokens: embed(vocab),
+                    positions: embed(max_len),
+                    blocks: EncoderConfig::new(block, self.n_layers).try_init(device)?,
+                    head,
+                })
+            }
+            ModelKind::EncoderDecoder => {
+                let enc =
+                    EncoderBlockConfig::new(self.d_model, self.n_heads).with_dropout(self.dropout);
+                let dec =
+                    DecoderBlockConfig::new(self.d_model, self.n_heads).with_dropout(self.dropout);
+                Model::EncoderDecoder(EncoderDecoder {
+                    tokens: embed(vocab),
+                    positions: embed(max_len),
+                    encoder: EncoderConfig::new(enc, self.n_layers).try_init(device)?,
+                    decoder: DecoderConfig::new(dec, self.n_layers).try_init(device)?,
+                    head,
+                })
+            }
+        })
+    }
+}
+
+/// Either model.
+#[derive(Module, Debug)]
+pub enum Model {
+    /// See [`DecoderOnly`].
+    DecoderOnly(DecoderOnly),
+    /// See [`EncoderDecoder`].
+    EncoderDecoder(EncoderDecoder),
+}
+
+/// Decoder-only transformer.
+#[derive(Module, Debug)]
+pub struct DecoderOnly {
+    tokens: Embedding,
+    positions: Embedding,
+    /// Causal blocks and the final norm.
+    blocks: Encoder,
+    head: Linear,
+}
+
+/// Encoder-decoder transformer.
+#[derive(Module, Debug)]
+pub struct EncoderDecoder {
+    tokens: Embedding,
+    positions: Embedding,
+    encoder: Encoder,
+    decoder: Decoder,
+    head: Linear,
+}
+
+/// Token plus position embeddings: `[B, T]` -> `[B, T, d_model]`.
+fn embed(tokens: &Embedding, positions: &Embedding, ids: Tensor<2, Int>) -> Tensor<3> {
+    let [_, len] = ids.dims();
+    let pos = Tensor::<1, Int>::arange(0..len as i64, &ids.device()).reshape([1, len]);
+    tokens.forward(ids) + positions.forward(pos) // [B, T, D] + [1, T, D]
+}
+
+impl DecoderOnly {
+    /// `[B, T]` -> logits `[B, T, V]`.
+    fn logits(&self, ids: Tensor<2, Int>) -> Tensor<3> {
+        let x = embed(&self.tokens, &self.positions, ids);
+        self.head
+            .forward(self.blocks.forward(x, &AttentionMask::none()))
+    }
+}
+
+impl EncoderDecoder {
+    fn encode(&self, source: Tensor<2, Int>, lengths: &[usize]) -> (Tensor<3>, AttentionMask) {
+        let [_, len] = source.dims();
+        let padding = AttentionMask::key_lengths(lengths, len, &source.device());
+        let memory = self
+            .encoder
+            .forward(embed(&self.tokens, &self.positions, source), &padding);
+        (memory, padding)
+    }
+
+    /// Logits `[B, U, V]` of the decoder reading `decoder_input` `[B, U]`.
+    fn logits(
+        &self,
+        memory: Tensor<3>,
+        padding: &AttentionMask,
+        decoder_input: Tensor<2, Int>,
+    ) -> Tensor<3> {
+        let x = embed(&self.tokens, &self.positions, decoder_input);
+        self.head.forward(
+            self.decoder
+                .forward(x, memory, &AttentionMask::none(), padding),
+        )
+    }
+}
+
+impl Model {
+    /// Loss and logits of a batch, with the targets the loss compares against.
+    pub fn forward_loss(&self, batch: SeqBatch) -> SequenceOutput {
+        let (logits, targets) = match self {
+            Model::DecoderOnly(m) => (m.logits(batch.joined), batch.joined_targets),
+            Model::EncoderDecoder(m) => {
+                let (memory, padding) = m.encode(batch.source, &batch.source_lengths);
+                (
+                    m.logits(memory, &padding, batch.decoder_input),
+                    batch.decoder_targets,
+                )
+            }
+        };
+        let [b, t, v] = logits.dims();
+        let loss = CrossEntropyLossConfig::new()
+            .with_pad_tokens(Some(vec![PAD]))
+            .init(&logits.device())
+            .forward(
+                logits.clone().reshape([b * t, v]),
+                targets.clone().reshape([b * t]),
+            );
+        SequenceOutput::new(loss, logits, None, targets)
+    }
+
+    /// Greedy decoding of inputs of one length; stops at EOS or after `max_output + 1`
+    /// tokens. Returns each output without EOS.
+    pub fn generate(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        device: &Device,
+    ) -> Vec<Vec<usize>> {
+        let batch = inputs.len();
+        let width = inputs[0].len();
+        assert!(
+            inputs.iter().all(|i| i.len() == width),
+            "generate: inputs of one length"
+        );
+        let ids = |rows: &[Vec<usize>]| {
+            let cols = rows[0].len();
+            let data: Vec<i64> = rows.iter().flatten().map(|&t| t as i64).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(data, [rows.len(), cols]), device)
+        };
+        let last_argmax = |logits: Tensor<3>| -> Vec<usize> {
+            let [_, t, v] = logits.dims();
+            let last = logits
+                .slice([0..batch, t - 1..t, 0..v])
+                .argmax(2)
+                .reshape([batch]);
+            last.into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .unwrap()
+                .into_iter()
+                .map(|t| t as usize)
+                .collect()
+        };
+        let mut done = vec![false; batch];
+        let mut outputs = vec![Vec::new(); batch];
+        // The prompt each step reads: decoder-only `input SEP out..`, encoder-decoder `SEP out..`.
+        let mut prompts: Vec<Vec<usize>> = match self {
+            Model::DecoderOnly(_) => inputs
+                .iter()
+                .map(|i| i.iter().copied().chain([SEP]).collect())
+                .collect(),
+            Model::EncoderDecoder(_) => vec![vec![SEP]; batch],
+        };
+        let memory = match self {
+            Model::EncoderDecoder(m) => Some(m.encode(ids(inputs), &vec![width; batch])),
+            Model::DecoderOnly(_) => None,
+        };
+        for _ in 0..=max_output {
+            let logits = match (self, &memory) {
+                (Model::DecoderOnly(m), _) => m.logits(ids(&prompts)),
+                (Model::EncoderDecoder(m), Some((mem, pad))) => {
+                    m.logits(mem.clone(), pad, ids(&prompts))
+                }
+                _ => unreachable!(),
+            };
+            for (i, next) in last_argmax(logits).into_iter().enumerate() {
+                prompts[i].push(next);
+                if !done[i] {
+                    if next == EOS {
+                        done[i] = true;
+                    } else {
+                        outputs[i].push(next);
+                    }
+                }
+            }
+            if done.iter().all(|&d| d) {
+                break;
+            }
+        }
+        outputs
+    }
+
+    /// Attention weights for one example, teacher-forced: per layer `[H, rows, cols]`,
+    /// with the row and column tokens. Decoder-only: self-attention over
+    /// `input SEP output`; encoder-decoder: the decoder's cross-attention from
+    /// `SEP output` to the input.
+    pub fn attention_maps(
+        &self,
+        input: &[usize],
+        output: &[usize],
+        device: &Device,
+    ) -> (Vec<Tensor<3>>, Vec<usize>, Vec<usize>) {
+        let ids = |row: &[usize]| {
+            let data: Vec<i64> = row.iter().map(|&t| t as i64).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(data, [1, row.len()]), device)
+        };
+        match self {
+            Model::DecoderOnly(m) => {
+                let seq: Vec<usize> = input
+                    .iter()
+                    .copied()
+                    .chain([SEP])
+                    .chain(output.iter().copied())
+                    .collect();
+                let x = embed(&m.tokens, &m.positions, ids(&seq));
+                let (_, weights) = m.blocks.forward_with_weights(x, &AttentionMask::none());
+                (
+                    weights.into_iter().map(|w| w.squeeze_dim(0)).collect(),
+                    seq.clone(),
+                    seq,
+                )
+            }
+            Model::EncoderDecoder(m) => {
+                let (memory, padding) = m.encode(ids(input), &[input.len()]);
+                let rows: Vec<usize> = [SEP].into_iter().chain(output.iter().copied()).collect();
+                let x = embed(&m.tokens, &m.positions, ids(&rows));
+                let (_, weights) =
+                    m.decoder
+                        .forward_with_weights(x, memory, &AttentionMask::none(), &padding);
+                (
+                    weights.into_iter().map(|w| w.squeeze_dim(0)).collect(),
+                    rows,
+                    input.to_vec(),
+                )
+            }
+        }
+    }
+}
+
+impl TrainStep for Model {
+    type Input = SeqBatch;
+    type Output = SequenceOutput;
+
+    fn step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
+        let output = self.forward_loss(batch);
+        TrainOutput::new(self, output.loss.backward(), output)
+    }
+}
+
+impl InferenceStep for Model {
+    type Input = SeqBatch;
+    type Output = SequenceOutput;
+
+    fn step(&self, batch: SeqBatch) -> SequenceOutput {
+        self.forward_loss(batch)
+    }
+}
