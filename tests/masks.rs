@@ -372,3 +372,53 @@ fn attention_dropout_acts_in_training_only() {
         );
     }
 }
+
+#[test]
+fn blocks_return_the_weights_they_used() {
+    use mha::{DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig};
+    for be in backends() {
+        let dev = &be.device;
+        let block = EncoderBlockConfig::new(16, 4)
+            .with_dropout(0.0)
+            .with_causal(true);
+        let encoder = EncoderConfig::new(block, 2).init(dev);
+        let x = randn([2, 5, 16], 21, dev);
+        let (y, weights) = encoder.forward_with_weights(x.clone(), &AttentionMask::none());
+        assert!(max_abs_diff(y, encoder.forward(x.clone(), &AttentionMask::none())) <= 1e-6);
+        assert_eq!(weights.len(), 2);
+        for w in weights {
+            let w = to_vec(w); // [2, 4, 5, 5]
+            for (r, row) in w.chunks(5).enumerate() {
+                let i = r % 5;
+                assert!(
+                    (row.iter().sum::<f32>() - 1.0).abs() < 1e-5,
+                    "[{}] row sums to 1",
+                    be.name
+                );
+                assert!(
+                    row[i + 1..].iter().all(|&v| v == 0.0),
+                    "[{}] causal weights see the future",
+                    be.name
+                );
+            }
+        }
+        let decoder =
+            DecoderConfig::new(DecoderBlockConfig::new(16, 4).with_dropout(0.0), 1).init(dev);
+        let memory = randn([2, 7, 16], 22, dev);
+        let padding = AttentionMask::key_lengths(&[7, 3], 7, dev);
+        let none = AttentionMask::none();
+        let (y, cross) = decoder.forward_with_weights(x.clone(), memory.clone(), &none, &padding);
+        assert!(max_abs_diff(y, decoder.forward(x, memory, &none, &padding)) <= 1e-6);
+        let w = to_vec(cross[0].clone()); // [2, 4, 5, 7]
+        for (r, row) in w.chunks(7).enumerate() {
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
+            if r >= 4 * 5 {
+                assert!(
+                    row[3..].iter().all(|&v| v == 0.0),
+                    "[{}] padded memory attended",
+                    be.name
+                );
+            }
+        }
+    }
+}

@@ -139,27 +139,37 @@ fn mha_cross_attention_kdim_vdim_padding_no_bias_averaged_weights() {
     }
 }
 
-fn encoder_layer(fixture: &'static str, norm_first: bool, activation: FeedForwardActivation) {
+/// An encoder block or stack against its fixture: input `x` `[2, 6, 16]` with key padding.
+fn check_encoder<M: Module + LoadPyTorch>(
+    fixture: &'static str,
+    build: impl Fn(&Device) -> M,
+    forward: impl Fn(&M, Tensor<3>, &AttentionMask) -> Tensor<3>,
+) {
     let f = Fixture::load(fixture);
     for b in backends() {
         let dev = b.autodiff();
-        let config = EncoderBlockConfig::new(16, 4)
-            .with_d_ff(Some(32))
-            .with_dropout(0.0)
-            .with_norm_first(norm_first)
-            .with_activation(activation);
-        let block = config
-            .init(&dev)
-            .load_pytorch(&f.weights, "model.")
-            .unwrap();
+        let module = build(&dev).load_pytorch(&f.weights, "model.").unwrap();
         let x = f.io("x", [2, 6, 16], &dev).require_grad();
         let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 6], &dev));
-        let out = block.forward(x.clone(), &padding);
+        let out = forward(&module, x.clone(), &padding);
         check_forward(&b, &f, "out", out.clone(), "out");
         let grads = backward(&f, &out, &dev);
         check_input_grad(&b, &f, "x", &x, &grads);
-        check_param_grads(&b, &f, &block, config.init(&dev), &grads);
+        check_param_grads(&b, &f, &module, build(&dev), &grads);
     }
+}
+
+fn encoder_layer(fixture: &'static str, norm_first: bool, activation: FeedForwardActivation) {
+    let config = EncoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .with_dropout(0.0)
+        .with_norm_first(norm_first)
+        .with_activation(activation);
+    check_encoder(
+        fixture,
+        |dev| config.init(dev),
+        |m, x, mask| m.forward(x, mask),
+    );
 }
 
 #[test]
@@ -202,26 +212,16 @@ fn decoder_layer_pre_norm_gelu_with_memory_padding() {
 
 #[test]
 fn encoder_stack_pre_norm_causal_with_final_norm() {
-    let f = Fixture::load("encoder_stack_pre_gelu");
-    for b in backends() {
-        let dev = b.autodiff();
-        let block = EncoderBlockConfig::new(16, 4)
-            .with_d_ff(Some(32))
-            .with_dropout(0.0)
-            .with_causal(true);
-        let config = EncoderConfig::new(block, 2);
-        let stack = config
-            .init(&dev)
-            .load_pytorch(&f.weights, "model.")
-            .unwrap();
-        let x = f.io("x", [2, 6, 16], &dev).require_grad();
-        let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 6], &dev));
-        let out = stack.forward(x.clone(), &padding);
-        check_forward(&b, &f, "out", out.clone(), "out");
-        let grads = backward(&f, &out, &dev);
-        check_input_grad(&b, &f, "x", &x, &grads);
-        check_param_grads(&b, &f, &stack, config.init(&dev), &grads);
-    }
+    let block = EncoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .with_dropout(0.0)
+        .with_causal(true);
+    let config = EncoderConfig::new(block, 2);
+    check_encoder(
+        "encoder_stack_pre_gelu",
+        |dev| config.init(dev),
+        |m, x, mask| m.forward(x, mask),
+    );
 }
 
 /// Both paths of the core: fused (no weights) and explicit (weights asked for).

@@ -25,7 +25,7 @@ use clap::{Parser, Subcommand};
 
 use data::{Task, TaskConfig};
 use model::{ModelConfig, ModelKind};
-use training::{RunDir, TrainConfig};
+use training::{Backend, RunDir, TrainConfig};
 
 /// Train a transformer built from mha modules on a synthetic sequence task.
 #[derive(Parser, Debug)]
@@ -33,6 +33,9 @@ use training::{RunDir, TrainConfig};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// Backend, among those compiled in [default: wgpu or cuda if compiled in, else flex].
+    #[arg(long, value_enum, global = true)]
+    backend: Option<Backend>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -76,10 +79,10 @@ struct TrainArgs {
     /// Model [default: decoder-only].
     #[arg(long, value_enum)]
     model: Option<ModelKind>,
-    /// Model width [default: 128].
+    /// Model width [default: 64].
     #[arg(long)]
     d_model: Option<usize>,
-    /// Blocks [default: 3].
+    /// Blocks [default: 2].
     #[arg(long)]
     layers: Option<usize>,
     /// Attention heads [default: 4].
@@ -91,16 +94,16 @@ struct TrainArgs {
     /// Sequences per step [default: 64].
     #[arg(long)]
     batch_size: Option<usize>,
-    /// Peak learning rate [default: 0.001].
+    /// Peak learning rate [default: 0.003].
     #[arg(long)]
     lr: Option<f64>,
-    /// Warmup steps [default: 100].
+    /// Warmup steps [default: 50].
     #[arg(long)]
     warmup: Option<usize>,
-    /// Epochs [default: 8].
+    /// Epochs [default: 6].
     #[arg(long)]
     epochs: Option<usize>,
-    /// Steps per epoch [default: 150].
+    /// Steps per epoch [default: 100].
     #[arg(long)]
     steps_per_epoch: Option<usize>,
     /// Held-out sequences decoded at the end [default: 1000].
@@ -146,12 +149,15 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let device = training::device();
-    let backend = training::backend_name();
+    let backend = match cli.backend {
+        Some(b) => b,
+        None => Backend::compiled()[0],
+    };
+    let device = backend.device()?;
     plots::register_font()?;
     match cli.command {
         Some(Command::Generate { out, input }) => generate(&RunDir(out), &input, &device),
-        None => train(&cli.train, &device, backend),
+        None => train(&cli.train, &device, backend.name()),
     }
 }
 

@@ -35,10 +35,10 @@ pub struct ModelConfig {
     #[config(default = "ModelKind::DecoderOnly")]
     pub kind: ModelKind,
     /// Width.
-    #[config(default = 128)]
+    #[config(default = 64)]
     pub d_model: usize,
     /// Blocks (in each stack of the encoder-decoder).
-    #[config(default = 3)]
+    #[config(default = 2)]
     pub n_layers: usize,
     /// Attention heads.
     #[config(default = 4)]

@@ -10,13 +10,15 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
 use burn::module::Module;
 use burn::optim::AdamWConfig;
+use burn::optim::OptimizerRecord;
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::LrSchedulerConfig;
+use burn::optim::lr_scheduler::LrSchedulerRecord;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::lr_scheduler::sequential::SequentialLrSchedulerConfig;
 use burn::tensor::Device;
-use burn::train::checkpoint::KeepLastNCheckpoints;
+use burn::train::checkpoint::{Checkpoint, KeepLastNCheckpoints};
 use burn::train::logger::FileMetricLogger;
 use burn::train::metric::store::Split as MetricSplit;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, NumericEntry};
@@ -37,10 +39,10 @@ pub struct TrainConfig {
     #[config(default = 64)]
     pub batch_size: usize,
     /// Peak learning rate of AdamW.
-    #[config(default = 1e-3)]
+    #[config(default = 3e-3)]
     pub lr: f64,
     /// Steps of linear warmup from lr/100 to lr; cosine decay to lr/100 afterwards.
-    #[config(default = 100)]
+    #[config(default = 50)]
     pub warmup_steps: usize,
     /// AdamW weight decay.
     #[config(default = 0.01)]
@@ -49,10 +51,10 @@ pub struct TrainConfig {
     #[config(default = 1.0)]
     pub grad_clip: f32,
     /// Steps per epoch (a checkpoint is written after each epoch).
-    #[config(default = 150)]
+    #[config(default = 100)]
     pub steps_per_epoch: usize,
     /// Epochs.
-    #[config(default = 8)]
+    #[config(default = 6)]
     pub epochs: usize,
     /// Held-out sequences for the validation loss after each epoch.
     #[config(default = 256)]
@@ -133,7 +135,15 @@ impl RunDir {
         self.0.join("model.bpk")
     }
 
-    /// The newest epoch with a model checkpoint, if any.
+    /// A checkpoint file of `epoch`: `kind` is `model`, `optim` or `scheduler`.
+    fn checkpoint_file(&self, kind: &str, epoch: usize) -> PathBuf {
+        self.0
+            .join("checkpoint")
+            .join(format!("{kind}-{epoch}.bpk"))
+    }
+
+    /// The newest epoch whose model, optimizer and scheduler checkpoints are all there (a
+    /// run killed while writing one falls back to the epoch before), if any.
     pub fn last_checkpoint(&self) -> Option<usize> {
         let entries = std::fs::read_dir(self.0.join("checkpoint")).ok()?;
         entries
@@ -144,7 +154,35 @@ impl RunDir {
                     .parse()
                     .ok()
             })
+            .filter(|&epoch| {
+                ["optim", "scheduler"]
+                    .iter()
+                    .all(|k| self.checkpoint_file(k, epoch).exists())
+            })
             .max()
+    }
+
+    /// Checks that the three checkpoint files of `epoch` load, naming the first that
+    /// does not.
+    pub fn check_checkpoint(
+        &self,
+        config: &TrainConfig,
+        epoch: usize,
+        device: &Device,
+    ) -> anyhow::Result<()> {
+        load_model(config, &self.checkpoint(epoch), device)?;
+        let optim = self.checkpoint_file("optim", epoch);
+        <OptimizerRecord as Checkpoint>::load(optim.clone()).map_err(|e| {
+            anyhow::anyhow!("{}: cannot load the optimizer state ({e})", optim.display())
+        })?;
+        let scheduler = self.checkpoint_file("scheduler", epoch);
+        <LrSchedulerRecord as Checkpoint>::load(scheduler.clone()).map_err(|e| {
+            anyhow::anyhow!(
+                "{}: cannot load the scheduler state ({e})",
+                scheduler.display()
+            )
+        })?;
+        Ok(())
     }
 }
 
@@ -214,7 +252,7 @@ pub fn train(
             )
         })?;
         // Fails here, with the file named, rather than inside the learner.
-        load_model(config, &dir.checkpoint(epoch), device)?;
+        dir.check_checkpoint(config, epoch, device)?;
         if epoch >= config.epochs {
             bail!(
                 "{}: the run already finished its {} epochs",
@@ -388,27 +426,66 @@ pub fn epoch_losses(dir: &Path, epochs: usize, split: &MetricSplit) -> Vec<Vec<f
         .collect()
 }
 
-/// The device's backend, as printed and written to the summary.
-pub fn backend_name() -> &'static str {
-    if cfg!(feature = "wgpu") {
-        "wgpu"
-    } else if cfg!(feature = "cuda") {
-        "cuda"
-    } else if cfg!(feature = "ndarray") {
-        "ndarray"
-    } else {
-        "flex"
-    }
+/// A backend compiled into this build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// Burn's pure-Rust CPU backend.
+    Flex,
+    /// The ndarray CPU backend.
+    Ndarray,
+    /// wgpu: Vulkan, Metal or DX12 (lavapipe without a GPU).
+    Wgpu,
+    /// CUDA.
+    Cuda,
 }
 
-/// The device of the backend selected by the features.
-#[allow(deprecated, unreachable_code)]
-pub fn device() -> Device {
-    #[cfg(feature = "wgpu")]
-    return Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
-    #[cfg(feature = "cuda")]
-    return Device::cuda(0);
-    #[cfg(feature = "ndarray")]
-    return Device::ndarray();
-    Device::flex()
+impl Backend {
+    /// Those this build has, best first: a GPU if compiled in, then flex, then ndarray.
+    pub fn compiled() -> Vec<Backend> {
+        let all = [
+            (Backend::Cuda, cfg!(feature = "cuda")),
+            (Backend::Wgpu, cfg!(feature = "wgpu")),
+            (Backend::Flex, cfg!(feature = "flex")),
+            (Backend::Ndarray, cfg!(feature = "ndarray")),
+        ];
+        all.into_iter()
+            .filter(|(_, on)| *on)
+            .map(|(b, _)| b)
+            .collect()
+    }
+
+    /// Its name, as printed and written to the summary.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Flex => "flex",
+            Backend::Ndarray => "ndarray",
+            Backend::Wgpu => "wgpu",
+            Backend::Cuda => "cuda",
+        }
+    }
+
+    /// Its device, or an error if this build does not have it.
+    #[allow(deprecated, unreachable_code)]
+    pub fn device(self) -> anyhow::Result<Device> {
+        match self {
+            #[cfg(feature = "flex")]
+            Backend::Flex => return Ok(Device::flex()),
+            #[cfg(feature = "ndarray")]
+            Backend::Ndarray => return Ok(Device::ndarray()),
+            #[cfg(feature = "wgpu")]
+            Backend::Wgpu => return Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => return Ok(Device::cuda(0)),
+            _ => {}
+        }
+        anyhow::bail!(
+            "--backend {}: this build has {:?}; build with `--features {}`",
+            self.name(),
+            Backend::compiled()
+                .iter()
+                .map(|b| b.name())
+                .collect::<Vec<_>>(),
+            self.name()
+        )
+    }
 }

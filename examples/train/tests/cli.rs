@@ -8,9 +8,28 @@ use std::time::{Duration, Instant};
 
 /// A tiny, fixed-shape configuration that learns `copy` in seconds.
 const TINY: &[&str] = &[
-    "--task", "copy", "--min-len", "4", "--max-len", "4", "--symbols", "6", "--d-model", "32",
-    "--layers", "1", "--heads", "2", "--batch-size", "32", "--warmup", "10", "--lr", "0.003",
-    "--eval-examples", "64",
+    "--task",
+    "copy",
+    "--min-len",
+    "4",
+    "--max-len",
+    "4",
+    "--symbols",
+    "6",
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--batch-size",
+    "32",
+    "--warmup",
+    "10",
+    "--lr",
+    "0.003",
+    "--eval-examples",
+    "64",
 ];
 
 fn train() -> Command {
@@ -38,7 +57,10 @@ fn summary(dir: &Path) -> serde_json::Value {
 #[test]
 fn a_short_run_learns_and_writes_its_files() {
     let dir = scratch("short");
-    let out = run(train().args(TINY).args(["--epochs", "3", "--steps-per-epoch", "40", "--out"]).arg(&dir));
+    let out = run(train()
+        .args(TINY)
+        .args(["--epochs", "3", "--steps-per-epoch", "40", "--out"])
+        .arg(&dir));
     assert!(out.status.success());
     let s = summary(&dir);
     let first = s["first_loss"].as_f64().unwrap();
@@ -47,11 +69,19 @@ fn a_short_run_learns_and_writes_its_files() {
     // Chance is 1/6 per token.
     assert!(s["token_accuracy"].as_f64().unwrap() > 0.6, "{s}");
     assert_eq!(s["steps"], 120);
-    for file in ["config.json", "loss.png", "model.bpk", "attention-layer0.png"] {
+    for file in [
+        "config.json",
+        "loss.png",
+        "model.bpk",
+        "attention-layer0.png",
+    ] {
         assert!(dir.join(file).exists(), "{file} missing");
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("loss curve: ") && stdout.contains("attention: "), "{stdout}");
+    assert!(
+        stdout.contains("loss curve: ") && stdout.contains("attention: "),
+        "{stdout}"
+    );
     // The trained model answers one input.
     let generated = run(train().args(["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
     assert!(generated.status.success());
@@ -68,15 +98,22 @@ fn a_killed_run_resumes_where_it_stopped_and_a_corrupt_checkpoint_is_reported() 
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    // Kill it (SIGKILL) once the second epoch's checkpoint is written.
-    let checkpoint = dir.join("checkpoint").join("model-2.bpk");
+    // Kill it (SIGKILL) in the third epoch, once the second epoch's checkpoint (model,
+    // optimizer, scheduler; the scheduler's is written last) is there.
+    let checkpoint = dir.join("checkpoint").join("scheduler-2.bpk");
     let started = Instant::now();
     while !checkpoint.exists() {
-        assert!(started.elapsed() < Duration::from_secs(600), "no checkpoint after 10 minutes");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended before it was killed");
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "no checkpoint after 10 minutes"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it was killed"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(200));
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(!dir.join("summary.json").exists(), "killed too late");
@@ -90,21 +127,39 @@ fn a_killed_run_resumes_where_it_stopped_and_a_corrupt_checkpoint_is_reported() 
     // well below the first loss of the killed run.
     let resumed_first = s["first_loss"].as_f64().unwrap();
     let epoch1_first = first_logged_loss(&dir, 1);
-    assert!(resumed_first < 0.5 * epoch1_first, "restarted from scratch: {epoch1_first} -> {resumed_first}");
-    assert_eq!(std::fs::read(dir.join("config.json")).unwrap(), config_before);
+    assert!(
+        resumed_first < 0.5 * epoch1_first,
+        "restarted from scratch: {epoch1_first} -> {resumed_first}"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("config.json")).unwrap(),
+        config_before
+    );
 
     // A truncated checkpoint: one line naming the file, a failure, nothing overwritten.
-    let last = (1..=4).rev().map(|e| dir.join("checkpoint").join(format!("model-{e}.bpk"))).find(|p| p.exists()).unwrap();
+    let last = (1..=4)
+        .rev()
+        .map(|e| dir.join("checkpoint").join(format!("model-{e}.bpk")))
+        .find(|p| p.exists())
+        .unwrap();
     let bytes = std::fs::read(&last).unwrap();
     std::fs::write(&last, &bytes[..bytes.len() / 3]).unwrap();
     std::fs::remove_file(dir.join("summary.json")).unwrap();
-    let summary_before: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
-    let out = run(train().args(["--resume", "--epochs", "6", "--out"]).arg(&dir));
+    let summary_before: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    let out = run(train()
+        .args(["--resume", "--epochs", "6", "--out"])
+        .arg(&dir));
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains(&last.display().to_string()), "{stderr}");
-    let after: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+    let after: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
     assert_eq!(summary_before, after);
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -115,22 +170,37 @@ fn a_missing_or_broken_config_is_reported_in_one_line() {
     let out = run(train().args(["--resume", "--out"]).arg(&dir));
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.trim().lines().count() == 1 && stderr.contains("config.json"), "{stderr}");
+    assert!(
+        stderr.trim().lines().count() == 1 && stderr.contains("config.json"),
+        "{stderr}"
+    );
 
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.json");
     std::fs::write(&bad, "{\"batch_size\": ").unwrap();
-    let out = run(train().args(["--config"]).arg(&bad).args(["--out"]).arg(dir.join("run")));
+    let out = run(train()
+        .args(["--config"])
+        .arg(&bad)
+        .args(["--out"])
+        .arg(dir.join("run")));
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.trim().lines().count() == 1 && stderr.contains("bad.json"), "{stderr}");
+    assert!(
+        stderr.trim().lines().count() == 1 && stderr.contains("bad.json"),
+        "{stderr}"
+    );
     assert!(!dir.join("run").exists());
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The first per-step training loss the learner logged for `epoch`.
 fn first_logged_loss(dir: &Path, epoch: usize) -> f64 {
-    let text = std::fs::read_to_string(dir.join("train").join(format!("epoch-{epoch}")).join("Loss.log")).unwrap();
+    let text = std::fs::read_to_string(
+        dir.join("train")
+            .join(format!("epoch-{epoch}"))
+            .join("Loss.log"),
+    )
+    .unwrap();
     let first = text.lines().next().unwrap();
     first.split(',').next().unwrap().trim().parse().unwrap()
 }
