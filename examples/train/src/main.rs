@@ -149,9 +149,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let backend = match cli.backend {
+    let backend = match cli.backend.or_else(|| Backend::compiled().first().copied()) {
         Some(b) => b,
-        None => Backend::compiled()[0],
+        None => anyhow::bail!(
+            "this build has no backend: build with `--features flex` (or ndarray, wgpu, cuda)"
+        ),
     };
     let device = backend.device()?;
     plots::register_font()?;
