@@ -268,12 +268,42 @@ pub struct SeqBatch {
     pub decoder_targets: Tensor<2, Int>,
 }
 
-/// Pads and stacks examples.
-#[derive(Clone, Debug, Default)]
-pub struct SeqBatcher;
+/// Widths every batch is padded to, so that a GPU backend sees one shape and compiles its
+/// kernels once (a new sequence length means new kernels on wgpu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FixedShape {
+    /// Longest input, in tokens (encoder-decoder source width).
+    pub input: usize,
+    /// Longest output, in tokens, EOS excluded.
+    pub output: usize,
+}
 
-fn padded(rows: &[Vec<usize>], device: &Device) -> Tensor<2, Int> {
-    let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+impl FixedShape {
+    /// The shape of `task`'s longest example.
+    pub fn of(task: &TaskConfig) -> Self {
+        FixedShape {
+            input: task.max_input(),
+            output: task.max_output(),
+        }
+    }
+
+    /// Decoder-only width: `input SEP output EOS`.
+    pub fn joined(self) -> usize {
+        self.input + self.output + 2
+    }
+}
+
+/// Pads and stacks examples: to the longest of the batch, or to a [`FixedShape`].
+#[derive(Clone, Debug, Default)]
+pub struct SeqBatcher {
+    /// Pads every batch to these widths when set.
+    pub fixed: Option<FixedShape>,
+}
+
+/// Right-pads `rows` with PAD to `width` (at least the longest row) and stacks them.
+pub fn padded(rows: &[Vec<usize>], width: Option<usize>, device: &Device) -> Tensor<2, Int> {
+    let longest = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let width = width.unwrap_or(0).max(longest);
     let mut data = Vec::with_capacity(rows.len() * width);
     for row in rows {
         data.extend(row.iter().map(|&t| t as i64));
@@ -307,13 +337,14 @@ impl Batcher<Example, SeqBatch> for SeqBatcher {
             decoder_targets.push(out_eos);
         }
         let sources: Vec<Vec<usize>> = items.iter().map(|e| e.input.clone()).collect();
+        let width = |f: fn(FixedShape) -> usize| self.fixed.map(f);
         SeqBatch {
-            joined: padded(&joined, device),
-            joined_targets: padded(&joined_targets, device),
-            source: padded(&sources, device),
+            joined: padded(&joined, width(FixedShape::joined), device),
+            joined_targets: padded(&joined_targets, width(FixedShape::joined), device),
+            source: padded(&sources, width(|s| s.input), device),
             source_lengths: sources.iter().map(Vec::len).collect(),
-            decoder_input: padded(&decoder_input, device),
-            decoder_targets: padded(&decoder_targets, device),
+            decoder_input: padded(&decoder_input, width(|s| s.output + 1), device),
+            decoder_targets: padded(&decoder_targets, width(|s| s.output + 1), device),
         }
     }
 }

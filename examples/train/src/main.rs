@@ -9,13 +9,8 @@
 //! cargo run --release -p train -- generate --out runs/reverse "3 1 4 1 5 9 2 6"
 //! ```
 //!
-//! Files: data (tasks), model (the two transformers), training (Burn's learner,
-//! evaluation, summary), plots (loss curve, attention heatmaps), and this CLI.
-
-mod data;
-mod model;
-mod plots;
-mod training;
+//! The library (`src/lib.rs`) holds the tasks, models, training and plots; this file is
+//! the CLI.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,9 +18,10 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use data::{Task, TaskConfig};
-use model::{ModelConfig, ModelKind};
-use training::{Backend, RunDir, TrainConfig};
+use ::train::data::{self, Task, TaskConfig};
+use ::train::model::{ModelConfig, ModelKind};
+use ::train::plots;
+use ::train::training::{self, Backend, RunDir, TrainConfig};
 
 /// Train a transformer built from mha modules on a synthetic sequence task.
 #[derive(Parser, Debug)]
@@ -112,6 +108,10 @@ struct TrainArgs {
     /// Seed [default: 42].
     #[arg(long)]
     seed: Option<u64>,
+    /// Pad every batch to the longest possible example [default: on for wgpu and cuda,
+    /// off for the CPU backends].
+    #[arg(long)]
+    fixed_shapes: Option<bool>,
 }
 
 impl TrainArgs {
@@ -133,6 +133,9 @@ impl TrainArgs {
             batch_size => batch_size, lr => lr, warmup => warmup_steps, epochs => epochs,
             steps_per_epoch => steps_per_epoch, eval_examples => eval_examples, seed => seed,
         );
+        if self.fixed_shapes.is_some() {
+            c.fixed_shapes = self.fixed_shapes;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -158,12 +161,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let device = backend.device()?;
     plots::register_font()?;
     match cli.command {
-        Some(Command::Generate { out, input }) => generate(&RunDir(out), &input, &device),
-        None => train(&cli.train, &device, backend.name()),
+        Some(Command::Generate { out, input }) => generate(&RunDir(out), &input, &device, backend),
+        None => train(&cli.train, &device, backend),
     }
 }
 
-fn train(args: &TrainArgs, device: &burn::tensor::Device, backend: &str) -> anyhow::Result<()> {
+fn train(args: &TrainArgs, device: &burn::tensor::Device, backend: Backend) -> anyhow::Result<()> {
     let dir = RunDir(args.out.clone());
     let config = if args.resume {
         anyhow::ensure!(
@@ -278,7 +281,12 @@ fn draw_heatmaps(
     Ok(paths)
 }
 
-fn generate(dir: &RunDir, input: &str, device: &burn::tensor::Device) -> anyhow::Result<()> {
+fn generate(
+    dir: &RunDir,
+    input: &str,
+    device: &burn::tensor::Device,
+    backend: Backend,
+) -> anyhow::Result<()> {
     let config = training::load_config(&dir.config())?;
     let path = match dir.model().exists() {
         true => dir.model(),
@@ -297,7 +305,12 @@ fn generate(dir: &RunDir, input: &str, device: &burn::tensor::Device) -> anyhow:
         config.task.max_input()
     );
     let output = model
-        .generate(&[tokens], config.task.max_output(), device)
+        .generate(
+            &[tokens],
+            config.task.max_output(),
+            config.fixed_shape(backend),
+            device,
+        )
         .remove(0);
     let text: Vec<String> = output.iter().map(|&t| config.task.token_label(t)).collect();
     println!("{}", text.join(" "));

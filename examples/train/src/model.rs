@@ -17,7 +17,7 @@ use mha::{
     EncoderConfig,
 };
 
-use crate::data::{EOS, PAD, SEP, SeqBatch};
+use crate::data::{EOS, FixedShape, PAD, SEP, SeqBatch, padded};
 
 /// Which model.
 #[derive(Config, Debug, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -176,39 +176,19 @@ impl Model {
         SequenceOutput::new(loss, logits, None, targets)
     }
 
-    /// Greedy decoding of inputs of one length; stops at EOS or after `max_output + 1`
-    /// tokens. Returns each output without EOS.
+    /// Greedy decoding; stops at EOS or after `max_output + 1` tokens. Returns each output
+    /// without EOS. Inputs may differ in length: rows are right-padded, which neither the
+    /// causal self-attention nor the padded cross-attention lets a real position see.
+    /// With `fixed`, every forward pass has that one shape (for GPU backends, which compile
+    /// kernels per shape); without, each step reads the shortest width that fits.
     pub fn generate(
         &self,
         inputs: &[Vec<usize>],
         max_output: usize,
+        fixed: Option<FixedShape>,
         device: &Device,
     ) -> Vec<Vec<usize>> {
         let batch = inputs.len();
-        let width = inputs[0].len();
-        assert!(
-            inputs.iter().all(|i| i.len() == width),
-            "generate: inputs of one length"
-        );
-        let ids = |rows: &[Vec<usize>]| {
-            let cols = rows[0].len();
-            let data: Vec<i64> = rows.iter().flatten().map(|&t| t as i64).collect();
-            Tensor::<2, Int>::from_data(TensorData::new(data, [rows.len(), cols]), device)
-        };
-        let last_argmax = |logits: Tensor<3>| -> Vec<usize> {
-            let [_, t, v] = logits.dims();
-            let last = logits
-                .slice([0..batch, t - 1..t, 0..v])
-                .argmax(2)
-                .reshape([batch]);
-            last.into_data()
-                .convert::<i64>()
-                .try_into_vec::<i64>()
-                .unwrap()
-                .into_iter()
-                .map(|t| t as usize)
-                .collect()
-        };
         let mut done = vec![false; batch];
         let mut outputs = vec![Vec::new(); batch];
         // The prompt each step reads: decoder-only `input SEP out..`, encoder-decoder `SEP out..`.
@@ -219,20 +199,35 @@ impl Model {
                 .collect(),
             Model::EncoderDecoder(_) => vec![vec![SEP]; batch],
         };
+        let prompt_width = fixed.map(|f| match self {
+            Model::DecoderOnly(_) => f.joined(),
+            Model::EncoderDecoder(_) => f.output + 1,
+        });
         let memory = match self {
-            Model::EncoderDecoder(m) => Some(m.encode(ids(inputs), &vec![width; batch])),
+            Model::EncoderDecoder(m) => {
+                let lengths: Vec<usize> = inputs.iter().map(Vec::len).collect();
+                Some(m.encode(padded(inputs, fixed.map(|f| f.input), device), &lengths))
+            }
             Model::DecoderOnly(_) => None,
         };
         for _ in 0..=max_output {
+            let ids = padded(&prompts, prompt_width, device);
             let logits = match (self, &memory) {
-                (Model::DecoderOnly(m), _) => m.logits(ids(&prompts)),
-                (Model::EncoderDecoder(m), Some((mem, pad))) => {
-                    m.logits(mem.clone(), pad, ids(&prompts))
-                }
+                (Model::DecoderOnly(m), _) => m.logits(ids),
+                (Model::EncoderDecoder(m), Some((mem, pad))) => m.logits(mem.clone(), pad, ids),
                 _ => unreachable!(),
             };
-            for (i, next) in last_argmax(logits).into_iter().enumerate() {
-                prompts[i].push(next);
+            // Every position's argmax, read at each row's last prompt token.
+            let [_, width, _] = logits.dims();
+            let best: Vec<i64> = logits
+                .argmax(2)
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .expect("argmax gives integers");
+            for (i, prompt) in prompts.iter_mut().enumerate() {
+                let next = best[i * width + prompt.len() - 1] as usize;
+                prompt.push(next);
                 if !done[i] {
                     if next == EOS {
                         done[i] = true;
@@ -311,5 +306,58 @@ impl InferenceStep for Model {
 
     fn step(&self, batch: SeqBatch) -> SequenceOutput {
         self.forward_loss(batch)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Split, TaskConfig};
+    use crate::training::Backend;
+
+    #[test]
+    fn padding_to_a_fixed_shape_changes_no_output_or_loss() {
+        // Examples up to 6 long, padded to the shape of examples up to 9 long.
+        let task = TaskConfig::new().with_min_len(3).with_max_len(9);
+        let fixed = FixedShape::of(&task);
+        let short = task.clone().with_max_len(6);
+        let examples: Vec<_> = (0..12).map(|i| short.example(5, Split::Valid, i)).collect();
+        let inputs: Vec<Vec<usize>> = examples.iter().map(|e| e.input.clone()).collect();
+        for backend in Backend::compiled() {
+            let device = backend.device().unwrap();
+            for kind in [ModelKind::DecoderOnly, ModelKind::EncoderDecoder] {
+                device.seed(3);
+                let max_len = task.max_input() + task.max_output() + 2;
+                let model = ModelConfig::new()
+                    .with_kind(kind)
+                    .with_d_model(32)
+                    .init(task.vocab_size(), max_len, &device)
+                    .unwrap();
+                // Untrained, so outputs run to the length limit: every step is compared.
+                let free = model.generate(&inputs, task.max_output(), None, &device);
+                let padded = model.generate(&inputs, task.max_output(), Some(fixed), &device);
+                assert_eq!(free, padded, "{backend} {kind:?}: generate");
+                let loss = |fixed| {
+                    use burn::data::dataloader::batcher::Batcher;
+                    let batch = crate::data::SeqBatcher { fixed }.batch(examples.clone(), &device);
+                    let out = model.forward_loss(batch);
+                    (out.loss.into_scalar::<f32>(), out.targets.dims())
+                };
+                let ((free, free_dims), (padded, padded_dims)) = (loss(None), loss(Some(fixed)));
+                let width = match kind {
+                    ModelKind::DecoderOnly => fixed.joined(),
+                    ModelKind::EncoderDecoder => fixed.output + 1,
+                };
+                assert_eq!(padded_dims, [12, width], "{backend} {kind:?}: padded width");
+                assert!(
+                    free_dims[1] < width,
+                    "{backend} {kind:?}: the batch was not padded"
+                );
+                assert!(
+                    (free - padded).abs() <= 1e-5 * free.abs(),
+                    "{backend} {kind:?}: loss {free} unpadded, {padded} padded"
+                );
+            }
+        }
     }
 }

@@ -25,7 +25,7 @@ use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, Numeri
 use burn::train::{Learner, SupervisedTraining};
 use serde::Serialize;
 
-use crate::data::{PAD, SeqBatcher, Split, TaskConfig, TaskDataset};
+use crate::data::{FixedShape, PAD, SeqBatcher, Split, TaskConfig, TaskDataset};
 use crate::model::{Model, ModelConfig};
 
 /// Every hyperparameter of a run; saved as `config.json` beside the checkpoints.
@@ -65,6 +65,11 @@ pub struct TrainConfig {
     /// Seed of the data and of the initial weights.
     #[config(default = 42)]
     pub seed: u64,
+    /// Pad every batch to the longest possible example, so the backend sees one shape.
+    /// `None` (the default) turns it on for GPU backends, which compile kernels per shape,
+    /// and off on the CPU, where padding only costs time.
+    #[config(default = "None")]
+    pub fixed_shapes: Option<bool>,
 }
 
 impl TrainConfig {
@@ -106,6 +111,13 @@ impl TrainConfig {
     /// Longest sequence a model reads: `input SEP output EOS`.
     pub fn max_len(&self) -> usize {
         self.task.max_input() + self.task.max_output() + 2
+    }
+
+    /// The fixed batch shape on `backend`, if any (see `fixed_shapes`).
+    pub fn fixed_shape(&self, backend: Backend) -> Option<FixedShape> {
+        self.fixed_shapes
+            .unwrap_or(backend.is_gpu())
+            .then(|| FixedShape::of(&self.task))
     }
 
     /// The model, initialised from the seed.
@@ -242,8 +254,9 @@ pub fn train(
     dir: &RunDir,
     resume: bool,
     device: &Device,
-    backend: &str,
+    backend: Backend,
 ) -> anyhow::Result<Summary> {
+    let fixed = config.fixed_shape(backend);
     let start_epoch = if resume {
         let epoch = dir.last_checkpoint().with_context(|| {
             format!(
@@ -305,10 +318,10 @@ pub fn train(
         Split::Valid,
         config.valid_examples,
     );
-    let loader_train = DataLoaderBuilder::new(SeqBatcher)
+    let loader_train = DataLoaderBuilder::new(SeqBatcher { fixed })
         .batch_size(config.batch_size)
         .build(train_set);
-    let loader_valid = DataLoaderBuilder::new(SeqBatcher)
+    let loader_valid = DataLoaderBuilder::new(SeqBatcher { fixed })
         .batch_size(config.batch_size)
         .build(valid_set);
 
@@ -343,7 +356,7 @@ pub fn train(
         * config.steps_per_epoch as f64
         * config.batch_size as f64
         * mean_tokens(&config.task);
-    let (exact, token) = evaluate(&model, config, device);
+    let (exact, token) = evaluate(&model, config, fixed, device);
     let losses = epoch_losses(&dir.0, config.epochs, &MetricSplit::Train);
     let first_loss = losses
         .get(start_epoch.unwrap_or(0))
@@ -356,7 +369,7 @@ pub fn train(
     Ok(Summary {
         task: format!("{:?}", config.task.task),
         model: format!("{:?}", config.model.kind),
-        backend: backend.to_string(),
+        backend: backend.name().to_string(),
         steps: config.total_steps(),
         first_loss,
         final_loss,
@@ -379,27 +392,45 @@ fn mean_tokens(task: &TaskConfig) -> f64 {
 }
 
 /// Greedy decoding of `eval_examples` held-out sequences: (exact, token) accuracy.
-pub fn evaluate(model: &Model, config: &TrainConfig, device: &Device) -> (f64, f64) {
+/// Without a fixed shape, inputs of one length are decoded together (no padding); with
+/// one, every batch has `batch_size` rows of the fixed width (the last one filled up with
+/// repeats that are not counted).
+pub fn evaluate(
+    model: &Model,
+    config: &TrainConfig,
+    fixed: Option<FixedShape>,
+    device: &Device,
+) -> (f64, f64) {
     let model = model.valid().to_device(device);
     let examples: Vec<_> = (0..config.eval_examples)
         .map(|i| config.task.example(config.seed, Split::Valid, i))
         .collect();
-    // Decode inputs of one length together.
-    let mut by_len: std::collections::BTreeMap<usize, Vec<&crate::data::Example>> =
-        Default::default();
-    for ex in &examples {
-        by_len.entry(ex.input.len()).or_default().push(ex);
-    }
-    let (mut exact, mut right, mut total) = (0usize, 0usize, 0usize);
-    for group in by_len.values() {
-        for chunk in group.chunks(config.batch_size.max(64)) {
-            let inputs: Vec<Vec<usize>> = chunk.iter().map(|e| e.input.clone()).collect();
-            let outputs = model.generate(&inputs, config.task.max_output(), device);
-            for (ex, out) in chunk.iter().zip(outputs) {
-                exact += usize::from(out == ex.output);
-                right += ex.output.iter().zip(&out).filter(|(a, b)| a == b).count();
-                total += ex.output.len();
+    let rows = config.batch_size.max(64);
+    let groups: Vec<Vec<&crate::data::Example>> = match fixed {
+        Some(_) => examples.chunks(rows).map(|c| c.iter().collect()).collect(),
+        None => {
+            let mut by_len: std::collections::BTreeMap<usize, Vec<&crate::data::Example>> =
+                Default::default();
+            for ex in &examples {
+                by_len.entry(ex.input.len()).or_default().push(ex);
             }
+            by_len
+                .into_values()
+                .flat_map(|g| g.chunks(rows).map(<[_]>::to_vec).collect::<Vec<_>>())
+                .collect()
+        }
+    };
+    let (mut exact, mut right, mut total) = (0usize, 0usize, 0usize);
+    for chunk in groups {
+        let mut inputs: Vec<Vec<usize>> = chunk.iter().map(|e| e.input.clone()).collect();
+        if fixed.is_some() {
+            inputs.resize(rows, inputs[0].clone());
+        }
+        let outputs = model.generate(&inputs, config.task.max_output(), fixed, device);
+        for (ex, out) in chunk.iter().zip(outputs) {
+            exact += usize::from(out == ex.output);
+            right += ex.output.iter().zip(&out).filter(|(a, b)| a == b).count();
+            total += ex.output.len();
         }
     }
     (
@@ -439,6 +470,12 @@ pub enum Backend {
     Cuda,
 }
 
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl Backend {
     /// Those this build has, best first: a GPU if compiled in, then flex, then ndarray.
     pub fn compiled() -> Vec<Backend> {
@@ -452,6 +489,11 @@ impl Backend {
             .filter(|(_, on)| *on)
             .map(|(b, _)| b)
             .collect()
+    }
+
+    /// Whether it runs on a GPU (where kernels are compiled per shape).
+    pub fn is_gpu(self) -> bool {
+        matches!(self, Backend::Wgpu | Backend::Cuda)
     }
 
     /// Its name, as printed and written to the summary.
