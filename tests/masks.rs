@@ -422,3 +422,79 @@ fn blocks_return_the_weights_they_used() {
         }
     }
 }
+
+#[test]
+fn long_causal_attention_under_autodiff_matches_the_unchunked_path() {
+    // From 256 queries on, causal attention on an autodiff device (and on flex and
+    // ndarray) runs in query chunks that skip the blocked keys; the explicit path (asked
+    // for weights) does not chunk.
+    for be in backends() {
+        let dev = be.autodiff();
+        let (b, h, hkv, d) = (2, 4, 2, 8);
+        for (tq, tk) in [(300, 340), (300, 260)] {
+            let padding = AttentionMask::key_lengths(&[tk, tk - 50], tk, &dev);
+            let bias = AttentionMask::bias(randn([1, 1, tq, tk], 7, &dev) * 0.5);
+            let mask = AttentionMask::causal().and(padding).and(bias);
+            let q = randn([b, h, tq, d], 1, &dev).require_grad();
+            let k = randn([b, hkv, tk, d], 2, &dev).require_grad();
+            let v = randn([b, hkv, tk, d], 3, &dev).require_grad();
+            let grad_out = randn([b, h, tq, d], 4, &dev);
+            let run = |weights| {
+                let options = SdpaOptions::default().with_weights(weights);
+                let out =
+                    scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
+                let grads = (out.context.clone() * grad_out.clone()).sum().backward();
+                let g = [&q, &k, &v].map(|x| x.grad(&grads).unwrap());
+                (out.context, g)
+            };
+            let (chunked, chunked_grads) = run(AttentionWeights::None);
+            let (explicit, explicit_grads) = run(AttentionWeights::PerHead);
+            let err = max_abs_diff(chunked.clone(), explicit);
+            assert!(
+                err <= be.forward_tol(),
+                "[{}] Tq {tq}, Tk {tk}: chunked output differs by {err}",
+                be.name
+            );
+            if tq > tk {
+                let first = to_vec(chunked.slice([0..1, 0..1, 0..tq - tk, 0..d]));
+                assert!(
+                    first.iter().all(|&x| x == 0.0),
+                    "[{}] rows without keys not zero",
+                    be.name
+                );
+            }
+            // The plain device: flex and ndarray chunk the fused op, wgpu the explicit path.
+            let plain = |weights| {
+                let options = SdpaOptions::default().with_weights(weights);
+                let (q, k, v) = (q.clone().inner(), k.clone().inner(), v.clone().inner());
+                let mask = AttentionMask::causal()
+                    .and(AttentionMask::key_lengths(&[tk, tk - 50], tk, &be.device))
+                    .and(AttentionMask::bias(
+                        randn([1, 1, tq, tk], 7, &be.device) * 0.5,
+                    ));
+                scaled_dot_product_attention(q, k, v, &mask, options).context
+            };
+            let err = max_abs_diff(
+                plain(AttentionWeights::None),
+                plain(AttentionWeights::PerHead),
+            );
+            assert!(
+                err <= be.forward_tol(),
+                "[{}] Tq {tq}, Tk {tk}: fused output (no autodiff) differs by {err}",
+                be.name
+            );
+            for ((name, a), e) in ["q", "k", "v"]
+                .iter()
+                .zip(chunked_grads)
+                .zip(explicit_grads)
+            {
+                let err = max_abs_diff(a, e);
+                assert!(
+                    err <= be.grad_tol(),
+                    "[{}] Tq {tq}, Tk {tk}: gradient of {name} differs by {err}",
+                    be.name
+                );
+            }
+        }
+    }
+}

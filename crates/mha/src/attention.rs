@@ -113,24 +113,15 @@ pub fn scaled_dot_product_attention(
     );
 
     if options.weights == AttentionWeights::None && options.dropout == 0.0 {
-        let group = heads / kv_heads;
-        let key = repeat_kv(key, group); // [B, H, Tk, Dk]
-        let value = repeat_kv(value, group); // [B, H, Tk, Dv]
-        let fused_options = AttentionModuleOptions {
-            // The CubeCL flash kernels take only the default scale.
-            scale: (scale != default_scale).then_some(scale),
-            softcap: None,
-            is_causal: mask.is_causal(),
+        let device = query.device();
+        let kernel = Kernel::of(&device);
+        let fused_scale = (scale != default_scale).then_some(scale);
+        let chunked = queries >= 2 * MIN_CHUNK && (mask.is_causal() || kernel != Kernel::Fused);
+        let context = match (chunked, kernel) {
+            (true, _) => attention_in_chunks(query, key, value, mask, scale, fused_scale, kernel),
+            (false, Kernel::Fused) => fused(query, key, value, mask, fused_scale),
+            (false, _) => explicit(query, key, value, mask, scale),
         };
-        let full = [batch, heads, queries, keys];
-        let blocked = mask
-            .blocked()
-            .map(|m| match fused_mask_broadcasts(&query.device()) {
-                true => m.clone(),
-                false => m.clone().expand(full),
-            });
-        let bias = mask.additive_bias().cloned();
-        let context = fused_attention(query, key, value, blocked, bias, fused_options);
         return AttentionOutput {
             context,
             weights: None,
@@ -168,8 +159,9 @@ pub fn attention_weights(
     let queries = query.dims()[2];
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();
-    // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K.
-    let scores = grouped_matmul(query, key.transpose(), kv_heads) * scale; // [B, H, Tq, Tk]
+    // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
+    // the queries, `Dk` times fewer values than the scores (forward and backward).
+    let scores = grouped_matmul(query * scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
     let scores = match mask.additive_bias() {
         Some(bias) => scores + bias.clone().clamp_min(BLOCKED),
         None => scores,
@@ -197,6 +189,145 @@ fn fused_mask_broadcasts(device: &Device) -> bool {
     }
     let name = format!("{device:?}");
     name.starts_with("Device<Flex") || name.starts_with("Device<NdArray")
+}
+
+/// Burn's fused attention op; `scale` is `None` for the default `1 / sqrt(Dk)` (the only
+/// one the CubeCL flash kernels take).
+///
+/// # Shapes
+/// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
+/// - result: `[B, H, Tq, Dv]`
+fn fused(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: &AttentionMask,
+    scale: Option<f64>,
+) -> Tensor<4> {
+    let [batch, heads, queries, _] = query.dims();
+    let [_, kv_heads, keys, _] = key.dims();
+    let group = heads / kv_heads;
+    let key = repeat_kv(key, group); // [B, H, Tk, Dk]
+    let value = repeat_kv(value, group); // [B, H, Tk, Dv]
+    let options = AttentionModuleOptions {
+        scale,
+        softcap: None,
+        is_causal: mask.is_causal(),
+    };
+    let full = [batch, heads, queries, keys];
+    let blocked = mask
+        .blocked()
+        .map(|m| match fused_mask_broadcasts(&query.device()) {
+            true => m.clone(),
+            false => m.clone().expand(full),
+        });
+    let bias = mask.additive_bias().cloned();
+    fused_attention(query, key, value, blocked, bias, options)
+}
+
+/// Smallest query chunk of [`attention_in_chunks`]; it runs from `2 * MIN_CHUNK` queries on.
+const MIN_CHUNK: usize = 128;
+/// Most chunks [`attention_in_chunks`] cuts the queries into (longer sequences, longer
+/// chunks).
+const MAX_CHUNKS: usize = 16;
+
+/// How a device computes attention when no weights are wanted (chosen by measurement,
+/// see the README's benchmarks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    /// Burn's fused op: flex's flash kernel, ndarray's decomposed one.
+    Fused,
+    /// An autodiff device: Burn's fused op has no backward of its own there (it is
+    /// decomposed and differentiated op by op, with a few more passes over the scores
+    /// than the explicit path), so the explicit path, in chunks from 256 queries on.
+    Autodiff,
+    /// Matmul, softmax, matmul: the CubeCL backends (wgpu, cuda), whose f32 flash kernel
+    /// is several times slower than these three steps (on an H100 through Vulkan, 16 ms
+    /// against 2 ms for one 8 x 512 x 512 causal attention).
+    Explicit,
+}
+
+impl Kernel {
+    fn of(device: &Device) -> Self {
+        match (device.is_autodiff(), fused_mask_broadcasts(device)) {
+            (true, _) => Kernel::Autodiff,
+            (false, true) => Kernel::Fused,
+            (false, false) => Kernel::Explicit,
+        }
+    }
+}
+
+/// Attention without weights or dropout: the explicit path's context only.
+fn explicit(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: &AttentionMask,
+    scale: f64,
+) -> Tensor<4> {
+    let kv_heads = key.dims()[1];
+    let weights = attention_weights(query, key, mask, scale); // [B, H, Tq, Tk]
+    grouped_matmul(weights, value, kv_heads) // [B, H, Tq, Dv]
+}
+
+/// Attention in query chunks: a causal chunk reads only the keys it can see, which skips
+/// the blocked upper triangle (about half the score work and memory at long lengths),
+/// forward and, under autodiff, backward. Each chunk is the explicit path on autodiff
+/// devices (Burn differentiates its fused op op by op over the whole `[B, H, Tq, Tk]`
+/// scores, and flex's flash kernel computes every key tile, masked or not) and on the
+/// CubeCL ones, where chunks also bound the memory of the scores; elsewhere it is Burn's
+/// fused op.
+///
+/// With a causal mask, rows `start..end` see keys `0..end + (Tk - Tq)`, and the
+/// bottom-right causal alignment of that sub-problem is the original one, so each chunk
+/// is plain masked attention with its slice of the boolean and additive parts.
+///
+/// # Shapes
+/// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
+/// - result: `[B, H, Tq, Dv]`
+fn attention_in_chunks(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: &AttentionMask,
+    scale: f64,
+    fused_scale: Option<f64>,
+    kernel: Kernel,
+) -> Tensor<4> {
+    let [batch, heads, queries, d_k] = query.dims();
+    let [_, kv_heads, keys, d_v] = value.dims();
+    let offset = keys as i64 - queries as i64;
+    let chunk = MIN_CHUNK.max(queries.div_ceil(MAX_CHUNKS));
+    let device = query.device();
+    let parts: Vec<Tensor<4>> = (0..queries)
+        .step_by(chunk)
+        .map(|start| {
+            let end = (start + chunk).min(queries);
+            let visible = match mask.is_causal() {
+                true => (end as i64 + offset).clamp(0, keys as i64) as usize,
+                false => keys,
+            };
+            if visible == 0 {
+                // Every key is in these queries' future: no visible key, zeros.
+                return Tensor::zeros([batch, heads, end - start, d_v], &device);
+            }
+            let q = query
+                .clone()
+                .slice([0..batch, 0..heads, start..end, 0..d_k]);
+            let k = key
+                .clone()
+                .slice([0..batch, 0..kv_heads, 0..visible, 0..d_k]);
+            let v = value
+                .clone()
+                .slice([0..batch, 0..kv_heads, 0..visible, 0..d_v]);
+            let sub = mask.rows_and_keys(start..end, visible, queries, keys);
+            match kernel {
+                Kernel::Fused => fused(q, k, v, &sub, fused_scale),
+                Kernel::Autodiff | Kernel::Explicit => explicit(q, k, v, &sub, scale),
+            }
+        })
+        .collect();
+    Tensor::cat(parts, 2)
 }
 
 /// Whether some query row may have every key blocked.

@@ -179,6 +179,52 @@ impl AttentionMask {
     }
 }
 
+impl AttentionMask {
+    /// The mask of the sub-problem made of query rows `rows` and the first `visible` keys
+    /// of a `[.., queries, keys]` problem: the causal flag is kept (its bottom-right
+    /// alignment carries over when `visible = rows.end + keys - queries`), the boolean and
+    /// additive parts are sliced where they are not broadcast.
+    pub(crate) fn rows_and_keys(
+        &self,
+        rows: std::ops::Range<usize>,
+        visible: usize,
+        queries: usize,
+        keys: usize,
+    ) -> Self {
+        fn cut<K: burn::tensor::kind::Basic>(
+            t: &Tensor<4, K>,
+            rows: &std::ops::Range<usize>,
+            visible: usize,
+            queries: usize,
+            keys: usize,
+        ) -> Tensor<4, K> {
+            let [b, h, tq, tk] = t.dims();
+            let r = if tq == queries && tq > 1 {
+                rows.clone()
+            } else {
+                0..tq
+            };
+            let c = if tk == keys && tk > 1 {
+                0..visible
+            } else {
+                0..tk
+            };
+            t.clone().slice([0..b, 0..h, r, c])
+        }
+        Self {
+            causal: self.causal,
+            blocked: self
+                .blocked
+                .as_ref()
+                .map(|t| cut(t, &rows, visible, queries, keys)),
+            bias: self
+                .bias
+                .as_ref()
+                .map(|t| cut(t, &rows, visible, queries, keys)),
+        }
+    }
+}
+
 /// The causal part as `[1, 1, Tq, Tk]`, `true` where key `j > i + (Tk - Tq)`.
 pub(crate) fn causal_blocked(queries: usize, keys: usize, device: &Device) -> Tensor<4, Bool> {
     let offset = keys as i64 - queries as i64;
