@@ -1,0 +1,451 @@
+//! Times mha's `MultiHeadAttention` against Burn's built-in
+//! `burn::nn::attention::MultiHeadAttention` on the same backend in the same run (causal
+//! self-attention, forward and forward+backward), the attention core alone, a 2048 x 2048
+//! matmul (the backend's ceiling), and the trainer's default model (tokens per second of
+//! whole training steps, without the learner's metrics and validation).
+//!
+//! ```sh
+//! cargo run --release -p bench                                   # flex, every shape
+//! cargo run --release -p bench --features ndarray,wgpu -- --backend ndarray --backend wgpu
+//! cargo run --release -p bench -- --shapes base --runs 9 --json bench.json
+//! ```
+//!
+//! Each number is the median of `--runs` timed runs after one warm-up run; the device is
+//! synchronised after each run, so GPU numbers include the kernels, not only their launch.
+//! Ratios are "Burn's built-in time / mha's time", measured back to back. GFLOP/s count
+//! the useful work of causal attention: the four projections (`8·B·T·D²`) and the two
+//! attention products over the visible half of the scores (`2·B·T²·D`), forward; a
+//! backward counts twice the forward.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use burn::data::dataloader::batcher::Batcher;
+use burn::nn::attention::{
+    MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig,
+    generate_autoregressive_mask,
+};
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Distribution, Tensor};
+use clap::Parser;
+use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
+use serde::Serialize;
+use train::data::{SeqBatcher, Split, TaskConfig};
+use train::model::ModelConfig;
+use train::training::{Backend, TrainConfig};
+
+/// Time mha's attention against Burn's built-in attention, and the trainer's throughput.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Cli {
+    /// Backends to time, among those compiled in (repeatable) [default: every one].
+    #[arg(long, value_enum)]
+    backend: Vec<Backend>,
+    /// Shapes, comma-separated: tiny (2,16,32,4), small (32,128,256,8), base
+    /// (8,512,512,8), long (1,4096,512,8), as (B, T, D, H).
+    #[arg(long, value_delimiter = ',', default_value = "small,base,long")]
+    shapes: Vec<String>,
+    /// Timed runs per measurement (the median is reported); a measurement whose warm-up
+    /// run takes over 2 s uses at most 3.
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+    /// Skip Burn's built-in attention.
+    #[arg(long)]
+    no_builtin: bool,
+    /// Skip the trainer's steps.
+    #[arg(long)]
+    no_train: bool,
+    /// Training steps timed for the trainer's throughput.
+    #[arg(long, default_value_t = 20)]
+    train_steps: usize,
+    /// Also write every measurement to this JSON file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// An attention shape: batch, sequence length, model width, heads.
+#[derive(Clone, Copy, Debug, Serialize)]
+struct Shape {
+    name: &'static str,
+    batch: usize,
+    seq: usize,
+    d_model: usize,
+    heads: usize,
+}
+
+const SHAPES: [Shape; 4] = [
+    Shape {
+        name: "tiny",
+        batch: 2,
+        seq: 16,
+        d_model: 32,
+        heads: 4,
+    },
+    Shape {
+        name: "small",
+        batch: 32,
+        seq: 128,
+        d_model: 256,
+        heads: 8,
+    },
+    Shape {
+        name: "base",
+        batch: 8,
+        seq: 512,
+        d_model: 512,
+        heads: 8,
+    },
+    Shape {
+        name: "long",
+        batch: 1,
+        seq: 4096,
+        d_model: 512,
+        heads: 8,
+    },
+];
+
+impl Shape {
+    /// Forward FLOPs of causal multi-head attention (see the crate docs).
+    fn mha_flops(self) -> f64 {
+        let (b, t, d) = (self.batch as f64, self.seq as f64, self.d_model as f64);
+        8.0 * b * t * d * d + self.core_flops()
+    }
+
+    /// Forward FLOPs of the causal attention core alone.
+    fn core_flops(self) -> f64 {
+        let (b, t, d) = (self.batch as f64, self.seq as f64, self.d_model as f64);
+        2.0 * b * t * t * d
+    }
+}
+
+/// One measurement.
+#[derive(Debug, Serialize)]
+struct Record {
+    backend: &'static str,
+    shape: Option<Shape>,
+    /// `mha`, `burn` (built-in), `mha-core`, `matmul-2048` or `trainer`.
+    subject: &'static str,
+    /// `forward`, `forward+backward` or `train-step`.
+    pass: &'static str,
+    median_ms: f64,
+    runs: usize,
+    gflops: Option<f64>,
+    tokens_per_second: Option<f64>,
+}
+
+/// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device.
+fn time(runs: usize, device: &Device, mut f: impl FnMut()) -> anyhow::Result<(f64, usize)> {
+    let started = Instant::now();
+    f();
+    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let runs = match started.elapsed().as_secs_f64() > 2.0 {
+        true => runs.min(3),
+        false => runs,
+    };
+    let mut samples = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let started = Instant::now();
+        f();
+        device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        samples.push(started.elapsed().as_secs_f64() * 1e3);
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok((samples[samples.len() / 2], runs))
+}
+
+fn randn<const D: usize>(dims: [usize; D], device: &Device) -> Tensor<D> {
+    Tensor::random(dims, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// mha's and Burn's multi-head attention, forward and forward+backward, at one shape.
+fn bench_mha(
+    cli: &Cli,
+    backend: Backend,
+    device: &Device,
+    shape: Shape,
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let Shape {
+        batch: b,
+        seq: t,
+        d_model: d,
+        heads: h,
+        ..
+    } = shape;
+    let ad = device.clone().autodiff();
+    let mut record = |subject, pass, (ms, runs): (f64, usize), flops: f64| {
+        out.push(Record {
+            backend: backend.name(),
+            shape: Some(shape),
+            subject,
+            pass,
+            median_ms: ms,
+            runs,
+            gflops: Some(flops / ms / 1e6),
+            tokens_per_second: None,
+        });
+    };
+    let fwd = shape.mha_flops();
+
+    let config = MultiHeadAttentionConfig::new(d, h);
+    let ours = config.init(device);
+    let x = randn([b, t, d], device);
+    let ms = time(cli.runs, device, || {
+        drop(ours.forward(MhaInput::causal(x.clone())).context);
+    })?;
+    record("mha", "forward", ms, fwd);
+    let ours = config.init(&ad);
+    let x = randn([b, t, d], &ad).require_grad();
+    let ms = time(cli.runs, device, || {
+        drop(
+            ours.forward(MhaInput::causal(x.clone()))
+                .context
+                .sum()
+                .backward(),
+        );
+    })?;
+    record("mha", "forward+backward", ms, 3.0 * fwd);
+
+    if !cli.no_builtin {
+        let config = BurnMhaConfig::new(d, h).with_dropout(0.0);
+        let theirs = config.init(device);
+        let x = randn([b, t, d], device);
+        let mask = generate_autoregressive_mask(b, t, device);
+        let ms = time(cli.runs, device, || {
+            let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
+            drop(theirs.forward(input).context);
+        })?;
+        record("burn", "forward", ms, fwd);
+        let theirs = config.init(&ad);
+        let x = randn([b, t, d], &ad).require_grad();
+        let mask = generate_autoregressive_mask(b, t, &ad);
+        let ms = time(cli.runs, device, || {
+            let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
+            drop(theirs.forward(input).context.sum().backward());
+        })?;
+        record("burn", "forward+backward", ms, 3.0 * fwd);
+    }
+
+    let core = shape.core_flops();
+    let dims = [b, h, t, d / h];
+    let causal = AttentionMask::causal();
+    let (q, k, v) = (
+        randn(dims, device),
+        randn(dims, device),
+        randn(dims, device),
+    );
+    let ms = time(cli.runs, device, || {
+        let sdpa = mha::scaled_dot_product_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &causal,
+            SdpaOptions::default(),
+        );
+        drop(sdpa.context);
+    })?;
+    record("mha-core", "forward", ms, core);
+    let grad = || randn(dims, &ad).require_grad();
+    let (q, k, v) = (grad(), grad(), grad());
+    let ms = time(cli.runs, device, || {
+        let sdpa = mha::scaled_dot_product_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &causal,
+            SdpaOptions::default(),
+        );
+        drop(sdpa.context.sum().backward());
+    })?;
+    record("mha-core", "forward+backward", ms, 3.0 * core);
+    Ok(())
+}
+
+/// The backend's 2048 x 2048 f32 matrix product: the ceiling attention's GFLOP/s are
+/// compared against.
+fn bench_matmul(
+    cli: &Cli,
+    backend: Backend,
+    device: &Device,
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let n = 2048;
+    let (a, b) = (randn([n, n], device), randn([n, n], device));
+    let flops = 2.0 * (n as f64).powi(3);
+    let (ms, runs) = time(cli.runs, device, || drop(a.clone().matmul(b.clone())))?;
+    out.push(Record {
+        backend: backend.name(),
+        shape: None,
+        subject: "matmul-2048",
+        pass: "forward",
+        median_ms: ms,
+        runs,
+        gflops: Some(flops / ms / 1e6),
+        tokens_per_second: None,
+    });
+    Ok(())
+}
+
+/// Whole training steps (batching, forward, loss, backward, AdamW) of the trainer's
+/// default model and task.
+fn bench_trainer(
+    cli: &Cli,
+    backend: Backend,
+    device: &Device,
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let config = TrainConfig::new(TaskConfig::new(), ModelConfig::new());
+    let ad = device.clone().autodiff();
+    let mut model = config.init_model(&ad)?;
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(config.weight_decay)
+        .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip)))
+        .init();
+    let batcher = SeqBatcher {
+        fixed: config.fixed_shape(backend),
+    };
+    let mut next = 0;
+    // One step on a fresh batch: the model after it and the batch's real tokens.
+    let mut step = |model: train::model::Model| {
+        let examples: Vec<_> = (next..next + config.batch_size)
+            .map(|i| config.task.example(config.seed, Split::Train, i))
+            .collect();
+        next += config.batch_size;
+        let tokens: usize = examples
+            .iter()
+            .map(|e| e.input.len() + e.output.len() + 2)
+            .sum();
+        let loss = model.forward_loss(batcher.batch(examples, &ad)).loss;
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        (optim.step(config.lr, model, grads), tokens)
+    };
+    model = step(model).0; // warm-up
+    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let mut tokens = 0;
+    let started = Instant::now();
+    for _ in 0..cli.train_steps {
+        let (next_model, n) = step(model);
+        model = next_model;
+        tokens += n;
+    }
+    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let seconds = started.elapsed().as_secs_f64();
+    drop(model);
+    out.push(Record {
+        backend: backend.name(),
+        shape: None,
+        subject: "trainer",
+        pass: "train-step",
+        median_ms: seconds * 1e3 / cli.train_steps as f64,
+        runs: cli.train_steps,
+        gflops: None,
+        tokens_per_second: Some(tokens as f64 / seconds),
+    });
+    Ok(())
+}
+
+fn find<'a>(records: &'a [Record], shape: &str, subject: &str, pass: &str) -> Option<&'a Record> {
+    records.iter().find(|r| {
+        r.shape.is_some_and(|s| s.name == shape) && r.subject == subject && r.pass == pass
+    })
+}
+
+fn print_table(backend: Backend, records: &[Record], shapes: &[Shape]) {
+    println!("\n## {backend}: causal self-attention, median ms (GFLOP/s)\n");
+    println!(
+        "| shape (B, T, D, H) | mha fwd | Burn fwd | Burn/mha | mha fwd+bwd | Burn fwd+bwd | Burn/mha | core fwd | core fwd+bwd |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let cell = |r: Option<&Record>| match r {
+        Some(r) => format!("{:.1} ({:.0})", r.median_ms, r.gflops.unwrap_or(0.0)),
+        None => "—".into(),
+    };
+    let ratio = |a: Option<&Record>, b: Option<&Record>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.2}x", b.median_ms / a.median_ms),
+        _ => "—".into(),
+    };
+    for s in shapes {
+        let get = |subject, pass| find(records, s.name, subject, pass);
+        let (f, bf) = (get("mha", "forward"), get("burn", "forward"));
+        let (fb, bfb) = (
+            get("mha", "forward+backward"),
+            get("burn", "forward+backward"),
+        );
+        println!(
+            "| {} ({}, {}, {}, {}) | {} | {} | {} | {} | {} | {} | {} | {} |",
+            s.name,
+            s.batch,
+            s.seq,
+            s.d_model,
+            s.heads,
+            cell(f),
+            cell(bf),
+            ratio(f, bf),
+            cell(fb),
+            cell(bfb),
+            ratio(fb, bfb),
+            cell(get("mha-core", "forward")),
+            cell(get("mha-core", "forward+backward")),
+        );
+    }
+    if let Some(r) = records.iter().find(|r| r.subject == "matmul-2048") {
+        println!(
+            "\n2048 x 2048 f32 matmul: {:.1} ms, {:.0} GFLOP/s",
+            r.median_ms,
+            r.gflops.unwrap_or(0.0)
+        );
+    }
+    if let Some(r) = records.iter().find(|r| r.subject == "trainer") {
+        println!(
+            "\ntrainer (default model and task, batch 64): {:.1} ms per step, {:.0} tokens/s",
+            r.median_ms,
+            r.tokens_per_second.unwrap_or(0.0)
+        );
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let shapes: Vec<Shape> = cli
+        .shapes
+        .iter()
+        .map(|name| {
+            SHAPES
+                .iter()
+                .find(|s| s.name == name.as_str())
+                .copied()
+                .with_context(|| {
+                    format!("--shapes: unknown shape {name:?} (tiny, small, base, long)")
+                })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    anyhow::ensure!(cli.runs > 0, "--runs must be at least 1, got 0");
+    let backends = match cli.backend.is_empty() {
+        true => Backend::compiled(),
+        false => cli.backend.clone(),
+    };
+    anyhow::ensure!(!backends.is_empty(), "this build has no backend");
+    let mut records = Vec::new();
+    for backend in backends {
+        let device = backend.device()?;
+        let mut mine = Vec::new();
+        bench_matmul(&cli, backend, &device, &mut mine)?;
+        for &shape in &shapes {
+            eprintln!("{backend}: {} ...", shape.name);
+            bench_mha(&cli, backend, &device, shape, &mut mine)?;
+        }
+        if !cli.no_train {
+            eprintln!("{backend}: trainer ...");
+            bench_trainer(&cli, backend, &device, &mut mine)?;
+        }
+        print_table(backend, &mine, &shapes);
+        records.extend(mine);
+    }
+    if let Some(path) = &cli.json {
+        std::fs::write(path, serde_json::to_string_pretty(&records)? + "\n")
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
