@@ -96,7 +96,7 @@ struct TrainArgs {
     /// Warmup steps [default: 50].
     #[arg(long)]
     warmup: Option<usize>,
-    /// Epochs [default: 6].
+    /// Epochs [default: 8].
     #[arg(long)]
     epochs: Option<usize>,
     /// Steps per epoch [default: 100].

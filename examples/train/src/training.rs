@@ -54,7 +54,7 @@ pub struct TrainConfig {
     #[config(default = 100)]
     pub steps_per_epoch: usize,
     /// Epochs.
-    #[config(default = 6)]
+    #[config(default = 8)]
     pub epochs: usize,
     /// Held-out sequences for the validation loss after each epoch.
     #[config(default = 256)]
