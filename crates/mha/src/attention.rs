@@ -242,8 +242,8 @@ enum Kernel {
     /// than the explicit path), so the explicit path, in chunks from 256 queries on.
     Autodiff,
     /// Matmul, softmax, matmul: the CubeCL backends (wgpu, cuda), whose f32 flash kernel
-    /// is several times slower than these three steps (on an H100 through Vulkan, 16 ms
-    /// against 2 ms for one 8 x 512 x 512 causal attention).
+    /// is several times slower than these three steps (measured on an H100 through
+    /// Vulkan: 16.3 ms against 5.6 ms for causal attention over `[8, 8, 512, 64]`).
     Explicit,
 }
 
