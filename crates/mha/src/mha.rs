@@ -328,13 +328,11 @@ impl MultiHeadAttention {
         let q_width = self.n_heads * self.head_dim;
         let kv_width = self.n_kv_heads * self.head_dim;
         match (&self.in_proj, source) {
-            (InputProjection::Packed(proj), Source::SelfAttention) => {
-                let qkv = proj.forward(query); // [B, T, (H + 2·Hkv)·Dh]
-                let q = qkv.clone().narrow(2, 0, q_width);
-                let k = qkv.clone().narrow(2, q_width, kv_width);
-                let v = qkv.narrow(2, q_width + kv_width, kv_width);
-                (q, k, v)
-            }
+            (InputProjection::Packed(proj), Source::SelfAttention) => (
+                linear_columns(proj, query.clone(), 0, q_width),
+                linear_columns(proj, query.clone(), q_width, kv_width),
+                linear_columns(proj, query, q_width + kv_width, kv_width),
+            ),
             (InputProjection::Packed(proj), Source::Context(context)) => {
                 check_input("context", &context, batch, d_model);
                 let q = linear_columns(proj, query, 0, q_width);
