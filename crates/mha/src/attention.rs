@@ -1,11 +1,15 @@
 //! Scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
 //!
-//! One function, two paths with the same numbers:
-//! - **fused**: when no weights are asked for and dropout is off, the work goes to Burn's
-//!   `burn::tensor::module::attention`, so flex and the CubeCL backends (wgpu, cuda) run
-//!   their flash kernels and never hold the `[Tq, Tk]` scores of all heads at once;
-//! - **explicit**: matmul, mask, softmax, dropout, matmul, when the weights are wanted or
-//!   dropout is on (the fused op has neither).
+//! One function, paths with the same numbers, chosen per device by measurement:
+//! - **fused**: when no weights are asked for and dropout is off on flex or ndarray, the
+//!   work goes to Burn's `burn::tensor::module::attention` (flex's flash kernel never
+//!   holds the `[Tq, Tk]` scores of all heads at once);
+//! - **explicit**: matmul, mask, softmax, dropout, matmul: when the weights are wanted or
+//!   dropout is on (the fused op has neither), on autodiff devices (Burn has no backward
+//!   of its own for the fused op) and on the CubeCL backends (wgpu, cuda), where it is
+//!   faster than their f32 flash kernel;
+//! - **chunked**: from 256 queries on, without weights, the queries are cut into chunks
+//!   that each run one of the above; a causal chunk reads only the keys it can see.
 //!
 //! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`.
