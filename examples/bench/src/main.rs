@@ -231,34 +231,20 @@ fn bench_mha(
     let core = shape.core_flops();
     let dims = [b, h, t, d / h];
     let causal = AttentionMask::causal();
+    let sdpa = |q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>| {
+        let options = SdpaOptions::default();
+        mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options).context
+    };
     let (q, k, v) = (
         randn(dims, device),
         randn(dims, device),
         randn(dims, device),
     );
-    let ms = time(cli.runs, device, || {
-        let sdpa = mha::scaled_dot_product_attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            &causal,
-            SdpaOptions::default(),
-        );
-        drop(sdpa.context);
-    })?;
+    let ms = time(cli.runs, device, || drop(sdpa(&q, &k, &v)))?;
     record("mha-core", "forward", ms, core);
     let grad = || randn(dims, &ad).require_grad();
     let (q, k, v) = (grad(), grad(), grad());
-    let ms = time(cli.runs, device, || {
-        let sdpa = mha::scaled_dot_product_attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            &causal,
-            SdpaOptions::default(),
-        );
-        drop(sdpa.context.sum().backward());
-    })?;
+    let ms = time(cli.runs, device, || drop(sdpa(&q, &k, &v).sum().backward()))?;
     record("mha-core", "forward+backward", ms, 3.0 * core);
     Ok(())
 }
