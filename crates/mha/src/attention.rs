@@ -8,8 +8,9 @@
 //!   dropout is on (the fused op has neither), on autodiff devices (Burn has no backward
 //!   of its own for the fused op) and on the CubeCL backends (wgpu, cuda), where it is
 //!   faster than their f32 flash kernel;
-//! - **chunked**: from 256 queries on, without weights, the queries are cut into chunks
-//!   that each run one of the above; a causal chunk reads only the keys it can see.
+//! - **chunked**: from 256 queries on, without weights, causal attention (and any
+//!   attention on CubeCL, to bound the scores' memory) is cut into query chunks that each
+//!   run one of the above; a causal chunk reads only the keys it can see.
 //!
 //! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`.
@@ -120,7 +121,7 @@ pub fn scaled_dot_product_attention(
         let device = query.device();
         let kernel = Kernel::of(&device);
         let fused_scale = (scale != default_scale).then_some(scale);
-        let chunked = queries >= 2 * MIN_CHUNK && (mask.is_causal() || kernel != Kernel::Fused);
+        let chunked = queries >= 2 * MIN_CHUNK && (mask.is_causal() || kernel == Kernel::Explicit);
         let context = match (chunked, kernel) {
             (true, _) => attention_in_chunks(query, key, value, mask, scale, fused_scale, kernel),
             (false, Kernel::Fused) => fused(query, key, value, mask, fused_scale),
@@ -243,7 +244,7 @@ enum Kernel {
     Fused,
     /// An autodiff device: Burn's fused op has no backward of its own there (it is
     /// decomposed and differentiated op by op, with a few more passes over the scores
-    /// than the explicit path), so the explicit path, in chunks from 256 queries on.
+    /// than the explicit path), so the explicit path; causal chunks from 256 queries on.
     Autodiff,
     /// Matmul, softmax, matmul: the CubeCL backends (wgpu, cuda), whose f32 flash kernel
     /// is several times slower than these three steps (measured on an H100 through
