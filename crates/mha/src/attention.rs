@@ -186,8 +186,8 @@ pub fn attention_weights(
 
 /// Whether the backend's fused attention takes a mask that broadcasts over heads and
 /// queries. Flex's kernel and the decomposed fallback (ndarray, autodiff) do; the CubeCL
-/// flash kernels (wgpu, cuda) read the mask with the scores' shape, so it is expanded for
-/// them (a strided view, not a copy).
+/// flash kernels (wgpu, cuda) read the mask with the scores' shape (and are slower than
+/// the explicit path), so [`Kernel::of`] sends only the former to the fused op.
 fn fused_mask_broadcasts(device: &Device) -> bool {
     if device.is_autodiff() {
         return true;
@@ -196,8 +196,9 @@ fn fused_mask_broadcasts(device: &Device) -> bool {
     name.starts_with("Device<Flex") || name.starts_with("Device<NdArray")
 }
 
-/// Burn's fused attention op; `scale` is `None` for the default `1 / sqrt(Dk)` (the only
-/// one the CubeCL flash kernels take).
+/// Burn's fused attention op, for the devices of [`Kernel::Fused`] (flex, ndarray), which
+/// take a mask that broadcasts over heads and queries as it is; `scale` is `None` for the
+/// default `1 / sqrt(Dk)`.
 ///
 /// # Shapes
 /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
@@ -209,9 +210,7 @@ fn fused(
     mask: &AttentionMask,
     scale: Option<f64>,
 ) -> Tensor<4> {
-    let [batch, heads, queries, _] = query.dims();
-    let [_, kv_heads, keys, _] = key.dims();
-    let group = heads / kv_heads;
+    let group = query.dims()[1] / key.dims()[1];
     let key = repeat_kv(key, group); // [B, H, Tk, Dk]
     let value = repeat_kv(value, group); // [B, H, Tk, Dv]
     let options = AttentionModuleOptions {
@@ -219,13 +218,7 @@ fn fused(
         softcap: None,
         is_causal: mask.is_causal(),
     };
-    let full = [batch, heads, queries, keys];
-    let blocked = mask
-        .blocked()
-        .map(|m| match fused_mask_broadcasts(&query.device()) {
-            true => m.clone(),
-            false => m.clone().expand(full),
-        });
+    let blocked = mask.blocked().cloned();
     let bias = mask.additive_bias().cloned();
     fused_attention(query, key, value, blocked, bias, options)
 }
