@@ -423,76 +423,113 @@ fn blocks_return_the_weights_they_used() {
     }
 }
 
+/// The masks of [`attention_under_autodiff_matches_the_explicit_path`] for `[Tq, Tk]`:
+/// a name and the mask on `device`.
+fn autodiff_masks(tq: usize, tk: usize, device: &Device) -> Vec<(&'static str, AttentionMask)> {
+    let padding = || AttentionMask::key_lengths(&[tk, tk - tk / 6], tk, device);
+    // A third of the pairs blocked, and every key of query rows 3 and 5 (rows without a
+    // visible key must give zeros and pass no gradient).
+    let mut rng = crate::util::SplitMix(11);
+    let blocked = (0..tq * tk)
+        .map(|i| [3, 5].contains(&(i / tk)) || rng.uniform() < 0.33)
+        .collect();
+    vec![
+        ("causal", AttentionMask::causal()),
+        ("causal + padding", AttentionMask::causal().and(padding())),
+        (
+            "causal + padding + bias",
+            AttentionMask::causal()
+                .and(padding())
+                .and(AttentionMask::bias(randn([1, 1, tq, tk], 7, device) * 0.5)),
+        ),
+        (
+            "padding + boolean",
+            padding().and(AttentionMask::blocking(bool_tensor(
+                blocked,
+                [tq, tk],
+                device,
+            ))),
+        ),
+    ]
+}
+
 #[test]
-fn long_causal_attention_under_autodiff_matches_the_unchunked_path() {
-    // From 256 queries on, causal attention on an autodiff device (and on flex and
-    // ndarray) runs in query chunks that skip the blocked keys; the explicit path (asked
-    // for weights) does not chunk.
+fn attention_under_autodiff_matches_the_explicit_path() {
+    // Without weights, an autodiff device runs attention as one operation with its own
+    // backward (flex, ndarray: recomputed scores; wgpu: the explicit path in chunks), in
+    // query chunks from 256 queries on; with weights it takes the explicit path, unchunked.
     for be in backends() {
         let dev = be.autodiff();
         let (b, h, hkv, d) = (2, 4, 2, 8);
-        for (tq, tk) in [(300, 340), (300, 260)] {
-            let padding = AttentionMask::key_lengths(&[tk, tk - 50], tk, &dev);
-            let bias = AttentionMask::bias(randn([1, 1, tq, tk], 7, &dev) * 0.5);
-            let mask = AttentionMask::causal().and(padding).and(bias);
-            let q = randn([b, h, tq, d], 1, &dev).require_grad();
-            let k = randn([b, hkv, tk, d], 2, &dev).require_grad();
-            let v = randn([b, hkv, tk, d], 3, &dev).require_grad();
-            let grad_out = randn([b, h, tq, d], 4, &dev);
-            let run = |weights| {
-                let options = SdpaOptions::default().with_weights(weights);
-                let out =
-                    scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
-                let grads = (out.context.clone() * grad_out.clone()).sum().backward();
-                let g = [&q, &k, &v].map(|x| x.grad(&grads).unwrap());
-                (out.context, g)
-            };
-            let (chunked, chunked_grads) = run(AttentionWeights::None);
-            let (explicit, explicit_grads) = run(AttentionWeights::PerHead);
-            let err = max_abs_diff(chunked.clone(), explicit);
-            assert!(
-                err <= be.forward_tol(),
-                "[{}] Tq {tq}, Tk {tk}: chunked output differs by {err}",
-                be.name
-            );
-            if tq > tk {
-                let first = to_vec(chunked.slice([0..1, 0..1, 0..tq - tk, 0..d]));
-                assert!(
-                    first.iter().all(|&x| x == 0.0),
-                    "[{}] rows without keys not zero",
-                    be.name
+        for (tq, tk) in [(300, 340), (300, 260), (40, 40), (40, 56)] {
+            for (name, mask) in autodiff_masks(tq, tk, &dev) {
+                let case = format!("[{}] {name}, Tq {tq}, Tk {tk}", be.name);
+                let q = randn([b, h, tq, d], 1, &dev).require_grad();
+                let k = randn([b, hkv, tk, d], 2, &dev).require_grad();
+                let v = randn([b, hkv, tk, d], 3, &dev).require_grad();
+                let grad_out = randn([b, h, tq, d], 4, &dev);
+                let run = |weights| {
+                    let options = SdpaOptions::default().with_weights(weights);
+                    let out = scaled_dot_product_attention(
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        &mask,
+                        options,
+                    );
+                    let grads = (out.context.clone() * grad_out.clone()).sum().backward();
+                    let g = [&q, &k, &v].map(|x| x.grad(&grads).unwrap());
+                    (out.context, g)
+                };
+                let (fast, fast_grads) = run(AttentionWeights::None);
+                let (explicit, explicit_grads) = run(AttentionWeights::PerHead);
+                let err = max_abs_diff(fast.clone(), explicit);
+                assert!(err <= be.forward_tol(), "{case}: output differs by {err}");
+                if tq > tk && name.starts_with("causal") {
+                    let first = to_vec(fast.clone().slice([0..1, 0..1, 0..tq - tk, 0..d]));
+                    assert!(
+                        first.iter().all(|&x| x == 0.0),
+                        "{case}: rows without keys not zero"
+                    );
+                }
+                if name.ends_with("boolean") {
+                    let dead = to_vec(fast.slice([0..b, 0..h, 3..4, 0..d]));
+                    assert!(
+                        dead.iter().all(|&x| x == 0.0),
+                        "{case}: a row without keys is not zero"
+                    );
+                }
+                for ((part, a), e) in ["q", "k", "v"].iter().zip(fast_grads).zip(explicit_grads) {
+                    let values = to_vec(a.clone());
+                    assert!(
+                        values.iter().all(|x| x.is_finite()),
+                        "{case}: gradient of {part} not finite"
+                    );
+                    let err = max_abs_diff(a, e);
+                    assert!(
+                        err <= be.grad_tol(),
+                        "{case}: gradient of {part} differs by {err}"
+                    );
+                }
+                // The plain device: flex and ndarray chunk the fused op, wgpu the explicit
+                // path.
+                let plain = |weights| {
+                    let options = SdpaOptions::default().with_weights(weights);
+                    let (q, k, v) = (q.clone().inner(), k.clone().inner(), v.clone().inner());
+                    let mask = autodiff_masks(tq, tk, &be.device)
+                        .into_iter()
+                        .find(|(n, _)| *n == name)
+                        .unwrap()
+                        .1;
+                    scaled_dot_product_attention(q, k, v, &mask, options).context
+                };
+                let err = max_abs_diff(
+                    plain(AttentionWeights::None),
+                    plain(AttentionWeights::PerHead),
                 );
-            }
-            // The plain device: flex and ndarray chunk the fused op, wgpu the explicit path.
-            let plain = |weights| {
-                let options = SdpaOptions::default().with_weights(weights);
-                let (q, k, v) = (q.clone().inner(), k.clone().inner(), v.clone().inner());
-                let mask = AttentionMask::causal()
-                    .and(AttentionMask::key_lengths(&[tk, tk - 50], tk, &be.device))
-                    .and(AttentionMask::bias(
-                        randn([1, 1, tq, tk], 7, &be.device) * 0.5,
-                    ));
-                scaled_dot_product_attention(q, k, v, &mask, options).context
-            };
-            let err = max_abs_diff(
-                plain(AttentionWeights::None),
-                plain(AttentionWeights::PerHead),
-            );
-            assert!(
-                err <= be.forward_tol(),
-                "[{}] Tq {tq}, Tk {tk}: fused output (no autodiff) differs by {err}",
-                be.name
-            );
-            for ((name, a), e) in ["q", "k", "v"]
-                .iter()
-                .zip(chunked_grads)
-                .zip(explicit_grads)
-            {
-                let err = max_abs_diff(a, e);
                 assert!(
-                    err <= be.grad_tol(),
-                    "[{}] Tq {tq}, Tk {tk}: gradient of {name} differs by {err}",
-                    be.name
+                    err <= be.forward_tol(),
+                    "{case}: output without autodiff differs by {err}"
                 );
             }
         }

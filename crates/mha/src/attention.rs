@@ -1,16 +1,20 @@
 //! Scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
 //!
-//! One function, paths with the same numbers, chosen per device by measurement:
-//! - **fused**: when no weights are asked for and dropout is off on flex or ndarray, the
-//!   work goes to Burn's `burn::tensor::module::attention` (flex's flash kernel never
-//!   holds the `[Tq, Tk]` scores of all heads at once);
+//! One function, paths with the same numbers, chosen per device by measurement (when no
+//! weights are asked for and dropout is off; otherwise always the explicit path):
+//! - **recompute** (`recompute.rs`): on flex and ndarray under autodiff, and on flex from
+//!   256 queries on, attention is one operation whose backward pass recomputes the
+//!   scores chunk by chunk from the row log-sum-exp instead of keeping them, with
+//!   row-wise softmax kernels on flex (`rows.rs`); not with an additive bias;
+//! - **fused**: otherwise on flex or ndarray, Burn's `burn::tensor::module::attention`
+//!   (flex's flash kernel never holds the `[Tq, Tk]` scores of all heads at once);
 //! - **explicit**: matmul, mask, softmax, dropout, matmul: when the weights are wanted or
-//!   dropout is on (the fused op has neither), on autodiff devices (Burn has no backward
-//!   of its own for the fused op) and on the CubeCL backends (wgpu, cuda), where it is
-//!   faster than their f32 flash kernel;
-//! - **chunked**: from 256 queries on, without weights, causal attention (and any
-//!   attention on CubeCL, to bound the scores' memory) is cut into query chunks that each
-//!   run one of the above; a causal chunk reads only the keys it can see.
+//!   dropout is on (the fused op has neither), on autodiff devices the recompute path
+//!   does not cover, and on the CubeCL backends (wgpu, cuda), where it is faster than
+//!   their f32 flash kernel;
+//! - **chunked**: from 256 queries on, causal attention (and any attention on CubeCL, to
+//!   bound the scores' memory) is cut into query chunks; a causal chunk reads only the
+//!   keys it can see.
 //!
 //! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`.
@@ -24,8 +28,8 @@ use crate::mask::AttentionMask;
 /// Scores at or below this are treated as blocked. Blocked scores are filled with
 /// [`BLOCKED`], a finite value, so that a row whose every key is blocked has a finite
 /// softmax (and finite gradients) which is then zeroed.
-const BLOCKED: f32 = -1.0e30;
-const DEAD_ROW: f32 = -5.0e29;
+pub(crate) const BLOCKED: f32 = -1.0e30;
+pub(crate) const DEAD_ROW: f32 = -5.0e29;
 
 /// Which attention weights to return.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -119,8 +123,29 @@ pub fn scaled_dot_product_attention(
 
     if options.weights == AttentionWeights::None && options.dropout == 0.0 {
         let device = query.device();
-        let kernel = Kernel::of(&device);
+        let kernel = Kernel::of(&device, queries, mask);
         let fused_scale = (scale != default_scale).then_some(scale);
+        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        if kernel == Kernel::Recompute {
+            let group = heads / kv_heads;
+            let chunk = match queries >= 2 * MIN_CHUNK {
+                true => MIN_CHUNK.max(queries.div_ceil(MAX_CHUNKS)),
+                false => queries,
+            };
+            let context = crate::recompute::attention(
+                query,
+                repeat_kv(key, group),
+                repeat_kv(value, group),
+                mask.blocked().cloned(),
+                mask.is_causal(),
+                scale,
+                chunk,
+            );
+            return AttentionOutput {
+                context,
+                weights: None,
+            };
+        }
         let chunked = queries >= 2 * MIN_CHUNK && (mask.is_causal() || kernel == Kernel::Explicit);
         let context = match (chunked, kernel) {
             (true, _) => attention_in_chunks(query, key, value, mask, scale, fused_scale, kernel),
@@ -184,16 +209,27 @@ pub fn attention_weights(
     weights * open
 }
 
-/// Whether the backend's fused attention takes a mask that broadcasts over heads and
-/// queries. Flex's kernel and the decomposed fallback (ndarray, autodiff) do; the CubeCL
-/// flash kernels (wgpu, cuda) read the mask with the scores' shape (and are slower than
-/// the explicit path), so [`Kernel::of`] sends only the former to the fused op.
-fn fused_mask_broadcasts(device: &Device) -> bool {
-    if device.is_autodiff() {
-        return true;
+/// The CPU backend under `device` (autodiff or not), if it is flex or ndarray: their fused
+/// op takes a mask that broadcasts over heads and queries, and [`crate::recompute`] runs
+/// on them. The CubeCL flash kernels (wgpu, cuda) read the mask with the scores' shape
+/// (and are slower than the explicit path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cpu {
+    Flex,
+    NdArray,
+}
+
+impl Cpu {
+    fn of(device: &Device) -> Option<Self> {
+        let name = format!("{:?}", device.clone().inner());
+        if name.starts_with("Device<Flex") {
+            Some(Cpu::Flex)
+        } else if name.starts_with("Device<NdArray") {
+            Some(Cpu::NdArray)
+        } else {
+            None
+        }
     }
-    let name = format!("{device:?}");
-    name.starts_with("Device<Flex") || name.starts_with("Device<NdArray")
 }
 
 /// Burn's fused attention op, for the devices of [`Kernel::Fused`] (flex, ndarray), which
@@ -233,11 +269,17 @@ const MAX_CHUNKS: usize = 16;
 /// see the README's benchmarks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kernel {
-    /// Burn's fused op: flex's flash kernel, ndarray's decomposed one.
+    /// Burn's fused op: flex's flash kernel below 256 queries, ndarray's decomposed one.
     Fused,
-    /// An autodiff device: Burn's fused op has no backward of its own there (it is
-    /// decomposed and differentiated op by op, with a few more passes over the scores
-    /// than the explicit path), so the explicit path; causal chunks from 256 queries on.
+    /// [`crate::recompute`]: one operation with a backward pass of its own that
+    /// recomputes the scores chunk by chunk, and row-wise softmax kernels on flex. For
+    /// autodiff over flex and ndarray, and for flex from 256 queries on, where its forward
+    /// pass beats the flash kernel; not with an additive bias (which may want a gradient).
+    Recompute,
+    /// An autodiff device over a CubeCL backend, or a mask with an additive bias: Burn's
+    /// fused op has no backward of its own there (it is decomposed and differentiated op
+    /// by op, with a few more passes over the scores than the explicit path), so the
+    /// explicit path; causal chunks from 256 queries on.
     Autodiff,
     /// Matmul, softmax, matmul: the CubeCL backends (wgpu, cuda), whose f32 flash kernel
     /// is several times slower than these three steps (measured on an H100 through
@@ -246,11 +288,17 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn of(device: &Device) -> Self {
-        match (device.is_autodiff(), fused_mask_broadcasts(device)) {
+    fn of(device: &Device, queries: usize, mask: &AttentionMask) -> Self {
+        let cpu = Cpu::of(device);
+        let recompute = cfg!(any(feature = "flex", feature = "ndarray"))
+            && cpu.is_some()
+            && mask.additive_bias().is_none();
+        match (device.is_autodiff(), cpu) {
+            (true, _) if recompute => Kernel::Recompute,
             (true, _) => Kernel::Autodiff,
-            (false, true) => Kernel::Fused,
-            (false, false) => Kernel::Explicit,
+            (false, Some(Cpu::Flex)) if recompute && queries >= 2 * MIN_CHUNK => Kernel::Recompute,
+            (false, Some(_)) => Kernel::Fused,
+            (false, None) => Kernel::Explicit,
         }
     }
 }
@@ -321,7 +369,7 @@ fn attention_in_chunks(
             let sub = mask.rows_and_keys(start..end, visible, queries, keys);
             match kernel {
                 Kernel::Fused => fused(q, k, v, &sub, fused_scale),
-                Kernel::Autodiff | Kernel::Explicit => explicit(q, k, v, &sub, scale),
+                _ => explicit(q, k, v, &sub, scale),
             }
         })
         .collect();
@@ -390,22 +438,41 @@ mod tests {
 
     #[cfg(feature = "flex")]
     #[test]
-    fn flex_takes_broadcast_masks_in_the_fused_op() {
-        assert!(fused_mask_broadcasts(&Device::flex()));
-        assert!(fused_mask_broadcasts(&Device::flex().autodiff()));
+    fn flex_recomputes_under_autodiff_and_from_256_queries() {
+        let (causal, bias) = (
+            AttentionMask::causal(),
+            AttentionMask::bias(Tensor::<2>::zeros([4, 4], &Device::flex())),
+        );
+        let (flex, autodiff) = (Device::flex(), Device::flex().autodiff());
+        assert_eq!(Cpu::of(&autodiff), Some(Cpu::Flex));
+        assert_eq!(Kernel::of(&autodiff, 8, &causal), Kernel::Recompute);
+        assert_eq!(Kernel::of(&autodiff, 8, &bias), Kernel::Autodiff);
+        assert_eq!(Kernel::of(&flex, 255, &causal), Kernel::Fused);
+        assert_eq!(Kernel::of(&flex, 256, &causal), Kernel::Recompute);
+        assert_eq!(Kernel::of(&flex, 256, &bias), Kernel::Fused);
     }
 
     #[cfg(feature = "ndarray")]
     #[allow(deprecated)]
     #[test]
-    fn ndarray_takes_broadcast_masks_in_the_fused_op() {
-        assert!(fused_mask_broadcasts(&Device::ndarray()));
+    fn ndarray_recomputes_under_autodiff_only() {
+        let causal = AttentionMask::causal();
+        let device = Device::ndarray();
+        assert_eq!(Cpu::of(&device), Some(Cpu::NdArray));
+        assert_eq!(Kernel::of(&device, 4096, &causal), Kernel::Fused);
+        assert_eq!(
+            Kernel::of(&device.autodiff(), 8, &causal),
+            Kernel::Recompute
+        );
     }
 
     #[cfg(feature = "wgpu")]
     #[test]
-    fn wgpu_gets_full_masks_in_the_fused_op() {
+    fn wgpu_takes_the_explicit_path() {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
-        assert!(!fused_mask_broadcasts(&device));
+        let causal = AttentionMask::causal();
+        assert_eq!(Cpu::of(&device), None);
+        assert_eq!(Kernel::of(&device, 8, &causal), Kernel::Explicit);
+        assert_eq!(Kernel::of(&device.autodiff(), 8, &causal), Kernel::Autodiff);
     }
 }

@@ -29,6 +29,10 @@ pub mod error;
 pub mod mask;
 pub mod mha;
 pub mod pytorch;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod recompute;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod rows;
 pub mod stack;
 
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};
