@@ -31,6 +31,13 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use clap::Parser;
 use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
+
+/// mimalloc keeps freed memory for the next allocation; the system allocator (glibc)
+/// unmaps tensors of a few MB when they are freed, and every step faults them in again
+/// (see the README's benchmarks: `--no-default-features` builds without it).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use serde::Serialize;
 use train::data::{SeqBatcher, Split, TaskConfig};
 use train::model::ModelConfig;

@@ -23,6 +23,13 @@ use ::train::model::{ModelConfig, ModelKind};
 use ::train::plots;
 use ::train::training::{self, Backend, RunDir, TrainConfig};
 
+/// mimalloc keeps freed memory for the next allocation; the system allocator (glibc)
+/// unmaps tensors of a few MB when they are freed, and every step faults them in again
+/// (see the README's benchmarks: `--no-default-features` builds without it).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Train a transformer built from mha modules on a synthetic sequence task.
 #[derive(Parser, Debug)]
 #[command(version, about)]
