@@ -423,9 +423,15 @@ fn blocks_return_the_weights_they_used() {
     }
 }
 
-/// The masks of [`attention_under_autodiff_matches_the_explicit_path`] for `[Tq, Tk]`:
-/// a name and the mask on `device`.
-fn autodiff_masks(tq: usize, tk: usize, device: &Device) -> Vec<(&'static str, AttentionMask)> {
+/// The masks of [`attention_under_autodiff_matches_the_explicit_path`] for `[Tq, Tk]` and
+/// `heads`: a name, the mask on `device`, and its additive bias (which requires a
+/// gradient on an autodiff device) when it has one.
+fn autodiff_masks(
+    tq: usize,
+    tk: usize,
+    heads: usize,
+    device: &Device,
+) -> Vec<(&'static str, AttentionMask, Option<Tensor<4>>)> {
     let padding = || AttentionMask::key_lengths(&[tk, tk - tk / 6], tk, device);
     // A third of the pairs blocked, and every key of query rows 3 and 5 (rows without a
     // visible key must give zeros and pass no gradient).
@@ -433,14 +439,39 @@ fn autodiff_masks(tq: usize, tk: usize, device: &Device) -> Vec<(&'static str, A
     let blocked = (0..tq * tk)
         .map(|i| [3, 5].contains(&(i / tk)) || rng.uniform() < 0.33)
         .collect();
+    // A bias over every query and key, with a blocked (-inf) key per row; and one per
+    // head and key, broadcast over the batch and the queries.
+    let mut full = randn([1, 1, tq, tk], 7, device) * 0.5;
+    for row in 0..tq {
+        let key = row % tk;
+        let cell = [0..1, 0..1, row..row + 1, key..key + 1];
+        full = full.slice_assign(cell, Tensor::full([1, 1, 1, 1], f32::NEG_INFINITY, device));
+    }
+    let per_head = randn([1, heads, 1, tk], 8, device) * 0.5;
+    // Leaves of their own (not the outputs of the ops above), so that both runs of a
+    // test can differentiate them.
+    let leaf = |t: Tensor<4>| {
+        let t = Tensor::<4>::from_data(t.into_data(), device);
+        if device.is_autodiff() {
+            t.require_grad()
+        } else {
+            t
+        }
+    };
+    let (full, per_head) = (leaf(full), leaf(per_head));
     vec![
-        ("causal", AttentionMask::causal()),
-        ("causal + padding", AttentionMask::causal().and(padding())),
+        ("causal", AttentionMask::causal(), None),
+        (
+            "causal + padding",
+            AttentionMask::causal().and(padding()),
+            None,
+        ),
         (
             "causal + padding + bias",
             AttentionMask::causal()
                 .and(padding())
-                .and(AttentionMask::bias(randn([1, 1, tq, tk], 7, device) * 0.5)),
+                .and(AttentionMask::bias(full.clone())),
+            Some(full),
         ),
         (
             "padding + boolean",
@@ -449,6 +480,12 @@ fn autodiff_masks(tq: usize, tk: usize, device: &Device) -> Vec<(&'static str, A
                 [tq, tk],
                 device,
             ))),
+            None,
+        ),
+        (
+            "bias per head and key",
+            AttentionMask::bias(per_head.clone()),
+            Some(per_head),
         ),
     ]
 }
@@ -462,13 +499,24 @@ fn attention_under_autodiff_matches_the_explicit_path() {
         let dev = be.autodiff();
         let (b, h, hkv, d) = (2, 4, 2, 8);
         for (tq, tk) in [(300, 340), (300, 260), (40, 40), (40, 56)] {
-            for (name, mask) in autodiff_masks(tq, tk, &dev) {
+            let names = autodiff_masks(tq, tk, h, &dev).into_iter().map(|m| m.0);
+            for name in names.collect::<Vec<_>>() {
+                // A mask holds ops on its bias (a reshape at least): each run builds its own,
+                // from the same values, as a training step would.
+                let mask_named = |device: &Device| {
+                    autodiff_masks(tq, tk, h, device)
+                        .into_iter()
+                        .find(|(n, _, _)| *n == name)
+                        .unwrap()
+                };
+                let has_bias = mask_named(&dev).2.is_some();
                 let case = format!("[{}] {name}, Tq {tq}, Tk {tk}", be.name);
                 let q = randn([b, h, tq, d], 1, &dev).require_grad();
                 let k = randn([b, hkv, tk, d], 2, &dev).require_grad();
                 let v = randn([b, hkv, tk, d], 3, &dev).require_grad();
                 let grad_out = randn([b, h, tq, d], 4, &dev);
                 let run = |weights| {
+                    let (_, mask, bias) = mask_named(&dev);
                     let options = SdpaOptions::default().with_weights(weights);
                     let out = scaled_dot_product_attention(
                         q.clone(),
@@ -478,7 +526,8 @@ fn attention_under_autodiff_matches_the_explicit_path() {
                         options,
                     );
                     let grads = (out.context.clone() * grad_out.clone()).sum().backward();
-                    let g = [&q, &k, &v].map(|x| x.grad(&grads).unwrap());
+                    let mut g: Vec<_> = [&q, &k, &v].map(|x| x.grad(&grads).unwrap()).into();
+                    g.extend(bias.as_ref().map(|b| b.grad(&grads).unwrap()));
                     (out.context, g)
                 };
                 let (fast, fast_grads) = run(AttentionWeights::None);
@@ -499,7 +548,9 @@ fn attention_under_autodiff_matches_the_explicit_path() {
                         "{case}: a row without keys is not zero"
                     );
                 }
-                for ((part, a), e) in ["q", "k", "v"].iter().zip(fast_grads).zip(explicit_grads) {
+                assert_eq!(fast_grads.len(), 3 + has_bias as usize, "{case}");
+                let parts = ["q", "k", "v", "bias"];
+                for ((part, a), e) in parts.iter().zip(fast_grads).zip(explicit_grads) {
                     let values = to_vec(a.clone());
                     assert!(
                         values.iter().all(|x| x.is_finite()),
@@ -511,16 +562,12 @@ fn attention_under_autodiff_matches_the_explicit_path() {
                         "{case}: gradient of {part} differs by {err}"
                     );
                 }
-                // The plain device: flex and ndarray chunk the fused op, wgpu the explicit
-                // path.
+                // The plain device: flex recomputes from 256 queries on, below that flex and
+                // ndarray take the fused op, wgpu the explicit path.
                 let plain = |weights| {
                     let options = SdpaOptions::default().with_weights(weights);
                     let (q, k, v) = (q.clone().inner(), k.clone().inner(), v.clone().inner());
-                    let mask = autodiff_masks(tq, tk, &be.device)
-                        .into_iter()
-                        .find(|(n, _)| *n == name)
-                        .unwrap()
-                        .1;
+                    let mask = mask_named(&be.device).1;
                     scaled_dot_product_attention(q, k, v, &mask, options).context
                 };
                 let err = max_abs_diff(

@@ -5,7 +5,7 @@
 //! - **recompute** (`recompute.rs`): on flex and ndarray under autodiff, and on flex from
 //!   256 queries on, attention is one operation whose backward pass recomputes the
 //!   scores chunk by chunk from the row log-sum-exp instead of keeping them, with
-//!   row-wise softmax kernels on flex (`rows.rs`); not with an additive bias;
+//!   row-wise softmax kernels on flex (`rows.rs`);
 //! - **fused**: otherwise on flex or ndarray, Burn's `burn::tensor::module::attention`
 //!   (flex's flash kernel never holds the `[Tq, Tk]` scores of all heads at once);
 //! - **explicit**: matmul, mask, softmax, dropout, matmul: when the weights are wanted or
@@ -123,7 +123,7 @@ pub fn scaled_dot_product_attention(
 
     if options.weights == AttentionWeights::None && options.dropout == 0.0 {
         let device = query.device();
-        let kernel = Kernel::of(&device, queries, mask);
+        let kernel = Kernel::of(&device, queries);
         let fused_scale = (scale != default_scale).then_some(scale);
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         if kernel == Kernel::Recompute {
@@ -136,8 +136,7 @@ pub fn scaled_dot_product_attention(
                 query,
                 repeat_kv(key, group),
                 repeat_kv(value, group),
-                mask.blocked().cloned(),
-                mask.is_causal(),
+                mask,
                 scale,
                 chunk,
             );
@@ -274,10 +273,10 @@ enum Kernel {
     /// [`crate::recompute`]: one operation with a backward pass of its own that
     /// recomputes the scores chunk by chunk, and row-wise softmax kernels on flex. For
     /// autodiff over flex and ndarray, and for flex from 256 queries on, where its forward
-    /// pass beats the flash kernel; not with an additive bias (which may want a gradient).
+    /// pass beats the flash kernel.
     Recompute,
-    /// An autodiff device over a CubeCL backend, or a mask with an additive bias: Burn's
-    /// fused op has no backward of its own there (it is decomposed and differentiated op
+    /// An autodiff device over a CubeCL backend: Burn's fused op has no backward of its
+    /// own there (it is decomposed and differentiated op
     /// by op, with a few more passes over the scores than the explicit path), so the
     /// explicit path; causal chunks from 256 queries on.
     Autodiff,
@@ -288,11 +287,10 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn of(device: &Device, queries: usize, mask: &AttentionMask) -> Self {
+    fn of(device: &Device, queries: usize) -> Self {
         let cpu = Cpu::of(device);
-        let recompute = cfg!(any(feature = "flex", feature = "ndarray"))
-            && cpu.is_some()
-            && mask.additive_bias().is_none();
+        let recompute =
+            cfg!(any(feature = "flex", feature = "ndarray")) && cpu.is_some() && queries > 0;
         match (device.is_autodiff(), cpu) {
             (true, _) if recompute => Kernel::Recompute,
             (true, _) => Kernel::Autodiff,
@@ -439,40 +437,30 @@ mod tests {
     #[cfg(feature = "flex")]
     #[test]
     fn flex_recomputes_under_autodiff_and_from_256_queries() {
-        let (causal, bias) = (
-            AttentionMask::causal(),
-            AttentionMask::bias(Tensor::<2>::zeros([4, 4], &Device::flex())),
-        );
         let (flex, autodiff) = (Device::flex(), Device::flex().autodiff());
         assert_eq!(Cpu::of(&autodiff), Some(Cpu::Flex));
-        assert_eq!(Kernel::of(&autodiff, 8, &causal), Kernel::Recompute);
-        assert_eq!(Kernel::of(&autodiff, 8, &bias), Kernel::Autodiff);
-        assert_eq!(Kernel::of(&flex, 255, &causal), Kernel::Fused);
-        assert_eq!(Kernel::of(&flex, 256, &causal), Kernel::Recompute);
-        assert_eq!(Kernel::of(&flex, 256, &bias), Kernel::Fused);
+        assert_eq!(Kernel::of(&autodiff, 8), Kernel::Recompute);
+        assert_eq!(Kernel::of(&autodiff, 0), Kernel::Autodiff);
+        assert_eq!(Kernel::of(&flex, 255), Kernel::Fused);
+        assert_eq!(Kernel::of(&flex, 256), Kernel::Recompute);
     }
 
     #[cfg(feature = "ndarray")]
     #[allow(deprecated)]
     #[test]
     fn ndarray_recomputes_under_autodiff_only() {
-        let causal = AttentionMask::causal();
         let device = Device::ndarray();
         assert_eq!(Cpu::of(&device), Some(Cpu::NdArray));
-        assert_eq!(Kernel::of(&device, 4096, &causal), Kernel::Fused);
-        assert_eq!(
-            Kernel::of(&device.autodiff(), 8, &causal),
-            Kernel::Recompute
-        );
+        assert_eq!(Kernel::of(&device, 4096), Kernel::Fused);
+        assert_eq!(Kernel::of(&device.autodiff(), 8), Kernel::Recompute);
     }
 
     #[cfg(feature = "wgpu")]
     #[test]
     fn wgpu_takes_the_explicit_path() {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
-        let causal = AttentionMask::causal();
         assert_eq!(Cpu::of(&device), None);
-        assert_eq!(Kernel::of(&device, 8, &causal), Kernel::Explicit);
-        assert_eq!(Kernel::of(&device.autodiff(), 8, &causal), Kernel::Autodiff);
+        assert_eq!(Kernel::of(&device, 8), Kernel::Explicit);
+        assert_eq!(Kernel::of(&device.autodiff(), 8), Kernel::Autodiff);
     }
 }

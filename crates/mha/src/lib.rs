@@ -3,9 +3,9 @@
 //! The same numbers as PyTorch, on every Burn backend (flex, ndarray, wgpu, cuda), with
 //! what neither PyTorch's `nn.MultiheadAttention` nor Burn's own module offers together:
 //! typed masks whose fully-blocked rows give zeros instead of NaN, grouped-query
-//! attention, weights computed only on request, Burn's fused kernels where they are the
-//! fastest way, long sequences in chunks that skip what a causal mask blocks, and import
-//! of PyTorch weights.
+//! attention, weights computed only on request, a backward pass that recomputes the
+//! scores instead of keeping them (flex, ndarray), long sequences in chunks that skip what
+//! a causal mask blocks, and import of PyTorch weights.
 //!
 //! | file | concept |
 //! |---|---|

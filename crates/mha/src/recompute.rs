@@ -1,6 +1,7 @@
-//! Attention for autodiff devices over the CPU backends (flex, ndarray) as one
-//! differentiable operation, with a backward pass of its own that recomputes the scores
-//! query chunk by query chunk instead of keeping them.
+//! Attention on the CPU backends (flex, ndarray) as one operation of the backend (a Burn
+//! backend extension), with a backward pass of its own under autodiff that recomputes the
+//! scores query chunk by query chunk instead of keeping them. Without autodiff, flex runs
+//! its forward pass from 256 queries on (faster than Burn's flash kernel there).
 //!
 //! Differentiated op by op, attention keeps every chunk's `[B, H, c, Tk]` weights until the
 //! backward pass and walks them a dozen times (mask fill, the softmax's five passes, and
@@ -9,10 +10,11 @@
 //! chunk's weights from them, the way FlashAttention does:
 //!
 //! ```text
-//! P  = exp(S - lse)            S = (Q·scale) Kᵀ, masked
+//! P  = exp(S - lse)            S = (Q·scale) Kᵀ + bias, masked
 //! dV = Pᵀ dO                   D = rowsum(dO ⊙ O)
 //! dS = P ⊙ (dO Vᵀ - D)
 //! dQ = dS K · scale            dK = dSᵀ (Q·scale)
+//! dbias = dS, summed over the axes the bias broadcasts along
 //! ```
 //!
 //! A causal chunk reads only the keys its last row can see, and the row-wise steps
@@ -33,13 +35,15 @@ use burn::backend::autodiff::{
     Autodiff,
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind},
+    ops::{Backward, NodeGuard, Ops, OpsKind},
 };
 use burn::backend::{
     Backend, Dispatch, ExtensionType, Scalar, Shape, Slice, TensorMetadata, backend_extension,
     tensor::{BoolTensor, FloatTensor},
 };
-use burn::tensor::{Bool, Tensor};
+use burn::tensor::Tensor;
+
+use crate::mask::AttentionMask;
 
 use crate::attention::BLOCKED;
 use crate::rows::{DEAD_LSE, RowKernels};
@@ -53,6 +57,15 @@ pub(crate) enum Blocked<B: Backend> {
     Mask(BoolTensor<B>),
 }
 
+/// The additive part of a mask, broadcastable to `[B, H, Tq, Tk]`; it may want a gradient.
+#[derive(ExtensionType)]
+pub(crate) enum Bias<B: Backend> {
+    /// No bias.
+    Nothing,
+    /// Rank 4, each axis full or 1; values at or below [`BLOCKED`] block.
+    Add(FloatTensor<B>),
+}
+
 /// Attention as one operation of the backend, differentiable on `Autodiff<Flex | NdArray>`.
 #[backend_extension(
     Flex: cfg(feature = "flex"),
@@ -60,16 +73,19 @@ pub(crate) enum Blocked<B: Backend> {
     Autodiff
 )]
 pub(crate) trait RecomputeAttention: Backend {
-    /// `softmax(Q Kᵀ · scale, masked) V` in query chunks of `chunk` rows.
+    /// `softmax(Q Kᵀ · scale + bias, masked) V` in query chunks of `chunk` rows.
     ///
     /// # Shapes
     /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, H, Tk, Dk]`, `value`: `[B, H, Tk, Dv]`
+    /// - `blocked`, `bias`: broadcastable to `[B, H, Tq, Tk]`
     /// - result: `[B, H, Tq, Dv]`
+    #[allow(clippy::too_many_arguments)]
     fn recompute_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         #[extension_type] blocked: Blocked<Self>,
+        #[extension_type] bias: Bias<Self>,
         causal: bool,
         scale: f64,
         chunk: usize,
@@ -80,17 +96,25 @@ pub(crate) trait RecomputeAttention: Backend {
 macro_rules! forward_only {
     ($backend:ty) => {
         impl RecomputeAttention for $backend {
+            #[allow(clippy::too_many_arguments)]
             fn recompute_attention(
                 query: FloatTensor<Self>,
                 key: FloatTensor<Self>,
                 value: FloatTensor<Self>,
                 blocked: Blocked<Self>,
+                bias: Bias<Self>,
                 causal: bool,
                 scale: f64,
                 chunk: usize,
             ) -> FloatTensor<Self> {
+                let bias = match bias {
+                    Bias::Nothing => None,
+                    Bias::Add(bias) => Some(bias),
+                };
+                let shape = Shape4::of::<Self>(&query, &key, &value);
+                let device = query.device();
                 let problem =
-                    Problem::<Self>::new(&query, &key, &value, blocked, causal, scale, chunk);
+                    Problem::<Self>::new(shape, device, blocked, bias, causal, scale, chunk);
                 problem.forward(&query, &key, &value).0
             }
         }
@@ -105,11 +129,13 @@ forward_only!(NdArray);
 impl<B: RecomputeAttention + RowKernels, C: CheckpointStrategy> RecomputeAttention
     for Autodiff<B, C>
 {
+    #[allow(clippy::too_many_arguments)]
     fn recompute_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         blocked: Blocked<Self>,
+        bias: Bias<Self>,
         causal: bool,
         scale: f64,
         chunk: usize,
@@ -118,31 +144,59 @@ impl<B: RecomputeAttention + RowKernels, C: CheckpointStrategy> RecomputeAttenti
             Blocked::Nothing => Blocked::Nothing,
             Blocked::Mask(mask) => Blocked::Mask(mask),
         };
-        let prep = AttentionBackward
-            .prepare::<C>([query.node(), key.node(), value.node()])
-            .compute_bound()
-            .stateful();
-        let (q, k, v) = (
+        // The nodes before the primitives, as `Backward::prepare` asks.
+        let nodes = [query.node(), key.node(), value.node()];
+        let bias = match bias {
+            Bias::Nothing => None,
+            Bias::Add(bias) => Some((bias.node(), bias.into_primitive())),
+        };
+        let inputs = [
             query.into_primitive(),
             key.into_primitive(),
             value.into_primitive(),
-        );
-        let problem = Problem::<B>::new(&q, &k, &v, blocked, causal, scale, chunk);
-        match prep {
-            OpsKind::Tracked(prep) => {
-                let (output, lse) = problem.forward(&q, &k, &v);
-                let state = State {
-                    problem,
-                    query: q,
-                    key: k,
-                    value: v,
-                    output: output.clone(),
-                    lse,
-                };
-                prep.finish(state, output)
+        ];
+        let shape = Shape4::of::<B>(&inputs[0], &inputs[1], &inputs[2]);
+        let device = inputs[0].device();
+        match bias {
+            None => {
+                let problem = Problem::new(shape, device, blocked, None, causal, scale, chunk);
+                tracked::<B, C, 3>(nodes, problem, inputs)
             }
-            OpsKind::UnTracked(prep) => prep.finish(problem.forward(&q, &k, &v).0),
+            Some((node, bias)) => {
+                let [q, k, v] = nodes;
+                let bias = Some(bias);
+                let problem = Problem::new(shape, device, blocked, bias, causal, scale, chunk);
+                tracked::<B, C, 4>([q, k, v, node], problem, inputs)
+            }
         }
+    }
+}
+
+/// Runs the forward pass and registers [`AttentionBackward`] over `nodes`: the query, key
+/// and value, then the bias when there is one.
+fn tracked<B: RowKernels, C: CheckpointStrategy, const N: usize>(
+    nodes: [NodeGuard; N],
+    problem: Problem<B>,
+    [query, key, value]: [FloatTensor<B>; 3],
+) -> FloatTensor<Autodiff<B, C>> {
+    match AttentionBackward
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (output, lse) = problem.forward(&query, &key, &value);
+            let state = State {
+                problem,
+                query,
+                key,
+                value,
+                output: output.clone(),
+                lse,
+            };
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(problem.forward(&query, &key, &value).0),
     }
 }
 
@@ -161,34 +215,59 @@ struct State<B: RowKernels> {
     lse: FloatTensor<B>,
 }
 
-impl<B: RowKernels> Backward<B, 3> for AttentionBackward {
+impl<B: RowKernels, const N: usize> Backward<B, N> for AttentionBackward {
     type State = State<B>;
 
     fn backward(
         self,
-        ops: Ops<Self::State, 3>,
+        ops: Ops<Self::State, N>,
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
-        let [node_q, node_k, node_v] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let state = ops.state;
-        let (dq, dk, dv) = state.problem.backward(
-            &state.query,
-            &state.key,
-            &state.value,
+        let bias_grad = ops.parents.get(3).is_some_and(Option::is_some);
+        let (dq, dk, dv, d_bias) = state.problem.backward(
+            [&state.query, &state.key, &state.value],
             &state.output,
             &state.lse,
             grad,
+            bias_grad,
         );
-        if let Some(node) = node_q {
-            grads.register::<B>(node.id, dq);
+        let grads_in_order = [Some(dq), Some(dk), Some(dv), d_bias];
+        for (parent, grad) in ops.parents.into_iter().zip(grads_in_order) {
+            if let (Some(node), Some(grad)) = (parent, grad) {
+                grads.register::<B>(node.id, grad);
+            }
         }
-        if let Some(node) = node_k {
-            grads.register::<B>(node.id, dk);
-        }
-        if let Some(node) = node_v {
-            grads.register::<B>(node.id, dv);
+    }
+}
+
+/// `[B, H, Tq, Dk]`, `Tk` and `Dv` of one attention call.
+#[derive(Debug, Clone, Copy)]
+struct Shape4 {
+    batch: usize,
+    heads: usize,
+    queries: usize,
+    keys: usize,
+    d_k: usize,
+    d_v: usize,
+}
+
+impl Shape4 {
+    fn of<B: Backend>(
+        query: &FloatTensor<B>,
+        key: &FloatTensor<B>,
+        value: &FloatTensor<B>,
+    ) -> Self {
+        let [batch, heads, queries, d_k] = dims_of(&query.shape());
+        Self {
+            batch,
+            heads,
+            queries,
+            keys: dims_of(&key.shape())[2],
+            d_k,
+            d_v: dims_of(&value.shape())[3],
         }
     }
 }
@@ -203,6 +282,8 @@ struct Problem<B: RowKernels> {
     d_k: usize,
     d_v: usize,
     blocked: Option<BoolTensor<B>>,
+    /// Clamped at [`BLOCKED`], as the explicit path does.
+    bias: Option<FloatTensor<B>>,
     causal: bool,
     scale: f32,
     chunk: usize,
@@ -211,32 +292,30 @@ struct Problem<B: RowKernels> {
 
 impl<B: RowKernels> Problem<B> {
     fn new(
-        query: &FloatTensor<B>,
-        key: &FloatTensor<B>,
-        value: &FloatTensor<B>,
+        shape: Shape4,
+        device: B::Device,
         blocked: Blocked<B>,
+        bias: Option<FloatTensor<B>>,
         causal: bool,
         scale: f64,
         chunk: usize,
     ) -> Self {
-        let [batch, heads, queries, d_k] = dims::<B>(query);
-        let keys = dims::<B>(key)[2];
-        let d_v = dims::<B>(value)[3];
         Self {
-            batch,
-            heads,
-            queries,
-            keys,
-            d_k,
-            d_v,
+            batch: shape.batch,
+            heads: shape.heads,
+            queries: shape.queries,
+            keys: shape.keys,
+            d_k: shape.d_k,
+            d_v: shape.d_v,
             blocked: match blocked {
                 Blocked::Nothing => None,
                 Blocked::Mask(mask) => Some(mask),
             },
+            bias: bias.map(|bias| B::float_clamp_min(bias, Scalar::from(BLOCKED))),
             causal,
             scale: scale as f32,
             chunk: chunk.max(1),
-            device: query.device(),
+            device,
         }
     }
 
@@ -260,10 +339,15 @@ impl<B: RowKernels> Problem<B> {
         self.causal.then_some(start as i64 + offset)
     }
 
-    /// The user's boolean mask cut to `rows` and `keys`, where it is not broadcast.
-    fn blocked_part(&self, rows: &Range<usize>, keys: &Range<usize>) -> Option<BoolTensor<B>> {
-        let mask = self.blocked.as_ref()?;
-        let [b, h, tq, tk] = dims_of(&mask.shape());
+    /// The slices of a mask part of shape `[b, h, tq, tk]` (broadcastable to `[B, H, Tq,
+    /// Tk]`) that cover query rows `rows` and keys `keys`: the full range of an axis of 1.
+    fn part_slices(
+        &self,
+        dims: [usize; 4],
+        rows: &Range<usize>,
+        keys: &Range<usize>,
+    ) -> [Slice; 4] {
+        let [b, h, tq, tk] = dims;
         let r = if tq == self.queries && tq > 1 {
             rows.clone()
         } else {
@@ -274,15 +358,26 @@ impl<B: RowKernels> Problem<B> {
         } else {
             0..tk
         };
-        Some(B::bool_slice(
-            mask.clone(),
-            &[
-                Slice::from(0..b),
-                Slice::from(0..h),
-                Slice::from(r),
-                Slice::from(c),
-            ],
-        ))
+        [
+            Slice::from(0..b),
+            Slice::from(0..h),
+            Slice::from(r),
+            Slice::from(c),
+        ]
+    }
+
+    /// The user's boolean mask cut to `rows` and `keys`, where it is not broadcast.
+    fn blocked_part(&self, rows: &Range<usize>, keys: &Range<usize>) -> Option<BoolTensor<B>> {
+        let mask = self.blocked.as_ref()?;
+        let slices = self.part_slices(dims_of(&mask.shape()), rows, keys);
+        Some(B::bool_slice(mask.clone(), &slices))
+    }
+
+    /// The bias cut to `rows` and `keys`, where it is not broadcast.
+    fn bias_part(&self, rows: &Range<usize>, keys: &Range<usize>) -> Option<FloatTensor<B>> {
+        let bias = self.bias.as_ref()?;
+        let slices = self.part_slices(dims_of(&bias.shape()), rows, keys);
+        Some(B::float_slice(bias.clone(), &slices))
     }
 
     /// `[0..B, 0..H, rows, cols]`.
@@ -296,7 +391,8 @@ impl<B: RowKernels> Problem<B> {
     }
 
     /// The scores of the scaled query rows `q` (`[B, H, c, Dk]`) over keys `0..visible`,
-    /// with the user's boolean mask (the causal one is left to [`RowKernels`]).
+    /// with the bias and the user's boolean mask (the causal one is left to
+    /// [`RowKernels`]).
     fn scores(
         &self,
         q: &FloatTensor<B>,
@@ -305,7 +401,10 @@ impl<B: RowKernels> Problem<B> {
         visible: usize,
     ) -> FloatTensor<B> {
         let k = B::float_slice(key.clone(), &self.slices(0..visible, 0..self.d_k));
-        let scores = B::float_matmul(q.clone(), B::float_swap_dims(k, 2, 3));
+        let mut scores = B::float_matmul(q.clone(), B::float_swap_dims(k, 2, 3));
+        if let Some(bias) = self.bias_part(rows, &(0..visible)) {
+            scores = B::float_add(scores, bias);
+        }
         match self.blocked_part(rows, &(0..visible)) {
             Some(mask) => B::float_mask_fill(scores, mask, Scalar::from(BLOCKED)),
             None => scores,
@@ -343,16 +442,22 @@ impl<B: RowKernels> Problem<B> {
         (cat::<B>(outputs), cat::<B>(lses))
     }
 
-    /// The gradients of the query, key and value from the output's gradient `grad`.
+    /// The gradients of the query, key and value from the output's gradient `grad`, and
+    /// the bias's when `bias_grad` (summed over the axes it broadcasts along).
+    #[allow(clippy::type_complexity)]
     fn backward(
         &self,
-        query: &FloatTensor<B>,
-        key: &FloatTensor<B>,
-        value: &FloatTensor<B>,
+        [query, key, value]: [&FloatTensor<B>; 3],
         output: &FloatTensor<B>,
         lse: &FloatTensor<B>,
         grad: FloatTensor<B>,
-    ) -> (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>) {
+        bias_grad: bool,
+    ) -> (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Option<FloatTensor<B>>,
+    ) {
         let dtype = query.dtype();
         // D = rowsum(dO ⊙ O): [B, H, Tq, 1].
         let row_dot = B::float_sum_dim(B::float_mul(grad.clone(), output.clone()), 3);
@@ -362,6 +467,10 @@ impl<B: RowKernels> Problem<B> {
         };
         let mut dk = zeros(self.keys, self.d_k);
         let mut dv = zeros(self.keys, self.d_v);
+        let mut d_bias = match (&self.bias, bias_grad) {
+            (Some(bias), true) => Some(B::float_zeros(bias.shape(), &self.device, dtype.into())),
+            _ => None,
+        };
         let mut dqs = Vec::new();
         for (rows, visible) in self.chunks() {
             if visible == 0 {
@@ -384,12 +493,35 @@ impl<B: RowKernels> Problem<B> {
             let d_weights = B::float_matmul(d_out, B::float_swap_dims(v, 2, 3));
             let d_scores = B::softmax_backward_rows(weights, d_weights, row_dot);
             // dK += dSᵀ (Q·scale); dQ = dS K · scale
+            if let Some(acc) = d_bias.take() {
+                d_bias = Some(self.add_bias_grad(acc, d_scores.clone(), &rows, visible));
+            }
             let dk_part = B::float_matmul(B::float_swap_dims(d_scores.clone(), 2, 3), q);
             dk = accumulate::<B>(dk, &self.slices(0..visible, 0..self.d_k), dk_part);
             let dq = B::float_matmul(d_scores, k);
             dqs.push(B::float_mul_scalar(dq, Scalar::from(self.scale)));
         }
-        (cat::<B>(dqs), dk, dv)
+        (cat::<B>(dqs), dk, dv, d_bias)
+    }
+
+    /// Adds a chunk's `dS` (`[B, H, c, visible]`) to the bias's gradient `acc`, summed
+    /// over the axes the bias broadcasts along.
+    fn add_bias_grad(
+        &self,
+        acc: FloatTensor<B>,
+        d_scores: FloatTensor<B>,
+        rows: &Range<usize>,
+        visible: usize,
+    ) -> FloatTensor<B> {
+        let dims = dims_of(&acc.shape());
+        let mut part = d_scores;
+        for (axis, &size) in dims.iter().enumerate() {
+            if size == 1 && dims_of(&part.shape())[axis] != 1 {
+                part = B::float_sum_dim(part, axis);
+            }
+        }
+        let slices = self.part_slices(dims, rows, &(0..visible));
+        accumulate::<B>(acc, &slices, part)
     }
 }
 
@@ -411,42 +543,40 @@ fn cat<B: Backend>(parts: Vec<FloatTensor<B>>) -> FloatTensor<B> {
     }
 }
 
-fn dims<B: Backend>(tensor: &FloatTensor<B>) -> [usize; 4] {
-    dims_of(&tensor.shape())
-}
-
 fn dims_of(shape: &Shape) -> [usize; 4] {
     let dims: Vec<usize> = shape.iter().copied().collect();
     dims.try_into().expect("rank 4")
 }
 
 /// Attention through [`RecomputeAttention`] on a flex or ndarray device, with autodiff or
-/// not; keys and values
-/// have as many heads as the queries.
+/// not; keys and values have as many heads as the queries.
 ///
 /// # Shapes
 /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, H, Tk, Dk]`, `value`: `[B, H, Tk, Dv]`
-/// - `blocked`: broadcastable to `[B, H, Tq, Tk]`, `true = blocked`
 /// - result: `[B, H, Tq, Dv]`
 pub(crate) fn attention(
     query: Tensor<4>,
     key: Tensor<4>,
     value: Tensor<4>,
-    blocked: Option<Tensor<4, Bool>>,
-    causal: bool,
+    mask: &AttentionMask,
     scale: f64,
     chunk: usize,
 ) -> Tensor<4> {
-    let blocked = match blocked {
-        Some(mask) => Blocked::Mask(mask.into_dispatch()),
+    let blocked = match mask.blocked() {
+        Some(blocked) => Blocked::Mask(blocked.clone().into_dispatch()),
         None => Blocked::Nothing,
+    };
+    let bias = match mask.additive_bias() {
+        Some(bias) => Bias::Add(bias.clone().into_dispatch()),
+        None => Bias::Nothing,
     };
     let output = <Dispatch as RecomputeAttention>::recompute_attention(
         query.into_dispatch(),
         key.into_dispatch(),
         value.into_dispatch(),
         blocked,
-        causal,
+        bias,
+        mask.is_causal(),
         scale,
         chunk,
     );
