@@ -140,6 +140,7 @@ impl<B: RecomputeAttention + RowKernels, C: CheckpointStrategy> RecomputeAttenti
         scale: f64,
         chunk: usize,
     ) -> FloatTensor<Self> {
+        // `Blocked<Autodiff<B>>` to `Blocked<B>`: boolean tensors are the inner backend's.
         let blocked = match blocked {
             Blocked::Nothing => Blocked::Nothing,
             Blocked::Mask(mask) => Blocked::Mask(mask),

@@ -31,6 +31,10 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use clap::Parser;
 use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
+use serde::Serialize;
+use train::data::{SeqBatcher, Split, TaskConfig};
+use train::model::ModelConfig;
+use train::training::{Backend, TrainConfig};
 
 /// mimalloc keeps freed memory for the next allocation; the system allocator (glibc)
 /// unmaps tensors of a few MB when they are freed, and every step faults them in again
@@ -38,10 +42,6 @@ use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-use serde::Serialize;
-use train::data::{SeqBatcher, Split, TaskConfig};
-use train::model::ModelConfig;
-use train::training::{Backend, TrainConfig};
 
 /// Time mha's attention against Burn's built-in attention, and the trainer's throughput.
 #[derive(Parser, Debug)]
