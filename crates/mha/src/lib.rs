@@ -34,6 +34,8 @@ mod recompute;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod rows;
 pub mod stack;
+#[cfg(feature = "flex")]
+mod tiled;
 
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 pub use block::{

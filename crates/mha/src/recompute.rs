@@ -1,7 +1,10 @@
 //! Attention on the CPU backends (flex, ndarray) as one operation of the backend (a Burn
 //! backend extension), with a backward pass of its own under autodiff that recomputes the
-//! scores query chunk by query chunk instead of keeping them. Without autodiff, flex runs
-//! its forward pass from 256 queries on (faster than Burn's flash kernel there).
+//! scores instead of keeping them. On flex, f32 attention runs in cache-sized tiles
+//! ([`crate::tiled`], through [`RowKernels::tiled_forward`] and
+//! [`RowKernels::tiled_backward`]), with autodiff or not; what follows is the path of
+//! ndarray, of other dtypes, and of a bias that wants a gradient: query chunk by query
+//! chunk, through Burn's ops.
 //!
 //! Differentiated op by op, attention keeps every chunk's `[B, H, c, Tk]` weights until the
 //! backward pass and walks them a dozen times (mask fill, the softmax's five passes, and
@@ -46,7 +49,7 @@ use burn::tensor::Tensor;
 use crate::mask::AttentionMask;
 
 use crate::attention::BLOCKED;
-use crate::rows::{DEAD_LSE, RowKernels};
+use crate::rows::{DEAD_LSE, Dims, RowKernels};
 
 /// The boolean part of a mask (`true = blocked`), broadcastable to `[B, H, Tq, Tk]`.
 #[derive(ExtensionType)]
@@ -320,6 +323,19 @@ impl<B: RowKernels> Problem<B> {
         }
     }
 
+    fn dims(&self) -> Dims {
+        Dims {
+            batch: self.batch,
+            heads: self.heads,
+            queries: self.queries,
+            keys: self.keys,
+            d_k: self.d_k,
+            d_v: self.d_v,
+            causal: self.causal,
+            scale: self.scale,
+        }
+    }
+
     /// The query chunks: each one's rows and the number of keys its rows may see (keys
     /// `0..visible`; zero when every key is in the future of every row).
     fn chunks(&self) -> impl Iterator<Item = (Range<usize>, usize)> + '_ {
@@ -419,6 +435,15 @@ impl<B: RowKernels> Problem<B> {
         key: &FloatTensor<B>,
         value: &FloatTensor<B>,
     ) -> (FloatTensor<B>, FloatTensor<B>) {
+        let tiled = B::tiled_forward(
+            self.dims(),
+            [query, key, value],
+            self.blocked.as_ref(),
+            self.bias.as_ref(),
+        );
+        if let Some(result) = tiled {
+            return result;
+        }
         let dtype = query.dtype();
         let mut outputs = Vec::new();
         let mut lses = Vec::new();
@@ -459,6 +484,20 @@ impl<B: RowKernels> Problem<B> {
         FloatTensor<B>,
         Option<FloatTensor<B>>,
     ) {
+        if !(bias_grad && self.bias.is_some()) {
+            let tiled = B::tiled_backward(
+                self.dims(),
+                [query, key, value],
+                output,
+                lse,
+                &grad,
+                self.blocked.as_ref(),
+                self.bias.as_ref(),
+            );
+            if let Some((dq, dk, dv)) = tiled {
+                return (dq, dk, dv, None);
+            }
+        }
         let dtype = query.dtype();
         // D = rowsum(dO ⊙ O): [B, H, Tq, 1].
         let row_dot = B::float_sum_dim(B::float_mul(grad.clone(), output.clone()), 3);

@@ -13,7 +13,7 @@
 
 use burn::backend::{
     Backend, Scalar, Shape, TensorData, TensorMetadata, get_or_init_device_settings,
-    tensor::FloatTensor,
+    tensor::{BoolTensor, FloatTensor},
 };
 
 use crate::attention::{BLOCKED, DEAD_ROW};
@@ -22,8 +22,72 @@ use crate::attention::{BLOCKED, DEAD_ROW};
 /// to `exp(BLOCKED - DEAD_LSE) = 0` (finite, far from overflow in f32).
 pub(crate) const DEAD_LSE: f32 = 1.0e30;
 
-/// The row-wise steps of attention; the provided bodies are Burn tensor ops.
+/// The sizes of one attention call and its causal flag and scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub(crate) batch: usize,
+    pub(crate) heads: usize,
+    pub(crate) queries: usize,
+    pub(crate) keys: usize,
+    pub(crate) d_k: usize,
+    pub(crate) d_v: usize,
+    pub(crate) causal: bool,
+    pub(crate) scale: f32,
+}
+
+#[cfg_attr(not(feature = "flex"), allow(dead_code))]
+impl Dims {
+    /// How many keys (`0..n`) query `q` sees.
+    pub(crate) fn row_len(&self, q: usize) -> usize {
+        match self.causal {
+            true => (q as i64 + self.keys as i64 - self.queries as i64 + 1)
+                .clamp(0, self.keys as i64) as usize,
+            false => self.keys,
+        }
+    }
+
+    /// The first query that sees key `k`.
+    pub(crate) fn first_query(&self, k: usize) -> usize {
+        match self.causal {
+            true => (k as i64 - (self.keys as i64 - self.queries as i64))
+                .clamp(0, self.queries as i64) as usize,
+            false => 0,
+        }
+    }
+}
+
+/// The row-wise steps of attention; the provided bodies are Burn tensor ops. A backend
+/// may also run the whole forward or backward pass in tiles ([`crate::tiled`] on flex);
+/// the provided `tiled_*` bodies have none and return `None`.
 pub(crate) trait RowKernels: Backend {
+    /// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq, 1]` of attention over
+    /// `query` `[B, H, Tq, Dk]`, `key` `[B, H, Tk, Dk]` and `value` `[B, H, Tk, Dv]` under
+    /// the causal limit of `dims`, the boolean mask `blocked` and the additive `bias`
+    /// (clamped at [`BLOCKED`]), or `None` where the backend has no tiled kernel for them.
+    fn tiled_forward(
+        _dims: Dims,
+        _qkv: [&FloatTensor<Self>; 3],
+        _blocked: Option<&BoolTensor<Self>>,
+        _bias: Option<&FloatTensor<Self>>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        None
+    }
+
+    /// The gradients of the query, key and value of [`RowKernels::tiled_forward`] from
+    /// its `output`, `lse` and the output's gradient `grad`, or `None`.
+    #[allow(clippy::type_complexity)]
+    fn tiled_backward(
+        _dims: Dims,
+        _qkv: [&FloatTensor<Self>; 3],
+        _output: &FloatTensor<Self>,
+        _lse: &FloatTensor<Self>,
+        _grad: &FloatTensor<Self>,
+        _blocked: Option<&BoolTensor<Self>>,
+        _bias: Option<&FloatTensor<Self>>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        None
+    }
+
     /// The softmax of every row of `scores` and its log-sum-exp: `(weights [.., c, n],
     /// lse [.., c, 1])`. Keys beyond the causal limit have weight 0; a row without a
     /// visible key (or whose every score is blocked) has zero weights and lse
@@ -126,6 +190,47 @@ fn softmax_rows_ops<B: Backend>(
     (weights, lse)
 }
 
+/// `e^x` to within 2 ulp in `[-87.3, 88.7]`, 0 below (Cephes' `expf`: `x = n ln 2 +
+/// r`, a degree-6 polynomial for `e^r`, `2^n` through the exponent bits); branch-free
+/// so that loops over it vectorise.
+#[cfg(feature = "flex")]
+#[inline(always)]
+pub(crate) fn exp(x: f32) -> f32 {
+    exp_with::<false>(x)
+}
+
+/// [`exp`] with its multiply-adds fused, for code compiled with FMA (elsewhere `mul_add`
+/// is a library call).
+#[cfg(feature = "flex")]
+#[inline(always)]
+pub(crate) fn exp_fma(x: f32) -> f32 {
+    exp_with::<true>(x)
+}
+
+#[cfg(feature = "flex")]
+#[inline(always)]
+fn exp_with<const FMA: bool>(x: f32) -> f32 {
+    let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
+    let clamped = x.clamp(-87.3, 88.7);
+    let shifted = madd(clamped, LOG2E, ROUND);
+    let n = shifted - ROUND;
+    let bits = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let r = madd(-n, LN2_LO, madd(-n, LN2_HI, clamped));
+    let p = 1.987_569_1e-4;
+    let p = madd(p, r, 1.398_199_9e-3);
+    let p = madd(p, r, 8.333_452e-3);
+    let p = madd(p, r, 4.166_579_6e-2);
+    let p = madd(p, r, 1.666_666_5e-1);
+    let p = madd(p, r, 0.5);
+    let y = madd(p, r * r, r + 1.0);
+    let scale = f32::from_bits(((bits + 127) << 23) as u32);
+    if x < -87.3 { 0.0 } else { y * scale }
+}
+
 #[cfg(feature = "flex")]
 mod flex {
     use burn::backend::{
@@ -136,8 +241,8 @@ mod flex {
     use rayon::prelude::*;
 
     use super::{
-        DEAD_LSE, RowKernels, recompute_rows_ops, rows_and_cols, softmax_backward_rows_ops,
-        softmax_rows_ops,
+        DEAD_LSE, Dims, RowKernels, exp, exp_fma, recompute_rows_ops, rows_and_cols,
+        softmax_backward_rows_ops, softmax_rows_ops,
     };
     use crate::attention::DEAD_ROW;
 
@@ -175,6 +280,27 @@ mod flex {
     }
 
     impl RowKernels for Flex {
+        fn tiled_forward(
+            dims: Dims,
+            qkv: [&FlexTensor; 3],
+            blocked: Option<&FlexTensor>,
+            bias: Option<&FlexTensor>,
+        ) -> Option<(FlexTensor, FlexTensor)> {
+            crate::tiled::flex_forward(dims, qkv, blocked, bias)
+        }
+
+        fn tiled_backward(
+            dims: Dims,
+            qkv: [&FlexTensor; 3],
+            output: &FlexTensor,
+            lse: &FlexTensor,
+            grad: &FlexTensor,
+            blocked: Option<&FlexTensor>,
+            bias: Option<&FlexTensor>,
+        ) -> Option<(FlexTensor, FlexTensor, FlexTensor)> {
+            crate::tiled::flex_backward(dims, qkv, output, lse, grad, blocked, bias)
+        }
+
         fn softmax_rows(
             scores: FloatTensor<Self>,
             causal: Option<i64>,
@@ -316,7 +442,9 @@ mod flex {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn exp_shifted_avx2(x: &mut [f32], shift: f32) {
-        exp_shifted_portable(x, shift);
+        for v in x.iter_mut() {
+            *v = exp_fma(*v - shift);
+        }
     }
 
     #[inline(always)]
@@ -324,31 +452,6 @@ mod flex {
         for v in x.iter_mut() {
             *v = exp(*v - shift);
         }
-    }
-
-    /// `e^x` to within 2 ulp in `[-87.3, 88.7]`, 0 below (Cephes' `expf`: `x = n ln 2 +
-    /// r`, a degree-6 polynomial for `e^r`, `2^n` through the exponent bits); branch-free
-    /// so that loops over it vectorise.
-    #[inline(always)]
-    pub(super) fn exp(x: f32) -> f32 {
-        const LOG2E: f32 = std::f32::consts::LOG2_E;
-        const LN2_HI: f32 = 0.693_359_4;
-        const LN2_LO: f32 = -2.121_944_4e-4;
-        const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer.
-        let clamped = x.clamp(-87.3, 88.7);
-        let shifted = clamped * LOG2E + ROUND;
-        let n = shifted - ROUND;
-        let bits = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-        let r = clamped - n * LN2_HI - n * LN2_LO;
-        let p = 1.987_569_1e-4;
-        let p = p * r + 1.398_199_9e-3;
-        let p = p * r + 8.333_452e-3;
-        let p = p * r + 4.166_579_6e-2;
-        let p = p * r + 1.666_666_5e-1;
-        let p = p * r + 0.5;
-        let y = p * r * r + r + 1.0;
-        let scale = f32::from_bits(((bits + 127) << 23) as u32);
-        if x < -87.3 { 0.0 } else { y * scale }
     }
 
     #[cfg(test)]
@@ -359,14 +462,19 @@ mod flex {
             let mut x = -87.0f32;
             while x < 88.0 {
                 let want = (x as f64).exp();
-                let got = super::exp(x) as f64;
-                worst = worst.max(((got - want) / want).abs());
+                for got in [super::super::exp(x), super::super::exp_fma(x)] {
+                    worst = worst.max(((got as f64 - want) / want).abs());
+                }
                 x += 0.001_3;
             }
             assert!(worst < 2.5e-7, "relative error {worst}");
-            assert_eq!(super::exp(-1.0e30), 0.0);
-            assert_eq!(super::exp(-100.0), 0.0);
-            assert_eq!(super::exp(0.0), 1.0);
+            assert_eq!(super::super::exp(-1.0e30), 0.0);
+            assert_eq!(super::super::exp(-100.0), 0.0);
+            assert_eq!(super::super::exp(0.0), 1.0);
+            for exp in [super::super::exp, super::super::exp_fma] {
+                assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+                assert_eq!(exp(-1.0e30), 0.0);
+            }
         }
     }
 }

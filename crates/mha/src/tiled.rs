@@ -1,0 +1,1378 @@
+//! Attention on the CPU in cache-sized tiles, forward and backward, the way FlashAttention
+//! does it on a GPU: the scores of a tile of 64 queries by 64 keys are computed, turned
+//! into weights and multiplied into the output while they are still in the cache, and the
+//! `[Tq, Tk]` scores are never written out. The two products of a tile run through a small
+//! matrix kernel of our own (6 x 16 outputs in AVX2 registers, FMA), the softmax through
+//! the vectorised `exp` of [`crate::rows`].
+//!
+//! The tiles are transposed, keys by queries (`Sᵀ = K · (Q·scale)ᵀ`): the key and value
+//! rows are read where they lie (any row stride, so the heads of a `[B, T, H·Dh]`
+//! projection need no copy), and only a tile of queries is packed. The row-wise steps of
+//! the softmax then run down the columns, eight queries to a vector.
+//!
+//! Forward: each task is one head's block of 64 queries, with a running maximum and sum
+//! per query (online softmax); it writes the output and each query's log-sum-exp.
+//!
+//! Backward: each task is one head's range of keys (the whole head when there are enough
+//! heads for the threads). It owns that range's `dK` and `dV`, and walks the query tiles
+//! that see it:
+//!
+//! ```text
+//! Pᵀ  = exp(Sᵀ - lse)           dV += Pᵀ dO
+//! dPᵀ = V dOᵀ                   dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
+//! dK += dSᵀ (Q·scale)           dQ += dS K        (dQ · scale at the end)
+//! ```
+//!
+//! A key range's `dQ` is a partial sum; the ranges of one head are added at the end.
+//! The mask is the causal limit (a per-key first visible query, `-inf` before it), the
+//! user's boolean mask and additive bias (read through their broadcast strides, [`BLOCKED`]
+//! where blocked), as in the explicit path: a row that sees no key, or only blocked ones,
+//! has output zero, log-sum-exp [`DEAD_LSE`] and passes no gradient.
+
+use burn::backend::{BoolStore, DType, TensorData, flex::FlexTensor};
+use rayon::prelude::*;
+
+use crate::attention::{BLOCKED, DEAD_ROW};
+use crate::rows::{DEAD_LSE, Dims, exp, exp_fma};
+
+/// Queries per tile.
+const QT: usize = 64;
+/// Keys per tile.
+const KT: usize = 64;
+
+/// A rank-4 tensor read through its strides: element `[b, h, i, j]` at
+/// `offset + b·s0 + h·s1 + i·s2 + j·s3`. A broadcast axis (size 1) has stride 0.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Grid<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub strides: [usize; 4],
+}
+
+impl<T: Copy> Grid<'_, T> {
+    fn at(&self, b: usize, h: usize, i: usize, j: usize) -> T {
+        let [s0, s1, s2, s3] = self.strides;
+        self.data[self.offset + b * s0 + h * s1 + i * s2 + j * s3]
+    }
+
+    /// Rows `row..row + rows` of matrix `(b, h)`, `cols` wide: the first element and the
+    /// row stride (the columns have unit stride).
+    ///
+    /// # Panics
+    /// If the block reaches past the data.
+    fn rows(&self, b: usize, h: usize, row: usize, [rows, cols]: [usize; 2]) -> (*const T, usize) {
+        let [s0, s1, s2, _] = self.strides;
+        let start = self.offset + b * s0 + h * s1 + row * s2;
+        let end = start + rows.saturating_sub(1) * s2 + cols;
+        assert!(
+            rows == 0 || end <= self.data.len(),
+            "a block of {rows} x {cols} from element {start} (row stride {s2}) reaches past {} elements",
+            self.data.len()
+        );
+        (self.data[start..].as_ptr(), s2)
+    }
+}
+
+/// The mask beyond the causal limit: a bias (clamped at [`BLOCKED`]) and a boolean mask
+/// (nonzero = blocked), each broadcastable to `[B, H, Tq, Tk]`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Extra<'a> {
+    pub bias: Option<Grid<'a, f32>>,
+    pub blocked: Option<Grid<'a, u8>>,
+}
+
+/// A pointer that tasks write through, each to elements no other task writes.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: the tasks write disjoint elements (see each use).
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// The pointer, through a method so that closures capture the whole `Out`.
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Forward pass: `(output, lse)`, the output laid out `[B, Tq, H, Dv]` and the
+/// log-sum-exp `[B, H, Tq]`. Query `[B, H, Tq, Dk]`, key `[B, H, Tk, Dk]`, value
+/// `[B, H, Tk, Dv]`, each with unit stride along its last axis.
+pub(crate) fn forward(
+    dims: Dims,
+    q: Grid<f32>,
+    k: Grid<f32>,
+    v: Grid<f32>,
+    extra: Extra,
+) -> (Vec<f32>, Vec<f32>) {
+    forward_on(Isa::best(), dims, q, k, v, extra)
+}
+
+fn forward_on(
+    isa: Isa,
+    dims: Dims,
+    q: Grid<f32>,
+    k: Grid<f32>,
+    v: Grid<f32>,
+    extra: Extra,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims {
+        batch,
+        heads,
+        queries,
+        d_v,
+        ..
+    } = dims;
+    let mut output = vec![0.0f32; batch * queries * heads * d_v];
+    let mut lse = vec![0.0f32; batch * heads * queries];
+    let tiles = queries.div_ceil(QT);
+    let out = Out(output.as_mut_ptr());
+    let lse_out = Out(lse.as_mut_ptr());
+    (0..batch * heads * tiles).into_par_iter().for_each_init(
+        || Scratch::new(dims),
+        |scratch, task| {
+            // The last tiles of a causal head see the most keys: they go first.
+            let (bh, tile) = (task / tiles, tiles - 1 - task % tiles);
+            let (b, h) = (bh / heads, bh % heads);
+            let q0 = tile * QT;
+            let nq = QT.min(queries - q0);
+            let tile = Tile { b, h, q0, nq };
+            let (o, l) = scratch.forward(isa, dims, &q, &k, &v, &extra, tile);
+            for i in 0..nq {
+                let row = ((b * queries + q0 + i) * heads + h) * d_v;
+                // SAFETY: row `q0 + i` of head `(b, h)` belongs to this task alone.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(o[i * d_v..].as_ptr(), out.at(row), d_v);
+                    *lse_out.at(bh * queries + q0 + i) = l[i];
+                }
+            }
+        },
+    );
+    (output, lse)
+}
+
+/// Backward pass: `(dq, dk, dv)`, laid out `[B, Tq, H, Dk]`, `[B, Tk, H, Dk]` and `[B,
+/// Tk, H, Dv]`, from the inputs, the output, the log-sum-exp `[B, H, Tq]` of
+/// [`forward`] and the output's gradient `grad` (`[B, H, Tq, Dv]`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    dims: Dims,
+    q: Grid<f32>,
+    k: Grid<f32>,
+    v: Grid<f32>,
+    output: Grid<f32>,
+    lse: &[f32],
+    grad: Grid<f32>,
+    extra: Extra,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let threads = rayon::current_num_threads();
+    let inputs = [q, k, v, output, grad];
+    backward_on(Isa::best(), threads, dims, inputs, lse, extra)
+}
+
+/// [`backward`] with the given instruction set, its heads cut for `threads` threads;
+/// `[q, k, v, output, grad]`.
+fn backward_on(
+    isa: Isa,
+    threads: usize,
+    dims: Dims,
+    [q, k, v, output, grad]: [Grid<f32>; 5],
+    lse: &[f32],
+    extra: Extra,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let Dims {
+        batch,
+        heads,
+        queries,
+        keys,
+        d_k,
+        d_v,
+        ..
+    } = dims;
+    let mut dq = vec![0.0f32; batch * queries * heads * d_k];
+    let mut dk = vec![0.0f32; batch * keys * heads * d_k];
+    let mut dv = vec![0.0f32; batch * keys * heads * d_v];
+    let ranges = key_ranges(dims, threads);
+    let split = ranges.len();
+    let dk_out = Out(dk.as_mut_ptr());
+    let dv_out = Out(dv.as_mut_ptr());
+    let partials: Vec<Vec<f32>> = (0..batch * heads * split)
+        .into_par_iter()
+        .map(|task| {
+            let (bh, range) = (task / split, ranges[task % split].clone());
+            let (b, h) = (bh / heads, bh % heads);
+            let lse = &lse[bh * queries..(bh + 1) * queries];
+            let head = Head::new(dims, b, h, &q, &output, &grad, lse);
+            let mut grads = head.backward(isa, dims, &k, &v, &extra, range.clone());
+            for (j, key) in range.enumerate() {
+                let at = (b * keys + key) * heads + h;
+                // SAFETY: key `key` of head `(b, h)` belongs to this task alone.
+                unsafe {
+                    let dk_row = grads.dk[j * d_k..].as_ptr();
+                    std::ptr::copy_nonoverlapping(dk_row, dk_out.at(at * d_k), d_k);
+                    let dv_row = grads.dv[j * d_v..].as_ptr();
+                    std::ptr::copy_nonoverlapping(dv_row, dv_out.at(at * d_v), d_v);
+                }
+            }
+            std::mem::take(&mut grads.dq)
+        })
+        .collect();
+    // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
+    dq.par_chunks_mut(heads * d_k)
+        .enumerate()
+        .for_each(|(row, dq_row)| {
+            let (b, i) = (row / queries, row % queries);
+            for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
+                let bh = b * heads + h;
+                for part in &partials[bh * split..(bh + 1) * split] {
+                    for (d, &p) in dq_head.iter_mut().zip(&part[i * d_k..(i + 1) * d_k]) {
+                        *d += p;
+                    }
+                }
+                dq_head.iter_mut().for_each(|d| *d *= dims.scale);
+            }
+        });
+    (dq, dk, dv)
+}
+
+/// The key ranges each head's backward pass is cut into: one range when there are at
+/// least two heads per thread, else enough ranges of about equal work (a causal key is
+/// seen by fewer queries the later it comes) for two tasks per thread.
+fn key_ranges(dims: Dims, threads: usize) -> Vec<std::ops::Range<usize>> {
+    let heads = dims.batch * dims.heads;
+    let tiles = dims.keys.div_ceil(KT);
+    let split = (2 * threads).div_ceil(heads.max(1)).clamp(1, tiles.max(1));
+    if split == 1 {
+        return std::iter::once(0..dims.keys).collect();
+    }
+    let work = |tile: usize| dims.queries - dims.first_query(tile * KT) + 1;
+    let total: usize = (0..tiles).map(work).sum();
+    let mut ranges = Vec::with_capacity(split);
+    let (mut start, mut done) = (0, 0);
+    for tile in 0..tiles {
+        done += work(tile);
+        let end = ((tile + 1) * KT).min(dims.keys);
+        if done * split >= total * (ranges.len() + 1) || tile + 1 == tiles {
+            ranges.push(start..end);
+            start = end;
+        }
+    }
+    ranges
+}
+
+/// One tile of queries: head `(b, h)`, queries `q0..q0 + nq`.
+#[derive(Debug, Clone, Copy)]
+struct Tile {
+    b: usize,
+    h: usize,
+    q0: usize,
+    nq: usize,
+}
+
+/// A forward task's buffers, kept by each thread from task to task.
+struct Scratch {
+    /// The tile's scaled queries, transposed: `[Dk, QT]`.
+    qt: Vec<f32>,
+    /// Scores, then weights: `[KT, QT]`.
+    s: Vec<f32>,
+    /// Unnormalised output: `[QT, Dv]`.
+    acc: Vec<f32>,
+    max: [f32; QT],
+    sum: [f32; QT],
+    lse: [f32; QT],
+}
+
+impl Scratch {
+    fn new(dims: Dims) -> Self {
+        Self {
+            qt: vec![0.0; dims.d_k * QT],
+            s: vec![0.0; KT * QT],
+            acc: vec![0.0; QT * dims.d_v],
+            max: [0.0; QT],
+            sum: [0.0; QT],
+            lse: [0.0; QT],
+        }
+    }
+
+    /// The output rows `[nq, Dv]` and log-sum-exps of one tile of queries.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        isa: Isa,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) -> (&[f32], &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has the features the function is compiled for.
+            unsafe { self.forward_avx2(dims, q, k, v, extra, tile) };
+            return (&self.acc, &self.lse);
+        }
+        self.forward_in::<Portable>(dims, q, k, v, extra, tile);
+        (&self.acc, &self.lse)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn forward_avx2(
+        &mut self,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) {
+        self.forward_in::<Avx2>(dims, q, k, v, extra, tile);
+    }
+
+    #[inline(always)]
+    fn forward_in<A: Arch>(
+        &mut self,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) {
+        let Tile { b, h, q0, nq } = tile;
+        let (d_k, d_v) = (dims.d_k, dims.d_v);
+        for i in 0..nq {
+            for p in 0..d_k {
+                self.qt[p * QT + i] = q.at(b, h, q0 + i, p) * dims.scale;
+            }
+        }
+        self.max[..nq].fill(f32::NEG_INFINITY);
+        self.sum[..nq].fill(0.0);
+        self.acc[..nq * d_v].fill(0.0);
+        let visible = dims.row_len(q0 + nq - 1);
+        for k0 in (0..visible).step_by(KT) {
+            let nk = KT.min(visible - k0);
+            let (kp, ks) = k.rows(b, h, k0, [nk, d_k]);
+            // SAFETY: rows k0..k0+nk of K (d_k columns); the packed queries; `s` holds
+            // KT x QT.
+            unsafe {
+                A::gemm(
+                    [nk, nq, d_k],
+                    (kp, ks, 1),
+                    (self.qt.as_ptr(), QT),
+                    (self.s.as_mut_ptr(), QT),
+                    false,
+                );
+            }
+            mask_tile(dims, extra, tile, k0, nk, &mut self.s);
+            // Online softmax down the columns: the new maximum, the old sum and output
+            // rescaled to it, the weights and their sum.
+            let mut col_max = [f32::NEG_INFINITY; QT];
+            for row in self.s.chunks_exact(QT).take(nk) {
+                for (m, &x) in col_max[..nq].iter_mut().zip(row) {
+                    *m = m.max(x);
+                }
+            }
+            let mut shift = [0.0f32; QT];
+            let mut alpha = [0.0f32; QT];
+            for i in 0..nq {
+                let max = self.max[i].max(col_max[i]);
+                shift[i] = if max == f32::NEG_INFINITY { 0.0 } else { max };
+                alpha[i] = A::exp(self.max[i] - shift[i]);
+                self.max[i] = max;
+            }
+            let mut col_sum = [0.0f32; QT];
+            for row in self.s.chunks_exact_mut(QT).take(nk) {
+                for i in 0..nq {
+                    let p = A::exp(row[i] - shift[i]);
+                    row[i] = p;
+                    col_sum[i] += p;
+                }
+            }
+            for i in 0..nq {
+                self.sum[i] = self.sum[i] * alpha[i] + col_sum[i];
+                if alpha[i] != 1.0 {
+                    let a = alpha[i];
+                    self.acc[i * d_v..(i + 1) * d_v]
+                        .iter_mut()
+                        .for_each(|x| *x *= a);
+                }
+            }
+            let (vp, vs) = v.rows(b, h, k0, [nk, d_v]);
+            // SAFETY: P is the `[nk, nq]` tile in `s` (read transposed); rows k0..k0+nk
+            // of V (d_v columns); `acc` holds QT x Dv.
+            unsafe {
+                A::gemm(
+                    [nq, d_v, nk],
+                    (self.s.as_ptr(), 1, QT),
+                    (vp, vs),
+                    (self.acc.as_mut_ptr(), d_v),
+                    true,
+                );
+            }
+        }
+        for i in 0..nq {
+            let row = &mut self.acc[i * d_v..(i + 1) * d_v];
+            if self.max[i] <= DEAD_ROW || self.sum[i] <= 0.0 {
+                row.fill(0.0);
+                self.lse[i] = DEAD_LSE;
+            } else {
+                let inv = 1.0 / self.sum[i];
+                row.iter_mut().for_each(|x| *x *= inv);
+                self.lse[i] = self.max[i] + self.sum[i].ln();
+            }
+        }
+    }
+}
+
+/// Adds the bias and blocks what the boolean mask and the causal limit block in the
+/// scores tile `s` (`[nk, nq]`, rows `QT` apart) of keys `k0..k0 + nk`.
+#[inline(always)]
+fn mask_tile(dims: Dims, extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mut [f32]) {
+    let Tile { b, h, q0, nq } = tile;
+    if let Some(bias) = &extra.bias {
+        for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+            for (i, x) in row[..nq].iter_mut().enumerate() {
+                *x += bias.at(b, h, q0 + i, k0 + j);
+            }
+        }
+    }
+    if let Some(blocked) = &extra.blocked {
+        for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+            for (i, x) in row[..nq].iter_mut().enumerate() {
+                if blocked.at(b, h, q0 + i, k0 + j) != 0 {
+                    *x = BLOCKED;
+                }
+            }
+        }
+    }
+    if dims.causal {
+        for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+            let first = dims.first_query(k0 + j).saturating_sub(q0).min(nq);
+            row[..first].fill(f32::NEG_INFINITY);
+        }
+    }
+}
+
+/// A backward task's inputs of one head, packed: the scaled queries (both ways), the
+/// output's gradient transposed, `rowsum(dO ⊙ O)` and the log-sum-exps.
+struct Head<'a> {
+    b: usize,
+    h: usize,
+    /// `[Tq, Dk]`.
+    qs: Vec<f32>,
+    /// Per tile of `QT` queries, `[Dk, QT]` (a row stride of `Tq` would be a power of
+    /// two at common lengths, which puts a panel's rows in one set of the L1 cache).
+    qst: Vec<f32>,
+    /// Per tile of `QT` queries, `[Dv, QT]`.
+    dot: Vec<f32>,
+    /// `rowsum(dO ⊙ O)`, `[Tq]`.
+    row_dot: Vec<f32>,
+    lse: &'a [f32],
+    grad: Grid<'a, f32>,
+}
+
+/// The gradients of a key range: `dq` over every query (a partial sum, unscaled), `dk`
+/// and `dv` over the range's keys.
+struct Grads {
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+impl<'a> Head<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        dims: Dims,
+        b: usize,
+        h: usize,
+        q: &Grid<f32>,
+        output: &Grid<f32>,
+        grad: &Grid<'a, f32>,
+        lse: &'a [f32],
+    ) -> Self {
+        let Dims {
+            queries, d_k, d_v, ..
+        } = dims;
+        let padded = queries.div_ceil(QT) * QT;
+        // Column i of the per-tile panels of d rows.
+        let panel = |i: usize, d: usize| (i / QT) * d * QT + i % QT;
+        let mut qs = vec![0.0f32; queries * d_k];
+        let mut qst = vec![0.0f32; d_k * padded];
+        for i in 0..queries {
+            for p in 0..d_k {
+                let x = q.at(b, h, i, p) * dims.scale;
+                qs[i * d_k + p] = x;
+                qst[panel(i, d_k) + p * QT] = x;
+            }
+        }
+        let mut dot = vec![0.0f32; d_v * padded];
+        let mut row_dot = vec![0.0f32; queries];
+        for i in 0..queries {
+            let mut sum = 0.0;
+            for p in 0..d_v {
+                let g = grad.at(b, h, i, p);
+                dot[panel(i, d_v) + p * QT] = g;
+                sum += g * output.at(b, h, i, p);
+            }
+            row_dot[i] = sum;
+        }
+        Self {
+            b,
+            h,
+            qs,
+            qst,
+            dot,
+            row_dot,
+            lse,
+            grad: *grad,
+        }
+    }
+
+    fn backward(
+        &self,
+        isa: Isa,
+        dims: Dims,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        range: std::ops::Range<usize>,
+    ) -> Grads {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has the features the function is compiled for.
+            return unsafe { self.backward_avx2(dims, k, v, extra, range) };
+        }
+        self.backward_in::<Portable>(dims, k, v, extra, range)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn backward_avx2(
+        &self,
+        dims: Dims,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        range: std::ops::Range<usize>,
+    ) -> Grads {
+        self.backward_in::<Avx2>(dims, k, v, extra, range)
+    }
+
+    #[inline(always)]
+    fn backward_in<A: Arch>(
+        &self,
+        dims: Dims,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        range: std::ops::Range<usize>,
+    ) -> Grads {
+        let Dims {
+            queries, d_k, d_v, ..
+        } = dims;
+        let (b, h) = (self.b, self.h);
+        let len = range.len();
+        let mut grads = Grads {
+            dq: vec![0.0; queries * d_k],
+            dk: vec![0.0; len * d_k],
+            dv: vec![0.0; len * d_v],
+        };
+        let mut p = vec![0.0f32; KT * QT];
+        let mut ds = vec![0.0f32; KT * QT];
+        let (gp, gs) = self.grad.rows(b, h, 0, [dims.queries, d_v]);
+        for k0 in range.clone().step_by(KT) {
+            let nk = KT.min(range.end - k0);
+            let (kp, ks) = k.rows(b, h, k0, [nk, d_k]);
+            let (vp, vs) = v.rows(b, h, k0, [nk, d_v]);
+            let j0 = k0 - range.start;
+            let first = dims.first_query(k0) / QT * QT;
+            for q0 in (first..queries).step_by(QT) {
+                let nq = QT.min(queries - q0);
+                let tile = Tile { b, h, q0, nq };
+                // SAFETY (every product below): K and V rows k0..k0+nk, the packed
+                // queries and gradient columns q0..q0+nq, dO rows q0..q0+nq, tiles of
+                // KT x QT, and the gradients' rows of this range.
+                unsafe {
+                    // Sᵀ = K (Q·scale)ᵀ, masked; Pᵀ = exp(Sᵀ - lse).
+                    A::gemm(
+                        [nk, nq, d_k],
+                        (kp, ks, 1),
+                        (self.qst.as_ptr().add(q0 * d_k), QT),
+                        (p.as_mut_ptr(), QT),
+                        false,
+                    );
+                    mask_tile(dims, extra, tile, k0, nk, &mut p);
+                    let lse = &self.lse[q0..q0 + nq];
+                    for row in p.chunks_exact_mut(QT).take(nk) {
+                        for (x, &l) in row[..nq].iter_mut().zip(lse) {
+                            *x = A::exp(*x - l);
+                        }
+                    }
+                    // dV += Pᵀ dO
+                    A::gemm(
+                        [nk, d_v, nq],
+                        (p.as_ptr(), QT, 1),
+                        (gp.add(q0 * gs), gs),
+                        (grads.dv.as_mut_ptr().add(j0 * d_v), d_v),
+                        true,
+                    );
+                    // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
+                    A::gemm(
+                        [nk, nq, d_v],
+                        (vp, vs, 1),
+                        (self.dot.as_ptr().add(q0 * d_v), QT),
+                        (ds.as_mut_ptr(), QT),
+                        false,
+                    );
+                    let row_dot = &self.row_dot[q0..q0 + nq];
+                    for (ds_row, p_row) in ds.chunks_exact_mut(QT).zip(p.chunks_exact(QT)).take(nk)
+                    {
+                        for ((d, &w), &r) in ds_row[..nq].iter_mut().zip(p_row).zip(row_dot) {
+                            *d = w * (*d - r);
+                        }
+                    }
+                    // dK += dSᵀ (Q·scale)
+                    A::gemm(
+                        [nk, d_k, nq],
+                        (ds.as_ptr(), QT, 1),
+                        (self.qs.as_ptr().add(q0 * d_k), d_k),
+                        (grads.dk.as_mut_ptr().add(j0 * d_k), d_k),
+                        true,
+                    );
+                    // dQ += dS K
+                    A::gemm(
+                        [nq, d_k, nk],
+                        (ds.as_ptr(), 1, QT),
+                        (kp, ks),
+                        (grads.dq.as_mut_ptr().add(q0 * d_k), d_k),
+                        true,
+                    );
+                }
+            }
+        }
+        grads
+    }
+}
+
+/// The tensor as it is when its floats (or bytes) can be read through its strides (rank
+/// 4, strides not negative, unit stride along the last axis), else a contiguous copy.
+fn readable(tensor: &FlexTensor) -> FlexTensor {
+    let layout = tensor.layout();
+    let dims = layout.shape().num_dims();
+    let strides = layout.strides();
+    let inner = dims == 0 || strides[dims - 1] == 1 || layout.shape()[dims - 1] == 1;
+    match dims == 4 && inner && strides.iter().all(|&s| s >= 0) {
+        true => tensor.clone(),
+        false => tensor.to_contiguous(),
+    }
+}
+
+/// The tensor with its rows next to each other, for the operands read as panels of a
+/// matrix product (K, V, dO): rows a few KB apart (the heads of a `[B, T, H·Dh]`
+/// projection) fall into few sets of the L1 cache; one copy costs less (measured at the
+/// long shape: 10% of the forward pass, more of the backward).
+fn dense_rows(tensor: &FlexTensor) -> FlexTensor {
+    let layout = tensor.layout();
+    let shape = layout.shape();
+    let strides = layout.strides();
+    let dense = shape.num_dims() == 4
+        && (shape[2] == 1 || strides[2] == shape[3] as isize)
+        && (shape[3] == 1 || strides[3] == 1)
+        && strides.iter().all(|&s| s >= 0);
+    match dense {
+        true => tensor.clone(),
+        false => tensor.to_contiguous(),
+    }
+}
+
+/// The strides of a [`readable`] tensor, 0 along its axes of size 1.
+fn strides_of(tensor: &FlexTensor) -> [usize; 4] {
+    let layout = tensor.layout();
+    std::array::from_fn(|axis| match layout.shape()[axis] {
+        1 => 0,
+        _ => layout.strides()[axis] as usize,
+    })
+}
+
+fn floats(tensor: &FlexTensor) -> Grid<'_, f32> {
+    Grid {
+        data: tensor.storage::<f32>(),
+        offset: tensor.layout().start_offset(),
+        strides: strides_of(tensor),
+    }
+}
+
+fn bytes(tensor: &FlexTensor) -> Grid<'_, u8> {
+    Grid {
+        data: tensor.storage::<u8>(),
+        offset: tensor.layout().start_offset(),
+        strides: strides_of(tensor),
+    }
+}
+
+/// `[B, T, H, D]` floats as the `[B, H, T, D]` tensor they hold (a view, no copy).
+fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, [b, t, h, d])).transpose(1, 2)
+}
+
+/// Whether the tiled kernels take these tensors: f32 values, a byte-stored boolean mask.
+fn supported(tensors: &[&FlexTensor], blocked: Option<&FlexTensor>) -> bool {
+    let bool_bytes = blocked
+        .is_none_or(|mask| matches!(mask.dtype(), DType::Bool(BoolStore::Native | BoolStore::U8)));
+    bool_bytes && tensors.iter().all(|t| t.dtype() == DType::F32)
+}
+
+/// [`forward`] on flex tensors: `(output [B, H, Tq, Dv], lse [B, H, Tq, 1])`, or `None`
+/// for other dtypes.
+pub(crate) fn flex_forward(
+    dims: Dims,
+    [query, key, value]: [&FlexTensor; 3],
+    blocked: Option<&FlexTensor>,
+    bias: Option<&FlexTensor>,
+) -> Option<(FlexTensor, FlexTensor)> {
+    let mut all = vec![query, key, value];
+    all.extend(bias);
+    if !supported(&all, blocked) {
+        return None;
+    }
+    let q = readable(query);
+    let [k, v] = [key, value].map(dense_rows);
+    let blocked = blocked.map(readable);
+    let bias = bias.map(readable);
+    let extra = Extra {
+        bias: bias.as_ref().map(floats),
+        blocked: blocked.as_ref().map(bytes),
+    };
+    let (output, lse) = forward(dims, floats(&q), floats(&k), floats(&v), extra);
+    let Dims {
+        batch,
+        heads,
+        queries,
+        d_v,
+        ..
+    } = dims;
+    let output = heads_view(output, [batch, heads, queries, d_v]);
+    let lse = FlexTensor::from_data(TensorData::new(lse, [batch, heads, queries, 1]));
+    Some((output, lse))
+}
+
+/// [`backward`] on flex tensors: `(dq, dk, dv)` shaped as the query, key and value, or
+/// `None` for other dtypes.
+#[allow(clippy::type_complexity)]
+pub(crate) fn flex_backward(
+    dims: Dims,
+    [query, key, value]: [&FlexTensor; 3],
+    output: &FlexTensor,
+    lse: &FlexTensor,
+    grad: &FlexTensor,
+    blocked: Option<&FlexTensor>,
+    bias: Option<&FlexTensor>,
+) -> Option<(FlexTensor, FlexTensor, FlexTensor)> {
+    let mut all = vec![query, key, value, output, lse, grad];
+    all.extend(bias);
+    if !supported(&all, blocked) {
+        return None;
+    }
+    let [q, o] = [query, output].map(readable);
+    let [k, v, g] = [key, value, grad].map(dense_rows);
+    let lse = lse.to_contiguous();
+    let blocked = blocked.map(readable);
+    let bias = bias.map(readable);
+    let extra = Extra {
+        bias: bias.as_ref().map(floats),
+        blocked: blocked.as_ref().map(bytes),
+    };
+    let lse_values = &lse.storage::<f32>()[lse.layout().start_offset()..];
+    let (dq, dk, dv) = backward(
+        dims,
+        floats(&q),
+        floats(&k),
+        floats(&v),
+        floats(&o),
+        lse_values,
+        floats(&g),
+        extra,
+    );
+    let Dims {
+        batch,
+        heads,
+        queries,
+        keys,
+        d_k,
+        d_v,
+        ..
+    } = dims;
+    Some((
+        heads_view(dq, [batch, heads, queries, d_k]),
+        heads_view(dk, [batch, heads, keys, d_k]),
+        heads_view(dv, [batch, heads, keys, d_v]),
+    ))
+}
+
+/// The instruction set the kernels are compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    /// Plain loops, any CPU.
+    Portable,
+    /// x86-64 with AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Isa {
+    /// The best this CPU runs (the standard library caches the detection).
+    fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return Isa::Avx2;
+        }
+        Isa::Portable
+    }
+}
+
+/// A matrix kernel for one instruction set.
+trait Arch {
+    /// `C = A B` (or `C += A B` when `add`) for sizes `[m, n, k]`: A is `(ptr, row
+    /// stride, column stride)`, B and C are `(ptr, row stride)` with unit column stride.
+    ///
+    /// # Safety
+    /// Every element of the three matrices is in bounds.
+    unsafe fn gemm(
+        mnk: [usize; 3],
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize),
+        c: (*mut f32, usize),
+        add: bool,
+    );
+
+    /// `e^x` ([`exp`], with fused multiply-adds where the instruction set has them).
+    fn exp(x: f32) -> f32;
+}
+
+/// Plain loops, for any CPU.
+struct Portable;
+
+impl Arch for Portable {
+    #[inline(always)]
+    fn exp(x: f32) -> f32 {
+        exp(x)
+    }
+
+    #[inline(always)]
+    unsafe fn gemm(
+        [m, n, k]: [usize; 3],
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { gemm_portable([m, n, k], (a, rsa, csa), (b, ldb), (c, ldc), add) }
+    }
+}
+
+/// [`Arch::gemm`] in plain loops.
+#[inline(always)]
+unsafe fn gemm_portable(
+    [m, n, k]: [usize; 3],
+    (a, rsa, csa): (*const f32, usize, usize),
+    (b, ldb): (*const f32, usize),
+    (c, ldc): (*mut f32, usize),
+    add: bool,
+) {
+    for i in 0..m {
+        // SAFETY: the caller's contract.
+        let c_row = unsafe { std::slice::from_raw_parts_mut(c.add(i * ldc), n) };
+        if !add {
+            c_row.fill(0.0);
+        }
+        for p in 0..k {
+            // SAFETY: the caller's contract.
+            let (x, b_row) = unsafe {
+                (
+                    *a.add(i * rsa + p * csa),
+                    std::slice::from_raw_parts(b.add(p * ldb), n),
+                )
+            };
+            for (y, &w) in c_row.iter_mut().zip(b_row) {
+                *y += x * w;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Arch for Avx2 {
+    #[inline(always)]
+    fn exp(x: f32) -> f32 {
+        exp_fma(x)
+    }
+
+    #[inline(always)]
+    unsafe fn gemm(
+        [m, n, k]: [usize; 3],
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize),
+        c: (*mut f32, usize),
+        add: bool,
+    ) {
+        // SAFETY: the caller's contract; only called where the CPU has AVX2 and FMA.
+        unsafe { avx2::gemm([m, n, k], a, b, c, add) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Rows of C per register tile: 6 x 16 outputs are 12 registers of sums, enough to
+    /// keep both FMA units busy through the FMA's latency.
+    const MR: usize = 6;
+
+    /// [`super::Arch::gemm`] in tiles of 6 x 16 and 6 x 8 outputs, the last
+    /// columns (fewer than 8) in plain loops.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn gemm(
+        [m, n, k]: [usize; 3],
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        let mut j = 0;
+        // SAFETY (throughout): the caller's contract bounds every tile.
+        unsafe {
+            while j + 16 <= n {
+                rows::<2>(m, k, (a, rsa, csa), (b.add(j), ldb), (c.add(j), ldc), add);
+                j += 16;
+            }
+            if j + 8 <= n {
+                rows::<1>(m, k, (a, rsa, csa), (b.add(j), ldb), (c.add(j), ldc), add);
+                j += 8;
+            }
+            if j < n {
+                super::gemm_portable(
+                    [m, n - j, k],
+                    (a, rsa, csa),
+                    (b.add(j), ldb),
+                    (c.add(j), ldc),
+                    add,
+                );
+            }
+        }
+    }
+
+    /// Columns `0..8·V` of every row, `MR` rows at a time.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn rows<const V: usize>(
+        m: usize,
+        k: usize,
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        let mut i = 0;
+        // SAFETY (throughout): the caller's contract bounds every tile.
+        unsafe {
+            while i + MR <= m {
+                let at = (a.add(i * rsa), rsa, csa);
+                tile::<MR, V>(k, at, (b, ldb), (c.add(i * ldc), ldc), add);
+                i += MR;
+            }
+            let at = (a.add(i * rsa), rsa, csa);
+            let ct = (c.add(i * ldc), ldc);
+            match m - i {
+                5 => tile::<5, V>(k, at, (b, ldb), ct, add),
+                4 => tile::<4, V>(k, at, (b, ldb), ct, add),
+                3 => tile::<3, V>(k, at, (b, ldb), ct, add),
+                2 => tile::<2, V>(k, at, (b, ldb), ct, add),
+                1 => tile::<1, V>(k, at, (b, ldb), ct, add),
+                _ => {}
+            }
+        }
+    }
+
+    /// One `R x 8·V` tile of C, its sums in registers over the whole `k`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile<const R: usize, const V: usize>(
+        k: usize,
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        // SAFETY (throughout): the caller's contract bounds every load and store.
+        unsafe {
+            let mut sum = [[_mm256_setzero_ps(); V]; R];
+            if add {
+                for (r, row) in sum.iter_mut().enumerate() {
+                    for (x, s) in row.iter_mut().enumerate() {
+                        *s = _mm256_loadu_ps(c.add(r * ldc + 8 * x));
+                    }
+                }
+            }
+            for p in 0..k {
+                let b_row = b.add(p * ldb);
+                let mut w = [_mm256_setzero_ps(); V];
+                for (x, w) in w.iter_mut().enumerate() {
+                    *w = _mm256_loadu_ps(b_row.add(8 * x));
+                }
+                for (r, row) in sum.iter_mut().enumerate() {
+                    let x = _mm256_set1_ps(*a.add(r * rsa + p * csa));
+                    for (s, &w) in row.iter_mut().zip(&w) {
+                        *s = _mm256_fmadd_ps(x, w, *s);
+                    }
+                }
+            }
+            for (r, row) in sum.iter().enumerate() {
+                for (x, &s) in row.iter().enumerate() {
+                    _mm256_storeu_ps(c.add(r * ldc + 8 * x), s);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(len: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The reference product in f64, A read through its strides.
+    fn reference(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &[f32],
+        (rsa, csa): (usize, usize),
+        b: &[f32],
+        ldb: usize,
+    ) -> Vec<f64> {
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k)
+                    .map(|p| a[i * rsa + p * csa] as f64 * b[p * ldb + j] as f64)
+                    .sum();
+            }
+        }
+        c
+    }
+
+    fn check<A: Arch>(name: &str) {
+        // Sizes around the register tiles' edges, A both ways round, C = and +=.
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (4, 16, 64),
+            (7, 29, 13),
+            (64, 64, 64),
+            (3, 8, 0),
+            (13, 40, 70),
+        ] {
+            for transposed in [false, true] {
+                let a = random(m * k + 1, (m * 31 + n * 7 + k) as u32);
+                let strides = if transposed { (1, m) } else { (k, 1) };
+                let ldb = n + 3;
+                let b = random(k * ldb + 1, (n * 13 + k) as u32);
+                let ldc = n + 5;
+                let start = random(m * ldc, 99);
+                for add in [false, true] {
+                    let mut c = start.clone();
+                    // SAFETY: the buffers hold every element the sizes and strides name.
+                    unsafe {
+                        A::gemm(
+                            [m, n, k],
+                            (a.as_ptr(), strides.0, strides.1),
+                            (b.as_ptr(), ldb),
+                            (c.as_mut_ptr(), ldc),
+                            add,
+                        );
+                    }
+                    let want = reference(m, n, k, &a, strides, &b, ldb);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let base = if add { start[i * ldc + j] as f64 } else { 0.0 };
+                            let got = c[i * ldc + j] as f64;
+                            let want = want[i * n + j] + base;
+                            assert!(
+                                (got - want).abs() <= 1e-5 * (1.0 + k as f64),
+                                "{name} [{m}, {n}, {k}] a^T {transposed} add {add}: c[{i}, {j}] = {got}, want {want}"
+                            );
+                        }
+                        // Columns past n are untouched.
+                        for j in n..ldc {
+                            assert_eq!(
+                                c[i * ldc + j],
+                                start[i * ldc + j],
+                                "{name}: column {j} written"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn portable_gemm_matches_f64() {
+        check::<Portable>("portable");
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_gemm_matches_f64() {
+        if Isa::best() == Isa::Avx2 {
+            check::<Avx2>("avx2");
+        }
+    }
+
+    /// Inputs of one attention call, `[B, H, T, D]` contiguous, with a bias broadcast
+    /// over batch and queries and a boolean mask broadcast over heads.
+    struct Case {
+        dims: Dims,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        grad: Vec<f32>,
+        bias: Vec<f32>,
+        blocked: Vec<u8>,
+    }
+
+    fn dense<T>(data: &[T], [_, h, t, d]: [usize; 4]) -> Grid<'_, T> {
+        Grid {
+            data,
+            offset: 0,
+            strides: [h * t * d, t * d, d, 1],
+        }
+    }
+
+    impl Case {
+        fn new(queries: usize, keys: usize, causal: bool) -> Self {
+            let (batch, heads, d_k, d_v) = (2, 2, 20, 12);
+            let dims = Dims {
+                batch,
+                heads,
+                queries,
+                keys,
+                d_k,
+                d_v,
+                causal,
+                scale: 0.3,
+            };
+            let mut blocked: Vec<u8> = random(batch * queries * keys, 5)
+                .iter()
+                .map(|&x| (x > 0.8) as u8)
+                .collect();
+            blocked[3 * keys..4 * keys].fill(1); // Query 3 of batch 0 sees no key.
+            Self {
+                dims,
+                q: random(batch * heads * queries * d_k, 1),
+                k: random(batch * heads * keys * d_k, 2),
+                v: random(batch * heads * keys * d_v, 3),
+                grad: random(batch * heads * queries * d_v, 4),
+                bias: random(heads * keys, 6),
+                blocked,
+            }
+        }
+
+        fn extra(&self) -> Extra<'_> {
+            let Dims { queries, keys, .. } = self.dims;
+            Extra {
+                bias: Some(Grid {
+                    data: &self.bias,
+                    offset: 0,
+                    strides: [0, keys, 0, 1],
+                }),
+                blocked: Some(Grid {
+                    data: &self.blocked,
+                    offset: 0,
+                    strides: [queries * keys, 0, keys, 1],
+                }),
+            }
+        }
+
+        /// `(output, lse, dq, dk, dv)` in f64, laid out `[B, H, T, D]`.
+        #[allow(clippy::type_complexity)]
+        fn reference(&self) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+            let d = self.dims;
+            let (dk_, dv_) = (d.d_k, d.d_v);
+            let mut out = vec![0.0; d.batch * d.heads * d.queries * dv_];
+            let mut lse = vec![DEAD_LSE as f64; d.batch * d.heads * d.queries];
+            let mut dq = vec![0.0; d.batch * d.heads * d.queries * dk_];
+            let mut dk = vec![0.0; d.batch * d.heads * d.keys * dk_];
+            let mut dv = vec![0.0; d.batch * d.heads * d.keys * dv_];
+            for b in 0..d.batch {
+                for h in 0..d.heads {
+                    let bh = b * d.heads + h;
+                    for i in 0..d.queries {
+                        let qi = &self.q[(bh * d.queries + i) * dk_..][..dk_];
+                        let keys = d.row_len(i);
+                        let scores: Vec<f64> = (0..keys)
+                            .map(|j| {
+                                let kj = &self.k[(bh * d.keys + j) * dk_..][..dk_];
+                                let dot: f64 =
+                                    qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum();
+                                match self.blocked[(b * d.queries + i) * d.keys + j] {
+                                    0 => dot * d.scale as f64 + self.bias[h * d.keys + j] as f64,
+                                    _ => BLOCKED as f64,
+                                }
+                            })
+                            .collect();
+                        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        if keys == 0 || max <= DEAD_ROW as f64 {
+                            continue;
+                        }
+                        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                        lse[bh * d.queries + i] = max + sum.ln();
+                        let p: Vec<f64> = scores.iter().map(|s| (s - max).exp() / sum).collect();
+                        let row = (bh * d.queries + i) * dv_;
+                        for (j, &pj) in p.iter().enumerate() {
+                            for c in 0..dv_ {
+                                out[row + c] += pj * self.v[(bh * d.keys + j) * dv_ + c] as f64;
+                            }
+                        }
+                        let go = &self.grad[row..row + dv_];
+                        let row_dot: f64 = go
+                            .iter()
+                            .zip(&out[row..])
+                            .map(|(&g, &o)| g as f64 * o)
+                            .sum();
+                        for (j, &pj) in p.iter().enumerate() {
+                            let vj = &self.v[(bh * d.keys + j) * dv_..][..dv_];
+                            let dp: f64 =
+                                go.iter().zip(vj).map(|(&g, &v)| g as f64 * v as f64).sum();
+                            let ds = pj * (dp - row_dot) * d.scale as f64;
+                            for c in 0..dk_ {
+                                let kj = self.k[(bh * d.keys + j) * dk_ + c] as f64;
+                                dq[(bh * d.queries + i) * dk_ + c] += ds * kj;
+                                dk[(bh * d.keys + j) * dk_ + c] += ds * qi[c] as f64;
+                            }
+                            for c in 0..dv_ {
+                                dv[(bh * d.keys + j) * dv_ + c] += pj * go[c] as f64;
+                            }
+                        }
+                    }
+                }
+            }
+            (out, lse, dq, dk, dv)
+        }
+    }
+
+    /// `got` laid out `[B, T, H, D]` against `want` laid out `[B, H, T, D]`.
+    fn assert_close(what: &str, got: &[f32], want: &[f64], [b, h, t, d]: [usize; 4]) {
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    for di in 0..d {
+                        let g = got[((bi * t + ti) * h + hi) * d + di] as f64;
+                        let w = want[((bi * h + hi) * t + ti) * d + di];
+                        assert!(
+                            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "{what}[{bi}, {hi}, {ti}, {di}] = {g}, want {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tiles_match_f64_attention_forward_and_backward() {
+        let mut isas = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best() == Isa::Avx2 {
+            isas.push(Isa::Avx2);
+        }
+        // Partial tiles; causal with more keys than queries, with fewer (the first 20
+        // queries see no key), and not causal.
+        for (queries, keys, causal) in [(150, 170, true), (150, 130, true), (70, 90, false)] {
+            let case = Case::new(queries, keys, causal);
+            let d = case.dims;
+            let (out, lse, dq, dk, dv) = case.reference();
+            let q_shape = [d.batch, d.heads, d.queries, d.d_k];
+            let k_shape = [d.batch, d.heads, d.keys, d.d_k];
+            let v_shape = [d.batch, d.heads, d.keys, d.d_v];
+            let o_shape = [d.batch, d.heads, d.queries, d.d_v];
+            let (q, k, v) = (
+                dense(&case.q, q_shape),
+                dense(&case.k, k_shape),
+                dense(&case.v, v_shape),
+            );
+            for &isa in &isas {
+                let name = format!("{isa:?} Tq {queries} Tk {keys} causal {causal}");
+                let (got, got_lse) = forward_on(isa, d, q, k, v, case.extra());
+                assert_close(&format!("{name}: output"), &got, &out, o_shape);
+                for (i, (&g, &w)) in got_lse.iter().zip(&lse).enumerate() {
+                    assert!(
+                        (g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                        "{name}: lse[{i}] = {g}, want {w}"
+                    );
+                }
+                // The output back in [B, H, Tq, Dv] for the backward pass.
+                let mut o = vec![0.0f32; got.len()];
+                for (bh, rows) in o.chunks_mut(d.queries * d.d_v).enumerate() {
+                    let (b, h) = (bh / d.heads, bh % d.heads);
+                    for (i, row) in rows.chunks_mut(d.d_v).enumerate() {
+                        let at = ((b * d.queries + i) * d.heads + h) * d.d_v;
+                        row.copy_from_slice(&got[at..at + d.d_v]);
+                    }
+                }
+                // One key range per head, and several (as on a machine with more threads).
+                for threads in [1, 8] {
+                    let inputs = [q, k, v, dense(&o, o_shape), dense(&case.grad, o_shape)];
+                    let (gq, gk, gv) = backward_on(isa, threads, d, inputs, &got_lse, case.extra());
+                    let name = format!("{name}, {threads} threads");
+                    assert_close(&format!("{name}: dq"), &gq, &dq, q_shape);
+                    assert_close(&format!("{name}: dk"), &gk, &dk, k_shape);
+                    assert_close(&format!("{name}: dv"), &gv, &dv, v_shape);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn causal_key_ranges_cover_every_key_once_with_even_work() {
+        let dims = Dims {
+            batch: 1,
+            heads: 2,
+            queries: 1000,
+            keys: 1000,
+            d_k: 8,
+            d_v: 8,
+            causal: true,
+            scale: 1.0,
+        };
+        let ranges = key_ranges(dims, 8);
+        assert_eq!(ranges.len(), 8);
+        assert_eq!(ranges[0].start, 0);
+        assert_eq!(ranges.last().map(|r| r.end), Some(1000));
+        for pair in ranges.windows(2) {
+            assert_eq!(pair[0].end, pair[1].start);
+        }
+        // Early keys are seen by more queries: the first range is the shortest.
+        assert!(ranges[0].len() < ranges[7].len(), "{ranges:?}");
+        let one = key_ranges(Dims { heads: 16, ..dims }, 8);
+        assert_eq!((one.len(), one[0].clone()), (1, 0..1000));
+    }
+}
