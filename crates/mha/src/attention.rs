@@ -17,7 +17,9 @@
 //!   keys it can see (the tiles do the same per tile).
 //!
 //! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
-//! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`.
+//! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. The
+//! tiles and the explicit path read the shared head where it lies; the chunked paths
+//! repeat it for each query head of its group (and sum their gradients back).
 
 use burn::tensor::{
     Device, Distribution, Tensor, module::attention as fused_attention, ops::AttentionModuleOptions,
@@ -127,19 +129,11 @@ pub fn scaled_dot_product_attention(
         let fused_scale = (scale != default_scale).then_some(scale);
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         if kernel == Kernel::Recompute {
-            let group = heads / kv_heads;
             let chunk = match queries >= 2 * MIN_CHUNK {
                 true => MIN_CHUNK.max(queries.div_ceil(MAX_CHUNKS)),
                 false => queries,
             };
-            let context = crate::recompute::attention(
-                query,
-                repeat_kv(key, group),
-                repeat_kv(value, group),
-                mask,
-                scale,
-                chunk,
-            );
+            let context = crate::recompute::attention(query, key, value, mask, scale, chunk);
             return AttentionOutput {
                 context,
                 weights: None,

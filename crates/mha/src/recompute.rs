@@ -79,7 +79,8 @@ pub(crate) trait RecomputeAttention: Backend {
     /// `softmax(Q Kᵀ · scale + bias, masked) V` in query chunks of `chunk` rows.
     ///
     /// # Shapes
-    /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, H, Tk, Dk]`, `value`: `[B, H, Tk, Dv]`
+    /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`,
+    ///   `Hkv` a divisor of `H`
     /// - `blocked`, `bias`: broadcastable to `[B, H, Tq, Tk]`
     /// - result: `[B, H, Tq, Dv]`
     #[allow(clippy::too_many_arguments)]
@@ -252,6 +253,7 @@ impl<B: RowKernels, const N: usize> Backward<B, N> for AttentionBackward {
 struct Shape4 {
     batch: usize,
     heads: usize,
+    kv_heads: usize,
     queries: usize,
     keys: usize,
     d_k: usize,
@@ -268,6 +270,7 @@ impl Shape4 {
         Self {
             batch,
             heads,
+            kv_heads: dims_of(&key.shape())[1],
             queries,
             keys: dims_of(&key.shape())[2],
             d_k,
@@ -281,6 +284,8 @@ impl Shape4 {
 struct Problem<B: RowKernels> {
     batch: usize,
     heads: usize,
+    /// Key and value heads: `heads` or a divisor of it (grouped-query attention).
+    kv_heads: usize,
     queries: usize,
     keys: usize,
     d_k: usize,
@@ -307,6 +312,7 @@ impl<B: RowKernels> Problem<B> {
         Self {
             batch: shape.batch,
             heads: shape.heads,
+            kv_heads: shape.kv_heads,
             queries: shape.queries,
             keys: shape.keys,
             d_k: shape.d_k,
@@ -327,6 +333,7 @@ impl<B: RowKernels> Problem<B> {
         Dims {
             batch: self.batch,
             heads: self.heads,
+            kv_heads: self.kv_heads,
             queries: self.queries,
             keys: self.keys,
             d_k: self.d_k,
@@ -444,6 +451,7 @@ impl<B: RowKernels> Problem<B> {
         if let Some(result) = tiled {
             return result;
         }
+        let (key, value) = (&self.repeat_kv(key), &self.repeat_kv(value));
         let dtype = query.dtype();
         let mut outputs = Vec::new();
         let mut lses = Vec::new();
@@ -498,6 +506,7 @@ impl<B: RowKernels> Problem<B> {
                 return (dq, dk, dv, None);
             }
         }
+        let (key, value) = (&self.repeat_kv(key), &self.repeat_kv(value));
         let dtype = query.dtype();
         // D = rowsum(dO ⊙ O): [B, H, Tq, 1].
         let row_dot = B::float_sum_dim(B::float_mul(grad.clone(), output.clone()), 3);
@@ -541,7 +550,38 @@ impl<B: RowKernels> Problem<B> {
             let dq = B::float_matmul(d_scores, k);
             dqs.push(B::float_mul_scalar(dq, Scalar::from(self.scale)));
         }
-        (cat::<B>(dqs), dk, dv, d_bias)
+        (
+            cat::<B>(dqs),
+            self.sum_groups(dk),
+            self.sum_groups(dv),
+            d_bias,
+        )
+    }
+
+    /// Key or value heads `[B, Hkv, Tk, D]` repeated for every query head of their group,
+    /// `[B, H, Tk, D]` (the chunked path's products want as many heads as the queries).
+    fn repeat_kv(&self, x: &FloatTensor<B>) -> FloatTensor<B> {
+        let group = self.heads / self.kv_heads;
+        if group == 1 {
+            return x.clone();
+        }
+        let [batch, kv_heads, len, dim] = dims_of(&x.shape());
+        let x = B::float_reshape(x.clone(), Shape::new([batch, kv_heads, 1, len, dim]));
+        let x = B::float_expand(x, Shape::new([batch, kv_heads, group, len, dim]));
+        B::float_reshape(x, Shape::new([batch, kv_heads * group, len, dim]))
+    }
+
+    /// The gradient of [`Problem::repeat_kv`]: `[B, H, Tk, D]` summed over each group,
+    /// `[B, Hkv, Tk, D]`.
+    fn sum_groups(&self, x: FloatTensor<B>) -> FloatTensor<B> {
+        let group = self.heads / self.kv_heads;
+        if group == 1 {
+            return x;
+        }
+        let [batch, _, len, dim] = dims_of(&x.shape());
+        let shape = Shape::new([batch, self.kv_heads, group, len, dim]);
+        let summed = B::float_sum_dim(B::float_reshape(x, shape), 2);
+        B::float_reshape(summed, Shape::new([batch, self.kv_heads, len, dim]))
     }
 
     /// Adds a chunk's `dS` (`[B, H, c, visible]`) to the bias's gradient `acc`, summed
@@ -589,10 +629,11 @@ fn dims_of(shape: &Shape) -> [usize; 4] {
 }
 
 /// Attention through [`RecomputeAttention`] on a flex or ndarray device, with autodiff or
-/// not; keys and values have as many heads as the queries.
+/// not; keys and values have `Hkv` heads, a divisor of the queries' `H` (query head `h`
+/// reads key/value head `h / (H / Hkv)`).
 ///
 /// # Shapes
-/// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, H, Tk, Dk]`, `value`: `[B, H, Tk, Dv]`
+/// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
 /// - result: `[B, H, Tq, Dv]`
 pub(crate) fn attention(
     query: Tensor<4>,

@@ -27,6 +27,9 @@ pub(crate) const DEAD_LSE: f32 = 1.0e30;
 pub(crate) struct Dims {
     pub(crate) batch: usize,
     pub(crate) heads: usize,
+    /// Key and value heads, a divisor of `heads`: query head `h` reads `h / (heads /
+    /// kv_heads)`.
+    pub(crate) kv_heads: usize,
     pub(crate) queries: usize,
     pub(crate) keys: usize,
     pub(crate) d_k: usize,
@@ -46,6 +49,11 @@ impl Dims {
         }
     }
 
+    /// Query heads per key/value head.
+    pub(crate) fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
     /// The first query that sees key `k`.
     pub(crate) fn first_query(&self, k: usize) -> usize {
         match self.causal {
@@ -61,7 +69,7 @@ impl Dims {
 /// the provided `tiled_*` bodies have none and return `None`.
 pub(crate) trait RowKernels: Backend {
     /// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq, 1]` of attention over
-    /// `query` `[B, H, Tq, Dk]`, `key` `[B, H, Tk, Dk]` and `value` `[B, H, Tk, Dv]` under
+    /// `query` `[B, H, Tq, Dk]`, `key` `[B, Hkv, Tk, Dk]` and `value` `[B, Hkv, Tk, Dv]` under
     /// the causal limit of `dims`, the boolean mask `blocked` and the additive `bias`
     /// (clamped at [`BLOCKED`]), or `None` where the backend has no tiled kernel for them.
     fn tiled_forward(

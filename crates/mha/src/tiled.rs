@@ -13,9 +13,10 @@
 //! Forward: each task is one head's block of 64 queries, with a running maximum and sum
 //! per query (online softmax); it writes the output and each query's log-sum-exp.
 //!
-//! Backward: each task is one head's range of keys (the whole head when there are enough
-//! heads for the threads). It owns that range's `dK` and `dV`, and walks the query tiles
-//! that see it:
+//! Backward: each task is one key/value head's range of keys (the whole head when there
+//! are enough heads for the threads). It owns that range's `dK` and `dV`, and walks the
+//! query heads of its group (grouped-query attention: keys and values are never copied
+//! per query head) and their query tiles that see it:
 //!
 //! ```text
 //! Pᵀ  = exp(Sᵀ - lse)           dV += Pᵀ dO
@@ -96,8 +97,9 @@ impl Out {
 }
 
 /// Forward pass: `(output, lse)`, the output laid out `[B, Tq, H, Dv]` and the
-/// log-sum-exp `[B, H, Tq]`. Query `[B, H, Tq, Dk]`, key `[B, H, Tk, Dk]`, value
-/// `[B, H, Tk, Dv]`, each with unit stride along its last axis.
+/// log-sum-exp `[B, H, Tq]`. Query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]`, value
+/// `[B, Hkv, Tk, Dv]`, each with unit stride along its last axis; query head `h` reads
+/// key/value head `h / (H / Hkv)`.
 pub(crate) fn forward(
     dims: Dims,
     q: Grid<f32>,
@@ -151,8 +153,8 @@ fn forward_on(
     (output, lse)
 }
 
-/// Backward pass: `(dq, dk, dv)`, laid out `[B, Tq, H, Dk]`, `[B, Tk, H, Dk]` and `[B,
-/// Tk, H, Dv]`, from the inputs, the output, the log-sum-exp `[B, H, Tq]` of
+/// Backward pass: `(dq, dk, dv)`, laid out `[B, Tq, H, Dk]`, `[B, Tk, Hkv, Dk]` and `[B,
+/// Tk, Hkv, Dv]`, from the inputs, the output, the log-sum-exp `[B, H, Tq]` of
 /// [`forward`] and the output's gradient `grad` (`[B, H, Tq, Dv]`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
@@ -183,38 +185,51 @@ fn backward_on(
     let Dims {
         batch,
         heads,
+        kv_heads,
         queries,
         keys,
         d_k,
         d_v,
         ..
     } = dims;
+    let group = dims.group();
     let mut dq = vec![0.0f32; batch * queries * heads * d_k];
-    let mut dk = vec![0.0f32; batch * keys * heads * d_k];
-    let mut dv = vec![0.0f32; batch * keys * heads * d_v];
+    let mut dk = vec![0.0f32; batch * keys * kv_heads * d_k];
+    let mut dv = vec![0.0f32; batch * keys * kv_heads * d_v];
     let ranges = key_ranges(dims, threads);
     let split = ranges.len();
     let dk_out = Out(dk.as_mut_ptr());
     let dv_out = Out(dv.as_mut_ptr());
-    let partials: Vec<Vec<f32>> = (0..batch * heads * split)
+    // Each task: a key range of one key/value head, through every query head of its
+    // group; it returns those query heads' partial dQ, one after the other.
+    let partials: Vec<Vec<f32>> = (0..batch * kv_heads * split)
         .into_par_iter()
         .map(|task| {
-            let (bh, range) = (task / split, ranges[task % split].clone());
-            let (b, h) = (bh / heads, bh % heads);
-            let lse = &lse[bh * queries..(bh + 1) * queries];
-            let head = Head::new(dims, b, h, &q, &output, &grad, lse);
-            let mut grads = head.backward(isa, dims, &k, &v, &extra, range.clone());
+            let (bkv, range) = (task / split, ranges[task % split].clone());
+            let (b, kvh) = (bkv / kv_heads, bkv % kv_heads);
+            let mut kv = KeyGrads {
+                dk: vec![0.0; range.len() * d_k],
+                dv: vec![0.0; range.len() * d_v],
+            };
+            let mut dq = vec![0.0f32; group * queries * d_k];
+            for (g, dq) in dq.chunks_mut(queries * d_k).enumerate() {
+                let h = kvh * group + g;
+                let bh = b * heads + h;
+                let lse = &lse[bh * queries..(bh + 1) * queries];
+                let head = Head::new(dims, b, h, &q, &output, &grad, lse);
+                head.backward(isa, dims, [&k, &v], &extra, range.clone(), &mut kv, dq);
+            }
             for (j, key) in range.enumerate() {
-                let at = (b * keys + key) * heads + h;
-                // SAFETY: key `key` of head `(b, h)` belongs to this task alone.
+                let at = (b * keys + key) * kv_heads + kvh;
+                // SAFETY: key `key` of head `(b, kvh)` belongs to this task alone.
                 unsafe {
-                    let dk_row = grads.dk[j * d_k..].as_ptr();
+                    let dk_row = kv.dk[j * d_k..].as_ptr();
                     std::ptr::copy_nonoverlapping(dk_row, dk_out.at(at * d_k), d_k);
-                    let dv_row = grads.dv[j * d_v..].as_ptr();
+                    let dv_row = kv.dv[j * d_v..].as_ptr();
                     std::ptr::copy_nonoverlapping(dv_row, dv_out.at(at * d_v), d_v);
                 }
             }
-            std::mem::take(&mut grads.dq)
+            dq
         })
         .collect();
     // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
@@ -223,9 +238,10 @@ fn backward_on(
         .for_each(|(row, dq_row)| {
             let (b, i) = (row / queries, row % queries);
             for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
-                let bh = b * heads + h;
-                for part in &partials[bh * split..(bh + 1) * split] {
-                    for (d, &p) in dq_head.iter_mut().zip(&part[i * d_k..(i + 1) * d_k]) {
+                let bkv = b * kv_heads + h / group;
+                let at = ((h % group) * queries + i) * d_k;
+                for part in &partials[bkv * split..(bkv + 1) * split] {
+                    for (d, &p) in dq_head.iter_mut().zip(&part[at..at + d_k]) {
                         *d += p;
                     }
                 }
@@ -235,11 +251,11 @@ fn backward_on(
     (dq, dk, dv)
 }
 
-/// The key ranges each head's backward pass is cut into: one range when there are at
-/// least two heads per thread, else enough ranges of about equal work (a causal key is
+/// The key ranges each key/value head's backward pass is cut into: one range when there
+/// are at least two such heads per thread, else enough ranges of about equal work (a causal key is
 /// seen by fewer queries the later it comes) for two tasks per thread.
 fn key_ranges(dims: Dims, threads: usize) -> Vec<std::ops::Range<usize>> {
-    let heads = dims.batch * dims.heads;
+    let heads = dims.batch * dims.kv_heads;
     let tiles = dims.keys.div_ceil(KT);
     let split = (2 * threads).div_ceil(heads.max(1)).clamp(1, tiles.max(1));
     if split == 1 {
@@ -353,7 +369,7 @@ impl Scratch {
         let visible = dims.row_len(q0 + nq - 1);
         for k0 in (0..visible).step_by(KT) {
             let nk = KT.min(visible - k0);
-            let (kp, ks) = k.rows(b, h, k0, [nk, d_k]);
+            let (kp, ks) = k.rows(b, h / dims.group(), k0, [nk, d_k]);
             // SAFETY: rows k0..k0+nk of K (d_k columns); the packed queries; `s` holds
             // KT x QT.
             unsafe {
@@ -399,7 +415,7 @@ impl Scratch {
                         .for_each(|x| *x *= a);
                 }
             }
-            let (vp, vs) = v.rows(b, h, k0, [nk, d_v]);
+            let (vp, vs) = v.rows(b, h / dims.group(), k0, [nk, d_v]);
             // SAFETY: P is the `[nk, nq]` tile in `s` (read transposed); rows k0..k0+nk
             // of V (d_v columns); `acc` holds QT x Dv.
             unsafe {
@@ -473,10 +489,9 @@ struct Head<'a> {
     grad: Grid<'a, f32>,
 }
 
-/// The gradients of a key range: `dq` over every query (a partial sum, unscaled), `dk`
-/// and `dv` over the range's keys.
-struct Grads {
-    dq: Vec<f32>,
+/// The gradients of a key range of one key/value head, summed over the query heads of
+/// its group: `[len, Dk]` and `[len, Dv]`.
+struct KeyGrads {
     dk: Vec<f32>,
     dv: Vec<f32>,
 }
@@ -530,21 +545,26 @@ impl<'a> Head<'a> {
         }
     }
 
+    /// Adds this query head's share of the gradients of the keys in `range` to `kv`, and
+    /// its partial `dQ` over them (unscaled, `[Tq, Dk]`) to `dq`.
+    #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
         isa: Isa,
         dims: Dims,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
+        kv_in: [&Grid<f32>; 2],
         extra: &Extra,
         range: std::ops::Range<usize>,
-    ) -> Grads {
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
         #[cfg(target_arch = "x86_64")]
         if isa == Isa::Avx2 {
             // SAFETY: the CPU has the features the function is compiled for.
-            return unsafe { self.backward_avx2(dims, k, v, extra, range) };
+            unsafe { self.backward_avx2(dims, kv_in, extra, range, kv, dq) };
+            return;
         }
-        self.backward_in::<Portable>(dims, k, v, extra, range)
+        self.backward_in::<Portable>(dims, kv_in, extra, range, kv, dq);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -552,40 +572,38 @@ impl<'a> Head<'a> {
     fn backward_avx2(
         &self,
         dims: Dims,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
+        kv_in: [&Grid<f32>; 2],
         extra: &Extra,
         range: std::ops::Range<usize>,
-    ) -> Grads {
-        self.backward_in::<Avx2>(dims, k, v, extra, range)
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
+        self.backward_in::<Avx2>(dims, kv_in, extra, range, kv, dq);
     }
 
     #[inline(always)]
     fn backward_in<A: Arch>(
         &self,
         dims: Dims,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
+        [k, v]: [&Grid<f32>; 2],
         extra: &Extra,
         range: std::ops::Range<usize>,
-    ) -> Grads {
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
         let Dims {
             queries, d_k, d_v, ..
         } = dims;
         let (b, h) = (self.b, self.h);
-        let len = range.len();
-        let mut grads = Grads {
-            dq: vec![0.0; queries * d_k],
-            dk: vec![0.0; len * d_k],
-            dv: vec![0.0; len * d_v],
-        };
+        let kvh = h / dims.group();
+        assert!(dq.len() >= queries * d_k, "dQ holds every query");
         let mut p = vec![0.0f32; KT * QT];
         let mut ds = vec![0.0f32; KT * QT];
         let (gp, gs) = self.grad.rows(b, h, 0, [dims.queries, d_v]);
         for k0 in range.clone().step_by(KT) {
             let nk = KT.min(range.end - k0);
-            let (kp, ks) = k.rows(b, h, k0, [nk, d_k]);
-            let (vp, vs) = v.rows(b, h, k0, [nk, d_v]);
+            let (kp, ks) = k.rows(b, kvh, k0, [nk, d_k]);
+            let (vp, vs) = v.rows(b, kvh, k0, [nk, d_v]);
             let j0 = k0 - range.start;
             let first = dims.first_query(k0) / QT * QT;
             for q0 in (first..queries).step_by(QT) {
@@ -615,7 +633,7 @@ impl<'a> Head<'a> {
                         [nk, d_v, nq],
                         (p.as_ptr(), QT, 1),
                         (gp.add(q0 * gs), gs),
-                        (grads.dv.as_mut_ptr().add(j0 * d_v), d_v),
+                        (kv.dv.as_mut_ptr().add(j0 * d_v), d_v),
                         true,
                     );
                     // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
@@ -638,7 +656,7 @@ impl<'a> Head<'a> {
                         [nk, d_k, nq],
                         (ds.as_ptr(), QT, 1),
                         (self.qs.as_ptr().add(q0 * d_k), d_k),
-                        (grads.dk.as_mut_ptr().add(j0 * d_k), d_k),
+                        (kv.dk.as_mut_ptr().add(j0 * d_k), d_k),
                         true,
                     );
                     // dQ += dS K
@@ -646,13 +664,12 @@ impl<'a> Head<'a> {
                         [nq, d_k, nk],
                         (ds.as_ptr(), 1, QT),
                         (kp, ks),
-                        (grads.dq.as_mut_ptr().add(q0 * d_k), d_k),
+                        (dq.as_mut_ptr().add(q0 * d_k), d_k),
                         true,
                     );
                 }
             }
         }
-        grads
     }
 }
 
@@ -798,6 +815,7 @@ pub(crate) fn flex_backward(
     let Dims {
         batch,
         heads,
+        kv_heads,
         queries,
         keys,
         d_k,
@@ -806,8 +824,8 @@ pub(crate) fn flex_backward(
     } = dims;
     Some((
         heads_view(dq, [batch, heads, queries, d_k]),
-        heads_view(dk, [batch, heads, keys, d_k]),
-        heads_view(dv, [batch, heads, keys, d_v]),
+        heads_view(dk, [batch, kv_heads, keys, d_k]),
+        heads_view(dv, [batch, kv_heads, keys, d_v]),
     ))
 }
 
@@ -936,7 +954,7 @@ mod avx2 {
     const MR: usize = 6;
 
     /// [`super::Arch::gemm`] in tiles of 6 x 16 and 6 x 8 outputs, the last
-    /// columns (fewer than 8) in plain loops.
+    /// columns (fewer than 8) as dot products ([`narrow`]) or in plain loops.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub(super) unsafe fn gemm(
@@ -957,7 +975,15 @@ mod avx2 {
                 rows::<1>(m, k, (a, rsa, csa), (b.add(j), ldb), (c.add(j), ldc), add);
                 j += 8;
             }
-            if j < n {
+            if j < n && csa == 1 {
+                narrow(
+                    [m, n - j, k],
+                    (a, rsa),
+                    (b.add(j), ldb),
+                    (c.add(j), ldc),
+                    add,
+                );
+            } else if j < n {
                 super::gemm_portable(
                     [m, n - j, k],
                     (a, rsa, csa),
@@ -965,6 +991,53 @@ mod avx2 {
                     (c.add(j), ldc),
                     add,
                 );
+            }
+        }
+    }
+
+    /// Fewer than 8 columns of C with A's rows contiguous (one query decoding over a
+    /// cache of keys: `Sᵀ = K qᵀ`): each output a dot product of an A row and a B
+    /// column, 16 lanes at a time along `k`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn narrow(
+        [m, n, k]: [usize; 3],
+        (a, rsa): (*const f32, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        let mut column = vec![0.0f32; k];
+        // SAFETY (throughout): the caller's contract bounds every load and store.
+        unsafe {
+            for j in 0..n {
+                for (p, x) in column.iter_mut().enumerate() {
+                    *x = *b.add(p * ldb + j);
+                }
+                let col = column.as_ptr();
+                for i in 0..m {
+                    let row = a.add(i * rsa);
+                    let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                    let mut p = 0;
+                    while p + 16 <= k {
+                        s0 = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(row.add(p)),
+                            _mm256_loadu_ps(col.add(p)),
+                            s0,
+                        );
+                        let (r, w) = (row.add(p + 8), col.add(p + 8));
+                        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(r), _mm256_loadu_ps(w), s1);
+                        p += 16;
+                    }
+                    let mut lanes = [0.0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(s0, s1));
+                    let mut sum: f32 = lanes.iter().sum();
+                    for q in p..k {
+                        sum += *row.add(q) * *col.add(q);
+                    }
+                    let out = c.add(i * ldc + j);
+                    *out = if add { *out + sum } else { sum };
+                }
             }
         }
     }
@@ -1081,7 +1154,8 @@ mod tests {
     }
 
     fn check<A: Arch>(name: &str) {
-        // Sizes around the register tiles' edges, A both ways round, C = and +=.
+        // Sizes around the register tiles' edges and the narrow columns' dot products,
+        // A both ways round, C = and +=.
         for &(m, n, k) in &[
             (1, 1, 1),
             (4, 16, 64),
@@ -1089,6 +1163,8 @@ mod tests {
             (64, 64, 64),
             (3, 8, 0),
             (13, 40, 70),
+            (5, 3, 40),
+            (64, 1, 64),
         ] {
             for transposed in [false, true] {
                 let a = random(m * k + 1, (m * 31 + n * 7 + k) as u32);
@@ -1168,11 +1244,12 @@ mod tests {
     }
 
     impl Case {
-        fn new(queries: usize, keys: usize, causal: bool) -> Self {
-            let (batch, heads, d_k, d_v) = (2, 2, 20, 12);
+        fn new(queries: usize, keys: usize, causal: bool, kv_heads: usize) -> Self {
+            let (batch, heads, d_k, d_v) = (2, 4, 20, 12);
             let dims = Dims {
                 batch,
                 heads,
+                kv_heads,
                 queries,
                 keys,
                 d_k,
@@ -1188,8 +1265,8 @@ mod tests {
             Self {
                 dims,
                 q: random(batch * heads * queries * d_k, 1),
-                k: random(batch * heads * keys * d_k, 2),
-                v: random(batch * heads * keys * d_v, 3),
+                k: random(batch * kv_heads * keys * d_k, 2),
+                v: random(batch * kv_heads * keys * d_v, 3),
                 grad: random(batch * heads * queries * d_v, 4),
                 bias: random(heads * keys, 6),
                 blocked,
@@ -1220,17 +1297,18 @@ mod tests {
             let mut out = vec![0.0; d.batch * d.heads * d.queries * dv_];
             let mut lse = vec![DEAD_LSE as f64; d.batch * d.heads * d.queries];
             let mut dq = vec![0.0; d.batch * d.heads * d.queries * dk_];
-            let mut dk = vec![0.0; d.batch * d.heads * d.keys * dk_];
-            let mut dv = vec![0.0; d.batch * d.heads * d.keys * dv_];
+            let mut dk = vec![0.0; d.batch * d.kv_heads * d.keys * dk_];
+            let mut dv = vec![0.0; d.batch * d.kv_heads * d.keys * dv_];
             for b in 0..d.batch {
                 for h in 0..d.heads {
                     let bh = b * d.heads + h;
+                    let bkv = b * d.kv_heads + h / d.group(); // The key/value head.
                     for i in 0..d.queries {
                         let qi = &self.q[(bh * d.queries + i) * dk_..][..dk_];
                         let keys = d.row_len(i);
                         let scores: Vec<f64> = (0..keys)
                             .map(|j| {
-                                let kj = &self.k[(bh * d.keys + j) * dk_..][..dk_];
+                                let kj = &self.k[(bkv * d.keys + j) * dk_..][..dk_];
                                 let dot: f64 =
                                     qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum();
                                 match self.blocked[(b * d.queries + i) * d.keys + j] {
@@ -1249,7 +1327,7 @@ mod tests {
                         let row = (bh * d.queries + i) * dv_;
                         for (j, &pj) in p.iter().enumerate() {
                             for c in 0..dv_ {
-                                out[row + c] += pj * self.v[(bh * d.keys + j) * dv_ + c] as f64;
+                                out[row + c] += pj * self.v[(bkv * d.keys + j) * dv_ + c] as f64;
                             }
                         }
                         let go = &self.grad[row..row + dv_];
@@ -1259,17 +1337,17 @@ mod tests {
                             .map(|(&g, &o)| g as f64 * o)
                             .sum();
                         for (j, &pj) in p.iter().enumerate() {
-                            let vj = &self.v[(bh * d.keys + j) * dv_..][..dv_];
+                            let vj = &self.v[(bkv * d.keys + j) * dv_..][..dv_];
                             let dp: f64 =
                                 go.iter().zip(vj).map(|(&g, &v)| g as f64 * v as f64).sum();
                             let ds = pj * (dp - row_dot) * d.scale as f64;
                             for c in 0..dk_ {
-                                let kj = self.k[(bh * d.keys + j) * dk_ + c] as f64;
+                                let kj = self.k[(bkv * d.keys + j) * dk_ + c] as f64;
                                 dq[(bh * d.queries + i) * dk_ + c] += ds * kj;
-                                dk[(bh * d.keys + j) * dk_ + c] += ds * qi[c] as f64;
+                                dk[(bkv * d.keys + j) * dk_ + c] += ds * qi[c] as f64;
                             }
                             for c in 0..dv_ {
-                                dv[(bh * d.keys + j) * dv_ + c] += pj * go[c] as f64;
+                                dv[(bkv * d.keys + j) * dv_ + c] += pj * go[c] as f64;
                             }
                         }
                     }
@@ -1305,14 +1383,15 @@ mod tests {
             isas.push(Isa::Avx2);
         }
         // Partial tiles; causal with more keys than queries, with fewer (the first 20
-        // queries see no key), and not causal.
-        for (queries, keys, causal) in [(150, 170, true), (150, 130, true), (70, 90, false)] {
-            let case = Case::new(queries, keys, causal);
+        // queries see no key), and not causal; 2 query heads per key/value head, and 1.
+        let cases = [(150, 170, true, 2), (150, 130, true, 4), (70, 90, false, 2)];
+        for (queries, keys, causal, kv_heads) in cases {
+            let case = Case::new(queries, keys, causal, kv_heads);
             let d = case.dims;
             let (out, lse, dq, dk, dv) = case.reference();
             let q_shape = [d.batch, d.heads, d.queries, d.d_k];
-            let k_shape = [d.batch, d.heads, d.keys, d.d_k];
-            let v_shape = [d.batch, d.heads, d.keys, d.d_v];
+            let k_shape = [d.batch, d.kv_heads, d.keys, d.d_k];
+            let v_shape = [d.batch, d.kv_heads, d.keys, d.d_v];
             let o_shape = [d.batch, d.heads, d.queries, d.d_v];
             let (q, k, v) = (
                 dense(&case.q, q_shape),
@@ -1320,7 +1399,7 @@ mod tests {
                 dense(&case.v, v_shape),
             );
             for &isa in &isas {
-                let name = format!("{isa:?} Tq {queries} Tk {keys} causal {causal}");
+                let name = format!("{isa:?} Tq {queries} Tk {keys} causal {causal} Hkv {kv_heads}");
                 let (got, got_lse) = forward_on(isa, d, q, k, v, case.extra());
                 assert_close(&format!("{name}: output"), &got, &out, o_shape);
                 for (i, (&g, &w)) in got_lse.iter().zip(&lse).enumerate() {
@@ -1356,6 +1435,7 @@ mod tests {
         let dims = Dims {
             batch: 1,
             heads: 2,
+            kv_heads: 2,
             queries: 1000,
             keys: 1000,
             d_k: 8,
@@ -1372,7 +1452,14 @@ mod tests {
         }
         // Early keys are seen by more queries: the first range is the shortest.
         assert!(ranges[0].len() < ranges[7].len(), "{ranges:?}");
-        let one = key_ranges(Dims { heads: 16, ..dims }, 8);
+        let one = key_ranges(
+            Dims {
+                heads: 16,
+                kv_heads: 16,
+                ..dims
+            },
+            8,
+        );
         assert_eq!((one.len(), one[0].clone()), (1, 0..1000));
     }
 }
