@@ -2,12 +2,12 @@
 //!
 //! One function, paths with the same numbers, chosen per device by measurement (when no
 //! weights are asked for and dropout is off; otherwise always the explicit path):
-//! - **recompute** (`recompute.rs`): on flex, with autodiff or not, and on ndarray under
-//!   autodiff, attention is one operation whose backward pass recomputes the scores from
-//!   the row log-sum-exp instead of keeping them. On flex both passes run in cache-sized
-//!   tiles (`tiled.rs`, FlashAttention's scheme on the CPU); on ndarray, and on flex for
-//!   a bias that wants a gradient, chunk by chunk through Burn's ops (`rows.rs`);
-//! - **fused**: ndarray without autodiff, Burn's `burn::tensor::module::attention`;
+//! - **recompute** (`recompute.rs`): on flex and ndarray, with autodiff or not, attention
+//!   is one operation whose backward pass recomputes the scores from the row log-sum-exp
+//!   instead of keeping them. Both passes run in cache-sized tiles (`tiled.rs`,
+//!   FlashAttention's scheme on the CPU); for other dtypes and for a bias that wants a
+//!   gradient, chunk by chunk through Burn's ops (`rows.rs`);
+//! - **fused**: Burn's `burn::tensor::module::attention`, for zero queries on the CPU;
 //! - **explicit**: matmul, mask, softmax, dropout, matmul: when the weights are wanted or
 //!   dropout is on (the fused op has neither), on autodiff devices the recompute path
 //!   does not cover, and on the CubeCL backends (wgpu, cuda), where it is faster than
@@ -262,14 +262,13 @@ const MAX_CHUNKS: usize = 16;
 /// see the README's benchmarks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kernel {
-    /// Burn's fused op: ndarray's decomposed one without autodiff (and flex's flash
-    /// kernel for zero queries).
+    /// Burn's fused op, for zero queries on flex and ndarray.
     Fused,
     /// [`crate::recompute`]: one operation with a backward pass of its own that
-    /// recomputes the scores. On flex both passes run in cache-sized tiles
+    /// recomputes the scores; on flex and ndarray both passes run in cache-sized tiles
     /// ([`crate::tiled`]), with autodiff or not (at 128 queries, 32 x 8 heads of 32,
-    /// causal: 4.4 ms against 17 ms for flex's flash kernel); on ndarray, under autodiff,
-    /// chunk by chunk.
+    /// causal: 4.4 ms against 17 ms for flex's flash kernel and 43 ms for ndarray's
+    /// decomposed op).
     Recompute,
     /// An autodiff device over a CubeCL backend: Burn's fused op has no backward of its
     /// own there (it is decomposed and differentiated op
@@ -290,7 +289,7 @@ impl Kernel {
         match (device.is_autodiff(), cpu) {
             (true, _) if recompute => Kernel::Recompute,
             (true, _) => Kernel::Autodiff,
-            (false, Some(Cpu::Flex)) if recompute => Kernel::Recompute,
+            (false, Some(_)) if recompute => Kernel::Recompute,
             (false, Some(_)) => Kernel::Fused,
             (false, None) => Kernel::Explicit,
         }
@@ -445,10 +444,11 @@ mod tests {
     #[cfg(feature = "ndarray")]
     #[allow(deprecated)]
     #[test]
-    fn ndarray_recomputes_under_autodiff_only() {
+    fn ndarray_runs_the_tiled_op_with_autodiff_or_not() {
         let device = Device::ndarray();
         assert_eq!(Cpu::of(&device), Some(Cpu::NdArray));
-        assert_eq!(Kernel::of(&device, 4096), Kernel::Fused);
+        assert_eq!(Kernel::of(&device, 4096), Kernel::Recompute);
+        assert_eq!(Kernel::of(&device, 0), Kernel::Fused);
         assert_eq!(Kernel::of(&device.autodiff(), 8), Kernel::Recompute);
     }
 

@@ -34,7 +34,7 @@ mod recompute;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod rows;
 pub mod stack;
-#[cfg(feature = "flex")]
+#[cfg(any(feature = "flex", feature = "ndarray"))]
 mod tiled;
 
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};

@@ -1,10 +1,10 @@
 //! Attention on the CPU backends (flex, ndarray) as one operation of the backend (a Burn
 //! backend extension), with a backward pass of its own under autodiff that recomputes the
-//! scores instead of keeping them. On flex, f32 attention runs in cache-sized tiles
+//! scores instead of keeping them. f32 attention runs in cache-sized tiles
 //! ([`crate::tiled`], through [`RowKernels::tiled_forward`] and
 //! [`RowKernels::tiled_backward`]), with autodiff or not; what follows is the path of
-//! ndarray, of other dtypes, and of a bias that wants a gradient: query chunk by query
-//! chunk, through Burn's ops.
+//! other dtypes and of a bias that wants a gradient: query chunk by query chunk, through
+//! Burn's ops.
 //!
 //! Differentiated op by op, attention keeps every chunk's `[B, H, c, Tk]` weights until the
 //! backward pass and walks them a dozen times (mask fill, the softmax's five passes, and

@@ -38,7 +38,6 @@ pub(crate) struct Dims {
     pub(crate) scale: f32,
 }
 
-#[cfg_attr(not(feature = "flex"), allow(dead_code))]
 impl Dims {
     /// How many keys (`0..n`) query `q` sees.
     pub(crate) fn row_len(&self, q: usize) -> usize {
@@ -128,9 +127,32 @@ pub(crate) trait RowKernels: Backend {
     }
 }
 
+/// ndarray: the tiles of [`crate::tiled`], reading its arrays where they lie (the
+/// row-wise steps stay Burn's ops, for the chunked path).
 #[cfg(feature = "ndarray")]
 #[allow(deprecated)] // Burn 0.22 deprecates ndarray; it is still one of our backends.
-impl RowKernels for burn::backend::NdArray {}
+impl RowKernels for burn::backend::NdArray {
+    fn tiled_forward(
+        dims: Dims,
+        qkv: [&FloatTensor<Self>; 3],
+        blocked: Option<&BoolTensor<Self>>,
+        bias: Option<&FloatTensor<Self>>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        crate::tiled::ndarray_forward(dims, qkv, blocked, bias)
+    }
+
+    fn tiled_backward(
+        dims: Dims,
+        qkv: [&FloatTensor<Self>; 3],
+        output: &FloatTensor<Self>,
+        lse: &FloatTensor<Self>,
+        grad: &FloatTensor<Self>,
+        blocked: Option<&BoolTensor<Self>>,
+        bias: Option<&FloatTensor<Self>>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        crate::tiled::ndarray_backward(dims, qkv, output, lse, grad, blocked, bias)
+    }
+}
 
 /// `[.., c, n]` as `(c, n)`.
 fn rows_and_cols(shape: &Shape) -> (usize, usize) {
@@ -201,7 +223,6 @@ fn softmax_rows_ops<B: Backend>(
 /// `e^x` to within 2 ulp in `[-87.3, 88.7]`, 0 below (Cephes' `expf`: `x = n ln 2 +
 /// r`, a degree-6 polynomial for `e^r`, `2^n` through the exponent bits); branch-free
 /// so that loops over it vectorise.
-#[cfg(feature = "flex")]
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
     exp_with::<false>(x)
@@ -209,13 +230,11 @@ pub(crate) fn exp(x: f32) -> f32 {
 
 /// [`exp`] with its multiply-adds fused, for code compiled with FMA (elsewhere `mul_add`
 /// is a library call).
-#[cfg(feature = "flex")]
 #[inline(always)]
 pub(crate) fn exp_fma(x: f32) -> f32 {
     exp_with::<true>(x)
 }
 
-#[cfg(feature = "flex")]
 #[inline(always)]
 fn exp_with<const FMA: bool>(x: f32) -> f32 {
     let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };

@@ -6,9 +6,11 @@
 //! the vectorised `exp` of [`crate::rows`].
 //!
 //! The tiles are transposed, keys by queries (`Sᵀ = K · (Q·scale)ᵀ`): the key and value
-//! rows are read where they lie (any row stride, so the heads of a `[B, T, H·Dh]`
-//! projection need no copy), and only a tile of queries is packed. The row-wise steps of
-//! the softmax then run down the columns, eight queries to a vector.
+//! rows are read as matrix panels where they lie, and only a tile of queries is packed.
+//! The row-wise steps of the softmax then run down the columns, eight queries to a
+//! vector. The kernels read slices through strides ([`Grid`]): flex's tensors and
+//! ndarray's arrays in place, except that key, value and output-gradient rows a few KB
+//! apart (the heads of a `[B, T, H·Dh]` projection) are first copied next to each other.
 //!
 //! Forward: each task is one head's block of 64 queries, with a running maximum and sum
 //! per query (online softmax); it writes the output and each query's log-sum-exp.
@@ -828,6 +830,243 @@ pub(crate) fn flex_backward(
         heads_view(dv, [batch, kv_heads, keys, d_v]),
     ))
 }
+
+/// ndarray tensors read where they lie, through the strides of their views.
+#[cfg(feature = "ndarray")]
+#[allow(deprecated)] // Burn 0.22 deprecates ndarray; it is still one of our backends.
+mod ndarray {
+    use burn::backend::{
+        NdArray, TensorData,
+        ndarray::NdArrayTensor,
+        ops::{BoolTensorOps, FloatTensorOps},
+        try_read_sync,
+    };
+
+    use rayon::prelude::*;
+
+    use super::{Dims, Extra, Grid, backward, forward};
+
+    /// The elements an array view spans (through non-negative strides) as a slice, with
+    /// its strides (0 along axes of 1), or `None` for other layouts.
+    fn span<'a, T>(
+        ptr: *const T,
+        shape: &[usize],
+        strides: &[isize],
+    ) -> Option<(&'a [T], [usize; 4])> {
+        let (shape, strides): ([usize; 4], [isize; 4]) =
+            (shape.try_into().ok()?, strides.try_into().ok()?);
+        let inner = shape[3] == 1 || strides[3] == 1;
+        if !inner || strides.iter().any(|&s| s < 0) {
+            return None;
+        }
+        let out: [usize; 4] = std::array::from_fn(|a| {
+            if shape[a] == 1 {
+                0
+            } else {
+                strides[a] as usize
+            }
+        });
+        let len = match shape.contains(&0) {
+            true => 0,
+            false => 1 + (0..4).map(|a| (shape[a] - 1) * out[a]).sum::<usize>(),
+        };
+        // SAFETY: the view's elements lie within `len` elements from `ptr` (non-negative
+        // strides); the callers tie the slice's lifetime to the array's.
+        Some((unsafe { std::slice::from_raw_parts(ptr, len) }, out))
+    }
+
+    /// An f32 tensor's grid, borrowing its array; `None` for other dtypes or layouts.
+    fn floats(tensor: &NdArrayTensor) -> Option<Grid<'_, f32>> {
+        let NdArrayTensor::F32(storage) = tensor else {
+            return None;
+        };
+        let view = storage.view();
+        let (data, strides) = span(view.as_ptr(), view.shape(), view.strides())?;
+        Some(Grid {
+            data,
+            offset: 0,
+            strides,
+        })
+    }
+
+    /// A boolean tensor's grid as bytes (`bool` is one byte, 0 or 1).
+    fn bytes(tensor: &NdArrayTensor) -> Option<Grid<'_, u8>> {
+        let NdArrayTensor::Bool(storage) = tensor else {
+            return None;
+        };
+        let view = storage.view();
+        let (data, strides) = span(view.as_ptr().cast::<u8>(), view.shape(), view.strides())?;
+        Some(Grid {
+            data,
+            offset: 0,
+            strides,
+        })
+    }
+
+    /// The tensor's data, row-major (a copy).
+    fn data_of(tensor: &NdArrayTensor) -> Option<TensorData> {
+        let data = match tensor {
+            NdArrayTensor::Bool(_) => try_read_sync(NdArray::bool_into_data(tensor.clone())),
+            _ => try_read_sync(NdArray::float_into_data(tensor.clone())),
+        };
+        data?.ok()
+    }
+
+    /// `tensor` itself, or a contiguous copy where its view cannot be read in place.
+    fn readable(tensor: &NdArrayTensor) -> Option<NdArrayTensor> {
+        let in_place = match tensor {
+            NdArrayTensor::F32(_) => floats(tensor).is_some(),
+            NdArrayTensor::Bool(_) => bytes(tensor).is_some(),
+            _ => return None,
+        };
+        match in_place {
+            true => Some(tensor.clone()),
+            false => Some(NdArrayTensor::from_data(data_of(tensor)?)),
+        }
+    }
+
+    /// A readable f32 tensor with its rows next to each other (see `dense_rows` on flex),
+    /// copied row by row where they are not.
+    fn dense_rows(tensor: NdArrayTensor) -> Option<NdArrayTensor> {
+        let grid = floats(&tensor)?;
+        let NdArrayTensor::F32(storage) = &tensor else {
+            return None;
+        };
+        let shape: [usize; 4] = storage.shape().try_into().ok()?;
+        let [_, heads, len, d] = shape;
+        let [s0, s1, s2, _] = grid.strides;
+        if len <= 1 || s2 == d {
+            return Some(tensor);
+        }
+        let mut values = vec![0.0f32; shape.iter().product()];
+        values
+            .par_chunks_mut((len * d).max(1))
+            .enumerate()
+            .for_each(|(bh, head)| {
+                let (b, h) = (bh / heads, bh % heads);
+                for (t, row) in head.chunks_mut(d.max(1)).enumerate() {
+                    let at = grid.offset + b * s0 + h * s1 + t * s2;
+                    row.copy_from_slice(&grid.data[at..at + d]);
+                }
+            });
+        Some(NdArrayTensor::from_data(TensorData::new(values, shape)))
+    }
+
+    /// `[B, T, H, D]` floats as the `[B, H, T, D]` tensor they hold (a view).
+    fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> NdArrayTensor {
+        let tensor = NdArrayTensor::from_data(TensorData::new(values, [b, t, h, d]));
+        NdArray::float_swap_dims(tensor, 1, 2)
+    }
+
+    /// [`forward`] on ndarray tensors: `(output [B, H, Tq, Dv], lse [B, H, Tq, 1])`, or
+    /// `None` for other dtypes.
+    pub(crate) fn ndarray_forward(
+        dims: Dims,
+        qkv: [&NdArrayTensor; 3],
+        blocked: Option<&NdArrayTensor>,
+        bias: Option<&NdArrayTensor>,
+    ) -> Option<(NdArrayTensor, NdArrayTensor)> {
+        let [q, k, v] = qkv.map(readable);
+        let (q, k, v) = (q?, dense_rows(k?)?, dense_rows(v?)?);
+        // A mask part that cannot be read sends the call back to the chunked path.
+        let blocked = match blocked {
+            Some(mask) => Some(readable(mask)?),
+            None => None,
+        };
+        let bias = match bias {
+            Some(bias) => Some(readable(bias)?),
+            None => None,
+        };
+        let extra = Extra {
+            bias: match &bias {
+                Some(bias) => Some(floats(bias)?),
+                None => None,
+            },
+            blocked: match &blocked {
+                Some(mask) => Some(bytes(mask)?),
+                None => None,
+            },
+        };
+        let (q, k, v) = (floats(&q)?, floats(&k)?, floats(&v)?);
+        let (output, lse) = forward(dims, q, k, v, extra);
+        let Dims {
+            batch,
+            heads,
+            queries,
+            d_v,
+            ..
+        } = dims;
+        Some((
+            heads_view(output, [batch, heads, queries, d_v]),
+            NdArrayTensor::from_data(TensorData::new(lse, [batch, heads, queries, 1])),
+        ))
+    }
+
+    /// [`backward`] on ndarray tensors: `(dq, dk, dv)` shaped as the query, key and
+    /// value, or `None` for other dtypes.
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn ndarray_backward(
+        dims: Dims,
+        qkv: [&NdArrayTensor; 3],
+        output: &NdArrayTensor,
+        lse: &NdArrayTensor,
+        grad: &NdArrayTensor,
+        blocked: Option<&NdArrayTensor>,
+        bias: Option<&NdArrayTensor>,
+    ) -> Option<(NdArrayTensor, NdArrayTensor, NdArrayTensor)> {
+        let [q, k, v, o, g] = [qkv[0], qkv[1], qkv[2], output, grad].map(readable);
+        let (q, o) = (q?, o?);
+        let [k, v, g] = [k?, v?, g?].map(dense_rows);
+        let (k, v, g) = (k?, v?, g?);
+        let lse = data_of(lse)?.try_into_vec::<f32>().ok()?;
+        // A mask part that cannot be read sends the call back to the chunked path.
+        let blocked = match blocked {
+            Some(mask) => Some(readable(mask)?),
+            None => None,
+        };
+        let bias = match bias {
+            Some(bias) => Some(readable(bias)?),
+            None => None,
+        };
+        let extra = Extra {
+            bias: match &bias {
+                Some(bias) => Some(floats(bias)?),
+                None => None,
+            },
+            blocked: match &blocked {
+                Some(mask) => Some(bytes(mask)?),
+                None => None,
+            },
+        };
+        let inputs = [
+            floats(&q)?,
+            floats(&k)?,
+            floats(&v)?,
+            floats(&o)?,
+            floats(&g)?,
+        ];
+        let [q, k, v, o, g] = inputs;
+        let (dq, dk, dv) = backward(dims, q, k, v, o, &lse, g, extra);
+        let Dims {
+            batch,
+            heads,
+            kv_heads,
+            queries,
+            keys,
+            d_k,
+            d_v,
+            ..
+        } = dims;
+        Some((
+            heads_view(dq, [batch, heads, queries, d_k]),
+            heads_view(dk, [batch, kv_heads, keys, d_k]),
+            heads_view(dv, [batch, kv_heads, keys, d_v]),
+        ))
+    }
+}
+
+#[cfg(feature = "ndarray")]
+pub(crate) use ndarray::{ndarray_backward, ndarray_forward};
 
 /// The instruction set the kernels are compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
