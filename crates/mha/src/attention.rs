@@ -5,8 +5,8 @@
 //! - **recompute** (`recompute.rs`): on flex and ndarray, with autodiff or not, attention
 //!   is one operation whose backward pass recomputes the scores from the row log-sum-exp
 //!   instead of keeping them. Both passes run in cache-sized tiles (`tiled.rs`,
-//!   FlashAttention's scheme on the CPU); for other dtypes and for a bias that wants a
-//!   gradient, chunk by chunk through Burn's ops (`rows.rs`);
+//!   FlashAttention's scheme on the CPU); for other dtypes chunk by chunk through Burn's
+//!   ops (`rows.rs`);
 //! - **fused**: Burn's `burn::tensor::module::attention`, for zero queries on the CPU;
 //! - **explicit**: matmul, mask, softmax, dropout, matmul: when the weights are wanted or
 //!   dropout is on (the fused op has neither), on autodiff devices the recompute path

@@ -2,9 +2,9 @@
 //! backend extension), with a backward pass of its own under autodiff that recomputes the
 //! scores instead of keeping them. f32 attention runs in cache-sized tiles
 //! ([`crate::tiled`], through [`RowKernels::tiled_forward`] and
-//! [`RowKernels::tiled_backward`]), with autodiff or not; what follows is the path of
-//! other dtypes and of a bias that wants a gradient: query chunk by query chunk, through
-//! Burn's ops.
+//! [`RowKernels::tiled_backward`]), with autodiff or not, an additive bias and its
+//! gradient included; what follows is the path of other dtypes: query chunk by query
+//! chunk, through Burn's ops.
 //!
 //! Differentiated op by op, attention keeps every chunk's `[B, H, c, Tk]` weights until the
 //! backward pass and walks them a dozen times (mask fill, the softmax's five passes, and
@@ -492,19 +492,18 @@ impl<B: RowKernels> Problem<B> {
         FloatTensor<B>,
         Option<FloatTensor<B>>,
     ) {
-        if !(bias_grad && self.bias.is_some()) {
-            let tiled = B::tiled_backward(
-                self.dims(),
-                [query, key, value],
-                output,
-                lse,
-                &grad,
-                self.blocked.as_ref(),
-                self.bias.as_ref(),
-            );
-            if let Some((dq, dk, dv)) = tiled {
-                return (dq, dk, dv, None);
-            }
+        let tiled = B::tiled_backward(
+            self.dims(),
+            [query, key, value],
+            output,
+            lse,
+            &grad,
+            self.blocked.as_ref(),
+            self.bias.as_ref(),
+            bias_grad,
+        );
+        if let Some(grads) = tiled {
+            return grads;
         }
         let (key, value) = (&self.repeat_kv(key), &self.repeat_kv(value));
         let dtype = query.dtype();

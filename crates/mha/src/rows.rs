@@ -63,6 +63,14 @@ impl Dims {
     }
 }
 
+/// The gradients of the query, key, value and (when asked for) bias.
+pub(crate) type TiledGrads<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+);
+
 /// The row-wise steps of attention; the provided bodies are Burn tensor ops. A backend
 /// may also run the whole forward or backward pass in tiles ([`crate::tiled`] on flex);
 /// the provided `tiled_*` bodies have none and return `None`.
@@ -81,8 +89,9 @@ pub(crate) trait RowKernels: Backend {
     }
 
     /// The gradients of the query, key and value of [`RowKernels::tiled_forward`] from
-    /// its `output`, `lse` and the output's gradient `grad`, or `None`.
-    #[allow(clippy::type_complexity)]
+    /// its `output`, `lse` and the output's gradient `grad`, and the bias's (in its own
+    /// shape, summed over the axes it broadcasts along) when `bias_grad`; or `None`.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn tiled_backward(
         _dims: Dims,
         _qkv: [&FloatTensor<Self>; 3],
@@ -91,7 +100,8 @@ pub(crate) trait RowKernels: Backend {
         _grad: &FloatTensor<Self>,
         _blocked: Option<&BoolTensor<Self>>,
         _bias: Option<&FloatTensor<Self>>,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
+        _bias_grad: bool,
+    ) -> Option<TiledGrads<Self>> {
         None
     }
 
@@ -149,8 +159,9 @@ impl RowKernels for burn::backend::NdArray {
         grad: &FloatTensor<Self>,
         blocked: Option<&BoolTensor<Self>>,
         bias: Option<&FloatTensor<Self>>,
-    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>)> {
-        crate::tiled::ndarray_backward(dims, qkv, output, lse, grad, blocked, bias)
+        bias_grad: bool,
+    ) -> Option<TiledGrads<Self>> {
+        crate::tiled::ndarray_backward(dims, qkv, output, lse, grad, blocked, bias, bias_grad)
     }
 }
 
@@ -268,7 +279,7 @@ mod flex {
     use rayon::prelude::*;
 
     use super::{
-        DEAD_LSE, Dims, RowKernels, exp, exp_fma, recompute_rows_ops, rows_and_cols,
+        DEAD_LSE, Dims, RowKernels, TiledGrads, exp, exp_fma, recompute_rows_ops, rows_and_cols,
         softmax_backward_rows_ops, softmax_rows_ops,
     };
     use crate::attention::DEAD_ROW;
@@ -324,8 +335,9 @@ mod flex {
             grad: &FlexTensor,
             blocked: Option<&FlexTensor>,
             bias: Option<&FlexTensor>,
-        ) -> Option<(FlexTensor, FlexTensor, FlexTensor)> {
-            crate::tiled::flex_backward(dims, qkv, output, lse, grad, blocked, bias)
+            bias_grad: bool,
+        ) -> Option<TiledGrads<Self>> {
+            crate::tiled::flex_backward(dims, qkv, output, lse, grad, blocked, bias, bias_grad)
         }
 
         fn softmax_rows(

@@ -32,7 +32,6 @@
 //! where blocked), as in the explicit path: a row that sees no key, or only blocked ones,
 //! has output zero, log-sum-exp [`DEAD_LSE`] and passes no gradient.
 
-use burn::backend::{BoolStore, DType, TensorData, flex::FlexTensor};
 use rayon::prelude::*;
 
 use crate::attention::{BLOCKED, DEAD_ROW};
@@ -168,14 +167,47 @@ pub(crate) fn backward(
     lse: &[f32],
     grad: Grid<f32>,
     extra: Extra,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    bias_grad: Option<[usize; 4]>,
+) -> Gradients {
     let threads = rayon::current_num_threads();
     let inputs = [q, k, v, output, grad];
-    backward_on(Isa::best(), threads, dims, inputs, lse, extra)
+    backward_on(Isa::best(), threads, dims, inputs, lse, extra, bias_grad)
+}
+
+/// The gradients of [`backward`]: `dq` `[B, Tq, H, Dk]`, `dk` `[B, Tk, Hkv, Dk]`, `dv`
+/// `[B, Tk, Hkv, Dv]`, and the bias's (row-major, in its own shape) when asked for.
+pub(crate) struct Gradients {
+    pub(crate) dq: Vec<f32>,
+    pub(crate) dk: Vec<f32>,
+    pub(crate) dv: Vec<f32>,
+    pub(crate) bias: Option<Vec<f32>>,
+}
+
+impl Gradients {
+    /// The gradients as a backend's tensors, `(dq, dk, dv, dbias)`: `heads` makes the
+    /// `[B, H, T, D]` tensor that `[B, T, H, D]` floats hold, `plain` a tensor of the
+    /// given shape from row-major floats (the bias's, of shape `bias_shape`).
+    fn into_tensors<T>(
+        self,
+        dims: Dims,
+        bias_shape: Option<[usize; 4]>,
+        heads: impl Fn(Vec<f32>, [usize; 4]) -> T,
+        plain: impl Fn(Vec<f32>, [usize; 4]) -> T,
+    ) -> (T, T, T, Option<T>) {
+        let d = dims;
+        (
+            heads(self.dq, [d.batch, d.heads, d.queries, d.d_k]),
+            heads(self.dk, [d.batch, d.kv_heads, d.keys, d.d_k]),
+            heads(self.dv, [d.batch, d.kv_heads, d.keys, d.d_v]),
+            self.bias
+                .zip(bias_shape)
+                .map(|(values, shape)| plain(values, shape)),
+        )
+    }
 }
 
 /// [`backward`] with the given instruction set, its heads cut for `threads` threads;
-/// `[q, k, v, output, grad]`.
+/// `[q, k, v, output, grad]`; `bias_grad`: the bias's shape, when its gradient is wanted.
 fn backward_on(
     isa: Isa,
     threads: usize,
@@ -183,7 +215,8 @@ fn backward_on(
     [q, k, v, output, grad]: [Grid<f32>; 5],
     lse: &[f32],
     extra: Extra,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    bias_grad: Option<[usize; 4]>,
+) -> Gradients {
     let Dims {
         batch,
         heads,
@@ -204,7 +237,7 @@ fn backward_on(
     let dv_out = Out(dv.as_mut_ptr());
     // Each task: a key range of one key/value head, through every query head of its
     // group; it returns those query heads' partial dQ, one after the other.
-    let partials: Vec<Vec<f32>> = (0..batch * kv_heads * split)
+    let partials: Vec<(Vec<f32>, Option<BiasPart>)> = (0..batch * kv_heads * split)
         .into_par_iter()
         .map(|task| {
             let (bkv, range) = (task / split, ranges[task % split].clone());
@@ -212,6 +245,7 @@ fn backward_on(
             let mut kv = KeyGrads {
                 dk: vec![0.0; range.len() * d_k],
                 dv: vec![0.0; range.len() * d_v],
+                bias: bias_grad.map(|shape| BiasPart::new(shape, group, &range)),
             };
             let mut dq = vec![0.0f32; group * queries * d_k];
             for (g, dq) in dq.chunks_mut(queries * d_k).enumerate() {
@@ -231,9 +265,26 @@ fn backward_on(
                     std::ptr::copy_nonoverlapping(dv_row, dv_out.at(at * d_v), d_v);
                 }
             }
-            dq
+            (dq, kv.bias)
         })
         .collect();
+    // The bias's gradient: every task's part added where it belongs.
+    let bias = bias_grad.map(|shape| {
+        let mut total = vec![0.0f32; shape.iter().product()];
+        for (task, (_, part)) in partials.iter().enumerate() {
+            let (bkv, range) = (task / split, &ranges[task % split]);
+            if let Some(part) = part {
+                part.add_to(
+                    &mut total,
+                    shape,
+                    [bkv / kv_heads, bkv % kv_heads],
+                    group,
+                    range,
+                );
+            }
+        }
+        total
+    });
     // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
     dq.par_chunks_mut(heads * d_k)
         .enumerate()
@@ -242,7 +293,7 @@ fn backward_on(
             for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
                 let bkv = b * kv_heads + h / group;
                 let at = ((h % group) * queries + i) * d_k;
-                for part in &partials[bkv * split..(bkv + 1) * split] {
+                for (part, _) in &partials[bkv * split..(bkv + 1) * split] {
                     for (d, &p) in dq_head.iter_mut().zip(&part[at..at + d_k]) {
                         *d += p;
                     }
@@ -250,7 +301,82 @@ fn backward_on(
                 dq_head.iter_mut().for_each(|d| *d *= dims.scale);
             }
         });
-    (dq, dk, dv)
+    Gradients { dq, dk, dv, bias }
+}
+
+/// One backward task's share of the bias's gradient: `dS` summed over what the bias
+/// broadcasts along, over the slice of the bias the task reaches, `[heads, queries,
+/// keys]` with each axis the group's heads, the queries and the task's keys where the
+/// bias has that axis, else 1.
+struct BiasPart {
+    data: Vec<f32>,
+    /// The bias has a head, query, key axis (else it broadcasts along it).
+    axes: [bool; 3],
+    /// The part's sizes.
+    sizes: [usize; 3],
+    /// The task's first key.
+    k_start: usize,
+}
+
+impl BiasPart {
+    fn new([_, h, q, k]: [usize; 4], group: usize, range: &std::ops::Range<usize>) -> Self {
+        let axes = [h > 1, q > 1, k > 1];
+        let sizes = [
+            if axes[0] { group } else { 1 },
+            if axes[1] { q } else { 1 },
+            if axes[2] { range.len() } else { 1 },
+        ];
+        Self {
+            data: vec![0.0; sizes.iter().product()],
+            axes,
+            sizes,
+            k_start: range.start,
+        }
+    }
+
+    /// Adds the `dSᵀ` tile `ds` (`[nk, nq]`, rows `QT` apart) of the group's head `g`,
+    /// queries `q0..q0 + nq`, keys `k0..k0 + nk`.
+    fn add(&mut self, g: usize, [q0, nq]: [usize; 2], [k0, nk]: [usize; 2], ds: &[f32]) {
+        let [per_head, per_query, per_key] = self.axes;
+        let [_, queries, keys] = self.sizes;
+        let head = if per_head { g } else { 0 };
+        for (j, row) in ds.chunks_exact(QT).take(nk).enumerate() {
+            let key = if per_key { k0 + j - self.k_start } else { 0 };
+            for (i, &d) in row[..nq].iter().enumerate() {
+                let query = if per_query { q0 + i } else { 0 };
+                self.data[(head * queries + query) * keys + key] += d;
+            }
+        }
+    }
+
+    /// Adds the part of task `[b, kv head]` over keys `range` to the bias's gradient
+    /// `total` (of shape `shape`).
+    fn add_to(
+        &self,
+        total: &mut [f32],
+        shape: [usize; 4],
+        [b, kvh]: [usize; 2],
+        group: usize,
+        range: &std::ops::Range<usize>,
+    ) {
+        let [sb, sh, sq, sk] = shape;
+        let b = if sb > 1 { b } else { 0 };
+        let [heads, queries, keys] = self.sizes;
+        for g in 0..heads {
+            let h = if sh > 1 { kvh * group + g } else { 0 };
+            for q in 0..queries {
+                let from = (g * queries + q) * keys;
+                let key = if sk > 1 { range.start } else { 0 };
+                let to = ((b * sh + h) * sq + q) * sk + key;
+                for (t, &p) in total[to..to + keys]
+                    .iter_mut()
+                    .zip(&self.data[from..from + keys])
+                {
+                    *t += p;
+                }
+            }
+        }
+    }
 }
 
 /// The key ranges each key/value head's backward pass is cut into: one range when there
@@ -492,10 +618,11 @@ struct Head<'a> {
 }
 
 /// The gradients of a key range of one key/value head, summed over the query heads of
-/// its group: `[len, Dk]` and `[len, Dv]`.
+/// its group: `[len, Dk]` and `[len, Dv]`, and the bias's part when it is wanted.
 struct KeyGrads {
     dk: Vec<f32>,
     dv: Vec<f32>,
+    bias: Option<BiasPart>,
 }
 
 impl<'a> Head<'a> {
@@ -653,6 +780,9 @@ impl<'a> Head<'a> {
                             *d = w * (*d - r);
                         }
                     }
+                    if let Some(part) = kv.bias.as_mut() {
+                        part.add(h % dims.group(), [q0, nq], [k0, nk], &ds);
+                    }
                     // dK += dSᵀ (Q·scale)
                     A::gemm(
                         [nk, d_k, nq],
@@ -675,161 +805,164 @@ impl<'a> Head<'a> {
     }
 }
 
-/// The tensor as it is when its floats (or bytes) can be read through its strides (rank
-/// 4, strides not negative, unit stride along the last axis), else a contiguous copy.
-fn readable(tensor: &FlexTensor) -> FlexTensor {
-    let layout = tensor.layout();
-    let dims = layout.shape().num_dims();
-    let strides = layout.strides();
-    let inner = dims == 0 || strides[dims - 1] == 1 || layout.shape()[dims - 1] == 1;
-    match dims == 4 && inner && strides.iter().all(|&s| s >= 0) {
-        true => tensor.clone(),
-        false => tensor.to_contiguous(),
+/// Flex tensors read where they lie, through their strides.
+#[cfg(feature = "flex")]
+mod flex {
+    use burn::backend::{BoolStore, DType, TensorData, flex::FlexTensor};
+
+    use super::{Dims, Extra, Grid, backward, forward};
+
+    /// The tensor as it is when its floats (or bytes) can be read through its strides (rank
+    /// 4, strides not negative, unit stride along the last axis), else a contiguous copy.
+    fn readable(tensor: &FlexTensor) -> FlexTensor {
+        let layout = tensor.layout();
+        let dims = layout.shape().num_dims();
+        let strides = layout.strides();
+        let inner = dims == 0 || strides[dims - 1] == 1 || layout.shape()[dims - 1] == 1;
+        match dims == 4 && inner && strides.iter().all(|&s| s >= 0) {
+            true => tensor.clone(),
+            false => tensor.to_contiguous(),
+        }
+    }
+
+    /// The tensor with its rows next to each other, for the operands read as panels of a
+    /// matrix product (K, V, dO): rows a few KB apart (the heads of a `[B, T, H·Dh]`
+    /// projection) fall into few sets of the L1 cache; one copy costs less (measured at the
+    /// long shape: 10% of the forward pass, more of the backward).
+    fn dense_rows(tensor: &FlexTensor) -> FlexTensor {
+        let layout = tensor.layout();
+        let shape = layout.shape();
+        let strides = layout.strides();
+        let dense = shape.num_dims() == 4
+            && (shape[2] == 1 || strides[2] == shape[3] as isize)
+            && (shape[3] == 1 || strides[3] == 1)
+            && strides.iter().all(|&s| s >= 0);
+        match dense {
+            true => tensor.clone(),
+            false => tensor.to_contiguous(),
+        }
+    }
+
+    /// The strides of a [`readable`] tensor, 0 along its axes of size 1.
+    fn strides_of(tensor: &FlexTensor) -> [usize; 4] {
+        let layout = tensor.layout();
+        std::array::from_fn(|axis| match layout.shape()[axis] {
+            1 => 0,
+            _ => layout.strides()[axis] as usize,
+        })
+    }
+
+    fn floats(tensor: &FlexTensor) -> Grid<'_, f32> {
+        Grid {
+            data: tensor.storage::<f32>(),
+            offset: tensor.layout().start_offset(),
+            strides: strides_of(tensor),
+        }
+    }
+
+    fn bytes(tensor: &FlexTensor) -> Grid<'_, u8> {
+        Grid {
+            data: tensor.storage::<u8>(),
+            offset: tensor.layout().start_offset(),
+            strides: strides_of(tensor),
+        }
+    }
+
+    /// `[B, T, H, D]` floats as the `[B, H, T, D]` tensor they hold (a view, no copy).
+    fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> FlexTensor {
+        FlexTensor::from_data(TensorData::new(values, [b, t, h, d])).transpose(1, 2)
+    }
+
+    /// Whether the tiled kernels take these tensors: f32 values, a byte-stored boolean mask.
+    fn supported(tensors: &[&FlexTensor], blocked: Option<&FlexTensor>) -> bool {
+        let bool_bytes = blocked.is_none_or(|mask| {
+            matches!(mask.dtype(), DType::Bool(BoolStore::Native | BoolStore::U8))
+        });
+        bool_bytes && tensors.iter().all(|t| t.dtype() == DType::F32)
+    }
+
+    /// [`forward`] on flex tensors: `(output [B, H, Tq, Dv], lse [B, H, Tq, 1])`, or `None`
+    /// for other dtypes.
+    pub(crate) fn flex_forward(
+        dims: Dims,
+        [query, key, value]: [&FlexTensor; 3],
+        blocked: Option<&FlexTensor>,
+        bias: Option<&FlexTensor>,
+    ) -> Option<(FlexTensor, FlexTensor)> {
+        let mut all = vec![query, key, value];
+        all.extend(bias);
+        if !supported(&all, blocked) {
+            return None;
+        }
+        let q = readable(query);
+        let [k, v] = [key, value].map(dense_rows);
+        let blocked = blocked.map(readable);
+        let bias = bias.map(readable);
+        let extra = Extra {
+            bias: bias.as_ref().map(floats),
+            blocked: blocked.as_ref().map(bytes),
+        };
+        let (output, lse) = forward(dims, floats(&q), floats(&k), floats(&v), extra);
+        let d = dims;
+        let output = heads_view(output, [d.batch, d.heads, d.queries, d.d_v]);
+        let lse = FlexTensor::from_data(TensorData::new(lse, [d.batch, d.heads, d.queries, 1]));
+        Some((output, lse))
+    }
+
+    /// [`backward`] on flex tensors: `(dq, dk, dv, dbias)` shaped as the query, key, value
+    /// and bias (`dbias` when `bias_grad`), or `None` for other dtypes.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    pub(crate) fn flex_backward(
+        dims: Dims,
+        [query, key, value]: [&FlexTensor; 3],
+        output: &FlexTensor,
+        lse: &FlexTensor,
+        grad: &FlexTensor,
+        blocked: Option<&FlexTensor>,
+        bias: Option<&FlexTensor>,
+        bias_grad: bool,
+    ) -> Option<(FlexTensor, FlexTensor, FlexTensor, Option<FlexTensor>)> {
+        let mut all = vec![query, key, value, output, lse, grad];
+        all.extend(bias);
+        if !supported(&all, blocked) {
+            return None;
+        }
+        let [q, o] = [query, output].map(readable);
+        let [k, v, g] = [key, value, grad].map(dense_rows);
+        let lse = lse.to_contiguous();
+        let blocked = blocked.map(readable);
+        let bias = bias.map(readable);
+        let extra = Extra {
+            bias: bias.as_ref().map(floats),
+            blocked: blocked.as_ref().map(bytes),
+        };
+        let lse_values = &lse.storage::<f32>()[lse.layout().start_offset()..];
+        let bias_shape = bias
+            .as_ref()
+            .filter(|_| bias_grad)
+            .map(|b| shape4(b.layout().shape()));
+        let grads = backward(
+            dims,
+            floats(&q),
+            floats(&k),
+            floats(&v),
+            floats(&o),
+            lse_values,
+            floats(&g),
+            extra,
+            bias_shape,
+        );
+        let plain = |values, shape| FlexTensor::from_data(TensorData::new(values, shape));
+        Some(grads.into_tensors(dims, bias_shape, heads_view, plain))
+    }
+
+    fn shape4(shape: &burn::backend::Shape) -> [usize; 4] {
+        std::array::from_fn(|axis| shape[axis])
     }
 }
 
-/// The tensor with its rows next to each other, for the operands read as panels of a
-/// matrix product (K, V, dO): rows a few KB apart (the heads of a `[B, T, H·Dh]`
-/// projection) fall into few sets of the L1 cache; one copy costs less (measured at the
-/// long shape: 10% of the forward pass, more of the backward).
-fn dense_rows(tensor: &FlexTensor) -> FlexTensor {
-    let layout = tensor.layout();
-    let shape = layout.shape();
-    let strides = layout.strides();
-    let dense = shape.num_dims() == 4
-        && (shape[2] == 1 || strides[2] == shape[3] as isize)
-        && (shape[3] == 1 || strides[3] == 1)
-        && strides.iter().all(|&s| s >= 0);
-    match dense {
-        true => tensor.clone(),
-        false => tensor.to_contiguous(),
-    }
-}
-
-/// The strides of a [`readable`] tensor, 0 along its axes of size 1.
-fn strides_of(tensor: &FlexTensor) -> [usize; 4] {
-    let layout = tensor.layout();
-    std::array::from_fn(|axis| match layout.shape()[axis] {
-        1 => 0,
-        _ => layout.strides()[axis] as usize,
-    })
-}
-
-fn floats(tensor: &FlexTensor) -> Grid<'_, f32> {
-    Grid {
-        data: tensor.storage::<f32>(),
-        offset: tensor.layout().start_offset(),
-        strides: strides_of(tensor),
-    }
-}
-
-fn bytes(tensor: &FlexTensor) -> Grid<'_, u8> {
-    Grid {
-        data: tensor.storage::<u8>(),
-        offset: tensor.layout().start_offset(),
-        strides: strides_of(tensor),
-    }
-}
-
-/// `[B, T, H, D]` floats as the `[B, H, T, D]` tensor they hold (a view, no copy).
-fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, [b, t, h, d])).transpose(1, 2)
-}
-
-/// Whether the tiled kernels take these tensors: f32 values, a byte-stored boolean mask.
-fn supported(tensors: &[&FlexTensor], blocked: Option<&FlexTensor>) -> bool {
-    let bool_bytes = blocked
-        .is_none_or(|mask| matches!(mask.dtype(), DType::Bool(BoolStore::Native | BoolStore::U8)));
-    bool_bytes && tensors.iter().all(|t| t.dtype() == DType::F32)
-}
-
-/// [`forward`] on flex tensors: `(output [B, H, Tq, Dv], lse [B, H, Tq, 1])`, or `None`
-/// for other dtypes.
-pub(crate) fn flex_forward(
-    dims: Dims,
-    [query, key, value]: [&FlexTensor; 3],
-    blocked: Option<&FlexTensor>,
-    bias: Option<&FlexTensor>,
-) -> Option<(FlexTensor, FlexTensor)> {
-    let mut all = vec![query, key, value];
-    all.extend(bias);
-    if !supported(&all, blocked) {
-        return None;
-    }
-    let q = readable(query);
-    let [k, v] = [key, value].map(dense_rows);
-    let blocked = blocked.map(readable);
-    let bias = bias.map(readable);
-    let extra = Extra {
-        bias: bias.as_ref().map(floats),
-        blocked: blocked.as_ref().map(bytes),
-    };
-    let (output, lse) = forward(dims, floats(&q), floats(&k), floats(&v), extra);
-    let Dims {
-        batch,
-        heads,
-        queries,
-        d_v,
-        ..
-    } = dims;
-    let output = heads_view(output, [batch, heads, queries, d_v]);
-    let lse = FlexTensor::from_data(TensorData::new(lse, [batch, heads, queries, 1]));
-    Some((output, lse))
-}
-
-/// [`backward`] on flex tensors: `(dq, dk, dv)` shaped as the query, key and value, or
-/// `None` for other dtypes.
-#[allow(clippy::type_complexity)]
-pub(crate) fn flex_backward(
-    dims: Dims,
-    [query, key, value]: [&FlexTensor; 3],
-    output: &FlexTensor,
-    lse: &FlexTensor,
-    grad: &FlexTensor,
-    blocked: Option<&FlexTensor>,
-    bias: Option<&FlexTensor>,
-) -> Option<(FlexTensor, FlexTensor, FlexTensor)> {
-    let mut all = vec![query, key, value, output, lse, grad];
-    all.extend(bias);
-    if !supported(&all, blocked) {
-        return None;
-    }
-    let [q, o] = [query, output].map(readable);
-    let [k, v, g] = [key, value, grad].map(dense_rows);
-    let lse = lse.to_contiguous();
-    let blocked = blocked.map(readable);
-    let bias = bias.map(readable);
-    let extra = Extra {
-        bias: bias.as_ref().map(floats),
-        blocked: blocked.as_ref().map(bytes),
-    };
-    let lse_values = &lse.storage::<f32>()[lse.layout().start_offset()..];
-    let (dq, dk, dv) = backward(
-        dims,
-        floats(&q),
-        floats(&k),
-        floats(&v),
-        floats(&o),
-        lse_values,
-        floats(&g),
-        extra,
-    );
-    let Dims {
-        batch,
-        heads,
-        kv_heads,
-        queries,
-        keys,
-        d_k,
-        d_v,
-        ..
-    } = dims;
-    Some((
-        heads_view(dq, [batch, heads, queries, d_k]),
-        heads_view(dk, [batch, kv_heads, keys, d_k]),
-        heads_view(dv, [batch, kv_heads, keys, d_v]),
-    ))
-}
+#[cfg(feature = "flex")]
+pub(crate) use flex::{flex_backward, flex_forward};
 
 /// ndarray tensors read where they lie, through the strides of their views.
 #[cfg(feature = "ndarray")]
@@ -989,22 +1122,16 @@ mod ndarray {
         };
         let (q, k, v) = (floats(&q)?, floats(&k)?, floats(&v)?);
         let (output, lse) = forward(dims, q, k, v, extra);
-        let Dims {
-            batch,
-            heads,
-            queries,
-            d_v,
-            ..
-        } = dims;
+        let d = dims;
         Some((
-            heads_view(output, [batch, heads, queries, d_v]),
-            NdArrayTensor::from_data(TensorData::new(lse, [batch, heads, queries, 1])),
+            heads_view(output, [d.batch, d.heads, d.queries, d.d_v]),
+            NdArrayTensor::from_data(TensorData::new(lse, [d.batch, d.heads, d.queries, 1])),
         ))
     }
 
-    /// [`backward`] on ndarray tensors: `(dq, dk, dv)` shaped as the query, key and
-    /// value, or `None` for other dtypes.
-    #[allow(clippy::type_complexity)]
+    /// [`backward`] on ndarray tensors: `(dq, dk, dv, dbias)` shaped as the query, key,
+    /// value and bias (`dbias` when `bias_grad`), or `None` for other dtypes.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     pub(crate) fn ndarray_backward(
         dims: Dims,
         qkv: [&NdArrayTensor; 3],
@@ -1013,7 +1140,13 @@ mod ndarray {
         grad: &NdArrayTensor,
         blocked: Option<&NdArrayTensor>,
         bias: Option<&NdArrayTensor>,
-    ) -> Option<(NdArrayTensor, NdArrayTensor, NdArrayTensor)> {
+        bias_grad: bool,
+    ) -> Option<(
+        NdArrayTensor,
+        NdArrayTensor,
+        NdArrayTensor,
+        Option<NdArrayTensor>,
+    )> {
         let [q, k, v, o, g] = [qkv[0], qkv[1], qkv[2], output, grad].map(readable);
         let (q, o) = (q?, o?);
         let [k, v, g] = [k?, v?, g?].map(dense_rows);
@@ -1046,22 +1179,13 @@ mod ndarray {
             floats(&g)?,
         ];
         let [q, k, v, o, g] = inputs;
-        let (dq, dk, dv) = backward(dims, q, k, v, o, &lse, g, extra);
-        let Dims {
-            batch,
-            heads,
-            kv_heads,
-            queries,
-            keys,
-            d_k,
-            d_v,
-            ..
-        } = dims;
-        Some((
-            heads_view(dq, [batch, heads, queries, d_k]),
-            heads_view(dk, [batch, kv_heads, keys, d_k]),
-            heads_view(dv, [batch, kv_heads, keys, d_v]),
-        ))
+        let bias_shape = match (&bias, bias_grad) {
+            (Some(NdArrayTensor::F32(storage)), true) => Some(storage.shape().try_into().ok()?),
+            _ => None,
+        };
+        let grads = backward(dims, q, k, v, o, &lse, g, extra, bias_shape);
+        let plain = |values, shape| NdArrayTensor::from_data(TensorData::new(values, shape));
+        Some(grads.into_tensors(dims, bias_shape, heads_view, plain))
     }
 }
 
@@ -1528,9 +1652,10 @@ mod tests {
             }
         }
 
-        /// `(output, lse, dq, dk, dv)` in f64, laid out `[B, H, T, D]`.
+        /// `(output, lse, dq, dk, dv, dbias)` in f64, laid out `[B, H, T, D]` (the bias
+        /// `[H, Tk]`).
         #[allow(clippy::type_complexity)]
-        fn reference(&self) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        fn reference(&self) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
             let d = self.dims;
             let (dk_, dv_) = (d.d_k, d.d_v);
             let mut out = vec![0.0; d.batch * d.heads * d.queries * dv_];
@@ -1538,6 +1663,7 @@ mod tests {
             let mut dq = vec![0.0; d.batch * d.heads * d.queries * dk_];
             let mut dk = vec![0.0; d.batch * d.kv_heads * d.keys * dk_];
             let mut dv = vec![0.0; d.batch * d.kv_heads * d.keys * dv_];
+            let mut dbias = vec![0.0; d.heads * d.keys];
             for b in 0..d.batch {
                 for h in 0..d.heads {
                     let bh = b * d.heads + h;
@@ -1579,6 +1705,7 @@ mod tests {
                             let vj = &self.v[(bkv * d.keys + j) * dv_..][..dv_];
                             let dp: f64 =
                                 go.iter().zip(vj).map(|(&g, &v)| g as f64 * v as f64).sum();
+                            dbias[h * d.keys + j] += pj * (dp - row_dot);
                             let ds = pj * (dp - row_dot) * d.scale as f64;
                             for c in 0..dk_ {
                                 let kj = self.k[(bkv * d.keys + j) * dk_ + c] as f64;
@@ -1592,7 +1719,7 @@ mod tests {
                     }
                 }
             }
-            (out, lse, dq, dk, dv)
+            (out, lse, dq, dk, dv, dbias)
         }
     }
 
@@ -1627,7 +1754,7 @@ mod tests {
         for (queries, keys, causal, kv_heads) in cases {
             let case = Case::new(queries, keys, causal, kv_heads);
             let d = case.dims;
-            let (out, lse, dq, dk, dv) = case.reference();
+            let (out, lse, dq, dk, dv, dbias) = case.reference();
             let q_shape = [d.batch, d.heads, d.queries, d.d_k];
             let k_shape = [d.batch, d.kv_heads, d.keys, d.d_k];
             let v_shape = [d.batch, d.kv_heads, d.keys, d.d_v];
@@ -1659,11 +1786,21 @@ mod tests {
                 // One key range per head, and several (as on a machine with more threads).
                 for threads in [1, 8] {
                     let inputs = [q, k, v, dense(&o, o_shape), dense(&case.grad, o_shape)];
-                    let (gq, gk, gv) = backward_on(isa, threads, d, inputs, &got_lse, case.extra());
+                    let bias_shape = Some([1, d.heads, 1, d.keys]);
+                    let extra = case.extra();
+                    let grads = backward_on(isa, threads, d, inputs, &got_lse, extra, bias_shape);
                     let name = format!("{name}, {threads} threads");
-                    assert_close(&format!("{name}: dq"), &gq, &dq, q_shape);
-                    assert_close(&format!("{name}: dk"), &gk, &dk, k_shape);
-                    assert_close(&format!("{name}: dv"), &gv, &dv, v_shape);
+                    assert_close(&format!("{name}: dq"), &grads.dq, &dq, q_shape);
+                    assert_close(&format!("{name}: dk"), &grads.dk, &dk, k_shape);
+                    assert_close(&format!("{name}: dv"), &grads.dv, &dv, v_shape);
+                    // [1, H, 1, Tk] reads the same as [1, 1, H, Tk] in assert_close's order.
+                    let got_bias = grads.bias.expect("the bias's gradient");
+                    assert_close(
+                        &format!("{name}: dbias"),
+                        &got_bias,
+                        &dbias,
+                        [1, 1, d.heads, d.keys],
+                    );
                 }
             }
         }
