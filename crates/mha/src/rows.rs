@@ -72,8 +72,8 @@ pub(crate) type TiledGrads<B> = (
 );
 
 /// The row-wise steps of attention; the provided bodies are Burn tensor ops. A backend
-/// may also run the whole forward or backward pass in tiles ([`crate::tiled`] on flex);
-/// the provided `tiled_*` bodies have none and return `None`.
+/// may also run the whole forward or backward pass in tiles ([`crate::tiled`], on flex and
+/// ndarray); the provided `tiled_*` bodies have none and return `None`.
 pub(crate) trait RowKernels: Backend {
     /// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq, 1]` of attention over
     /// `query` `[B, H, Tq, Dk]`, `key` `[B, Hkv, Tk, Dk]` and `value` `[B, Hkv, Tk, Dv]` under
