@@ -1085,6 +1085,33 @@ mod ndarray {
         Some(NdArrayTensor::from_data(TensorData::new(values, shape)))
     }
 
+    /// The mask's parts `[blocked, bias]`, readable; `None` when one cannot be read (the
+    /// call then takes the chunked path).
+    fn mask_parts(
+        blocked: Option<&NdArrayTensor>,
+        bias: Option<&NdArrayTensor>,
+    ) -> Option<[Option<NdArrayTensor>; 2]> {
+        let read = |part: Option<&NdArrayTensor>| match part {
+            Some(tensor) => readable(tensor).map(Some),
+            None => Some(None),
+        };
+        Some([read(blocked)?, read(bias)?])
+    }
+
+    /// The mask's parts as the kernels read them.
+    fn extra([blocked, bias]: &[Option<NdArrayTensor>; 2]) -> Option<Extra<'_>> {
+        Some(Extra {
+            bias: match bias {
+                Some(bias) => Some(floats(bias)?),
+                None => None,
+            },
+            blocked: match blocked {
+                Some(mask) => Some(bytes(mask)?),
+                None => None,
+            },
+        })
+    }
+
     /// `[B, T, H, D]` floats as the `[B, H, T, D]` tensor they hold (a view).
     fn heads_view(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> NdArrayTensor {
         let tensor = NdArrayTensor::from_data(TensorData::new(values, [b, t, h, d]));
@@ -1101,25 +1128,8 @@ mod ndarray {
     ) -> Option<(NdArrayTensor, NdArrayTensor)> {
         let [q, k, v] = qkv.map(readable);
         let (q, k, v) = (q?, dense_rows(k?)?, dense_rows(v?)?);
-        // A mask part that cannot be read sends the call back to the chunked path.
-        let blocked = match blocked {
-            Some(mask) => Some(readable(mask)?),
-            None => None,
-        };
-        let bias = match bias {
-            Some(bias) => Some(readable(bias)?),
-            None => None,
-        };
-        let extra = Extra {
-            bias: match &bias {
-                Some(bias) => Some(floats(bias)?),
-                None => None,
-            },
-            blocked: match &blocked {
-                Some(mask) => Some(bytes(mask)?),
-                None => None,
-            },
-        };
+        let parts = mask_parts(blocked, bias)?;
+        let extra = extra(&parts)?;
         let (q, k, v) = (floats(&q)?, floats(&k)?, floats(&v)?);
         let (output, lse) = forward(dims, q, k, v, extra);
         let d = dims;
@@ -1152,25 +1162,8 @@ mod ndarray {
         let [k, v, g] = [k?, v?, g?].map(dense_rows);
         let (k, v, g) = (k?, v?, g?);
         let lse = data_of(lse)?.try_into_vec::<f32>().ok()?;
-        // A mask part that cannot be read sends the call back to the chunked path.
-        let blocked = match blocked {
-            Some(mask) => Some(readable(mask)?),
-            None => None,
-        };
-        let bias = match bias {
-            Some(bias) => Some(readable(bias)?),
-            None => None,
-        };
-        let extra = Extra {
-            bias: match &bias {
-                Some(bias) => Some(floats(bias)?),
-                None => None,
-            },
-            blocked: match &blocked {
-                Some(mask) => Some(bytes(mask)?),
-                None => None,
-            },
-        };
+        let parts = mask_parts(blocked, bias)?;
+        let extra = extra(&parts)?;
         let inputs = [
             floats(&q)?,
             floats(&k)?,
@@ -1179,7 +1172,7 @@ mod ndarray {
             floats(&g)?,
         ];
         let [q, k, v, o, g] = inputs;
-        let bias_shape = match (&bias, bias_grad) {
+        let bias_shape = match (&parts[1], bias_grad) {
             (Some(NdArrayTensor::F32(storage)), true) => Some(storage.shape().try_into().ok()?),
             _ => None,
         };
