@@ -1,12 +1,11 @@
 //! The row-wise steps of attention around its matmuls: the softmax of the scores, its
 //! recomputation from the log-sum-exp, and its backward step.
 //!
-//! Every backend has them as Burn tensor ops (a pass over the scores per op). On flex they
-//! are also written out over the rows: one row of scores (at most a few thousand floats)
-//! stays in the cache while it is masked, exponentiated, summed and normalised, the rows
-//! are spread over the threads, the causal mask is a per-row length instead of a boolean
-//! tensor, and `exp` is a polynomial the compiler vectorises (Burn's flex backend calls the
-//! scalar `expf` element by element, a tenth of attention's time in the profile).
+//! They are Burn tensor ops (a pass over the scores per op), for the chunked path that
+//! takes what the tiles do not (dtypes other than f32, a boolean mask not stored as
+//! bytes). flex and ndarray hook their tiles ([`crate::tiled`]) in here, and the tiles'
+//! `exp` lives here: a polynomial the compiler vectorises (Burn's flex backend calls the
+//! scalar `expf` element by element, a tenth of attention's time in an earlier profile).
 //!
 //! Shapes: the scores are `[.., c, n]` for `c` query rows over `n` keys. With a causal
 //! limit `Some(first)`, query row `i` (`0..c`) sees keys `j <= i + first` only.
@@ -269,251 +268,54 @@ fn exp_with<const FMA: bool>(x: f32) -> f32 {
     if x < -87.3 { 0.0 } else { y * scale }
 }
 
+/// flex: the tiles of [`crate::tiled`], reading its tensors through their strides (the
+/// row-wise steps stay Burn's ops, for the chunked path).
 #[cfg(feature = "flex")]
-mod flex {
-    use burn::backend::{
-        DType, Shape, TensorData, TensorMetadata,
-        flex::{Flex, FlexTensor},
-        tensor::FloatTensor,
-    };
-    use rayon::prelude::*;
-
-    use super::{
-        DEAD_LSE, Dims, RowKernels, TiledGrads, exp, exp_fma, recompute_rows_ops, rows_and_cols,
-        softmax_backward_rows_ops, softmax_rows_ops,
-    };
-    use crate::attention::DEAD_ROW;
-
-    /// Rows per task: enough work per task to amortise the scheduling.
-    const MIN_ROWS: usize = 8;
-
-    /// The tensor's floats, contiguous and owned by it alone (copied when they are not).
-    fn owned(tensor: FlexTensor) -> FlexTensor {
-        let layout = tensor.layout();
-        let dense = layout.is_contiguous()
-            && layout.start_offset() == 0
-            && tensor.bytes().len() == layout.num_elements() * 4;
-        if dense {
-            tensor
-        } else {
-            tensor.to_contiguous()
-        }
+impl RowKernels for burn::backend::Flex {
+    fn tiled_forward(
+        dims: Dims,
+        qkv: [&FloatTensor<Self>; 3],
+        blocked: Option<&BoolTensor<Self>>,
+        bias: Option<&FloatTensor<Self>>,
+    ) -> Option<(FloatTensor<Self>, FloatTensor<Self>)> {
+        crate::tiled::flex_forward(dims, qkv, blocked, bias)
     }
 
-    /// The floats of a small tensor, in row-major order.
-    fn values(tensor: &FlexTensor) -> Vec<f32> {
-        tensor
-            .clone()
-            .into_data()
-            .try_into_vec::<f32>()
-            .expect("an f32 tensor")
+    fn tiled_backward(
+        dims: Dims,
+        qkv: [&FloatTensor<Self>; 3],
+        output: &FloatTensor<Self>,
+        lse: &FloatTensor<Self>,
+        grad: &FloatTensor<Self>,
+        blocked: Option<&BoolTensor<Self>>,
+        bias: Option<&FloatTensor<Self>>,
+        bias_grad: bool,
+    ) -> Option<TiledGrads<Self>> {
+        crate::tiled::flex_backward(dims, qkv, output, lse, grad, blocked, bias, bias_grad)
     }
+}
 
-    /// Row `r` of `c` query rows: how many of the `n` keys it sees.
-    fn visible(r: usize, c: usize, n: usize, causal: Option<i64>) -> usize {
-        match causal {
-            Some(first) => ((r % c) as i64 + first + 1).clamp(0, n as i64) as usize,
-            None => n,
-        }
-    }
+#[cfg(test)]
+mod tests {
+    use super::{exp, exp_fma};
 
-    impl RowKernels for Flex {
-        fn tiled_forward(
-            dims: Dims,
-            qkv: [&FlexTensor; 3],
-            blocked: Option<&FlexTensor>,
-            bias: Option<&FlexTensor>,
-        ) -> Option<(FlexTensor, FlexTensor)> {
-            crate::tiled::flex_forward(dims, qkv, blocked, bias)
-        }
-
-        fn tiled_backward(
-            dims: Dims,
-            qkv: [&FlexTensor; 3],
-            output: &FlexTensor,
-            lse: &FlexTensor,
-            grad: &FlexTensor,
-            blocked: Option<&FlexTensor>,
-            bias: Option<&FlexTensor>,
-            bias_grad: bool,
-        ) -> Option<TiledGrads<Self>> {
-            crate::tiled::flex_backward(dims, qkv, output, lse, grad, blocked, bias, bias_grad)
-        }
-
-        fn softmax_rows(
-            scores: FloatTensor<Self>,
-            causal: Option<i64>,
-        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            if scores.dtype() != DType::F32 {
-                return softmax_rows_ops::<Self>(scores, causal);
+    #[test]
+    fn exp_is_within_two_ulp_of_std() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp();
+            for got in [exp(x), exp_fma(x)] {
+                worst = worst.max(((got as f64 - want) / want).abs());
             }
-            let shape = scores.shape();
-            let (c, n) = rows_and_cols(&shape);
-            let mut scores = owned(scores);
-            let data = scores.storage_mut::<f32>();
-            let mut lse = vec![0.0f32; data.len() / n.max(1)];
-            data.par_chunks_mut(n.max(1))
-                .zip(lse.par_iter_mut())
-                .enumerate()
-                .with_min_len(MIN_ROWS)
-                .for_each(|(r, (row, lse))| {
-                    *lse = softmax_row(row, visible(r, c, n, causal));
-                });
-            (scores, column(lse, &shape))
+            x += 0.001_3;
         }
-
-        fn recompute_rows(
-            scores: FloatTensor<Self>,
-            lse: FloatTensor<Self>,
-            causal: Option<i64>,
-        ) -> FloatTensor<Self> {
-            if scores.dtype() != DType::F32 {
-                return recompute_rows_ops::<Self>(scores, lse, causal);
-            }
-            let (c, n) = rows_and_cols(&scores.shape());
-            let lse = values(&lse);
-            let mut scores = owned(scores);
-            scores
-                .storage_mut::<f32>()
-                .par_chunks_mut(n.max(1))
-                .zip(lse.par_iter())
-                .enumerate()
-                .with_min_len(MIN_ROWS)
-                .for_each(|(r, (row, &lse))| {
-                    let (live, dead) = row.split_at_mut(visible(r, c, n, causal));
-                    dead.fill(0.0);
-                    exp_shifted(live, lse);
-                });
-            scores
-        }
-
-        fn softmax_backward_rows(
-            weights: FloatTensor<Self>,
-            d_weights: FloatTensor<Self>,
-            row_dot: FloatTensor<Self>,
-        ) -> FloatTensor<Self> {
-            if weights.dtype() != DType::F32 || d_weights.dtype() != DType::F32 {
-                return softmax_backward_rows_ops::<Self>(weights, d_weights, row_dot);
-            }
-            let (_, n) = rows_and_cols(&weights.shape());
-            let row_dot = values(&row_dot);
-            let weights = owned(weights);
-            let mut d_weights = owned(d_weights);
-            d_weights
-                .storage_mut::<f32>()
-                .par_chunks_mut(n.max(1))
-                .zip(weights.storage::<f32>().par_chunks(n.max(1)))
-                .zip(row_dot.par_iter())
-                .with_min_len(MIN_ROWS)
-                .for_each(|((d, p), &dot)| {
-                    for (d, &p) in d.iter_mut().zip(p) {
-                        *d = p * (*d - dot);
-                    }
-                });
-            d_weights
-        }
-    }
-
-    /// `[.., c, n]`'s log-sum-exp column `[.., c, 1]` from its values.
-    fn column(values: Vec<f32>, shape: &Shape) -> FlexTensor {
-        let mut dims: Vec<usize> = shape.iter().copied().collect();
-        let rank = dims.len();
-        dims[rank - 1] = 1;
-        FlexTensor::from_data(TensorData::new(values, dims))
-    }
-
-    /// The softmax of the first `len` entries of `row` in place (the rest set to 0);
-    /// returns the log-sum-exp, or [`DEAD_LSE`] (weights all 0) when no entry is open.
-    fn softmax_row(row: &mut [f32], len: usize) -> f32 {
-        let (live, dead) = row.split_at_mut(len);
-        dead.fill(0.0);
-        let max = max_of(live);
-        if len == 0 || max <= DEAD_ROW {
-            live.fill(0.0);
-            return DEAD_LSE;
-        }
-        exp_shifted(live, max);
-        let sum = sum_of(live);
-        let inv = 1.0 / sum;
-        for x in live.iter_mut() {
-            *x *= inv;
-        }
-        max + sum.ln()
-    }
-
-    fn max_of(x: &[f32]) -> f32 {
-        let mut acc = [f32::NEG_INFINITY; 8];
-        let mut chunks = x.chunks_exact(8);
-        for chunk in &mut chunks {
-            for (a, &v) in acc.iter_mut().zip(chunk) {
-                *a = if v > *a { v } else { *a };
-            }
-        }
-        let tail = chunks.remainder().iter().copied();
-        acc.into_iter()
-            .chain(tail)
-            .fold(f32::NEG_INFINITY, |a, v| if v > a { v } else { a })
-    }
-
-    fn sum_of(x: &[f32]) -> f32 {
-        let mut acc = [0.0f32; 8];
-        let mut chunks = x.chunks_exact(8);
-        for chunk in &mut chunks {
-            for (a, &v) in acc.iter_mut().zip(chunk) {
-                *a += v;
-            }
-        }
-        acc.into_iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
-    }
-
-    /// `x = exp(x - shift)` elementwise, vectorised (AVX2 and FMA where the CPU has them).
-    fn exp_shifted(x: &mut [f32], shift: f32) {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU has the features the function is compiled for.
-            unsafe { exp_shifted_avx2(x, shift) };
-            return;
-        }
-        exp_shifted_portable(x, shift);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn exp_shifted_avx2(x: &mut [f32], shift: f32) {
-        for v in x.iter_mut() {
-            *v = exp_fma(*v - shift);
-        }
-    }
-
-    #[inline(always)]
-    fn exp_shifted_portable(x: &mut [f32], shift: f32) {
-        for v in x.iter_mut() {
-            *v = exp(*v - shift);
-        }
-    }
-
-    #[cfg(test)]
-    mod tests {
-        #[test]
-        fn exp_is_within_two_ulp_of_std() {
-            let mut worst = 0.0f64;
-            let mut x = -87.0f32;
-            while x < 88.0 {
-                let want = (x as f64).exp();
-                for got in [super::super::exp(x), super::super::exp_fma(x)] {
-                    worst = worst.max(((got as f64 - want) / want).abs());
-                }
-                x += 0.001_3;
-            }
-            assert!(worst < 2.5e-7, "relative error {worst}");
-            assert_eq!(super::super::exp(-1.0e30), 0.0);
-            assert_eq!(super::super::exp(-100.0), 0.0);
-            assert_eq!(super::super::exp(0.0), 1.0);
-            for exp in [super::super::exp, super::super::exp_fma] {
-                assert_eq!(exp(f32::NEG_INFINITY), 0.0);
-                assert_eq!(exp(-1.0e30), 0.0);
-            }
+        assert!(worst < 2.5e-7, "relative error {worst}");
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(0.0), 1.0);
+        for exp in [exp, exp_fma] {
+            assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+            assert_eq!(exp(-1.0e30), 0.0);
         }
     }
 }
