@@ -57,6 +57,13 @@ impl<T: Copy> Grid<'_, T> {
         self.data[self.offset + b * s0 + h * s1 + i * s2 + j * s3]
     }
 
+    /// Row `i` of matrix `(b, h)`, `cols` wide (the columns have unit stride).
+    fn row(&self, b: usize, h: usize, i: usize, cols: usize) -> &[T] {
+        let [s0, s1, s2, _] = self.strides;
+        let start = self.offset + b * s0 + h * s1 + i * s2;
+        &self.data[start..start + cols]
+    }
+
     /// Rows `row..row + rows` of matrix `(b, h)`, `cols` wide: the first element and the
     /// row stride (the columns have unit stride).
     ///
@@ -233,10 +240,12 @@ fn backward_on(
     let mut dv = vec![0.0f32; batch * keys * kv_heads * d_v];
     let ranges = key_ranges(dims, threads);
     let split = ranges.len();
+    let dq_out = Out(dq.as_mut_ptr());
     let dk_out = Out(dk.as_mut_ptr());
     let dv_out = Out(dv.as_mut_ptr());
     // Each task: a key range of one key/value head, through every query head of its
-    // group; it returns those query heads' partial dQ, one after the other.
+    // group; it returns those query heads' partial dQ, one after the other (or, when the
+    // range is every key, writes their dQ in place and returns nothing).
     let partials: Vec<(Vec<f32>, Option<BiasPart>)> = (0..batch * kv_heads * split)
         .into_par_iter()
         .map(|task| {
@@ -265,7 +274,21 @@ fn backward_on(
                     std::ptr::copy_nonoverlapping(dv_row, dv_out.at(at * d_v), d_v);
                 }
             }
-            (dq, kv.bias)
+            if split > 1 {
+                return (dq, kv.bias);
+            }
+            for (g, head) in dq.chunks_exact(queries * d_k).enumerate() {
+                let h = kvh * group + g;
+                for (i, row) in head.chunks_exact(d_k).enumerate() {
+                    let at = ((b * queries + i) * heads + h) * d_k;
+                    // SAFETY: the task is head (b, h)'s only one: its dQ rows are its own.
+                    let out = unsafe { std::slice::from_raw_parts_mut(dq_out.at(at), d_k) };
+                    for (o, &x) in out.iter_mut().zip(row) {
+                        *o = x * dims.scale;
+                    }
+                }
+            }
+            (Vec::new(), kv.bias)
         })
         .collect();
     // The bias's gradient: every task's part added where it belongs.
@@ -285,6 +308,9 @@ fn backward_on(
         }
         total
     });
+    if split == 1 {
+        return Gradients { dq, dk, dv, bias };
+    }
     // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
     dq.par_chunks_mut(heads * d_k)
         .enumerate()
@@ -487,8 +513,9 @@ impl Scratch {
         let Tile { b, h, q0, nq } = tile;
         let (d_k, d_v) = (dims.d_k, dims.d_v);
         for i in 0..nq {
-            for p in 0..d_k {
-                self.qt[p * QT + i] = q.at(b, h, q0 + i, p) * dims.scale;
+            let row = q.row(b, h, q0 + i, d_k);
+            for (t, &x) in self.qt[i..].iter_mut().step_by(QT).zip(row) {
+                *t = x * dims.scale;
             }
         }
         self.max[..nq].fill(f32::NEG_INFINITY);
@@ -600,7 +627,7 @@ fn mask_tile(dims: Dims, extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mu
 }
 
 /// A backward task's inputs of one head, packed: the scaled queries (both ways), the
-/// output's gradient transposed, `rowsum(dO ⊙ O)` and the log-sum-exps.
+/// output's gradient (both ways), `rowsum(dO ⊙ O)` and the log-sum-exps.
 struct Head<'a> {
     b: usize,
     h: usize,
@@ -609,12 +636,13 @@ struct Head<'a> {
     /// Per tile of `QT` queries, `[Dk, QT]` (a row stride of `Tq` would be a power of
     /// two at common lengths, which puts a panel's rows in one set of the L1 cache).
     qst: Vec<f32>,
+    /// `[Tq, Dv]`.
+    go: Vec<f32>,
     /// Per tile of `QT` queries, `[Dv, QT]`.
     dot: Vec<f32>,
     /// `rowsum(dO ⊙ O)`, `[Tq]`.
     row_dot: Vec<f32>,
     lse: &'a [f32],
-    grad: Grid<'a, f32>,
 }
 
 /// The gradients of a key range of one key/value head, summed over the query heads of
@@ -633,7 +661,7 @@ impl<'a> Head<'a> {
         h: usize,
         q: &Grid<f32>,
         output: &Grid<f32>,
-        grad: &Grid<'a, f32>,
+        grad: &Grid<f32>,
         lse: &'a [f32],
     ) -> Self {
         let Dims {
@@ -644,33 +672,33 @@ impl<'a> Head<'a> {
         let panel = |i: usize, d: usize| (i / QT) * d * QT + i % QT;
         let mut qs = vec![0.0f32; queries * d_k];
         let mut qst = vec![0.0f32; d_k * padded];
-        for i in 0..queries {
-            for p in 0..d_k {
-                let x = q.at(b, h, i, p) * dims.scale;
-                qs[i * d_k + p] = x;
-                qst[panel(i, d_k) + p * QT] = x;
+        for (i, row) in qs.chunks_exact_mut(d_k).enumerate() {
+            for (x, &y) in row.iter_mut().zip(q.row(b, h, i, d_k)) {
+                *x = y * dims.scale;
+            }
+            for (t, &x) in qst[panel(i, d_k)..].iter_mut().step_by(QT).zip(&*row) {
+                *t = x;
             }
         }
+        let mut go = vec![0.0f32; queries * d_v];
         let mut dot = vec![0.0f32; d_v * padded];
         let mut row_dot = vec![0.0f32; queries];
-        for i in 0..queries {
-            let mut sum = 0.0;
-            for p in 0..d_v {
-                let g = grad.at(b, h, i, p);
-                dot[panel(i, d_v) + p * QT] = g;
-                sum += g * output.at(b, h, i, p);
+        for (i, row) in go.chunks_exact_mut(d_v).enumerate() {
+            row.copy_from_slice(grad.row(b, h, i, d_v));
+            for (t, &x) in dot[panel(i, d_v)..].iter_mut().step_by(QT).zip(&*row) {
+                *t = x;
             }
-            row_dot[i] = sum;
+            row_dot[i] = dot_product(row, output.row(b, h, i, d_v));
         }
         Self {
             b,
             h,
             qs,
             qst,
+            go,
             dot,
             row_dot,
             lse,
-            grad: *grad,
         }
     }
 
@@ -728,7 +756,6 @@ impl<'a> Head<'a> {
         assert!(dq.len() >= queries * d_k, "dQ holds every query");
         let mut p = vec![0.0f32; KT * QT];
         let mut ds = vec![0.0f32; KT * QT];
-        let (gp, gs) = self.grad.rows(b, h, 0, [dims.queries, d_v]);
         for k0 in range.clone().step_by(KT) {
             let nk = KT.min(range.end - k0);
             let (kp, ks) = k.rows(b, kvh, k0, [nk, d_k]);
@@ -761,7 +788,7 @@ impl<'a> Head<'a> {
                     A::gemm(
                         [nk, d_v, nq],
                         (p.as_ptr(), QT, 1),
-                        (gp.add(q0 * gs), gs),
+                        (self.go.as_ptr().add(q0 * d_v), d_v),
                         (kv.dv.as_mut_ptr().add(j0 * d_v), d_v),
                         true,
                     );
@@ -805,6 +832,25 @@ impl<'a> Head<'a> {
     }
 }
 
+/// `Σ a·b` in eight lanes (the compiler vectorises them; one running sum would wait on
+/// each addition).
+fn dot_product(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a8.zip(b8) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// Flex tensors read where they lie, through their strides.
 #[cfg(feature = "flex")]
 mod flex {
@@ -826,9 +872,10 @@ mod flex {
     }
 
     /// The tensor with its rows next to each other, for the operands read as panels of a
-    /// matrix product (K, V, dO): rows a few KB apart (the heads of a `[B, T, H·Dh]`
-    /// projection) fall into few sets of the L1 cache; one copy costs less (measured at the
-    /// long shape: 10% of the forward pass, more of the backward).
+    /// matrix product (K and V; the backward packs dO itself): rows a few KB apart (the
+    /// heads of a `[B, T, H·Dh]` projection) fall into few sets of the L1 cache; one copy
+    /// costs less (measured at the long shape: 10% of the forward pass, more of the
+    /// backward).
     fn dense_rows(tensor: &FlexTensor) -> FlexTensor {
         let layout = tensor.layout();
         let shape = layout.shape();
@@ -927,8 +974,8 @@ mod flex {
         if !supported(&all, blocked) {
             return None;
         }
-        let [q, o] = [query, output].map(readable);
-        let [k, v, g] = [key, value, grad].map(dense_rows);
+        let [q, o, g] = [query, output, grad].map(readable);
+        let [k, v] = [key, value].map(dense_rows);
         let lse = lse.to_contiguous();
         let blocked = blocked.map(readable);
         let bias = bias.map(readable);
@@ -1158,9 +1205,9 @@ mod ndarray {
         Option<NdArrayTensor>,
     )> {
         let [q, k, v, o, g] = [qkv[0], qkv[1], qkv[2], output, grad].map(readable);
-        let (q, o) = (q?, o?);
-        let [k, v, g] = [k?, v?, g?].map(dense_rows);
-        let (k, v, g) = (k?, v?, g?);
+        let (q, o, g) = (q?, o?, g?);
+        let [k, v] = [k?, v?].map(dense_rows);
+        let (k, v) = (k?, v?);
         let lse = data_of(lse)?.try_into_vec::<f32>().ok()?;
         let parts = mask_parts(blocked, bias)?;
         let extra = extra(&parts)?;
