@@ -282,19 +282,11 @@ impl Shape4 {
 /// The sizes and mask of one attention call, and how it is cut into chunks.
 #[derive(Debug, Clone)]
 struct Problem<B: RowKernels> {
-    batch: usize,
-    heads: usize,
-    /// Key and value heads: `heads` or a divisor of it (grouped-query attention).
-    kv_heads: usize,
-    queries: usize,
-    keys: usize,
-    d_k: usize,
-    d_v: usize,
+    /// The sizes, the causal flag and the scale.
+    dims: Dims,
     blocked: Option<BoolTensor<B>>,
     /// Clamped at [`BLOCKED`], as the explicit path does.
     bias: Option<FloatTensor<B>>,
-    causal: bool,
-    scale: f32,
     chunk: usize,
     device: B::Device,
 }
@@ -310,57 +302,47 @@ impl<B: RowKernels> Problem<B> {
         chunk: usize,
     ) -> Self {
         Self {
-            batch: shape.batch,
-            heads: shape.heads,
-            kv_heads: shape.kv_heads,
-            queries: shape.queries,
-            keys: shape.keys,
-            d_k: shape.d_k,
-            d_v: shape.d_v,
+            dims: Dims {
+                batch: shape.batch,
+                heads: shape.heads,
+                kv_heads: shape.kv_heads,
+                queries: shape.queries,
+                keys: shape.keys,
+                d_k: shape.d_k,
+                d_v: shape.d_v,
+                causal,
+                scale: scale as f32,
+            },
             blocked: match blocked {
                 Blocked::Nothing => None,
                 Blocked::Mask(mask) => Some(mask),
             },
             bias: bias.map(|bias| B::float_clamp_min(bias, Scalar::from(BLOCKED))),
-            causal,
-            scale: scale as f32,
             chunk: chunk.max(1),
             device,
-        }
-    }
-
-    fn dims(&self) -> Dims {
-        Dims {
-            batch: self.batch,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            queries: self.queries,
-            keys: self.keys,
-            d_k: self.d_k,
-            d_v: self.d_v,
-            causal: self.causal,
-            scale: self.scale,
         }
     }
 
     /// The query chunks: each one's rows and the number of keys its rows may see (keys
     /// `0..visible`; zero when every key is in the future of every row).
     fn chunks(&self) -> impl Iterator<Item = (Range<usize>, usize)> + '_ {
-        let offset = self.keys as i64 - self.queries as i64;
-        (0..self.queries).step_by(self.chunk).map(move |start| {
-            let end = (start + self.chunk).min(self.queries);
-            let visible = match self.causal {
-                true => (end as i64 + offset).clamp(0, self.keys as i64) as usize,
-                false => self.keys,
-            };
-            (start..end, visible)
-        })
+        let offset = self.dims.keys as i64 - self.dims.queries as i64;
+        (0..self.dims.queries)
+            .step_by(self.chunk)
+            .map(move |start| {
+                let end = (start + self.chunk).min(self.dims.queries);
+                let visible = match self.dims.causal {
+                    true => (end as i64 + offset).clamp(0, self.dims.keys as i64) as usize,
+                    false => self.dims.keys,
+                };
+                (start..end, visible)
+            })
     }
 
     /// The causal limit of the chunk starting at query row `start` (see [`RowKernels`]).
     fn causal_first(&self, start: usize) -> Option<i64> {
-        let offset = self.keys as i64 - self.queries as i64;
-        self.causal.then_some(start as i64 + offset)
+        let offset = self.dims.keys as i64 - self.dims.queries as i64;
+        self.dims.causal.then_some(start as i64 + offset)
     }
 
     /// The slices of a mask part of shape `[b, h, tq, tk]` (broadcastable to `[B, H, Tq,
@@ -372,12 +354,12 @@ impl<B: RowKernels> Problem<B> {
         keys: &Range<usize>,
     ) -> [Slice; 4] {
         let [b, h, tq, tk] = dims;
-        let r = if tq == self.queries && tq > 1 {
+        let r = if tq == self.dims.queries && tq > 1 {
             rows.clone()
         } else {
             0..tq
         };
-        let c = if tk == self.keys && tk > 1 {
+        let c = if tk == self.dims.keys && tk > 1 {
             keys.clone()
         } else {
             0..tk
@@ -407,8 +389,8 @@ impl<B: RowKernels> Problem<B> {
     /// `[0..B, 0..H, rows, cols]`.
     fn slices(&self, rows: Range<usize>, cols: Range<usize>) -> [Slice; 4] {
         [
-            Slice::from(0..self.batch),
-            Slice::from(0..self.heads),
+            Slice::from(0..self.dims.batch),
+            Slice::from(0..self.dims.heads),
             Slice::from(rows),
             Slice::from(cols),
         ]
@@ -424,7 +406,7 @@ impl<B: RowKernels> Problem<B> {
         rows: &Range<usize>,
         visible: usize,
     ) -> FloatTensor<B> {
-        let k = B::float_slice(key.clone(), &self.slices(0..visible, 0..self.d_k));
+        let k = B::float_slice(key.clone(), &self.slices(0..visible, 0..self.dims.d_k));
         let mut scores = B::float_matmul(q.clone(), B::float_swap_dims(k, 2, 3));
         if let Some(bias) = self.bias_part(rows, &(0..visible)) {
             scores = B::float_add(scores, bias);
@@ -443,7 +425,7 @@ impl<B: RowKernels> Problem<B> {
         value: &FloatTensor<B>,
     ) -> (FloatTensor<B>, FloatTensor<B>) {
         let tiled = B::tiled_forward(
-            self.dims(),
+            self.dims,
             [query, key, value],
             self.blocked.as_ref(),
             self.bias.as_ref(),
@@ -458,18 +440,18 @@ impl<B: RowKernels> Problem<B> {
         for (rows, visible) in self.chunks() {
             let c = rows.len();
             if visible == 0 {
-                let shape = Shape::new([self.batch, self.heads, c, self.d_v]);
+                let shape = Shape::new([self.dims.batch, self.dims.heads, c, self.dims.d_v]);
                 outputs.push(B::float_zeros(shape, &self.device, dtype.into()));
-                let shape = Shape::new([self.batch, self.heads, c, 1]);
+                let shape = Shape::new([self.dims.batch, self.dims.heads, c, 1]);
                 let zeros = B::float_zeros(shape, &self.device, dtype.into());
                 lses.push(B::float_add_scalar(zeros, Scalar::from(DEAD_LSE)));
                 continue;
             }
-            let q = B::float_slice(query.clone(), &self.slices(rows.clone(), 0..self.d_k));
-            let q = B::float_mul_scalar(q, Scalar::from(self.scale));
+            let q = B::float_slice(query.clone(), &self.slices(rows.clone(), 0..self.dims.d_k));
+            let q = B::float_mul_scalar(q, Scalar::from(self.dims.scale));
             let scores = self.scores(&q, key, &rows, visible);
             let (weights, lse) = B::softmax_rows(scores, self.causal_first(rows.start));
-            let v = B::float_slice(value.clone(), &self.slices(0..visible, 0..self.d_v));
+            let v = B::float_slice(value.clone(), &self.slices(0..visible, 0..self.dims.d_v));
             outputs.push(B::float_matmul(weights, v));
             lses.push(lse);
         }
@@ -493,7 +475,7 @@ impl<B: RowKernels> Problem<B> {
         Option<FloatTensor<B>>,
     ) {
         let tiled = B::tiled_backward(
-            self.dims(),
+            self.dims,
             [query, key, value],
             output,
             lse,
@@ -510,11 +492,11 @@ impl<B: RowKernels> Problem<B> {
         // D = rowsum(dO ⊙ O): [B, H, Tq, 1].
         let row_dot = B::float_sum_dim(B::float_mul(grad.clone(), output.clone()), 3);
         let zeros = |rows, cols| {
-            let shape = Shape::new([self.batch, self.heads, rows, cols]);
+            let shape = Shape::new([self.dims.batch, self.dims.heads, rows, cols]);
             B::float_zeros(shape, &self.device, dtype.into())
         };
-        let mut dk = zeros(self.keys, self.d_k);
-        let mut dv = zeros(self.keys, self.d_v);
+        let mut dk = zeros(self.dims.keys, self.dims.d_k);
+        let mut dv = zeros(self.dims.keys, self.dims.d_v);
         let mut d_bias = match (&self.bias, bias_grad) {
             (Some(bias), true) => Some(B::float_zeros(bias.shape(), &self.device, dtype.into())),
             _ => None,
@@ -522,21 +504,21 @@ impl<B: RowKernels> Problem<B> {
         let mut dqs = Vec::new();
         for (rows, visible) in self.chunks() {
             if visible == 0 {
-                dqs.push(zeros(rows.len(), self.d_k));
+                dqs.push(zeros(rows.len(), self.dims.d_k));
                 continue;
             }
-            let q = B::float_slice(query.clone(), &self.slices(rows.clone(), 0..self.d_k));
-            let q = B::float_mul_scalar(q, Scalar::from(self.scale));
-            let d_out = B::float_slice(grad.clone(), &self.slices(rows.clone(), 0..self.d_v));
+            let q = B::float_slice(query.clone(), &self.slices(rows.clone(), 0..self.dims.d_k));
+            let q = B::float_mul_scalar(q, Scalar::from(self.dims.scale));
+            let d_out = B::float_slice(grad.clone(), &self.slices(rows.clone(), 0..self.dims.d_v));
             let row_dot = B::float_slice(row_dot.clone(), &self.slices(rows.clone(), 0..1));
             let lse = B::float_slice(lse.clone(), &self.slices(rows.clone(), 0..1));
             let scores = self.scores(&q, key, &rows, visible);
             let weights = B::recompute_rows(scores, lse, self.causal_first(rows.start));
-            let k = B::float_slice(key.clone(), &self.slices(0..visible, 0..self.d_k));
-            let v = B::float_slice(value.clone(), &self.slices(0..visible, 0..self.d_v));
+            let k = B::float_slice(key.clone(), &self.slices(0..visible, 0..self.dims.d_k));
+            let v = B::float_slice(value.clone(), &self.slices(0..visible, 0..self.dims.d_v));
             // dV += Pᵀ dO
             let dv_part = B::float_matmul(B::float_swap_dims(weights.clone(), 2, 3), d_out.clone());
-            dv = accumulate::<B>(dv, &self.slices(0..visible, 0..self.d_v), dv_part);
+            dv = accumulate::<B>(dv, &self.slices(0..visible, 0..self.dims.d_v), dv_part);
             // dS = P ⊙ (dO Vᵀ - D)
             let d_weights = B::float_matmul(d_out, B::float_swap_dims(v, 2, 3));
             let d_scores = B::softmax_backward_rows(weights, d_weights, row_dot);
@@ -545,9 +527,9 @@ impl<B: RowKernels> Problem<B> {
                 d_bias = Some(self.add_bias_grad(acc, d_scores.clone(), &rows, visible));
             }
             let dk_part = B::float_matmul(B::float_swap_dims(d_scores.clone(), 2, 3), q);
-            dk = accumulate::<B>(dk, &self.slices(0..visible, 0..self.d_k), dk_part);
+            dk = accumulate::<B>(dk, &self.slices(0..visible, 0..self.dims.d_k), dk_part);
             let dq = B::float_matmul(d_scores, k);
-            dqs.push(B::float_mul_scalar(dq, Scalar::from(self.scale)));
+            dqs.push(B::float_mul_scalar(dq, Scalar::from(self.dims.scale)));
         }
         (
             cat::<B>(dqs),
@@ -560,7 +542,7 @@ impl<B: RowKernels> Problem<B> {
     /// Key or value heads `[B, Hkv, Tk, D]` repeated for every query head of their group,
     /// `[B, H, Tk, D]` (the chunked path's products want as many heads as the queries).
     fn repeat_kv(&self, x: &FloatTensor<B>) -> FloatTensor<B> {
-        let group = self.heads / self.kv_heads;
+        let group = self.dims.group();
         if group == 1 {
             return x.clone();
         }
@@ -573,14 +555,14 @@ impl<B: RowKernels> Problem<B> {
     /// The gradient of [`Problem::repeat_kv`]: `[B, H, Tk, D]` summed over each group,
     /// `[B, Hkv, Tk, D]`.
     fn sum_groups(&self, x: FloatTensor<B>) -> FloatTensor<B> {
-        let group = self.heads / self.kv_heads;
+        let group = self.dims.group();
         if group == 1 {
             return x;
         }
         let [batch, _, len, dim] = dims_of(&x.shape());
-        let shape = Shape::new([batch, self.kv_heads, group, len, dim]);
+        let shape = Shape::new([batch, self.dims.kv_heads, group, len, dim]);
         let summed = B::float_sum_dim(B::float_reshape(x, shape), 2);
-        B::float_reshape(summed, Shape::new([batch, self.kv_heads, len, dim]))
+        B::float_reshape(summed, Shape::new([batch, self.dims.kv_heads, len, dim]))
     }
 
     /// Adds a chunk's `dS` (`[B, H, c, visible]`) to the bias's gradient `acc`, summed
