@@ -2,12 +2,16 @@
 
 // Shared helpers: devices, fixtures, comparisons, random inputs.
 mod util;
+// Attention in f64 on the host, forward and backward: the reference of `paths`.
+mod reference;
 
 // Forward outputs, weights and gradients against PyTorch fixtures (scripts/golden.py).
 mod parity;
 // Causality, permutation equivariance, padding invariance, use of every projection.
 mod properties;
-// Masks in every convention; fused and explicit paths agree; fully blocked rows.
+// Masks in every convention mean what they say; causal alignment; fully blocked rows.
 mod masks;
+// Every attention path, backend and dtype against attention computed in f64.
+mod paths;
 // Bad configurations, shapes and weight files give errors naming what is wrong.
 mod errors;

@@ -1,7 +1,7 @@
 //! Devices, fixtures, comparisons and seeded random inputs shared by the tests.
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Device, Gradients, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Gradients, Tensor, TensorData};
 use mha::PyTorchWeights;
 
 /// A backend under test: its name and device.
@@ -20,6 +20,35 @@ impl Backend {
     /// Max abs error allowed against PyTorch for gradients.
     pub fn grad_tol(&self) -> f32 {
         if self.is_gpu() { 1e-3 } else { 1e-4 }
+    }
+
+    /// `[atol, rtol]` of the forward values and of the gradients in `dtype`, against
+    /// attention computed in f64 from the same inputs (rounded to `dtype`): f32 as
+    /// [`forward_tol`](Self::forward_tol) and [`grad_tol`](Self::grad_tol). The
+    /// half-precision `rtol` are PyTorch's `torch.testing` defaults (1e-3 for f16, 1.6e-2
+    /// for bf16); the `atol` are about 2.5 times the worst errors measured on flex, whose
+    /// half-precision matmul and softmax round every step (f16: output 1.8e-3, gradients
+    /// 7e-3; bf16: 1.1e-2 and 3.8e-2, with values and gradients of order 1).
+    pub fn tolerances(&self, dtype: FloatDType) -> [[f64; 2]; 2] {
+        match dtype {
+            FloatDType::F64 => [[1e-6, 0.0], [1e-6, 0.0]],
+            FloatDType::F16 => [[5e-3, 1e-3], [2e-2, 1e-3]],
+            FloatDType::BF16 => [[3e-2, 1.6e-2], [1e-1, 1.6e-2]],
+            _ => [
+                [self.forward_tol() as f64, 0.0],
+                [self.grad_tol() as f64, 0.0],
+            ],
+        }
+    }
+
+    /// The float dtypes besides f32 this backend stores: flex all three; ndarray f64 only
+    /// (it has no half-precision arrays); wgpu f16 (Vulkan has no f64 in Burn's wgpu).
+    pub fn other_float_dtypes(&self) -> Vec<FloatDType> {
+        match self.name {
+            "flex" => vec![FloatDType::F64, FloatDType::F16, FloatDType::BF16],
+            "ndarray" => vec![FloatDType::F64],
+            _ => vec![FloatDType::F16],
+        }
     }
 
     fn is_gpu(&self) -> bool {

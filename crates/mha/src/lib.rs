@@ -7,35 +7,45 @@
 //! scores instead of keeping them (flex, ndarray), long sequences in chunks that skip what
 //! a causal mask blocks, and import of PyTorch weights.
 //!
-//! | file | concept |
+//! | module | concept |
 //! |---|---|
-//! | [`mask`] | [`AttentionMask`]: what is blocked, in every convention |
-//! | [`attention`] | [`scaled_dot_product_attention`]: the core, fused or explicit |
+//! | [`mask`] | [`AttentionMask`]: what is blocked, in every convention; the causal rule and the blocked-score sentinels every path uses |
+//! | [`attention`] | [`scaled_dot_product_attention`]: options, output, and the choice of path |
+//! | `attention::dispatch` (private) | the path of a call, from the device's backend, autodiff, dtypes and sizes |
+//! | `attention::explicit` (private) | matmul, mask, softmax, matmul; the weights, dropout, query chunks |
+//! | `attention::recompute` (private) | the CPU op (a Burn backend extension) and its autodiff node, whose backward recomputes the weights |
+//! | `cpu` (private) | the tiles' entry points over any CPU backend's tensors, their shared types, the mask of a tile |
+//! | `cpu::forward` (private) | the forward pass in tiles: online softmax, output and log-sum-exp |
+//! | `cpu::backward` (private) | the backward pass in tiles: weights recomputed from the log-sum-exp, key ranges per task |
+//! | `cpu::gemm` (private) | the matrix kernels per instruction set (portable, AVX2 + FMA) and their tests |
+//! | `cpu::math` (private) | the vectorised `exp` and dot product |
+//! | `cpu::flex` (private) | how the tiles read flex's tensors in place |
+//! | `cpu::ndarray` (private) | how the tiles read ndarray's arrays in place |
+//! | `cpu::tests` (private) | the tiles against attention computed in f64, on every instruction set |
 //! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
 //! | [`error`] | [`ConfigError`] |
 //!
+//! Dependencies flow one way: the modules users import, then `attention`, then `cpu`,
+//! then `mask`.
+//!
 //! Conventions: shapes are batch-first (`[B, T, d_model]`); masks are `true = blocked`
 //! unless the constructor says otherwise; configurations have `try_init` (a `Result`)
 //! and `init` (panics with the same message).
-#![doc = include_str!("../../../README.md")]
+#![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
 pub mod attention;
 pub mod block;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod cpu;
 pub mod error;
 pub mod mask;
 pub mod mha;
 pub mod pytorch;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-mod recompute;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-mod rows;
 pub mod stack;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-mod tiled;
 
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 pub use block::{

@@ -15,7 +15,9 @@
 //! right of `[B, H, Tq, Tk]` (so `[Tq, Tk]` applies to every batch and head), and every
 //! axis is either the full size or 1.
 
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use std::ops::Range;
+
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 /// What a query may not attend to; see the [module docs](self).
 ///
@@ -174,64 +176,141 @@ impl AttentionMask {
         keys: usize,
         device: &Device,
     ) -> Option<Tensor<4, Bool>> {
-        let causal = self.causal.then(|| causal_blocked(queries, keys, device));
+        let causal = self.visibility(queries, keys).blocked(device);
         merge(self.blocked.clone(), causal, |a, b| a.bool_or(b))
     }
-}
 
-impl AttentionMask {
+    /// Which keys each query of a `[Tq, Tk]` problem sees under the causal part.
+    pub(crate) fn visibility(&self, queries: usize, keys: usize) -> Visibility {
+        Visibility {
+            queries,
+            keys,
+            causal: self.causal,
+        }
+    }
+
     /// The mask of the sub-problem made of query rows `rows` and the first `visible` keys
     /// of a `[.., queries, keys]` problem: the causal flag is kept (its bottom-right
-    /// alignment carries over when `visible = rows.end + keys - queries`), the boolean and
-    /// additive parts are sliced where they are not broadcast.
+    /// alignment carries over when `visible` is what the last row sees, see
+    /// [`Visibility::keys_of`]), the boolean and additive parts are sliced where they are
+    /// not broadcast.
     pub(crate) fn rows_and_keys(
         &self,
-        rows: std::ops::Range<usize>,
+        rows: Range<usize>,
         visible: usize,
-        queries: usize,
-        keys: usize,
+        [queries, keys]: [usize; 2],
     ) -> Self {
-        fn cut<K: burn::tensor::kind::Basic>(
-            t: &Tensor<4, K>,
-            rows: &std::ops::Range<usize>,
-            visible: usize,
-            queries: usize,
-            keys: usize,
-        ) -> Tensor<4, K> {
-            let [b, h, tq, tk] = t.dims();
-            let r = if tq == queries && tq > 1 {
-                rows.clone()
-            } else {
-                0..tq
+        let cut = |dims: [usize; 4]| {
+            let [b, h, tq, tk] = dims;
+            let r = match tq == queries && tq > 1 {
+                true => rows.clone(),
+                false => 0..tq,
             };
-            let c = if tk == keys && tk > 1 {
-                0..visible
-            } else {
-                0..tk
+            let c = match tk == keys && tk > 1 {
+                true => 0..visible,
+                false => 0..tk,
             };
-            t.clone().slice([0..b, 0..h, r, c])
-        }
+            [0..b, 0..h, r, c]
+        };
         Self {
             causal: self.causal,
             blocked: self
                 .blocked
                 .as_ref()
-                .map(|t| cut(t, &rows, visible, queries, keys)),
-            bias: self
-                .bias
-                .as_ref()
-                .map(|t| cut(t, &rows, visible, queries, keys)),
+                .map(|t| t.clone().slice(cut(t.dims()))),
+            bias: self.bias.as_ref().map(|t| t.clone().slice(cut(t.dims()))),
         }
     }
 }
 
-/// The causal part as `[1, 1, Tq, Tk]`, `true` where key `j > i + (Tk - Tq)`.
-pub(crate) fn causal_blocked(queries: usize, keys: usize, device: &Device) -> Tensor<4, Bool> {
-    let offset = keys as i64 - queries as i64;
-    let rows =
-        Tensor::<1, Int>::arange(offset..offset + queries as i64, device).reshape([queries, 1]);
-    let cols = Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]);
-    cols.greater(rows).reshape([1, 1, queries, keys])
+/// The causal rule, bottom-right aligned (see [`AttentionMask`]): query `i` of `Tq` sees
+/// key `j` of `Tk` when `j <= i + (Tk - Tq)`; without a causal part, every key. Every path
+/// asks it: the explicit path's boolean mask and query chunks, the CPU tiles' masks, the
+/// tiles they skip above the diagonal and their backward's key ranges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Visibility {
+    /// `Tq`.
+    pub(crate) queries: usize,
+    /// `Tk`.
+    pub(crate) keys: usize,
+    /// Whether the causal rule applies.
+    pub(crate) causal: bool,
+}
+
+impl Visibility {
+    /// `Tk - Tq`: the last key query `i` sees is `i + offset`.
+    fn offset(self) -> i64 {
+        self.keys as i64 - self.queries as i64
+    }
+
+    /// How many keys query `query` sees: keys `0..keys_of(query)`.
+    pub(crate) fn keys_of(self, query: usize) -> usize {
+        match self.causal {
+            true => (query as i64 + 1 + self.offset()).clamp(0, self.keys as i64) as usize,
+            false => self.keys,
+        }
+    }
+
+    /// The first query that sees key `key` (`Tq` when none does).
+    pub(crate) fn first_query(self, key: usize) -> usize {
+        match self.causal {
+            true => (key as i64 - self.offset()).clamp(0, self.queries as i64) as usize,
+            false => 0,
+        }
+    }
+
+    /// The causal part as a `[1, 1, Tq, Tk]` tensor, `true` where blocked; `None` without
+    /// one.
+    fn blocked(self, device: &Device) -> Option<Tensor<4, Bool>> {
+        if !self.causal {
+            return None;
+        }
+        let (queries, keys, offset) = (self.queries, self.keys, self.offset());
+        // Key j is blocked for query i when j > i + offset.
+        let last = Tensor::<1, Int>::arange(offset..offset + queries as i64, device);
+        let key = Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]);
+        let blocked = key.greater(last.reshape([queries, 1]));
+        Some(blocked.reshape([1, 1, queries, keys]))
+    }
+}
+
+/// Scores at or below [`DEAD_ROW`] count as blocked. Blocked f32 scores are set to
+/// [`BLOCKED`], a finite value, so that a row whose every key is blocked has a finite
+/// softmax (and finite gradients), which is then zeroed; the CPU tiles give such a row the
+/// log-sum-exp [`DEAD_LSE`], which recomputes every weight of the row to
+/// `exp(BLOCKED - DEAD_LSE) = 0`. [`Sentinels::of`] gives the values of other dtypes.
+pub(crate) const BLOCKED: f32 = -1.0e30;
+/// See [`BLOCKED`].
+pub(crate) const DEAD_ROW: f32 = -5.0e29;
+/// See [`BLOCKED`].
+pub(crate) const DEAD_LSE: f32 = 1.0e30;
+
+/// The blocked-score sentinels of one float dtype: [`BLOCKED`] and [`DEAD_ROW`] where
+/// they fit (f32, f64, bf16); for f16, whose largest finite value is 65504, `-2^14` and
+/// `-2^13` (a score plus `-2^14` stays finite, and a real score of `-2^13` or below counts
+/// as blocked).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Sentinels {
+    /// What a blocked score is set to.
+    pub(crate) blocked: f32,
+    /// A row whose largest score is at or below this has no visible key.
+    pub(crate) dead_row: f32,
+}
+
+impl Sentinels {
+    /// The sentinels of `dtype`.
+    pub(crate) fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::F16 => Self {
+                blocked: -16384.0,
+                dead_row: -8192.0,
+            },
+            _ => Self {
+                blocked: BLOCKED,
+                dead_row: DEAD_ROW,
+            },
+        }
+    }
 }
 
 fn merge<T>(a: Option<T>, b: Option<T>, f: impl FnOnce(T, T) -> T) -> Option<T> {

@@ -1,0 +1,160 @@
+//! Scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
+//!
+//! One public function over paths that give the same numbers; `dispatch` picks one per
+//! call from the device's backend, whether it differentiates, the dtypes and the sizes:
+//! - **tiles** (`recompute` over `crate::cpu`): on flex and ndarray in f32, with
+//!   autodiff or not, attention is one operation of the backend whose backward pass
+//!   recomputes the weights from each row's log-sum-exp instead of keeping them; both
+//!   passes run in cache-sized tiles (FlashAttention's scheme on the CPU);
+//! - **explicit** (`explicit`): matmul, mask, softmax, matmul: when the weights are
+//!   wanted or dropout is on, on the CubeCL backends (wgpu, cuda) and for other dtypes.
+//!   From 256 queries on it runs in query chunks when the mask is causal (a chunk reads
+//!   only the keys it can see, forward and backward) or the device does not differentiate
+//!   (no more than one chunk's scores exist at a time).
+//!
+//! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
+//! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. Both
+//! paths read the shared head where it lies instead of copying it per query head.
+
+mod dispatch;
+mod explicit;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod recompute;
+
+use burn::tensor::Tensor;
+
+pub use explicit::attention_weights;
+
+use crate::mask::AttentionMask;
+use dispatch::Path;
+
+/// Which attention weights to return.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AttentionWeights {
+    /// None: the cheapest, and the only mode that can use the tiles.
+    #[default]
+    None,
+    /// Per head: `[B, H, Tq, Tk]`.
+    PerHead,
+    /// Averaged over heads: `[B, 1, Tq, Tk]` (PyTorch's `average_attn_weights=True`,
+    /// with the head axis kept so the rank is always 4).
+    Averaged,
+}
+
+/// Options of [`scaled_dot_product_attention`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SdpaOptions {
+    /// Multiplies `Q Kᵀ`; `None` is `1 / sqrt(Dk)`.
+    pub scale: Option<f64>,
+    /// Dropout probability applied to the attention weights after the softmax. Applied
+    /// whenever it is above 0, as PyTorch's `dropout_p`: pass 0 outside training.
+    pub dropout: f64,
+    /// Which weights to return.
+    pub weights: AttentionWeights,
+}
+
+impl SdpaOptions {
+    /// Sets the scale.
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// Sets the dropout probability on the weights.
+    pub fn with_dropout(mut self, dropout: f64) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// Sets which weights to return.
+    pub fn with_weights(mut self, weights: AttentionWeights) -> Self {
+        self.weights = weights;
+        self
+    }
+}
+
+/// The result of attention.
+#[derive(Clone, Debug)]
+pub struct AttentionOutput {
+    /// `[B, H, Tq, Dv]`.
+    pub context: Tensor<4>,
+    /// The weights after the softmax (before dropout), when asked for:
+    /// `[B, H, Tq, Tk]` per head or `[B, 1, Tq, Tk]` averaged.
+    pub weights: Option<Tensor<4>>,
+}
+
+/// Scaled dot-product attention with a typed mask, GQA and optional weights.
+///
+/// # Shapes
+/// - `query`: `[B, H, Tq, Dk]`
+/// - `key`: `[B, Hkv, Tk, Dk]`, with `H % Hkv == 0`
+/// - `value`: `[B, Hkv, Tk, Dv]`
+/// - `mask`: broadcastable to `[B, H, Tq, Tk]` (see [`AttentionMask`])
+/// - output context: `[B, H, Tq, Dv]`
+///
+/// # Panics
+/// If the shapes disagree (naming the tensors and their shapes), if `H` is not a multiple
+/// of `Hkv`, if the dropout is outside `[0, 1)` or the scale is not positive and finite.
+pub fn scaled_dot_product_attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: &AttentionMask,
+    options: SdpaOptions,
+) -> AttentionOutput {
+    let [batch, heads, queries, d_k] = query.dims();
+    let keys = key.dims()[2];
+    check_shapes(query.dims(), key.dims(), value.dims());
+    mask.check([batch, heads, queries, keys]);
+    assert!(
+        (0.0..1.0).contains(&options.dropout),
+        "scaled_dot_product_attention: dropout must be in [0, 1), got {}",
+        options.dropout
+    );
+    let scale = options.scale.unwrap_or(1.0 / (d_k as f64).sqrt());
+    assert!(
+        scale.is_finite() && scale > 0.0,
+        "scaled_dot_product_attention: scale must be positive and finite, got {scale}"
+    );
+
+    if options.weights != AttentionWeights::None || options.dropout > 0.0 {
+        let (context, weights) =
+            explicit::with_weights(query, key, value, mask, scale, options.dropout);
+        let weights = match options.weights {
+            AttentionWeights::None => None,
+            AttentionWeights::PerHead => Some(weights),
+            AttentionWeights::Averaged => Some(weights.mean_dim(1)),
+        };
+        return AttentionOutput { context, weights };
+    }
+    let context = match Path::of(&query, &key, &value, mask) {
+        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        Path::Tiles => recompute::attention(query, key, value, mask, scale),
+        Path::Explicit { chunk } => explicit::context(query, key, value, mask, scale, chunk),
+    };
+    AttentionOutput {
+        context,
+        weights: None,
+    }
+}
+
+fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {
+    let shapes = format!("query {q:?}, key {k:?}, value {v:?}");
+    assert!(
+        q[0] == k[0] && k[0] == v[0],
+        "scaled_dot_product_attention: batch sizes differ: {shapes}"
+    );
+    assert!(
+        k[1] == v[1] && k[1] > 0 && q[1].is_multiple_of(k[1]),
+        "scaled_dot_product_attention: expected key and value heads Hkv to divide query heads H \
+         ([B, H, Tq, Dk], [B, Hkv, Tk, Dk], [B, Hkv, Tk, Dv]), got {shapes}"
+    );
+    assert!(
+        q[3] == k[3],
+        "scaled_dot_product_attention: query and key head dims Dk differ: {shapes}"
+    );
+    assert!(
+        k[2] == v[2],
+        "scaled_dot_product_attention: key and value lengths Tk differ: {shapes}"
+    );
+}

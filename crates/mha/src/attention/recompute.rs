@@ -1,0 +1,300 @@
+//! Attention on the CPU backends (flex, ndarray) as one operation of the backend (a Burn
+//! backend extension) whose backward pass, under autodiff, recomputes the weights instead
+//! of keeping them. Both passes are the tiles of [`crate::cpu`].
+//!
+//! Differentiated op by op, attention keeps its `[B, H, Tq, Tk]` weights until the
+//! backward pass and walks them a dozen times (mask fill, the softmax's five passes, and
+//! their backward steps). Here the forward pass keeps only the output `O` and the
+//! log-sum-exp of every query row (`[B, H, Tq, 1]`), and the backward pass rebuilds the
+//! weights from them, the way FlashAttention does:
+//!
+//! ```text
+//! P  = exp(S - lse)            S = (Q·scale) Kᵀ + bias, masked
+//! dV = Pᵀ dO                   D = rowsum(dO ⊙ O)
+//! dS = P ⊙ (dO Vᵀ - D)
+//! dQ = dS K · scale            dK = dSᵀ (Q·scale)
+//! dbias = dS, summed over the axes the bias broadcasts along
+//! ```
+
+// Burn 0.22 deprecates ndarray; it is still one of our backends.
+#![allow(deprecated)]
+
+#[cfg(feature = "flex")]
+use burn::backend::Flex;
+#[cfg(feature = "ndarray")]
+use burn::backend::NdArray;
+use burn::backend::autodiff::{
+    Autodiff,
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, NodeGuard, Ops, OpsKind},
+};
+use burn::backend::{
+    Backend, Dispatch, ExtensionType, TensorMetadata, backend_extension,
+    tensor::{BoolTensor, FloatTensor},
+};
+use burn::tensor::Tensor;
+
+use crate::cpu::{CpuTensors, Dims, tiled_backward, tiled_forward};
+use crate::mask::AttentionMask;
+
+/// The boolean part of a mask (`true = blocked`), broadcastable to `[B, H, Tq, Tk]`.
+#[derive(ExtensionType)]
+pub(crate) enum Blocked<B: Backend> {
+    /// Nothing blocked beyond the causal part.
+    Nothing,
+    /// Rank 4, each axis full or 1.
+    Mask(BoolTensor<B>),
+}
+
+/// The additive part of a mask, broadcastable to `[B, H, Tq, Tk]`; it may want a gradient.
+#[derive(ExtensionType)]
+pub(crate) enum Bias<B: Backend> {
+    /// No bias.
+    Nothing,
+    /// Rank 4, each axis full or 1; values at or below the blocked sentinel block.
+    Add(FloatTensor<B>),
+}
+
+/// Attention as one operation of the backend, differentiable on `Autodiff<Flex | NdArray>`.
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    Autodiff
+)]
+pub(crate) trait RecomputeAttention: Backend {
+    /// `softmax(Q Kᵀ · scale + bias, masked) V`.
+    ///
+    /// # Shapes
+    /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`,
+    ///   `Hkv` a divisor of `H`
+    /// - `blocked`, `bias`: broadcastable to `[B, H, Tq, Tk]`
+    /// - result: `[B, H, Tq, Dv]`
+    fn recompute_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        #[extension_type] blocked: Blocked<Self>,
+        #[extension_type] bias: Bias<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> FloatTensor<Self>;
+}
+
+/// The forward pass alone, for the backends under autodiff.
+macro_rules! forward_only {
+    ($backend:ty) => {
+        impl RecomputeAttention for $backend {
+            fn recompute_attention(
+                query: FloatTensor<Self>,
+                key: FloatTensor<Self>,
+                value: FloatTensor<Self>,
+                blocked: Blocked<Self>,
+                bias: Bias<Self>,
+                causal: bool,
+                scale: f64,
+            ) -> FloatTensor<Self> {
+                let bias = match bias {
+                    Bias::Nothing => None,
+                    Bias::Add(bias) => Some(bias),
+                };
+                let inputs = [&query, &key, &value];
+                let problem = Problem::<Self>::new(inputs, blocked, bias, causal, scale);
+                problem.forward(inputs).0
+            }
+        }
+    };
+}
+
+#[cfg(feature = "flex")]
+forward_only!(Flex);
+#[cfg(feature = "ndarray")]
+forward_only!(NdArray);
+
+impl<B: RecomputeAttention + CpuTensors, C: CheckpointStrategy> RecomputeAttention
+    for Autodiff<B, C>
+{
+    fn recompute_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        blocked: Blocked<Self>,
+        bias: Bias<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        // `Blocked<Autodiff<B>>` to `Blocked<B>`: boolean tensors are the inner backend's.
+        let blocked = match blocked {
+            Blocked::Nothing => Blocked::Nothing,
+            Blocked::Mask(mask) => Blocked::Mask(mask),
+        };
+        // The nodes before the primitives, as `Backward::prepare` asks.
+        let [q, k, v] = [query.node(), key.node(), value.node()];
+        let bias = match bias {
+            Bias::Nothing => None,
+            Bias::Add(bias) => Some((bias.node(), bias.into_primitive())),
+        };
+        let inputs = [
+            query.into_primitive(),
+            key.into_primitive(),
+            value.into_primitive(),
+        ];
+        let [query, key, value] = &inputs;
+        let qkv = [query, key, value];
+        match bias {
+            None => {
+                let problem = Problem::new(qkv, blocked, None, causal, scale);
+                tracked::<B, C, 3>([q, k, v], problem, inputs)
+            }
+            Some((node, bias)) => {
+                let problem = Problem::new(qkv, blocked, Some(bias), causal, scale);
+                tracked::<B, C, 4>([q, k, v, node], problem, inputs)
+            }
+        }
+    }
+}
+
+/// Runs the forward pass and registers [`AttentionBackward`] over `nodes`: the query, key
+/// and value, then the bias when there is one.
+fn tracked<B: CpuTensors, C: CheckpointStrategy, const N: usize>(
+    nodes: [NodeGuard; N],
+    problem: Problem<B>,
+    [query, key, value]: [FloatTensor<B>; 3],
+) -> FloatTensor<Autodiff<B, C>> {
+    match AttentionBackward
+        .prepare::<C>(nodes)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (output, lse) = problem.forward([&query, &key, &value]);
+            let state = State {
+                problem,
+                query,
+                key,
+                value,
+                output: output.clone(),
+                lse,
+            };
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(problem.forward([&query, &key, &value]).0),
+    }
+}
+
+/// The backward step of [`RecomputeAttention`] on `Autodiff<B>`.
+#[derive(Debug)]
+struct AttentionBackward;
+
+/// What the backward pass keeps: the inputs, the output and the row log-sum-exp.
+#[derive(Debug, Clone)]
+struct State<B: CpuTensors> {
+    problem: Problem<B>,
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    output: FloatTensor<B>,
+    lse: FloatTensor<B>,
+}
+
+impl<B: CpuTensors, const N: usize> Backward<B, N> for AttentionBackward {
+    type State = State<B>;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, N>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let grad = grads.consume::<B>(&ops.node);
+        let state = ops.state;
+        let problem = &state.problem;
+        let bias_grad = ops.parents.get(3).is_some_and(Option::is_some);
+        let (dq, dk, dv, d_bias) = tiled_backward::<B>(
+            problem.dims,
+            [&state.query, &state.key, &state.value],
+            &state.output,
+            &state.lse,
+            &grad,
+            problem.blocked.as_ref(),
+            problem.bias.as_ref(),
+            bias_grad,
+        );
+        let grads_in_order = [Some(dq), Some(dk), Some(dv), d_bias];
+        for (parent, grad) in ops.parents.into_iter().zip(grads_in_order) {
+            if let (Some(node), Some(grad)) = (parent, grad) {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+/// The sizes and mask of one attention call.
+#[derive(Debug, Clone)]
+struct Problem<B: CpuTensors> {
+    dims: Dims,
+    blocked: Option<BoolTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+}
+
+impl<B: CpuTensors> Problem<B> {
+    fn new(
+        [query, key, value]: [&FloatTensor<B>; 3],
+        blocked: Blocked<B>,
+        bias: Option<FloatTensor<B>>,
+        causal: bool,
+        scale: f64,
+    ) -> Self {
+        let shapes = [query, key, value].map(|t| {
+            let dims: Vec<usize> = t.shape().iter().copied().collect();
+            <[usize; 4]>::try_from(dims).expect("rank 4")
+        });
+        Self {
+            dims: Dims::new(shapes, causal, scale),
+            blocked: match blocked {
+                Blocked::Nothing => None,
+                Blocked::Mask(mask) => Some(mask),
+            },
+            bias,
+        }
+    }
+
+    /// The output `[B, H, Tq, Dv]` and the log-sum-exp of every row, `[B, H, Tq, 1]`.
+    fn forward(&self, qkv: [&FloatTensor<B>; 3]) -> (FloatTensor<B>, FloatTensor<B>) {
+        tiled_forward::<B>(self.dims, qkv, self.blocked.as_ref(), self.bias.as_ref())
+    }
+}
+
+/// Attention through [`RecomputeAttention`] on a flex or ndarray device, with autodiff or
+/// not; keys and values have `Hkv` heads, a divisor of the queries' `H` (query head `h`
+/// reads key/value head `h / (H / Hkv)`).
+///
+/// # Shapes
+/// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
+/// - result: `[B, H, Tq, Dv]`
+pub(super) fn attention(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    value: Tensor<4>,
+    mask: &AttentionMask,
+    scale: f64,
+) -> Tensor<4> {
+    let blocked = match mask.blocked() {
+        Some(blocked) => Blocked::Mask(blocked.clone().into_dispatch()),
+        None => Blocked::Nothing,
+    };
+    let bias = match mask.additive_bias() {
+        Some(bias) => Bias::Add(bias.clone().into_dispatch()),
+        None => Bias::Nothing,
+    };
+    let output = <Dispatch as RecomputeAttention>::recompute_attention(
+        query.into_dispatch(),
+        key.into_dispatch(),
+        value.into_dispatch(),
+        blocked,
+        bias,
+        mask.is_causal(),
+        scale,
+    );
+    Tensor::from_dispatch(output)
+}

@@ -1,0 +1,500 @@
+//! The backward pass in tiles. Each task is one key/value head's range of keys (the whole
+//! head when there are enough heads for the threads). It owns that range's `dK` and `dV`,
+//! and walks the query heads of its group (grouped-query attention: keys and values are
+//! never copied per query head) and their query tiles that see it, recomputing the weights
+//! from each query's log-sum-exp:
+//!
+//! ```text
+//! Pᵀ  = exp(Sᵀ - lse)           dV += Pᵀ dO
+//! dPᵀ = V dOᵀ                   dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
+//! dK += dSᵀ (Q·scale)           dQ += dS K        (dQ · scale at the end)
+//! ```
+//!
+//! A key range's `dQ` is a partial sum; the ranges of one head are added at the end (with
+//! one range per head, a task writes its heads' `dQ` in place).
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::gemm::Avx2;
+use super::gemm::{Arch, Isa, Portable};
+use super::math::dot_product;
+use super::{Dims, Extra, Gradients, Grid, KT, Out, QT, Tile, mask_tile};
+
+/// Backward pass: the gradients of the inputs `[q, k, v, output, grad]` of [`forward`](super::forward)
+/// (`grad`: the output's gradient, `[B, H, Tq, Dv]`) from the log-sum-exp `[B, H, Tq]`
+/// it returned, and the bias's when `bias_grad` gives its shape.
+pub(super) fn backward(
+    dims: Dims,
+    inputs: [Grid<f32>; 5],
+    lse: &[f32],
+    extra: Extra,
+    bias_grad: Option<[usize; 4]>,
+) -> Gradients {
+    let threads = rayon::current_num_threads();
+    backward_on(Isa::best(), threads, dims, inputs, lse, extra, bias_grad)
+}
+
+/// [`backward`] with the given instruction set, its heads cut for `threads` threads;
+/// `[q, k, v, output, grad]`; `bias_grad`: the bias's shape, when its gradient is wanted.
+pub(super) fn backward_on(
+    isa: Isa,
+    threads: usize,
+    dims: Dims,
+    [q, k, v, output, grad]: [Grid<f32>; 5],
+    lse: &[f32],
+    extra: Extra,
+    bias_grad: Option<[usize; 4]>,
+) -> Gradients {
+    let Dims {
+        batch,
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        d_k,
+        d_v,
+        ..
+    } = dims;
+    let group = dims.group();
+    let mut dq = vec![0.0f32; batch * queries * heads * d_k];
+    let mut dk = vec![0.0f32; batch * keys * kv_heads * d_k];
+    let mut dv = vec![0.0f32; batch * keys * kv_heads * d_v];
+    let ranges = key_ranges(dims, threads);
+    let split = ranges.len();
+    let dq_out = Out(dq.as_mut_ptr());
+    let dk_out = Out(dk.as_mut_ptr());
+    let dv_out = Out(dv.as_mut_ptr());
+    // Each task: a key range of one key/value head, through every query head of its
+    // group; it returns those query heads' partial dQ, one after the other (or, when the
+    // range is every key, writes their dQ in place and returns nothing).
+    let partials: Vec<(Vec<f32>, Option<BiasPart>)> = (0..batch * kv_heads * split)
+        .into_par_iter()
+        .map(|task| {
+            let (bkv, range) = (task / split, ranges[task % split].clone());
+            let (b, kvh) = (bkv / kv_heads, bkv % kv_heads);
+            let mut kv = KeyGrads {
+                dk: vec![0.0; range.len() * d_k],
+                dv: vec![0.0; range.len() * d_v],
+                bias: bias_grad.map(|shape| BiasPart::new(shape, group, &range)),
+            };
+            let mut dq = vec![0.0f32; group * queries * d_k];
+            for (g, dq) in dq.chunks_mut(queries * d_k).enumerate() {
+                let h = kvh * group + g;
+                let bh = b * heads + h;
+                let lse = &lse[bh * queries..(bh + 1) * queries];
+                let head = Head::new(dims, b, h, &q, &output, &grad, lse);
+                head.backward(isa, dims, [&k, &v], &extra, range.clone(), &mut kv, dq);
+            }
+            for (j, key) in range.enumerate() {
+                let at = (b * keys + key) * kv_heads + kvh;
+                // SAFETY: key `key` of head `(b, kvh)` belongs to this task alone.
+                unsafe {
+                    let dk_row = kv.dk[j * d_k..].as_ptr();
+                    std::ptr::copy_nonoverlapping(dk_row, dk_out.at(at * d_k), d_k);
+                    let dv_row = kv.dv[j * d_v..].as_ptr();
+                    std::ptr::copy_nonoverlapping(dv_row, dv_out.at(at * d_v), d_v);
+                }
+            }
+            if split > 1 {
+                return (dq, kv.bias);
+            }
+            for (g, head) in dq.chunks_exact(queries * d_k).enumerate() {
+                let h = kvh * group + g;
+                for (i, row) in head.chunks_exact(d_k).enumerate() {
+                    let at = ((b * queries + i) * heads + h) * d_k;
+                    // SAFETY: the task is head (b, h)'s only one: its dQ rows are its own.
+                    let out = unsafe { std::slice::from_raw_parts_mut(dq_out.at(at), d_k) };
+                    for (o, &x) in out.iter_mut().zip(row) {
+                        *o = x * dims.scale;
+                    }
+                }
+            }
+            (Vec::new(), kv.bias)
+        })
+        .collect();
+    // The bias's gradient: every task's part added where it belongs.
+    let bias = bias_grad.map(|shape| {
+        let mut total = vec![0.0f32; shape.iter().product()];
+        for (task, (_, part)) in partials.iter().enumerate() {
+            let (bkv, range) = (task / split, &ranges[task % split]);
+            if let Some(part) = part {
+                part.add_to(
+                    &mut total,
+                    shape,
+                    [bkv / kv_heads, bkv % kv_heads],
+                    group,
+                    range,
+                );
+            }
+        }
+        total
+    });
+    if split == 1 {
+        return Gradients { dq, dk, dv, bias };
+    }
+    // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
+    dq.par_chunks_mut(heads * d_k)
+        .enumerate()
+        .for_each(|(row, dq_row)| {
+            let (b, i) = (row / queries, row % queries);
+            for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
+                let bkv = b * kv_heads + h / group;
+                let at = ((h % group) * queries + i) * d_k;
+                for (part, _) in &partials[bkv * split..(bkv + 1) * split] {
+                    for (d, &p) in dq_head.iter_mut().zip(&part[at..at + d_k]) {
+                        *d += p;
+                    }
+                }
+                dq_head.iter_mut().for_each(|d| *d *= dims.scale);
+            }
+        });
+    Gradients { dq, dk, dv, bias }
+}
+
+/// One backward task's share of the bias's gradient: `dS` summed over what the bias
+/// broadcasts along, over the slice of the bias the task reaches, `[heads, queries,
+/// keys]` with each axis the group's heads, the queries and the task's keys where the
+/// bias has that axis, else 1.
+struct BiasPart {
+    data: Vec<f32>,
+    /// The bias has a head, query, key axis (else it broadcasts along it).
+    axes: [bool; 3],
+    /// The part's sizes.
+    sizes: [usize; 3],
+    /// The task's first key.
+    k_start: usize,
+}
+
+impl BiasPart {
+    fn new([_, h, q, k]: [usize; 4], group: usize, range: &Range<usize>) -> Self {
+        let axes = [h > 1, q > 1, k > 1];
+        let sizes = [
+            if axes[0] { group } else { 1 },
+            if axes[1] { q } else { 1 },
+            if axes[2] { range.len() } else { 1 },
+        ];
+        Self {
+            data: vec![0.0; sizes.iter().product()],
+            axes,
+            sizes,
+            k_start: range.start,
+        }
+    }
+
+    /// Adds the `dSᵀ` tile `ds` (`[nk, nq]`, rows `QT` apart) of the group's head `g`,
+    /// queries `q0..q0 + nq`, keys `k0..k0 + nk`.
+    fn add(&mut self, g: usize, [q0, nq]: [usize; 2], [k0, nk]: [usize; 2], ds: &[f32]) {
+        let [per_head, per_query, per_key] = self.axes;
+        let [_, queries, keys] = self.sizes;
+        let head = if per_head { g } else { 0 };
+        for (j, row) in ds.chunks_exact(QT).take(nk).enumerate() {
+            let key = if per_key { k0 + j - self.k_start } else { 0 };
+            for (i, &d) in row[..nq].iter().enumerate() {
+                let query = if per_query { q0 + i } else { 0 };
+                self.data[(head * queries + query) * keys + key] += d;
+            }
+        }
+    }
+
+    /// Adds the part of task `[b, kv head]` over keys `range` to the bias's gradient
+    /// `total` (of shape `shape`).
+    fn add_to(
+        &self,
+        total: &mut [f32],
+        shape: [usize; 4],
+        [b, kvh]: [usize; 2],
+        group: usize,
+        range: &Range<usize>,
+    ) {
+        let [sb, sh, sq, sk] = shape;
+        let b = if sb > 1 { b } else { 0 };
+        let [heads, queries, keys] = self.sizes;
+        for g in 0..heads {
+            let h = if sh > 1 { kvh * group + g } else { 0 };
+            for q in 0..queries {
+                let from = (g * queries + q) * keys;
+                let key = if sk > 1 { range.start } else { 0 };
+                let to = ((b * sh + h) * sq + q) * sk + key;
+                for (t, &p) in total[to..to + keys]
+                    .iter_mut()
+                    .zip(&self.data[from..from + keys])
+                {
+                    *t += p;
+                }
+            }
+        }
+    }
+}
+
+/// The key ranges each key/value head's backward pass is cut into: one range when there
+/// are at least two such heads per thread, else enough ranges of about equal work (a causal key is
+/// seen by fewer queries the later it comes) for two tasks per thread.
+fn key_ranges(dims: Dims, threads: usize) -> Vec<Range<usize>> {
+    let heads = dims.batch * dims.kv_heads;
+    let tiles = dims.keys.div_ceil(KT);
+    let split = (2 * threads).div_ceil(heads.max(1)).clamp(1, tiles.max(1));
+    if split == 1 {
+        return std::iter::once(0..dims.keys).collect();
+    }
+    let visibility = dims.visibility();
+    let work = |tile: usize| dims.queries - visibility.first_query(tile * KT) + 1;
+    let total: usize = (0..tiles).map(work).sum();
+    let mut ranges = Vec::with_capacity(split);
+    let (mut start, mut done) = (0, 0);
+    for tile in 0..tiles {
+        done += work(tile);
+        let end = ((tile + 1) * KT).min(dims.keys);
+        if done * split >= total * (ranges.len() + 1) || tile + 1 == tiles {
+            ranges.push(start..end);
+            start = end;
+        }
+    }
+    ranges
+}
+
+/// A backward task's inputs of one head, packed: the scaled queries (both ways), the
+/// output's gradient (both ways), `rowsum(dO ⊙ O)` and the log-sum-exps.
+struct Head<'a> {
+    b: usize,
+    h: usize,
+    /// `[Tq, Dk]`.
+    qs: Vec<f32>,
+    /// Per tile of `QT` queries, `[Dk, QT]` (a row stride of `Tq` would be a power of
+    /// two at common lengths, which puts a panel's rows in one set of the L1 cache).
+    qst: Vec<f32>,
+    /// `[Tq, Dv]`.
+    go: Vec<f32>,
+    /// Per tile of `QT` queries, `[Dv, QT]`.
+    dot: Vec<f32>,
+    /// `rowsum(dO ⊙ O)`, `[Tq]`.
+    row_dot: Vec<f32>,
+    lse: &'a [f32],
+}
+
+/// The gradients of a key range of one key/value head, summed over the query heads of
+/// its group: `[len, Dk]` and `[len, Dv]`, and the bias's part when it is wanted.
+struct KeyGrads {
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    bias: Option<BiasPart>,
+}
+
+impl<'a> Head<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        dims: Dims,
+        b: usize,
+        h: usize,
+        q: &Grid<f32>,
+        output: &Grid<f32>,
+        grad: &Grid<f32>,
+        lse: &'a [f32],
+    ) -> Self {
+        let Dims {
+            queries, d_k, d_v, ..
+        } = dims;
+        let padded = queries.div_ceil(QT) * QT;
+        // Column i of the per-tile panels of d rows.
+        let panel = |i: usize, d: usize| (i / QT) * d * QT + i % QT;
+        let mut qs = vec![0.0f32; queries * d_k];
+        let mut qst = vec![0.0f32; d_k * padded];
+        for (i, row) in qs.chunks_exact_mut(d_k).enumerate() {
+            for (x, &y) in row.iter_mut().zip(q.row(b, h, i, d_k)) {
+                *x = y * dims.scale;
+            }
+            for (t, &x) in qst[panel(i, d_k)..].iter_mut().step_by(QT).zip(&*row) {
+                *t = x;
+            }
+        }
+        let mut go = vec![0.0f32; queries * d_v];
+        let mut dot = vec![0.0f32; d_v * padded];
+        let mut row_dot = vec![0.0f32; queries];
+        for (i, row) in go.chunks_exact_mut(d_v).enumerate() {
+            row.copy_from_slice(grad.row(b, h, i, d_v));
+            for (t, &x) in dot[panel(i, d_v)..].iter_mut().step_by(QT).zip(&*row) {
+                *t = x;
+            }
+            row_dot[i] = dot_product(row, output.row(b, h, i, d_v));
+        }
+        Self {
+            b,
+            h,
+            qs,
+            qst,
+            go,
+            dot,
+            row_dot,
+            lse,
+        }
+    }
+
+    /// Adds this query head's share of the gradients of the keys in `range` to `kv`, and
+    /// its partial `dQ` over them (unscaled, `[Tq, Dk]`) to `dq`.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        isa: Isa,
+        dims: Dims,
+        kv_in: [&Grid<f32>; 2],
+        extra: &Extra,
+        range: Range<usize>,
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has the features the function is compiled for.
+            unsafe { self.backward_avx2(dims, kv_in, extra, range, kv, dq) };
+            return;
+        }
+        self.backward_in::<Portable>(dims, kv_in, extra, range, kv, dq);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn backward_avx2(
+        &self,
+        dims: Dims,
+        kv_in: [&Grid<f32>; 2],
+        extra: &Extra,
+        range: Range<usize>,
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
+        self.backward_in::<Avx2>(dims, kv_in, extra, range, kv, dq);
+    }
+
+    #[inline(always)]
+    fn backward_in<A: Arch>(
+        &self,
+        dims: Dims,
+        [k, v]: [&Grid<f32>; 2],
+        extra: &Extra,
+        range: Range<usize>,
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
+        let Dims {
+            queries, d_k, d_v, ..
+        } = dims;
+        let (b, h) = (self.b, self.h);
+        let kvh = h / dims.group();
+        assert!(dq.len() >= queries * d_k, "dQ holds every query");
+        let mut p = vec![0.0f32; KT * QT];
+        let mut ds = vec![0.0f32; KT * QT];
+        for k0 in range.clone().step_by(KT) {
+            let nk = KT.min(range.end - k0);
+            let (kp, ks) = k.rows(b, kvh, k0, [nk, d_k]);
+            let (vp, vs) = v.rows(b, kvh, k0, [nk, d_v]);
+            let j0 = k0 - range.start;
+            let first = dims.visibility().first_query(k0) / QT * QT;
+            for q0 in (first..queries).step_by(QT) {
+                let nq = QT.min(queries - q0);
+                let tile = Tile { b, h, q0, nq };
+                // SAFETY (every product below): K and V rows k0..k0+nk, the packed
+                // queries and gradient columns q0..q0+nq, dO rows q0..q0+nq, tiles of
+                // KT x QT, and the gradients' rows of this range.
+                unsafe {
+                    // Sᵀ = K (Q·scale)ᵀ, masked; Pᵀ = exp(Sᵀ - lse).
+                    A::gemm(
+                        [nk, nq, d_k],
+                        (kp, ks, 1),
+                        (self.qst.as_ptr().add(q0 * d_k), QT),
+                        (p.as_mut_ptr(), QT),
+                        false,
+                    );
+                    mask_tile(dims, extra, tile, k0, nk, &mut p);
+                    let lse = &self.lse[q0..q0 + nq];
+                    for row in p.chunks_exact_mut(QT).take(nk) {
+                        for (x, &l) in row[..nq].iter_mut().zip(lse) {
+                            *x = A::exp(*x - l);
+                        }
+                    }
+                    // dV += Pᵀ dO
+                    A::gemm(
+                        [nk, d_v, nq],
+                        (p.as_ptr(), QT, 1),
+                        (self.go.as_ptr().add(q0 * d_v), d_v),
+                        (kv.dv.as_mut_ptr().add(j0 * d_v), d_v),
+                        true,
+                    );
+                    // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
+                    A::gemm(
+                        [nk, nq, d_v],
+                        (vp, vs, 1),
+                        (self.dot.as_ptr().add(q0 * d_v), QT),
+                        (ds.as_mut_ptr(), QT),
+                        false,
+                    );
+                    let row_dot = &self.row_dot[q0..q0 + nq];
+                    for (ds_row, p_row) in ds.chunks_exact_mut(QT).zip(p.chunks_exact(QT)).take(nk)
+                    {
+                        for ((d, &w), &r) in ds_row[..nq].iter_mut().zip(p_row).zip(row_dot) {
+                            *d = w * (*d - r);
+                        }
+                    }
+                    if let Some(part) = kv.bias.as_mut() {
+                        part.add(h % dims.group(), [q0, nq], [k0, nk], &ds);
+                    }
+                    // dK += dSᵀ (Q·scale)
+                    A::gemm(
+                        [nk, d_k, nq],
+                        (ds.as_ptr(), QT, 1),
+                        (self.qs.as_ptr().add(q0 * d_k), d_k),
+                        (kv.dk.as_mut_ptr().add(j0 * d_k), d_k),
+                        true,
+                    );
+                    // dQ += dS K
+                    A::gemm(
+                        [nq, d_k, nk],
+                        (ds.as_ptr(), 1, QT),
+                        (kp, ks),
+                        (dq.as_mut_ptr().add(q0 * d_k), d_k),
+                        true,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn causal_key_ranges_cover_every_key_once_with_even_work() {
+        let dims = Dims {
+            batch: 1,
+            heads: 2,
+            kv_heads: 2,
+            queries: 1000,
+            keys: 1000,
+            d_k: 8,
+            d_v: 8,
+            causal: true,
+            scale: 1.0,
+        };
+        let ranges = key_ranges(dims, 8);
+        assert_eq!(ranges.len(), 8);
+        assert_eq!(ranges[0].start, 0);
+        assert_eq!(ranges.last().map(|r| r.end), Some(1000));
+        for pair in ranges.windows(2) {
+            assert_eq!(pair[0].end, pair[1].start);
+        }
+        // Early keys are seen by more queries: the first range is the shortest.
+        assert!(ranges[0].len() < ranges[7].len(), "{ranges:?}");
+        let one = key_ranges(
+            Dims {
+                heads: 16,
+                kv_heads: 16,
+                ..dims
+            },
+            8,
+        );
+        assert_eq!((one.len(), one[0].clone()), (1, 0..1000));
+    }
+}

@@ -1,0 +1,226 @@
+//! The forward pass in tiles: each task is one head's block of [`QT`] queries, which walks
+//! the key tiles it can see with a running maximum and sum per query (online softmax),
+//! then writes its output rows and their log-sum-exps.
+
+use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::gemm::Avx2;
+use super::gemm::{Arch, Isa, Portable};
+use super::{Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile};
+use crate::mask::{DEAD_LSE, DEAD_ROW};
+
+/// Forward pass: `(output, lse)`, the output laid out `[B, Tq, H, Dv]` and the
+/// log-sum-exp `[B, H, Tq]`. Query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]`, value
+/// `[B, Hkv, Tk, Dv]`, each with unit stride along its last axis; query head `h` reads
+/// key/value head `h / (H / Hkv)`.
+pub(super) fn forward(
+    dims: Dims,
+    q: Grid<f32>,
+    k: Grid<f32>,
+    v: Grid<f32>,
+    extra: Extra,
+) -> (Vec<f32>, Vec<f32>) {
+    forward_on(Isa::best(), dims, q, k, v, extra)
+}
+
+pub(super) fn forward_on(
+    isa: Isa,
+    dims: Dims,
+    q: Grid<f32>,
+    k: Grid<f32>,
+    v: Grid<f32>,
+    extra: Extra,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims {
+        batch,
+        heads,
+        queries,
+        d_v,
+        ..
+    } = dims;
+    let mut output = vec![0.0f32; batch * queries * heads * d_v];
+    let mut lse = vec![0.0f32; batch * heads * queries];
+    let tiles = queries.div_ceil(QT);
+    let out = Out(output.as_mut_ptr());
+    let lse_out = Out(lse.as_mut_ptr());
+    (0..batch * heads * tiles).into_par_iter().for_each_init(
+        || Scratch::new(dims),
+        |scratch, task| {
+            // The last tiles of a causal head see the most keys: they go first.
+            let (bh, tile) = (task / tiles, tiles - 1 - task % tiles);
+            let (b, h) = (bh / heads, bh % heads);
+            let q0 = tile * QT;
+            let nq = QT.min(queries - q0);
+            let tile = Tile { b, h, q0, nq };
+            let (o, l) = scratch.forward(isa, dims, &q, &k, &v, &extra, tile);
+            for i in 0..nq {
+                let row = ((b * queries + q0 + i) * heads + h) * d_v;
+                // SAFETY: row `q0 + i` of head `(b, h)` belongs to this task alone.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(o[i * d_v..].as_ptr(), out.at(row), d_v);
+                    *lse_out.at(bh * queries + q0 + i) = l[i];
+                }
+            }
+        },
+    );
+    (output, lse)
+}
+
+/// A forward task's buffers, kept by each thread from task to task.
+struct Scratch {
+    /// The tile's scaled queries, transposed: `[Dk, QT]`.
+    qt: Vec<f32>,
+    /// Scores, then weights: `[KT, QT]`.
+    s: Vec<f32>,
+    /// Unnormalised output: `[QT, Dv]`.
+    acc: Vec<f32>,
+    max: [f32; QT],
+    sum: [f32; QT],
+    lse: [f32; QT],
+}
+
+impl Scratch {
+    fn new(dims: Dims) -> Self {
+        Self {
+            qt: vec![0.0; dims.d_k * QT],
+            s: vec![0.0; KT * QT],
+            acc: vec![0.0; QT * dims.d_v],
+            max: [0.0; QT],
+            sum: [0.0; QT],
+            lse: [0.0; QT],
+        }
+    }
+
+    /// The output rows `[nq, Dv]` and log-sum-exps of one tile of queries.
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        isa: Isa,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) -> (&[f32], &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx2 {
+            // SAFETY: the CPU has the features the function is compiled for.
+            unsafe { self.forward_avx2(dims, q, k, v, extra, tile) };
+            return (&self.acc, &self.lse);
+        }
+        self.forward_in::<Portable>(dims, q, k, v, extra, tile);
+        (&self.acc, &self.lse)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn forward_avx2(
+        &mut self,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) {
+        self.forward_in::<Avx2>(dims, q, k, v, extra, tile);
+    }
+
+    #[inline(always)]
+    fn forward_in<A: Arch>(
+        &mut self,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) {
+        let Tile { b, h, q0, nq } = tile;
+        let (d_k, d_v) = (dims.d_k, dims.d_v);
+        for i in 0..nq {
+            let row = q.row(b, h, q0 + i, d_k);
+            for (t, &x) in self.qt[i..].iter_mut().step_by(QT).zip(row) {
+                *t = x * dims.scale;
+            }
+        }
+        self.max[..nq].fill(f32::NEG_INFINITY);
+        self.sum[..nq].fill(0.0);
+        self.acc[..nq * d_v].fill(0.0);
+        let visible = dims.visibility().keys_of(q0 + nq - 1);
+        for k0 in (0..visible).step_by(KT) {
+            let nk = KT.min(visible - k0);
+            let (kp, ks) = k.rows(b, h / dims.group(), k0, [nk, d_k]);
+            // SAFETY: rows k0..k0+nk of K (d_k columns); the packed queries; `s` holds
+            // KT x QT.
+            unsafe {
+                A::gemm(
+                    [nk, nq, d_k],
+                    (kp, ks, 1),
+                    (self.qt.as_ptr(), QT),
+                    (self.s.as_mut_ptr(), QT),
+                    false,
+                );
+            }
+            mask_tile(dims, extra, tile, k0, nk, &mut self.s);
+            // Online softmax down the columns: the new maximum, the old sum and output
+            // rescaled to it, the weights and their sum.
+            let mut col_max = [f32::NEG_INFINITY; QT];
+            for row in self.s.chunks_exact(QT).take(nk) {
+                for (m, &x) in col_max[..nq].iter_mut().zip(row) {
+                    *m = m.max(x);
+                }
+            }
+            let mut shift = [0.0f32; QT];
+            let mut alpha = [0.0f32; QT];
+            for i in 0..nq {
+                let max = self.max[i].max(col_max[i]);
+                shift[i] = if max == f32::NEG_INFINITY { 0.0 } else { max };
+                alpha[i] = A::exp(self.max[i] - shift[i]);
+                self.max[i] = max;
+            }
+            let mut col_sum = [0.0f32; QT];
+            for row in self.s.chunks_exact_mut(QT).take(nk) {
+                for i in 0..nq {
+                    let p = A::exp(row[i] - shift[i]);
+                    row[i] = p;
+                    col_sum[i] += p;
+                }
+            }
+            for i in 0..nq {
+                self.sum[i] = self.sum[i] * alpha[i] + col_sum[i];
+                if alpha[i] != 1.0 {
+                    let a = alpha[i];
+                    self.acc[i * d_v..(i + 1) * d_v]
+                        .iter_mut()
+                        .for_each(|x| *x *= a);
+                }
+            }
+            let (vp, vs) = v.rows(b, h / dims.group(), k0, [nk, d_v]);
+            // SAFETY: P is the `[nk, nq]` tile in `s` (read transposed); rows k0..k0+nk
+            // of V (d_v columns); `acc` holds QT x Dv.
+            unsafe {
+                A::gemm(
+                    [nq, d_v, nk],
+                    (self.s.as_ptr(), 1, QT),
+                    (vp, vs),
+                    (self.acc.as_mut_ptr(), d_v),
+                    true,
+                );
+            }
+        }
+        for i in 0..nq {
+            let row = &mut self.acc[i * d_v..(i + 1) * d_v];
+            if self.max[i] <= DEAD_ROW || self.sum[i] <= 0.0 {
+                row.fill(0.0);
+                self.lse[i] = DEAD_LSE;
+            } else {
+                let inv = 1.0 / self.sum[i];
+                row.iter_mut().for_each(|x| *x *= inv);
+                self.lse[i] = self.max[i] + self.sum[i].ln();
+            }
+        }
+    }
+}

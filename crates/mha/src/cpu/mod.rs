@@ -1,0 +1,341 @@
+//! Attention on the CPU in cache-sized tiles, forward and backward, the way FlashAttention
+//! does it on a GPU: the scores of a tile of 64 queries by 64 keys are computed, turned
+//! into weights and multiplied into the output while they are still in the cache, and the
+//! `[Tq, Tk]` scores are never written out. The two products of a tile run through a small
+//! matrix kernel of our own ([`gemm`]: 6 x 16 outputs in AVX2 registers, FMA), the softmax
+//! through a vectorised `exp` ([`math`]).
+//!
+//! The tiles are transposed, keys by queries (`Sᵀ = K · (Q·scale)ᵀ`): the key and value
+//! rows are read as matrix panels where they lie, and only a tile of queries is packed.
+//! The row-wise steps of the softmax then run down the columns, eight queries to a
+//! vector. The kernels read slices through strides ([`Grid`]): flex's tensors and
+//! ndarray's arrays in place (the glue: [`flex`], [`ndarray`]), except that key and value
+//! rows a few KB apart (the heads of a `[B, T, H·Dh]` projection) are first copied next to
+//! each other.
+//!
+//! [`forward`]: each task is one head's block of 64 queries, with a running maximum and
+//! sum per query (online softmax); it writes the output and each query's log-sum-exp.
+//! [`backward`]: each task is one key/value head's range of keys; it recomputes the
+//! weights from the log-sum-exp.
+//!
+//! The mask is the causal rule (a per-key first visible query, `-inf` before it), the
+//! user's boolean mask and additive bias (read through their broadcast strides, a bias
+//! clamped at [`BLOCKED`], a blocked score set to it), as in the explicit path: a row that
+//! sees no key, or only blocked ones, has output zero, log-sum-exp
+//! [`DEAD_LSE`](crate::mask::DEAD_LSE) and passes no gradient.
+
+mod backward;
+#[cfg(feature = "flex")]
+mod flex;
+mod forward;
+mod gemm;
+mod math;
+#[cfg(feature = "ndarray")]
+mod ndarray;
+#[cfg(test)]
+mod tests;
+
+use burn::backend::{
+    Backend, TensorMetadata,
+    tensor::{BoolTensor, FloatTensor},
+};
+
+use crate::mask::{BLOCKED, Visibility};
+use backward::backward;
+use forward::forward;
+
+/// Queries per tile.
+const QT: usize = 64;
+/// Keys per tile.
+const KT: usize = 64;
+
+/// The sizes of one attention call and its causal flag and scale.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    pub(crate) batch: usize,
+    pub(crate) heads: usize,
+    /// Key and value heads, a divisor of `heads`: query head `h` reads `h / (heads /
+    /// kv_heads)`.
+    pub(crate) kv_heads: usize,
+    pub(crate) queries: usize,
+    pub(crate) keys: usize,
+    pub(crate) d_k: usize,
+    pub(crate) d_v: usize,
+    pub(crate) causal: bool,
+    pub(crate) scale: f32,
+}
+
+impl Dims {
+    /// The sizes of query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]` and value `[B, Hkv,
+    /// Tk, Dv]`.
+    pub(crate) fn new([query, key, value]: [[usize; 4]; 3], causal: bool, scale: f64) -> Self {
+        let [batch, heads, queries, d_k] = query;
+        Self {
+            batch,
+            heads,
+            kv_heads: key[1],
+            queries,
+            keys: key[2],
+            d_k,
+            d_v: value[3],
+            causal,
+            scale: scale as f32,
+        }
+    }
+
+    /// Query heads per key/value head.
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// Which keys each query sees.
+    fn visibility(&self) -> Visibility {
+        Visibility {
+            queries: self.queries,
+            keys: self.keys,
+            causal: self.causal,
+        }
+    }
+}
+
+/// The gradients of the query, key, value and (when asked for) bias, as a backend's
+/// tensors.
+pub(crate) type Grads<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<FloatTensor<B>>,
+);
+
+/// A CPU backend whose tensors the tiles read where they lie: the glue of [`flex`] and
+/// [`ndarray`]. The tiles take f32 tensors and boolean masks stored as bytes (the
+/// dispatcher sends other dtypes to the explicit path); the readers panic on others.
+pub(crate) trait CpuTensors: Backend {
+    /// The tensor itself where its floats can be read through its strides (rank 4, strides
+    /// not negative, unit stride along the last axis), else a contiguous copy.
+    fn readable(tensor: &FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// [`readable`](Self::readable) for a boolean mask.
+    fn readable_mask(mask: &BoolTensor<Self>) -> BoolTensor<Self>;
+
+    /// A readable tensor whose rows lie next to each other, for the operands read as
+    /// panels of a matrix product (K and V): rows a few KB apart (the heads of a `[B, T,
+    /// H·Dh]` projection) fall into few sets of the L1 cache, and one copy costs less than
+    /// the misses.
+    fn dense_rows(tensor: &FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// The floats of a readable tensor.
+    fn floats(tensor: &FloatTensor<Self>) -> Grid<'_, f32>;
+
+    /// The bytes of a readable boolean mask (nonzero = `true`).
+    fn bytes(mask: &BoolTensor<Self>) -> Grid<'_, u8>;
+
+    /// A tensor of shape `dims` holding row-major `values`.
+    fn from_rows(values: Vec<f32>, dims: [usize; 4]) -> FloatTensor<Self>;
+}
+
+/// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq, 1]` of attention over `query`
+/// `[B, H, Tq, Dk]`, `key` `[B, Hkv, Tk, Dk]` and `value` `[B, Hkv, Tk, Dv]` under the causal
+/// rule of `dims`, the boolean mask `blocked` and the additive `bias`.
+pub(crate) fn tiled_forward<B: CpuTensors>(
+    dims: Dims,
+    [query, key, value]: [&FloatTensor<B>; 3],
+    blocked: Option<&BoolTensor<B>>,
+    bias: Option<&FloatTensor<B>>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let mask = Mask::<B>::new(blocked, bias);
+    let q = B::readable(query);
+    let [k, v] = [key, value].map(B::dense_rows);
+    let [q, k, v] = [&q, &k, &v].map(B::floats);
+    let (output, lse) = forward(dims, q, k, v, mask.extra());
+    let d = dims;
+    (
+        from_heads::<B>(output, [d.batch, d.heads, d.queries, d.d_v]),
+        B::from_rows(lse, [d.batch, d.heads, d.queries, 1]),
+    )
+}
+
+/// The gradients of the query, key and value of [`tiled_forward`] from its `output`,
+/// `lse` and the output's gradient `grad`, and the bias's (in its own shape, summed over
+/// the axes it broadcasts along) when `bias_grad`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn tiled_backward<B: CpuTensors>(
+    dims: Dims,
+    [query, key, value]: [&FloatTensor<B>; 3],
+    output: &FloatTensor<B>,
+    lse: &FloatTensor<B>,
+    grad: &FloatTensor<B>,
+    blocked: Option<&BoolTensor<B>>,
+    bias: Option<&FloatTensor<B>>,
+    bias_grad: bool,
+) -> Grads<B> {
+    let mask = Mask::<B>::new(blocked, bias);
+    let [q, o, g, lse] = [query, output, grad, lse].map(B::readable);
+    let [k, v] = [key, value].map(B::dense_rows);
+    let lse = B::floats(&lse);
+    let lse: Vec<f32> = (0..dims.batch * dims.heads * dims.queries)
+        .map(|at| {
+            lse.at(
+                at / (dims.heads * dims.queries),
+                at / dims.queries % dims.heads,
+                at % dims.queries,
+                0,
+            )
+        })
+        .collect();
+    let bias_shape = mask.bias.as_ref().filter(|_| bias_grad).map(|b| {
+        let shape = b.shape();
+        std::array::from_fn(|axis| shape[axis])
+    });
+    let inputs = [&q, &k, &v, &o, &g].map(B::floats);
+    let grads = backward(dims, inputs, &lse, mask.extra(), bias_shape);
+    let d = dims;
+    (
+        from_heads::<B>(grads.dq, [d.batch, d.heads, d.queries, d.d_k]),
+        from_heads::<B>(grads.dk, [d.batch, d.kv_heads, d.keys, d.d_k]),
+        from_heads::<B>(grads.dv, [d.batch, d.kv_heads, d.keys, d.d_v]),
+        grads
+            .bias
+            .zip(bias_shape)
+            .map(|(values, shape)| B::from_rows(values, shape)),
+    )
+}
+
+/// The `[B, H, T, D]` tensor that `[B, T, H, D]` floats hold (a view, no copy).
+fn from_heads<B: CpuTensors>(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> FloatTensor<B> {
+    B::float_swap_dims(B::from_rows(values, [b, t, h, d]), 1, 2)
+}
+
+/// The mask's parts, readable by the tiles.
+struct Mask<B: CpuTensors> {
+    blocked: Option<BoolTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+}
+
+impl<B: CpuTensors> Mask<B> {
+    fn new(blocked: Option<&BoolTensor<B>>, bias: Option<&FloatTensor<B>>) -> Self {
+        Self {
+            blocked: blocked.map(B::readable_mask),
+            bias: bias.map(B::readable),
+        }
+    }
+
+    fn extra(&self) -> Extra<'_> {
+        Extra {
+            bias: self.bias.as_ref().map(B::floats),
+            blocked: self.blocked.as_ref().map(B::bytes),
+        }
+    }
+}
+
+/// A rank-4 tensor read through its strides: element `[b, h, i, j]` at
+/// `offset + b·s0 + h·s1 + i·s2 + j·s3`. A broadcast axis (size 1) has stride 0.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Grid<'a, T> {
+    data: &'a [T],
+    offset: usize,
+    strides: [usize; 4],
+}
+
+impl<T: Copy> Grid<'_, T> {
+    fn at(&self, b: usize, h: usize, i: usize, j: usize) -> T {
+        let [s0, s1, s2, s3] = self.strides;
+        self.data[self.offset + b * s0 + h * s1 + i * s2 + j * s3]
+    }
+
+    /// Row `i` of matrix `(b, h)`, `cols` wide (the columns have unit stride).
+    fn row(&self, b: usize, h: usize, i: usize, cols: usize) -> &[T] {
+        let [s0, s1, s2, _] = self.strides;
+        let start = self.offset + b * s0 + h * s1 + i * s2;
+        &self.data[start..start + cols]
+    }
+
+    /// Rows `row..row + rows` of matrix `(b, h)`, `cols` wide: the first element and the
+    /// row stride (the columns have unit stride).
+    ///
+    /// # Panics
+    /// If the block reaches past the data.
+    fn rows(&self, b: usize, h: usize, row: usize, [rows, cols]: [usize; 2]) -> (*const T, usize) {
+        let [s0, s1, s2, _] = self.strides;
+        let start = self.offset + b * s0 + h * s1 + row * s2;
+        let end = start + rows.saturating_sub(1) * s2 + cols;
+        assert!(
+            rows == 0 || end <= self.data.len(),
+            "a block of {rows} x {cols} from element {start} (row stride {s2}) reaches past {} elements",
+            self.data.len()
+        );
+        (self.data[start..].as_ptr(), s2)
+    }
+}
+
+/// The mask beyond the causal rule: a bias and a boolean mask (nonzero = blocked), each
+/// broadcastable to `[B, H, Tq, Tk]`.
+#[derive(Debug, Clone, Copy, Default)]
+struct Extra<'a> {
+    bias: Option<Grid<'a, f32>>,
+    blocked: Option<Grid<'a, u8>>,
+}
+
+/// A pointer that tasks write through, each to elements no other task writes.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: the tasks write disjoint elements (see each use).
+unsafe impl Send for Out {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Out {}
+
+impl Out {
+    /// The pointer, through a method so that closures capture the whole `Out`.
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// One tile of queries: head `(b, h)`, queries `q0..q0 + nq`.
+#[derive(Debug, Clone, Copy)]
+struct Tile {
+    b: usize,
+    h: usize,
+    q0: usize,
+    nq: usize,
+}
+
+/// Adds the bias (clamped at [`BLOCKED`]) and blocks what the boolean mask and the causal
+/// rule block in the scores tile `s` (`[nk, nq]`, rows `QT` apart) of keys `k0..k0 + nk`.
+#[inline(always)]
+fn mask_tile(dims: Dims, extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mut [f32]) {
+    let Tile { b, h, q0, nq } = tile;
+    if let Some(bias) = &extra.bias {
+        for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+            for (i, x) in row[..nq].iter_mut().enumerate() {
+                let add = bias.at(b, h, q0 + i, k0 + j);
+                *x += if add < BLOCKED { BLOCKED } else { add };
+            }
+        }
+    }
+    if let Some(blocked) = &extra.blocked {
+        for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+            for (i, x) in row[..nq].iter_mut().enumerate() {
+                if blocked.at(b, h, q0 + i, k0 + j) != 0 {
+                    *x = BLOCKED;
+                }
+            }
+        }
+    }
+    if dims.causal {
+        let visibility = dims.visibility();
+        for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+            let first = visibility.first_query(k0 + j).saturating_sub(q0).min(nq);
+            row[..first].fill(f32::NEG_INFINITY);
+        }
+    }
+}
+
+/// The gradients of [`backward`]: `dq` `[B, Tq, H, Dk]`, `dk` `[B, Tk, Hkv, Dk]`, `dv`
+/// `[B, Tk, Hkv, Dv]`, and the bias's (row-major, in its own shape) when asked for.
+struct Gradients {
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+    bias: Option<Vec<f32>>,
+}

@@ -1,0 +1,240 @@
+//! The tiles against attention computed in f64 from the same inputs: outputs,
+//! log-sum-exps and every gradient, on every instruction set this CPU runs.
+
+use super::backward::backward_on;
+use super::forward::forward_on;
+use super::gemm::{Isa, avx2_under_test};
+use super::{Dims, Extra, Grid};
+use crate::mask::{BLOCKED, DEAD_LSE, DEAD_ROW};
+
+/// Seeded values in `[-1, 1]`.
+pub(super) fn random(len: usize, seed: u32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(2_654_435_761).max(1);
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state as f32 / u32::MAX as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Inputs of one attention call, `[B, H, T, D]` contiguous, with a bias broadcast
+/// over batch and queries and a boolean mask broadcast over heads.
+struct Case {
+    dims: Dims,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    grad: Vec<f32>,
+    bias: Vec<f32>,
+    blocked: Vec<u8>,
+}
+
+fn dense<T>(data: &[T], [_, h, t, d]: [usize; 4]) -> Grid<'_, T> {
+    Grid {
+        data,
+        offset: 0,
+        strides: [h * t * d, t * d, d, 1],
+    }
+}
+
+impl Case {
+    fn new(queries: usize, keys: usize, causal: bool, kv_heads: usize) -> Self {
+        let (batch, heads, d_k, d_v) = (2, 4, 20, 12);
+        let dims = Dims {
+            batch,
+            heads,
+            kv_heads,
+            queries,
+            keys,
+            d_k,
+            d_v,
+            causal,
+            scale: 0.3,
+        };
+        let mut blocked: Vec<u8> = random(batch * queries * keys, 5)
+            .iter()
+            .map(|&x| (x > 0.8) as u8)
+            .collect();
+        blocked[3 * keys..4 * keys].fill(1); // Query 3 of batch 0 sees no key.
+        Self {
+            dims,
+            q: random(batch * heads * queries * d_k, 1),
+            k: random(batch * kv_heads * keys * d_k, 2),
+            v: random(batch * kv_heads * keys * d_v, 3),
+            grad: random(batch * heads * queries * d_v, 4),
+            bias: random(heads * keys, 6),
+            blocked,
+        }
+    }
+
+    fn extra(&self) -> Extra<'_> {
+        let Dims { queries, keys, .. } = self.dims;
+        Extra {
+            bias: Some(Grid {
+                data: &self.bias,
+                offset: 0,
+                strides: [0, keys, 0, 1],
+            }),
+            blocked: Some(Grid {
+                data: &self.blocked,
+                offset: 0,
+                strides: [queries * keys, 0, keys, 1],
+            }),
+        }
+    }
+
+    /// `(output, lse, dq, dk, dv, dbias)` in f64, laid out `[B, H, T, D]` (the bias
+    /// `[H, Tk]`).
+    #[allow(clippy::type_complexity)]
+    fn reference(&self) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let d = self.dims;
+        let (dk_, dv_) = (d.d_k, d.d_v);
+        let mut out = vec![0.0; d.batch * d.heads * d.queries * dv_];
+        let mut lse = vec![DEAD_LSE as f64; d.batch * d.heads * d.queries];
+        let mut dq = vec![0.0; d.batch * d.heads * d.queries * dk_];
+        let mut dk = vec![0.0; d.batch * d.kv_heads * d.keys * dk_];
+        let mut dv = vec![0.0; d.batch * d.kv_heads * d.keys * dv_];
+        let mut dbias = vec![0.0; d.heads * d.keys];
+        for b in 0..d.batch {
+            for h in 0..d.heads {
+                let bh = b * d.heads + h;
+                let bkv = b * d.kv_heads + h / d.group(); // The key/value head.
+                for i in 0..d.queries {
+                    let qi = &self.q[(bh * d.queries + i) * dk_..][..dk_];
+                    let keys = d.visibility().keys_of(i);
+                    let scores: Vec<f64> = (0..keys)
+                        .map(|j| {
+                            let kj = &self.k[(bkv * d.keys + j) * dk_..][..dk_];
+                            let dot: f64 =
+                                qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum();
+                            match self.blocked[(b * d.queries + i) * d.keys + j] {
+                                0 => dot * d.scale as f64 + self.bias[h * d.keys + j] as f64,
+                                _ => BLOCKED as f64,
+                            }
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    if keys == 0 || max <= DEAD_ROW as f64 {
+                        continue;
+                    }
+                    let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                    lse[bh * d.queries + i] = max + sum.ln();
+                    let p: Vec<f64> = scores.iter().map(|s| (s - max).exp() / sum).collect();
+                    let row = (bh * d.queries + i) * dv_;
+                    for (j, &pj) in p.iter().enumerate() {
+                        for c in 0..dv_ {
+                            out[row + c] += pj * self.v[(bkv * d.keys + j) * dv_ + c] as f64;
+                        }
+                    }
+                    let go = &self.grad[row..row + dv_];
+                    let row_dot: f64 = go
+                        .iter()
+                        .zip(&out[row..])
+                        .map(|(&g, &o)| g as f64 * o)
+                        .sum();
+                    for (j, &pj) in p.iter().enumerate() {
+                        let vj = &self.v[(bkv * d.keys + j) * dv_..][..dv_];
+                        let dp: f64 = go.iter().zip(vj).map(|(&g, &v)| g as f64 * v as f64).sum();
+                        dbias[h * d.keys + j] += pj * (dp - row_dot);
+                        let ds = pj * (dp - row_dot) * d.scale as f64;
+                        for c in 0..dk_ {
+                            let kj = self.k[(bkv * d.keys + j) * dk_ + c] as f64;
+                            dq[(bh * d.queries + i) * dk_ + c] += ds * kj;
+                            dk[(bkv * d.keys + j) * dk_ + c] += ds * qi[c] as f64;
+                        }
+                        for c in 0..dv_ {
+                            dv[(bkv * d.keys + j) * dv_ + c] += pj * go[c] as f64;
+                        }
+                    }
+                }
+            }
+        }
+        (out, lse, dq, dk, dv, dbias)
+    }
+}
+
+/// `got` laid out `[B, T, H, D]` against `want` laid out `[B, H, T, D]`.
+fn assert_close(what: &str, got: &[f32], want: &[f64], [b, h, t, d]: [usize; 4]) {
+    for bi in 0..b {
+        for hi in 0..h {
+            for ti in 0..t {
+                for di in 0..d {
+                    let g = got[((bi * t + ti) * h + hi) * d + di] as f64;
+                    let w = want[((bi * h + hi) * t + ti) * d + di];
+                    assert!(
+                        (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                        "{what}[{bi}, {hi}, {ti}, {di}] = {g}, want {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn tiles_match_f64_attention_forward_and_backward() {
+    let mut isas = vec![Isa::Portable];
+    if avx2_under_test("tiles_match_f64_attention_forward_and_backward") {
+        #[cfg(target_arch = "x86_64")]
+        isas.push(Isa::Avx2);
+    }
+    // Partial tiles; causal with more keys than queries, with fewer (the first 20
+    // queries see no key), and not causal; 2 query heads per key/value head, and 1.
+    let cases = [(150, 170, true, 2), (150, 130, true, 4), (70, 90, false, 2)];
+    for (queries, keys, causal, kv_heads) in cases {
+        let case = Case::new(queries, keys, causal, kv_heads);
+        let d = case.dims;
+        let (out, lse, dq, dk, dv, dbias) = case.reference();
+        let q_shape = [d.batch, d.heads, d.queries, d.d_k];
+        let k_shape = [d.batch, d.kv_heads, d.keys, d.d_k];
+        let v_shape = [d.batch, d.kv_heads, d.keys, d.d_v];
+        let o_shape = [d.batch, d.heads, d.queries, d.d_v];
+        let (q, k, v) = (
+            dense(&case.q, q_shape),
+            dense(&case.k, k_shape),
+            dense(&case.v, v_shape),
+        );
+        for &isa in &isas {
+            let name = format!("{isa:?} Tq {queries} Tk {keys} causal {causal} Hkv {kv_heads}");
+            let (got, got_lse) = forward_on(isa, d, q, k, v, case.extra());
+            assert_close(&format!("{name}: output"), &got, &out, o_shape);
+            for (i, (&g, &w)) in got_lse.iter().zip(&lse).enumerate() {
+                assert!(
+                    (g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                    "{name}: lse[{i}] = {g}, want {w}"
+                );
+            }
+            // The output back in [B, H, Tq, Dv] for the backward pass.
+            let mut o = vec![0.0f32; got.len()];
+            for (bh, rows) in o.chunks_mut(d.queries * d.d_v).enumerate() {
+                let (b, h) = (bh / d.heads, bh % d.heads);
+                for (i, row) in rows.chunks_mut(d.d_v).enumerate() {
+                    let at = ((b * d.queries + i) * d.heads + h) * d.d_v;
+                    row.copy_from_slice(&got[at..at + d.d_v]);
+                }
+            }
+            // One key range per head, and several (as on a machine with more threads).
+            for threads in [1, 8] {
+                let inputs = [q, k, v, dense(&o, o_shape), dense(&case.grad, o_shape)];
+                let bias_shape = Some([1, d.heads, 1, d.keys]);
+                let extra = case.extra();
+                let grads = backward_on(isa, threads, d, inputs, &got_lse, extra, bias_shape);
+                let name = format!("{name}, {threads} threads");
+                assert_close(&format!("{name}: dq"), &grads.dq, &dq, q_shape);
+                assert_close(&format!("{name}: dk"), &grads.dk, &dk, k_shape);
+                assert_close(&format!("{name}: dv"), &grads.dv, &dv, v_shape);
+                // [1, H, 1, Tk] reads the same as [1, 1, H, Tk] in assert_close's order.
+                let got_bias = grads.bias.expect("the bias's gradient");
+                assert_close(
+                    &format!("{name}: dbias"),
+                    &got_bias,
+                    &dbias,
+                    [1, 1, d.heads, d.keys],
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! Every attention path against attention computed in f64 (`reference.rs`), on every
+//! backend compiled in: the CPU tiles (flex and ndarray in f32, without weights), the
+//! explicit path (with weights, on the GPU backends, in other dtypes) in one pass and in
+//! query chunks, with and without autodiff: outputs, weights and the gradients of the
+//! query, key, value and bias.
+
+use burn::tensor::{Device, FloatDType, Tensor, TensorData, bf16, f16};
+use mha::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
+
+use crate::reference::{MaskSpec, Part, Reference, Sizes, attention};
+use crate::util::{Backend, SplitMix, backends, to_vec};
+
+/// One attention call: sizes, scale and mask.
+struct Case {
+    name: String,
+    sizes: Sizes,
+    mask: MaskSpec,
+}
+
+/// `[B, H, Hkv, Tq, Tk, Dk, Dv]` with the default scale.
+fn sizes([batch, heads, kv_heads, queries, keys, d_k, d_v]: [usize; 7]) -> Sizes {
+    Sizes {
+        batch,
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        d_k,
+        d_v,
+        scale: 1.0 / (d_k as f64).sqrt(),
+    }
+}
+
+/// Seeded values: `true` with probability `p`.
+fn pattern(len: usize, p: f32, seed: u64) -> Vec<bool> {
+    let mut rng = SplitMix(seed);
+    (0..len).map(|_| rng.uniform() < p).collect()
+}
+
+/// Seeded normal values.
+fn normal(len: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix(seed);
+    (0..len).map(|_| rng.normal()).collect()
+}
+
+/// Key padding `[B, 1, 1, Tk]` from the valid lengths.
+fn padding(lengths: &[usize], keys: usize) -> Part<bool> {
+    Part {
+        values: lengths
+            .iter()
+            .flat_map(|&len| (0..keys).map(move |j| j >= len))
+            .collect(),
+        dims: [lengths.len(), 1, 1, keys],
+    }
+}
+
+/// The small cases: every mask kind and broadcast shape, GQA, MQA, `Tq != Tk`, `Dk != Dv`,
+/// a custom scale, rows that see no key.
+fn small_cases() -> Vec<Case> {
+    let case = |name: &str, dims, mask| Case {
+        name: name.into(),
+        sizes: sizes(dims),
+        mask,
+    };
+    let causal = MaskSpec {
+        causal: true,
+        ..MaskSpec::default()
+    };
+    let blocked = |dims: [usize; 4], seed| Part {
+        values: pattern(dims.iter().product(), 0.33, seed),
+        dims,
+    };
+    let bias = |dims: [usize; 4], seed| Part {
+        values: normal(dims.iter().product(), seed),
+        dims,
+    };
+    // Rows 1 (boolean mask) and 3 (-inf bias) of batch 0 see no key.
+    let mut dead = vec![false; 2 * 5 * 5];
+    dead[5..10].fill(true);
+    let mut dead_bias = vec![0.0f32; 2 * 5 * 5];
+    dead_bias[15..20].fill(f32::NEG_INFINITY);
+    let mut scaled = case("custom scale", [2, 4, 4, 5, 6, 8, 8], MaskSpec::default());
+    scaled.sizes.scale = 0.7;
+    let mut all = case(
+        "causal + padding + bias, GQA",
+        [2, 4, 2, 6, 6, 8, 8],
+        MaskSpec {
+            causal: true,
+            blocked: Some(padding(&[6, 4], 6)),
+            bias: Some(bias([1, 1, 6, 6], 4)),
+        },
+    );
+    all.sizes.scale = 0.2;
+    vec![
+        case("none", [2, 4, 4, 6, 6, 8, 8], MaskSpec::default()),
+        case("causal square", [2, 4, 4, 6, 6, 8, 8], causal.clone()),
+        case("causal Tq < Tk", [2, 4, 4, 3, 9, 8, 8], causal.clone()),
+        case("causal Tq > Tk", [2, 4, 4, 7, 4, 8, 8], causal.clone()),
+        case(
+            "padding [B, 1, 1, Tk]",
+            [2, 4, 4, 5, 7, 8, 8],
+            MaskSpec {
+                blocked: Some(padding(&[7, 3], 7)),
+                ..MaskSpec::default()
+            },
+        ),
+        case(
+            "boolean [1, 1, Tq, Tk]",
+            [2, 4, 4, 5, 7, 8, 8],
+            MaskSpec {
+                blocked: Some(blocked([1, 1, 5, 7], 1)),
+                ..MaskSpec::default()
+            },
+        ),
+        case(
+            "boolean [B, 1, Tq, Tk]",
+            [2, 4, 4, 5, 5, 8, 8],
+            MaskSpec {
+                blocked: Some(blocked([2, 1, 5, 5], 2)),
+                ..MaskSpec::default()
+            },
+        ),
+        case(
+            "bias [1, H, Tq, Tk]",
+            [2, 4, 4, 5, 6, 8, 8],
+            MaskSpec {
+                bias: Some(bias([1, 4, 5, 6], 3)),
+                ..MaskSpec::default()
+            },
+        ),
+        scaled,
+        case("GQA causal", [2, 4, 2, 6, 6, 8, 8], causal.clone()),
+        case(
+            "MQA padding",
+            [2, 4, 1, 6, 8, 8, 8],
+            MaskSpec {
+                blocked: Some(padding(&[8, 2], 8)),
+                ..MaskSpec::default()
+            },
+        ),
+        all,
+        case("Dk != Dv, causal", [2, 4, 2, 6, 6, 8, 5], causal),
+        case(
+            "rows without a key (boolean and -inf bias)",
+            [2, 2, 2, 5, 5, 4, 4],
+            MaskSpec {
+                causal: false,
+                blocked: Some(Part {
+                    values: dead,
+                    dims: [2, 1, 5, 5],
+                }),
+                bias: Some(Part {
+                    values: dead_bias,
+                    dims: [2, 1, 5, 5],
+                }),
+            },
+        ),
+    ]
+}
+
+/// Long cases: several tiles, query chunks, causal with more and with fewer keys than
+/// queries, biases that want a gradient, rows without a key.
+fn long_cases() -> Vec<Case> {
+    let mut cases = Vec::new();
+    for (tq, tk) in [(300, 340), (300, 260), (40, 56)] {
+        let dims = [2, 4, 2, tq, tk, 8, 8];
+        let pad = || Some(padding(&[tk, tk - tk / 6], tk));
+        // A bias over every query and key with a blocked (-inf) key per row.
+        let mut full = normal(tq * tk, 7);
+        for (row, values) in full.chunks_mut(tk).enumerate() {
+            values.iter_mut().for_each(|x| *x *= 0.5);
+            values[row % tk] = f32::NEG_INFINITY;
+        }
+        // Key padding, a third of the pairs blocked, and every key of query rows 3 and 5.
+        let padded_pattern = |tk: usize| {
+            let pad = padding(&[tk, tk - tk / 6], tk).values;
+            let blocked = pattern(tq * tk, 0.33, 11);
+            let values = (0..2 * tq * tk).map(|at| {
+                let (b, i, j) = (at / (tq * tk), at / tk % tq, at % tk);
+                pad[b * tk + j] || blocked[i * tk + j] || i == 3 || i == 5
+            });
+            Part {
+                values: values.collect(),
+                dims: [2, 1, tq, tk],
+            }
+        };
+        let masks = [
+            ("causal", true, None, None),
+            ("causal + padding", true, pad(), None),
+            (
+                "causal + padding + bias",
+                true,
+                pad(),
+                Some(Part {
+                    values: full,
+                    dims: [1, 1, tq, tk],
+                }),
+            ),
+            ("padding + boolean", false, Some(padded_pattern(tk)), None),
+            (
+                "bias per head and key",
+                false,
+                None,
+                Some(Part {
+                    values: normal(4 * tk, 8).iter().map(|x| x * 0.5).collect(),
+                    dims: [1, 4, 1, tk],
+                }),
+            ),
+        ];
+        for (name, causal, blocked, bias) in masks {
+            cases.push(Case {
+                name: format!("{name}, Tq {tq}, Tk {tk}"),
+                sizes: sizes(dims),
+                mask: MaskSpec {
+                    causal,
+                    blocked,
+                    bias,
+                },
+            });
+        }
+    }
+    cases
+}
+
+/// `values` as a tensor of `dims` on `device`, in `dtype`.
+fn tensor(values: &[f32], dims: [usize; 4], device: &Device, dtype: FloatDType) -> Tensor<4> {
+    Tensor::<4>::from_data(TensorData::new(values.to_vec(), dims), device).cast(dtype)
+}
+
+/// Asserts `|got - want| <= atol + rtol·|want|` everywhere, printing the worst error.
+fn close(what: &str, got: Tensor<4>, want: &[f64], [atol, rtol]: [f64; 2]) {
+    let got = to_vec(got.cast(FloatDType::F32));
+    assert_eq!(got.len(), want.len(), "{what}: sizes differ");
+    let mut worst = (0.0f64, 0);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: element {i} is {g}");
+        let excess = (g as f64 - w).abs() - rtol * w.abs();
+        if excess > worst.0 {
+            worst = (excess, i);
+        }
+    }
+    let (excess, i) = worst;
+    println!("{what}: worst error beyond rtol·|want| {excess:.2e} (atol {atol:.0e})");
+    assert!(
+        excess <= atol,
+        "{what}: element {i} is {}, want {} (atol {atol:e}, rtol {rtol:e})",
+        got[i],
+        want[i]
+    );
+}
+
+/// Runs `case` on `be` in `dtype` with and without autodiff, with `weights`, and compares
+/// the output, the weights and the gradients with `want`.
+fn check(
+    be: &Backend,
+    case: &Case,
+    want: &Reference,
+    [q, k, v, grad]: &[Vec<f32>; 4],
+    dtype: FloatDType,
+    weights: AttentionWeights,
+) {
+    let s = case.sizes;
+    let [forward_tol, grad_tol] = be.tolerances(dtype);
+    let options = SdpaOptions {
+        scale: Some(s.scale),
+        weights,
+        ..SdpaOptions::default()
+    };
+    let what = format!("[{} {dtype:?}] {} ({weights:?})", be.name, case.name);
+    let device = &be.device;
+    let (mask, _) = case.mask.build(device, dtype, false);
+    let out = scaled_dot_product_attention(
+        tensor(q, s.query(), device, dtype),
+        tensor(k, s.key(), device, dtype),
+        tensor(v, s.value(), device, dtype),
+        &mask,
+        options,
+    );
+    close(
+        &format!("{what}: output"),
+        out.context,
+        &want.output,
+        forward_tol,
+    );
+    if let Some(weights) = out.weights {
+        close(
+            &format!("{what}: weights"),
+            weights,
+            &want.weights,
+            forward_tol,
+        );
+    }
+
+    let device = &be.autodiff();
+    let (mask, bias) = case.mask.build(device, dtype, true);
+    let [q, k, v] = [(q, s.query()), (k, s.key()), (v, s.value())]
+        .map(|(x, dims)| tensor(x, dims, device, dtype).require_grad());
+    let out = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
+    let grads = (out.context.clone() * tensor(grad, s.output(), device, dtype))
+        .sum()
+        .backward();
+    close(
+        &format!("{what}: output under autodiff"),
+        out.context,
+        &want.output,
+        forward_tol,
+    );
+    for (name, x, want) in [("q", q, &want.dq), ("k", k, &want.dk), ("v", v, &want.dv)] {
+        let got = x
+            .grad(&grads)
+            .unwrap_or_else(|| panic!("{what}: no gradient of {name}"));
+        close(&format!("{what}: d{name}"), got, want, grad_tol);
+    }
+    if let (Some(bias), Some(want)) = (bias, &want.dbias) {
+        let got = bias
+            .grad(&grads)
+            .unwrap_or_else(|| panic!("{what}: no gradient of the bias"));
+        close(&format!("{what}: dbias"), got, want, grad_tol);
+    }
+}
+
+/// Every case in f32 with and without weights (the fast path and the explicit one).
+fn check_cases(cases: Vec<Case>) {
+    for (n, case) in cases.iter().enumerate() {
+        let s = case.sizes;
+        let seed = 100 + 5 * n as u64;
+        let inputs = [s.query(), s.key(), s.value(), s.output()].map(|dims| {
+            normal(
+                dims.iter().product(),
+                seed + dims[2] as u64 + dims[3] as u64,
+            )
+        });
+        let [q, k, v, grad] = &inputs;
+        let want = attention(s, &case.mask, [q, k, v, grad]);
+        for be in backends() {
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                check(&be, case, &want, &inputs, FloatDType::F32, weights);
+            }
+        }
+    }
+}
+
+#[test]
+fn every_path_matches_f64_attention_for_every_mask_kind() {
+    check_cases(small_cases());
+}
+
+#[test]
+fn long_calls_in_tiles_and_chunks_match_f64_attention() {
+    check_cases(long_cases());
+}
+
+/// `values` rounded to `dtype`, as a tensor in that dtype holds them.
+fn rounded(values: &[f32], dtype: FloatDType) -> Vec<f32> {
+    values
+        .iter()
+        .map(|&x| match dtype {
+            FloatDType::F16 => f16::from_f32(x).to_f32(),
+            FloatDType::BF16 => bf16::from_f32(x).to_f32(),
+            _ => x,
+        })
+        .collect()
+}
+
+#[test]
+fn other_dtypes_match_f64_attention_at_their_precision() {
+    // A long causal call (query chunks) and one with rows that see no key; the reference
+    // takes the inputs as the dtype holds them, so that the comparison measures the
+    // computation, not the rounding of its inputs.
+    let cases: Vec<Case> = long_cases()
+        .into_iter()
+        .filter(|c| c.name == "causal + padding + bias, Tq 300, Tk 260")
+        .chain(
+            small_cases()
+                .into_iter()
+                .filter(|c| c.name.starts_with("rows without")),
+        )
+        .collect();
+    assert_eq!(cases.len(), 2);
+    for (n, case) in cases.iter().enumerate() {
+        let s = case.sizes;
+        let inputs = [s.query(), s.key(), s.value(), s.output()]
+            .map(|dims| normal(dims.iter().product(), 900 + n as u64 + dims[2] as u64));
+        for be in backends() {
+            for dtype in be.other_float_dtypes() {
+                let inputs = inputs.clone().map(|x| rounded(&x, dtype));
+                let mut case = Case {
+                    name: case.name.clone(),
+                    sizes: case.sizes,
+                    mask: case.mask.clone(),
+                };
+                if let Some(bias) = case.mask.bias.as_mut() {
+                    bias.values = rounded(&bias.values, dtype);
+                }
+                let [q, k, v, grad] = &inputs;
+                let want = attention(s, &case.mask, [q, k, v, grad]);
+                check(&be, &case, &want, &inputs, dtype, AttentionWeights::None);
+            }
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! Attention computed in f64 on the host, forward and backward, from a description of the
+//! mask that can also build the `AttentionMask` under test: the reference every attention
+//! path of every backend is compared with.
+//!
+//! Semantics (mha's contract): key `j` is excluded from query `i`'s softmax when the
+//! causal rule hides it (bottom-right: `j > i + Tk - Tq`), the boolean mask blocks it, or
+//! its bias is `-inf`; a row with no key left has output 0, weights 0, and passes no
+//! gradient.
+
+use burn::tensor::{Bool, Device, FloatDType, Tensor, TensorData};
+use mha::AttentionMask;
+
+/// Values broadcast to `[B, H, Tq, Tk]` from their own rank-4 shape (each axis full or 1).
+#[derive(Clone, Debug)]
+pub struct Part<T> {
+    pub values: Vec<T>,
+    pub dims: [usize; 4],
+}
+
+impl<T: Copy> Part<T> {
+    fn index(&self, [b, h, i, j]: [usize; 4]) -> usize {
+        let [db, dh, di, dj] = self.dims;
+        let pick = |x: usize, d: usize| if d == 1 { 0 } else { x };
+        ((pick(b, db) * dh + pick(h, dh)) * di + pick(i, di)) * dj + pick(j, dj)
+    }
+
+    fn at(&self, at: [usize; 4]) -> T {
+        self.values[self.index(at)]
+    }
+}
+
+/// A mask as the reference reads it.
+#[derive(Clone, Debug, Default)]
+pub struct MaskSpec {
+    pub causal: bool,
+    /// `true = blocked`.
+    pub blocked: Option<Part<bool>>,
+    pub bias: Option<Part<f32>>,
+}
+
+impl MaskSpec {
+    /// The same mask as an `AttentionMask` on `device`, its bias in `dtype`; the bias
+    /// tensor is returned too (a leaf that requires a gradient when `bias_grad` and the
+    /// device differentiates).
+    pub fn build(
+        &self,
+        device: &Device,
+        dtype: FloatDType,
+        bias_grad: bool,
+    ) -> (AttentionMask, Option<Tensor<4>>) {
+        let mut mask = match self.causal {
+            true => AttentionMask::causal(),
+            false => AttentionMask::none(),
+        };
+        if let Some(part) = &self.blocked {
+            let data = TensorData::new(part.values.clone(), part.dims);
+            mask = mask.and(AttentionMask::blocking(Tensor::<4, Bool>::from_data(
+                data, device,
+            )));
+        }
+        let bias = self.bias.as_ref().map(|part| {
+            let data = TensorData::new(part.values.clone(), part.dims);
+            let bias = Tensor::<4>::from_data(data, device).cast(dtype);
+            match bias_grad && device.is_autodiff() {
+                true => bias.require_grad(),
+                false => bias,
+            }
+        });
+        if let Some(bias) = &bias {
+            mask = mask.and(AttentionMask::bias(bias.clone()));
+        }
+        (mask, bias)
+    }
+}
+
+/// Sizes and scale of one call: query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]`, value
+/// `[B, Hkv, Tk, Dv]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Sizes {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub queries: usize,
+    pub keys: usize,
+    pub d_k: usize,
+    pub d_v: usize,
+    pub scale: f64,
+}
+
+impl Sizes {
+    pub fn query(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.queries, self.d_k]
+    }
+
+    pub fn key(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.keys, self.d_k]
+    }
+
+    pub fn value(&self) -> [usize; 4] {
+        [self.batch, self.kv_heads, self.keys, self.d_v]
+    }
+
+    pub fn output(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.queries, self.d_v]
+    }
+}
+
+/// The reference's results, row-major in the shapes of the tensors they stand for.
+pub struct Reference {
+    pub output: Vec<f64>,
+    /// `[B, H, Tq, Tk]`.
+    pub weights: Vec<f64>,
+    pub dq: Vec<f64>,
+    pub dk: Vec<f64>,
+    pub dv: Vec<f64>,
+    /// In the bias's own shape, summed over the axes it broadcasts along.
+    pub dbias: Option<Vec<f64>>,
+}
+
+/// Row `at` of `len` values.
+fn row(data: &[f64], at: usize, len: usize) -> &[f64] {
+    &data[at * len..(at + 1) * len]
+}
+
+/// Attention over `q`, `k`, `v` (row-major f32) under `mask`, and the gradients of
+/// `sum(output * grad)`.
+pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Reference {
+    let group = s.heads / s.kv_heads;
+    let mut r = Reference {
+        output: vec![0.0; s.output().iter().product()],
+        weights: vec![0.0; s.batch * s.heads * s.queries * s.keys],
+        dq: vec![0.0; q.len()],
+        dk: vec![0.0; k.len()],
+        dv: vec![0.0; v.len()],
+        dbias: mask.bias.as_ref().map(|b| vec![0.0; b.values.len()]),
+    };
+    let [q, k, v, grad] = [q, k, v, grad].map(|x| x.iter().map(|&x| x as f64).collect::<Vec<_>>());
+    for b in 0..s.batch {
+        for h in 0..s.heads {
+            let kvh = b * s.kv_heads + h / group;
+            for i in 0..s.queries {
+                let qi_at = (b * s.heads + h) * s.queries + i;
+                let qi = row(&q, qi_at, s.d_k);
+                // The keys of the softmax and their scores.
+                let mut scores: Vec<(usize, f64)> = Vec::new();
+                for j in 0..s.keys {
+                    let at = [b, h, i, j];
+                    let hidden =
+                        mask.causal && j as i64 > i as i64 + s.keys as i64 - s.queries as i64;
+                    let blocked = mask.blocked.as_ref().is_some_and(|m| m.at(at));
+                    let bias = mask.bias.as_ref().map_or(0.0, |m| m.at(at) as f64);
+                    if hidden || blocked || bias == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let kj = row(&k, kvh * s.keys + j, s.d_k);
+                    let dot: f64 = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
+                    scores.push((j, dot * s.scale + bias));
+                }
+                if scores.is_empty() {
+                    continue;
+                }
+                let max = scores.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = scores.iter().map(|x| (x.1 - max).exp()).sum();
+                let p: Vec<(usize, f64)> = scores
+                    .iter()
+                    .map(|&(j, x)| (j, (x - max).exp() / sum))
+                    .collect();
+                let out_at = qi_at * s.d_v;
+                for &(j, pj) in &p {
+                    r.weights[qi_at * s.keys + j] = pj;
+                    let vj = row(&v, kvh * s.keys + j, s.d_v);
+                    for (c, x) in vj.iter().enumerate() {
+                        r.output[out_at + c] += pj * x;
+                    }
+                }
+                // Backward: dP = dO Vᵀ, dS = P (dP - rowsum(dO O)).
+                let go = row(&grad, qi_at, s.d_v);
+                let row_dot: f64 = (0..s.d_v).map(|c| go[c] * r.output[out_at + c]).sum();
+                for &(j, pj) in &p {
+                    let vj = row(&v, kvh * s.keys + j, s.d_v);
+                    let kj = row(&k, kvh * s.keys + j, s.d_k);
+                    let dp: f64 = go.iter().zip(vj).map(|(a, b)| a * b).sum();
+                    let ds = pj * (dp - row_dot);
+                    if let (Some(dbias), Some(part)) = (r.dbias.as_mut(), mask.bias.as_ref()) {
+                        dbias[part.index([b, h, i, j])] += ds;
+                    }
+                    for c in 0..s.d_k {
+                        r.dq[qi_at * s.d_k + c] += ds * s.scale * kj[c];
+                        r.dk[(kvh * s.keys + j) * s.d_k + c] += ds * s.scale * qi[c];
+                    }
+                    let dv = &mut r.dv[(kvh * s.keys + j) * s.d_v..][..s.d_v];
+                    for (d, g) in dv.iter_mut().zip(go) {
+                        *d += pj * g;
+                    }
+                }
+            }
+        }
+    }
+    r
+}
