@@ -29,20 +29,28 @@ pub struct DecoderConfig {
     pub n_layers: usize,
 }
 
-/// The final norm: present for pre-norm stacks.
-fn final_norm(
-    norm_first: bool,
+/// `n_layers` blocks from `block`, and the final norm a pre-norm stack needs.
+///
+/// # Errors
+/// A [`ConfigError`] of `config` when `n_layers` is 0, or the block's error.
+fn layers<L>(
+    config: &'static str,
+    n_layers: usize,
+    [norm_first, bias]: [bool; 2],
     d_model: usize,
     eps: f64,
-    bias: bool,
     device: &Device,
-) -> Option<LayerNorm> {
-    norm_first.then(|| {
+    block: impl Fn() -> Result<L, ConfigError>,
+) -> Result<(Vec<L>, Option<LayerNorm>), ConfigError> {
+    Check(config).nonzero("n_layers", n_layers)?;
+    let layers = (0..n_layers).map(|_| block()).collect::<Result<_, _>>()?;
+    let norm = norm_first.then(|| {
         LayerNormConfig::new(d_model)
             .with_epsilon(eps)
             .with_bias(bias)
             .init(device)
-    })
+    });
+    Ok((layers, norm))
 }
 
 impl EncoderConfig {
@@ -51,14 +59,18 @@ impl EncoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Encoder, ConfigError> {
-        Check("EncoderConfig").nonzero("n_layers", self.n_layers)?;
         let b = &self.block;
-        Ok(Encoder {
-            layers: (0..self.n_layers)
-                .map(|_| b.try_init(device))
-                .collect::<Result<_, _>>()?,
-            norm: final_norm(b.norm_first, b.d_model, b.layer_norm_eps, b.bias, device),
-        })
+        let flags = [b.norm_first, b.bias];
+        let (layers, norm) = layers(
+            "EncoderConfig",
+            self.n_layers,
+            flags,
+            b.d_model,
+            b.layer_norm_eps,
+            device,
+            || b.try_init(device),
+        )?;
+        Ok(Encoder { layers, norm })
     }
 
     /// Builds the stack.
@@ -76,14 +88,18 @@ impl DecoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Decoder, ConfigError> {
-        Check("DecoderConfig").nonzero("n_layers", self.n_layers)?;
         let b = &self.block;
-        Ok(Decoder {
-            layers: (0..self.n_layers)
-                .map(|_| b.try_init(device))
-                .collect::<Result<_, _>>()?,
-            norm: final_norm(b.norm_first, b.d_model, b.layer_norm_eps, b.bias, device),
-        })
+        let flags = [b.norm_first, b.bias];
+        let (layers, norm) = layers(
+            "DecoderConfig",
+            self.n_layers,
+            flags,
+            b.d_model,
+            b.layer_norm_eps,
+            device,
+            || b.try_init(device),
+        )?;
+        Ok(Decoder { layers, norm })
     }
 
     /// Builds the stack.
