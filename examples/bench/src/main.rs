@@ -32,9 +32,9 @@ use burn::tensor::{Device, Distribution, Tensor};
 use clap::Parser;
 use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use serde::Serialize;
-use train::data::{SeqBatcher, Split, TaskConfig};
-use train::model::ModelConfig;
-use train::training::{Backend, TrainConfig};
+use train::backend::Backend;
+use train::config::TrainConfig;
+use train::data::{SeqBatcher, Split};
 
 /// mimalloc keeps freed memory for the next allocation; the system allocator (glibc)
 /// unmaps tensors of a few MB when they are freed, and every step faults them in again
@@ -289,7 +289,7 @@ fn bench_trainer(
     device: &Device,
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
-    let config = TrainConfig::new(TaskConfig::new(), ModelConfig::new());
+    let config = TrainConfig::default();
     let ad = device.clone().autodiff();
     let mut model = config.init_model(&ad)?;
     let mut optim = AdamWConfig::new()

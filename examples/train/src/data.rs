@@ -2,10 +2,12 @@
 //! multi-digit addition. Every example is a function of (seed, index), and a hash of the
 //! input decides its split, so the held-out examples never appear in training.
 
-use burn::config::Config;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::fields::name;
 
 /// Padding: ignored by the loss and the metrics.
 pub const PAD: usize = 0;
@@ -16,8 +18,9 @@ pub const EOS: usize = 2;
 /// The first symbol's token; symbol `s` is token `FIRST + s`.
 pub const FIRST: usize = 3;
 
-/// A synthetic task.
-#[derive(Config, Debug, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// A synthetic task; spelt in `config.json` as on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Task {
     /// The output is the input.
     Copy,
@@ -29,46 +32,156 @@ pub enum Task {
     Add,
 }
 
+impl<'de> Deserialize<'de> for Task {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        crate::fields::by_name(deserializer, "task")
+    }
+}
+
+impl Task {
+    /// Its name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::Copy => "copy",
+            Task::Reverse => "reverse",
+            Task::Sort => "sort",
+            Task::Add => "add",
+        }
+    }
+}
+
 /// What the examples look like.
-#[derive(Config, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TaskConfig {
-    /// The task.
-    #[config(default = "Task::Reverse")]
+    /// The task. Default: reverse.
     pub task: Task,
-    /// Shortest input (digits per operand for `add`).
-    #[config(default = 8)]
+    /// Shortest input (digits per operand for `add`). Default: 8.
     pub min_len: usize,
-    /// Longest input (digits per operand for `add`).
-    #[config(default = 16)]
+    /// Longest input (digits per operand for `add`). Default: 16.
     pub max_len: usize,
-    /// Number of symbols (at least 10 for `add`, whose symbols are digits and `+`).
-    #[config(default = 10)]
+    /// Number of symbols (10 for `add`, whose symbols are the digits). Default: 10.
     pub n_symbols: usize,
 }
 
+impl Default for TaskConfig {
+    fn default() -> Self {
+        Self {
+            task: Task::Reverse,
+            min_len: 8,
+            max_len: 16,
+            n_symbols: 10,
+        }
+    }
+}
+
+/// Inputs up to this many are enumerated to check that both splits have some.
+const ENUMERABLE: u128 = 1 << 20;
+
 impl TaskConfig {
-    /// Checks the values; the error names the field.
+    /// Checks the values, and that both splits have inputs; the error names the flag and
+    /// the field.
     pub fn validate(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(self.min_len >= 1, "task.min_len must be at least 1, got 0");
+        anyhow::ensure!(
+            self.min_len >= 1,
+            "{} must be at least 1, got 0",
+            name("task.min_len")
+        );
         anyhow::ensure!(
             self.min_len <= self.max_len,
-            "task.min_len = {} exceeds task.max_len = {}",
+            "{} = {} exceeds {} = {}",
+            name("task.min_len"),
             self.min_len,
+            name("task.max_len"),
             self.max_len
         );
         anyhow::ensure!(
             self.n_symbols >= 2,
-            "task.n_symbols must be at least 2, got {}",
+            "{} must be at least 2, got {}",
+            name("task.n_symbols"),
             self.n_symbols
         );
-        if self.task == Task::Add {
-            anyhow::ensure!(
-                self.n_symbols >= 10,
-                "task.n_symbols must be at least 10 for add, got {}",
-                self.n_symbols
-            );
-        }
+        anyhow::ensure!(
+            self.task != Task::Add || self.n_symbols == 10,
+            "{} must be 10 for add, whose symbols are the digits, got {}",
+            name("task.n_symbols"),
+            self.n_symbols
+        );
+        let [train, valid] = self.split_sizes().unwrap_or([1, 1]);
+        anyhow::ensure!(
+            train > 0 && valid > 0,
+            "inputs of {} to {} symbols out of {} give {} distinct inputs, {} of them held out \
+             (about a tenth of the inputs are, chosen by a hash): the {} split would be empty; \
+             use more {} or a larger {}",
+            self.min_len,
+            self.max_len,
+            self.n_symbols,
+            train + valid,
+            valid,
+            if valid == 0 { "held-out" } else { "training" },
+            name("task.n_symbols"),
+            name("task.max_len"),
+        );
         Ok(())
+    }
+
+    /// The number of distinct training and held-out inputs, when the task has at most
+    /// [`ENUMERABLE`] inputs (a larger one has plenty of both).
+    pub fn split_sizes(&self) -> Option<[u128; 2]> {
+        let lengths = self.min_len..=self.max_len;
+        let per_length = |len: usize| match self.task {
+            Task::Add => 10u128.checked_pow(2 * len as u32),
+            _ => (self.n_symbols as u128).checked_pow(len as u32),
+        };
+        let total = lengths
+            .clone()
+            .try_fold(0u128, |sum, len| sum.checked_add(per_length(len)?))?;
+        if total > ENUMERABLE {
+            return None;
+        }
+        let mut sizes = [0u128; 2];
+        for len in lengths {
+            let digits = match self.task {
+                Task::Add => 2 * len,
+                _ => len,
+            };
+            let base = match self.task {
+                Task::Add => 10,
+                _ => self.n_symbols,
+            };
+            // Every sequence of `digits` symbols, as an odometer.
+            let mut symbols = vec![0usize; digits];
+            loop {
+                let input = self.input_of(&symbols, len);
+                sizes[usize::from(Split::of(&input) == Split::Valid)] += 1;
+                let Some(i) = symbols.iter().rposition(|&s| s + 1 < base) else {
+                    break;
+                };
+                symbols[i] += 1;
+                symbols[i + 1..].fill(0);
+            }
+        }
+        Some(sizes)
+    }
+
+    /// The input tokens of the symbols `symbols` (for `add`: the digits of both operands,
+    /// `len` each).
+    fn input_of(&self, symbols: &[usize], len: usize) -> Vec<usize> {
+        let sym = |&s: &usize| FIRST + s;
+        match self.task {
+            Task::Add => symbols[..len]
+                .iter()
+                .map(sym)
+                .chain([self.plus()])
+                .chain(symbols[len..].iter().map(sym))
+                .collect(),
+            _ => symbols.iter().map(sym).collect(),
+        }
+    }
+
+    /// The `+` token of `add`.
+    fn plus(&self) -> usize {
+        FIRST + self.n_symbols
     }
 
     /// Tokens in the vocabulary: PAD, SEP, EOS, the symbols (and `+` for `add`).
@@ -93,31 +206,32 @@ impl TaskConfig {
     }
 
     /// Example `index` of `split` under `seed`.
+    ///
+    /// # Panics
+    /// If the split has no input ([`validate`](Self::validate) rules that out).
     pub fn example(&self, seed: u64, split: Split, index: usize) -> Example {
         let mut rng = Rng::new(seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        loop {
+        // Whatever the split's share of the inputs, a million draws find one.
+        for _ in 0..1 << 20 {
             let example = self.draw(&mut rng);
             if Split::of(&example.input) == split {
                 return example;
             }
         }
+        panic!("no {split:?} input in a million draws of {self:?}: validate() was skipped");
     }
 
     fn draw(&self, rng: &mut Rng) -> Example {
         let len = rng.range(self.min_len, self.max_len);
         let sym = |s: usize| FIRST + s;
-        let (input, output) = match self.task {
+        match self.task {
             Task::Add => {
-                let a: Vec<usize> = (0..len).map(|_| rng.below(10)).collect();
-                let b: Vec<usize> = (0..len).map(|_| rng.below(10)).collect();
-                let sum = add_digits(&a, &b);
-                let plus = FIRST + self.n_symbols;
-                let input = a
-                    .iter()
-                    .map(|&d| sym(d))
-                    .chain([plus])
-                    .chain(b.iter().map(|&d| sym(d)));
-                (input.collect(), sum.into_iter().map(sym).collect())
+                let digits: Vec<usize> = (0..2 * len).map(|_| rng.below(10)).collect();
+                let sum = add_digits(&digits[..len], &digits[len..]);
+                Example {
+                    input: self.input_of(&digits, len),
+                    output: sum.into_iter().map(sym).collect(),
+                }
             }
             task => {
                 let input: Vec<usize> = (0..len).map(|_| sym(rng.below(self.n_symbols))).collect();
@@ -127,52 +241,169 @@ impl TaskConfig {
                     Task::Sort => output.sort_unstable(),
                     _ => {}
                 }
-                (input, output)
-            }
-        };
-        Example { input, output }
-    }
-
-    /// A token as text: symbols as digits or letters, `+`, and the special tokens.
-    pub fn token_label(&self, token: usize) -> String {
-        match token {
-            PAD => "·".into(),
-            SEP => "|".into(),
-            EOS => "$".into(),
-            t if self.task == Task::Add && t == FIRST + self.n_symbols => "+".into(),
-            t => {
-                let s = t - FIRST;
-                const ALPHABET: &[u8] =
-                    b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
-                match ALPHABET.get(s) {
-                    Some(&c) => (c as char).to_string(),
-                    None => format!("<{s}>"),
-                }
+                Example { input, output }
             }
         }
     }
 
-    /// Parses an input written with [`token_label`](Self::token_label)'s symbols, e.g.
-    /// `"3 1 4 1 5"` or `"31415"`.
+    /// A token as text: a symbol as one of `0-9a-zA-Z` when the task has at most 62
+    /// symbols, else as its number (so that every label can be typed back into
+    /// [`parse`](Self::parse)); `+`, and the special tokens.
+    pub fn token_label(&self, token: usize) -> String {
+        const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
+        match token {
+            PAD => "·".into(),
+            SEP => "|".into(),
+            EOS => "$".into(),
+            t if self.task == Task::Add && t == self.plus() => "+".into(),
+            t if self.n_symbols <= ALPHABET.len() => (ALPHABET[t - FIRST] as char).to_string(),
+            t => (t - FIRST).to_string(),
+        }
+    }
+
+    /// Output tokens as text: the digits of the sum for `add`, else the symbols' labels
+    /// separated by spaces (as [`parse`](Self::parse) reads them).
+    pub fn format_output(&self, tokens: &[usize]) -> String {
+        let labels: Vec<String> = tokens.iter().map(|&t| self.token_label(t)).collect();
+        match self.task {
+            Task::Add => labels.concat(),
+            _ => labels.join(" "),
+        }
+    }
+
+    /// Parses an input in the task's grammar: symbols separated by spaces (`3 1 4 1 5`),
+    /// or for `add` two operands of as many digits joined by `+` (`123+456`, spaces around
+    /// the `+` allowed). An input longer than the trained maximum is an error; one shorter
+    /// than the trained minimum is read (see [`length_warning`](Self::length_warning)).
+    ///
+    /// # Errors
+    /// Naming the token (or character) and its position, counted from 1.
     pub fn parse(&self, text: &str) -> anyhow::Result<Vec<usize>> {
-        let vocab: Vec<(String, usize)> = (FIRST..self.vocab_size())
-            .map(|t| (self.token_label(t), t))
+        let tokens = match self.task {
+            Task::Add => self.parse_sum(text)?,
+            _ => self.parse_symbols(text)?,
+        };
+        let len = self.operand_len(&tokens);
+        anyhow::ensure!(
+            len <= self.max_len,
+            "the input has {len} {}; this run was trained on at most {}",
+            self.unit(),
+            self.max_len
+        );
+        Ok(tokens)
+    }
+
+    /// A warning when `tokens` (parsed input) are shorter than any input of the training.
+    pub fn length_warning(&self, tokens: &[usize]) -> Option<String> {
+        let len = self.operand_len(tokens);
+        (len < self.min_len).then(|| {
+            format!(
+                "the input has {len} {}; this run was trained on {} to {}, so the answer is a guess \
+                 outside what it learned",
+                self.unit(),
+                self.min_len,
+                self.max_len
+            )
+        })
+    }
+
+    /// Symbols per input, or digits per operand for `add`.
+    fn operand_len(&self, tokens: &[usize]) -> usize {
+        match self.task {
+            Task::Add => tokens.len() / 2,
+            _ => tokens.len(),
+        }
+    }
+
+    fn unit(&self) -> &'static str {
+        match self.task {
+            Task::Add => "digits per operand",
+            _ => "symbols",
+        }
+    }
+
+    fn parse_symbols(&self, text: &str) -> anyhow::Result<Vec<usize>> {
+        let labels: Vec<String> = (0..self.n_symbols)
+            .map(|s| self.token_label(FIRST + s))
             .collect();
-        text.chars()
-            .filter(|c| !c.is_whitespace())
-            .map(|c| {
-                vocab
-                    .iter()
-                    .find(|(label, _)| label.chars().eq([c]))
-                    .map(|&(_, t)| t)
-                    .ok_or_else(|| {
-                        anyhow::anyhow!(
-                            "input symbol {c:?} is not in the vocabulary of task {:?}",
-                            self.task
-                        )
-                    })
+        let words: Vec<&str> = text.split_whitespace().collect();
+        anyhow::ensure!(!words.is_empty(), "the input is empty");
+        words
+            .iter()
+            .enumerate()
+            .map(|(i, word)| match labels.iter().position(|l| l == word) {
+                Some(s) => Ok(FIRST + s),
+                None => {
+                    let spelt_out = word.chars().all(|c| labels.contains(&c.to_string()));
+                    let hint = match spelt_out && word.chars().count() > 1 {
+                        true => {
+                            let spaced: Vec<String> = word.chars().map(String::from).collect();
+                            format!(" (separate symbols by spaces: `{}`)", spaced.join(" "))
+                        }
+                        false => format!("; its symbols are {}", labels.join(" ")),
+                    };
+                    Err(anyhow::anyhow!(
+                        "input token {} `{word}` is not a symbol of task {}{hint}",
+                        i + 1,
+                        self.task.name()
+                    ))
+                }
             })
             .collect()
+    }
+
+    fn parse_sum(&self, text: &str) -> anyhow::Result<Vec<usize>> {
+        // Operands (a run of digits and where it starts) and `+` signs, in order.
+        enum Part {
+            Digits(String, usize),
+            Plus(usize),
+        }
+        let mut parts: Vec<Part> = Vec::new();
+        for (i, c) in text.chars().enumerate() {
+            let at = i + 1;
+            match c {
+                '0'..='9' => match parts.last_mut() {
+                    Some(Part::Digits(digits, start)) if *start + digits.len() == at => {
+                        digits.push(c)
+                    }
+                    _ => parts.push(Part::Digits(c.to_string(), at)),
+                },
+                '+' => parts.push(Part::Plus(at)),
+                c if c.is_whitespace() => {}
+                c => anyhow::bail!("character {at} `{c}` is neither a digit nor `+`"),
+            }
+        }
+        let (a, b) = match parts.as_slice() {
+            [] => anyhow::bail!("the input is empty; add reads `A+B`, e.g. `123+456`"),
+            [Part::Digits(a, _), Part::Plus(_), Part::Digits(b, _)] => (a, b),
+            [Part::Plus(at), ..] => anyhow::bail!("`+` at character {at}: expected a digit"),
+            [Part::Digits(..), Part::Digits(_, at), ..] => anyhow::bail!(
+                "the digits at character {at} continue an operand after a space: write each \
+                 operand without spaces"
+            ),
+            [Part::Digits(..)] => anyhow::bail!("no `+`: add reads `A+B`, e.g. `123+456`"),
+            [Part::Digits(..), Part::Plus(at)] => {
+                anyhow::bail!("nothing after `+` at character {at}: expected the second operand")
+            }
+            [_, _, _, Part::Plus(at), ..] | [_, Part::Plus(_), Part::Plus(at), ..] => {
+                anyhow::bail!("a second `+` at character {at}: add takes two operands")
+            }
+            [_, _, _, Part::Digits(_, at), ..] => anyhow::bail!(
+                "the digits at character {at} continue the second operand after a space"
+            ),
+        };
+        anyhow::ensure!(
+            a.len() == b.len(),
+            "the operands have {} and {} digits; add takes two operands of the same length",
+            a.len(),
+            b.len()
+        );
+        let digits: Vec<usize> = a
+            .chars()
+            .chain(b.chars())
+            .map(|c| c as usize - '0' as usize)
+            .collect();
+        Ok(self.input_of(&digits, a.len()))
     }
 }
 
@@ -381,17 +612,23 @@ impl Rng {
 mod tests {
     use super::*;
 
+    fn task(task: Task, [min_len, max_len, n_symbols]: [usize; 3]) -> TaskConfig {
+        TaskConfig {
+            task,
+            min_len,
+            max_len,
+            n_symbols,
+        }
+    }
+
     #[test]
     fn tasks_compute_what_they_say() {
-        let cfg = TaskConfig::new()
-            .with_task(Task::Add)
-            .with_min_len(3)
-            .with_max_len(3);
+        let add = task(Task::Add, [3, 3, 10]);
         assert_eq!(add_digits(&[9, 9, 9], &[0, 0, 1]), vec![1, 0, 0, 0]);
-        let ex = cfg.example(1, Split::Train, 0);
+        let ex = add.example(1, Split::Train, 0);
         assert_eq!(ex.input.len(), 7);
         assert_eq!(ex.output.len(), 4);
-        let rev = TaskConfig::new().example(1, Split::Valid, 3);
+        let rev = TaskConfig::default().example(1, Split::Valid, 3);
         assert_eq!(
             rev.output,
             rev.input.iter().rev().copied().collect::<Vec<_>>()
@@ -400,10 +637,7 @@ mod tests {
 
     #[test]
     fn splits_are_disjoint_and_repeatable() {
-        let cfg = TaskConfig::new()
-            .with_min_len(2)
-            .with_max_len(3)
-            .with_n_symbols(4);
+        let cfg = task(Task::Reverse, [2, 3, 4]);
         let train: std::collections::HashSet<_> = (0..2000)
             .map(|i| cfg.example(7, Split::Train, i).input)
             .collect();
@@ -415,5 +649,68 @@ mod tests {
             cfg.example(7, Split::Valid, 5),
             cfg.example(7, Split::Valid, 5)
         );
+    }
+
+    #[test]
+    fn a_task_whose_held_out_split_would_be_empty_is_rejected() {
+        // Two inputs, "0" and "1": neither hashes into the held-out tenth.
+        let tiny = task(Task::Copy, [1, 1, 2]);
+        assert_eq!(tiny.split_sizes(), Some([2, 0]));
+        let err = tiny.validate().unwrap_err().to_string();
+        assert!(err.contains("held-out split would be empty"), "{err}");
+        assert!(err.contains("--symbols"), "{err}");
+        // Counted exactly: every input of lengths 1..=3 over 4 symbols.
+        let [train, valid] = task(Task::Sort, [1, 3, 4]).split_sizes().unwrap();
+        assert_eq!(train + valid, 4 + 16 + 64);
+        assert!(valid > 0 && train > valid);
+        assert_eq!(TaskConfig::default().split_sizes(), None);
+        TaskConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn inputs_parse_strictly_and_labels_read_back() {
+        let rev = TaskConfig::default();
+        assert_eq!(rev.parse("3 1  4").unwrap(), vec![6, 4, 7]);
+        let err = rev.parse("99 12").unwrap_err().to_string();
+        assert!(err.starts_with("input token 1 `99`"), "{err}");
+        assert!(err.contains("`9 9`"), "{err}");
+        let err = rev.parse("3 x").unwrap_err().to_string();
+        assert!(err.starts_with("input token 2 `x`"), "{err}");
+        let long = vec!["1"; 17].join(" ");
+        assert!(
+            rev.parse(&long)
+                .unwrap_err()
+                .to_string()
+                .contains("at most 16")
+        );
+        assert!(rev.length_warning(&rev.parse("1 2").unwrap()).is_some());
+        assert!(
+            rev.length_warning(&rev.parse("1 2 3 4 5 6 7 8").unwrap())
+                .is_none()
+        );
+        // More symbols than letters: every label is a number, and reads back.
+        let wide = task(Task::Copy, [1, 4, 70]);
+        let tokens: Vec<usize> = [0, 61, 62, 69].iter().map(|s| FIRST + s).collect();
+        let text = wide.format_output(&tokens);
+        assert_eq!(text, "0 61 62 69");
+        assert_eq!(wide.parse(&text).unwrap(), tokens);
+
+        let add = task(Task::Add, [2, 4, 10]);
+        let sum = add.parse("12 + 34").unwrap();
+        assert_eq!(sum, add.parse("12+34").unwrap());
+        assert_eq!(add.format_output(&sum), "12+34");
+        for (input, wanted) in [
+            ("123+", "nothing after `+` at character 4"),
+            ("1+2+3", "a second `+` at character 4"),
+            ("1234+56", "4 and 2 digits"),
+            ("++++", "`+` at character 1"),
+            ("12 3+456", "continue an operand"),
+            ("12a+45", "character 3 `a`"),
+            ("", "empty"),
+            ("12345+12345", "at most 4"),
+        ] {
+            let err = add.parse(input).unwrap_err().to_string();
+            assert!(err.contains(wanted), "{input:?}: {err}");
+        }
     }
 }

@@ -1,11 +1,27 @@
 //! Small transformers built from `mha` modules, trained on synthetic sequence tasks with
 //! Burn's learner: the library behind the `train` binary (and the trainer benchmark).
+//! Read top to bottom:
 //!
-//! Modules: [`data`] (tasks, held-out split, batches), [`model`] (decoder-only and
-//! encoder-decoder transformers), [`training`] (configuration, Burn's learner, resume,
-//! greedy evaluation, summary), [`plots`] (loss curve, attention heatmaps).
+//! - [`data`]: the tasks, their held-out split, their input grammar, batches;
+//! - [`model`]: decoder-only and encoder-decoder transformers;
+//! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
+//! - [`fields`]: which flag sets which field;
+//! - [`backend`]: the backends a build has;
+//! - [`run_dir`]: a run directory, its layout and its checkpoints;
+//! - [`progress`]: the lines a run prints;
+//! - [`interrupt`]: what Ctrl-C does;
+//! - [`training`]: Burn's learner, greedy evaluation, the summary;
+//! - [`plots`]: the loss curve and attention heatmaps;
+//! - [`cli`]: the command line.
 
+pub mod backend;
+pub mod cli;
+pub mod config;
 pub mod data;
+pub mod fields;
+pub mod interrupt;
 pub mod model;
 pub mod plots;
+pub mod progress;
+pub mod run_dir;
 pub mod training;

@@ -6,7 +6,6 @@
 //!
 //! The loss counts only output tokens (and the closing EOS).
 
-use burn::config::Config;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
@@ -17,10 +16,14 @@ use mha::{
     EncoderConfig,
 };
 
-use crate::data::{EOS, FixedShape, PAD, SEP, SeqBatch, padded};
+use serde::{Deserialize, Serialize};
 
-/// Which model.
-#[derive(Config, Debug, Copy, PartialEq, Eq, clap::ValueEnum)]
+use crate::data::{EOS, FixedShape, PAD, SEP, SeqBatch, padded};
+use crate::fields::name;
+
+/// Which model; spelt in `config.json` as on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ModelKind {
     /// Causal blocks over `input SEP output`.
     DecoderOnly,
@@ -28,27 +31,78 @@ pub enum ModelKind {
     EncoderDecoder,
 }
 
+impl<'de> Deserialize<'de> for ModelKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        crate::fields::by_name(deserializer, "model")
+    }
+}
+
+impl ModelKind {
+    /// Its name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::DecoderOnly => "decoder-only",
+            ModelKind::EncoderDecoder => "encoder-decoder",
+        }
+    }
+}
+
 /// The model's shape.
-#[derive(Config, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
-    /// Which model.
-    #[config(default = "ModelKind::DecoderOnly")]
+    /// Which model. Default: decoder-only.
     pub kind: ModelKind,
-    /// Width.
-    #[config(default = 64)]
+    /// Width. Default: 64.
     pub d_model: usize,
-    /// Blocks (in each stack of the encoder-decoder).
-    #[config(default = 2)]
+    /// Blocks (in each stack of the encoder-decoder). Default: 2.
     pub n_layers: usize,
-    /// Attention heads.
-    #[config(default = 4)]
+    /// Attention heads. Default: 4.
     pub n_heads: usize,
-    /// Dropout in the blocks.
-    #[config(default = 0.0)]
+    /// Dropout in the blocks. Default: 0.
     pub dropout: f64,
 }
 
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            kind: ModelKind::DecoderOnly,
+            d_model: 64,
+            n_layers: 2,
+            n_heads: 4,
+            dropout: 0.0,
+        }
+    }
+}
+
 impl ModelConfig {
+    /// Checks the values before anything is built or written; the error names the flag
+    /// and the field.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (path, value) in [
+            ("model.d_model", self.d_model),
+            ("model.n_layers", self.n_layers),
+            ("model.n_heads", self.n_heads),
+        ] {
+            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", name(path));
+        }
+        anyhow::ensure!(
+            self.d_model.is_multiple_of(self.n_heads),
+            "{} = {} is not divisible by {} = {}",
+            name("model.d_model"),
+            self.d_model,
+            name("model.n_heads"),
+            self.n_heads
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&self.dropout),
+            "{} must be in [0, 1), got {}",
+            name("model.dropout"),
+            self.dropout
+        );
+        Ok(())
+    }
+
     /// Builds the model for a vocabulary of `vocab` tokens and sequences up to `max_len`.
     pub fn init(&self, vocab: usize, max_len: usize, device: &Device) -> anyhow::Result<Model> {
         let embed = |n| EmbeddingConfig::new(n, self.d_model).init(device);
@@ -312,15 +366,22 @@ impl InferenceStep for Model {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Backend;
     use crate::data::{Split, TaskConfig};
-    use crate::training::Backend;
 
     #[test]
     fn padding_to_a_fixed_shape_changes_no_output_or_loss() {
         // Examples up to 6 long, padded to the shape of examples up to 9 long.
-        let task = TaskConfig::new().with_min_len(3).with_max_len(9);
+        let task = TaskConfig {
+            min_len: 3,
+            max_len: 9,
+            ..TaskConfig::default()
+        };
         let fixed = FixedShape::of(&task);
-        let short = task.clone().with_max_len(6);
+        let short = TaskConfig {
+            max_len: 6,
+            ..task.clone()
+        };
         let examples: Vec<_> = (0..12).map(|i| short.example(5, Split::Valid, i)).collect();
         let inputs: Vec<Vec<usize>> = examples.iter().map(|e| e.input.clone()).collect();
         for backend in Backend::compiled() {
@@ -328,11 +389,12 @@ mod tests {
             for kind in [ModelKind::DecoderOnly, ModelKind::EncoderDecoder] {
                 device.seed(3);
                 let max_len = task.max_input() + task.max_output() + 2;
-                let model = ModelConfig::new()
-                    .with_kind(kind)
-                    .with_d_model(32)
-                    .init(task.vocab_size(), max_len, &device)
-                    .unwrap();
+                let config = ModelConfig {
+                    kind,
+                    d_model: 32,
+                    ..ModelConfig::default()
+                };
+                let model = config.init(task.vocab_size(), max_len, &device).unwrap();
                 // Untrained, so outputs run to the length limit: every step is compared.
                 let free = model.generate(&inputs, task.max_output(), None, &device);
                 let padded = model.generate(&inputs, task.max_output(), Some(fixed), &device);

@@ -3,7 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
+use burn::tensor::Device;
 use plotters::prelude::*;
+
+use crate::config::TrainConfig;
+use crate::data::Split;
+use crate::model::ModelKind;
+use crate::run_dir::{RunDir, load_model};
 use plotters::style::FontStyle;
 
 const FONT: &[u8] = include_bytes!("../assets/DejaVuSansMono.ttf");
@@ -193,7 +199,50 @@ pub fn heatmap(
     Ok(())
 }
 
-/// The heatmap files of a run: `attention-layer{i}.png`.
-pub fn heatmap_path(dir: &Path, layer: usize) -> PathBuf {
-    dir.join(format!("attention-layer{layer}.png"))
+/// The heatmaps of the first held-out example, one PNG per layer, from the run's model:
+/// self-attention for the decoder-only model, the decoder's cross-attention for the
+/// encoder-decoder.
+pub fn attention_heatmaps(
+    config: &TrainConfig,
+    run: &RunDir,
+    device: &Device,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let model = load_model(config, &run.model(), device)?;
+    let ex = config.task.example(config.seed, Split::Valid, 0);
+    let (layers, rows, cols) = model.attention_maps(&ex.input, &ex.output, device);
+    let label = |ts: &[usize]| {
+        ts.iter()
+            .map(|&t| config.task.token_label(t))
+            .collect::<Vec<_>>()
+    };
+    let (rows, cols) = (label(&rows), label(&cols));
+    let what = match config.model.kind {
+        ModelKind::DecoderOnly => "self-attention",
+        ModelKind::EncoderDecoder => "decoder cross-attention",
+    };
+    let mut paths = Vec::new();
+    for (i, w) in layers.into_iter().enumerate() {
+        let [heads, r, c] = w.dims();
+        let values = w
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let grid: Vec<Vec<Vec<f32>>> = (0..heads)
+            .map(|h| {
+                (0..r)
+                    .map(|y| values[(h * r + y) * c..(h * r + y + 1) * c].to_vec())
+                    .collect()
+            })
+            .collect();
+        let path = run.heatmap(i);
+        let title = format!(
+            "layer {i} {what}: {} of {}",
+            config.task.task.name(),
+            config.task.format_output(&ex.input)
+        );
+        heatmap(&path, &title, &grid, &rows, &cols)?;
+        paths.push(path);
+    }
+    Ok(paths)
 }

@@ -1,12 +1,17 @@
-//! The trainer as a user runs it: a short training on the backend this build selects
-//! (flex by default, wgpu with `--features wgpu`), a run killed with SIGKILL and resumed,
-//! and a corrupt checkpoint.
+//! The trainer as a user runs it, one test per thing that must hold: a run directory
+//! belongs to one run, a rejected setting writes nothing, config files and `--resume`
+//! take only what they can honour, `generate` reads its input strictly, a task without a
+//! held-out split is refused at once, Ctrl-C stops cleanly and `--resume` continues, the
+//! output is readable lines, a kill and a corrupt checkpoint are survived. Most train on
+//! flex (every build has it) with tiny configurations that take a second or two; the
+//! first trains on the build's best backend (wgpu, on lavapipe, in CI's second build).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-/// A tiny, fixed-shape configuration that learns `copy` in seconds.
+/// A tiny configuration that learns `copy` in a second or two.
 const TINY: &[&str] = &[
     "--task",
     "copy",
@@ -24,21 +29,26 @@ const TINY: &[&str] = &[
     "2",
     "--batch-size",
     "32",
-    "--warmup",
-    "10",
-    "--lr",
-    "0.003",
     "--eval-examples",
     "64",
 ];
 
-fn train() -> Command {
+fn trainer() -> Command {
     Command::new(env!("CARGO_BIN_EXE_train"))
 }
 
+/// The trainer on flex, with `args`.
+fn on_flex(args: &[&str]) -> Command {
+    let mut cmd = trainer();
+    cmd.args(["--backend", "flex"]).args(args);
+    cmd
+}
+
+/// An empty scratch directory of this test process.
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("mha-train-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
     dir
 }
 
@@ -49,158 +59,551 @@ fn run(cmd: &mut Command) -> Output {
     out
 }
 
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Asserts that `generate` answers each input with exit code 1 and an error containing
+/// the text paired with it.
+fn assert_rejected(dir: &Path, cases: &[(&str, &str)]) {
+    for (input, wanted) in cases {
+        let out = run(on_flex(&["generate", "--out"]).arg(dir).arg(input));
+        assert_error(&out, &[wanted]);
+    }
+}
+
+/// Asserts exit code 1 and one error line containing every one of `wanted`.
+fn assert_error(out: &Output, wanted: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {err}");
+    for w in wanted {
+        assert!(err.contains(w), "{w:?} missing from: {err}");
+    }
+}
+
+/// Every file under `dir` and a hash of its bytes.
+fn checksums(dir: &Path) -> BTreeMap<PathBuf, u64> {
+    let mut sums = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        match path.is_dir() {
+            true => stack.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path())),
+            false => {
+                let bytes = std::fs::read(&path).unwrap();
+                let hash = bytes.iter().fold(0xCBF2_9CE4_8422_2325u64, |h, &b| {
+                    (h ^ b as u64).wrapping_mul(0x100_0000_01B3)
+                });
+                sums.insert(path, hash);
+            }
+        }
+    }
+    sums
+}
+
 fn summary(dir: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("summary.json")).expect("summary.json");
     serde_json::from_str(&text).unwrap()
 }
 
+/// Trains the tiny configuration on flex for `epochs` of 40 steps into `dir`.
+fn tiny_run(dir: &Path, epochs: &str) {
+    let out = run(on_flex(TINY)
+        .args(["--epochs", epochs, "--steps-per-epoch", "40", "--out"])
+        .arg(dir));
+    assert!(out.status.success());
+}
+
 #[test]
-fn a_short_run_learns_and_writes_its_files() {
-    let dir = scratch("short");
-    let out = run(train()
+fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
+    let dir = scratch("short").join("run");
+    let out = run(trainer()
         .args(TINY)
         .args(["--epochs", "3", "--steps-per-epoch", "40", "--out"])
         .arg(&dir));
     assert!(out.status.success());
     let s = summary(&dir);
+    assert_eq!(s["status"], "finished");
+    assert_eq!(s["task"], "copy");
+    assert_eq!(s["model"], "decoder-only");
     let first = s["first_loss"].as_f64().unwrap();
     let last = s["final_loss"].as_f64().unwrap();
     assert!(last < 0.5 * first, "loss did not fall: {first} -> {last}");
     // Chance is 1/6 per token.
     assert!(s["token_accuracy"].as_f64().unwrap() > 0.6, "{s}");
-    assert_eq!(s["steps"], 120);
+    assert_eq!(
+        (s["steps_done"].clone(), s["steps_total"].clone()),
+        (120.into(), 120.into())
+    );
     for file in [
         "config.json",
         "loss.png",
         "model.bpk",
+        "learner.txt",
         "attention-layer0.png",
     ] {
         assert!(dir.join(file).exists(), "{file} missing");
     }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        stdout.contains("loss curve: ") && stdout.contains("attention: "),
-        "{stdout}"
-    );
-    // The trained model answers one input.
-    let generated = run(train().args(["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
+    let generated = run(trainer()
+        .args(["generate", "--out"])
+        .arg(&dir)
+        .arg("1 2 3 4"));
     assert!(generated.status.success());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
-fn a_killed_run_resumes_where_it_stopped_and_a_corrupt_checkpoint_is_reported() {
-    let dir = scratch("resume");
-    let mut child = train()
-        .args(TINY)
-        .args(["--epochs", "4", "--steps-per-epoch", "40", "--out"])
-        .arg(&dir)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // Kill it (SIGKILL) in the third epoch, once the second epoch's checkpoint (model,
-    // optimizer, scheduler; the scheduler's is written last) is there.
-    let checkpoint = dir.join("checkpoint").join("scheduler-2.bpk");
+fn a_run_directory_belongs_to_one_run() {
+    let root = scratch("owner");
+    let dir = root.join("run");
+    tiny_run(&dir, "2");
+    let before = checksums(&dir);
+    // Another run into it, of another task: refused, naming --resume and --overwrite.
+    let out = run(on_flex(&["--task", "sort", "--epochs", "1", "--out"]).arg(&dir));
+    assert_error(&out, &["already holds a run", "--resume", "--overwrite"]);
+    assert_eq!(checksums(&dir), before);
+    // --overwrite replaces it with the new run.
+    let out = run(
+        on_flex(&["--task", "reverse", "--min-len", "2", "--max-len", "3"])
+            .args([
+                "--d-model",
+                "32",
+                "--epochs",
+                "1",
+                "--steps-per-epoch",
+                "10",
+            ])
+            .args(["--eval-examples", "8", "--overwrite", "--out"])
+            .arg(&dir),
+    );
+    assert!(out.status.success());
+    assert_eq!(summary(&dir)["task"], "reverse");
+    assert!(!dir.join("checkpoints").join("epoch-2").exists());
+    // A directory with other files is never a run's, not even with --overwrite.
+    let other = root.join("notes");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("todo.txt"), "keep me").unwrap();
+    let out = run(on_flex(&["--overwrite", "--out"]).arg(&other));
+    assert_error(&out, &["is not empty (todo.txt) and holds no run"]);
+    assert_eq!(
+        std::fs::read_to_string(other.join("todo.txt")).unwrap(),
+        "keep me"
+    );
+    // The default directory is the task's.
+    let help = run(trainer().arg("--help"));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("[default: runs/<task>]"));
+}
+
+#[test]
+fn a_rejected_setting_writes_nothing() {
+    let dir = scratch("rejected").join("run");
+    tiny_run(&dir, "1");
+    let before = checksums(&dir);
+    for (flags, wanted) in [
+        (
+            &["--d-model", "65"][..],
+            "`--d-model` (`model.d_model`) = 65 is not divisible by `--heads`",
+        ),
+        (
+            &["--heads", "0"][..],
+            "`--heads` (`model.n_heads`) must be at least 1, got 0",
+        ),
+        (
+            &["--dropout", "1.5"][..],
+            "`--dropout` (`model.dropout`) must be in [0, 1), got 1.5",
+        ),
+    ] {
+        let out = run(on_flex(flags).args(["--overwrite", "--out"]).arg(&dir));
+        assert_error(&out, &[wanted]);
+        assert_eq!(checksums(&dir), before, "{flags:?} changed the run");
+    }
+    // The finished run still answers.
+    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
+    assert!(out.status.success());
+}
+
+#[test]
+fn config_files_and_resume_take_only_what_they_can_honour() {
+    let root = scratch("config");
+    let file = root.join("config.json");
+    for (text, wanted) in [
+        (
+            r#"{"learning_rate": 0.1}"#,
+            "unknown field `learning_rate` (did you mean `lr`?)",
+        ),
+        (
+            r#"{"model": {"dropuot": 0.1}}"#,
+            "`model.dropuot` (did you mean `model.dropout`?)",
+        ),
+        (
+            r#"{"task": {"task": "Palindrome"}}"#,
+            "unknown task `Palindrome`: expected copy, reverse, sort or add",
+        ),
+        (
+            r#"{"batch_size": "64"}"#,
+            "invalid type: string \"64\", expected usize",
+        ),
+    ] {
+        std::fs::write(&file, text).unwrap();
+        let out = run(on_flex(&["--out"])
+            .arg(root.join("run"))
+            .arg("--config")
+            .arg(&file));
+        assert_error(&out, &[wanted, "config.json"]);
+        assert!(
+            !root.join("run").exists(),
+            "{text} created the run directory"
+        );
+    }
+    // Any subset of the fields, spelt as on the command line; flags override it.
+    std::fs::write(
+        &file,
+        r#"{"task": {"task": "sort", "max_len": 5}, "model": {"kind": "encoder-decoder"}}"#,
+    )
+    .unwrap();
+    let dir = root.join("run");
+    let out = run(on_flex(&[
+        "--min-len",
+        "3",
+        "--symbols",
+        "5",
+        "--d-model",
+        "32",
+        "--layers",
+        "1",
+    ])
+    .args([
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "10",
+        "--eval-examples",
+        "16",
+        "--out",
+    ])
+    .arg(&dir)
+    .arg("--config")
+    .arg(&file));
+    assert!(out.status.success());
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["task"]["task"], "sort");
+    assert_eq!(config["task"]["max_len"], 5);
+    assert_eq!(config["task"]["min_len"], 3);
+    assert_eq!(config["model"]["kind"], "encoder-decoder");
+    // --resume with a flag that would change the run: refused, naming the flag.
+    let before = checksums(&dir);
+    let out = run(on_flex(&["--resume", "--d-model", "128", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &["--d-model 128 would change the run, which was trained with 32"],
+    );
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &["already finished its 1 epochs", "--resume --epochs N"],
+    );
+    assert_eq!(checksums(&dir), before);
+    // --epochs extends it; the extra steps train at the schedule's floor.
+    let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
+    assert!(out.status.success());
+    let s = summary(&dir);
+    assert_eq!(
+        (s["steps_done"].clone(), s["status"].clone()),
+        (20.into(), "finished".into())
+    );
+}
+
+#[test]
+fn generate_reads_the_task_grammar_strictly() {
+    let root = scratch("generate");
+    let dir = root.join("run");
+    tiny_run(&dir, "1");
+    assert_rejected(
+        &dir,
+        &[
+            ("99 12", "input token 1 `99` is not a symbol of task copy"),
+            ("1 2 x 4", "input token 3 `x`"),
+            ("1 2 3 4 5", "trained on at most 4"),
+            ("", "the input is empty"),
+        ],
+    );
+    // Shorter than any training input: answered, with a warning.
+    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2"));
+    assert!(out.status.success());
+    assert!(
+        stderr(&out).contains("warning: the input has 2 symbols; this run was trained on 4 to 4")
+    );
+    // Addition: two operands of as many digits, of a trained length.
+    let add = root.join("add");
+    let flags = "--task add --min-len 2 --max-len 3 --d-model 32 --epochs 1 \
+                 --steps-per-epoch 5 --eval-examples 8 --out";
+    let out = run(on_flex(&flags.split_whitespace().collect::<Vec<_>>()).arg(&add));
+    assert!(out.status.success());
+    assert_rejected(
+        &add,
+        &[
+            ("123+", "nothing after `+` at character 4"),
+            ("1+2+3", "a second `+` at character 4"),
+            ("12+345", "2 and 3 digits"),
+            ("++++", "`+` at character 1: expected a digit"),
+            ("1234+5678", "trained on at most 3"),
+        ],
+    );
+    let out = run(on_flex(&["generate", "--out"]).arg(&add).arg("12 + 34"));
+    assert!(out.status.success());
+    let answer = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        answer.trim().chars().all(|c| c.is_ascii_digit()),
+        "{answer}"
+    );
+}
+
+#[test]
+fn a_task_without_a_held_out_split_is_refused_at_once() {
+    let dir = scratch("split").join("run");
     let started = Instant::now();
-    while !checkpoint.exists() {
+    let out = run(on_flex(&[
+        "--min-len",
+        "1",
+        "--max-len",
+        "1",
+        "--symbols",
+        "2",
+        "--out",
+    ])
+    .arg(&dir));
+    assert_error(
+        &out,
+        &[
+            "2 distinct inputs, 0 of them held out",
+            "--symbols",
+            "--max-len",
+        ],
+    );
+    assert!(started.elapsed() < Duration::from_secs(60));
+    assert!(!dir.exists());
+}
+
+/// Waits until `path` exists, while `child` runs.
+fn wait_for(path: &Path, child: &mut std::process::Child) {
+    let started = Instant::now();
+    while !path.exists() {
         assert!(
             started.elapsed() < Duration::from_secs(600),
-            "no checkpoint after 10 minutes"
+            "{} never came",
+            path.display()
         );
         assert!(
             child.try_wait().unwrap().is_none(),
-            "the run ended before it was killed"
+            "the run ended before {}",
+            path.display()
         );
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(200));
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(!dir.join("summary.json").exists(), "killed too late");
+}
 
-    let config_before = std::fs::read(dir.join("config.json")).unwrap();
-    let out = run(train().args(["--resume", "--out"]).arg(&dir));
+#[cfg(unix)]
+#[test]
+fn ctrl_c_stops_cleanly_and_resume_continues() {
+    let dir = scratch("interrupt").join("run");
+    let mut child = on_flex(TINY)
+        .args(["--epochs", "4", "--steps-per-epoch", "100", "--out"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(&dir.join("checkpoints/epoch-2/scheduler.bpk"), &mut child);
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    assert!(kill.unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted at step"), "{err}");
+    assert!(err.contains("continue with --resume"), "{err}");
+    let s = summary(&dir);
+    assert_eq!(s["status"], "interrupted");
+    assert_eq!(s["steps_total"], 400);
+    let done = s["steps_done"].as_u64().unwrap();
+    assert!((200..400).contains(&done), "{s}");
+    assert!(s["exact_accuracy"].is_null(), "{s}");
+    let epoch = s["last_checkpoint_epoch"].as_u64().unwrap();
+    assert!(epoch >= 2 && epoch * 100 <= done, "{s}");
+    // The resumed run starts from that checkpoint, not from scratch, and finishes.
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
     assert!(out.status.success());
     let s = summary(&dir);
-    assert_eq!(s["steps"], 160);
-    // The resumed run started from the checkpoint, not from scratch: its first loss is
-    // well below the first loss of the killed run.
-    let resumed_first = s["first_loss"].as_f64().unwrap();
-    let epoch1_first = first_logged_loss(&dir, 1);
-    assert!(
-        resumed_first < 0.5 * epoch1_first,
-        "restarted from scratch: {epoch1_first} -> {resumed_first}"
-    );
     assert_eq!(
-        std::fs::read(dir.join("config.json")).unwrap(),
-        config_before
+        (s["status"].clone(), s["steps_done"].clone()),
+        ("finished".into(), 400.into())
     );
-
-    // A truncated checkpoint: one line naming the file, a failure, nothing overwritten.
-    let last = (1..=4)
-        .rev()
-        .map(|e| dir.join("checkpoint").join(format!("model-{e}.bpk")))
-        .find(|p| p.exists())
-        .unwrap();
-    let bytes = std::fs::read(&last).unwrap();
-    std::fs::write(&last, &bytes[..bytes.len() / 3]).unwrap();
-    std::fs::remove_file(dir.join("summary.json")).unwrap();
-    let summary_before: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    let out = run(train()
-        .args(["--resume", "--epochs", "6", "--out"])
-        .arg(&dir));
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-    assert!(stderr.contains(&last.display().to_string()), "{stderr}");
-    let after: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert_eq!(summary_before, after);
-    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        s["first_loss"].as_f64().unwrap() < 0.5,
+        "restarted from scratch: {s}"
+    );
 }
 
 #[test]
-fn a_missing_or_broken_config_is_reported_in_one_line() {
-    let dir = scratch("config");
-    let out = run(train().args(["--resume", "--out"]).arg(&dir));
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.trim().lines().count() == 1 && stderr.contains("config.json"),
-        "{stderr}"
-    );
-
-    std::fs::create_dir_all(&dir).unwrap();
-    let bad = dir.join("bad.json");
-    std::fs::write(&bad, "{\"batch_size\": ").unwrap();
-    let out = run(train()
-        .args(["--config"])
-        .arg(&bad)
-        .args(["--out"])
-        .arg(dir.join("run")));
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.trim().lines().count() == 1 && stderr.contains("bad.json"),
-        "{stderr}"
-    );
-    assert!(!dir.join("run").exists());
-    std::fs::remove_dir_all(&dir).unwrap();
+fn the_output_is_readable_lines_when_not_a_terminal() {
+    let dir = scratch("lines").join("run");
+    let out = run(on_flex(TINY)
+        .args([
+            "--epochs",
+            "2",
+            "--steps-per-epoch",
+            "30",
+            "--log-every",
+            "10",
+            "--out",
+        ])
+        .arg(&dir));
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let steps: Vec<&str> = stdout.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 6, "{stdout}");
+    for word in ["epoch 1/2", "loss ", "acc ", "lr ", "tok/s", "ETA "] {
+        assert!(steps[1].contains(word), "{word:?} missing: {}", steps[1]);
+    }
+    let epochs: Vec<&str> = stdout.lines().filter(|l| l.starts_with("epoch ")).collect();
+    assert_eq!(epochs.len(), 2, "{stdout}");
+    assert!(epochs[0].contains("valid loss"), "{}", epochs[0]);
+    // No debug dumps, no model on stdout: the learner's summary is a file.
+    assert!(!stdout.contains("Progress"), "{stdout}");
+    assert!(stdout.lines().count() < 20, "{stdout}");
+    let learner = std::fs::read_to_string(dir.join("learner.txt")).unwrap();
+    assert!(learner.contains("Model"), "{learner}");
 }
 
-/// The first per-step training loss the learner logged for `epoch`.
-fn first_logged_loss(dir: &Path, epoch: usize) -> f64 {
-    let text = std::fs::read_to_string(
-        dir.join("train")
-            .join(format!("epoch-{epoch}"))
-            .join("Loss.log"),
-    )
-    .unwrap();
-    let first = text.lines().next().unwrap();
-    first.split(',').next().unwrap().trim().parse().unwrap()
+#[test]
+fn a_killed_run_resumes_and_a_corrupt_checkpoint_is_named() {
+    let dir = scratch("kill").join("run");
+    let mut child = on_flex(TINY)
+        .args(["--epochs", "4", "--steps-per-epoch", "60", "--out"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for(&dir.join("checkpoints/epoch-2/scheduler.bpk"), &mut child);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!dir.join("summary.json").exists(), "killed too late");
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert!(out.status.success());
+    assert_eq!(summary(&dir)["steps_done"], 240);
+
+    // A truncated checkpoint: one line naming the file, a failure, nothing written.
+    let model = dir.join("checkpoints/epoch-4/model.bpk");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 3]).unwrap();
+    std::fs::remove_file(dir.join("summary.json")).unwrap();
+    let before = checksums(&dir);
+    let out = run(on_flex(&["--resume", "--epochs", "6", "--out"]).arg(&dir));
+    assert_error(&out, &[&model.display().to_string()]);
+    assert_eq!(checksums(&dir), before);
+}
+
+#[test]
+fn missing_runs_and_quick_runs_are_handled() {
+    let root = scratch("missing");
+    let out = run(on_flex(&["--resume", "--out"]).arg(root.join("none")));
+    assert_error(&out, &["no run to resume", "config.json"]);
+    let out = run(on_flex(&["generate", "--out"])
+        .arg(root.join("none"))
+        .arg("1 2"));
+    assert_error(&out, &["no run here"]);
+    // A quick run: the default warmup fits any length of run.
+    let out = run(on_flex(&[
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "20",
+        "--d-model",
+        "32",
+    ])
+    .args(["--eval-examples", "8", "--out"])
+    .arg(root.join("quick")));
+    assert!(out.status.success());
+    let out = run(on_flex(&[
+        "--epochs",
+        "2",
+        "--steps-per-epoch",
+        "20",
+        "--warmup",
+        "50",
+        "--out",
+    ])
+    .arg(root.join("slow")));
+    assert_error(
+        &out,
+        &["`--warmup` (`warmup_steps`) = 50 must be below the run's 40 steps"],
+    );
+}
+
+#[test]
+fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
+    let dir = scratch("symbols").join("run");
+    let out = run(on_flex(&[
+        "--task",
+        "copy",
+        "--min-len",
+        "2",
+        "--max-len",
+        "3",
+        "--symbols",
+        "70",
+    ])
+    .args([
+        "--d-model",
+        "32",
+        "--epochs",
+        "1",
+        "--steps-per-epoch",
+        "10",
+        "--eval-examples",
+        "8",
+    ])
+    .arg("--out")
+    .arg(&dir));
+    assert!(out.status.success());
+    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("65 3 69"));
+    assert!(out.status.success());
+    let answer = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        answer
+            .split_whitespace()
+            .all(|w| w.parse::<usize>().is_ok_and(|n| n < 70)),
+        "{answer}"
+    );
+}
+
+/// With wgpu compiled in: the trainer names a software adapter (lavapipe in CI), and only
+/// then.
+#[cfg(feature = "wgpu")]
+#[test]
+fn a_software_gpu_is_named() {
+    use train::backend::Backend;
+    let dir = scratch("software").join("run");
+    tiny_run(&dir, "1");
+    let device = Backend::Wgpu.device().unwrap();
+    let adapter = Backend::Wgpu.software_adapter(&device);
+    let out = run(trainer()
+        .args(["--backend", "wgpu", "generate", "--out"])
+        .arg(&dir)
+        .arg("1 2 3 4"));
+    assert!(out.status.success());
+    let err = stderr(&out);
+    match adapter {
+        Some(name) => {
+            assert!(
+                err.contains(&format!("runs on {name:?}, a software adapter")),
+                "{err}"
+            );
+            assert!(err.contains("--backend flex"), "{err}");
+        }
+        None => assert!(!err.contains("software adapter"), "{err}"),
+    }
 }

@@ -1,0 +1,399 @@
+//! The configuration of a run, as its `config.json` holds it: the task, the model and
+//! the training. Every field has a default, so a file may give any subset of them; a
+//! field a file gives that the trainer does not know is an error naming the nearest known
+//! one, never silently ignored. The task and the model are spelt as on the command line
+//! (`reverse`, `decoder-only`).
+
+use std::path::Path;
+
+use anyhow::Context;
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::backend::Backend;
+use crate::data::{FixedShape, TaskConfig};
+use crate::fields::{self, name};
+use crate::model::{Model, ModelConfig};
+
+/// Every hyperparameter of a run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The task.
+    pub task: TaskConfig,
+    /// The model.
+    pub model: ModelConfig,
+    /// Sequences per step. Default: 64.
+    pub batch_size: usize,
+    /// Peak learning rate of AdamW. Default: 0.003.
+    pub lr: f64,
+    /// Steps of linear warmup from lr/100 to lr. Default (`None`): a tenth of the run, at
+    /// most 50 steps.
+    pub warmup_steps: Option<usize>,
+    /// Steps of the cosine decay from lr to lr/100 that follows the warmup. Default
+    /// (`None`): the rest of the run. Extending a run (`--resume --epochs`) sets it to the
+    /// decay the run had, so that the extra steps train at lr/100.
+    pub decay_steps: Option<usize>,
+    /// AdamW weight decay. Default: 0.01.
+    pub weight_decay: f32,
+    /// Gradient clipping by global norm. Default: 1.
+    pub grad_clip: f32,
+    /// Steps per epoch (a checkpoint is written after each epoch). Default: 100.
+    pub steps_per_epoch: usize,
+    /// Epochs. Default: 8.
+    pub epochs: usize,
+    /// Held-out sequences for the validation loss after each epoch. Default: 256.
+    pub valid_examples: usize,
+    /// Held-out sequences decoded greedily at the end. Default: 1000.
+    pub eval_examples: usize,
+    /// Seed of the data and of the initial weights. Default: 42.
+    pub seed: u64,
+    /// Pad every batch to the longest possible example, so the backend sees one shape.
+    /// Default (`None`): on for GPU backends, which compile kernels per shape, off on the
+    /// CPU, where padding only costs time.
+    pub fixed_shapes: Option<bool>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            task: TaskConfig::default(),
+            model: ModelConfig::default(),
+            batch_size: 64,
+            lr: 3e-3,
+            warmup_steps: None,
+            decay_steps: None,
+            weight_decay: 0.01,
+            grad_clip: 1.0,
+            steps_per_epoch: 100,
+            epochs: 8,
+            valid_examples: 256,
+            eval_examples: 1000,
+            seed: 42,
+            fixed_shapes: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks every value, the task's and the model's included, before anything is built
+    /// or written; the error names the flag and the field.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.task.validate()?;
+        self.model.validate()?;
+        for (path, value) in [
+            ("batch_size", self.batch_size),
+            ("steps_per_epoch", self.steps_per_epoch),
+            ("epochs", self.epochs),
+            ("valid_examples", self.valid_examples),
+            ("eval_examples", self.eval_examples),
+        ] {
+            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", name(path));
+        }
+        anyhow::ensure!(
+            self.lr > 0.0 && self.lr <= 1.0,
+            "{} must be in (0, 1], got {}",
+            name("lr"),
+            self.lr
+        );
+        anyhow::ensure!(
+            self.grad_clip > 0.0,
+            "{} must be positive, got {}",
+            name("grad_clip"),
+            self.grad_clip
+        );
+        anyhow::ensure!(
+            self.weight_decay >= 0.0,
+            "{} must not be negative, got {}",
+            name("weight_decay"),
+            self.weight_decay
+        );
+        if let Some(warmup) = self.warmup_steps {
+            anyhow::ensure!(
+                warmup < self.total_steps(),
+                "{} = {warmup} must be below the run's {} steps ({} x {}); leave it out for \
+                 a tenth of the run",
+                name("warmup_steps"),
+                self.total_steps(),
+                name("epochs"),
+                name("steps_per_epoch"),
+            );
+        }
+        if let Some(decay) = self.decay_steps {
+            anyhow::ensure!(decay >= 1, "{} must be at least 1", name("decay_steps"));
+        }
+        Ok(())
+    }
+
+    /// Optimizer steps of the whole run.
+    pub fn total_steps(&self) -> usize {
+        self.epochs * self.steps_per_epoch
+    }
+
+    /// Steps of warmup: as set, or a tenth of the run, at most 50.
+    pub fn warmup(&self) -> usize {
+        self.warmup_steps
+            .unwrap_or((self.total_steps() / 10).min(50))
+            .max(1)
+    }
+
+    /// Steps of cosine decay after the warmup: as set, or the rest of the run.
+    pub fn decay(&self) -> usize {
+        self.decay_steps
+            .unwrap_or(self.total_steps().saturating_sub(self.warmup()))
+            .max(1)
+    }
+
+    /// Longest sequence a model reads: `input SEP output EOS`.
+    pub fn max_len(&self) -> usize {
+        self.task.max_input() + self.task.max_output() + 2
+    }
+
+    /// The fixed batch shape on `backend`, if any (see `fixed_shapes`).
+    pub fn fixed_shape(&self, backend: Backend) -> Option<FixedShape> {
+        self.fixed_shapes
+            .unwrap_or(backend.is_gpu())
+            .then(|| FixedShape::of(&self.task))
+    }
+
+    /// The model, initialised from the seed.
+    pub fn init_model(&self, device: &Device) -> anyhow::Result<Model> {
+        device.seed(self.seed);
+        self.model
+            .init(self.task.vocab_size(), self.max_len(), device)
+    }
+
+    /// Reads a run's configuration file and checks it.
+    ///
+    /// # Errors
+    /// As [`read`](Self::read), and naming a value [`validate`](Self::validate) rejects.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let config = Self::read(path)?;
+        config
+            .validate()
+            .with_context(|| format!("{}", path.display()))?;
+        Ok(config)
+    }
+
+    /// Reads a configuration file: any subset of the fields, each known (the values are
+    /// checked once the command line's flags are applied to them).
+    ///
+    /// # Errors
+    /// Naming the file and the field: an unknown one (with the nearest known field), or a
+    /// value of the wrong type.
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let what = path.display();
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {what}"))?;
+        let given: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{what} is not JSON (a training configuration)"))?;
+        let known = serde_json::to_value(Self::default()).expect("a config serialises");
+        check_fields(&given, &known, "").with_context(|| format!("{what}"))?;
+        serde_json::from_str(&text).with_context(|| format!("{what}"))
+    }
+
+    /// The configuration as `config.json` holds it.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a config serialises") + "\n"
+    }
+
+    /// The dotted paths of the fields whose values differ between `self` and `other`.
+    pub fn changed_fields(&self, other: &Self) -> Vec<String> {
+        let [a, b] = [self, other].map(|c| serde_json::to_value(c).expect("a config serialises"));
+        let mut changed = Vec::new();
+        diff(&a, &b, "", &mut changed);
+        changed
+    }
+
+    /// Checks that `requested` (the run's configuration with the flags of a `--resume`
+    /// applied) changes only what `--resume` may change: how long the run goes on, how it
+    /// is evaluated and how its batches are padded.
+    ///
+    /// # Errors
+    /// Naming the first flag that would change the run, its value and the run's.
+    pub fn check_resume(&self, requested: &Self) -> anyhow::Result<()> {
+        let allowed: Vec<&str> = fields::FIELDS
+            .iter()
+            .filter(|f| f.on_resume)
+            .filter_map(|f| f.flag)
+            .collect();
+        let [stored, asked] =
+            [self, requested].map(|c| serde_json::to_value(c).expect("a config serialises"));
+        for path in self.changed_fields(requested) {
+            let field = fields::at(&path);
+            if field.on_resume {
+                continue;
+            }
+            let value = |v: &Value| lookup(v, &path).map(Value::to_string).unwrap_or_default();
+            anyhow::bail!(
+                "{} {} would change the run, which was trained with {}; --resume continues a \
+                 run as it was (it takes only {}: start a new run for other settings)",
+                field.flag.unwrap_or(field.path),
+                value(&asked),
+                value(&stored),
+                allowed.join(", "),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Checks that every key of `given` is a key of `known` (at the same place), recursively.
+fn check_fields(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
+    let (Value::Object(given), Value::Object(known)) = (given, known) else {
+        return Ok(());
+    };
+    for (key, value) in given {
+        let full = join(path, key);
+        match known.get(key) {
+            Some(inner) => check_fields(value, inner, &full)?,
+            None => anyhow::bail!(
+                "unknown field `{full}`{}",
+                match fields::nearest(key) {
+                    Some(field) => format!(" (did you mean `{}`?)", field.path),
+                    None => format!("; the fields here are {}", names(known, path)),
+                }
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// The dotted names of the keys of `object` under `path`.
+fn names(object: &Map<String, Value>, path: &str) -> String {
+    let names: Vec<String> = object
+        .keys()
+        .map(|k| format!("`{}`", join(path, k)))
+        .collect();
+    names.join(", ")
+}
+
+fn join(path: &str, key: &str) -> String {
+    match path.is_empty() {
+        true => key.to_string(),
+        false => format!("{path}.{key}"),
+    }
+}
+
+/// The value at a dotted `path`.
+fn lookup<'a>(value: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.').try_fold(value, |v, key| v.get(key))
+}
+
+/// Pushes the dotted paths of the leaves that differ between `a` and `b`.
+fn diff(a: &Value, b: &Value, path: &str, out: &mut Vec<String>) {
+    match (a, b) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (key, value) in a {
+                diff(
+                    value,
+                    b.get(key).unwrap_or(&Value::Null),
+                    &join(path, key),
+                    out,
+                );
+            }
+        }
+        (a, b) if a != b => out.push(path.to_string()),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> anyhow::Result<TrainConfig> {
+        let dir = std::env::temp_dir().join(format!("mha-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!(
+            "{:x}.json",
+            text.len() * 31 + text.bytes().map(usize::from).sum::<usize>()
+        ));
+        std::fs::write(&path, text).unwrap();
+        let config = TrainConfig::load(&path);
+        std::fs::remove_file(&path).unwrap();
+        config
+    }
+
+    #[test]
+    fn files_give_any_subset_and_unknown_fields_are_named() {
+        let config =
+            load(r#"{"task": {"task": "sort"}, "model": {"kind": "encoder-decoder"}, "lr": 0.01}"#)
+                .unwrap();
+        assert_eq!(config.task.task, crate::data::Task::Sort);
+        assert_eq!(config.model.kind, crate::model::ModelKind::EncoderDecoder);
+        assert_eq!(config.lr, 0.01);
+        assert_eq!(config.epochs, TrainConfig::default().epochs);
+        let err = format!("{:#}", load(r#"{"learning_rate": 0.1}"#).unwrap_err());
+        assert!(
+            err.contains("unknown field `learning_rate` (did you mean `lr`?)"),
+            "{err}"
+        );
+        let err = format!("{:#}", load(r#"{"model": {"dropuot": 0.1}}"#).unwrap_err());
+        assert!(
+            err.contains("`model.dropuot` (did you mean `model.dropout`?)"),
+            "{err}"
+        );
+        let err = format!(
+            "{:#}",
+            load(r#"{"task": {"task": "Palindrome"}}"#).unwrap_err()
+        );
+        let wanted = "unknown task `Palindrome`: expected copy, reverse, sort or add";
+        assert!(err.contains(wanted), "{err}");
+        // The files of earlier versions spelt the task and model capitalised.
+        let old = load(r#"{"task": {"task": "Reverse"}, "model": {"kind": "DecoderOnly"}}"#);
+        assert_eq!(old.unwrap().task.task, crate::data::Task::Reverse);
+    }
+
+    #[test]
+    fn a_round_trip_keeps_every_field() {
+        let config = TrainConfig {
+            warmup_steps: Some(7),
+            fixed_shapes: Some(true),
+            ..TrainConfig::default()
+        };
+        assert_eq!(load(&config.to_json()).unwrap(), config);
+    }
+
+    #[test]
+    fn resume_takes_only_the_flags_that_keep_the_run() {
+        let run = TrainConfig::default();
+        let longer = TrainConfig {
+            epochs: 12,
+            eval_examples: 50,
+            ..run.clone()
+        };
+        run.check_resume(&longer).unwrap();
+        let mut wider = run.clone();
+        wider.model.d_model = 128;
+        let err = run.check_resume(&wider).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--d-model 128 would change the run, which was trained with 64"),
+            "{err}"
+        );
+        assert_eq!(run.changed_fields(&wider), vec!["model.d_model"]);
+    }
+
+    #[test]
+    fn the_schedule_fits_short_runs() {
+        let quick = TrainConfig {
+            epochs: 2,
+            steps_per_epoch: 20,
+            ..TrainConfig::default()
+        };
+        quick.validate().unwrap();
+        assert_eq!((quick.warmup(), quick.decay()), (4, 36));
+        assert_eq!(TrainConfig::default().warmup(), 50);
+        let err = TrainConfig {
+            warmup_steps: Some(50),
+            ..quick
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("`--warmup` (`warmup_steps`) = 50 must be below the run's 40 steps"),
+            "{err}"
+        );
+    }
+}

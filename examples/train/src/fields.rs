@@ -1,0 +1,176 @@
+//! Which command-line flag sets which field of a run's configuration, what else users
+//! call it, and whether `--resume` may change it: the one table that error messages,
+//! the help's defaults, the check of config files and the check of `--resume` read.
+
+/// A field of `config.json`.
+#[derive(Clone, Copy, Debug)]
+pub struct Field {
+    /// Its dotted path in `config.json`, e.g. `model.d_model`.
+    pub path: &'static str,
+    /// The flag that sets it, if one does.
+    pub flag: Option<&'static str>,
+    /// Other names a user may write for it (suggested when a config file has them).
+    pub aliases: &'static [&'static str],
+    /// Whether `--resume` may change it: it changes how long the run goes on, how it is
+    /// evaluated or how its batches are padded, never what a step computes.
+    pub on_resume: bool,
+}
+
+const fn field(
+    path: &'static str,
+    flag: Option<&'static str>,
+    aliases: &'static [&'static str],
+    on_resume: bool,
+) -> Field {
+    Field {
+        path,
+        flag,
+        aliases,
+        on_resume,
+    }
+}
+
+/// Every field of `config.json`.
+pub const FIELDS: &[Field] = &[
+    field("task.task", Some("--task"), &[], false),
+    field("task.min_len", Some("--min-len"), &["min_length"], false),
+    field("task.max_len", Some("--max-len"), &["max_length"], false),
+    field(
+        "task.n_symbols",
+        Some("--symbols"),
+        &["symbols", "vocab"],
+        false,
+    ),
+    field("model.kind", Some("--model"), &["model"], false),
+    field("model.d_model", Some("--d-model"), &["width", "dim"], false),
+    field(
+        "model.n_layers",
+        Some("--layers"),
+        &["layers", "blocks"],
+        false,
+    ),
+    field("model.n_heads", Some("--heads"), &["heads"], false),
+    field("model.dropout", Some("--dropout"), &[], false),
+    field("batch_size", Some("--batch-size"), &["batch"], false),
+    field(
+        "lr",
+        Some("--lr"),
+        &["learning_rate", "learning-rate"],
+        false,
+    ),
+    field("warmup_steps", Some("--warmup"), &["warmup"], false),
+    field("decay_steps", None, &[], false),
+    field("weight_decay", None, &[], false),
+    field("grad_clip", None, &["clip"], false),
+    field(
+        "steps_per_epoch",
+        Some("--steps-per-epoch"),
+        &["steps"],
+        false,
+    ),
+    field("epochs", Some("--epochs"), &[], true),
+    field("valid_examples", None, &[], false),
+    field("eval_examples", Some("--eval-examples"), &[], true),
+    field("seed", Some("--seed"), &[], false),
+    field("fixed_shapes", Some("--fixed-shapes"), &[], true),
+];
+
+/// The field at `path`.
+///
+/// # Panics
+/// If no field has that path (a bug in the table).
+pub fn at(path: &str) -> Field {
+    *FIELDS
+        .iter()
+        .find(|f| f.path == path)
+        .unwrap_or_else(|| panic!("no field {path}"))
+}
+
+/// How messages name a field: its flag and its path, e.g. "`--warmup` (`warmup_steps`)",
+/// or its path alone when no flag sets it.
+pub fn name(path: &str) -> String {
+    match at(path).flag {
+        Some(flag) => format!("`{flag}` (`{path}`)"),
+        None => format!("`{path}`"),
+    }
+}
+
+/// The known field nearest to `key` (found at `path`, dotted, in a config file): the one
+/// whose name or alias is within a few edits of it, if any.
+pub fn nearest(key: &str) -> Option<Field> {
+    let candidates = FIELDS.iter().flat_map(|f| {
+        let last = f.path.rsplit('.').next().unwrap_or(f.path);
+        let flag = f.flag.map(|flag| flag.trim_start_matches('-'));
+        [Some(last), flag]
+            .into_iter()
+            .flatten()
+            .chain(f.aliases.iter().copied())
+            .map(move |name| (edits(&name.replace('-', "_"), &key.replace('-', "_")), *f))
+    });
+    let (distance, field) = candidates.min_by_key(|(d, _)| *d)?;
+    (distance <= 2.max(key.len() / 3)).then_some(field)
+}
+
+/// Deserialises one of a command-line enum's values, spelt as on the command line
+/// (`decoder-only`); the capitalised spellings of earlier versions (`DecoderOnly`) are
+/// read too. `what` names the value in the error.
+pub fn by_name<'de, D, T>(deserializer: D, what: &str) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: clap::ValueEnum,
+{
+    use serde::de::Error;
+    let text = <String as serde::Deserialize>::deserialize(deserializer)?;
+    let plain = |s: &str| s.replace(['-', '_'], "").to_lowercase();
+    let names: Vec<String> = T::value_variants()
+        .iter()
+        .filter_map(|v| Some(v.to_possible_value()?.get_name().to_string()))
+        .collect();
+    T::value_variants()
+        .iter()
+        .zip(&names)
+        .find(|(_, name)| plain(name) == plain(&text))
+        .map(|(value, _)| value.clone())
+        .ok_or_else(|| {
+            let (last, rest) = names.split_last().expect("an enum has values");
+            D::Error::custom(format!(
+                "unknown {what} `{text}`: expected {} or {last}",
+                rest.join(", ")
+            ))
+        })
+}
+
+/// The edit (Levenshtein) distance between two strings.
+fn edits(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let next = (diagonal + usize::from(ca != cb))
+                .min(row[j] + 1)
+                .min(row[j + 1] + 1);
+            diagonal = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn misspelt_and_aliased_fields_find_their_field() {
+        assert_eq!(edits("dropuot", "dropout"), 2);
+        assert_eq!(nearest("dropuot").map(|f| f.path), Some("model.dropout"));
+        assert_eq!(nearest("learning_rate").map(|f| f.path), Some("lr"));
+        assert_eq!(nearest("warmup").map(|f| f.path), Some("warmup_steps"));
+        assert_eq!(nearest("d-model").map(|f| f.path), Some("model.d_model"));
+        assert_eq!(nearest("zzzzzzzz").map(|f| f.path), None);
+        assert_eq!(name("task.min_len"), "`--min-len` (`task.min_len`)");
+        assert_eq!(name("valid_examples"), "`valid_examples`");
+    }
+}
