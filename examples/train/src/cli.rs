@@ -224,57 +224,9 @@ fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     let backend = Backend::or_best(backend)?;
     let run = RunDir(args.out.clone().unwrap_or_else(|| default_out(args.task)));
     let dir = run.0.display();
-    // Every setting is checked before anything is written.
-    let (config, start_epoch, device) = if args.resume {
-        anyhow::ensure!(
-            run.holds_run(),
-            "{dir}: no run to resume (no config.json); start one without --resume"
-        );
-        let stored = TrainConfig::load(&run.config())?;
-        let mut config = args.apply(stored.clone());
-        stored.check_resume(&config)?;
-        let done = run.last_complete_epoch().unwrap_or(0);
-        if config.epochs != stored.epochs {
-            anyhow::ensure!(
-                config.epochs > done,
-                "--epochs {}: the run has done {done} epochs already",
-                config.epochs
-            );
-            // The warmup stays what it was. An extended run keeps its decay too, so its
-            // extra steps train at lr/100; a shortened one decays to the floor by its end.
-            config.warmup_steps = Some(stored.warmup().min(config.total_steps() - 1));
-            if config.epochs > stored.epochs {
-                config.decay_steps = Some(stored.decay());
-            }
-        }
-        config.validate()?;
-        anyhow::ensure!(
-            done < config.epochs,
-            "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \
-             (N above {})",
-            config.epochs,
-            config.epochs
-        );
-        let device = backend.device()?;
-        if done > 0 {
-            run.check_checkpoint(&config, done, &device)?;
-        }
-        run.forget_after(done)?;
-        if config != stored {
-            run.write_config(&config)?;
-        }
-        (config, done, device)
-    } else {
-        let base = match &args.config {
-            Some(path) => TrainConfig::read(path)?,
-            None => TrainConfig::default(),
-        };
-        let config = args.apply(base);
-        config.validate()?;
-        let device = backend.device()?;
-        run.prepare_new(args.overwrite)?;
-        run.write_config(&config)?;
-        (config, 0, device)
+    let (config, start_epoch, device) = match args.resume {
+        true => prepare_resume(args, &run, backend)?,
+        false => prepare_new(args, &run, backend)?,
     };
     warn_if_software(backend, &device);
     if let Some([_, valid]) = config.task.split_sizes()
@@ -308,6 +260,73 @@ fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     training::write_summary(&run, &summary)?;
     report(&config, &run, &summary, &device)?;
     Ok(summary.status == Status::Finished)
+}
+
+/// Checks every setting of a new run, then makes its directory and writes its
+/// configuration: `(config, 0, device)`.
+fn prepare_new(
+    args: &TrainArgs,
+    run: &RunDir,
+    backend: Backend,
+) -> anyhow::Result<(TrainConfig, usize, burn::tensor::Device)> {
+    let base = match &args.config {
+        Some(path) => TrainConfig::read(path)?,
+        None => TrainConfig::default(),
+    };
+    let config = args.apply(base);
+    config.validate()?;
+    let device = backend.device()?;
+    run.prepare_new(args.overwrite)?;
+    run.write_config(&config)?;
+    Ok((config, 0, device))
+}
+
+/// Checks the run in `run` and what the flags change of it, then records the change:
+/// `(config, last complete epoch, device)`.
+fn prepare_resume(
+    args: &TrainArgs,
+    run: &RunDir,
+    backend: Backend,
+) -> anyhow::Result<(TrainConfig, usize, burn::tensor::Device)> {
+    let dir = run.0.display();
+    anyhow::ensure!(
+        run.holds_run(),
+        "{dir}: no run to resume (no config.json); start one without --resume"
+    );
+    let stored = TrainConfig::load(&run.config())?;
+    let mut config = args.apply(stored.clone());
+    stored.check_resume(&config)?;
+    let done = run.last_complete_epoch().unwrap_or(0);
+    if config.epochs != stored.epochs {
+        anyhow::ensure!(
+            config.epochs > done,
+            "--epochs {}: the run has done {done} epochs already",
+            config.epochs
+        );
+        // The warmup stays what it was. An extended run keeps its decay too, so its extra
+        // steps train at lr/100; a shortened one decays to the floor by its end.
+        config.warmup_steps = Some(stored.warmup().min(config.total_steps() - 1));
+        if config.epochs > stored.epochs {
+            config.decay_steps = Some(stored.decay());
+        }
+    }
+    config.validate()?;
+    anyhow::ensure!(
+        done < config.epochs,
+        "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \
+         (N above {})",
+        config.epochs,
+        config.epochs
+    );
+    let device = backend.device()?;
+    if done > 0 {
+        run.check_checkpoint(&config, done, &device)?;
+    }
+    run.forget_after(done)?;
+    if config != stored {
+        run.write_config(&config)?;
+    }
+    Ok((config, done, device))
 }
 
 /// Prints how the run ended and where its files are; draws the pictures of a finished run.
