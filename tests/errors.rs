@@ -59,6 +59,10 @@ fn bad_attention_configs_name_the_field_and_values() {
             MultiHeadAttentionConfig::new(8, 2).with_scale(Some(f64::NAN)),
             "MultiHeadAttentionConfig.scale: must be positive and finite, got NaN",
         ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_softcap(Some(-1.0)),
+            "MultiHeadAttentionConfig.softcap: must be positive and finite, got -1",
+        ),
     ];
     for (config, expected) in cases {
         assert_eq!(mha_error(config), expected);
@@ -141,6 +145,73 @@ fn mask_of_the_wrong_size_panics_naming_the_shapes() {
         &d,
     );
     m.self_attention(randn([2, 5, 16], 1, &d), mha::AttentionMask::blocking(mask));
+}
+
+/// Runs `f` and returns its panic's message.
+fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
+    let err = std::panic::catch_unwind(f).expect_err("a panic");
+    err.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn masks_by_position_that_cannot_hold_panic_naming_the_values() {
+    use mha::{AttentionMask, CausalAlignment, SdpaOptions, scaled_dot_product_attention};
+    let d = dev();
+    let x = randn([2, 1, 6, 4], 1, &d);
+    let run = |mask: AttentionMask, options: SdpaOptions| {
+        let (x, mask) = (x.clone(), mask.clone());
+        panic_message(move || {
+            scaled_dot_product_attention(x.clone(), x.clone(), x, &mask, options);
+        })
+    };
+    let cases = [
+        (
+            run(
+                AttentionMask::packed(&[vec![0, 6], vec![0, 3, 7]]),
+                SdpaOptions::default(),
+            ),
+            "packed sequences of row 1 end at 7, past Tk = 6",
+        ),
+        (
+            run(AttentionMask::packed(&[vec![0, 6]]), SdpaOptions::default()),
+            "packed sequences for 1 rows need self-attention over 1 rows, got [B, H, Tq, Tk] = [2, 1, 6, 6]",
+        ),
+        (
+            run(
+                AttentionMask::causal(),
+                SdpaOptions::default().with_softcap(0.0),
+            ),
+            "softcap must be positive and finite, got 0",
+        ),
+    ];
+    for (message, expected) in cases {
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+    let message = panic_message(|| {
+        AttentionMask::sliding_window(0);
+    });
+    assert!(
+        message.contains("width must be at least 1, got 0"),
+        "{message}"
+    );
+    let message = panic_message(|| {
+        AttentionMask::packed(&[vec![0, 4, 4]]);
+    });
+    assert!(
+        message.contains("cu_seqlens[0] = [0, 4, 4] must start at 0 and increase"),
+        "{message}"
+    );
+    let message = panic_message(|| {
+        let top = AttentionMask::causal().aligned(CausalAlignment::TopLeft);
+        top.and(AttentionMask::local(2).aligned(CausalAlignment::BottomRight));
+    });
+    assert!(
+        message.contains("one mask aligns TopLeft, the other BottomRight"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -246,8 +246,8 @@ fn sdpa_paths(
             let vt = f.io("v", k, &dev).require_grad();
             let options = SdpaOptions {
                 scale,
-                dropout: 0.0,
                 weights,
+                ..SdpaOptions::default()
             };
             let out = scaled_dot_product_attention(
                 qt.clone(),

@@ -7,7 +7,7 @@
 use burn::tensor::{Device, FloatDType, Tensor, TensorData, bf16, f16};
 use mha::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 
-use crate::reference::{MaskSpec, Part, Reference, Sizes, attention};
+use crate::reference::{MaskSpec, Part, Reference, Rule, Sizes, attention};
 use crate::util::{Backend, SplitMix, backends, to_vec};
 
 /// One attention call: sizes, scale and mask.
@@ -28,6 +28,7 @@ fn sizes([batch, heads, kv_heads, queries, keys, d_k, d_v]: [usize; 7]) -> Sizes
         d_k,
         d_v,
         scale: 1.0 / (d_k as f64).sqrt(),
+        softcap: None,
     }
 }
 
@@ -62,10 +63,7 @@ fn small_cases() -> Vec<Case> {
         sizes: sizes(dims),
         mask,
     };
-    let causal = MaskSpec {
-        causal: true,
-        ..MaskSpec::default()
-    };
+    let causal = MaskSpec::causal();
     let blocked = |dims: [usize; 4], seed| Part {
         values: pattern(dims.iter().product(), 0.33, seed),
         dims,
@@ -85,75 +83,155 @@ fn small_cases() -> Vec<Case> {
         "causal + padding + bias, GQA",
         [2, 4, 2, 6, 6, 8, 8],
         MaskSpec {
-            causal: true,
             blocked: Some(padding(&[6, 4], 6)),
             bias: Some(bias([1, 1, 6, 6], 4)),
+            ..MaskSpec::causal()
         },
     );
     all.sizes.scale = 0.2;
+    [
+        vec![
+            case("none", [2, 4, 4, 6, 6, 8, 8], MaskSpec::default()),
+            case("causal square", [2, 4, 4, 6, 6, 8, 8], causal.clone()),
+            case("causal Tq < Tk", [2, 4, 4, 3, 9, 8, 8], causal.clone()),
+            case("causal Tq > Tk", [2, 4, 4, 7, 4, 8, 8], causal.clone()),
+            case(
+                "padding [B, 1, 1, Tk]",
+                [2, 4, 4, 5, 7, 8, 8],
+                MaskSpec {
+                    blocked: Some(padding(&[7, 3], 7)),
+                    ..MaskSpec::default()
+                },
+            ),
+            case(
+                "boolean [1, 1, Tq, Tk]",
+                [2, 4, 4, 5, 7, 8, 8],
+                MaskSpec {
+                    blocked: Some(blocked([1, 1, 5, 7], 1)),
+                    ..MaskSpec::default()
+                },
+            ),
+            case(
+                "boolean [B, 1, Tq, Tk]",
+                [2, 4, 4, 5, 5, 8, 8],
+                MaskSpec {
+                    blocked: Some(blocked([2, 1, 5, 5], 2)),
+                    ..MaskSpec::default()
+                },
+            ),
+            case(
+                "bias [1, H, Tq, Tk]",
+                [2, 4, 4, 5, 6, 8, 8],
+                MaskSpec {
+                    bias: Some(bias([1, 4, 5, 6], 3)),
+                    ..MaskSpec::default()
+                },
+            ),
+            scaled,
+            case("GQA causal", [2, 4, 2, 6, 6, 8, 8], causal.clone()),
+            case(
+                "MQA padding",
+                [2, 4, 1, 6, 8, 8, 8],
+                MaskSpec {
+                    blocked: Some(padding(&[8, 2], 8)),
+                    ..MaskSpec::default()
+                },
+            ),
+            all,
+            case("Dk != Dv, causal", [2, 4, 2, 6, 6, 8, 5], causal),
+            case(
+                "rows without a key (boolean and -inf bias)",
+                [2, 2, 2, 5, 5, 4, 4],
+                MaskSpec {
+                    blocked: Some(Part {
+                        values: dead,
+                        dims: [2, 1, 5, 5],
+                    }),
+                    bias: Some(Part {
+                        values: dead_bias,
+                        dims: [2, 1, 5, 5],
+                    }),
+                    ..MaskSpec::default()
+                },
+            ),
+        ],
+        windows_and_packing(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// Masks by position beyond the causal part, and soft caps.
+fn windows_and_packing() -> Vec<Case> {
+    let case = |name: &str, dims, mask, softcap| {
+        let mut sizes = sizes(dims);
+        sizes.softcap = softcap;
+        Case {
+            name: name.into(),
+            sizes,
+            mask,
+        }
+    };
+    let rule = |rule, top_left| MaskSpec {
+        rule,
+        top_left,
+        ..MaskSpec::default()
+    };
     vec![
-        case("none", [2, 4, 4, 6, 6, 8, 8], MaskSpec::default()),
-        case("causal square", [2, 4, 4, 6, 6, 8, 8], causal.clone()),
-        case("causal Tq < Tk", [2, 4, 4, 3, 9, 8, 8], causal.clone()),
-        case("causal Tq > Tk", [2, 4, 4, 7, 4, 8, 8], causal.clone()),
         case(
-            "padding [B, 1, 1, Tk]",
-            [2, 4, 4, 5, 7, 8, 8],
-            MaskSpec {
-                blocked: Some(padding(&[7, 3], 7)),
-                ..MaskSpec::default()
-            },
+            "causal top-left, Tq < Tk",
+            [2, 4, 2, 4, 9, 8, 8],
+            rule(Rule::Causal, true),
+            None,
         ),
         case(
-            "boolean [1, 1, Tq, Tk]",
-            [2, 4, 4, 5, 7, 8, 8],
-            MaskSpec {
-                blocked: Some(blocked([1, 1, 5, 7], 1)),
-                ..MaskSpec::default()
-            },
+            "causal top-left, Tq > Tk",
+            [2, 4, 2, 7, 4, 8, 8],
+            rule(Rule::Causal, true),
+            None,
         ),
         case(
-            "boolean [B, 1, Tq, Tk]",
-            [2, 4, 4, 5, 5, 8, 8],
-            MaskSpec {
-                blocked: Some(blocked([2, 1, 5, 5], 2)),
-                ..MaskSpec::default()
-            },
+            "sliding window 3, Tq < Tk",
+            [2, 4, 2, 5, 9, 8, 8],
+            rule(Rule::Sliding(3), false),
+            None,
         ),
         case(
-            "bias [1, H, Tq, Tk]",
-            [2, 4, 4, 5, 6, 8, 8],
-            MaskSpec {
-                bias: Some(bias([1, 4, 5, 6], 3)),
-                ..MaskSpec::default()
-            },
+            "local 2, top-left",
+            [2, 4, 4, 7, 5, 8, 8],
+            rule(Rule::Local(2), true),
+            None,
         ),
-        scaled,
-        case("GQA causal", [2, 4, 2, 6, 6, 8, 8], causal.clone()),
         case(
-            "MQA padding",
-            [2, 4, 1, 6, 8, 8, 8],
+            "soft cap 1.5 with a bias",
+            [2, 4, 2, 6, 6, 8, 8],
             MaskSpec {
-                blocked: Some(padding(&[8, 2], 8)),
-                ..MaskSpec::default()
-            },
-        ),
-        all,
-        case("Dk != Dv, causal", [2, 4, 2, 6, 6, 8, 5], causal),
-        case(
-            "rows without a key (boolean and -inf bias)",
-            [2, 2, 2, 5, 5, 4, 4],
-            MaskSpec {
-                causal: false,
-                blocked: Some(Part {
-                    values: dead,
-                    dims: [2, 1, 5, 5],
-                }),
                 bias: Some(Part {
-                    values: dead_bias,
-                    dims: [2, 1, 5, 5],
+                    values: normal(6 * 6, 31),
+                    dims: [1, 1, 6, 6],
                 }),
+                ..MaskSpec::causal()
             },
+            Some(1.5),
+        ),
+        case(
+            "packed causal, padding past the last sequence",
+            [2, 4, 2, 9, 9, 8, 8],
+            MaskSpec {
+                packed: Some(vec![vec![0, 3, 4, 9], vec![0, 2, 7]]),
+                ..MaskSpec::causal()
+            },
+            None,
+        ),
+        case(
+            "packed, not causal",
+            [2, 4, 4, 6, 6, 8, 8],
+            MaskSpec {
+                packed: Some(vec![vec![0, 4, 6], vec![0, 1, 6]]),
+                ..MaskSpec::default()
+            },
+            None,
         ),
     ]
 }
@@ -162,7 +240,7 @@ fn small_cases() -> Vec<Case> {
 /// queries, biases that want a gradient, rows without a key.
 fn long_cases() -> Vec<Case> {
     let mut cases = Vec::new();
-    for (tq, tk) in [(300, 340), (300, 260), (40, 56)] {
+    for (tq, tk) in [(300, 340), (300, 260), (40, 56), (280, 280)] {
         let dims = [2, 4, 2, tq, tk, 8, 8];
         let pad = || Some(padding(&[tk, tk - tk / 6], tk));
         // A bias over every query and key with a blocked (-inf) key per row.
@@ -212,9 +290,41 @@ fn long_cases() -> Vec<Case> {
                 name: format!("{name}, Tq {tq}, Tk {tk}"),
                 sizes: sizes(dims),
                 mask: MaskSpec {
-                    causal,
+                    rule: if causal { Rule::Causal } else { Rule::None },
                     blocked,
                     bias,
+                    ..MaskSpec::default()
+                },
+            });
+        }
+        // Bands and packed sequences across tiles and chunks, with a soft cap.
+        let mut window = sizes(dims);
+        window.softcap = Some(3.0);
+        cases.push(Case {
+            name: format!("sliding window 70, soft cap 3, Tq {tq}, Tk {tk}"),
+            sizes: window,
+            mask: MaskSpec {
+                rule: Rule::Sliding(70),
+                blocked: pad(),
+                ..MaskSpec::default()
+            },
+        });
+        cases.push(Case {
+            name: format!("local 50 top-left, Tq {tq}, Tk {tk}"),
+            sizes: sizes(dims),
+            mask: MaskSpec {
+                rule: Rule::Local(50),
+                top_left: true,
+                ..MaskSpec::default()
+            },
+        });
+        if tq == tk {
+            cases.push(Case {
+                name: format!("packed causal, T {tq}"),
+                sizes: sizes(dims),
+                mask: MaskSpec {
+                    packed: Some(vec![vec![0, tq / 3, tq / 3 + 1, tq - 5], vec![0, tq]]),
+                    ..MaskSpec::causal()
                 },
             });
         }
@@ -264,6 +374,7 @@ fn check(
     let options = SdpaOptions {
         scale: Some(s.scale),
         weights,
+        softcap: s.softcap,
         ..SdpaOptions::default()
     };
     let what = format!("[{} {dtype:?}] {} ({weights:?})", be.name, case.name);
@@ -364,19 +475,23 @@ fn rounded(values: &[f32], dtype: FloatDType) -> Vec<f32> {
 
 #[test]
 fn other_dtypes_match_f64_attention_at_their_precision() {
-    // A long causal call (query chunks) and one with rows that see no key; the reference
+    // Long calls in query chunks (causal, and a band with a soft cap) and one with rows
+    // that see no key; the reference
     // takes the inputs as the dtype holds them, so that the comparison measures the
     // computation, not the rounding of its inputs.
     let cases: Vec<Case> = long_cases()
         .into_iter()
-        .filter(|c| c.name == "causal + padding + bias, Tq 300, Tk 260")
+        .filter(|c| {
+            c.name == "causal + padding + bias, Tq 300, Tk 260"
+                || c.name == "sliding window 70, soft cap 3, Tq 300, Tk 260"
+        })
         .chain(
             small_cases()
                 .into_iter()
                 .filter(|c| c.name.starts_with("rows without")),
         )
         .collect();
-    assert_eq!(cases.len(), 2);
+    assert_eq!(cases.len(), 3);
     for (n, case) in cases.iter().enumerate() {
         let s = case.sizes;
         let inputs = [s.query(), s.key(), s.value(), s.output()]

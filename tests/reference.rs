@@ -2,13 +2,17 @@
 //! mask that can also build the `AttentionMask` under test: the reference every attention
 //! path of every backend is compared with.
 //!
-//! Semantics (mha's contract): key `j` is excluded from query `i`'s softmax when the
-//! causal rule hides it (bottom-right: `j > i + Tk - Tq`), the boolean mask blocks it, or
-//! its bias is `-inf`; a row with no key left has output 0, weights 0, and passes no
-//! gradient.
+//! Semantics (mha's contract), written out here independently of the library: query `i`
+//! stands at key `p = i + Tk - Tq` (bottom-right) or `p = i` (top-left); key `j` is
+//! excluded from its softmax when the causal part hides it (`j > p`), a sliding window of
+//! width `w` does (`j <= p - w`), a local window of radius `r` does (`|j - p| > r`), it
+//! lies in another packed sequence (or in the padding past the last one), the boolean
+//! mask blocks it, or its bias is `-inf`; a row with no key left has output 0, weights 0,
+//! and passes no gradient. A soft cap makes the scaled score `cap · tanh(s / cap)` before
+//! the bias.
 
 use burn::tensor::{Bool, Device, FloatDType, Tensor, TensorData};
-use mha::AttentionMask;
+use mha::{AttentionMask, CausalAlignment};
 
 /// Values broadcast to `[B, H, Tq, Tk]` from their own rank-4 shape (each axis full or 1).
 #[derive(Clone, Debug)]
@@ -29,13 +33,59 @@ impl<T: Copy> Part<T> {
     }
 }
 
+/// What blocks by position.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Rule {
+    #[default]
+    None,
+    Causal,
+    /// Causal, at most the last `w` keys.
+    Sliding(usize),
+    /// `|j - p| <= r`.
+    Local(usize),
+}
+
 /// A mask as the reference reads it.
 #[derive(Clone, Debug, Default)]
 pub struct MaskSpec {
-    pub causal: bool,
+    pub rule: Rule,
+    pub top_left: bool,
+    /// Per batch row, cumulative sequence lengths.
+    pub packed: Option<Vec<Vec<usize>>>,
     /// `true = blocked`.
     pub blocked: Option<Part<bool>>,
     pub bias: Option<Part<f32>>,
+}
+
+impl MaskSpec {
+    /// A causal mask.
+    pub fn causal() -> Self {
+        Self {
+            rule: Rule::Causal,
+            ..Self::default()
+        }
+    }
+
+    /// Whether key `j` is hidden from query `i` of batch row `b` by position.
+    fn hides(&self, s: &Sizes, b: usize, i: usize, j: usize) -> bool {
+        let p = match self.top_left {
+            true => i as i64,
+            false => i as i64 + s.keys as i64 - s.queries as i64,
+        };
+        let j = j as i64;
+        let by_rule = match self.rule {
+            Rule::None => false,
+            Rule::Causal => j > p,
+            Rule::Sliding(w) => j > p || j <= p - w as i64,
+            Rule::Local(r) => (j - p).abs() > r as i64,
+        };
+        let seq = |t: i64| {
+            let row = &self.packed.as_ref()?[b];
+            (0..row.len() - 1).find(|&s| row[s] as i64 <= t && t < row[s + 1] as i64)
+        };
+        let across = self.packed.is_some() && (seq(i as i64).is_none() || seq(i as i64) != seq(j));
+        by_rule || across
+    }
 }
 
 impl MaskSpec {
@@ -48,10 +98,18 @@ impl MaskSpec {
         dtype: FloatDType,
         bias_grad: bool,
     ) -> (AttentionMask, Option<Tensor<4>>) {
-        let mut mask = match self.causal {
-            true => AttentionMask::causal(),
-            false => AttentionMask::none(),
+        let mut mask = match self.rule {
+            Rule::None => AttentionMask::none(),
+            Rule::Causal => AttentionMask::causal(),
+            Rule::Sliding(w) => AttentionMask::sliding_window(w),
+            Rule::Local(r) => AttentionMask::local(r),
         };
+        if self.top_left {
+            mask = mask.aligned(CausalAlignment::TopLeft);
+        }
+        if let Some(packed) = &self.packed {
+            mask = mask.and(AttentionMask::packed(packed));
+        }
         if let Some(part) = &self.blocked {
             let data = TensorData::new(part.values.clone(), part.dims);
             mask = mask.and(AttentionMask::blocking(Tensor::<4, Bool>::from_data(
@@ -85,6 +143,7 @@ pub struct Sizes {
     pub d_k: usize,
     pub d_v: usize,
     pub scale: f64,
+    pub softcap: Option<f64>,
 }
 
 impl Sizes {
@@ -142,11 +201,10 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                 let qi_at = (b * s.heads + h) * s.queries + i;
                 let qi = row(&q, qi_at, s.d_k);
                 // The keys of the softmax and their scores.
-                let mut scores: Vec<(usize, f64)> = Vec::new();
+                let mut scores: Vec<(usize, f64, f64)> = Vec::new();
                 for j in 0..s.keys {
                     let at = [b, h, i, j];
-                    let hidden =
-                        mask.causal && j as i64 > i as i64 + s.keys as i64 - s.queries as i64;
+                    let hidden = mask.hides(&s, b, i, j);
                     let blocked = mask.blocked.as_ref().is_some_and(|m| m.at(at));
                     let bias = mask.bias.as_ref().map_or(0.0, |m| m.at(at) as f64);
                     if hidden || blocked || bias == f64::NEG_INFINITY {
@@ -154,19 +212,26 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                     }
                     let kj = row(&k, kvh * s.keys + j, s.d_k);
                     let dot: f64 = qi.iter().zip(kj).map(|(a, b)| a * b).sum();
-                    scores.push((j, dot * s.scale + bias));
+                    let (score, slope) = match s.softcap {
+                        Some(cap) => {
+                            let t = (dot * s.scale / cap).tanh();
+                            (cap * t, 1.0 - t * t)
+                        }
+                        None => (dot * s.scale, 1.0),
+                    };
+                    scores.push((j, score + bias, slope));
                 }
                 if scores.is_empty() {
                     continue;
                 }
                 let max = scores.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
                 let sum: f64 = scores.iter().map(|x| (x.1 - max).exp()).sum();
-                let p: Vec<(usize, f64)> = scores
+                let p: Vec<(usize, f64, f64)> = scores
                     .iter()
-                    .map(|&(j, x)| (j, (x - max).exp() / sum))
+                    .map(|&(j, x, slope)| (j, (x - max).exp() / sum, slope))
                     .collect();
                 let out_at = qi_at * s.d_v;
-                for &(j, pj) in &p {
+                for &(j, pj, _) in &p {
                     r.weights[qi_at * s.keys + j] = pj;
                     let vj = row(&v, kvh * s.keys + j, s.d_v);
                     for (c, x) in vj.iter().enumerate() {
@@ -176,7 +241,7 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                 // Backward: dP = dO Vᵀ, dS = P (dP - rowsum(dO O)).
                 let go = row(&grad, qi_at, s.d_v);
                 let row_dot: f64 = (0..s.d_v).map(|c| go[c] * r.output[out_at + c]).sum();
-                for &(j, pj) in &p {
+                for &(j, pj, slope) in &p {
                     let vj = row(&v, kvh * s.keys + j, s.d_v);
                     let kj = row(&k, kvh * s.keys + j, s.d_k);
                     let dp: f64 = go.iter().zip(vj).map(|(a, b)| a * b).sum();
@@ -184,6 +249,8 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                     if let (Some(dbias), Some(part)) = (r.dbias.as_mut(), mask.bias.as_ref()) {
                         dbias[part.index([b, h, i, j])] += ds;
                     }
+                    // Through the soft cap to the raw score.
+                    let ds = ds * slope;
                     for c in 0..s.d_k {
                         r.dq[qi_at * s.d_k + c] += ds * s.scale * kj[c];
                         r.dk[(kvh * s.keys + j) * s.d_k + c] += ds * s.scale * qi[c];

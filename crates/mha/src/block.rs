@@ -131,6 +131,11 @@ impl EncoderBlockConfig {
             .init(device)
     }
 
+    /// The final norm a pre-norm stack of these blocks needs.
+    pub(crate) fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
+        self.norm_first.then(|| self.norm(device))
+    }
+
     fn dropout(&self) -> Dropout {
         DropoutConfig::new(self.dropout).init()
     }
@@ -204,6 +209,11 @@ impl DecoderBlockConfig {
     /// With the message of [`try_init`](Self::try_init)'s error.
     pub fn init(&self, device: &Device) -> DecoderBlock {
         self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+
+    /// The final norm a pre-norm stack of these blocks needs.
+    pub(crate) fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
+        self.parts().final_norm(device)
     }
 
     /// The shared hyperparameters, as an encoder block's.

@@ -53,7 +53,7 @@ pub use block::{
     FeedForwardActivation,
 };
 pub use error::ConfigError;
-pub use mask::AttentionMask;
+pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
 pub use stack::{Decoder, DecoderConfig, Encoder, EncoderConfig};

@@ -7,6 +7,11 @@
 //! [`AttentionMask`] is one value that says what is blocked, built by a constructor named
 //! after the convention the caller came from, so the convention is never guessed.
 //!
+//! Besides tensors, a mask can block by position, without any `[Tq, Tk]` tensor: causal
+//! (aligned bottom-right or top-left), a sliding window, a local window, packed sequences.
+//! Every path reads these through one rule ([`Visibility`]): each query sees one
+//! contiguous range of keys, and the CPU tiles skip every block outside it.
+//!
 //! Masks compose with [`AttentionMask::and`]: a key is blocked if any part blocks it, and
 //! additive biases add. A query row whose every key is blocked yields zeros (output and
 //! weights) with finite gradients, where a plain softmax would yield NaN.
@@ -16,6 +21,7 @@
 //! axis is either the full size or 1.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
@@ -23,19 +29,111 @@ use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 ///
 /// # Causal alignment
 ///
-/// The causal part is aligned to the bottom-right corner of the `[Tq, Tk]` score matrix:
-/// query `i` sees keys `j <= i + (Tk - Tq)`. With `Tq == Tk` that is the usual lower
-/// triangle; with a cache (`Tq < Tk`) the last query sees every key, which is what
-/// incremental decoding needs. This is Burn's fused-op convention and FlashAttention's;
-/// PyTorch's `is_causal` aligns top-left instead, which only differs when `Tq != Tk`.
-/// When `Tq > Tk` the first `Tq - Tk` queries have no visible key and yield zeros.
+/// By default the causal part is aligned to the bottom-right corner of the `[Tq, Tk]`
+/// score matrix: query `i` sees keys `j <= i + (Tk - Tq)`. With `Tq == Tk` that is the
+/// usual lower triangle; with a cache (`Tq < Tk`) the last query sees every key, which is
+/// what incremental decoding needs. This is Burn's fused-op convention and
+/// FlashAttention's. PyTorch's `is_causal` aligns top-left instead (query `i` sees keys
+/// `j <= i`), which only differs when `Tq != Tk`: choose it with
+/// [`aligned`](Self::aligned). When a query has no visible key (bottom-right with
+/// `Tq > Tk`: the first `Tq - Tk` queries) it yields zeros.
 #[derive(Clone, Debug, Default)]
 pub struct AttentionMask {
-    causal: bool,
+    /// What blocks by position.
+    rule: Rule,
     /// `true = blocked`, rank 4, broadcastable to `[B, H, Tq, Tk]`.
     blocked: Option<Tensor<4, Bool>>,
     /// Added to the scores, rank 4, broadcastable to `[B, H, Tq, Tk]`.
     bias: Option<Tensor<4>>,
+}
+
+/// Where the causal rule and the windows put query `i` among the keys: the key at its own
+/// position (see [`AttentionMask`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CausalAlignment {
+    /// Query `i` is at key `i + (Tk - Tq)`: the last query sees every key (decoding with
+    /// a cache, Burn, FlashAttention). The default.
+    #[default]
+    BottomRight,
+    /// Query `i` is at key `i`: PyTorch's `is_causal`.
+    TopLeft,
+}
+
+/// The keys around its own position that a query sees: `before` keys before it and `after`
+/// after it (the key at its position included).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Window {
+    pub(crate) before: usize,
+    pub(crate) after: usize,
+}
+
+/// What blocks by position: the causal part, a window, packed sequences.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Rule {
+    pub(crate) causal: bool,
+    /// `None`: bottom-right, the default, which composes with either.
+    pub(crate) alignment: Option<CausalAlignment>,
+    pub(crate) window: Option<Window>,
+    /// Per batch row, the cumulative lengths of its sequences: `[0, l1, l1 + l2, ..]`.
+    pub(crate) packed: Option<Arc<[Vec<usize>]>>,
+}
+
+impl Rule {
+    /// Both rules: causal if either is, windows intersected.
+    ///
+    /// # Panics
+    /// If they align differently or pack differently.
+    fn and(self, other: Self) -> Self {
+        let alignment = match (self.alignment, other.alignment) {
+            (Some(a), Some(b)) => {
+                assert!(
+                    a == b,
+                    "AttentionMask::and: one mask aligns {a:?}, the other {b:?}"
+                );
+                Some(a)
+            }
+            (a, b) => a.or(b),
+        };
+        let packed = match (self.packed, other.packed) {
+            (Some(a), Some(b)) => {
+                assert!(
+                    a == b,
+                    "AttentionMask::and: the masks pack different sequences"
+                );
+                Some(a)
+            }
+            (a, b) => a.or(b),
+        };
+        Self {
+            causal: self.causal || other.causal,
+            alignment,
+            window: merge(self.window, other.window, |a, b| Window {
+                before: a.before.min(b.before),
+                after: a.after.min(b.after),
+            }),
+            packed,
+        }
+    }
+
+    pub(crate) fn is_none(&self) -> bool {
+        !self.causal && self.window.is_none() && self.packed.is_none()
+    }
+
+    /// Which keys each query of a `[Tq, Tk]` problem sees under the rule.
+    pub(crate) fn visibility(&self, queries: usize, keys: usize) -> Visibility {
+        let offset = match self.alignment.unwrap_or_default() {
+            CausalAlignment::BottomRight => keys as i64 - queries as i64,
+            CausalAlignment::TopLeft => 0,
+        };
+        Visibility {
+            queries,
+            keys,
+            causal: self.causal,
+            offset,
+            window: self.window,
+            packed: self.packed.clone(),
+        }
+    }
 }
 
 impl AttentionMask {
@@ -47,9 +145,84 @@ impl AttentionMask {
     /// Each query sees itself and earlier keys (bottom-right aligned, see the type docs).
     pub fn causal() -> Self {
         Self {
-            causal: true,
+            rule: Rule {
+                causal: true,
+                ..Rule::default()
+            },
             ..Self::default()
         }
+    }
+
+    /// Sliding-window (local causal) attention: each query sees at most its last `width`
+    /// keys, itself included (keys `i + offset - width < j <= i + offset`, with the
+    /// alignment's `offset`, see the type docs).
+    ///
+    /// # Panics
+    /// If `width` is 0.
+    pub fn sliding_window(width: usize) -> Self {
+        assert!(
+            width >= 1,
+            "AttentionMask::sliding_window: width must be at least 1, got 0"
+        );
+        let window = Window {
+            before: width - 1,
+            after: 0,
+        };
+        Self {
+            rule: Rule {
+                causal: true,
+                window: Some(window),
+                ..Rule::default()
+            },
+            ..Self::default()
+        }
+    }
+
+    /// A symmetric window without the causal part: each query sees the keys at most
+    /// `radius` positions from its own, on either side.
+    pub fn local(radius: usize) -> Self {
+        let window = Window {
+            before: radius,
+            after: radius,
+        };
+        Self {
+            rule: Rule {
+                window: Some(window),
+                ..Rule::default()
+            },
+            ..Self::default()
+        }
+    }
+
+    /// Packed sequences (FlashAttention's varlen convention, per batch row): row `b` holds
+    /// the sequences `cu_seqlens[b][s]..cu_seqlens[b][s + 1]`, one after the other, and no
+    /// query attends across a boundary. Positions past a row's last boundary are padding:
+    /// they see nothing and nothing sees them. Combine with [`causal`](Self::causal) for
+    /// causal attention within each sequence. Self-attention only (`Tq == Tk`).
+    ///
+    /// # Panics
+    /// If a row's cumulative lengths do not start at 0 or do not increase, naming the row.
+    pub fn packed(cu_seqlens: &[Vec<usize>]) -> Self {
+        for (b, row) in cu_seqlens.iter().enumerate() {
+            assert!(
+                row.first() == Some(&0) && row.windows(2).all(|w| w[0] < w[1]),
+                "AttentionMask::packed: cu_seqlens[{b}] = {row:?} must start at 0 and increase"
+            );
+        }
+        Self {
+            rule: Rule {
+                packed: Some(cu_seqlens.to_vec().into()),
+                ..Rule::default()
+            },
+            ..Self::default()
+        }
+    }
+
+    /// The same mask with the causal part and the windows aligned as `alignment` says (see
+    /// the type docs).
+    pub fn aligned(mut self, alignment: CausalAlignment) -> Self {
+        self.rule.alignment = Some(alignment);
+        self
     }
 
     /// A boolean mask where `true` means **blocked**: the convention of PyTorch's
@@ -125,10 +298,14 @@ impl AttentionMask {
         }
     }
 
-    /// Both masks at once: a key is blocked if either blocks it; biases add.
+    /// Both masks at once: a key is blocked if either blocks it; biases add; windows
+    /// intersect.
+    ///
+    /// # Panics
+    /// If the two align the causal part differently or pack different sequences.
     pub fn and(self, other: Self) -> Self {
         Self {
-            causal: self.causal || other.causal,
+            rule: self.rule.and(other.rule),
             blocked: merge(self.blocked, other.blocked, |a, b| a.bool_or(b)),
             bias: merge(self.bias, other.bias, |a, b| a + b),
         }
@@ -136,16 +313,16 @@ impl AttentionMask {
 
     /// Whether the mask has a causal part.
     pub fn is_causal(&self) -> bool {
-        self.causal
+        self.rule.causal
     }
 
     /// Whether nothing is blocked and there is no bias.
     pub fn is_none(&self) -> bool {
-        !self.causal && self.blocked.is_none() && self.bias.is_none()
+        self.rule.is_none() && self.blocked.is_none() && self.bias.is_none()
     }
 
-    /// The boolean part (`true = blocked`), without the causal part, rank 4 broadcastable
-    /// to `[B, H, Tq, Tk]`.
+    /// The boolean part (`true = blocked`), without what blocks by position, rank 4
+    /// broadcastable to `[B, H, Tq, Tk]`.
     pub fn blocked(&self) -> Option<&Tensor<4, Bool>> {
         self.blocked.as_ref()
     }
@@ -155,10 +332,16 @@ impl AttentionMask {
         self.bias.as_ref()
     }
 
-    /// Checks that the boolean and additive parts broadcast to `[B, H, Tq, Tk]`.
+    /// What blocks by position.
+    pub(crate) fn rule(&self) -> &Rule {
+        &self.rule
+    }
+
+    /// Checks that the boolean and additive parts broadcast to `[B, H, Tq, Tk]`, and that
+    /// packed sequences fit it.
     ///
     /// # Panics
-    /// Naming the part, its shape and the target shape, if they do not broadcast.
+    /// Naming the part, its shape and the target shape, if they do not fit.
     pub(crate) fn check(&self, target: [usize; 4]) {
         if let Some(blocked) = &self.blocked {
             check_broadcast("boolean mask", blocked.dims(), target);
@@ -166,9 +349,26 @@ impl AttentionMask {
         if let Some(bias) = &self.bias {
             check_broadcast("additive bias", bias.dims(), target);
         }
+        if let Some(packed) = &self.rule.packed {
+            let [batch, _, queries, keys] = target;
+            assert!(
+                packed.len() == batch && queries == keys,
+                "attention mask: packed sequences for {} rows need self-attention over {} rows, \
+                 got [B, H, Tq, Tk] = {target:?}",
+                packed.len(),
+                packed.len()
+            );
+            for (b, row) in packed.iter().enumerate() {
+                let end = row.last().copied().unwrap_or(0);
+                assert!(
+                    end <= keys,
+                    "attention mask: packed sequences of row {b} end at {end}, past Tk = {keys}"
+                );
+            }
+        }
     }
 
-    /// Everything that blocks, causal part included, as one boolean tensor
+    /// Everything that blocks, what blocks by position included, as one boolean tensor
     /// broadcastable to `[B, H, Tq, Tk]`; `None` when nothing blocks.
     pub fn to_blocked(
         &self,
@@ -176,29 +376,27 @@ impl AttentionMask {
         keys: usize,
         device: &Device,
     ) -> Option<Tensor<4, Bool>> {
-        let causal = self.visibility(queries, keys).blocked(device);
-        merge(self.blocked.clone(), causal, |a, b| a.bool_or(b))
+        let rule = self
+            .visibility(queries, keys)
+            .blocked(0..queries, 0..keys, device);
+        merge(self.blocked.clone(), rule, |a, b| a.bool_or(b))
     }
 
-    /// Which keys each query of a `[Tq, Tk]` problem sees under the causal part.
+    /// Which keys each query of a `[Tq, Tk]` problem sees under the rule.
     pub(crate) fn visibility(&self, queries: usize, keys: usize) -> Visibility {
-        Visibility {
-            queries,
-            keys,
-            causal: self.causal,
-        }
+        self.rule.visibility(queries, keys)
     }
 
-    /// The mask of the sub-problem made of query rows `rows` and the first `visible` keys
-    /// of a `[.., queries, keys]` problem: the causal flag is kept (its bottom-right
-    /// alignment carries over when `visible` is what the last row sees, see
-    /// [`Visibility::keys_of`]), the boolean and additive parts are sliced where they are
-    /// not broadcast.
-    pub(crate) fn rows_and_keys(
+    /// The mask of the sub-problem made of query rows `rows` and keys `keys` of a
+    /// `[.., queries, keys]` problem: what blocks by position becomes a boolean part for
+    /// that rectangle, the boolean and additive parts are sliced where they are not
+    /// broadcast.
+    pub(crate) fn sub(
         &self,
         rows: Range<usize>,
-        visible: usize,
+        key_range: Range<usize>,
         [queries, keys]: [usize; 2],
+        device: &Device,
     ) -> Self {
         let cut = |dims: [usize; 4]| {
             let [b, h, tq, tk] = dims;
@@ -207,71 +405,193 @@ impl AttentionMask {
                 false => 0..tq,
             };
             let c = match tk == keys && tk > 1 {
-                true => 0..visible,
+                true => key_range.clone(),
                 false => 0..tk,
             };
             [0..b, 0..h, r, c]
         };
+        let rule = self
+            .visibility(queries, keys)
+            .blocked(rows.clone(), key_range.clone(), device);
+        let blocked = self
+            .blocked
+            .as_ref()
+            .map(|t| t.clone().slice(cut(t.dims())));
         Self {
-            causal: self.causal,
-            blocked: self
-                .blocked
-                .as_ref()
-                .map(|t| t.clone().slice(cut(t.dims()))),
+            rule: Rule::default(),
+            blocked: merge(blocked, rule, |a, b| a.bool_or(b)),
             bias: self.bias.as_ref().map(|t| t.clone().slice(cut(t.dims()))),
         }
     }
 }
 
-/// The causal rule, bottom-right aligned (see [`AttentionMask`]): query `i` of `Tq` sees
-/// key `j` of `Tk` when `j <= i + (Tk - Tq)`; without a causal part, every key. Every path
-/// asks it: the explicit path's boolean mask and query chunks, the CPU tiles' masks, the
-/// tiles they skip above the diagonal and their backward's key ranges.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The rule every path asks which keys a query sees: with the causal part, query `i` of
+/// `Tq` sees keys up to its own position `i + offset` (the alignment's offset, see
+/// [`AttentionMask`]); a window keeps `before` keys before that position and `after`
+/// after it; packed sequences keep the keys of the query's own sequence. Each query sees
+/// one contiguous range of keys and each key is seen by one contiguous range of queries,
+/// both moving forward with the query or the key: the explicit path's boolean mask and
+/// query chunks, the CPU tiles' masks, the tiles they skip and their backward's key
+/// ranges all follow from [`keys_of`](Self::keys_of) and [`queries_of`](Self::queries_of).
+#[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Visibility {
     /// `Tq`.
     pub(crate) queries: usize,
     /// `Tk`.
     pub(crate) keys: usize,
-    /// Whether the causal rule applies.
-    pub(crate) causal: bool,
+    causal: bool,
+    /// The key at query 0's own position.
+    offset: i64,
+    window: Option<Window>,
+    packed: Option<Arc<[Vec<usize>]>>,
 }
 
 impl Visibility {
-    /// `Tk - Tq`: the last key query `i` sees is `i + offset`.
-    fn offset(self) -> i64 {
-        self.keys as i64 - self.queries as i64
+    /// Whether some query may not see some key.
+    pub(crate) fn blocks(&self) -> bool {
+        self.causal || self.window.is_some() || self.packed.is_some()
     }
 
-    /// How many keys query `query` sees: keys `0..keys_of(query)`.
-    pub(crate) fn keys_of(self, query: usize) -> usize {
-        match self.causal {
-            true => (query as i64 + 1 + self.offset()).clamp(0, self.keys as i64) as usize,
-            false => self.keys,
+    /// The keys query `query` of batch row `b` sees.
+    pub(crate) fn keys_of(&self, b: usize, query: usize) -> Range<usize> {
+        let own = query as i64 + self.offset;
+        let (mut lo, mut hi) = (0i64, self.keys as i64);
+        if self.causal {
+            hi = hi.min(own + 1);
+        }
+        if let Some(w) = self.window {
+            lo = lo.max(own - w.before as i64);
+            hi = hi.min(own + w.after as i64 + 1);
+        }
+        self.within_sequence(b, query, lo..hi)
+    }
+
+    /// The queries of batch row `b` that see key `key`.
+    pub(crate) fn queries_of(&self, b: usize, key: usize) -> Range<usize> {
+        let k = key as i64;
+        let (mut lo, mut hi) = (0i64, self.queries as i64);
+        if self.causal {
+            lo = lo.max(k - self.offset);
+        }
+        if let Some(w) = self.window {
+            lo = lo.max(k - w.after as i64 - self.offset);
+            hi = hi.min(k + w.before as i64 - self.offset + 1);
+        }
+        self.within_sequence(b, key, lo..hi)
+    }
+
+    /// `range` cut to the packed sequence of position `t` of batch row `b` (empty for
+    /// padding past the last sequence), as positions.
+    fn within_sequence(&self, b: usize, t: usize, range: Range<i64>) -> Range<usize> {
+        let (mut lo, mut hi) = (range.start, range.end);
+        if let Some(packed) = &self.packed {
+            let Some(seq) = sequence(&packed[b], t) else {
+                return 0..0;
+            };
+            lo = lo.max(seq.start as i64);
+            hi = hi.min(seq.end as i64);
+        }
+        match lo < hi {
+            true => lo as usize..hi as usize,
+            false => 0..0,
         }
     }
 
-    /// The first query that sees key `key` (`Tq` when none does).
-    pub(crate) fn first_query(self, key: usize) -> usize {
-        match self.causal {
-            true => (key as i64 - self.offset()).clamp(0, self.queries as i64) as usize,
-            false => 0,
-        }
+    /// The keys the queries `rows` of batch row `b` see between them (each query's range
+    /// lies inside).
+    pub(crate) fn keys_of_rows(&self, b: usize, rows: Range<usize>) -> Range<usize> {
+        span(rows.map(|q| self.keys_of(b, q)))
     }
 
-    /// The causal part as a `[1, 1, Tq, Tk]` tensor, `true` where blocked; `None` without
-    /// one.
-    fn blocked(self, device: &Device) -> Option<Tensor<4, Bool>> {
-        if !self.causal {
+    /// The queries that see the keys `keys` of batch row `b` between them.
+    pub(crate) fn queries_of_keys(&self, b: usize, keys: Range<usize>) -> Range<usize> {
+        span(keys.map(|k| self.queries_of(b, k)))
+    }
+
+    /// What the rule blocks among query rows `rows` and keys `keys`, as a `[1 or B, 1,
+    /// rows, keys]` tensor (`true` = blocked); `None` when it blocks nothing.
+    fn blocked(
+        &self,
+        rows: Range<usize>,
+        keys: Range<usize>,
+        device: &Device,
+    ) -> Option<Tensor<4, Bool>> {
+        if !self.blocks() {
             return None;
         }
-        let (queries, keys, offset) = (self.queries, self.keys, self.offset());
-        // Key j is blocked for query i when j > i + offset.
-        let last = Tensor::<1, Int>::arange(offset..offset + queries as i64, device);
-        let key = Tensor::<1, Int>::arange(0..keys as i64, device).reshape([1, keys]);
-        let blocked = key.greater(last.reshape([queries, 1]));
-        Some(blocked.reshape([1, 1, queries, keys]))
+        let (r, k) = (rows.len(), keys.len());
+        let int = |range: Range<i64>, shape: [usize; 2]| {
+            Tensor::<1, Int>::arange(range, device).reshape(shape)
+        };
+        // Key j minus query i's own position.
+        let start = rows.start as i64 + self.offset;
+        let own = int(start..start + r as i64, [r, 1]);
+        let distance = int(keys.start as i64..keys.end as i64, [1, k]) - own; // [r, k]
+        let mut blocked: Option<Tensor<2, Bool>> = None;
+        let mut block = |b: Tensor<2, Bool>| {
+            blocked = Some(match blocked.take() {
+                Some(a) => a.bool_or(b),
+                None => b,
+            })
+        };
+        if self.causal {
+            block(distance.clone().greater_elem(0));
+        }
+        if let Some(w) = self.window {
+            block(distance.clone().greater_elem(w.after as i64));
+            block(distance.lower_elem(-(w.before as i64)));
+        }
+        let by_position = blocked.map(|b| b.reshape([1, 1, r, k]));
+        let Some(packed) = &self.packed else {
+            return by_position;
+        };
+        // Sequence ids: padding past the last boundary is -1 among the queries and -2
+        // among the keys, so that it matches nothing.
+        let ids = |range: &Range<usize>, len: usize, pad: i64| -> Vec<i64> {
+            packed
+                .iter()
+                .flat_map(|row| {
+                    range
+                        .clone()
+                        .map(move |t| match sequence(row, t).filter(|_| t < len) {
+                            Some(seq) => seq.start as i64,
+                            None => pad,
+                        })
+                })
+                .collect()
+        };
+        let batch = packed.len();
+        let query_ids = Tensor::<2, Int>::from_data(
+            TensorData::new(ids(&rows, self.queries, -1), [batch, r]),
+            device,
+        );
+        let key_ids = Tensor::<2, Int>::from_data(
+            TensorData::new(ids(&keys, self.keys, -2), [batch, k]),
+            device,
+        );
+        let across = query_ids
+            .reshape([batch, 1, r, 1])
+            .not_equal(key_ids.reshape([batch, 1, 1, k])); // [B, 1, r, k]
+        Some(match by_position {
+            Some(b) => across.bool_or(b),
+            None => across,
+        })
     }
+}
+
+/// The sequence holding position `t` of a row packed as `cumulative` lengths; `None` for
+/// padding past the row's last boundary.
+fn sequence(cumulative: &[usize], t: usize) -> Option<Range<usize>> {
+    let s = cumulative.partition_point(|&start| start <= t);
+    (s >= 1 && s < cumulative.len()).then(|| cumulative[s - 1]..cumulative[s])
+}
+
+/// The smallest range holding every non-empty range of `ranges`.
+fn span(ranges: impl Iterator<Item = Range<usize>>) -> Range<usize> {
+    ranges
+        .filter(|r| !r.is_empty())
+        .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end))
+        .unwrap_or(0..0)
 }
 
 /// Scores at or below [`DEAD_ROW`] count as blocked. Blocked f32 scores are set to

@@ -40,6 +40,10 @@ pub struct MultiHeadAttentionConfig {
     /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(d_model / n_heads)`.
     #[config(default = "None")]
     pub scale: Option<f64>,
+    /// Logit soft-capping: the scaled scores become `cap · tanh(s / cap)` (Gemma 2 uses
+    /// 50). Default: none.
+    #[config(default = "None")]
+    pub softcap: Option<f64>,
 }
 
 /// The input projection: PyTorch's packed `in_proj` when keys and values have width
@@ -92,6 +96,8 @@ pub struct MultiHeadAttention {
     pub vdim: usize,
     /// Score scale.
     pub scale: f64,
+    /// Soft cap of the scores, if any.
+    pub softcap: Option<f64>,
 }
 
 /// Where keys and values come from.
@@ -181,7 +187,7 @@ impl MultiHeadAttentionConfig {
     /// # Errors
     /// A [`ConfigError`] naming the field and values when a size is zero, `d_model` is
     /// not divisible by `n_heads`, `n_heads` not by `n_kv_heads`, the dropout is outside
-    /// `[0, 1)` or the scale is not positive and finite.
+    /// `[0, 1)` or the scale or the soft cap is not positive and finite.
     pub fn try_init(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
         let check = Check("MultiHeadAttentionConfig");
         let n_kv_heads = self.n_kv_heads.unwrap_or(self.n_heads);
@@ -197,6 +203,9 @@ impl MultiHeadAttentionConfig {
         check.probability("dropout", self.dropout)?;
         if let Some(scale) = self.scale {
             check.positive("scale", scale)?;
+        }
+        if let Some(cap) = self.softcap {
+            check.positive("softcap", cap)?;
         }
 
         let head_dim = self.d_model / self.n_heads;
@@ -234,6 +243,7 @@ impl MultiHeadAttentionConfig {
             kdim,
             vdim,
             scale: self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt()),
+            softcap: self.softcap,
         })
     }
 
@@ -287,6 +297,7 @@ impl MultiHeadAttention {
             scale: Some(self.scale),
             dropout: if training { self.dropout.prob } else { 0.0 },
             weights,
+            softcap: self.softcap,
         };
         let out = scaled_dot_product_attention(q, k, v, &mask, options);
         let context =

@@ -4,7 +4,7 @@
 
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{LayerNorm, LayerNormConfig};
+use burn::nn::LayerNorm;
 use burn::tensor::{Device, Tensor};
 
 use crate::block::{DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig};
@@ -29,28 +29,54 @@ pub struct DecoderConfig {
     pub n_layers: usize,
 }
 
-/// `n_layers` blocks from `block`, and the final norm a pre-norm stack needs.
+/// A block configuration a stack repeats.
+trait BlockSpec {
+    type Block;
+    /// One block.
+    fn build(&self, device: &Device) -> Result<Self::Block, ConfigError>;
+    /// The final norm a pre-norm stack of these blocks needs (its blocks leave the
+    /// residual stream un-normalised), if any.
+    fn final_norm(&self, device: &Device) -> Option<LayerNorm>;
+}
+
+impl BlockSpec for EncoderBlockConfig {
+    type Block = EncoderBlock;
+
+    fn build(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
+        self.try_init(device)
+    }
+
+    fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
+        self.final_norm(device)
+    }
+}
+
+impl BlockSpec for DecoderBlockConfig {
+    type Block = DecoderBlock;
+
+    fn build(&self, device: &Device) -> Result<DecoderBlock, ConfigError> {
+        self.try_init(device)
+    }
+
+    fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
+        self.final_norm(device)
+    }
+}
+
+/// `n_layers` blocks of `block`, and the final norm a pre-norm stack needs.
 ///
 /// # Errors
 /// A [`ConfigError`] of `config` when `n_layers` is 0, or the block's error.
-fn layers<L>(
+#[allow(clippy::type_complexity)]
+fn layers<C: BlockSpec>(
     config: &'static str,
     n_layers: usize,
-    [norm_first, bias]: [bool; 2],
-    d_model: usize,
-    eps: f64,
+    block: &C,
     device: &Device,
-    block: impl Fn() -> Result<L, ConfigError>,
-) -> Result<(Vec<L>, Option<LayerNorm>), ConfigError> {
+) -> Result<(Vec<C::Block>, Option<LayerNorm>), ConfigError> {
     Check(config).nonzero("n_layers", n_layers)?;
-    let layers = (0..n_layers).map(|_| block()).collect::<Result<_, _>>()?;
-    let norm = norm_first.then(|| {
-        LayerNormConfig::new(d_model)
-            .with_epsilon(eps)
-            .with_bias(bias)
-            .init(device)
-    });
-    Ok((layers, norm))
+    let layers = (0..n_layers).map(|_| block.build(device));
+    Ok((layers.collect::<Result<_, _>>()?, block.final_norm(device)))
 }
 
 impl EncoderConfig {
@@ -59,17 +85,7 @@ impl EncoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Encoder, ConfigError> {
-        let b = &self.block;
-        let flags = [b.norm_first, b.bias];
-        let (layers, norm) = layers(
-            "EncoderConfig",
-            self.n_layers,
-            flags,
-            b.d_model,
-            b.layer_norm_eps,
-            device,
-            || b.try_init(device),
-        )?;
+        let (layers, norm) = layers("EncoderConfig", self.n_layers, &self.block, device)?;
         Ok(Encoder { layers, norm })
     }
 
@@ -88,17 +104,7 @@ impl DecoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Decoder, ConfigError> {
-        let b = &self.block;
-        let flags = [b.norm_first, b.bias];
-        let (layers, norm) = layers(
-            "DecoderConfig",
-            self.n_layers,
-            flags,
-            b.d_model,
-            b.layer_norm_eps,
-            device,
-            || b.try_init(device),
-        )?;
+        let (layers, norm) = layers("DecoderConfig", self.n_layers, &self.block, device)?;
         Ok(Decoder { layers, norm })
     }
 

@@ -20,10 +20,11 @@ pub(super) enum Path {
     #[cfg(any(feature = "flex", feature = "ndarray"))]
     Tiles,
     /// Matmul, mask, softmax, matmul, in query chunks of `chunk` rows (`chunk >= Tq`: one
-    /// pass). Chunks from `2 * MIN_CHUNK` queries on when the mask is causal (a chunk
-    /// skips the keys its rows cannot see) or the device does not differentiate (a chunk's
-    /// scores are freed before the next one's exist; under autodiff every chunk's are
-    /// kept for the backward pass, so chunking would only add launches).
+    /// pass). Chunks from `2 * MIN_CHUNK` queries on when the mask blocks by position
+    /// (causal, windows, packed sequences: a chunk skips the keys its rows cannot see) or
+    /// the device does not differentiate (a chunk's scores are freed before the next one's
+    /// exist; under autodiff every chunk's are kept for the backward pass, so chunking
+    /// would only add launches).
     Explicit { chunk: usize },
 }
 
@@ -59,7 +60,8 @@ struct Call {
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
     f32_bytes: bool,
     queries: usize,
-    causal: bool,
+    /// The mask blocks by position.
+    by_position: bool,
 }
 
 impl Path {
@@ -83,7 +85,7 @@ impl Path {
             autodiff: device.is_autodiff(),
             f32_bytes: bool_bytes && floats.into_iter().all(|t| t.dtype() == DType::F32),
             queries: query.dims()[2],
-            causal: mask.is_causal(),
+            by_position: !mask.rule().is_none(),
         })
     }
 
@@ -93,7 +95,7 @@ impl Path {
             return Path::Tiles;
         }
         let long = call.queries >= 2 * MIN_CHUNK;
-        let chunk = match long && (call.causal || !call.autodiff) {
+        let chunk = match long && (call.by_position || !call.autodiff) {
             true => MIN_CHUNK.max(call.queries.div_ceil(MAX_CHUNKS)),
             false => call.queries,
         };
@@ -106,13 +108,13 @@ mod tests {
     use super::*;
     use burn::tensor::Device;
 
-    fn call(cpu: Option<Cpu>, autodiff: bool, queries: usize, causal: bool) -> Call {
+    fn call(cpu: Option<Cpu>, autodiff: bool, queries: usize, by_position: bool) -> Call {
         Call {
             cpu,
             autodiff,
             f32_bytes: true,
             queries,
-            causal,
+            by_position,
         }
     }
 

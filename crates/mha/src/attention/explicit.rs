@@ -3,12 +3,16 @@
 //! asked for, and dropout acts here. Long calls run in query chunks (see
 //! [`super::dispatch::Path::Explicit`]).
 
+use std::ops::Range;
+
 use burn::tensor::{Distribution, Tensor, activation::softmax};
 
+use super::{Scores, SdpaOptions};
 use crate::mask::{AttentionMask, Sentinels};
 
-/// The attention weights `softmax(Q Kᵀ · scale + bias, masked)`, `[B, H, Tq, Tk]`; rows
-/// with every key blocked are all zero.
+/// The attention weights `softmax(cap(Q Kᵀ · scale) + bias, masked)`, `[B, H, Tq, Tk]`,
+/// with the scale (default `1 / sqrt(Dk)`) and soft cap of `options`; rows with every key
+/// blocked are all zero.
 ///
 /// # Shapes
 /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]` with `H % Hkv == 0`.
@@ -16,29 +20,43 @@ pub fn attention_weights(
     query: Tensor<4>,
     key: Tensor<4>,
     mask: &AttentionMask,
-    scale: f64,
+    options: SdpaOptions,
 ) -> Tensor<4> {
+    let d_k = query.dims()[3];
+    let scores = Scores {
+        scale: options.scale.unwrap_or(1.0 / (d_k as f64).sqrt()),
+        softcap: options.softcap,
+    };
+    weights(query, key, mask, scores)
+}
+
+/// [`attention_weights`] with the scale resolved.
+fn weights(query: Tensor<4>, key: Tensor<4>, mask: &AttentionMask, scores: Scores) -> Tensor<4> {
     let queries = query.dims()[2];
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();
     let sentinels = Sentinels::of(query.dtype());
     // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
     // the queries, `Dk` times fewer values than the scores (forward and backward).
-    let scores = grouped_matmul(query * scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
-    let scores = match mask.additive_bias() {
-        Some(bias) => scores + bias.clone().clamp_min(sentinels.blocked),
-        None => scores,
+    let s = grouped_matmul(query * scores.scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
+    let s = match scores.softcap {
+        Some(cap) => (s / cap).tanh() * cap,
+        None => s,
     };
-    let scores = match mask.to_blocked(queries, keys, &device) {
-        Some(blocked) => scores.mask_fill(blocked, sentinels.blocked),
-        None => scores,
+    let s = match mask.additive_bias() {
+        Some(bias) => s + bias.clone().clamp_min(sentinels.blocked),
+        None => s,
     };
-    let weights = softmax(scores.clone(), 3);
-    if !may_block_rows(mask, queries, keys) {
+    let s = match mask.to_blocked(queries, keys, &device) {
+        Some(blocked) => s.mask_fill(blocked, sentinels.blocked),
+        None => s,
+    };
+    let weights = softmax(s.clone(), 3);
+    if !may_block_rows(mask) {
         return weights;
     }
     // A row whose best score is a blocked one has no visible key: zero it.
-    let open = scores.max_dim(3).greater_elem(sentinels.dead_row); // [B, H, Tq, 1]
+    let open = s.max_dim(3).greater_elem(sentinels.dead_row); // [B, H, Tq, 1]
     let dtype = weights.dtype();
     weights * open.float().cast(dtype)
 }
@@ -46,15 +64,13 @@ pub fn attention_weights(
 /// The context `[B, H, Tq, Dv]` and the weights `[B, H, Tq, Tk]` (before dropout), with
 /// dropout of probability `dropout` on the weights that make the context.
 pub(super) fn with_weights(
-    query: Tensor<4>,
-    key: Tensor<4>,
-    value: Tensor<4>,
+    [query, key, value]: [Tensor<4>; 3],
     mask: &AttentionMask,
-    scale: f64,
+    scores: Scores,
     dropout: f64,
 ) -> (Tensor<4>, Tensor<4>) {
     let kv_heads = key.dims()[1];
-    let weights = attention_weights(query, key, mask, scale); // [B, H, Tq, Tk]
+    let weights = weights(query, key, mask, scores); // [B, H, Tq, Tk]
     let dropped = match dropout > 0.0 {
         true => {
             let keep = 1.0 - dropout;
@@ -65,54 +81,55 @@ pub(super) fn with_weights(
     (grouped_matmul(dropped, value, kv_heads), weights)
 }
 
-/// The context alone, `[B, H, Tq, Dv]`, in query chunks of `chunk` rows. A causal chunk
-/// reads only the keys its last row can see, which skips the blocked upper triangle
-/// (about half the score work and memory at long lengths), forward and, under autodiff,
-/// backward; the bottom-right causal alignment of that sub-problem is the original one, so
-/// each chunk is plain masked attention with its slice of the boolean and additive parts.
+/// The context alone, `[B, H, Tq, Dv]`, in query chunks of `chunk` rows. A chunk reads
+/// only the keys its rows can see (causal: the blocked upper triangle is never computed,
+/// about half the work and memory at long lengths; a window: only the band), forward and,
+/// under autodiff, backward; what blocks by position within the chunk becomes its boolean
+/// mask.
 pub(super) fn context(
-    query: Tensor<4>,
-    key: Tensor<4>,
-    value: Tensor<4>,
+    [query, key, value]: [Tensor<4>; 3],
     mask: &AttentionMask,
-    scale: f64,
+    scores: Scores,
     chunk: usize,
 ) -> Tensor<4> {
     let [batch, heads, queries, d_k] = query.dims();
     let [_, kv_heads, keys, d_v] = value.dims();
     if chunk >= queries {
-        return with_weights(query, key, value, mask, scale, 0.0).0;
+        return with_weights([query, key, value], mask, scores, 0.0).0;
     }
     let visibility = mask.visibility(queries, keys);
+    let rows_of_batch = mask.rule().packed.as_ref().map_or(1, |p| p.len());
     let device = query.device();
     let parts = (0..queries).step_by(chunk).map(|start| {
-        let end = (start + chunk).min(queries);
-        let visible = visibility.keys_of(end - 1);
-        if visible == 0 {
-            // Every key is in these queries' future: no visible key, zeros.
-            let zeros = Tensor::<4>::zeros([batch, heads, end - start, d_v], &device);
+        let rows = start..(start + chunk).min(queries);
+        let seen: Range<usize> = (0..rows_of_batch)
+            .map(|b| visibility.keys_of_rows(b, rows.clone()))
+            .filter(|r| !r.is_empty())
+            .reduce(|a, b| a.start.min(b.start)..a.end.max(b.end))
+            .unwrap_or(0..0);
+        if seen.is_empty() {
+            // No query of the chunk sees a key: zeros.
+            let zeros = Tensor::<4>::zeros([batch, heads, rows.len(), d_v], &device);
             return zeros.cast(query.dtype());
         }
         let q = query
             .clone()
-            .slice([0..batch, 0..heads, start..end, 0..d_k]);
+            .slice([0..batch, 0..heads, rows.clone(), 0..d_k]);
         let k = key
             .clone()
-            .slice([0..batch, 0..kv_heads, 0..visible, 0..d_k]);
+            .slice([0..batch, 0..kv_heads, seen.clone(), 0..d_k]);
         let v = value
             .clone()
-            .slice([0..batch, 0..kv_heads, 0..visible, 0..d_v]);
-        let sub = mask.rows_and_keys(start..end, visible, [queries, keys]);
-        with_weights(q, k, v, &sub, scale, 0.0).0
+            .slice([0..batch, 0..kv_heads, seen.clone(), 0..d_v]);
+        let sub = mask.sub(rows, seen, [queries, keys], &device);
+        with_weights([q, k, v], &sub, scores, 0.0).0
     });
     Tensor::cat(parts.collect(), 2)
 }
 
 /// Whether some query row may have every key blocked.
-fn may_block_rows(mask: &AttentionMask, queries: usize, keys: usize) -> bool {
-    mask.blocked().is_some()
-        || mask.additive_bias().is_some()
-        || mask.visibility(queries, keys).keys_of(0) == 0
+fn may_block_rows(mask: &AttentionMask) -> bool {
+    mask.blocked().is_some() || mask.additive_bias().is_some() || !mask.rule().is_none()
 }
 
 /// `a @ b` where `a` has `H` heads and `b` has `Hkv`, query head `h` pairing with

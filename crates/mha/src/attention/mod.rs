@@ -28,6 +28,13 @@ pub use explicit::attention_weights;
 use crate::mask::AttentionMask;
 use dispatch::Path;
 
+/// How the scores are made from `Q Kᵀ`: the scale and the soft cap.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Scores {
+    pub(crate) scale: f64,
+    pub(crate) softcap: Option<f64>,
+}
+
 /// Which attention weights to return.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionWeights {
@@ -51,6 +58,9 @@ pub struct SdpaOptions {
     pub dropout: f64,
     /// Which weights to return.
     pub weights: AttentionWeights,
+    /// Logit soft-capping (Gemma 2): the scaled scores become `cap · tanh(s / cap)`
+    /// before the bias and the mask, which bounds them to `(-cap, cap)`. `None`: no cap.
+    pub softcap: Option<f64>,
 }
 
 impl SdpaOptions {
@@ -71,6 +81,12 @@ impl SdpaOptions {
         self.weights = weights;
         self
     }
+
+    /// Sets the soft cap of the scores.
+    pub fn with_softcap(mut self, cap: f64) -> Self {
+        self.softcap = Some(cap);
+        self
+    }
 }
 
 /// The result of attention.
@@ -83,7 +99,8 @@ pub struct AttentionOutput {
     pub weights: Option<Tensor<4>>,
 }
 
-/// Scaled dot-product attention with a typed mask, GQA and optional weights.
+/// Scaled dot-product attention with a typed mask, GQA, an optional soft cap and optional
+/// weights.
 ///
 /// # Shapes
 /// - `query`: `[B, H, Tq, Dk]`
@@ -94,7 +111,8 @@ pub struct AttentionOutput {
 ///
 /// # Panics
 /// If the shapes disagree (naming the tensors and their shapes), if `H` is not a multiple
-/// of `Hkv`, if the dropout is outside `[0, 1)` or the scale is not positive and finite.
+/// of `Hkv`, if the dropout is outside `[0, 1)` or the scale or the soft cap is not
+/// positive and finite.
 pub fn scaled_dot_product_attention(
     query: Tensor<4>,
     key: Tensor<4>,
@@ -116,10 +134,20 @@ pub fn scaled_dot_product_attention(
         scale.is_finite() && scale > 0.0,
         "scaled_dot_product_attention: scale must be positive and finite, got {scale}"
     );
+    if let Some(cap) = options.softcap {
+        assert!(
+            cap.is_finite() && cap > 0.0,
+            "scaled_dot_product_attention: softcap must be positive and finite, got {cap}"
+        );
+    }
+    let scores = Scores {
+        scale,
+        softcap: options.softcap,
+    };
 
     if options.weights != AttentionWeights::None || options.dropout > 0.0 {
-        let (context, weights) =
-            explicit::with_weights(query, key, value, mask, scale, options.dropout);
+        let inputs = [query, key, value];
+        let (context, weights) = explicit::with_weights(inputs, mask, scores, options.dropout);
         let weights = match options.weights {
             AttentionWeights::None => None,
             AttentionWeights::PerHead => Some(weights),
@@ -129,8 +157,8 @@ pub fn scaled_dot_product_attention(
     }
     let context = match Path::of(&query, &key, &value, mask) {
         #[cfg(any(feature = "flex", feature = "ndarray"))]
-        Path::Tiles => recompute::attention(query, key, value, mask, scale),
-        Path::Explicit { chunk } => explicit::context(query, key, value, mask, scale, chunk),
+        Path::Tiles => recompute::attention([query, key, value], mask, scores),
+        Path::Explicit { chunk } => explicit::context([query, key, value], mask, scores, chunk),
     };
     AttentionOutput {
         context,

@@ -35,8 +35,9 @@ use burn::backend::{
 };
 use burn::tensor::Tensor;
 
-use crate::cpu::{CpuTensors, Dims, tiled_backward, tiled_forward};
-use crate::mask::AttentionMask;
+use super::Scores;
+use crate::cpu::{CpuTensors, Dims, Scoring, tiled_backward, tiled_forward};
+use crate::mask::{AttentionMask, Rule};
 
 /// The boolean part of a mask (`true = blocked`), broadcastable to `[B, H, Tq, Tk]`.
 #[derive(ExtensionType)]
@@ -63,7 +64,8 @@ pub(crate) enum Bias<B: Backend> {
     Autodiff
 )]
 pub(crate) trait RecomputeAttention: Backend {
-    /// `softmax(Q Kᵀ · scale + bias, masked) V`.
+    /// `softmax(cap(Q Kᵀ · scale) + bias, masked) V`, with the scale and the soft cap of
+    /// `scores` (`cap(s) = softcap · tanh(s / softcap)`), and `rule` masking by position.
     ///
     /// # Shapes
     /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`,
@@ -76,8 +78,8 @@ pub(crate) trait RecomputeAttention: Backend {
         value: FloatTensor<Self>,
         #[extension_type] blocked: Blocked<Self>,
         #[extension_type] bias: Bias<Self>,
-        causal: bool,
-        scale: f64,
+        rule: Rule,
+        scores: Scores,
     ) -> FloatTensor<Self>;
 }
 
@@ -91,15 +93,15 @@ macro_rules! forward_only {
                 value: FloatTensor<Self>,
                 blocked: Blocked<Self>,
                 bias: Bias<Self>,
-                causal: bool,
-                scale: f64,
+                rule: Rule,
+                scores: Scores,
             ) -> FloatTensor<Self> {
                 let bias = match bias {
                     Bias::Nothing => None,
                     Bias::Add(bias) => Some(bias),
                 };
                 let inputs = [&query, &key, &value];
-                let problem = Problem::<Self>::new(inputs, blocked, bias, causal, scale);
+                let problem = Problem::<Self>::new(inputs, blocked, bias, rule, scores);
                 problem.forward(inputs).0
             }
         }
@@ -120,8 +122,8 @@ impl<B: RecomputeAttention + CpuTensors, C: CheckpointStrategy> RecomputeAttenti
         value: FloatTensor<Self>,
         blocked: Blocked<Self>,
         bias: Bias<Self>,
-        causal: bool,
-        scale: f64,
+        rule: Rule,
+        scores: Scores,
     ) -> FloatTensor<Self> {
         // `Blocked<Autodiff<B>>` to `Blocked<B>`: boolean tensors are the inner backend's.
         let blocked = match blocked {
@@ -143,11 +145,11 @@ impl<B: RecomputeAttention + CpuTensors, C: CheckpointStrategy> RecomputeAttenti
         let qkv = [query, key, value];
         match bias {
             None => {
-                let problem = Problem::new(qkv, blocked, None, causal, scale);
+                let problem = Problem::new(qkv, blocked, None, rule, scores);
                 tracked::<B, C, 3>([q, k, v], problem, inputs)
             }
             Some((node, bias)) => {
-                let problem = Problem::new(qkv, blocked, Some(bias), causal, scale);
+                let problem = Problem::new(qkv, blocked, Some(bias), rule, scores);
                 tracked::<B, C, 4>([q, k, v, node], problem, inputs)
             }
         }
@@ -212,6 +214,7 @@ impl<B: CpuTensors, const N: usize> Backward<B, N> for AttentionBackward {
         let bias_grad = ops.parents.get(3).is_some_and(Option::is_some);
         let (dq, dk, dv, d_bias) = tiled_backward::<B>(
             problem.dims,
+            &problem.scoring,
             [&state.query, &state.key, &state.value],
             &state.output,
             &state.lse,
@@ -229,10 +232,11 @@ impl<B: CpuTensors, const N: usize> Backward<B, N> for AttentionBackward {
     }
 }
 
-/// The sizes and mask of one attention call.
+/// The sizes, scoring and mask of one attention call.
 #[derive(Debug, Clone)]
 struct Problem<B: CpuTensors> {
     dims: Dims,
+    scoring: Scoring,
     blocked: Option<BoolTensor<B>>,
     bias: Option<FloatTensor<B>>,
 }
@@ -242,15 +246,20 @@ impl<B: CpuTensors> Problem<B> {
         [query, key, value]: [&FloatTensor<B>; 3],
         blocked: Blocked<B>,
         bias: Option<FloatTensor<B>>,
-        causal: bool,
-        scale: f64,
+        rule: Rule,
+        scores: Scores,
     ) -> Self {
         let shapes = [query, key, value].map(|t| {
             let dims: Vec<usize> = t.shape().iter().copied().collect();
             <[usize; 4]>::try_from(dims).expect("rank 4")
         });
+        let dims = Dims::new(shapes, scores.scale);
         Self {
-            dims: Dims::new(shapes, causal, scale),
+            dims,
+            scoring: Scoring {
+                softcap: scores.softcap.map(|cap| cap as f32),
+                visibility: rule.visibility(dims.queries, dims.keys),
+            },
             blocked: match blocked {
                 Blocked::Nothing => None,
                 Blocked::Mask(mask) => Some(mask),
@@ -261,7 +270,8 @@ impl<B: CpuTensors> Problem<B> {
 
     /// The output `[B, H, Tq, Dv]` and the log-sum-exp of every row, `[B, H, Tq, 1]`.
     fn forward(&self, qkv: [&FloatTensor<B>; 3]) -> (FloatTensor<B>, FloatTensor<B>) {
-        tiled_forward::<B>(self.dims, qkv, self.blocked.as_ref(), self.bias.as_ref())
+        let (blocked, bias) = (self.blocked.as_ref(), self.bias.as_ref());
+        tiled_forward::<B>(self.dims, &self.scoring, qkv, blocked, bias)
     }
 }
 
@@ -273,11 +283,9 @@ impl<B: CpuTensors> Problem<B> {
 /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
 /// - result: `[B, H, Tq, Dv]`
 pub(super) fn attention(
-    query: Tensor<4>,
-    key: Tensor<4>,
-    value: Tensor<4>,
+    [query, key, value]: [Tensor<4>; 3],
     mask: &AttentionMask,
-    scale: f64,
+    scores: Scores,
 ) -> Tensor<4> {
     let blocked = match mask.blocked() {
         Some(blocked) => Blocked::Mask(blocked.clone().into_dispatch()),
@@ -293,8 +301,8 @@ pub(super) fn attention(
         value.into_dispatch(),
         blocked,
         bias,
-        mask.is_causal(),
-        scale,
+        mask.rule().clone(),
+        scores,
     );
     Tensor::from_dispatch(output)
 }

@@ -21,7 +21,8 @@ use rayon::prelude::*;
 use super::gemm::Avx2;
 use super::gemm::{Arch, Isa, Portable};
 use super::math::dot_product;
-use super::{Dims, Extra, Gradients, Grid, KT, Out, QT, Tile, mask_tile};
+use super::{Dims, Extra, Gradients, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
+use crate::mask::Visibility;
 
 /// Backward pass: the gradients of the inputs `[q, k, v, output, grad]` of [`forward`](super::forward)
 /// (`grad`: the output's gradient, `[B, H, Tq, Dv]`) from the log-sum-exp `[B, H, Tq]`
@@ -62,7 +63,7 @@ pub(super) fn backward_on(
     let mut dq = vec![0.0f32; batch * queries * heads * d_k];
     let mut dk = vec![0.0f32; batch * keys * kv_heads * d_k];
     let mut dv = vec![0.0f32; batch * keys * kv_heads * d_v];
-    let ranges = key_ranges(dims, threads);
+    let ranges = key_ranges(dims, &extra.scoring.visibility, threads);
     let split = ranges.len();
     let dq_out = Out(dq.as_mut_ptr());
     let dk_out = Out(dk.as_mut_ptr());
@@ -230,17 +231,20 @@ impl BiasPart {
 }
 
 /// The key ranges each key/value head's backward pass is cut into: one range when there
-/// are at least two such heads per thread, else enough ranges of about equal work (a causal key is
-/// seen by fewer queries the later it comes) for two tasks per thread.
-fn key_ranges(dims: Dims, threads: usize) -> Vec<Range<usize>> {
+/// are at least two such heads per thread, else enough ranges of about equal work (a causal
+/// key is seen by fewer queries the later it comes) for two tasks per thread, reckoned on
+/// batch row 0.
+fn key_ranges(dims: Dims, visibility: &Visibility, threads: usize) -> Vec<Range<usize>> {
     let heads = dims.batch * dims.kv_heads;
     let tiles = dims.keys.div_ceil(KT);
     let split = (2 * threads).div_ceil(heads.max(1)).clamp(1, tiles.max(1));
     if split == 1 {
         return std::iter::once(0..dims.keys).collect();
     }
-    let visibility = dims.visibility();
-    let work = |tile: usize| dims.queries - visibility.first_query(tile * KT) + 1;
+    let work = |tile: usize| {
+        let keys = tile * KT..((tile + 1) * KT).min(dims.keys);
+        visibility.queries_of_keys(0, keys).len() + 1
+    };
     let total: usize = (0..tiles).map(work).sum();
     let mut ranges = Vec::with_capacity(split);
     let (mut start, mut done) = (0, 0);
@@ -385,13 +389,18 @@ impl<'a> Head<'a> {
         assert!(dq.len() >= queries * d_k, "dQ holds every query");
         let mut p = vec![0.0f32; KT * QT];
         let mut ds = vec![0.0f32; KT * QT];
+        let mut slope = match extra.scoring.softcap {
+            Some(_) => vec![0.0f32; KT * QT],
+            None => Vec::new(),
+        };
         for k0 in range.clone().step_by(KT) {
             let nk = KT.min(range.end - k0);
             let (kp, ks) = k.rows(b, kvh, k0, [nk, d_k]);
             let (vp, vs) = v.rows(b, kvh, k0, [nk, d_v]);
             let j0 = k0 - range.start;
-            let first = dims.visibility().first_query(k0) / QT * QT;
-            for q0 in (first..queries).step_by(QT) {
+            // The queries that see these keys; tiles outside are never visited.
+            let seen = extra.scoring.visibility.queries_of_keys(b, k0..k0 + nk);
+            for q0 in (seen.start / QT * QT..seen.end).step_by(QT) {
                 let nq = QT.min(queries - q0);
                 let tile = Tile { b, h, q0, nq };
                 // SAFETY (every product below): K and V rows k0..k0+nk, the packed
@@ -406,7 +415,10 @@ impl<'a> Head<'a> {
                         (p.as_mut_ptr(), QT),
                         false,
                     );
-                    mask_tile(dims, extra, tile, k0, nk, &mut p);
+                    if let Some(cap) = extra.scoring.softcap {
+                        soft_cap::<A>(cap, [nk, nq], &mut p, Some(&mut slope));
+                    }
+                    mask_tile(extra, tile, k0, nk, &mut p);
                     let lse = &self.lse[q0..q0 + nq];
                     for row in p.chunks_exact_mut(QT).take(nk) {
                         for (x, &l) in row[..nq].iter_mut().zip(lse) {
@@ -438,6 +450,14 @@ impl<'a> Head<'a> {
                     }
                     if let Some(part) = kv.bias.as_mut() {
                         part.add(h % dims.group(), [q0, nq], [k0, nk], &ds);
+                    }
+                    // Through the soft cap: dS_raw = dS ⊙ (1 - tanh²).
+                    if extra.scoring.softcap.is_some() {
+                        for (d, f) in ds.chunks_exact_mut(QT).zip(slope.chunks_exact(QT)).take(nk) {
+                            for (d, &f) in d[..nq].iter_mut().zip(f) {
+                                *d *= f;
+                            }
+                        }
                     }
                     // dK += dSᵀ (Q·scale)
                     A::gemm(
@@ -475,10 +495,10 @@ mod tests {
             keys: 1000,
             d_k: 8,
             d_v: 8,
-            causal: true,
             scale: 1.0,
         };
-        let ranges = key_ranges(dims, 8);
+        let causal = crate::mask::AttentionMask::causal().visibility(1000, 1000);
+        let ranges = key_ranges(dims, &causal, 8);
         assert_eq!(ranges.len(), 8);
         assert_eq!(ranges[0].start, 0);
         assert_eq!(ranges.last().map(|r| r.end), Some(1000));
@@ -493,6 +513,7 @@ mod tests {
                 kv_heads: 16,
                 ..dims
             },
+            &causal,
             8,
         );
         assert_eq!((one.len(), one[0].clone()), (1, 0..1000));

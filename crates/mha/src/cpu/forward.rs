@@ -7,7 +7,7 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 use super::gemm::Avx2;
 use super::gemm::{Arch, Isa, Portable};
-use super::{Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile};
+use super::{Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
 /// Forward pass: `(output, lse)`, the output laid out `[B, Tq, H, Dv]` and the
@@ -149,9 +149,10 @@ impl Scratch {
         self.max[..nq].fill(f32::NEG_INFINITY);
         self.sum[..nq].fill(0.0);
         self.acc[..nq * d_v].fill(0.0);
-        let visible = dims.visibility().keys_of(q0 + nq - 1);
-        for k0 in (0..visible).step_by(KT) {
-            let nk = KT.min(visible - k0);
+        // The keys the tile's queries see between them; tiles outside are never visited.
+        let seen = extra.scoring.visibility.keys_of_rows(b, q0..q0 + nq);
+        for k0 in seen.clone().step_by(KT) {
+            let nk = KT.min(seen.end - k0);
             let (kp, ks) = k.rows(b, h / dims.group(), k0, [nk, d_k]);
             // SAFETY: rows k0..k0+nk of K (d_k columns); the packed queries; `s` holds
             // KT x QT.
@@ -164,7 +165,10 @@ impl Scratch {
                     false,
                 );
             }
-            mask_tile(dims, extra, tile, k0, nk, &mut self.s);
+            if let Some(cap) = extra.scoring.softcap {
+                soft_cap::<A>(cap, [nk, nq], &mut self.s, None);
+            }
+            mask_tile(extra, tile, k0, nk, &mut self.s);
             // Online softmax down the columns: the new maximum, the old sum and output
             // rescaled to it, the weights and their sum.
             let mut col_max = [f32::NEG_INFINITY; QT];

@@ -43,6 +43,7 @@ use burn::backend::{
 use crate::mask::{BLOCKED, Visibility};
 use backward::backward;
 use forward::forward;
+use gemm::Arch;
 
 /// Queries per tile.
 const QT: usize = 64;
@@ -61,14 +62,13 @@ pub(crate) struct Dims {
     pub(crate) keys: usize,
     pub(crate) d_k: usize,
     pub(crate) d_v: usize,
-    pub(crate) causal: bool,
     pub(crate) scale: f32,
 }
 
 impl Dims {
     /// The sizes of query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]` and value `[B, Hkv,
     /// Tk, Dv]`.
-    pub(crate) fn new([query, key, value]: [[usize; 4]; 3], causal: bool, scale: f64) -> Self {
+    pub(crate) fn new([query, key, value]: [[usize; 4]; 3], scale: f64) -> Self {
         let [batch, heads, queries, d_k] = query;
         Self {
             batch,
@@ -78,7 +78,6 @@ impl Dims {
             keys: key[2],
             d_k,
             d_v: value[3],
-            causal,
             scale: scale as f32,
         }
     }
@@ -87,15 +86,15 @@ impl Dims {
     fn group(&self) -> usize {
         self.heads / self.kv_heads.max(1)
     }
+}
 
-    /// Which keys each query sees.
-    fn visibility(&self) -> Visibility {
-        Visibility {
-            queries: self.queries,
-            keys: self.keys,
-            causal: self.causal,
-        }
-    }
+/// How the tiles make the scores of the softmax from `Q Kᵀ · scale`, besides the user's
+/// boolean mask and bias: a soft cap (`cap · tanh(s / cap)`, before the bias), and which
+/// keys each query sees.
+#[derive(Clone, Debug)]
+pub(crate) struct Scoring {
+    pub(crate) softcap: Option<f32>,
+    pub(crate) visibility: Visibility,
 }
 
 /// The gradients of the query, key, value and (when asked for) bias, as a backend's
@@ -135,10 +134,11 @@ pub(crate) trait CpuTensors: Backend {
 }
 
 /// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq, 1]` of attention over `query`
-/// `[B, H, Tq, Dk]`, `key` `[B, Hkv, Tk, Dk]` and `value` `[B, Hkv, Tk, Dv]` under the causal
-/// rule of `dims`, the boolean mask `blocked` and the additive `bias`.
+/// `[B, H, Tq, Dk]`, `key` `[B, Hkv, Tk, Dk]` and `value` `[B, Hkv, Tk, Dv]` under
+/// `scoring`, the boolean mask `blocked` and the additive `bias`.
 pub(crate) fn tiled_forward<B: CpuTensors>(
     dims: Dims,
+    scoring: &Scoring,
     [query, key, value]: [&FloatTensor<B>; 3],
     blocked: Option<&BoolTensor<B>>,
     bias: Option<&FloatTensor<B>>,
@@ -147,7 +147,7 @@ pub(crate) fn tiled_forward<B: CpuTensors>(
     let q = B::readable(query);
     let [k, v] = [key, value].map(B::dense_rows);
     let [q, k, v] = [&q, &k, &v].map(B::floats);
-    let (output, lse) = forward(dims, q, k, v, mask.extra());
+    let (output, lse) = forward(dims, q, k, v, mask.extra(scoring));
     let d = dims;
     (
         from_heads::<B>(output, [d.batch, d.heads, d.queries, d.d_v]),
@@ -161,6 +161,7 @@ pub(crate) fn tiled_forward<B: CpuTensors>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn tiled_backward<B: CpuTensors>(
     dims: Dims,
+    scoring: &Scoring,
     [query, key, value]: [&FloatTensor<B>; 3],
     output: &FloatTensor<B>,
     lse: &FloatTensor<B>,
@@ -188,7 +189,7 @@ pub(crate) fn tiled_backward<B: CpuTensors>(
         std::array::from_fn(|axis| shape[axis])
     });
     let inputs = [&q, &k, &v, &o, &g].map(B::floats);
-    let grads = backward(dims, inputs, &lse, mask.extra(), bias_shape);
+    let grads = backward(dims, inputs, &lse, mask.extra(scoring), bias_shape);
     let d = dims;
     (
         from_heads::<B>(grads.dq, [d.batch, d.heads, d.queries, d.d_k]),
@@ -220,8 +221,9 @@ impl<B: CpuTensors> Mask<B> {
         }
     }
 
-    fn extra(&self) -> Extra<'_> {
+    fn extra<'a>(&'a self, scoring: &'a Scoring) -> Extra<'a> {
         Extra {
+            scoring,
             bias: self.bias.as_ref().map(B::floats),
             blocked: self.blocked.as_ref().map(B::bytes),
         }
@@ -268,10 +270,11 @@ impl<T: Copy> Grid<'_, T> {
     }
 }
 
-/// The mask beyond the causal rule: a bias and a boolean mask (nonzero = blocked), each
-/// broadcastable to `[B, H, Tq, Tk]`.
-#[derive(Debug, Clone, Copy, Default)]
+/// What a tile reads to make its scores: the [`Scoring`], a bias and a boolean mask
+/// (nonzero = blocked), each broadcastable to `[B, H, Tq, Tk]`.
+#[derive(Debug, Clone, Copy)]
 struct Extra<'a> {
+    scoring: &'a Scoring,
     bias: Option<Grid<'a, f32>>,
     blocked: Option<Grid<'a, u8>>,
 }
@@ -300,10 +303,31 @@ struct Tile {
     nq: usize,
 }
 
-/// Adds the bias (clamped at [`BLOCKED`]) and blocks what the boolean mask and the causal
-/// rule block in the scores tile `s` (`[nk, nq]`, rows `QT` apart) of keys `k0..k0 + nk`.
+/// Soft-caps the scores tile `s` (`[nk, nq]`, rows `QT` apart): `cap · tanh(s / cap)`;
+/// `slope`, when given, receives the derivative `1 - tanh²` of each score.
 #[inline(always)]
-fn mask_tile(dims: Dims, extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mut [f32]) {
+fn soft_cap<A: Arch>(cap: f32, [nk, nq]: [usize; 2], s: &mut [f32], slope: Option<&mut [f32]>) {
+    let inv = 1.0 / cap;
+    for row in s.chunks_exact_mut(QT).take(nk) {
+        for x in &mut row[..nq] {
+            *x = cap * A::tanh(*x * inv);
+        }
+    }
+    if let Some(slope) = slope {
+        for (d, row) in slope.chunks_exact_mut(QT).zip(s.chunks_exact(QT)).take(nk) {
+            for (d, &x) in d[..nq].iter_mut().zip(row) {
+                let t = x * inv;
+                *d = 1.0 - t * t;
+            }
+        }
+    }
+}
+
+/// Adds the bias (clamped at [`BLOCKED`]) and blocks what the boolean mask and the
+/// visibility rule block in the scores tile `s` (`[nk, nq]`, rows `QT` apart) of keys
+/// `k0..k0 + nk`.
+#[inline(always)]
+fn mask_tile(extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mut [f32]) {
     let Tile { b, h, q0, nq } = tile;
     if let Some(bias) = &extra.bias {
         for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
@@ -322,11 +346,14 @@ fn mask_tile(dims: Dims, extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mu
             }
         }
     }
-    if dims.causal {
-        let visibility = dims.visibility();
+    let visibility = &extra.scoring.visibility;
+    if visibility.blocks() {
         for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
-            let first = visibility.first_query(k0 + j).saturating_sub(q0).min(nq);
+            let seen = visibility.queries_of(b, k0 + j);
+            let first = seen.start.saturating_sub(q0).min(nq);
+            let end = seen.end.saturating_sub(q0).clamp(first, nq);
             row[..first].fill(f32::NEG_INFINITY);
+            row[end..nq].fill(f32::NEG_INFINITY);
         }
     }
 }

@@ -4,8 +4,8 @@
 use super::backward::backward_on;
 use super::forward::forward_on;
 use super::gemm::{Isa, avx2_under_test};
-use super::{Dims, Extra, Grid};
-use crate::mask::{BLOCKED, DEAD_LSE, DEAD_ROW};
+use super::{Dims, Extra, Grid, Scoring};
+use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW};
 
 /// Seeded values in `[-1, 1]`.
 pub(super) fn random(len: usize, seed: u32) -> Vec<f32> {
@@ -30,6 +30,7 @@ struct Case {
     grad: Vec<f32>,
     bias: Vec<f32>,
     blocked: Vec<u8>,
+    scoring: Scoring,
 }
 
 fn dense<T>(data: &[T], [_, h, t, d]: [usize; 4]) -> Grid<'_, T> {
@@ -41,7 +42,11 @@ fn dense<T>(data: &[T], [_, h, t, d]: [usize; 4]) -> Grid<'_, T> {
 }
 
 impl Case {
-    fn new(queries: usize, keys: usize, causal: bool, kv_heads: usize) -> Self {
+    fn new(
+        [queries, keys, kv_heads]: [usize; 3],
+        mask: &AttentionMask,
+        softcap: Option<f32>,
+    ) -> Self {
         let (batch, heads, d_k, d_v) = (2, 4, 20, 12);
         let dims = Dims {
             batch,
@@ -51,7 +56,6 @@ impl Case {
             keys,
             d_k,
             d_v,
-            causal,
             scale: 0.3,
         };
         let mut blocked: Vec<u8> = random(batch * queries * keys, 5)
@@ -67,12 +71,17 @@ impl Case {
             grad: random(batch * heads * queries * d_v, 4),
             bias: random(heads * keys, 6),
             blocked,
+            scoring: Scoring {
+                softcap,
+                visibility: mask.visibility(queries, keys),
+            },
         }
     }
 
     fn extra(&self) -> Extra<'_> {
         let Dims { queries, keys, .. } = self.dims;
         Extra {
+            scoring: &self.scoring,
             bias: Some(Grid {
                 data: &self.bias,
                 offset: 0,
@@ -104,27 +113,37 @@ impl Case {
                 let bkv = b * d.kv_heads + h / d.group(); // The key/value head.
                 for i in 0..d.queries {
                     let qi = &self.q[(bh * d.queries + i) * dk_..][..dk_];
-                    let keys = d.visibility().keys_of(i);
-                    let scores: Vec<f64> = (0..keys)
+                    let keys = self.scoring.visibility.keys_of(b, i);
+                    // The scores of the visible keys, and the soft cap's slope at each.
+                    let (scores, slopes): (Vec<f64>, Vec<f64>) = keys
+                        .clone()
                         .map(|j| {
                             let kj = &self.k[(bkv * d.keys + j) * dk_..][..dk_];
                             let dot: f64 =
                                 qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum();
+                            let raw = dot * d.scale as f64;
+                            let (capped, slope) = match self.scoring.softcap {
+                                Some(cap) => {
+                                    let t = (raw / cap as f64).tanh();
+                                    (cap as f64 * t, 1.0 - t * t)
+                                }
+                                None => (raw, 1.0),
+                            };
                             match self.blocked[(b * d.queries + i) * d.keys + j] {
-                                0 => dot * d.scale as f64 + self.bias[h * d.keys + j] as f64,
-                                _ => BLOCKED as f64,
+                                0 => (capped + self.bias[h * d.keys + j] as f64, slope),
+                                _ => (BLOCKED as f64, slope),
                             }
                         })
-                        .collect();
+                        .unzip();
                     let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                    if keys == 0 || max <= DEAD_ROW as f64 {
+                    if keys.is_empty() || max <= DEAD_ROW as f64 {
                         continue;
                     }
                     let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
                     lse[bh * d.queries + i] = max + sum.ln();
                     let p: Vec<f64> = scores.iter().map(|s| (s - max).exp() / sum).collect();
                     let row = (bh * d.queries + i) * dv_;
-                    for (j, &pj) in p.iter().enumerate() {
+                    for (&pj, j) in p.iter().zip(keys.clone()) {
                         for c in 0..dv_ {
                             out[row + c] += pj * self.v[(bkv * d.keys + j) * dv_ + c] as f64;
                         }
@@ -135,11 +154,11 @@ impl Case {
                         .zip(&out[row..])
                         .map(|(&g, &o)| g as f64 * o)
                         .sum();
-                    for (j, &pj) in p.iter().enumerate() {
+                    for ((&pj, &slope), j) in p.iter().zip(&slopes).zip(keys.clone()) {
                         let vj = &self.v[(bkv * d.keys + j) * dv_..][..dv_];
                         let dp: f64 = go.iter().zip(vj).map(|(&g, &v)| g as f64 * v as f64).sum();
                         dbias[h * d.keys + j] += pj * (dp - row_dot);
-                        let ds = pj * (dp - row_dot) * d.scale as f64;
+                        let ds = pj * (dp - row_dot) * slope * d.scale as f64;
                         for c in 0..dk_ {
                             let kj = self.k[(bkv * d.keys + j) * dk_ + c] as f64;
                             dq[(bh * d.queries + i) * dk_ + c] += ds * kj;
@@ -182,10 +201,35 @@ fn tiles_match_f64_attention_forward_and_backward() {
         isas.push(Isa::Avx2);
     }
     // Partial tiles; causal with more keys than queries, with fewer (the first 20
-    // queries see no key), and not causal; 2 query heads per key/value head, and 1.
-    let cases = [(150, 170, true, 2), (150, 130, true, 4), (70, 90, false, 2)];
-    for (queries, keys, causal, kv_heads) in cases {
-        let case = Case::new(queries, keys, causal, kv_heads);
+    // queries see no key), and not causal; sliding and local windows narrower than a
+    // tile, with a soft cap; packed sequences across tile edges; 2 query heads per
+    // key/value head, and 1.
+    let causal = AttentionMask::causal();
+    let sliding = AttentionMask::sliding_window(40);
+    let local = AttentionMask::local(30).aligned(CausalAlignment::TopLeft);
+    let packed = AttentionMask::packed(&[vec![0, 50, 61, 140], vec![0, 130]]).and(causal.clone());
+    let cases = [
+        ("causal", [150, 170, 2], causal.clone(), None),
+        ("causal", [150, 130, 4], causal, None),
+        ("no rule", [70, 90, 2], AttentionMask::none(), None),
+        (
+            "sliding window 40, softcap 5",
+            [150, 200, 2],
+            sliding,
+            Some(5.0),
+        ),
+        (
+            "local 30 top-left, softcap 2",
+            [150, 150, 4],
+            local,
+            Some(2.0),
+        ),
+        ("packed causal", [150, 150, 2], packed, None),
+    ];
+    for (what, sizes, mask, softcap) in cases {
+        let [queries, keys, kv_heads] = sizes;
+        let case = Case::new(sizes, &mask, softcap);
+        let name = format!("{what}, Tq {queries} Tk {keys} Hkv {kv_heads}");
         let d = case.dims;
         let (out, lse, dq, dk, dv, dbias) = case.reference();
         let q_shape = [d.batch, d.heads, d.queries, d.d_k];
@@ -198,7 +242,7 @@ fn tiles_match_f64_attention_forward_and_backward() {
             dense(&case.v, v_shape),
         );
         for &isa in &isas {
-            let name = format!("{isa:?} Tq {queries} Tk {keys} causal {causal} Hkv {kv_heads}");
+            let name = format!("{isa:?} {name}");
             let (got, got_lse) = forward_on(isa, d, q, k, v, case.extra());
             assert_close(&format!("{name}: output"), &got, &out, o_shape);
             for (i, (&g, &w)) in got_lse.iter().zip(&lse).enumerate() {
