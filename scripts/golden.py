@@ -191,6 +191,126 @@ def sdpa_fully_blocked_row():
     print(f"{path}: {len(tensors)} tensors")
 
 
+# --- Positions: plain torch code for RoPE, ALiBi, clipped offsets and T5's buckets -----
+
+
+def alibi_slopes(n):
+    """The ALiBi paper's code (github.com/ofirpress/attention_with_linear_biases)."""
+    def power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n - closest]
+
+
+def t5_bucket(relative_position, bidirectional, num_buckets, max_distance):
+    """Hugging Face's T5Attention._relative_position_bucket, as it is."""
+    relative_buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        relative_buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    relative_position_if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact)
+        / math.log(max_distance / max_exact)
+        * (num_buckets - max_exact)
+    ).to(torch.long)
+    relative_position_if_large = torch.min(
+        relative_position_if_large, torch.full_like(relative_position_if_large, num_buckets - 1)
+    )
+    relative_buckets += torch.where(is_small, relative_position, relative_position_if_large)
+    return relative_buckets
+
+
+def rope_half_split(x, theta):
+    """Hugging Face's Llama: rotate_half over cos/sin of the doubled frequencies."""
+    T, D = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    freqs = torch.outer(torch.arange(T, dtype=torch.float64), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_interleaved(x, theta):
+    """Meta's Llama: adjacent features as complex numbers, turned by unit phasors."""
+    T, D = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    freqs = torch.outer(torch.arange(T, dtype=torch.float64), inv_freq)
+    phasors = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64)
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], D // 2, 2).contiguous())
+    return torch.view_as_real(xc * phasors).flatten(-2)
+
+
+def positioned_attention(name, kind, seed, **kw):
+    """Causal self-attention with the weights of an nn.MultiheadAttention (so that mha's
+    import loads them) and positions applied in plain torch: RoPE on the queries and keys
+    after the projection, or a bias by distance j - i on the scores."""
+    torch.manual_seed(seed)
+    B, T, E, H = 2, 12, 24, 6
+    Dh = E // H
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_(0.0, 0.1)
+        mha.out_proj.bias.normal_(0.0, 0.1)
+    x = leaf(B, T, E)
+    qkv = F.linear(x, mha.in_proj_weight, mha.in_proj_bias)
+    q, k, v = (t.reshape(B, T, H, Dh).transpose(1, 2) for t in qkv.split(E, dim=-1))
+    distance = torch.arange(T)[None, :] - torch.arange(T)[:, None]  # key j - query i
+    bias = torch.zeros(H, T, T)
+    table = None
+    if kind == "rope_half_split":
+        q, k = rope_half_split(q, kw["theta"]), rope_half_split(k, kw["theta"])
+    elif kind == "rope_interleaved":
+        q, k = rope_interleaved(q, kw["theta"]), rope_interleaved(k, kw["theta"])
+    elif kind == "alibi":
+        bias = -torch.tensor(alibi_slopes(H))[:, None, None] * distance.abs()
+    elif kind == "clipped":
+        m = kw["max"]
+        table = (torch.randn(H, 2 * m + 1) * 0.5).requires_grad_(True)
+        bias = table[:, distance.clamp(-m, m) + m]
+    elif kind == "t5":
+        buckets = t5_bucket(distance, kw["bidirectional"], kw["num_buckets"], kw["max_distance"])
+        table = (torch.randn(H, kw["num_buckets"]) * 0.5).requires_grad_(True)
+        bias = table[:, buckets]
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(Dh) + bias
+    weights = torch.softmax(scores.masked_fill(causal, -math.inf), dim=-1)
+    context = (weights @ v).transpose(1, 2).reshape(B, T, E)
+    out = F.linear(context, mha.out_proj.weight, mha.out_proj.bias)
+    inputs = {"x": x}
+    if table is not None:
+        inputs["table"] = table
+    save(name, mha, inputs, out)
+
+
+def position_tables():
+    """What positions are made of, to compare exactly: T5's bucket of every distance in
+    -300..=300 for four configurations, sinusoids, ALiBi's slopes for 1..=16 heads."""
+    distance = torch.arange(-300, 301)
+    tensors = {}
+    for bidirectional in (True, False):
+        for nb, md in ((32, 128), (8, 20)):
+            key = f"io.t5.{'bi' if bidirectional else 'causal'}.{nb}.{md}"
+            tensors[key] = t5_bucket(distance, bidirectional, nb, md).float()
+    # "Attention Is All You Need": sin at even features, cos at odd, positions 3..10.
+    d_model, positions = 10, torch.arange(3, 10, dtype=torch.float64)[:, None]
+    angle = positions / 10000 ** ((torch.arange(d_model) // 2 * 2).double() / d_model)
+    tensors["io.sinusoids"] = torch.where(torch.arange(d_model) % 2 == 0, angle.sin(), angle.cos()).float()
+    for h in range(1, 17):
+        tensors[f"io.alibi.{h}"] = torch.tensor(alibi_slopes(h), dtype=torch.float32)
+    path = os.path.join(OUT, "position_tables.safetensors")
+    save_file(tensors, path)
+    print(f"{path}: {len(tensors)} tensors")
+
+
 if __name__ == "__main__":
     os.makedirs(OUT, exist_ok=True)
     torch.use_deterministic_algorithms(True)
@@ -202,3 +322,10 @@ if __name__ == "__main__":
     encoder_stack()
     sdpa_gqa_bias_scale()
     sdpa_fully_blocked_row()
+    positioned_attention("mha_rope_half_split", "rope_half_split", 11, theta=10000.0)
+    positioned_attention("mha_rope_interleaved", "rope_interleaved", 12, theta=500.0)
+    positioned_attention("mha_alibi", "alibi", 13)
+    positioned_attention("mha_relative_clipped", "clipped", 14, max=4)
+    positioned_attention("mha_t5_bidirectional", "t5", 15, bidirectional=True, num_buckets=8, max_distance=20)
+    positioned_attention("mha_t5_causal", "t5", 16, bidirectional=False, num_buckets=8, max_distance=20)
+    position_tables()

@@ -3,7 +3,7 @@
 use burn::tensor::Device;
 use mha::{
     DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError, LoadPyTorch, MhaInput,
-    MultiHeadAttentionConfig, PyTorchWeights,
+    MultiHeadAttentionConfig, Positions, PyTorchWeights,
 };
 
 use crate::util::{Fixture, randn};
@@ -62,6 +62,24 @@ fn bad_attention_configs_name_the_field_and_values() {
         (
             MultiHeadAttentionConfig::new(8, 2).with_softcap(Some(-1.0)),
             "MultiHeadAttentionConfig.softcap: must be positive and finite, got -1",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_positions(Positions::Sinusoidal),
+            "MultiHeadAttentionConfig.positions: Sinusoidal positions are added to the input \
+             once, by a stack or the model; attention takes Rope, Alibi, Relative or T5",
+        ),
+        (
+            MultiHeadAttentionConfig::new(6, 2).with_positions(Positions::rope()),
+            "MultiHeadAttentionConfig.positions: Rope needs heads of an even width, got 3",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_positions(Positions::T5 {
+                num_buckets: 8,
+                max_distance: 2,
+                bidirectional: true,
+            }),
+            "MultiHeadAttentionConfig.positions: T5 needs num_buckets of at least 4 and \
+             max_distance above the exact buckets (2), got num_buckets 8, max_distance 2",
         ),
     ];
     for (config, expected) in cases {

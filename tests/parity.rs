@@ -2,12 +2,12 @@
 //! compared on every backend: forward outputs, attention weights, gradients of the
 //! inputs and of every parameter.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
 use mha::{
-    AttentionMask, AttentionWeights, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig,
-    FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig, SdpaOptions,
-    scaled_dot_product_attention,
+    AttentionMask, AttentionWeights, Buckets, DecoderBlockConfig, EncoderBlockConfig,
+    EncoderConfig, FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig,
+    Positions, RopeLayout, SdpaOptions, scaled_dot_product_attention,
 };
 
 use crate::util::{Backend, Fixture, assert_close, backends, param_grads, param_values};
@@ -305,4 +305,98 @@ fn sdpa_fully_blocked_row_gives_zeros_and_finite_gradients() {
         mask,
         None,
     );
+}
+
+/// Causal self-attention with `positions` against the plain torch code of golden.py:
+/// output, the input's gradient, and every parameter's (a learned table's included).
+fn check_positioned(fixture: &'static str, positions: Positions, table: Option<usize>) {
+    let f = Fixture::load(fixture);
+    for b in backends() {
+        let dev = b.autodiff();
+        let config = MultiHeadAttentionConfig::new(24, 6).with_positions(positions.clone());
+        let mut mha = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        // The fixture's table, and its gradient in a module to compare with.
+        let mut fresh = config.init(&dev);
+        if let Some(buckets) = table {
+            let values = f.io("table", [6, buckets], &dev);
+            mha.position_table = Some(Param::from_tensor(values));
+            let grad = f.io("grad.table", [6, buckets], &dev);
+            fresh.position_table = Some(Param::from_tensor(grad));
+        }
+        let x = f.io("x", [2, 12, 24], &dev).require_grad();
+        let out = mha.causal_self_attention(x.clone());
+        check_forward(&b, &f, "out", out.clone(), "out");
+        let grads = backward(&f, &out, &dev);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &mha, fresh, &grads);
+    }
+}
+
+#[test]
+fn rope_in_both_layouts_matches_pytorch() {
+    let rope = |theta, layout| Positions::Rope { theta, layout };
+    check_positioned(
+        "mha_rope_half_split",
+        rope(10_000.0, RopeLayout::HalfSplit),
+        None,
+    );
+    check_positioned(
+        "mha_rope_interleaved",
+        rope(500.0, RopeLayout::Interleaved),
+        None,
+    );
+}
+
+#[test]
+fn alibi_with_six_heads_matches_pytorch() {
+    check_positioned("mha_alibi", Positions::Alibi, None);
+}
+
+#[test]
+fn learned_relative_biases_match_pytorch() {
+    check_positioned(
+        "mha_relative_clipped",
+        Positions::Relative { max_distance: 4 },
+        Some(9),
+    );
+    for (fixture, bidirectional) in [("mha_t5_bidirectional", true), ("mha_t5_causal", false)] {
+        let t5 = Positions::T5 {
+            num_buckets: 8,
+            max_distance: 20,
+            bidirectional,
+        };
+        check_positioned(fixture, t5, Some(8));
+    }
+}
+
+#[test]
+fn buckets_sinusoids_and_slopes_are_pytorchs() {
+    let f = Fixture::load("position_tables");
+    let dev = &backends()[0].device;
+    for bidirectional in [true, false] {
+        for (num_buckets, max_distance) in [(32, 128), (8, 20)] {
+            let key = format!(
+                "t5.{}.{num_buckets}.{max_distance}",
+                if bidirectional { "bi" } else { "causal" }
+            );
+            let want = crate::util::to_vec(f.io(&key, [601], dev));
+            let buckets = Buckets::T5 {
+                num_buckets,
+                max_distance,
+                bidirectional,
+            };
+            for (d, &w) in (-300..=300).zip(&want) {
+                assert_eq!(buckets.of(d) as f32, w, "{key}: distance {d}");
+            }
+        }
+    }
+    let ours = mha::positions::sinusoids(3, 7, 10, dev);
+    assert_close("sinusoids", ours, f.io("sinusoids", [7, 10], dev), 1e-6);
+    for heads in 1..=16 {
+        let want = crate::util::to_vec(f.io(&format!("alibi.{heads}"), [heads], dev));
+        assert_eq!(mha::positions::alibi_slopes(heads), want, "{heads} heads");
+    }
 }

@@ -5,9 +5,10 @@
 //! query, key, value and bias.
 
 use burn::tensor::{Device, FloatDType, Tensor, TensorData, bf16, f16};
-use mha::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
+use mha::positions::alibi_slopes;
+use mha::{AttentionWeights, Buckets, SdpaOptions, scaled_dot_product_attention};
 
-use crate::reference::{MaskSpec, Part, Reference, Rule, Sizes, attention};
+use crate::reference::{MaskSpec, Part, Position, Reference, Rule, Sizes, attention};
 use crate::util::{Backend, SplitMix, backends, to_vec};
 
 /// One attention call: sizes, scale and mask.
@@ -233,7 +234,54 @@ fn windows_and_packing() -> Vec<Case> {
             },
             None,
         ),
+        case(
+            "ALiBi, causal, GQA, Tq < Tk",
+            [2, 4, 2, 5, 9, 8, 8],
+            MaskSpec {
+                position: Some(Position::Alibi(alibi_slopes(4))),
+                ..MaskSpec::causal()
+            },
+            None,
+        ),
+        case(
+            "T5 buckets, bidirectional, padding, bias",
+            [2, 4, 4, 6, 7, 8, 8],
+            MaskSpec {
+                position: Some(table(4, t5(true), 41)),
+                blocked: Some(padding(&[7, 4], 7)),
+                bias: Some(Part {
+                    values: normal(7, 42),
+                    dims: [1, 1, 1, 7],
+                }),
+                ..MaskSpec::default()
+            },
+            None,
+        ),
+        case(
+            "clipped offsets, sliding window 3, soft cap 2",
+            [2, 4, 2, 8, 8, 8, 8],
+            MaskSpec {
+                rule: Rule::Sliding(3),
+                position: Some(table(4, Buckets::Clipped { max: 2 }, 43)),
+                ..MaskSpec::default()
+            },
+            Some(2.0),
+        ),
     ]
+}
+
+/// T5's buckets at test scale: 8 of them up to distance 20.
+fn t5(bidirectional: bool) -> Buckets {
+    Buckets::T5 {
+        num_buckets: 8,
+        max_distance: 20,
+        bidirectional,
+    }
+}
+
+/// A learned table of `heads` rows for `buckets`, seeded.
+fn table(heads: usize, buckets: Buckets, seed: u64) -> Position {
+    Position::Table(normal(heads * buckets.len(), seed), buckets)
 }
 
 /// Long cases: several tiles, query chunks, causal with more and with fewer keys than
@@ -320,14 +368,23 @@ fn long_cases() -> Vec<Case> {
         });
         if tq == tk {
             cases.push(Case {
-                name: format!("packed causal, T {tq}"),
+                name: format!("packed causal, ALiBi, T {tq}"),
                 sizes: sizes(dims),
                 mask: MaskSpec {
                     packed: Some(vec![vec![0, tq / 3, tq / 3 + 1, tq - 5], vec![0, tq]]),
+                    position: Some(Position::Alibi(alibi_slopes(4))),
                     ..MaskSpec::causal()
                 },
             });
         }
+        cases.push(Case {
+            name: format!("causal T5 buckets, Tq {tq}, Tk {tk}"),
+            sizes: sizes(dims),
+            mask: MaskSpec {
+                position: Some(table(4, t5(false), 44)),
+                ..MaskSpec::causal()
+            },
+        });
     }
     cases
 }
@@ -379,7 +436,7 @@ fn check(
     };
     let what = format!("[{} {dtype:?}] {} ({weights:?})", be.name, case.name);
     let device = &be.device;
-    let (mask, _) = case.mask.build(device, dtype, false);
+    let mask = case.mask.build(device, dtype, false).mask;
     let out = scaled_dot_product_attention(
         tensor(q, s.query(), device, dtype),
         tensor(k, s.key(), device, dtype),
@@ -403,7 +460,8 @@ fn check(
     }
 
     let device = &be.autodiff();
-    let (mask, bias) = case.mask.build(device, dtype, true);
+    let built = case.mask.build(device, dtype, true);
+    let (mask, bias, table) = (built.mask, built.bias, built.table);
     let [q, k, v] = [(q, s.query()), (k, s.key()), (v, s.value())]
         .map(|(x, dims)| tensor(x, dims, device, dtype).require_grad());
     let out = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
@@ -427,6 +485,16 @@ fn check(
             .grad(&grads)
             .unwrap_or_else(|| panic!("{what}: no gradient of the bias"));
         close(&format!("{what}: dbias"), got, want, grad_tol);
+    }
+    if let (Some(table), Some(want)) = (table, &want.dtable) {
+        let got = table
+            .grad(&grads)
+            .unwrap_or_else(|| panic!("{what}: no gradient of the table"));
+        // A bucket's gradient sums every score of its distances (tens of thousands in the
+        // long cases): beside the gradients' atol, an rtol of f32's accumulated rounding.
+        let [atol, rtol] = grad_tol;
+        let tol = [atol, rtol.max(1e-5)];
+        close(&format!("{what}: dtable"), got.unsqueeze::<4>(), want, tol);
     }
 }
 

@@ -201,3 +201,41 @@ fn mha_input_forms_agree() {
         );
     }
 }
+
+/// A stack with absolute positions adds them once, before its first block: the same as
+/// adding them to the input of a stack without; learned ones past their table are refused.
+#[test]
+fn stacks_add_absolute_positions_once() {
+    use mha::positions::sinusoids;
+    use mha::{EncoderBlockConfig, EncoderConfig, Positions};
+    for be in backends() {
+        let dev = &be.device;
+        let block = EncoderBlockConfig::new(16, 4).with_dropout(0.0);
+        let plain = EncoderConfig::new(block.clone(), 2).init(dev);
+        let mut positioned =
+            EncoderConfig::new(block.with_positions(Positions::Sinusoidal), 2).init(dev);
+        positioned.layers = plain.layers.clone();
+        positioned.norm = plain.norm.clone();
+        let x = randn([2, 7, 16], 3, dev);
+        let by_hand = x.clone() + sinusoids(0, 7, 16, dev).unsqueeze::<3>();
+        let err = max_abs_diff(
+            positioned.forward(x, &AttentionMask::causal()),
+            plain.forward(by_hand, &AttentionMask::causal()),
+        );
+        assert!(err <= 1e-5, "[{}] {err}", be.name);
+        let learned =
+            EncoderBlockConfig::new(16, 4).with_positions(Positions::Learned { max_len: 5 });
+        let stack = EncoderConfig::new(learned, 1).init(dev);
+        let message = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            stack.forward(randn([1, 7, 16], 4, dev), &AttentionMask::none());
+        }))
+        .expect_err("positions past the table")
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+        assert!(
+            message.contains("positions 0..7 are past the 5 learned ones"),
+            "{message}"
+        );
+    }
+}

@@ -9,10 +9,12 @@
 //! lies in another packed sequence (or in the padding past the last one), the boolean
 //! mask blocks it, or its bias is `-inf`; a row with no key left has output 0, weights 0,
 //! and passes no gradient. A soft cap makes the scaled score `cap · tanh(s / cap)` before
-//! the bias.
+//! the bias. A bias by position adds `-slope_h · |j - p|` (ALiBi) or `table[h, bucket(j -
+//! p)]` (a learned table; the buckets are the library's, checked against PyTorch's by the
+//! parity tests).
 
 use burn::tensor::{Bool, Device, FloatDType, Tensor, TensorData};
-use mha::{AttentionMask, CausalAlignment};
+use mha::{AttentionMask, Buckets, CausalAlignment, PositionBias};
 
 /// Values broadcast to `[B, H, Tq, Tk]` from their own rank-4 shape (each axis full or 1).
 #[derive(Clone, Debug)]
@@ -45,9 +47,17 @@ pub enum Rule {
     Local(usize),
 }
 
+/// A bias by position: ALiBi (its slopes), or a learned table `[H, buckets]`.
+#[derive(Clone, Debug)]
+pub enum Position {
+    Alibi(Vec<f32>),
+    Table(Vec<f32>, Buckets),
+}
+
 /// A mask as the reference reads it.
 #[derive(Clone, Debug, Default)]
 pub struct MaskSpec {
+    pub position: Option<Position>,
     pub rule: Rule,
     pub top_left: bool,
     /// Per batch row, cumulative sequence lengths.
@@ -66,12 +76,31 @@ impl MaskSpec {
         }
     }
 
-    /// Whether key `j` is hidden from query `i` of batch row `b` by position.
-    fn hides(&self, s: &Sizes, b: usize, i: usize, j: usize) -> bool {
-        let p = match self.top_left {
+    /// The key at query `i`'s own position.
+    fn own(&self, s: &Sizes, i: usize) -> i64 {
+        match self.top_left {
             true => i as i64,
             false => i as i64 + s.keys as i64 - s.queries as i64,
-        };
+        }
+    }
+
+    /// The bias by position of query `i`, key `j` and head `h`, and the entry of the table
+    /// it reads.
+    fn by_position(&self, s: &Sizes, h: usize, i: usize, j: usize) -> (f64, Option<usize>) {
+        let distance = j as i64 - self.own(s, i);
+        match &self.position {
+            None => (0.0, None),
+            Some(Position::Alibi(slopes)) => (-(slopes[h] as f64) * distance.abs() as f64, None),
+            Some(Position::Table(table, buckets)) => {
+                let at = h * buckets.len() + buckets.of(distance);
+                (table[at] as f64, Some(at))
+            }
+        }
+    }
+
+    /// Whether key `j` is hidden from query `i` of batch row `b` by position.
+    fn hides(&self, s: &Sizes, b: usize, i: usize, j: usize) -> bool {
+        let p = self.own(s, i);
         let j = j as i64;
         let by_rule = match self.rule {
             Rule::None => false,
@@ -92,12 +121,7 @@ impl MaskSpec {
     /// The same mask as an `AttentionMask` on `device`, its bias in `dtype`; the bias
     /// tensor is returned too (a leaf that requires a gradient when `bias_grad` and the
     /// device differentiates).
-    pub fn build(
-        &self,
-        device: &Device,
-        dtype: FloatDType,
-        bias_grad: bool,
-    ) -> (AttentionMask, Option<Tensor<4>>) {
+    pub fn build(&self, device: &Device, dtype: FloatDType, bias_grad: bool) -> Built {
         let mut mask = match self.rule {
             Rule::None => AttentionMask::none(),
             Rule::Causal => AttentionMask::causal(),
@@ -127,8 +151,40 @@ impl MaskSpec {
         if let Some(bias) = &bias {
             mask = mask.and(AttentionMask::bias(bias.clone()));
         }
-        (mask, bias)
+        let mut table = None;
+        match &self.position {
+            None => {}
+            Some(Position::Alibi(slopes)) => {
+                let alibi = PositionBias::Alibi {
+                    slopes: slopes.clone(),
+                };
+                mask = mask.and(AttentionMask::position_bias(alibi));
+            }
+            Some(Position::Table(values, buckets)) => {
+                let heads = values.len() / buckets.len();
+                let data = TensorData::new(values.clone(), [heads, buckets.len()]);
+                let t = Tensor::<2>::from_data(data, device).cast(dtype);
+                let t = match bias_grad && device.is_autodiff() {
+                    true => t.require_grad(),
+                    false => t,
+                };
+                let learned = PositionBias::Learned {
+                    table: t.clone(),
+                    buckets: *buckets,
+                };
+                mask = mask.and(AttentionMask::position_bias(learned));
+                table = Some(t);
+            }
+        }
+        Built { mask, bias, table }
     }
+}
+
+/// A mask built for a device, with its bias and table (leaves, for their gradients).
+pub struct Built {
+    pub mask: AttentionMask,
+    pub bias: Option<Tensor<4>>,
+    pub table: Option<Tensor<2>>,
 }
 
 /// Sizes and scale of one call: query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]`, value
@@ -174,6 +230,8 @@ pub struct Reference {
     pub dv: Vec<f64>,
     /// In the bias's own shape, summed over the axes it broadcasts along.
     pub dbias: Option<Vec<f64>>,
+    /// `[H, buckets]`, for a learned table.
+    pub dtable: Option<Vec<f64>>,
 }
 
 /// Row `at` of `len` values.
@@ -192,6 +250,10 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
         dk: vec![0.0; k.len()],
         dv: vec![0.0; v.len()],
         dbias: mask.bias.as_ref().map(|b| vec![0.0; b.values.len()]),
+        dtable: match &mask.position {
+            Some(Position::Table(table, _)) => Some(vec![0.0; table.len()]),
+            _ => None,
+        },
     };
     let [q, k, v, grad] = [q, k, v, grad].map(|x| x.iter().map(|&x| x as f64).collect::<Vec<_>>());
     for b in 0..s.batch {
@@ -219,7 +281,8 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                         }
                         None => (dot * s.scale, 1.0),
                     };
-                    scores.push((j, score + bias, slope));
+                    let by_position = mask.by_position(&s, h, i, j).0;
+                    scores.push((j, score + bias + by_position, slope));
                 }
                 if scores.is_empty() {
                     continue;
@@ -248,6 +311,11 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                     let ds = pj * (dp - row_dot);
                     if let (Some(dbias), Some(part)) = (r.dbias.as_mut(), mask.bias.as_ref()) {
                         dbias[part.index([b, h, i, j])] += ds;
+                    }
+                    if let (Some(dtable), (_, Some(at))) =
+                        (r.dtable.as_mut(), mask.by_position(&s, h, i, j))
+                    {
+                        dtable[at] += ds;
                     }
                     // Through the soft cap to the raw score.
                     let ds = ds * slope;

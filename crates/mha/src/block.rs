@@ -13,6 +13,7 @@ use crate::attention::AttentionWeights;
 use crate::error::{Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::positions::Positions;
 
 /// The feed-forward activation.
 #[derive(Config, Debug, Copy, PartialEq, Eq)]
@@ -70,6 +71,10 @@ pub struct EncoderBlockConfig {
     /// Whether the self-attention is causal. Default: false.
     #[config(default = false)]
     pub causal: bool,
+    /// How the self-attention knows where tokens are (see [`Positions`]); a stack adds
+    /// absolute positions to its input once. Default: none.
+    #[config(default = "Positions::None")]
+    pub positions: Positions,
 }
 
 /// Configuration of [`DecoderBlock`]; its self-attention is always causal.
@@ -102,6 +107,11 @@ pub struct DecoderBlockConfig {
     /// Bias in the linear layers and LayerNorms. Default: true.
     #[config(default = true)]
     pub bias: bool,
+    /// How the causal self-attention knows where tokens are (see [`Positions`]; the
+    /// cross-attention reads the memory as it is); a stack adds absolute positions to its
+    /// input once. Default: none.
+    #[config(default = "Positions::None")]
+    pub positions: Positions,
 }
 
 impl EncoderBlockConfig {
@@ -116,11 +126,17 @@ impl EncoderBlockConfig {
         self.d_ff.unwrap_or(4 * self.d_model)
     }
 
-    fn attention(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
+    /// Attention with these hyperparameters and `positions`.
+    fn attention(
+        &self,
+        positions: Positions,
+        device: &Device,
+    ) -> Result<MultiHeadAttention, ConfigError> {
         MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
             .with_n_kv_heads(self.n_kv_heads)
             .with_bias(self.bias)
             .with_dropout(self.dropout)
+            .with_positions(positions)
             .try_init(device)
     }
 
@@ -161,7 +177,7 @@ impl EncoderBlockConfig {
     pub fn try_init(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
         self.validate("EncoderBlockConfig")?;
         Ok(EncoderBlock {
-            self_attn: self.attention(device)?,
+            self_attn: self.attention(self.positions.clone(), device)?,
             feed_forward: self.feed_forward(device),
             norm1: self.norm(device),
             norm2: self.norm(device),
@@ -190,8 +206,8 @@ impl DecoderBlockConfig {
         let parts = self.parts();
         parts.validate("DecoderBlockConfig")?;
         Ok(DecoderBlock {
-            self_attn: parts.attention(device)?,
-            cross_attn: parts.attention(device)?,
+            self_attn: parts.attention(self.positions.clone(), device)?,
+            cross_attn: parts.attention(Positions::None, device)?,
             feed_forward: parts.feed_forward(device),
             norm1: parts.norm(device),
             norm2: parts.norm(device),
@@ -229,6 +245,7 @@ impl DecoderBlockConfig {
             layer_norm_eps: self.layer_norm_eps,
             bias: self.bias,
             causal: true,
+            positions: self.positions.clone(),
         }
     }
 }

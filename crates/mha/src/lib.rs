@@ -22,6 +22,10 @@
 //! | `cpu::flex` (private) | how the tiles read flex's tensors in place |
 //! | `cpu::ndarray` (private) | how the tiles read ndarray's arrays in place |
 //! | `cpu::tests` (private) | the tiles against attention computed in f64, on every instruction set |
+//! | [`positions`] | [`Positions`]: absolute embeddings, RoPE, ALiBi, learned relative biases |
+//! | [`positions::absolute`] | sinusoidal and learned absolute positions, added to the input |
+//! | [`positions::rotary`] | rotary embeddings of queries and keys, both layouts |
+//! | [`positions::bias`] | biases by distance: ALiBi's slopes, clipped and T5 buckets, [`PositionBias`] |
 //! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
@@ -44,6 +48,7 @@ mod cpu;
 pub mod error;
 pub mod mask;
 pub mod mha;
+pub mod positions;
 pub mod pytorch;
 pub mod stack;
 
@@ -55,5 +60,6 @@ pub use block::{
 pub use error::ConfigError;
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
+pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};
 pub use pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
 pub use stack::{Decoder, DecoderConfig, Encoder, EncoderConfig};

@@ -9,7 +9,7 @@
 //!
 //! Besides tensors, a mask can block by position, without any `[Tq, Tk]` tensor: causal
 //! (aligned bottom-right or top-left), a sliding window, a local window, packed sequences.
-//! Every path reads these through one rule ([`Visibility`]): each query sees one
+//! Every path reads these through one rule (`Visibility`): each query sees one
 //! contiguous range of keys, and the CPU tiles skip every block outside it.
 //!
 //! Masks compose with [`AttentionMask::and`]: a key is blocked if any part blocks it, and
@@ -24,6 +24,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+
+use crate::positions::PositionBias;
 
 /// What a query may not attend to; see the [module docs](self).
 ///
@@ -45,6 +47,8 @@ pub struct AttentionMask {
     blocked: Option<Tensor<4, Bool>>,
     /// Added to the scores, rank 4, broadcastable to `[B, H, Tq, Tk]`.
     bias: Option<Tensor<4>>,
+    /// Added to the scores by position: ALiBi, learned relative biases.
+    position: Option<PositionBias>,
 }
 
 /// Where the causal rule and the windows put query `i` among the keys: the key at its own
@@ -298,16 +302,33 @@ impl AttentionMask {
         }
     }
 
+    /// A bias on the scores by the distance from each query's position to each key's
+    /// (ALiBi, learned relative biases; see [`PositionBias`]): the CPU tiles compute it
+    /// per score, so no `[H, Tq, Tk]` tensor exists there. Distances follow the mask's
+    /// alignment (see the type docs).
+    pub fn position_bias(bias: PositionBias) -> Self {
+        Self {
+            position: Some(bias),
+            ..Self::default()
+        }
+    }
+
     /// Both masks at once: a key is blocked if either blocks it; biases add; windows
     /// intersect.
     ///
     /// # Panics
-    /// If the two align the causal part differently or pack different sequences.
+    /// If the two align the causal part differently, pack different sequences or both
+    /// have a position bias.
     pub fn and(self, other: Self) -> Self {
+        assert!(
+            self.position.is_none() || other.position.is_none(),
+            "AttentionMask::and: both masks have a position bias"
+        );
         Self {
             rule: self.rule.and(other.rule),
             blocked: merge(self.blocked, other.blocked, |a, b| a.bool_or(b)),
             bias: merge(self.bias, other.bias, |a, b| a + b),
+            position: self.position.or(other.position),
         }
     }
 
@@ -318,7 +339,10 @@ impl AttentionMask {
 
     /// Whether nothing is blocked and there is no bias.
     pub fn is_none(&self) -> bool {
-        self.rule.is_none() && self.blocked.is_none() && self.bias.is_none()
+        self.rule.is_none()
+            && self.blocked.is_none()
+            && self.bias.is_none()
+            && self.position.is_none()
     }
 
     /// The boolean part (`true = blocked`), without what blocks by position, rank 4
@@ -330,6 +354,11 @@ impl AttentionMask {
     /// The additive part, rank 4 broadcastable to `[B, H, Tq, Tk]`.
     pub fn additive_bias(&self) -> Option<&Tensor<4>> {
         self.bias.as_ref()
+    }
+
+    /// The bias by position, if any.
+    pub fn position(&self) -> Option<&PositionBias> {
+        self.position.as_ref()
     }
 
     /// What blocks by position.
@@ -348,6 +377,14 @@ impl AttentionMask {
         }
         if let Some(bias) = &self.bias {
             check_broadcast("additive bias", bias.dims(), target);
+        }
+        if let Some(position) = &self.position {
+            assert!(
+                position.heads() == target[1],
+                "attention mask: the position bias has {} heads, the scores [B, H, Tq, Tk] = \
+                 {target:?}",
+                position.heads()
+            );
         }
         if let Some(packed) = &self.rule.packed {
             let [batch, _, queries, keys] = target;
@@ -410,17 +447,22 @@ impl AttentionMask {
             };
             [0..b, 0..h, r, c]
         };
-        let rule = self
-            .visibility(queries, keys)
-            .blocked(rows.clone(), key_range.clone(), device);
+        let visibility = self.visibility(queries, keys);
+        let rule = visibility.blocked(rows.clone(), key_range.clone(), device);
         let blocked = self
             .blocked
             .as_ref()
             .map(|t| t.clone().slice(cut(t.dims())));
+        let bias = self.bias.as_ref().map(|t| t.clone().slice(cut(t.dims())));
+        let position = self
+            .position
+            .as_ref()
+            .map(|p| p.tensor(rows.clone(), key_range.clone(), visibility.offset, device));
         Self {
             rule: Rule::default(),
             blocked: merge(blocked, rule, |a, b| a.bool_or(b)),
-            bias: self.bias.as_ref().map(|t| t.clone().slice(cut(t.dims()))),
+            bias: merge(bias, position, |a, b| a + b),
+            position: None,
         }
     }
 }
@@ -441,7 +483,7 @@ pub(crate) struct Visibility {
     pub(crate) keys: usize,
     causal: bool,
     /// The key at query 0's own position.
-    offset: i64,
+    pub(crate) offset: i64,
     window: Option<Window>,
     packed: Option<Arc<[Vec<usize>]>>,
 }

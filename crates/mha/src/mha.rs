@@ -5,13 +5,14 @@
 //! Shapes are batch-first, `[B, T, d_model]` (PyTorch's `batch_first=True`).
 
 use burn::config::Config;
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, module::linear};
 
 use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 use crate::error::{Check, ConfigError};
 use crate::mask::AttentionMask;
+use crate::positions::{PositionBias, Positions, Rope, alibi_slopes};
 
 /// Configuration of [`MultiHeadAttention`].
 #[derive(Config, Debug)]
@@ -44,6 +45,10 @@ pub struct MultiHeadAttentionConfig {
     /// 50). Default: none.
     #[config(default = "None")]
     pub softcap: Option<f64>,
+    /// How self-attention knows where tokens are: RoPE, ALiBi or a learned relative bias
+    /// (absolute positions are added to the input, by a stack or the model). Default: none.
+    #[config(default = "Positions::None")]
+    pub positions: Positions,
 }
 
 /// The input projection: PyTorch's packed `in_proj` when keys and values have width
@@ -98,6 +103,12 @@ pub struct MultiHeadAttention {
     pub scale: f64,
     /// Soft cap of the scores, if any.
     pub softcap: Option<f64>,
+    /// How self-attention knows where tokens are.
+    #[module(skip)]
+    pub positions: Positions,
+    /// The learned relative bias of each head and bucket, `[H, buckets]`, for
+    /// [`Positions::Relative`] and [`Positions::T5`].
+    pub position_table: Option<Param<Tensor<2>>>,
 }
 
 /// Where keys and values come from.
@@ -207,8 +218,21 @@ impl MultiHeadAttentionConfig {
         if let Some(cap) = self.softcap {
             check.positive("softcap", cap)?;
         }
-
         let head_dim = self.d_model / self.n_heads;
+        self.positions
+            .validate("MultiHeadAttentionConfig", head_dim)?;
+        if self.positions.is_absolute() {
+            return Err(ConfigError {
+                config: "MultiHeadAttentionConfig",
+                field: "positions",
+                message: format!(
+                    "{:?} positions are added to the input once, by a stack or the model; \
+                     attention takes Rope, Alibi, Relative or T5",
+                    self.positions
+                ),
+            });
+        }
+
         let q_width = self.n_heads * head_dim;
         let kv_width = n_kv_heads * head_dim;
         let xavier = |d_in, d_out| {
@@ -244,6 +268,12 @@ impl MultiHeadAttentionConfig {
             vdim,
             scale: self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt()),
             softcap: self.softcap,
+            positions: self.positions.clone(),
+            // Zeros: every distance starts alike, and training tells them apart.
+            position_table: self
+                .positions
+                .buckets()
+                .map(|buckets| Initializer::Zeros.init([self.n_heads, buckets.len()], device)),
         })
     }
 
@@ -287,10 +317,15 @@ impl MultiHeadAttention {
             weights,
         } = input;
         let [batch, queries, _] = query.dims();
+        let self_attention = matches!(source, Source::SelfAttention);
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
         let k = self.split_heads(k, self.n_kv_heads); // [B, Hkv, Tk, Dh]
         let v = self.split_heads(v, self.n_kv_heads); // [B, Hkv, Tk, Dh]
+        let (q, k, mask) = match self_attention {
+            true => self.positioned(q, k, mask, 0),
+            false => (q, k, mask),
+        };
 
         let training = self.dropout.training.is_enabled() && q.device().is_autodiff();
         let options = SdpaOptions {
@@ -380,11 +415,74 @@ impl MultiHeadAttention {
         }
     }
 
+    /// Queries and keys of self-attention, and its mask, with the positions applied: RoPE
+    /// rotates the queries (at `offset + i`) and the keys (at `j`), restarting at each
+    /// packed sequence; ALiBi and the learned relative biases join the mask as a bias by
+    /// position, which follows the mask's alignment.
+    ///
+    /// # Shapes
+    /// - `q`: `[B, H, Tq, Dh]`, `k`: `[B, Hkv, Tk, Dh]`
+    fn positioned(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        mask: AttentionMask,
+        offset: usize,
+    ) -> (Tensor<4>, Tensor<4>, AttentionMask) {
+        match &self.positions {
+            Positions::Rope { theta, layout } => {
+                let rope = Rope {
+                    theta: *theta,
+                    layout: *layout,
+                    head_dim: self.head_dim,
+                };
+                let [_, _, queries, _] = q.dims();
+                let keys = k.dims()[2];
+                let q = rope.apply(q, &token_positions(&mask, offset, queries));
+                let k = rope.apply(k, &token_positions(&mask, 0, keys));
+                (q, k, mask)
+            }
+            Positions::Alibi => {
+                let slopes = alibi_slopes(self.n_heads);
+                let bias = AttentionMask::position_bias(PositionBias::Alibi { slopes });
+                (q, k, mask.and(bias))
+            }
+            positions => match (positions.buckets(), &self.position_table) {
+                (Some(buckets), Some(table)) => {
+                    let table = table.val();
+                    let bias =
+                        AttentionMask::position_bias(PositionBias::Learned { table, buckets });
+                    (q, k, mask.and(bias))
+                }
+                _ => (q, k, mask),
+            },
+        }
+    }
+
     /// `[B, T, heads·Dh]` -> `[B, heads, T, Dh]`.
     fn split_heads(&self, x: Tensor<3>, heads: usize) -> Tensor<4> {
         let [batch, len, _] = x.dims();
         x.reshape([batch, len, heads, self.head_dim])
             .swap_dims(1, 2)
+    }
+}
+
+/// The position of each of `len` tokens starting at `offset`, one row for all the batch, or
+/// one per batch row restarting at each of its packed sequences.
+fn token_positions(mask: &AttentionMask, offset: usize, len: usize) -> Vec<Vec<usize>> {
+    match &mask.rule().packed {
+        None => vec![(offset..offset + len).collect()],
+        Some(rows) => rows
+            .iter()
+            .map(|cumulative| {
+                (0..len)
+                    .map(|t| {
+                        let start = cumulative.partition_point(|&s| s <= t).saturating_sub(1);
+                        offset + t - cumulative[start].min(t)
+                    })
+                    .collect()
+            })
+            .collect(),
     }
 }
 

@@ -461,17 +461,27 @@ fn load_stack<L: LoadPyTorch>(
 }
 
 impl LoadPyTorch for Encoder {
-    /// Keys of `nn.TransformerEncoder`: `layers.{i}.*`, `norm.*`.
+    /// Keys of `nn.TransformerEncoder`: `layers.{i}.*`, `norm.*` (PyTorch's stack has no
+    /// positions: the stack's own, if any, keep their values).
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         let (layers, norm) = load_stack(self.layers, self.norm, weights, prefix)?;
-        Ok(Self { layers, norm })
+        Ok(Self {
+            layers,
+            norm,
+            positions: self.positions,
+        })
     }
 }
 
 impl LoadPyTorch for Decoder {
-    /// Keys of `nn.TransformerDecoder`: `layers.{i}.*`, `norm.*`.
+    /// Keys of `nn.TransformerDecoder`: `layers.{i}.*`, `norm.*` (PyTorch's stack has no
+    /// positions: the stack's own, if any, keep their values).
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         let (layers, norm) = load_stack(self.layers, self.norm, weights, prefix)?;
-        Ok(Self { layers, norm })
+        Ok(Self {
+            layers,
+            norm,
+            positions: self.positions,
+        })
     }
 }

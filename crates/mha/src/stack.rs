@@ -10,6 +10,7 @@ use burn::tensor::{Device, Tensor};
 use crate::block::{DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig};
 use crate::error::{Check, ConfigError};
 use crate::mask::AttentionMask;
+use crate::positions::{AbsolutePositions, Positions};
 
 /// Configuration of [`Encoder`].
 #[derive(Config, Debug)]
@@ -30,13 +31,17 @@ pub struct DecoderConfig {
 }
 
 /// A block configuration a stack repeats.
-trait BlockSpec {
+trait BlockSpec: Clone {
     type Block;
     /// One block.
     fn build(&self, device: &Device) -> Result<Self::Block, ConfigError>;
     /// The final norm a pre-norm stack of these blocks needs (its blocks leave the
     /// residual stream un-normalised), if any.
     fn final_norm(&self, device: &Device) -> Option<LayerNorm>;
+    /// The block's positions.
+    fn positions(&mut self) -> &mut Positions;
+    /// The model width.
+    fn d_model(&self) -> usize;
 }
 
 impl BlockSpec for EncoderBlockConfig {
@@ -48,6 +53,14 @@ impl BlockSpec for EncoderBlockConfig {
 
     fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
         self.final_norm(device)
+    }
+
+    fn positions(&mut self) -> &mut Positions {
+        &mut self.positions
+    }
+
+    fn d_model(&self) -> usize {
+        self.d_model
     }
 }
 
@@ -61,22 +74,50 @@ impl BlockSpec for DecoderBlockConfig {
     fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
         self.final_norm(device)
     }
+
+    fn positions(&mut self) -> &mut Positions {
+        &mut self.positions
+    }
+
+    fn d_model(&self) -> usize {
+        self.d_model
+    }
 }
 
-/// `n_layers` blocks of `block`, and the final norm a pre-norm stack needs.
+/// The parts of a stack: its blocks, the final norm a pre-norm stack needs, and the
+/// absolute positions it adds to its input.
+type Parts<B> = (Vec<B>, Option<LayerNorm>, Option<AbsolutePositions>);
+
+/// `n_layers` blocks of `block`, the final norm a pre-norm stack needs, and the absolute
+/// positions of `block`'s configuration (added once, to the stack's input; its blocks are
+/// built without them).
 ///
 /// # Errors
 /// A [`ConfigError`] of `config` when `n_layers` is 0, or the block's error.
-#[allow(clippy::type_complexity)]
 fn layers<C: BlockSpec>(
     config: &'static str,
     n_layers: usize,
     block: &C,
     device: &Device,
-) -> Result<(Vec<C::Block>, Option<LayerNorm>), ConfigError> {
-    Check(config).nonzero("n_layers", n_layers)?;
+) -> Result<Parts<C::Block>, ConfigError> {
+    let check = Check(config);
+    check.nonzero("n_layers", n_layers)?;
+    let mut block = block.clone();
+    let d_model = block.d_model();
+    let absolute = match std::mem::take(block.positions()) {
+        Positions::Sinusoidal => Some(AbsolutePositions::sinusoidal(d_model)),
+        Positions::Learned { max_len } => {
+            check.nonzero("block.positions", max_len)?;
+            Some(AbsolutePositions::learned(max_len, d_model, device))
+        }
+        other => {
+            *block.positions() = other;
+            None
+        }
+    };
     let layers = (0..n_layers).map(|_| block.build(device));
-    Ok((layers.collect::<Result<_, _>>()?, block.final_norm(device)))
+    let layers = layers.collect::<Result<_, _>>()?;
+    Ok((layers, block.final_norm(device), absolute))
 }
 
 impl EncoderConfig {
@@ -85,8 +126,13 @@ impl EncoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Encoder, ConfigError> {
-        let (layers, norm) = layers("EncoderConfig", self.n_layers, &self.block, device)?;
-        Ok(Encoder { layers, norm })
+        let (layers, norm, positions) =
+            layers("EncoderConfig", self.n_layers, &self.block, device)?;
+        Ok(Encoder {
+            layers,
+            norm,
+            positions,
+        })
     }
 
     /// Builds the stack.
@@ -104,8 +150,13 @@ impl DecoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Decoder, ConfigError> {
-        let (layers, norm) = layers("DecoderConfig", self.n_layers, &self.block, device)?;
-        Ok(Decoder { layers, norm })
+        let (layers, norm, positions) =
+            layers("DecoderConfig", self.n_layers, &self.block, device)?;
+        Ok(Decoder {
+            layers,
+            norm,
+            positions,
+        })
     }
 
     /// Builds the stack.
@@ -114,6 +165,14 @@ impl DecoderConfig {
     /// With the message of [`try_init`](Self::try_init)'s error.
     pub fn init(&self, device: &Device) -> Decoder {
         self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+}
+
+/// `x` with the stack's absolute positions added, its rows starting at position `offset`.
+fn positioned(positions: &Option<AbsolutePositions>, x: Tensor<3>, offset: usize) -> Tensor<3> {
+    match positions {
+        Some(positions) => positions.add(x, offset),
+        None => x,
     }
 }
 
@@ -131,12 +190,16 @@ pub struct Encoder {
     pub layers: Vec<EncoderBlock>,
     /// The final norm (pre-norm stacks only).
     pub norm: Option<LayerNorm>,
+    /// Absolute positions added to the input, when the blocks' configuration asks for
+    /// them.
+    pub positions: Option<AbsolutePositions>,
 }
 
 impl Encoder {
     /// # Shapes
     /// `x`: `[B, T, d_model]` -> `[B, T, d_model]`; `mask` broadcastable to `[B, H, T, T]`.
     pub fn forward(&self, x: Tensor<3>, mask: &AttentionMask) -> Tensor<3> {
+        let x = positioned(&self.positions, x, 0);
         let x = self
             .layers
             .iter()
@@ -151,6 +214,7 @@ impl Encoder {
         x: Tensor<3>,
         mask: &AttentionMask,
     ) -> (Tensor<3>, Vec<Tensor<4>>) {
+        let x = positioned(&self.positions, x, 0);
         let mut all = Vec::with_capacity(self.layers.len());
         let x = self.layers.iter().fold(x, |x, layer| {
             let (y, weights) = layer.forward_with_weights(x, mask);
@@ -168,6 +232,9 @@ pub struct Decoder {
     pub layers: Vec<DecoderBlock>,
     /// The final norm (pre-norm stacks only).
     pub norm: Option<LayerNorm>,
+    /// Absolute positions added to the input, when the blocks' configuration asks for
+    /// them.
+    pub positions: Option<AbsolutePositions>,
 }
 
 impl Decoder {
@@ -182,6 +249,7 @@ impl Decoder {
         self_mask: &AttentionMask,
         memory_mask: &AttentionMask,
     ) -> Tensor<3> {
+        let x = positioned(&self.positions, x, 0);
         let x = self.layers.iter().fold(x, |x, layer| {
             layer.forward(x, memory.clone(), self_mask, memory_mask)
         });
@@ -197,6 +265,7 @@ impl Decoder {
         self_mask: &AttentionMask,
         memory_mask: &AttentionMask,
     ) -> (Tensor<3>, Vec<Tensor<4>>) {
+        let x = positioned(&self.positions, x, 0);
         let mut all = Vec::with_capacity(self.layers.len());
         let x = self.layers.iter().fold(x, |x, layer| {
             let (y, weights) =

@@ -137,6 +137,8 @@ impl ModelConfig {
 }
 
 /// Either model.
+// One per run: the size of the enum does not matter, and Burn's derive takes no Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum Model {
     /// See [`DecoderOnly`].

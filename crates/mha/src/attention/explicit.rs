@@ -35,7 +35,8 @@ fn weights(query: Tensor<4>, key: Tensor<4>, mask: &AttentionMask, scores: Score
     let queries = query.dims()[2];
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();
-    let sentinels = Sentinels::of(query.dtype());
+    let query_dtype = query.dtype();
+    let sentinels = Sentinels::of(query_dtype);
     // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
     // the queries, `Dk` times fewer values than the scores (forward and backward).
     let s = grouped_matmul(query * scores.scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
@@ -45,6 +46,14 @@ fn weights(query: Tensor<4>, key: Tensor<4>, mask: &AttentionMask, scores: Score
     };
     let s = match mask.additive_bias() {
         Some(bias) => s + bias.clone().clamp_min(sentinels.blocked),
+        None => s,
+    };
+    let s = match mask.position() {
+        Some(position) => {
+            let offset = mask.visibility(queries, keys).offset;
+            let bias = position.tensor(0..queries, 0..keys, offset, &device);
+            s + bias.cast(query_dtype)
+        }
         None => s,
     };
     let s = match mask.to_blocked(queries, keys, &device) {
@@ -129,7 +138,10 @@ pub(super) fn context(
 
 /// Whether some query row may have every key blocked.
 fn may_block_rows(mask: &AttentionMask) -> bool {
-    mask.blocked().is_some() || mask.additive_bias().is_some() || !mask.rule().is_none()
+    mask.blocked().is_some()
+        || mask.additive_bias().is_some()
+        || mask.position().is_some()
+        || !mask.rule().is_none()
 }
 
 /// `a @ b` where `a` has `H` heads and `b` has `Hkv`, query head `h` pairing with

@@ -9,11 +9,12 @@
 //! weights from them, the way FlashAttention does:
 //!
 //! ```text
-//! P  = exp(S - lse)            S = (Q·scale) Kᵀ + bias, masked
+//! P  = exp(S - lse)            S = cap((Q·scale) Kᵀ) + bias + position bias, masked
 //! dV = Pᵀ dO                   D = rowsum(dO ⊙ O)
 //! dS = P ⊙ (dO Vᵀ - D)
-//! dQ = dS K · scale            dK = dSᵀ (Q·scale)
+//! dQ = dS' K · scale           dK = dS'ᵀ (Q·scale)      dS' = dS ⊙ cap'
 //! dbias = dS, summed over the axes the bias broadcasts along
+//! dtable[h, c] = dS summed over the scores whose distance falls in bucket c
 //! ```
 
 // Burn 0.22 deprecates ndarray; it is still one of our backends.
@@ -36,13 +37,16 @@ use burn::backend::{
 use burn::tensor::Tensor;
 
 use super::Scores;
-use crate::cpu::{CpuTensors, Dims, Scoring, tiled_backward, tiled_forward};
+use crate::cpu::{
+    CpuTensors, Dims, Positional as TilePositional, Scoring, tiled_backward, tiled_forward,
+};
 use crate::mask::{AttentionMask, Rule};
+use crate::positions::{Buckets, PositionBias};
 
 /// The boolean part of a mask (`true = blocked`), broadcastable to `[B, H, Tq, Tk]`.
 #[derive(ExtensionType)]
 pub(crate) enum Blocked<B: Backend> {
-    /// Nothing blocked beyond the causal part.
+    /// Nothing blocked beyond what blocks by position.
     Nothing,
     /// Rank 4, each axis full or 1.
     Mask(BoolTensor<B>),
@@ -57,6 +61,17 @@ pub(crate) enum Bias<B: Backend> {
     Add(FloatTensor<B>),
 }
 
+/// The bias by position of a mask; a learned table may want a gradient.
+#[derive(ExtensionType)]
+pub(crate) enum Positional<B: Backend> {
+    /// None.
+    Nothing,
+    /// ALiBi's slope of each query head.
+    Alibi(Vec<f32>),
+    /// A learned `[H, buckets]` table and how distances map to its columns.
+    Learned(FloatTensor<B>, Buckets),
+}
+
 /// Attention as one operation of the backend, differentiable on `Autodiff<Flex | NdArray>`.
 #[backend_extension(
     Flex: cfg(feature = "flex"),
@@ -64,20 +79,23 @@ pub(crate) enum Bias<B: Backend> {
     Autodiff
 )]
 pub(crate) trait RecomputeAttention: Backend {
-    /// `softmax(cap(Q Kᵀ · scale) + bias, masked) V`, with the scale and the soft cap of
-    /// `scores` (`cap(s) = softcap · tanh(s / softcap)`), and `rule` masking by position.
+    /// `softmax(cap(Q Kᵀ · scale) + bias + position bias, masked) V`, with the scale and
+    /// the soft cap of `scores` (`cap(s) = softcap · tanh(s / softcap)`), and `rule`
+    /// masking by position.
     ///
     /// # Shapes
     /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`,
     ///   `Hkv` a divisor of `H`
     /// - `blocked`, `bias`: broadcastable to `[B, H, Tq, Tk]`
     /// - result: `[B, H, Tq, Dv]`
+    #[allow(clippy::too_many_arguments)]
     fn recompute_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         #[extension_type] blocked: Blocked<Self>,
         #[extension_type] bias: Bias<Self>,
+        #[extension_type] position: Positional<Self>,
         rule: Rule,
         scores: Scores,
     ) -> FloatTensor<Self>;
@@ -87,12 +105,14 @@ pub(crate) trait RecomputeAttention: Backend {
 macro_rules! forward_only {
     ($backend:ty) => {
         impl RecomputeAttention for $backend {
+            #[allow(clippy::too_many_arguments)]
             fn recompute_attention(
                 query: FloatTensor<Self>,
                 key: FloatTensor<Self>,
                 value: FloatTensor<Self>,
                 blocked: Blocked<Self>,
                 bias: Bias<Self>,
+                position: Positional<Self>,
                 rule: Rule,
                 scores: Scores,
             ) -> FloatTensor<Self> {
@@ -101,7 +121,7 @@ macro_rules! forward_only {
                     Bias::Add(bias) => Some(bias),
                 };
                 let inputs = [&query, &key, &value];
-                let problem = Problem::<Self>::new(inputs, blocked, bias, rule, scores);
+                let problem = Problem::<Self>::new(inputs, (blocked, bias, position), rule, scores);
                 problem.forward(inputs).0
             }
         }
@@ -116,12 +136,14 @@ forward_only!(NdArray);
 impl<B: RecomputeAttention + CpuTensors, C: CheckpointStrategy> RecomputeAttention
     for Autodiff<B, C>
 {
+    #[allow(clippy::too_many_arguments)]
     fn recompute_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         blocked: Blocked<Self>,
         bias: Bias<Self>,
+        position: Positional<Self>,
         rule: Rule,
         scores: Scores,
     ) -> FloatTensor<Self> {
@@ -130,11 +152,23 @@ impl<B: RecomputeAttention + CpuTensors, C: CheckpointStrategy> RecomputeAttenti
             Blocked::Nothing => Blocked::Nothing,
             Blocked::Mask(mask) => Blocked::Mask(mask),
         };
-        // The nodes before the primitives, as `Backward::prepare` asks.
-        let [q, k, v] = [query.node(), key.node(), value.node()];
+        // The nodes before the primitives, as `Backward::prepare` asks: the query, key and
+        // value, then the bias and the table when there are.
+        let mut nodes = vec![query.node(), key.node(), value.node()];
         let bias = match bias {
             Bias::Nothing => None,
-            Bias::Add(bias) => Some((bias.node(), bias.into_primitive())),
+            Bias::Add(bias) => {
+                nodes.push(bias.node());
+                Some(bias.into_primitive())
+            }
+        };
+        let position = match position {
+            Positional::Nothing => Positional::Nothing,
+            Positional::Alibi(slopes) => Positional::Alibi(slopes),
+            Positional::Learned(table, buckets) => {
+                nodes.push(table.node());
+                Positional::Learned(table.into_primitive(), buckets)
+            }
         };
         let inputs = [
             query.into_primitive(),
@@ -142,27 +176,23 @@ impl<B: RecomputeAttention + CpuTensors, C: CheckpointStrategy> RecomputeAttenti
             value.into_primitive(),
         ];
         let [query, key, value] = &inputs;
-        let qkv = [query, key, value];
-        match bias {
-            None => {
-                let problem = Problem::new(qkv, blocked, None, rule, scores);
-                tracked::<B, C, 3>([q, k, v], problem, inputs)
-            }
-            Some((node, bias)) => {
-                let problem = Problem::new(qkv, blocked, Some(bias), rule, scores);
-                tracked::<B, C, 4>([q, k, v, node], problem, inputs)
-            }
+        let problem = Problem::new([query, key, value], (blocked, bias, position), rule, scores);
+        match nodes.len() {
+            3 => tracked::<B, C, 3>(nodes, problem, inputs),
+            4 => tracked::<B, C, 4>(nodes, problem, inputs),
+            _ => tracked::<B, C, 5>(nodes, problem, inputs),
         }
     }
 }
 
-/// Runs the forward pass and registers [`AttentionBackward`] over `nodes`: the query, key
-/// and value, then the bias when there is one.
+/// Runs the forward pass and registers [`AttentionBackward`] over `nodes` (`N` of them):
+/// the query, key and value, then the bias and the table when there are.
 fn tracked<B: CpuTensors, C: CheckpointStrategy, const N: usize>(
-    nodes: [NodeGuard; N],
+    nodes: Vec<NodeGuard>,
     problem: Problem<B>,
     [query, key, value]: [FloatTensor<B>; 3],
 ) -> FloatTensor<Autodiff<B, C>> {
+    let nodes: [NodeGuard; N] = nodes.try_into().unwrap_or_else(|_| unreachable!("N nodes"));
     match AttentionBackward
         .prepare::<C>(nodes)
         .compute_bound()
@@ -211,20 +241,28 @@ impl<B: CpuTensors, const N: usize> Backward<B, N> for AttentionBackward {
         let grad = grads.consume::<B>(&ops.node);
         let state = ops.state;
         let problem = &state.problem;
-        let bias_grad = ops.parents.get(3).is_some_and(Option::is_some);
-        let (dq, dk, dv, d_bias) = tiled_backward::<B>(
+        // The parents after the query, key and value: the bias, then the table.
+        let has_bias = problem.bias.is_some();
+        let wanted = |index: usize| ops.parents.get(index).is_some_and(Option::is_some);
+        let bias_grad = has_bias && wanted(3);
+        let table_grad = problem.table.is_some() && wanted(3 + usize::from(has_bias));
+        let grads_out = tiled_backward::<B>(
             problem.dims,
             &problem.scoring,
             [&state.query, &state.key, &state.value],
-            &state.output,
-            &state.lse,
-            &grad,
+            [&state.output, &state.lse, &grad],
             problem.blocked.as_ref(),
-            problem.bias.as_ref(),
-            bias_grad,
+            [problem.bias.as_ref(), problem.table.as_ref()],
+            [bias_grad, table_grad],
         );
-        let grads_in_order = [Some(dq), Some(dk), Some(dv), d_bias];
-        for (parent, grad) in ops.parents.into_iter().zip(grads_in_order) {
+        let mut in_order = vec![Some(grads_out.dq), Some(grads_out.dk), Some(grads_out.dv)];
+        if has_bias {
+            in_order.push(grads_out.bias);
+        }
+        if problem.table.is_some() {
+            in_order.push(grads_out.table);
+        }
+        for (parent, grad) in ops.parents.into_iter().zip(in_order) {
             if let (Some(node), Some(grad)) = (parent, grad) {
                 grads.register::<B>(node.id, grad);
             }
@@ -239,13 +277,14 @@ struct Problem<B: CpuTensors> {
     scoring: Scoring,
     blocked: Option<BoolTensor<B>>,
     bias: Option<FloatTensor<B>>,
+    /// A learned position table `[H, buckets]`.
+    table: Option<FloatTensor<B>>,
 }
 
 impl<B: CpuTensors> Problem<B> {
     fn new(
         [query, key, value]: [&FloatTensor<B>; 3],
-        blocked: Blocked<B>,
-        bias: Option<FloatTensor<B>>,
+        (blocked, bias, position): (Blocked<B>, Option<FloatTensor<B>>, Positional<B>),
         rule: Rule,
         scores: Scores,
     ) -> Self {
@@ -254,24 +293,38 @@ impl<B: CpuTensors> Problem<B> {
             <[usize; 4]>::try_from(dims).expect("rank 4")
         });
         let dims = Dims::new(shapes, scores.scale);
+        let visibility = rule.visibility(dims.queries, dims.keys);
+        let (position, table) = match position {
+            Positional::Nothing => (None, None),
+            Positional::Alibi(slopes) => (Some(TilePositional::alibi(slopes, &visibility)), None),
+            Positional::Learned(table, buckets) => (
+                Some(TilePositional::learned(buckets, &visibility)),
+                Some(table),
+            ),
+        };
         Self {
             dims,
             scoring: Scoring {
                 softcap: scores.softcap.map(|cap| cap as f32),
-                visibility: rule.visibility(dims.queries, dims.keys),
+                visibility,
+                position,
             },
             blocked: match blocked {
                 Blocked::Nothing => None,
                 Blocked::Mask(mask) => Some(mask),
             },
             bias,
+            table,
         }
     }
 
     /// The output `[B, H, Tq, Dv]` and the log-sum-exp of every row, `[B, H, Tq, 1]`.
     fn forward(&self, qkv: [&FloatTensor<B>; 3]) -> (FloatTensor<B>, FloatTensor<B>) {
-        let (blocked, bias) = (self.blocked.as_ref(), self.bias.as_ref());
-        tiled_forward::<B>(self.dims, &self.scoring, qkv, blocked, bias)
+        let (blocked, biases) = (
+            self.blocked.as_ref(),
+            [self.bias.as_ref(), self.table.as_ref()],
+        );
+        tiled_forward::<B>(self.dims, &self.scoring, qkv, blocked, biases)
     }
 }
 
@@ -295,12 +348,20 @@ pub(super) fn attention(
         Some(bias) => Bias::Add(bias.clone().into_dispatch()),
         None => Bias::Nothing,
     };
+    let position = match mask.position() {
+        None => Positional::Nothing,
+        Some(PositionBias::Alibi { slopes }) => Positional::Alibi(slopes.clone()),
+        Some(PositionBias::Learned { table, buckets }) => {
+            Positional::Learned(table.clone().into_dispatch(), *buckets)
+        }
+    };
     let output = <Dispatch as RecomputeAttention>::recompute_attention(
         query.into_dispatch(),
         key.into_dispatch(),
         value.into_dispatch(),
         blocked,
         bias,
+        position,
         mask.rule().clone(),
         scores,
     );

@@ -21,25 +21,26 @@ use rayon::prelude::*;
 use super::gemm::Avx2;
 use super::gemm::{Arch, Isa, Portable};
 use super::math::dot_product;
-use super::{Dims, Extra, Gradients, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
+use super::{Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, mask_tile, soft_cap};
 use crate::mask::Visibility;
 
 /// Backward pass: the gradients of the inputs `[q, k, v, output, grad]` of [`forward`](super::forward)
 /// (`grad`: the output's gradient, `[B, H, Tq, Dv]`) from the log-sum-exp `[B, H, Tq]`
-/// it returned, and the bias's when `bias_grad` gives its shape.
+/// it returned, and the bias's and the position table's when `wanted` gives their shapes.
 pub(super) fn backward(
     dims: Dims,
     inputs: [Grid<f32>; 5],
     lse: &[f32],
     extra: Extra,
-    bias_grad: Option<[usize; 4]>,
+    wanted: [Option<[usize; 4]>; 2],
 ) -> Gradients {
     let threads = rayon::current_num_threads();
-    backward_on(Isa::best(), threads, dims, inputs, lse, extra, bias_grad)
+    backward_on(Isa::best(), threads, dims, inputs, lse, extra, wanted)
 }
 
 /// [`backward`] with the given instruction set, its heads cut for `threads` threads;
-/// `[q, k, v, output, grad]`; `bias_grad`: the bias's shape, when its gradient is wanted.
+/// `[q, k, v, output, grad]`; `wanted`: the bias's and the table's shapes, when their
+/// gradients are wanted.
 pub(super) fn backward_on(
     isa: Isa,
     threads: usize,
@@ -47,7 +48,7 @@ pub(super) fn backward_on(
     [q, k, v, output, grad]: [Grid<f32>; 5],
     lse: &[f32],
     extra: Extra,
-    bias_grad: Option<[usize; 4]>,
+    [bias_grad, table_grad]: [Option<[usize; 4]>; 2],
 ) -> Gradients {
     let Dims {
         batch,
@@ -71,7 +72,8 @@ pub(super) fn backward_on(
     // Each task: a key range of one key/value head, through every query head of its
     // group; it returns those query heads' partial dQ, one after the other (or, when the
     // range is every key, writes their dQ in place and returns nothing).
-    let partials: Vec<(Vec<f32>, Option<BiasPart>)> = (0..batch * kv_heads * split)
+    let columns = table_grad.map_or(0, |[_, _, _, c]| c);
+    let partials: Vec<(Vec<f32>, Option<BiasPart>, Vec<f64>)> = (0..batch * kv_heads * split)
         .into_par_iter()
         .map(|task| {
             let (bkv, range) = (task / split, ranges[task % split].clone());
@@ -80,6 +82,7 @@ pub(super) fn backward_on(
                 dk: vec![0.0; range.len() * d_k],
                 dv: vec![0.0; range.len() * d_v],
                 bias: bias_grad.map(|shape| BiasPart::new(shape, group, &range)),
+                table: vec![0.0; group * columns],
             };
             let mut dq = vec![0.0f32; group * queries * d_k];
             for (g, dq) in dq.chunks_mut(queries * d_k).enumerate() {
@@ -100,7 +103,7 @@ pub(super) fn backward_on(
                 }
             }
             if split > 1 {
-                return (dq, kv.bias);
+                return (dq, kv.bias, kv.table);
             }
             for (g, head) in dq.chunks_exact(queries * d_k).enumerate() {
                 let h = kvh * group + g;
@@ -113,13 +116,23 @@ pub(super) fn backward_on(
                     }
                 }
             }
-            (Vec::new(), kv.bias)
+            (Vec::new(), kv.bias, kv.table)
         })
         .collect();
+    // The table's gradient: every task's part added to its heads' rows.
+    let table = table_grad.map(|_| {
+        let mut total = vec![0.0f64; heads * columns];
+        for (task, (_, _, part)) in partials.iter().enumerate() {
+            let kvh = task / split % kv_heads;
+            let rows = &mut total[kvh * group * columns..(kvh + 1) * group * columns];
+            rows.iter_mut().zip(part).for_each(|(t, p)| *t += p);
+        }
+        total.into_iter().map(|x| x as f32).collect()
+    });
     // The bias's gradient: every task's part added where it belongs.
     let bias = bias_grad.map(|shape| {
         let mut total = vec![0.0f32; shape.iter().product()];
-        for (task, (_, part)) in partials.iter().enumerate() {
+        for (task, (_, part, _)) in partials.iter().enumerate() {
             let (bkv, range) = (task / split, &ranges[task % split]);
             if let Some(part) = part {
                 part.add_to(
@@ -134,7 +147,13 @@ pub(super) fn backward_on(
         total
     });
     if split == 1 {
-        return Gradients { dq, dk, dv, bias };
+        return Gradients {
+            dq,
+            dk,
+            dv,
+            bias,
+            table,
+        };
     }
     // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
     dq.par_chunks_mut(heads * d_k)
@@ -144,7 +163,7 @@ pub(super) fn backward_on(
             for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
                 let bkv = b * kv_heads + h / group;
                 let at = ((h % group) * queries + i) * d_k;
-                for (part, _) in &partials[bkv * split..(bkv + 1) * split] {
+                for (part, _, _) in &partials[bkv * split..(bkv + 1) * split] {
                     for (d, &p) in dq_head.iter_mut().zip(&part[at..at + d_k]) {
                         *d += p;
                     }
@@ -152,7 +171,13 @@ pub(super) fn backward_on(
                 dq_head.iter_mut().for_each(|d| *d *= dims.scale);
             }
         });
-    Gradients { dq, dk, dv, bias }
+    Gradients {
+        dq,
+        dk,
+        dv,
+        bias,
+        table,
+    }
 }
 
 /// One backward task's share of the bias's gradient: `dS` summed over what the bias
@@ -284,6 +309,9 @@ struct KeyGrads {
     dk: Vec<f32>,
     dv: Vec<f32>,
     bias: Option<BiasPart>,
+    /// The position table's part, `[group, columns]` (empty when not wanted), summed in
+    /// f64: a bucket gathers up to `Tq · Tk` scores of each head.
+    table: Vec<f64>,
 }
 
 impl<'a> Head<'a> {
@@ -450,6 +478,25 @@ impl<'a> Head<'a> {
                     }
                     if let Some(part) = kv.bias.as_mut() {
                         part.add(h % dims.group(), [q0, nq], [k0, nk], &ds);
+                    }
+                    if let (
+                        false,
+                        Some(Positional::Learned {
+                            columns,
+                            first,
+                            bucket,
+                            offset,
+                        }),
+                    ) = (kv.table.is_empty(), &extra.scoring.position)
+                    {
+                        let g = h % dims.group();
+                        let row = &mut kv.table[g * columns..(g + 1) * columns];
+                        for (j, d) in ds.chunks_exact(QT).take(nk).enumerate() {
+                            let d0 = (k0 + j) as i64 - (q0 as i64 + offset) - first;
+                            for (i, &x) in d[..nq].iter().enumerate() {
+                                row[bucket[(d0 - i as i64) as usize] as usize] += x as f64;
+                            }
+                        }
                     }
                     // Through the soft cap: dS_raw = dS ⊙ (1 - tanh²).
                     if extra.scoring.softcap.is_some() {

@@ -41,6 +41,7 @@ use burn::backend::{
 };
 
 use crate::mask::{BLOCKED, Visibility};
+use crate::positions::Buckets;
 use backward::backward;
 use forward::forward;
 use gemm::Arch;
@@ -95,16 +96,61 @@ impl Dims {
 pub(crate) struct Scoring {
     pub(crate) softcap: Option<f32>,
     pub(crate) visibility: Visibility,
+    /// A bias by position, added with the user's bias.
+    pub(crate) position: Option<Positional>,
 }
 
-/// The gradients of the query, key, value and (when asked for) bias, as a backend's
-/// tensors.
-pub(crate) type Grads<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    Option<FloatTensor<B>>,
-);
+/// A bias by position as the tiles compute it, from the distance `d = key - (query +
+/// offset)` of each score (`offset`: the visibility's, so that distances follow the
+/// mask's alignment).
+#[derive(Clone, Debug)]
+pub(crate) enum Positional {
+    /// ALiBi: `-slopes[h] · |d|`.
+    Alibi { slopes: Vec<f32>, offset: i64 },
+    /// A learned `[H, columns]` table: column `bucket[d - first]` of head `h`.
+    Learned {
+        columns: usize,
+        first: i64,
+        bucket: Vec<u32>,
+        offset: i64,
+    },
+}
+
+impl Positional {
+    /// ALiBi with these slopes, over `visibility`'s problem.
+    pub(crate) fn alibi(slopes: Vec<f32>, visibility: &Visibility) -> Self {
+        Positional::Alibi {
+            slopes,
+            offset: visibility.offset,
+        }
+    }
+
+    /// A learned table with these buckets, over `visibility`'s problem: the bucket of every
+    /// distance it has, computed once.
+    pub(crate) fn learned(buckets: Buckets, visibility: &Visibility) -> Self {
+        let offset = visibility.offset;
+        let first = -(visibility.queries as i64 - 1) - offset;
+        let last = visibility.keys as i64 - 1 - offset;
+        Positional::Learned {
+            columns: buckets.len(),
+            first,
+            bucket: (first..=last.max(first))
+                .map(|d| buckets.of(d) as u32)
+                .collect(),
+            offset,
+        }
+    }
+}
+
+/// The gradients of the query, key and value, and (when asked for) of the bias and of a
+/// learned position table, as a backend's tensors.
+pub(crate) struct Grads<B: Backend> {
+    pub(crate) dq: FloatTensor<B>,
+    pub(crate) dk: FloatTensor<B>,
+    pub(crate) dv: FloatTensor<B>,
+    pub(crate) bias: Option<FloatTensor<B>>,
+    pub(crate) table: Option<FloatTensor<B>>,
+}
 
 /// A CPU backend whose tensors the tiles read where they lie: the glue of [`flex`] and
 /// [`ndarray`]. The tiles take f32 tensors and boolean masks stored as bytes (the
@@ -135,15 +181,16 @@ pub(crate) trait CpuTensors: Backend {
 
 /// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq, 1]` of attention over `query`
 /// `[B, H, Tq, Dk]`, `key` `[B, Hkv, Tk, Dk]` and `value` `[B, Hkv, Tk, Dv]` under
-/// `scoring`, the boolean mask `blocked` and the additive `bias`.
+/// `scoring`, the boolean mask `blocked`, the additive `bias` and the learned position
+/// `table` of `scoring`'s position bias (`[H, buckets]`).
 pub(crate) fn tiled_forward<B: CpuTensors>(
     dims: Dims,
     scoring: &Scoring,
     [query, key, value]: [&FloatTensor<B>; 3],
     blocked: Option<&BoolTensor<B>>,
-    bias: Option<&FloatTensor<B>>,
+    [bias, table]: [Option<&FloatTensor<B>>; 2],
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let mask = Mask::<B>::new(blocked, bias);
+    let mask = Mask::<B>::new(blocked, bias, table);
     let q = B::readable(query);
     let [k, v] = [key, value].map(B::dense_rows);
     let [q, k, v] = [&q, &k, &v].map(B::floats);
@@ -156,21 +203,18 @@ pub(crate) fn tiled_forward<B: CpuTensors>(
 }
 
 /// The gradients of the query, key and value of [`tiled_forward`] from its `output`,
-/// `lse` and the output's gradient `grad`, and the bias's (in its own shape, summed over
-/// the axes it broadcasts along) when `bias_grad`.
-#[allow(clippy::too_many_arguments)]
+/// `lse` and the output's gradient `grad`; the bias's (in its own shape, summed over the
+/// axes it broadcasts along) and the table's when asked for.
 pub(crate) fn tiled_backward<B: CpuTensors>(
     dims: Dims,
     scoring: &Scoring,
     [query, key, value]: [&FloatTensor<B>; 3],
-    output: &FloatTensor<B>,
-    lse: &FloatTensor<B>,
-    grad: &FloatTensor<B>,
+    [output, lse, grad]: [&FloatTensor<B>; 3],
     blocked: Option<&BoolTensor<B>>,
-    bias: Option<&FloatTensor<B>>,
-    bias_grad: bool,
+    [bias, table]: [Option<&FloatTensor<B>>; 2],
+    [bias_grad, table_grad]: [bool; 2],
 ) -> Grads<B> {
-    let mask = Mask::<B>::new(blocked, bias);
+    let mask = Mask::<B>::new(blocked, bias, table);
     let [q, o, g, lse] = [query, output, grad, lse].map(B::readable);
     let [k, v] = [key, value].map(B::dense_rows);
     let lse = B::floats(&lse);
@@ -188,18 +232,34 @@ pub(crate) fn tiled_backward<B: CpuTensors>(
         let shape = b.shape();
         std::array::from_fn(|axis| shape[axis])
     });
+    // The table as the tiles read it: `[1, 1, H, buckets]`.
+    let table_shape = mask.table.as_ref().filter(|_| table_grad).map(|t| {
+        let shape = t.shape();
+        [1, 1, shape[2], shape[3]]
+    });
     let inputs = [&q, &k, &v, &o, &g].map(B::floats);
-    let grads = backward(dims, inputs, &lse, mask.extra(scoring), bias_shape);
+    let wanted = [bias_shape, table_shape];
+    let grads = backward(dims, inputs, &lse, mask.extra(scoring), wanted);
     let d = dims;
-    (
-        from_heads::<B>(grads.dq, [d.batch, d.heads, d.queries, d.d_k]),
-        from_heads::<B>(grads.dk, [d.batch, d.kv_heads, d.keys, d.d_k]),
-        from_heads::<B>(grads.dv, [d.batch, d.kv_heads, d.keys, d.d_v]),
-        grads
+    let table_of = |values, [_, _, h, c]: [usize; 4]| {
+        B::float_reshape(
+            B::from_rows(values, [1, 1, h, c]),
+            burn::backend::Shape::new([h, c]),
+        )
+    };
+    Grads {
+        dq: from_heads::<B>(grads.dq, [d.batch, d.heads, d.queries, d.d_k]),
+        dk: from_heads::<B>(grads.dk, [d.batch, d.kv_heads, d.keys, d.d_k]),
+        dv: from_heads::<B>(grads.dv, [d.batch, d.kv_heads, d.keys, d.d_v]),
+        bias: grads
             .bias
             .zip(bias_shape)
             .map(|(values, shape)| B::from_rows(values, shape)),
-    )
+        table: grads
+            .table
+            .zip(table_shape)
+            .map(|(values, shape)| table_of(values, shape)),
+    }
 }
 
 /// The `[B, H, T, D]` tensor that `[B, T, H, D]` floats hold (a view, no copy).
@@ -211,13 +271,27 @@ fn from_heads<B: CpuTensors>(values: Vec<f32>, [b, h, t, d]: [usize; 4]) -> Floa
 struct Mask<B: CpuTensors> {
     blocked: Option<BoolTensor<B>>,
     bias: Option<FloatTensor<B>>,
+    /// A learned position table `[H, buckets]`, as `[1, 1, H, buckets]`.
+    table: Option<FloatTensor<B>>,
 }
 
 impl<B: CpuTensors> Mask<B> {
-    fn new(blocked: Option<&BoolTensor<B>>, bias: Option<&FloatTensor<B>>) -> Self {
+    fn new(
+        blocked: Option<&BoolTensor<B>>,
+        bias: Option<&FloatTensor<B>>,
+        table: Option<&FloatTensor<B>>,
+    ) -> Self {
+        let table = table.map(|t| {
+            let shape = t.shape();
+            B::float_reshape(
+                t.clone(),
+                burn::backend::Shape::new([1, 1, shape[0], shape[1]]),
+            )
+        });
         Self {
             blocked: blocked.map(B::readable_mask),
             bias: bias.map(B::readable),
+            table: table.as_ref().map(B::readable),
         }
     }
 
@@ -226,6 +300,7 @@ impl<B: CpuTensors> Mask<B> {
             scoring,
             bias: self.bias.as_ref().map(B::floats),
             blocked: self.blocked.as_ref().map(B::bytes),
+            table: self.table.as_ref().map(B::floats),
         }
     }
 }
@@ -271,12 +346,14 @@ impl<T: Copy> Grid<'_, T> {
 }
 
 /// What a tile reads to make its scores: the [`Scoring`], a bias and a boolean mask
-/// (nonzero = blocked), each broadcastable to `[B, H, Tq, Tk]`.
+/// (nonzero = blocked), each broadcastable to `[B, H, Tq, Tk]`, and the learned table of
+/// a position bias (`[1, 1, H, buckets]`).
 #[derive(Debug, Clone, Copy)]
 struct Extra<'a> {
     scoring: &'a Scoring,
     bias: Option<Grid<'a, f32>>,
     blocked: Option<Grid<'a, u8>>,
+    table: Option<Grid<'a, f32>>,
 }
 
 /// A pointer that tasks write through, each to elements no other task writes.
@@ -329,6 +406,36 @@ fn soft_cap<A: Arch>(cap: f32, [nk, nq]: [usize; 2], s: &mut [f32], slope: Optio
 #[inline(always)]
 fn mask_tile(extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mut [f32]) {
     let Tile { b, h, q0, nq } = tile;
+    match &extra.scoring.position {
+        Some(Positional::Alibi { slopes, offset }) => {
+            let slope = slopes[h];
+            for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+                let d0 = (k0 + j) as i64 - (q0 as i64 + offset);
+                for (i, x) in row[..nq].iter_mut().enumerate() {
+                    *x -= slope * (d0 - i as i64).abs() as f32;
+                }
+            }
+        }
+        Some(Positional::Learned {
+            first,
+            bucket,
+            offset,
+            ..
+        }) => {
+            let table = extra
+                .table
+                .as_ref()
+                .expect("a learned position bias has its table");
+            for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
+                let d0 = (k0 + j) as i64 - (q0 as i64 + offset) - first;
+                for (i, x) in row[..nq].iter_mut().enumerate() {
+                    let column = bucket[(d0 - i as i64) as usize] as usize;
+                    *x += table.at(0, 0, h, column);
+                }
+            }
+        }
+        None => {}
+    }
     if let Some(bias) = &extra.bias {
         for (j, row) in s.chunks_exact_mut(QT).take(nk).enumerate() {
             for (i, x) in row[..nq].iter_mut().enumerate() {
@@ -359,10 +466,12 @@ fn mask_tile(extra: &Extra, tile: Tile, k0: usize, nk: usize, s: &mut [f32]) {
 }
 
 /// The gradients of [`backward`]: `dq` `[B, Tq, H, Dk]`, `dk` `[B, Tk, Hkv, Dk]`, `dv`
-/// `[B, Tk, Hkv, Dv]`, and the bias's (row-major, in its own shape) when asked for.
+/// `[B, Tk, Hkv, Dv]`, and the bias's and the position table's (row-major, in their own
+/// shapes) when asked for.
 struct Gradients {
     dq: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
     bias: Option<Vec<f32>>,
+    table: Option<Vec<f32>>,
 }

@@ -4,8 +4,9 @@
 use super::backward::backward_on;
 use super::forward::forward_on;
 use super::gemm::{Isa, avx2_under_test};
-use super::{Dims, Extra, Grid, Scoring};
+use super::{Dims, Extra, Grid, Positional, Scoring};
 use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW};
+use crate::positions::Buckets;
 
 /// Seeded values in `[-1, 1]`.
 pub(super) fn random(len: usize, seed: u32) -> Vec<f32> {
@@ -31,6 +32,15 @@ struct Case {
     bias: Vec<f32>,
     blocked: Vec<u8>,
     scoring: Scoring,
+    /// The bias by position: ALiBi's slopes, or a learned table `[H, columns]`.
+    position: Option<Position>,
+}
+
+/// A bias by position of a test case.
+#[derive(Clone, Debug)]
+enum Position {
+    Alibi(Vec<f32>),
+    Table(Vec<f32>, Buckets),
 }
 
 fn dense<T>(data: &[T], [_, h, t, d]: [usize; 4]) -> Grid<'_, T> {
@@ -46,6 +56,7 @@ impl Case {
         [queries, keys, kv_heads]: [usize; 3],
         mask: &AttentionMask,
         softcap: Option<f32>,
+        buckets: Option<Option<Buckets>>,
     ) -> Self {
         let (batch, heads, d_k, d_v) = (2, 4, 20, 12);
         let dims = Dims {
@@ -63,6 +74,11 @@ impl Case {
             .map(|&x| (x > 0.8) as u8)
             .collect();
         blocked[3 * keys..4 * keys].fill(1); // Query 3 of batch 0 sees no key.
+        let visibility = mask.visibility(queries, keys);
+        let position = buckets.map(|buckets| match buckets {
+            None => Position::Alibi(crate::positions::alibi_slopes(heads)),
+            Some(buckets) => Position::Table(random(heads * buckets.len(), 7), buckets),
+        });
         Self {
             dims,
             q: random(batch * heads * queries * d_k, 1),
@@ -73,8 +89,26 @@ impl Case {
             blocked,
             scoring: Scoring {
                 softcap,
-                visibility: mask.visibility(queries, keys),
+                visibility: visibility.clone(),
+                position: position.as_ref().map(|p| match p {
+                    Position::Alibi(slopes) => Positional::alibi(slopes.clone(), &visibility),
+                    Position::Table(_, buckets) => Positional::learned(*buckets, &visibility),
+                }),
             },
+            position,
+        }
+    }
+
+    /// The bias by position of query `i`, key `j`, head `h`, and the table entry it reads.
+    fn position_bias(&self, h: usize, i: usize, j: usize) -> (f64, Option<usize>) {
+        let distance = j as i64 - (i as i64 + self.scoring.visibility.offset);
+        match &self.position {
+            None => (0.0, None),
+            Some(Position::Alibi(slopes)) => (-(slopes[h] as f64) * distance.abs() as f64, None),
+            Some(Position::Table(table, buckets)) => {
+                let at = h * buckets.len() + buckets.of(distance);
+                (table[at] as f64, Some(at))
+            }
         }
     }
 
@@ -92,13 +126,20 @@ impl Case {
                 offset: 0,
                 strides: [queries * keys, 0, keys, 1],
             }),
+            table: match &self.position {
+                Some(Position::Table(table, buckets)) => Some(Grid {
+                    data: table,
+                    offset: 0,
+                    strides: [0, 0, buckets.len(), 1],
+                }),
+                _ => None,
+            },
         }
     }
 
-    /// `(output, lse, dq, dk, dv, dbias)` in f64, laid out `[B, H, T, D]` (the bias
-    /// `[H, Tk]`).
-    #[allow(clippy::type_complexity)]
-    fn reference(&self) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    /// `[output, lse, dq, dk, dv, dbias, dtable]` in f64, laid out `[B, H, T, D]` (the bias
+    /// `[H, Tk]`, the table `[H, columns]`).
+    fn reference(&self) -> [Vec<f64>; 7] {
         let d = self.dims;
         let (dk_, dv_) = (d.d_k, d.d_v);
         let mut out = vec![0.0; d.batch * d.heads * d.queries * dv_];
@@ -107,6 +148,7 @@ impl Case {
         let mut dk = vec![0.0; d.batch * d.kv_heads * d.keys * dk_];
         let mut dv = vec![0.0; d.batch * d.kv_heads * d.keys * dv_];
         let mut dbias = vec![0.0; d.heads * d.keys];
+        let mut dtable = vec![0.0; self.table_len()];
         for b in 0..d.batch {
             for h in 0..d.heads {
                 let bh = b * d.heads + h;
@@ -129,8 +171,12 @@ impl Case {
                                 }
                                 None => (raw, 1.0),
                             };
+                            let by_position = self.position_bias(h, i, j).0;
                             match self.blocked[(b * d.queries + i) * d.keys + j] {
-                                0 => (capped + self.bias[h * d.keys + j] as f64, slope),
+                                0 => (
+                                    capped + self.bias[h * d.keys + j] as f64 + by_position,
+                                    slope,
+                                ),
                                 _ => (BLOCKED as f64, slope),
                             }
                         })
@@ -158,6 +204,9 @@ impl Case {
                         let vj = &self.v[(bkv * d.keys + j) * dv_..][..dv_];
                         let dp: f64 = go.iter().zip(vj).map(|(&g, &v)| g as f64 * v as f64).sum();
                         dbias[h * d.keys + j] += pj * (dp - row_dot);
+                        if let (_, Some(at)) = self.position_bias(h, i, j) {
+                            dtable[at] += pj * (dp - row_dot);
+                        }
                         let ds = pj * (dp - row_dot) * slope * d.scale as f64;
                         for c in 0..dk_ {
                             let kj = self.k[(bkv * d.keys + j) * dk_ + c] as f64;
@@ -171,7 +220,15 @@ impl Case {
                 }
             }
         }
-        (out, lse, dq, dk, dv, dbias)
+        [out, lse, dq, dk, dv, dbias, dtable]
+    }
+
+    /// The entries of the learned table, if any.
+    fn table_len(&self) -> usize {
+        match &self.position {
+            Some(Position::Table(table, _)) => table.len(),
+            _ => 0,
+        }
     }
 }
 
@@ -208,30 +265,46 @@ fn tiles_match_f64_attention_forward_and_backward() {
     let sliding = AttentionMask::sliding_window(40);
     let local = AttentionMask::local(30).aligned(CausalAlignment::TopLeft);
     let packed = AttentionMask::packed(&[vec![0, 50, 61, 140], vec![0, 130]]).and(causal.clone());
+    // Biases by position: ALiBi, T5's buckets, clipped offsets.
+    let t5 = Buckets::T5 {
+        num_buckets: 16,
+        max_distance: 40,
+        bidirectional: true,
+    };
+    let clipped = Buckets::Clipped { max: 20 };
+    let alibi = Some(None);
     let cases = [
-        ("causal", [150, 170, 2], causal.clone(), None),
-        ("causal", [150, 130, 4], causal, None),
-        ("no rule", [70, 90, 2], AttentionMask::none(), None),
+        ("causal", [150, 170, 2], causal.clone(), None, None),
+        ("causal, ALiBi", [150, 130, 4], causal, None, alibi),
         (
-            "sliding window 40, softcap 5",
+            "no rule, T5",
+            [70, 90, 2],
+            AttentionMask::none(),
+            None,
+            Some(Some(t5)),
+        ),
+        (
+            "sliding 40, softcap 5",
             [150, 200, 2],
             sliding,
             Some(5.0),
+            None,
         ),
         (
-            "local 30 top-left, softcap 2",
+            "local 30, softcap 2, clipped",
             [150, 150, 4],
             local,
             Some(2.0),
+            Some(Some(clipped)),
         ),
-        ("packed causal", [150, 150, 2], packed, None),
+        ("packed causal, ALiBi", [150, 150, 2], packed, None, alibi),
     ];
-    for (what, sizes, mask, softcap) in cases {
+    for (what, sizes, mask, softcap, position) in cases {
         let [queries, keys, kv_heads] = sizes;
-        let case = Case::new(sizes, &mask, softcap);
+        let case = Case::new(sizes, &mask, softcap, position);
         let name = format!("{what}, Tq {queries} Tk {keys} Hkv {kv_heads}");
         let d = case.dims;
-        let (out, lse, dq, dk, dv, dbias) = case.reference();
+        let [out, lse, dq, dk, dv, dbias, dtable] = case.reference();
         let q_shape = [d.batch, d.heads, d.queries, d.d_k];
         let k_shape = [d.batch, d.kv_heads, d.keys, d.d_k];
         let v_shape = [d.batch, d.kv_heads, d.keys, d.d_v];
@@ -264,8 +337,11 @@ fn tiles_match_f64_attention_forward_and_backward() {
             for threads in [1, 8] {
                 let inputs = [q, k, v, dense(&o, o_shape), dense(&case.grad, o_shape)];
                 let bias_shape = Some([1, d.heads, 1, d.keys]);
+                let table_shape =
+                    (case.table_len() > 0).then_some([1, 1, d.heads, case.table_len() / d.heads]);
                 let extra = case.extra();
-                let grads = backward_on(isa, threads, d, inputs, &got_lse, extra, bias_shape);
+                let wanted = [bias_shape, table_shape];
+                let grads = backward_on(isa, threads, d, inputs, &got_lse, extra, wanted);
                 let name = format!("{name}, {threads} threads");
                 assert_close(&format!("{name}: dq"), &grads.dq, &dq, q_shape);
                 assert_close(&format!("{name}: dk"), &grads.dk, &dk, k_shape);
@@ -278,6 +354,15 @@ fn tiles_match_f64_attention_forward_and_backward() {
                     &dbias,
                     [1, 1, d.heads, d.keys],
                 );
+                if let Some([_, _, h, c]) = table_shape {
+                    let got_table = grads.table.expect("the table's gradient");
+                    assert_close(
+                        &format!("{name}: dtable"),
+                        &got_table,
+                        &dtable,
+                        [1, 1, h, c],
+                    );
+                }
             }
         }
     }

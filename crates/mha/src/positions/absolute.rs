@@ -1,0 +1,95 @@
+//! Absolute positions added to the input embeddings: the fixed sinusoids of "Attention Is
+//! All You Need", or a learned embedding per position.
+
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+/// The sinusoidal encodings of positions `offset..offset + len`, `[len, d_model]`:
+/// `sin(p / 10000^(2i / d))` at feature `2i`, `cos` of the same at `2i + 1`.
+pub fn sinusoids(offset: usize, len: usize, d_model: usize, device: &Device) -> Tensor<2> {
+    let mut values = Vec::with_capacity(len * d_model);
+    for p in offset..offset + len {
+        for i in 0..d_model {
+            let angle = p as f64 / 10_000f64.powf((i / 2 * 2) as f64 / d_model as f64);
+            values.push(match i % 2 {
+                0 => angle.sin() as f32,
+                _ => angle.cos() as f32,
+            });
+        }
+    }
+    Tensor::from_data(TensorData::new(values, [len, d_model]), device)
+}
+
+/// Absolute positions added to `[B, T, d_model]` inputs.
+#[derive(Module, Debug)]
+pub enum AbsolutePositions {
+    /// The fixed sinusoids of any position.
+    Sinusoidal(SinusoidalPositions),
+    /// A learned embedding of each position up to a maximum length.
+    Learned(LearnedPositions),
+}
+
+/// Sinusoidal positions of `d_model` features (no parameters).
+#[derive(Module, Debug)]
+pub struct SinusoidalPositions {
+    /// The model width.
+    pub d_model: usize,
+}
+
+/// A learned embedding of positions `0..max_len`.
+#[derive(Module, Debug)]
+pub struct LearnedPositions {
+    /// `[max_len, d_model]`.
+    pub embedding: Embedding,
+}
+
+impl AbsolutePositions {
+    /// Sinusoids of `d_model` features.
+    pub fn sinusoidal(d_model: usize) -> Self {
+        Self::Sinusoidal(SinusoidalPositions { d_model })
+    }
+
+    /// A learned embedding of `max_len` positions of `d_model` features, initialised as
+    /// Burn's `Embedding` (normal).
+    pub fn learned(max_len: usize, d_model: usize, device: &Device) -> Self {
+        Self::Learned(LearnedPositions {
+            embedding: EmbeddingConfig::new(max_len, d_model).init(device),
+        })
+    }
+
+    /// `x` with the positions of its rows added: row `t` stands at `offset + t`.
+    ///
+    /// # Shapes
+    /// `[B, T, d_model]` -> `[B, T, d_model]`.
+    ///
+    /// # Panics
+    /// For learned positions past the table, naming the table's length and the positions.
+    pub fn add(&self, x: Tensor<3>, offset: usize) -> Tensor<3> {
+        let [_, len, d_model] = x.dims();
+        let device = x.device();
+        let positions = match self {
+            AbsolutePositions::Sinusoidal(s) => {
+                assert_eq!(
+                    s.d_model, d_model,
+                    "SinusoidalPositions: the input is {d_model} wide, not {}",
+                    s.d_model
+                );
+                sinusoids(offset, len, d_model, &device).cast(x.dtype())
+            }
+            AbsolutePositions::Learned(l) => {
+                let max_len = l.embedding.weight.dims()[0];
+                assert!(
+                    offset + len <= max_len,
+                    "LearnedPositions: positions {offset}..{} are past the {max_len} learned ones",
+                    offset + len
+                );
+                let ids = Tensor::<1, Int>::arange(offset as i64..(offset + len) as i64, &device);
+                l.embedding
+                    .forward(ids.reshape([1, len]))
+                    .squeeze_dim::<2>(0)
+            }
+        };
+        x + positions.unsqueeze::<3>() // [B, T, D] + [1, T, D]
+    }
+}

@@ -1,0 +1,211 @@
+//! Biases on the scores that depend only on the head and on the distance from a query's
+//! position to a key's (`key - query`): ALiBi, and learned tables indexed by buckets of
+//! the distance (clipped offsets, T5's log-spaced buckets). [`PositionBias`] carries one
+//! into attention, where the CPU tiles compute it per score (no `[H, Tq, Tk]` tensor) and
+//! the explicit path builds it.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+/// ALiBi's head slopes (Press et al., "Train Short, Test Long"): for `H` a power of two,
+/// `2^(-8h/H)` for `h = 1..=H`; otherwise those of the largest power of two below `H`,
+/// then every other slope of twice that power, as the paper's code does.
+pub fn alibi_slopes(heads: usize) -> Vec<f32> {
+    fn power_of_two(n: usize) -> Vec<f64> {
+        let start = 2f64.powf(-(2f64.powf(-((n as f64).log2() - 3.0))));
+        (0..n).map(|i| start * start.powi(i as i32)).collect()
+    }
+    fn slopes(n: usize) -> Vec<f64> {
+        if n.is_power_of_two() {
+            return power_of_two(n);
+        }
+        let closest = 1 << n.ilog2();
+        let mut all = power_of_two(closest);
+        all.extend(slopes(2 * closest).into_iter().step_by(2).take(n - closest));
+        all
+    }
+    match heads {
+        0 => Vec::new(),
+        n => slopes(n).into_iter().map(|s| s as f32).collect(),
+    }
+}
+
+/// How a learned relative-position table buckets the distance `key - query`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Buckets {
+    /// One bucket per distance in `-max..=max` (Shaw et al.); farther distances share the
+    /// edge buckets: `2·max + 1` buckets.
+    Clipped {
+        /// The largest distance with a bucket of its own.
+        max: usize,
+    },
+    /// T5's buckets: exact for small distances, log-spaced up to `max_distance`, one
+    /// bucket beyond; `bidirectional` splits them between keys before and after the query
+    /// (the encoder's), else only keys before it count (the decoder's).
+    T5 {
+        /// Buckets in all.
+        num_buckets: usize,
+        /// The distance from which every distance shares the last bucket.
+        max_distance: usize,
+        /// Keys after the query get buckets of their own.
+        bidirectional: bool,
+    },
+}
+
+impl Buckets {
+    /// How many buckets there are.
+    pub fn len(&self) -> usize {
+        match *self {
+            Buckets::Clipped { max } => 2 * max + 1,
+            Buckets::T5 { num_buckets, .. } => num_buckets,
+        }
+    }
+
+    /// Whether there is no bucket (never, for a valid configuration).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bucket of the distance `key - query`, as T5's `_relative_position_bucket`
+    /// computes it (its logarithm in f32, as PyTorch does).
+    pub fn of(&self, distance: i64) -> usize {
+        match *self {
+            Buckets::Clipped { max } => {
+                (distance.clamp(-(max as i64), max as i64) + max as i64) as usize
+            }
+            Buckets::T5 {
+                num_buckets,
+                max_distance,
+                bidirectional,
+            } => {
+                let (mut buckets, mut offset) = (num_buckets, 0);
+                let distance = match bidirectional {
+                    true => {
+                        buckets /= 2;
+                        offset = usize::from(distance > 0) * buckets;
+                        distance.unsigned_abs() as usize
+                    }
+                    false => (-distance.min(0)) as usize,
+                };
+                let exact = buckets / 2;
+                if distance < exact {
+                    return offset + distance;
+                }
+                let log = (distance as f32 / exact as f32).ln()
+                    / (max_distance as f64 / exact as f64).ln() as f32
+                    * (buckets - exact) as f32;
+                offset + (exact + log as usize).min(buckets - 1)
+            }
+        }
+    }
+}
+
+/// A bias on the scores by position: what attention adds to the score of query `i` and
+/// key `j` of head `h` from `h` and the distance `d = j - p(i)` alone (`p(i)`: the query's
+/// own key, under the mask's alignment).
+// One per attention call: the size of the enum does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug)]
+pub enum PositionBias {
+    /// ALiBi: `-slopes[h] · |d|`.
+    Alibi {
+        /// One slope per query head (see [`alibi_slopes`]).
+        slopes: Vec<f32>,
+    },
+    /// A learned table: `table[h, buckets.of(d)]`, its gradient trained.
+    Learned {
+        /// `[H, buckets.len()]`.
+        table: Tensor<2>,
+        /// How distances map to the table's columns.
+        buckets: Buckets,
+    },
+}
+
+impl PositionBias {
+    /// The query heads it has a bias for.
+    pub fn heads(&self) -> usize {
+        match self {
+            PositionBias::Alibi { slopes } => slopes.len(),
+            PositionBias::Learned { table, .. } => table.dims()[0],
+        }
+    }
+
+    /// The bias of query rows `rows` and keys `keys` of a `[Tq, Tk]` problem whose query
+    /// `i` stands at key `i + offset`, as a `[1, H, rows, keys]` tensor (the explicit
+    /// path; the CPU tiles compute it per score instead).
+    pub(crate) fn tensor(
+        &self,
+        rows: std::ops::Range<usize>,
+        keys: std::ops::Range<usize>,
+        offset: i64,
+        device: &Device,
+    ) -> Tensor<4> {
+        let (r, k) = (rows.len(), keys.len());
+        let distances = || {
+            rows.clone().flat_map(move |i| {
+                let own = i as i64 + offset;
+                keys.clone().map(move |j| j as i64 - own)
+            })
+        };
+        match self {
+            PositionBias::Alibi { slopes } => {
+                let h = slopes.len();
+                let far: Vec<f32> = distances().map(|d| -(d.abs() as f32)).collect();
+                let far = Tensor::<2>::from_data(TensorData::new(far, [1, r * k]), device);
+                let slopes =
+                    Tensor::<2>::from_data(TensorData::new(slopes.clone(), [h, 1]), device);
+                (slopes * far).reshape([1, h, r, k])
+            }
+            PositionBias::Learned { table, buckets } => {
+                let h = table.dims()[0];
+                let index: Vec<i64> = distances().map(|d| buckets.of(d) as i64).collect();
+                let index = Tensor::<1, Int>::from_data(TensorData::new(index, [r * k]), device);
+                table.clone().select(1, index).reshape([1, h, r, k])
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alibi_slopes_follow_the_papers_formula() {
+        let eight = alibi_slopes(8);
+        for (h, &s) in eight.iter().enumerate() {
+            assert_eq!(s, 2f32.powi(-(h as i32 + 1)));
+        }
+        // Not a power of two: the 4 slopes of 4 heads, then slopes 1 and 3 of 8 heads.
+        let four = alibi_slopes(4);
+        assert_eq!(
+            alibi_slopes(6),
+            [four.as_slice(), &[eight[0], eight[2]]].concat()
+        );
+    }
+
+    #[test]
+    fn buckets_clip_and_space_logarithmically() {
+        let clipped = Buckets::Clipped { max: 3 };
+        let got: Vec<usize> = (-5..=5).map(|d| clipped.of(d)).collect();
+        assert_eq!(got, [0, 0, 0, 1, 2, 3, 4, 5, 6, 6, 6]);
+        // T5's defaults: exact up to 8 either side, log-spaced up to 128.
+        let t5 = Buckets::T5 {
+            num_buckets: 32,
+            max_distance: 128,
+            bidirectional: true,
+        };
+        assert_eq!(
+            [t5.of(0), t5.of(-7), t5.of(7), t5.of(-1000), t5.of(1000)],
+            [0, 7, 23, 15, 31]
+        );
+        let causal = Buckets::T5 {
+            num_buckets: 32,
+            max_distance: 128,
+            bidirectional: false,
+        };
+        assert_eq!(
+            [causal.of(5), causal.of(-5), causal.of(-15), causal.of(-500)],
+            [0, 5, 15, 31]
+        );
+    }
+}

@@ -1,0 +1,153 @@
+//! Where tokens are. Attention itself is blind to order; a model tells it positions in
+//! one of three ways, all chosen by one [`Positions`] setting:
+//!
+//! - absolute positions added to the input embeddings ([`absolute`]: sinusoids, or a
+//!   learned embedding per position), which a stack adds before its first block;
+//! - rotary embeddings of the queries and keys ([`rotary`]: RoPE), which attention applies
+//!   after its projections;
+//! - a bias on the scores by distance ([`bias`]: ALiBi, learned relative biases with
+//!   clipped offsets or T5's buckets), which the CPU tiles compute per score.
+//!
+//! Positions apply to self-attention; cross-attention reads the memory as it is.
+
+pub mod absolute;
+pub mod bias;
+pub mod rotary;
+
+use serde::{Deserialize, Serialize};
+
+pub use absolute::{AbsolutePositions, LearnedPositions, SinusoidalPositions, sinusoids};
+pub use bias::{Buckets, PositionBias, alibi_slopes};
+pub use rotary::{Rope, RopeLayout};
+
+use crate::error::{Check, ConfigError};
+
+/// How a model knows where its tokens are (see the [module docs](self)).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub enum Positions {
+    /// None: attention sees a set, not a sequence (unless the model adds positions itself).
+    #[default]
+    None,
+    /// Sinusoids added to the input (by a stack).
+    Sinusoidal,
+    /// A learned embedding of each position added to the input (by a stack).
+    Learned {
+        /// Positions with an embedding.
+        max_len: usize,
+    },
+    /// Rotary embeddings of the queries and keys.
+    Rope {
+        /// The base of the frequencies (10000 in the paper).
+        theta: f64,
+        /// Which features rotate together.
+        layout: RopeLayout,
+    },
+    /// ALiBi: `-slope_h · |distance|`, no parameters.
+    Alibi,
+    /// A learned bias per head and distance, distances beyond `max_distance` clipped.
+    Relative {
+        /// The largest distance with a bias of its own.
+        max_distance: usize,
+    },
+    /// T5's learned bias per head and log-spaced bucket of the distance.
+    T5 {
+        /// Buckets in all (T5: 32).
+        num_buckets: usize,
+        /// The distance from which all share the last bucket (T5: 128).
+        max_distance: usize,
+        /// Keys after the query get buckets of their own (T5's encoder; its decoder is
+        /// causal and has none).
+        bidirectional: bool,
+    },
+}
+
+impl Positions {
+    /// RoPE with the paper's base (10000), features paired half with half.
+    pub fn rope() -> Self {
+        Positions::Rope {
+            theta: 10_000.0,
+            layout: RopeLayout::HalfSplit,
+        }
+    }
+
+    /// T5's buckets: 32 of them, up to distance 128.
+    pub fn t5(bidirectional: bool) -> Self {
+        Positions::T5 {
+            num_buckets: 32,
+            max_distance: 128,
+            bidirectional,
+        }
+    }
+
+    /// Whether they are added to the input rather than applied by attention.
+    pub fn is_absolute(&self) -> bool {
+        matches!(self, Positions::Sinusoidal | Positions::Learned { .. })
+    }
+
+    /// The buckets of a learned relative bias, if these are one.
+    pub fn buckets(&self) -> Option<Buckets> {
+        match *self {
+            Positions::Relative { max_distance } => Some(Buckets::Clipped { max: max_distance }),
+            Positions::T5 {
+                num_buckets,
+                max_distance,
+                bidirectional,
+            } => Some(Buckets::T5 {
+                num_buckets,
+                max_distance,
+                bidirectional,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Checks the values for heads `head_dim` wide.
+    ///
+    /// # Errors
+    /// A [`ConfigError`] of `config`'s `positions` field naming the value.
+    pub(crate) fn validate(
+        &self,
+        config: &'static str,
+        head_dim: usize,
+    ) -> Result<(), ConfigError> {
+        let check = Check(config);
+        let fail = |message: String| ConfigError {
+            config,
+            field: "positions",
+            message,
+        };
+        match *self {
+            Positions::Learned { max_len } => check.nonzero("positions", max_len),
+            Positions::Rope { theta, .. } => {
+                if !head_dim.is_multiple_of(2) {
+                    return Err(fail(format!(
+                        "Rope needs heads of an even width, got {head_dim}"
+                    )));
+                }
+                if !(theta.is_finite() && theta > 1.0) {
+                    return Err(fail(format!("Rope's theta must be above 1, got {theta}")));
+                }
+                Ok(())
+            }
+            Positions::T5 {
+                num_buckets,
+                max_distance,
+                bidirectional,
+            } => {
+                let exact = match bidirectional {
+                    true => num_buckets / 2 / 2,
+                    false => num_buckets / 2,
+                };
+                if exact == 0 || max_distance <= exact {
+                    return Err(fail(format!(
+                        "T5 needs num_buckets of at least {} and max_distance above the exact \
+                         buckets ({exact}), got num_buckets {num_buckets}, max_distance {max_distance}",
+                        if bidirectional { 4 } else { 2 }
+                    )));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}

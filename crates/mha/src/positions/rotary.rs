@@ -1,0 +1,93 @@
+//! Rotary position embeddings (Su et al., "RoFormer"): each query and key is rotated, pair
+//! of features by pair, by angles proportional to its position, so that their dot product
+//! depends on the distance between them. Applied after the projections, to the `H` query
+//! heads and the `Hkv` key heads alike (grouped-query attention needs nothing more).
+
+use burn::tensor::{Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+/// Which features of a head rotate together.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RopeLayout {
+    /// Feature `i` with feature `i + D/2` (GPT-NeoX, Hugging Face's Llama). The default.
+    #[default]
+    HalfSplit,
+    /// Feature `2i` with feature `2i + 1` (RoFormer, GPT-J, Meta's Llama checkpoints).
+    Interleaved,
+}
+
+/// Rotary embeddings of heads `head_dim` wide: the pair `k` of a token at position `p`
+/// turns by `p · theta^(-2k / head_dim)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// The base of the frequencies (10000 in the paper; larger for long contexts).
+    pub theta: f64,
+    /// Which features pair up.
+    pub layout: RopeLayout,
+    /// The width of a head (even).
+    pub head_dim: usize,
+}
+
+impl Rope {
+    /// `x` `[B, H, T, D]` rotated: row `t` of batch row `b` stands at `positions[b][t]`
+    /// (`positions` has one row for every batch row, or one row for all).
+    ///
+    /// # Panics
+    /// If `D` is not `head_dim`, or `positions` do not cover `[B or 1, T]`.
+    pub fn apply(&self, x: Tensor<4>, positions: &[Vec<usize>]) -> Tensor<4> {
+        let [batch, heads, len, dim] = x.dims();
+        assert_eq!(
+            dim, self.head_dim,
+            "Rope: heads are {} wide, got {dim}",
+            self.head_dim
+        );
+        let rows = positions.len();
+        assert!(
+            (rows == 1 || rows == batch) && positions.iter().all(|p| p.len() == len),
+            "Rope: positions must be [1 or B = {batch}, T = {len}]"
+        );
+        let half = dim / 2;
+        let (cos, sin) = self.angles(positions, &x.device()); // [rows, 1, T, D/2]
+        let dtype = x.dtype();
+        let (cos, sin) = (cos.cast(dtype), sin.cast(dtype));
+        match self.layout {
+            RopeLayout::HalfSplit => {
+                let a = x.clone().narrow(3, 0, half);
+                let b = x.narrow(3, half, half);
+                let turned_a = a.clone() * cos.clone() - b.clone() * sin.clone();
+                let turned_b = b * cos + a * sin;
+                Tensor::cat(vec![turned_a, turned_b], 3)
+            }
+            RopeLayout::Interleaved => {
+                let pairs = x.reshape([batch, heads, len, half, 2]);
+                let a = pairs.clone().narrow(4, 0, 1).squeeze_dim::<4>(4);
+                let b = pairs.narrow(4, 1, 1).squeeze_dim::<4>(4);
+                let turned_a = a.clone() * cos.clone() - b.clone() * sin.clone();
+                let turned_b = b * cos + a * sin;
+                Tensor::stack::<5>(vec![turned_a, turned_b], 4).reshape([batch, heads, len, dim])
+            }
+        }
+    }
+
+    /// The cosines and sines of every position's angles, `[rows, 1, T, D/2]`, computed in
+    /// f64 on the host (a device's `sin` of a large angle is far less exact).
+    fn angles(&self, positions: &[Vec<usize>], device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let half = self.head_dim / 2;
+        let frequencies: Vec<f64> = (0..half)
+            .map(|k| self.theta.powf(-2.0 * k as f64 / self.head_dim as f64))
+            .collect();
+        let (rows, len) = (positions.len(), positions[0].len());
+        let mut cos = Vec::with_capacity(rows * len * half);
+        let mut sin = Vec::with_capacity(rows * len * half);
+        for &p in positions.iter().flatten() {
+            for f in &frequencies {
+                let angle = p as f64 * f;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let tensor =
+            |values| Tensor::<4>::from_data(TensorData::new(values, [rows, 1, len, half]), device);
+        (tensor(cos), tensor(sin))
+    }
+}
