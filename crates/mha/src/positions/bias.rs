@@ -131,7 +131,10 @@ impl PositionBias {
 
     /// The bias of query rows `rows` and keys `keys` of a `[Tq, Tk]` problem whose query
     /// `i` stands at key `i + offset`, as a `[1, H, rows, keys]` tensor (the explicit
-    /// path; the CPU tiles compute it per score instead).
+    /// path; the CPU tiles compute it per score instead). It is built from the block's
+    /// `rows + keys - 1` distinct distances, one value per head and distance, spread over
+    /// the block's diagonals ([`diagonals`]): a learned table's gradient flows through a
+    /// select of those few distances, not of every score.
     pub(crate) fn tensor(
         &self,
         rows: std::ops::Range<usize>,
@@ -139,30 +142,61 @@ impl PositionBias {
         offset: i64,
         device: &Device,
     ) -> Tensor<4> {
-        let (r, k) = (rows.len(), keys.len());
-        let distances = || {
-            rows.clone().flat_map(move |i| {
-                let own = i as i64 + offset;
-                keys.clone().map(move |j| j as i64 - own)
-            })
-        };
-        match self {
+        let (r, k, h) = (rows.len(), keys.len(), self.heads());
+        if r == 0 || k == 0 {
+            return Tensor::zeros([1, h, r, k], device);
+        }
+        // Column `c` holds the distance `first + c`: the last row's first key at `c = 0`.
+        let first = keys.start as i64 - (rows.end as i64 - 1 + offset);
+        let distances = (0..(r + k - 1) as i64).map(|c| first + c);
+        let per_distance = match self {
             PositionBias::Alibi { slopes } => {
-                let h = slopes.len();
-                let far: Vec<f32> = distances().map(|d| -(d.abs() as f32)).collect();
-                let far = Tensor::<2>::from_data(TensorData::new(far, [1, r * k]), device);
+                let far: Vec<f32> = distances.map(|d| -(d.abs() as f32)).collect();
+                let far = Tensor::<2>::from_data(TensorData::new(far, [1, r + k - 1]), device);
                 let slopes =
                     Tensor::<2>::from_data(TensorData::new(slopes.clone(), [h, 1]), device);
-                (slopes * far).reshape([1, h, r, k])
+                slopes * far
             }
             PositionBias::Learned { table, buckets } => {
-                let h = table.dims()[0];
-                let index: Vec<i64> = distances().map(|d| buckets.of(d) as i64).collect();
-                let index = Tensor::<1, Int>::from_data(TensorData::new(index, [r * k]), device);
-                table.clone().select(1, index).reshape([1, h, r, k])
+                let index: Vec<i64> = distances.map(|d| buckets.of(d) as i64).collect();
+                select_columns(table.clone(), &index, device)
             }
-        }
+        };
+        diagonals(per_distance, r, k).unsqueeze()
     }
+}
+
+/// `[H, r, k]` with element `(h, i, j)` equal to `values[h, j + r - 1 - i]`: each of the
+/// `r + k - 1` columns of `values` (`[H, r + k - 1]`) along one diagonal. Repeating a row
+/// padded to `r + k` values and reading it back in rows of `r + k - 1` shifts each row
+/// one place right of the one above it; ops whose gradients every backend has.
+fn diagonals(values: Tensor<2>, r: usize, k: usize) -> Tensor<3> {
+    let [heads, len] = values.dims();
+    debug_assert_eq!(len, r + k - 1);
+    let padded = Tensor::cat(vec![values.clone(), values.zeros_like().narrow(1, 0, 1)], 1);
+    padded
+        .repeat_dim(1, r)
+        .narrow(1, 0, r * len)
+        .reshape([heads, r, len])
+        .narrow(2, r - 1, k)
+}
+
+/// Most indices one select takes: on wgpu, Burn 0.22's select backward (a scatter-add)
+/// drops every index past the 65,535th.
+const MAX_SELECT: usize = 1 << 15;
+
+/// The columns `index` of `table` (`[H, N]`), `[H, index.len()]`, in selects of at most
+/// [`MAX_SELECT`] indices.
+fn select_columns(table: Tensor<2>, index: &[i64], device: &Device) -> Tensor<2> {
+    let parts: Vec<Tensor<2>> = index
+        .chunks(MAX_SELECT)
+        .map(|part| {
+            let part =
+                Tensor::<1, Int>::from_data(TensorData::new(part.to_vec(), [part.len()]), device);
+            table.clone().select(1, part)
+        })
+        .collect();
+    Tensor::cat(parts, 1)
 }
 
 #[cfg(test)]
@@ -181,6 +215,67 @@ mod tests {
             alibi_slopes(6),
             [four.as_slice(), &[eight[0], eight[2]]].concat()
         );
+    }
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn a_blocks_bias_is_the_bias_of_each_distance() {
+        let device = Device::flex();
+        let buckets = Buckets::T5 {
+            num_buckets: 16,
+            max_distance: 40,
+            bidirectional: true,
+        };
+        let values: Vec<f32> = (0..3 * 16).map(|i| (i as f32 * 0.37).sin()).collect();
+        let table = Tensor::<2>::from_data(TensorData::new(values.clone(), [3, 16]), &device);
+        let learned = PositionBias::Learned { table, buckets };
+        let alibi = PositionBias::Alibi {
+            slopes: alibi_slopes(3),
+        };
+        for (rows, keys, offset) in [(0..1, 0..1, 0), (5..12, 0..30, 4), (3..40, 10..13, -7)] {
+            let (r, k) = (rows.len(), keys.len());
+            let got = learned.tensor(rows.clone(), keys.clone(), offset, &device);
+            let got_alibi = alibi.tensor(rows.clone(), keys.clone(), offset, &device);
+            let got: Vec<f32> = got.into_data().to_vec().unwrap();
+            let got_alibi: Vec<f32> = got_alibi.into_data().to_vec().unwrap();
+            for h in 0..3 {
+                for (a, i) in rows.clone().enumerate() {
+                    for (b, j) in keys.clone().enumerate() {
+                        let d = j as i64 - (i as i64 + offset);
+                        let at = (h * r + a) * k + b;
+                        assert_eq!(got[at], values[h * 16 + buckets.of(d)], "{h} {i} {j}");
+                        let want = -alibi_slopes(3)[h] * d.abs() as f32;
+                        assert_eq!(got_alibi[at], want, "{h} {i} {j}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A select of more indices than wgpu's select backward takes at once: every
+    /// gradient arrives, on every backend compiled in.
+    #[test]
+    #[allow(deprecated, clippy::vec_init_then_push)]
+    fn long_selects_pass_every_gradient_back() {
+        let mut devices: Vec<Device> = Vec::new();
+        #[cfg(feature = "flex")]
+        devices.push(Device::flex());
+        #[cfg(feature = "ndarray")]
+        devices.push(Device::ndarray());
+        #[cfg(feature = "wgpu")]
+        devices.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
+        let n = 70_000; // past 65,535, in three selects
+        let index: Vec<i64> = (0..n).map(|i| (i * 7 % 5) as i64).collect();
+        for device in devices {
+            let device = device.autodiff();
+            let table = Tensor::<2>::zeros([2, 5], &device).require_grad();
+            let picked = select_columns(table.clone(), &index, &device);
+            let weights = Tensor::<2>::ones([2, n], &device);
+            let grads = (picked * weights).sum().backward();
+            let got: Vec<f32> = table.grad(&grads).unwrap().into_data().to_vec().unwrap();
+            // Every bucket is picked n / 5 times; each pick adds 1 to its gradient.
+            assert_eq!(got, vec![(n / 5) as f32; 10], "{device:?}");
+        }
     }
 
     #[test]
