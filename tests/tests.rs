@@ -13,5 +13,7 @@ mod properties;
 mod masks;
 // Every attention path, backend and dtype against attention computed in f64.
 mod paths;
+// Decoding with a cache gives the forward pass's rows; bad calls are refused.
+mod cache;
 // Bad configurations, shapes and weight files give errors naming what is wrong.
 mod errors;

@@ -10,7 +10,8 @@ use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Linear, Linea
 use burn::tensor::{Device, Tensor};
 
 use crate::attention::AttentionWeights;
-use crate::error::{Check, ConfigError};
+use crate::cache::{KvCache, MemoryKv};
+use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use crate::positions::Positions;
@@ -282,11 +283,25 @@ fn residual(
     norm_first: bool,
     f: impl FnOnce(Tensor<3>) -> Tensor<3>,
 ) -> Tensor<3> {
-    if norm_first {
-        x.clone() + dropout.forward(f(norm.forward(x)))
-    } else {
-        norm.forward(x.clone() + dropout.forward(f(x)))
+    let branch = |h| Ok::<_, core::convert::Infallible>(f(h));
+    match try_residual(x, norm, dropout, norm_first, branch) {
+        Ok(y) => y,
+        Err(never) => match never {},
     }
+}
+
+/// [`residual`] with a branch that may fail.
+fn try_residual<E>(
+    x: Tensor<3>,
+    norm: &LayerNorm,
+    dropout: &Dropout,
+    norm_first: bool,
+    f: impl FnOnce(Tensor<3>) -> Result<Tensor<3>, E>,
+) -> Result<Tensor<3>, E> {
+    Ok(match norm_first {
+        true => x.clone() + dropout.forward(f(norm.forward(x))?),
+        false => norm.forward(x.clone() + dropout.forward(f(x)?)),
+    })
 }
 
 /// Self-attention and feed-forward, PyTorch's `nn.TransformerEncoderLayer`.
@@ -320,6 +335,35 @@ impl EncoderBlock {
     /// If `x` is not `[B, T, d_model]` or the mask does not broadcast.
     pub fn forward(&self, x: Tensor<3>, mask: &AttentionMask) -> Tensor<3> {
         self.run(x, mask, AttentionWeights::None).0
+    }
+
+    /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]` of a causal
+    /// block, with `cache` keeping the keys and values of the tokens before them (see
+    /// [`MultiHeadAttention::forward_cached`]): a prompt, then one token per call.
+    ///
+    /// # Errors
+    /// [`CacheError::NotCausal`] for a block that is not causal, and the cache's errors.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut KvCache,
+        mask: &AttentionMask,
+    ) -> Result<Tensor<3>, CacheError> {
+        if !self.causal {
+            return Err(CacheError::NotCausal {
+                module: "EncoderBlock",
+            });
+        }
+        let x = try_residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            self.self_attn.forward_cached(h, cache, mask.clone())
+        })?;
+        Ok(residual(
+            x,
+            &self.norm2,
+            &self.dropout2,
+            self.norm_first,
+            |h| self.feed_forward.forward(h),
+        ))
     }
 
     /// [`forward`](Self::forward), also returning the self-attention weights
@@ -402,6 +446,42 @@ impl DecoderBlock {
     ) -> Tensor<3> {
         self.run(x, memory, self_mask, memory_mask, AttentionWeights::None)
             .0
+    }
+
+    /// The cross-attention's keys and values of `memory` `[B, Tk, d_model]`, computed once
+    /// for every step of [`forward_cached`](Self::forward_cached).
+    pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
+        self.cross_attn.memory_kv(memory)
+    }
+
+    /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]`, with `cache`
+    /// keeping the self-attention's keys and values of the tokens before them and `memory`
+    /// the cross-attention's (see [`MultiHeadAttention::forward_cached`]).
+    ///
+    /// # Errors
+    /// The cache's errors.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        memory: &MemoryKv,
+        cache: &mut KvCache,
+        memory_mask: &AttentionMask,
+    ) -> Result<Tensor<3>, CacheError> {
+        let x = try_residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            self.self_attn
+                .forward_cached(h, cache, AttentionMask::none())
+        })?;
+        let x = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
+            self.cross_attn
+                .cross_attention_cached(h, memory, memory_mask.clone())
+        });
+        Ok(residual(
+            x,
+            &self.norm3,
+            &self.dropout3,
+            self.norm_first,
+            |h| self.feed_forward.forward(h),
+        ))
     }
 
     /// [`forward`](Self::forward), also returning the cross-attention weights

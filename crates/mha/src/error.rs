@@ -1,4 +1,4 @@
-//! Errors a user can cause through a configuration.
+//! Errors a user can cause: through a configuration, or through a decode cache.
 
 use core::fmt;
 
@@ -77,3 +77,96 @@ impl Check {
         Ok(())
     }
 }
+
+/// A call with a [`KvCache`](crate::cache::KvCache) was refused; nothing was written to
+/// the cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheError {
+    /// The new tokens do not fit in the cache's capacity.
+    Full {
+        /// Positions the cache holds.
+        capacity: usize,
+        /// The position of the first new token (the tokens cached so far).
+        position: usize,
+        /// New tokens in the call.
+        tokens: usize,
+    },
+    /// The new keys or values differ in shape from those the cache holds.
+    Mismatch {
+        /// What differs: `batch`, `key/value heads` or `head width`.
+        what: &'static str,
+        /// What the cache holds.
+        cached: usize,
+        /// What the call brought.
+        got: usize,
+    },
+    /// The module attends to later tokens (bidirectional): decoding token by token would
+    /// compute something else than its forward pass.
+    NotCausal {
+        /// The module, e.g. `EncoderBlock`.
+        module: &'static str,
+    },
+    /// The mask packs several sequences in a row; a cache holds one sequence per row.
+    Packed,
+    /// Learned absolute positions end before the new tokens' positions.
+    PastPositions {
+        /// Positions with an embedding.
+        max_len: usize,
+        /// The position of the first new token.
+        position: usize,
+        /// New tokens in the call.
+        tokens: usize,
+    },
+    /// The caches belong to a stack of another depth.
+    Layers {
+        /// The stack's layers.
+        layers: usize,
+        /// The caches given.
+        caches: usize,
+    },
+}
+
+impl fmt::Display for CacheError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CacheError::Full {
+                capacity,
+                position,
+                tokens,
+            } => write!(
+                f,
+                "KvCache: {tokens} new token(s) at position {position} do not fit its capacity \
+                 of {capacity} positions (positions {position}..{} asked for)",
+                position + tokens
+            ),
+            CacheError::Mismatch { what, cached, got } => write!(
+                f,
+                "KvCache: it holds {what} {cached}, the call brings {what} {got} (reset it to \
+                 start another sequence)"
+            ),
+            CacheError::NotCausal { module } => write!(
+                f,
+                "{module}: not causal; a cache decodes causal attention only (set causal)"
+            ),
+            CacheError::Packed => write!(
+                f,
+                "KvCache: the mask packs sequences; a cache holds one sequence per batch row"
+            ),
+            CacheError::PastPositions {
+                max_len,
+                position,
+                tokens,
+            } => write!(
+                f,
+                "LearnedPositions: positions {position}..{} are past the {max_len} learned ones",
+                position + tokens
+            ),
+            CacheError::Layers { layers, caches } => write!(
+                f,
+                "StackCache: {caches} layer cache(s) for a stack of {layers} layers"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CacheError {}

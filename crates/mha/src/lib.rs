@@ -27,10 +27,11 @@
 //! | [`positions::rotary`] | rotary embeddings of queries and keys, both layouts |
 //! | [`positions::bias`] | biases by distance: ALiBi's slopes, clipped and T5 buckets, [`PositionBias`] |
 //! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
+//! | [`cache`] | [`KvCache`]: decoding token by token, per layer and per stack; the cross-attention's keys and values once |
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
-//! | [`error`] | [`ConfigError`] |
+//! | [`error`] | [`ConfigError`], [`CacheError`] |
 //!
 //! Dependencies flow one way: the modules users import, then `attention`, then `cpu`,
 //! then `mask`.
@@ -43,6 +44,7 @@
 
 pub mod attention;
 pub mod block;
+pub mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
 pub mod error;
@@ -57,7 +59,8 @@ pub use block::{
     DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig, FeedForward,
     FeedForwardActivation,
 };
-pub use error::ConfigError;
+pub use cache::{KvCache, MemoryKv, StackCache};
+pub use error::{CacheError, ConfigError};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};

@@ -10,7 +10,8 @@ use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, module::linear};
 
 use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
-use crate::error::{Check, ConfigError};
+use crate::cache::{KvCache, MemoryKv};
+use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::positions::{PositionBias, Positions, Rope, alibi_slopes};
 
@@ -316,25 +317,124 @@ impl MultiHeadAttention {
             mask,
             weights,
         } = input;
-        let [batch, queries, _] = query.dims();
         let self_attention = matches!(source, Source::SelfAttention);
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
         let k = self.split_heads(k, self.n_kv_heads); // [B, Hkv, Tk, Dh]
         let v = self.split_heads(v, self.n_kv_heads); // [B, Hkv, Tk, Dh]
         let (q, k, mask) = match self_attention {
-            true => self.positioned(q, k, mask, 0),
+            true => self.positioned(q, k, mask, [0, 0]),
             false => (q, k, mask),
         };
-
         let training = self.dropout.training.is_enabled() && q.device().is_autodiff();
+        let dropout = if training { self.dropout.prob } else { 0.0 };
+        self.attend([q, k, v], &mask, weights, dropout)
+    }
+
+    /// Causal self-attention of the next tokens `x` `[B, T, d_model]` with `cache`, which
+    /// keeps the keys and values of the tokens before them (see [`crate::cache`]): run a
+    /// prompt, then one token per call. Token `t` of the call stands at position
+    /// `cache.len() + t`: RoPE turns it there, and the biases by distance count from
+    /// there. With a sliding cache each token sees the last `W` positions, itself included.
+    /// The outputs equal those rows of [`causal_self_attention`](Self::causal_self_attention)
+    /// (or self-attention under [`AttentionMask::sliding_window`]) over the whole sequence.
+    ///
+    /// `mask` adds to the causal rule, over the keys the call sees
+    /// ([`KvCache::keys_seen`]): the padding of prompts of different lengths, say.
+    /// Dropout does not act.
+    ///
+    /// # Errors
+    /// [`CacheError::Full`] past the cache's capacity, [`CacheError::Mismatch`] when the
+    /// batch differs from the cached one, [`CacheError::Packed`] for a packed mask; the
+    /// cache is then unchanged.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), for inputs of the wrong width or a mask that does
+    /// not broadcast.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut KvCache,
+        mask: AttentionMask,
+    ) -> Result<Tensor<3>, CacheError> {
+        if mask.rule().packed.is_some() {
+            return Err(CacheError::Packed);
+        }
+        let (q, k, v) = self.project(x, Source::SelfAttention);
+        let q = self.split_heads(q, self.n_heads); // [B, H, T, Dh]
+        let k = self.split_heads(k, self.n_kv_heads); // [B, Hkv, T, Dh]
+        let v = self.split_heads(v, self.n_kv_heads);
+        let offset = cache.len();
+        let (q, k, mask) = self.positioned(q, k, mask, [offset, offset]);
+        let seen = cache.write(k, v, !mask.is_none())?;
+        let mask = mask.and(seen.mask);
+        let out = self.attend(
+            [q, seen.keys, seen.values],
+            &mask,
+            AttentionWeights::None,
+            0.0,
+        );
+        Ok(out.context)
+    }
+
+    /// The cross-attention keys and values of `memory` `[B, Tk, kdim]` (keys = values, as
+    /// [`MhaInput::cross`]), for every decoding step of
+    /// [`cross_attention_cached`](Self::cross_attention_cached).
+    ///
+    /// # Panics
+    /// If `memory` is not `kdim` wide (and `vdim`).
+    pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
+        let batch = memory.dims()[0];
+        let (k, v) = self.project_kv(memory, batch);
+        MemoryKv {
+            keys: self.split_heads(k, self.n_kv_heads),
+            values: self.split_heads(v, self.n_kv_heads),
+        }
+    }
+
+    /// Cross-attention from `x` `[B, Tq, d_model]` to keys and values computed once by
+    /// [`memory_kv`](Self::memory_kv), under `mask` (`[B, H, Tq, Tk]`-broadcastable, e.g.
+    /// the memory's padding): [`cross_attention`](Self::cross_attention) without
+    /// projecting the memory again. Dropout does not act.
+    ///
+    /// # Panics
+    /// If `x` has the wrong width or another batch than the memory.
+    pub fn cross_attention_cached(
+        &self,
+        x: Tensor<3>,
+        memory: &MemoryKv,
+        mask: AttentionMask,
+    ) -> Tensor<3> {
+        let [batch, _, _] = x.dims();
+        let memory_batch = memory.keys.dims()[0];
+        assert_eq!(
+            batch, memory_batch,
+            "MultiHeadAttention: the query's batch is {batch}, the memory's {memory_batch}"
+        );
+        let q = self.project_q(x);
+        let q = self.split_heads(q, self.n_heads);
+        let (k, v) = (memory.keys.clone(), memory.values.clone());
+        self.attend([q, k, v], &mask, AttentionWeights::None, 0.0)
+            .context
+    }
+
+    /// Attention of the heads `q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, heads
+    /// merged and projected out.
+    fn attend(
+        &self,
+        [q, k, v]: [Tensor<4>; 3],
+        mask: &AttentionMask,
+        weights: AttentionWeights,
+        dropout: f64,
+    ) -> MhaOutput {
+        let [batch, _, queries, _] = q.dims();
         let options = SdpaOptions {
             scale: Some(self.scale),
-            dropout: if training { self.dropout.prob } else { 0.0 },
+            dropout,
             weights,
             softcap: self.softcap,
         };
-        let out = scaled_dot_product_attention(q, k, v, &mask, options);
+        let out = scaled_dot_product_attention(q, k, v, mask, options);
         let context =
             out.context
                 .swap_dims(1, 2)
@@ -380,12 +480,8 @@ impl MultiHeadAttention {
                 linear_columns(proj, query, q_width + kv_width, kv_width),
             ),
             (InputProjection::Packed(proj), Source::Context(context)) => {
-                check_input("context", &context, batch, d_model);
-                let q = linear_columns(proj, query, 0, q_width);
-                let kv = linear_columns(proj, context, q_width, 2 * kv_width); // [B, Tk, 2·Hkv·Dh]
-                let k = kv.clone().narrow(2, 0, kv_width);
-                let v = kv.narrow(2, kv_width, kv_width);
-                (q, k, v)
+                let (k, v) = self.project_kv(context, batch);
+                (linear_columns(proj, query, 0, q_width), k, v)
             }
             (InputProjection::Packed(proj), Source::KeyValue(key, value)) => {
                 check_input("key", &key, batch, d_model);
@@ -415,10 +511,46 @@ impl MultiHeadAttention {
         }
     }
 
+    /// Q `[B, Tq, H·Dh]` alone.
+    fn project_q(&self, query: Tensor<3>) -> Tensor<3> {
+        let batch = query.dims()[0];
+        check_input("query", &query, batch, self.d_model());
+        match &self.in_proj {
+            InputProjection::Packed(proj) => {
+                linear_columns(proj, query, 0, self.n_heads * self.head_dim)
+            }
+            InputProjection::Separate(proj) => proj.q_proj.forward(query),
+        }
+    }
+
+    /// K and V `[B, Tk, Hkv·Dh]` of one context (keys = values).
+    fn project_kv(&self, context: Tensor<3>, batch: usize) -> (Tensor<3>, Tensor<3>) {
+        let kv_width = self.n_kv_heads * self.head_dim;
+        match &self.in_proj {
+            InputProjection::Packed(proj) => {
+                check_input("context", &context, batch, self.d_model());
+                let q_width = self.n_heads * self.head_dim;
+                let kv = linear_columns(proj, context, q_width, 2 * kv_width); // [B, Tk, 2·Hkv·Dh]
+                (
+                    kv.clone().narrow(2, 0, kv_width),
+                    kv.narrow(2, kv_width, kv_width),
+                )
+            }
+            InputProjection::Separate(proj) => {
+                check_input("key", &context, batch, self.kdim);
+                check_input("value", &context, batch, self.vdim);
+                (
+                    proj.k_proj.forward(context.clone()),
+                    proj.v_proj.forward(context),
+                )
+            }
+        }
+    }
+
     /// Queries and keys of self-attention, and its mask, with the positions applied: RoPE
-    /// rotates the queries (at `offset + i`) and the keys (at `j`), restarting at each
-    /// packed sequence; ALiBi and the learned relative biases join the mask as a bias by
-    /// position, which follows the mask's alignment.
+    /// rotates the queries (at `offsets[0] + i`) and the keys (at `offsets[1] + j`),
+    /// restarting at each packed sequence; ALiBi and the learned relative biases join the
+    /// mask as a bias by position, which follows the mask's alignment.
     ///
     /// # Shapes
     /// - `q`: `[B, H, Tq, Dh]`, `k`: `[B, Hkv, Tk, Dh]`
@@ -427,7 +559,7 @@ impl MultiHeadAttention {
         q: Tensor<4>,
         k: Tensor<4>,
         mask: AttentionMask,
-        offset: usize,
+        [q_offset, k_offset]: [usize; 2],
     ) -> (Tensor<4>, Tensor<4>, AttentionMask) {
         match &self.positions {
             Positions::Rope { theta, layout } => {
@@ -438,8 +570,8 @@ impl MultiHeadAttention {
                 };
                 let [_, _, queries, _] = q.dims();
                 let keys = k.dims()[2];
-                let q = rope.apply(q, &token_positions(&mask, offset, queries));
-                let k = rope.apply(k, &token_positions(&mask, 0, keys));
+                let q = rope.apply(q, &token_positions(&mask, q_offset, queries));
+                let k = rope.apply(k, &token_positions(&mask, k_offset, keys));
                 (q, k, mask)
             }
             Positions::Alibi => {

@@ -8,7 +8,8 @@ use burn::nn::LayerNorm;
 use burn::tensor::{Device, Tensor};
 
 use crate::block::{DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig};
-use crate::error::{Check, ConfigError};
+use crate::cache::{KvCache, StackCache};
+use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::positions::{AbsolutePositions, Positions};
 
@@ -176,6 +177,34 @@ fn positioned(positions: &Option<AbsolutePositions>, x: Tensor<3>, offset: usize
     }
 }
 
+/// Checks that `caches` fit a stack of `layers` layers and that the absolute positions
+/// cover the next `tokens`.
+///
+/// # Errors
+/// [`CacheError::Layers`], [`CacheError::PastPositions`].
+fn check_cached(
+    positions: &Option<AbsolutePositions>,
+    layers: usize,
+    caches: &[KvCache],
+    tokens: usize,
+) -> Result<(), CacheError> {
+    if caches.len() != layers {
+        return Err(CacheError::Layers {
+            layers,
+            caches: caches.len(),
+        });
+    }
+    let position = caches.first().map_or(0, KvCache::len);
+    match positions.as_ref().and_then(AbsolutePositions::max_len) {
+        Some(max_len) if position + tokens > max_len => Err(CacheError::PastPositions {
+            max_len,
+            position,
+            tokens,
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn norm(norm: &Option<LayerNorm>, x: Tensor<3>) -> Tensor<3> {
     match norm {
         Some(norm) => norm.forward(x),
@@ -205,6 +234,36 @@ impl Encoder {
             .iter()
             .fold(x, |x, layer| layer.forward(x, mask));
         norm(&self.norm, x)
+    }
+
+    /// Caches for every layer, each like `cache` (e.g. [`KvCache::new`] with the longest
+    /// sequence to decode), for [`forward_cached`](Self::forward_cached).
+    pub fn cache(&self, cache: KvCache) -> StackCache {
+        StackCache::new(self.layers.len(), cache)
+    }
+
+    /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]` of a stack of
+    /// causal blocks (a decoder-only language model), with `cache` keeping every layer's
+    /// keys and values of the tokens before them: a prompt, then one token per call. The
+    /// absolute positions, if any, continue at `cache.len()`.
+    ///
+    /// # Errors
+    /// [`CacheError::Layers`] for the caches of another stack,
+    /// [`CacheError::PastPositions`] past the learned positions, and the blocks' errors
+    /// ([`EncoderBlock::forward_cached`]).
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut StackCache,
+        mask: &AttentionMask,
+    ) -> Result<Tensor<3>, CacheError> {
+        let tokens = x.dims()[1];
+        check_cached(&self.positions, self.layers.len(), &cache.layers, tokens)?;
+        let mut x = positioned(&self.positions, x, cache.len());
+        for (layer, cache) in self.layers.iter().zip(&mut cache.layers) {
+            x = layer.forward_cached(x, cache, mask)?;
+        }
+        Ok(norm(&self.norm, x))
     }
 
     /// [`forward`](Self::forward), also returning each block's self-attention weights
@@ -254,6 +313,51 @@ impl Decoder {
             layer.forward(x, memory.clone(), self_mask, memory_mask)
         });
         norm(&self.norm, x)
+    }
+
+    /// Caches for decoding against `memory` `[B, Tk, d_model]` (the encoder's output):
+    /// every layer's cross-attention keys and values, computed here once, and a
+    /// self-attention cache per layer like `cache`; for
+    /// [`forward_cached`](Self::forward_cached).
+    pub fn cache(&self, memory: Tensor<3>, cache: KvCache) -> StackCache {
+        let mut caches = StackCache::new(self.layers.len(), cache);
+        caches.memory = self
+            .layers
+            .iter()
+            .map(|layer| layer.memory_kv(memory.clone()))
+            .collect();
+        caches
+    }
+
+    /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]`, with `cache`
+    /// (from [`cache`](Self::cache)) keeping every layer's self-attention keys and values
+    /// of the tokens before them and its cross-attention's of the memory. The absolute
+    /// positions, if any, continue at `cache.len()`.
+    ///
+    /// # Errors
+    /// [`CacheError::Layers`] for the caches of another stack (or without a memory),
+    /// [`CacheError::PastPositions`] past the learned positions, and the caches' errors.
+    pub fn forward_cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut StackCache,
+        memory_mask: &AttentionMask,
+    ) -> Result<Tensor<3>, CacheError> {
+        let tokens = x.dims()[1];
+        let layers = self.layers.len();
+        check_cached(&self.positions, layers, &cache.layers, tokens)?;
+        if cache.memory.len() != layers {
+            return Err(CacheError::Layers {
+                layers,
+                caches: cache.memory.len(),
+            });
+        }
+        let mut x = positioned(&self.positions, x, cache.len());
+        let parts = self.layers.iter().zip(&mut cache.layers).zip(&cache.memory);
+        for ((layer, cache), memory) in parts {
+            x = layer.forward_cached(x, memory, cache, memory_mask)?;
+        }
+        Ok(norm(&self.norm, x))
     }
 
     /// [`forward`](Self::forward), also returning each block's cross-attention weights

@@ -58,6 +58,14 @@ impl AbsolutePositions {
         })
     }
 
+    /// The positions with an embedding of a learned table; `None` for sinusoids (any).
+    pub fn max_len(&self) -> Option<usize> {
+        match self {
+            AbsolutePositions::Sinusoidal(_) => None,
+            AbsolutePositions::Learned(l) => Some(l.embedding.weight.dims()[0]),
+        }
+    }
+
     /// `x` with the positions of its rows added: row `t` stands at `offset + t`.
     ///
     /// # Shapes

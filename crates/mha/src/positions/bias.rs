@@ -236,8 +236,8 @@ mod tests {
             let (r, k) = (rows.len(), keys.len());
             let got = learned.tensor(rows.clone(), keys.clone(), offset, &device);
             let got_alibi = alibi.tensor(rows.clone(), keys.clone(), offset, &device);
-            let got: Vec<f32> = got.into_data().to_vec().unwrap();
-            let got_alibi: Vec<f32> = got_alibi.into_data().to_vec().unwrap();
+            let got: Vec<f32> = got.into_data().try_into_vec::<f32>().unwrap();
+            let got_alibi: Vec<f32> = got_alibi.into_data().try_into_vec::<f32>().unwrap();
             for h in 0..3 {
                 for (a, i) in rows.clone().enumerate() {
                     for (b, j) in keys.clone().enumerate() {
@@ -255,7 +255,7 @@ mod tests {
     /// A select of more indices than wgpu's select backward takes at once: every
     /// gradient arrives, on every backend compiled in.
     #[test]
-    #[allow(deprecated, clippy::vec_init_then_push)]
+    #[allow(deprecated, clippy::vec_init_then_push)] // ndarray is deprecated in Burn 0.22
     fn long_selects_pass_every_gradient_back() {
         let mut devices: Vec<Device> = Vec::new();
         #[cfg(feature = "flex")]
@@ -272,7 +272,12 @@ mod tests {
             let picked = select_columns(table.clone(), &index, &device);
             let weights = Tensor::<2>::ones([2, n], &device);
             let grads = (picked * weights).sum().backward();
-            let got: Vec<f32> = table.grad(&grads).unwrap().into_data().to_vec().unwrap();
+            let got: Vec<f32> = table
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_into_vec::<f32>()
+                .unwrap();
             // Every bucket is picked n / 5 times; each pick adds 1 to its gradient.
             assert_eq!(got, vec![(n / 5) as f32; 10], "{device:?}");
         }

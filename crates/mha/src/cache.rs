@@ -1,0 +1,461 @@
+//! Decoding with a key/value cache: a prompt is run once (prefill), then tokens one at a
+//! time, each attending to the keys and values the cache kept instead of recomputing the
+//! prefix.
+//!
+//! A [`KvCache`] belongs to one self-attention layer. Its storage, `[B, Hkv, slots, Dh]`
+//! for the keys and the same for the values (only the key/value heads under GQA), is
+//! allocated once at the first call and written in place: a step writes its own keys and
+//! values and reads the cached ones where they lie, with no concatenation of the whole
+//! cache. Keys are stored as attention uses them (RoPE already applied at their
+//! positions). With a window ([`KvCache::sliding`]) the storage is a ring of `W` slots
+//! that keeps the last `W` positions, for sliding-window attention of any length.
+//!
+//! [`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)
+//! decodes one layer; the blocks and stacks have `forward_cached` too, with one cache per
+//! layer ([`StackCache`]) and, for the encoder-decoder, the cross-attention's keys and
+//! values computed once per source ([`MemoryKv`]).
+//!
+//! Decode on a device without autodiff: under autodiff every step's graph would keep the
+//! storage alive, and each write would copy it.
+
+use burn::tensor::Tensor;
+
+use crate::error::CacheError;
+use crate::mask::{AttentionMask, CausalAlignment};
+
+/// The key/value cache of one self-attention layer (see the [module docs](self)).
+///
+/// Cloning a cache is cheap and safe: the clones share the storage until one writes,
+/// which then copies it (for beam search, say).
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    /// Positions of storage: the capacity, or the window.
+    slots: usize,
+    /// A ring of the last `slots` positions rather than positions `0..slots`.
+    ring: bool,
+    /// Allocated at the first call, when the batch, heads and dtype are known.
+    store: Option<Store>,
+    /// Positions cached so far: the position of the next token.
+    len: usize,
+}
+
+/// A cache's storage: keys and values `[B, Hkv, slots, Dh]`.
+#[derive(Clone, Debug)]
+struct Store {
+    keys: Tensor<4>,
+    values: Tensor<4>,
+}
+
+/// What one attention call over the cache sees: its keys and values, and the rule by
+/// position between the call's queries (the last of them) and those keys.
+pub(crate) struct Seen {
+    pub(crate) keys: Tensor<4>,
+    pub(crate) values: Tensor<4>,
+    pub(crate) mask: AttentionMask,
+}
+
+impl KvCache {
+    /// A cache for positions `0..capacity` of each batch row; a call past them is a
+    /// [`CacheError::Full`].
+    ///
+    /// # Panics
+    /// If `capacity` is 0.
+    pub fn new(capacity: usize) -> Self {
+        assert!(
+            capacity >= 1,
+            "KvCache::new: capacity must be at least 1, got 0"
+        );
+        Self {
+            slots: capacity,
+            ring: false,
+            store: None,
+            len: 0,
+        }
+    }
+
+    /// A cache for sliding-window attention: each position attends to at most the last
+    /// `window` positions, itself included ([`AttentionMask::sliding_window`]), and the
+    /// cache keeps exactly those, in a ring of `window` slots, for sequences of any length.
+    ///
+    /// # Panics
+    /// If `window` is 0.
+    pub fn sliding(window: usize) -> Self {
+        assert!(
+            window >= 1,
+            "KvCache::sliding: window must be at least 1, got 0"
+        );
+        Self {
+            ring: true,
+            ..Self::new(window)
+        }
+    }
+
+    /// Positions cached so far: the position the next token will have.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions it can hold, or `None` for a sliding cache (any number).
+    pub fn capacity(&self) -> Option<usize> {
+        (!self.ring).then_some(self.slots)
+    }
+
+    /// The window of a sliding cache.
+    pub fn window(&self) -> Option<usize> {
+        self.ring.then_some(self.slots)
+    }
+
+    /// The keys a call of `tokens` new tokens attends to, in order: the cached positions
+    /// it can see (all of them; with a window `W`, the last `W - 1` at most), then the new
+    /// ones. A mask given with the call covers these keys.
+    pub fn keys_seen(&self, tokens: usize) -> usize {
+        let prior = match self.ring {
+            true => self.len.min(self.slots - 1),
+            false => self.len,
+        };
+        prior + tokens
+    }
+
+    /// The storage's shape, `[B, Hkv, slots, Dh]`, once allocated.
+    pub fn dims(&self) -> Option<[usize; 4]> {
+        self.store.as_ref().map(|store| store.keys.dims())
+    }
+
+    /// Forgets the cached positions, keeping the storage for the next sequence (which may
+    /// have another batch size: the storage is then allocated again).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// Caches `keys` and `values` `[B, Hkv, T, Dh]` of the next `T` positions and returns
+    /// what their queries attend to. `ordered`: the caller needs the keys in the order of
+    /// their positions (a mask over them, a bias by distance); otherwise a window's ring may
+    /// be read as it lies.
+    ///
+    /// # Errors
+    /// [`CacheError::Full`] past the capacity, [`CacheError::Mismatch`] when the shapes
+    /// differ from the cached ones; the cache is unchanged.
+    pub(crate) fn write(
+        &mut self,
+        keys: Tensor<4>,
+        values: Tensor<4>,
+        ordered: bool,
+    ) -> Result<Seen, CacheError> {
+        let tokens = keys.dims()[2];
+        if !self.ring && self.len + tokens > self.slots {
+            return Err(CacheError::Full {
+                capacity: self.slots,
+                position: self.len,
+                tokens,
+            });
+        }
+        if let Some(store) = &self.store {
+            let like = check_like(&store.keys, &keys).and(check_like(&store.values, &values));
+            match (like, self.len) {
+                (Ok(()), _) => {}
+                // A new sequence of another shape: new storage.
+                (Err(_), 0) => self.store = None,
+                (Err(err), _) => return Err(err),
+            }
+        }
+        let store = match self.store.take() {
+            Some(store) => store,
+            None => Store {
+                keys: storage(&keys, self.slots),
+                values: storage(&values, self.slots),
+            },
+        };
+        let (store, seen) = match self.ring {
+            false => self.write_positions(store, keys, values),
+            true => self.write_ring(store, keys, values, ordered),
+        };
+        self.store = Some(store);
+        self.len += tokens;
+        Ok(seen)
+    }
+
+    /// Positions `len..len + T` of a cache by position: written where they belong, then
+    /// positions `0..len + T` read as they lie.
+    fn write_positions(&self, store: Store, keys: Tensor<4>, values: Tensor<4>) -> (Store, Seen) {
+        let tokens = keys.dims()[2];
+        let store = Store {
+            keys: write_slots(store.keys, self.len, keys),
+            values: write_slots(store.values, self.len, values),
+        };
+        let seen = Seen {
+            keys: store.keys.clone().narrow(2, 0, self.len + tokens),
+            values: store.values.clone().narrow(2, 0, self.len + tokens),
+            mask: bottom_right(AttentionMask::causal()),
+        };
+        (store, seen)
+    }
+
+    /// The next positions of a ring of `W` slots (position `p` in slot `p % W`).
+    fn write_ring(
+        &self,
+        store: Store,
+        keys: Tensor<4>,
+        values: Tensor<4>,
+        ordered: bool,
+    ) -> (Store, Seen) {
+        let (window, tokens) = (self.slots, keys.dims()[2]);
+        if tokens == 1 && !ordered {
+            // One token: it sees every slot in use after its own write (the last `W`
+            // positions, itself included), in any order.
+            let store = Store {
+                keys: write_ring(store.keys, self.len, keys, window),
+                values: write_ring(store.values, self.len, values, window),
+            };
+            let used = (self.len + 1).min(window);
+            let seen = Seen {
+                keys: store.keys.clone().narrow(2, 0, used),
+                values: store.values.clone().narrow(2, 0, used),
+                mask: AttentionMask::none(),
+            };
+            return (store, seen);
+        }
+        // The last `W - 1` cached positions in order, then the new ones; the window
+        // decides what each new query sees. Then the ring keeps the last `W` of them.
+        let prior = self.len.min(window - 1);
+        let start = self.len - prior;
+        let read = |store: &Tensor<4>, new: &Tensor<4>| {
+            let mut parts = ring_read(store, start, prior, window);
+            parts.push(new.clone());
+            Tensor::cat(parts, 2)
+        };
+        let seen = Seen {
+            keys: read(&store.keys, &keys),
+            values: read(&store.values, &values),
+            mask: bottom_right(AttentionMask::sliding_window(window)),
+        };
+        let kept = tokens.min(window);
+        let first = self.len + tokens - kept;
+        let store = Store {
+            keys: write_ring(
+                store.keys,
+                first,
+                keys.narrow(2, tokens - kept, kept),
+                window,
+            ),
+            values: write_ring(
+                store.values,
+                first,
+                values.narrow(2, tokens - kept, kept),
+                window,
+            ),
+        };
+        (store, seen)
+    }
+}
+
+/// `mask` with the causal part and the window aligned bottom-right: the new queries are
+/// the last positions of the keys they see.
+fn bottom_right(mask: AttentionMask) -> AttentionMask {
+    mask.aligned(CausalAlignment::BottomRight)
+}
+
+/// Storage `[B, Hkv, slots, Dh]` for tensors like `like` (`[B, Hkv, T, Dh]`), in its
+/// dtype, on its device.
+fn storage(like: &Tensor<4>, slots: usize) -> Tensor<4> {
+    let [batch, heads, _, width] = like.dims();
+    Tensor::<4>::zeros([batch, heads, slots, width], &like.device()).cast(like.dtype())
+}
+
+/// # Errors
+/// [`CacheError::Mismatch`] naming the first axis where `new` differs from `cached`.
+fn check_like(cached: &Tensor<4>, new: &Tensor<4>) -> Result<(), CacheError> {
+    let (cached, new) = (cached.dims(), new.dims());
+    for (axis, what) in [(0, "batch"), (1, "key/value heads"), (3, "head width")] {
+        if cached[axis] != new[axis] {
+            return Err(CacheError::Mismatch {
+                what,
+                cached: cached[axis],
+                got: new[axis],
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `store` with `rows` (`[B, Hkv, n, Dh]`) written over slots `at..at + n`, in place when
+/// the storage is not shared.
+fn write_slots(store: Tensor<4>, at: usize, rows: Tensor<4>) -> Tensor<4> {
+    let [batch, heads, n, width] = rows.dims();
+    if n == 0 {
+        return store;
+    }
+    store.slice_assign([0..batch, 0..heads, at..at + n, 0..width], rows)
+}
+
+/// `store`, a ring of `window` slots, with `rows` (`[B, Hkv, n <= window, Dh]`) written at
+/// positions `first..first + n`: one or two slot ranges.
+fn write_ring(store: Tensor<4>, first: usize, rows: Tensor<4>, window: usize) -> Tensor<4> {
+    let n = rows.dims()[2];
+    let slot = first % window;
+    let head = n.min(window - slot);
+    match head == n {
+        true => write_slots(store, slot, rows),
+        false => {
+            let store = write_slots(store, slot, rows.clone().narrow(2, 0, head));
+            write_slots(store, 0, rows.narrow(2, head, n - head))
+        }
+    }
+}
+
+/// Positions `start..start + n` of a ring of `window` slots, in order (`n < window`): no
+/// part, one, or two where they wrap around.
+fn ring_read(store: &Tensor<4>, start: usize, n: usize, window: usize) -> Vec<Tensor<4>> {
+    let slot = start % window;
+    let head = n.min(window - slot);
+    let parts = [(slot, head), (0, n - head)];
+    parts
+        .into_iter()
+        .filter(|&(_, len)| len > 0)
+        .map(|(at, len)| store.clone().narrow(2, at, len))
+        .collect()
+}
+
+/// The cross-attention's keys and values of one source (the encoder's output), computed
+/// once by [`MultiHeadAttention::memory_kv`](crate::MultiHeadAttention::memory_kv) and
+/// read by every decoding step.
+#[derive(Clone, Debug)]
+pub struct MemoryKv {
+    /// `[B, Hkv, Tk, Dh]`.
+    pub(crate) keys: Tensor<4>,
+    /// `[B, Hkv, Tk, Dh]`.
+    pub(crate) values: Tensor<4>,
+}
+
+impl MemoryKv {
+    /// The source's length `Tk`.
+    pub fn len(&self) -> usize {
+        self.keys.dims()[2]
+    }
+
+    /// Whether the source is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The caches of a stack's layers, one [`KvCache`] per layer (and for a
+/// [`Decoder`](crate::Decoder), each layer's [`MemoryKv`]).
+#[derive(Clone, Debug)]
+pub struct StackCache {
+    pub(crate) layers: Vec<KvCache>,
+    pub(crate) memory: Vec<MemoryKv>,
+}
+
+impl StackCache {
+    /// Caches for `layers` layers, each like `cache` (e.g. [`KvCache::new`] with the
+    /// longest sequence to decode).
+    pub fn new(layers: usize, cache: KvCache) -> Self {
+        Self {
+            layers: vec![cache; layers],
+            memory: Vec::new(),
+        }
+    }
+
+    /// Positions cached so far: the position the next token will have.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, KvCache::len)
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The cache of each layer.
+    pub fn layers(&self) -> &[KvCache] {
+        &self.layers
+    }
+
+    /// Forgets the cached positions (and a decoder's source), keeping the storage.
+    pub fn reset(&mut self) {
+        self.layers.iter_mut().for_each(KvCache::reset);
+        self.memory.clear();
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, TensorData};
+
+    /// `[1, 1, T, 1]` holding `values`.
+    fn column(values: &[f32]) -> Tensor<4> {
+        let data = TensorData::new(values.to_vec(), [1, 1, values.len(), 1]);
+        Tensor::from_data(data, &Device::flex())
+    }
+
+    fn values(t: Tensor<4>) -> Vec<f32> {
+        t.into_data().try_into_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn a_cache_by_position_sees_every_position_so_far() {
+        let mut cache = KvCache::new(5);
+        let seen = cache
+            .write(column(&[1., 2.]), column(&[1., 2.]), false)
+            .unwrap();
+        assert_eq!(values(seen.keys), [1., 2.]);
+        let seen = cache.write(column(&[3.]), column(&[3.]), false).unwrap();
+        assert_eq!(values(seen.keys), [1., 2., 3.]);
+        assert_eq!(cache.dims(), Some([1, 1, 5, 1]));
+        let err = cache.write(column(&[4., 5., 6.]), column(&[4., 5., 6.]), false);
+        assert_eq!(
+            err.err(),
+            Some(CacheError::Full {
+                capacity: 5,
+                position: 3,
+                tokens: 3
+            })
+        );
+        assert_eq!(cache.len(), 3, "a refused call leaves the cache as it was");
+        let seen = cache
+            .write(column(&[4., 5.]), column(&[4., 5.]), false)
+            .unwrap();
+        assert_eq!(values(seen.values), [1., 2., 3., 4., 5.]);
+    }
+
+    #[test]
+    fn a_ring_keeps_the_last_positions_and_reads_them_in_order_when_asked() {
+        let mut cache = KvCache::sliding(3);
+        // A prompt longer than the window: every key it brings is seen, the last 3 kept.
+        let seen = cache.write(column(&[0., 1., 2., 3.]), column(&[0., 1., 2., 3.]), false);
+        assert_eq!(values(seen.unwrap().keys), [0., 1., 2., 3.]);
+        assert_eq!(cache.keys_seen(1), 3);
+        // Position 4 goes in slot 1; unordered, the ring is read as it lies.
+        let seen = cache.write(column(&[4.]), column(&[4.]), false).unwrap();
+        assert_eq!(values(seen.keys), [3., 4., 2.]);
+        // Ordered: the last two cached positions, then the new one.
+        let seen = cache.write(column(&[5.]), column(&[5.]), true).unwrap();
+        assert_eq!(values(seen.keys), [3., 4., 5.]);
+        // Two tokens across the ring's end.
+        let seen = cache
+            .write(column(&[6., 7.]), column(&[6., 7.]), false)
+            .unwrap();
+        assert_eq!(values(seen.keys), [4., 5., 6., 7.]);
+        let seen = cache.write(column(&[8.]), column(&[8.]), true).unwrap();
+        assert_eq!(values(seen.keys), [6., 7., 8.]);
+        assert_eq!(cache.len(), 9);
+    }
+
+    #[test]
+    fn other_shapes_are_refused_by_name() {
+        let mut cache = KvCache::new(4);
+        cache.write(column(&[1.]), column(&[1.]), false).unwrap();
+        let wide = Tensor::<4>::zeros([1, 1, 1, 2], &Device::flex());
+        let err = cache.write(wide.clone(), wide, false).err().unwrap();
+        assert_eq!(
+            err.to_string(),
+            "KvCache: it holds head width 1, the call brings head width 2 (reset it to start another sequence)"
+        );
+    }
+}

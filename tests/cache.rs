@@ -1,0 +1,301 @@
+//! Decoding with a cache: a prompt, then tokens one at a time (and a few at once), gives
+//! the rows of the forward pass over the whole sequence, on every backend, for every kind
+//! of position, GQA, a sliding window kept in a ring, decoder-only and encoder-decoder
+//! stacks; and bad calls are refused by name, leaving the cache as it was.
+
+use std::ops::Range;
+
+use burn::module::Param;
+use burn::tensor::{Device, Tensor};
+use mha::{
+    AttentionMask, CacheError, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
+    EncoderConfig, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, Positions,
+    RopeLayout,
+};
+
+use crate::util::{assert_close, backends, randn};
+
+const D_MODEL: usize = 16;
+const HEADS: usize = 4;
+
+/// The calls a sequence of 11 tokens is decoded in: a prompt of 4, single tokens, then 3.
+const CALLS: [Range<usize>; 6] = [0..4, 4..5, 5..6, 6..7, 7..8, 8..11];
+
+/// Every kind of position attention applies itself.
+fn positions() -> Vec<Positions> {
+    vec![
+        Positions::None,
+        Positions::rope(),
+        Positions::Rope {
+            theta: 500.0,
+            layout: RopeLayout::Interleaved,
+        },
+        Positions::Alibi,
+        Positions::Relative { max_distance: 3 },
+        Positions::t5(false),
+    ]
+}
+
+/// Attention with random weights and, for the learned biases, a random table (they start
+/// at zero, which would hide a misplaced distance).
+fn attention(
+    positions: Positions,
+    kv_heads: usize,
+    seed: u64,
+    device: &Device,
+) -> MultiHeadAttention {
+    let mut m = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
+        .with_n_kv_heads(Some(kv_heads))
+        .with_positions(positions)
+        .init(device);
+    if let Some(table) = &m.position_table {
+        let dims = table.dims();
+        m.position_table = Some(Param::from_tensor(randn(dims, seed, device)));
+    }
+    m
+}
+
+/// `decode` over each range of `calls` of `x` `[B, T, D]`, the outputs put back together.
+fn decoded(
+    x: &Tensor<3>,
+    calls: &[Range<usize>],
+    mut decode: impl FnMut(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    let parts = calls
+        .iter()
+        .map(|r| decode(x.clone().narrow(1, r.start, r.len())))
+        .collect();
+    Tensor::cat(parts, 1)
+}
+
+#[test]
+fn decoding_attention_with_a_cache_gives_the_causal_forward() {
+    for be in backends() {
+        for (n, positions) in positions().into_iter().enumerate() {
+            for kv_heads in [HEADS, 1] {
+                let what = format!("[{}] {positions:?}, {kv_heads} key/value heads", be.name);
+                let m = attention(positions.clone(), kv_heads, 10 + n as u64, &be.device);
+                let x = randn([2, 11, D_MODEL], 20 + n as u64, &be.device);
+                let want = m.forward(MhaInput::causal(x.clone())).context;
+                let mut cache = KvCache::new(11);
+                let got = decoded(&x, &CALLS, |x| {
+                    m.forward_cached(x, &mut cache, AttentionMask::none())
+                        .unwrap()
+                });
+                assert_eq!(cache.len(), 11);
+                assert_eq!(cache.dims(), Some([2, kv_heads, 11, D_MODEL / HEADS]));
+                assert_close(&what, got, want, be.forward_tol());
+            }
+        }
+    }
+}
+
+#[test]
+fn a_sliding_cache_gives_sliding_window_attention_of_any_length() {
+    // Window 3 over 11 tokens: a prompt longer than the window, single tokens around the
+    // ring, a call of 3 across its end.
+    let calls = [0..5, 5..6, 6..7, 7..8, 8..11];
+    for be in backends() {
+        for (n, positions) in positions().into_iter().enumerate() {
+            let what = format!("[{}] window 3, {positions:?}", be.name);
+            let m = attention(positions, 2, 30 + n as u64, &be.device);
+            let x = randn([2, 11, D_MODEL], 40 + n as u64, &be.device);
+            let window = AttentionMask::sliding_window(3);
+            let want = m
+                .forward(MhaInput::self_attn(x.clone()).mask(window))
+                .context;
+            let mut cache = KvCache::sliding(3);
+            let got = decoded(&x, &calls, |x| {
+                m.forward_cached(x, &mut cache, AttentionMask::none())
+                    .unwrap()
+            });
+            assert_eq!(cache.dims(), Some([2, 2, 3, D_MODEL / HEADS]), "{what}");
+            assert_close(&what, got, want, be.forward_tol());
+        }
+    }
+}
+
+#[test]
+fn a_mask_with_the_cache_covers_the_keys_it_sees() {
+    // Left-padded prompts: row 0 has 2 pads, row 1 none; the padding mask of each call
+    // covers every key the call sees.
+    for be in backends() {
+        let m = attention(Positions::rope(), 2, 50, &be.device);
+        let x = randn([2, 9, D_MODEL], 51, &be.device);
+        let pads = |keys: usize| {
+            // Keys 0 and 1 of row 0 are padding.
+            let padding: Vec<bool> = (0..2)
+                .flat_map(|b| (0..keys).map(move |j| b == 0 && j < 2))
+                .collect();
+            let padding = Tensor::<2, burn::tensor::Bool>::from_data(
+                burn::tensor::TensorData::new(padding, [2, keys]),
+                &be.device,
+            );
+            AttentionMask::key_padding(padding)
+        };
+        let want = m
+            .forward(MhaInput::causal(x.clone()).mask(pads(9)))
+            .context
+            .narrow(1, 2, 7);
+        let mut cache = KvCache::new(9);
+        let got = decoded(&x, &[0..5, 5..6, 6..7, 7..9], |x| {
+            let keys = cache.keys_seen(x.dims()[1]);
+            m.forward_cached(x, &mut cache, pads(keys)).unwrap()
+        })
+        .narrow(1, 2, 7);
+        assert_close(
+            &format!("[{}] padded prompts", be.name),
+            got,
+            want,
+            be.forward_tol(),
+        );
+    }
+}
+
+/// Stacks of 2 pre-norm blocks with `positions`, dropout off.
+fn encoder_block(positions: Positions) -> EncoderBlockConfig {
+    EncoderBlockConfig::new(D_MODEL, HEADS)
+        .with_n_kv_heads(Some(2))
+        .with_d_ff(Some(32))
+        .with_dropout(0.0)
+        .with_causal(true)
+        .with_positions(positions)
+}
+
+#[test]
+fn a_decoder_only_stack_decodes_with_one_cache_per_layer() {
+    for be in backends() {
+        for positions in [
+            Positions::Sinusoidal,
+            Positions::Learned { max_len: 12 },
+            Positions::rope(),
+            Positions::t5(false),
+        ] {
+            let what = format!("[{}] decoder-only, {positions:?}", be.name);
+            let stack = EncoderConfig::new(encoder_block(positions), 2).init(&be.device);
+            let x = randn([2, 11, D_MODEL], 60, &be.device);
+            let want = stack.forward(x.clone(), &AttentionMask::none());
+            let mut cache = stack.cache(KvCache::new(11));
+            let got = decoded(&x, &CALLS, |x| {
+                stack
+                    .forward_cached(x, &mut cache, &AttentionMask::none())
+                    .unwrap()
+            });
+            assert_eq!(cache.len(), 11);
+            assert_eq!(cache.layers().len(), 2);
+            assert_close(&what, got, want, be.forward_tol());
+        }
+    }
+}
+
+#[test]
+fn an_encoder_decoder_computes_the_memory_once_and_decodes() {
+    for be in backends() {
+        for positions in [Positions::Sinusoidal, Positions::Alibi] {
+            let what = format!("[{}] encoder-decoder, {positions:?}", be.name);
+            let block = DecoderBlockConfig::new(D_MODEL, HEADS)
+                .with_n_kv_heads(Some(2))
+                .with_d_ff(Some(32))
+                .with_dropout(0.0)
+                .with_positions(positions);
+            let stack = DecoderConfig::new(block, 2).init(&be.device);
+            let memory = randn([2, 7, D_MODEL], 70, &be.device);
+            // The memory's padding: row 1 has 5 tokens.
+            let memory_mask = AttentionMask::key_lengths(&[7, 5], 7, &be.device);
+            let x = randn([2, 11, D_MODEL], 71, &be.device);
+            let want = stack.forward(
+                x.clone(),
+                memory.clone(),
+                &AttentionMask::none(),
+                &memory_mask,
+            );
+            let mut cache = stack.cache(memory, KvCache::new(16));
+            let got = decoded(&x, &CALLS, |x| {
+                stack.forward_cached(x, &mut cache, &memory_mask).unwrap()
+            });
+            assert_close(&what, got, want, be.forward_tol());
+        }
+    }
+}
+
+#[test]
+fn bad_calls_are_refused_by_name_and_change_nothing() {
+    let device = backends()[0].device.clone();
+    let m = attention(Positions::rope(), 2, 80, &device);
+    let mut cache = KvCache::new(6);
+    let x = randn([1, 4, D_MODEL], 81, &device);
+    m.forward_cached(x.clone(), &mut cache, AttentionMask::none())
+        .unwrap();
+    let err = m
+        .forward_cached(x.clone(), &mut cache, AttentionMask::none())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        CacheError::Full {
+            capacity: 6,
+            position: 4,
+            tokens: 4
+        }
+    );
+    assert!(err.to_string().contains("capacity of 6"), "{err}");
+    assert_eq!(cache.len(), 4);
+    let other_batch = randn([2, 1, D_MODEL], 82, &device);
+    let err = m
+        .forward_cached(other_batch, &mut cache, AttentionMask::none())
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "KvCache: it holds batch 1, the call brings batch 2 (reset it to start another sequence)"
+    );
+    // After a reset, another batch size is a new sequence.
+    cache.reset();
+    let other_batch = randn([2, 1, D_MODEL], 82, &device);
+    m.forward_cached(other_batch, &mut cache, AttentionMask::none())
+        .unwrap();
+    let packed = AttentionMask::packed(&[vec![0, 1]]);
+    let err = m.forward_cached(x.clone().narrow(1, 0, 1), &mut cache, packed);
+    assert_eq!(err.unwrap_err(), CacheError::Packed);
+
+    let bidirectional =
+        EncoderConfig::new(encoder_block(Positions::None).with_causal(false), 1).init(&device);
+    let mut caches = bidirectional.cache(KvCache::new(8));
+    let err = bidirectional
+        .forward_cached(x.clone(), &mut caches, &AttentionMask::none())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        CacheError::NotCausal {
+            module: "EncoderBlock"
+        }
+    );
+
+    let learned =
+        EncoderConfig::new(encoder_block(Positions::Learned { max_len: 5 }), 2).init(&device);
+    let mut caches = learned.cache(KvCache::new(8));
+    learned
+        .forward_cached(x.clone(), &mut caches, &AttentionMask::none())
+        .unwrap();
+    let err = learned
+        .forward_cached(
+            x.clone().narrow(1, 0, 2),
+            &mut caches,
+            &AttentionMask::none(),
+        )
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "LearnedPositions: positions 4..6 are past the 5 learned ones"
+    );
+    assert_eq!(caches.len(), 4);
+    let mut one_layer = mha::StackCache::new(1, KvCache::new(8));
+    let err = learned
+        .forward_cached(x, &mut one_layer, &AttentionMask::none())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        CacheError::Layers {
+            layers: 2,
+            caches: 1
+        }
+    );
+}
