@@ -5,7 +5,8 @@
 //! typed masks whose fully-blocked rows give zeros instead of NaN, grouped-query
 //! attention, weights computed only on request, a backward pass that recomputes the
 //! scores instead of keeping them (flex, ndarray), long sequences in chunks that skip what
-//! a causal mask blocks, and import of PyTorch weights.
+//! a causal mask blocks, positions (RoPE, ALiBi, relative biases), a decode cache written
+//! in place, and import of PyTorch weights.
 //!
 //! | module | concept |
 //! |---|---|

@@ -6,6 +6,7 @@
 //!
 //! ```sh
 //! cargo run --release -p bench                                   # flex, every shape
+//! cargo run --release -p bench -- --shapes none --no-train --decode --window
 //! cargo run --release -p bench --features ndarray,wgpu -- --backend ndarray --backend wgpu
 //! cargo run --release -p bench -- --shapes base --runs 9 --json bench.json
 //! ```
@@ -16,6 +17,12 @@
 //! the useful work of causal attention: the four projections (`8·B·T·D²`) and the two
 //! attention products over the visible half of the scores (`2·B·T²·D`), forward; a
 //! backward counts twice the forward.
+//!
+//! `--decode` adds the cost of one decoding step with mha's cache, by recomputing the
+//! prefix, and with Burn's `MhaCache`; `--window` adds sliding-window attention against
+//! full causal attention at long lengths, time and peak memory (see `decode.rs`).
+
+mod decode;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -51,7 +58,7 @@ struct Cli {
     #[arg(long, value_enum)]
     backend: Vec<Backend>,
     /// Shapes, comma-separated: tiny (2,16,32,4), small (32,128,256,8), base
-    /// (8,512,512,8), long (1,4096,512,8), as (B, T, D, H).
+    /// (8,512,512,8), long (1,4096,512,8), as (B, T, D, H); `none` for none.
     #[arg(long, value_delimiter = ',', default_value = "small,base,long")]
     shapes: Vec<String>,
     /// Timed runs per measurement (the median is reported); a measurement whose warm-up
@@ -67,6 +74,14 @@ struct Cli {
     /// Training steps timed for the trainer's throughput.
     #[arg(long, default_value_t = 20)]
     train_steps: usize,
+    /// Also time one decoding step: mha's cache, recomputing the prefix, Burn's MhaCache,
+    /// at 128, 512 and 2048 positions, batch 1 and 8.
+    #[arg(long)]
+    decode: bool,
+    /// Also time sliding-window attention (window 256) against full causal attention at
+    /// 4096 and 16384 positions, with peak memory.
+    #[arg(long)]
+    window: bool,
     /// Also write every measurement to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -140,6 +155,15 @@ struct Record {
     runs: usize,
     gflops: Option<f64>,
     tokens_per_second: Option<f64>,
+    /// Batch of the decoding and window measurements.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<usize>,
+    /// Positions of the decoding and window measurements.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    context: Option<usize>,
+    /// Peak resident memory above what the process held before, MiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    peak_mib: Option<f64>,
 }
 
 /// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device.
@@ -192,6 +216,9 @@ fn bench_mha(
             runs,
             gflops: Some(flops / ms / 1e6),
             tokens_per_second: None,
+            batch: None,
+            context: None,
+            peak_mib: None,
         });
     };
     let fwd = shape.mha_flops();
@@ -277,6 +304,9 @@ fn bench_matmul(
         runs,
         gflops: Some(flops / ms / 1e6),
         tokens_per_second: None,
+        batch: None,
+        context: None,
+        peak_mib: None,
     });
     Ok(())
 }
@@ -335,6 +365,9 @@ fn bench_trainer(
         runs: cli.train_steps,
         gflops: None,
         tokens_per_second: Some(tokens as f64 / seconds),
+        batch: Some(config.batch_size),
+        context: None,
+        peak_mib: None,
     });
     Ok(())
 }
@@ -346,6 +379,9 @@ fn find<'a>(records: &'a [Record], shape: &str, subject: &str, pass: &str) -> Op
 }
 
 fn print_table(backend: Backend, records: &[Record], shapes: &[Shape]) {
+    if shapes.is_empty() {
+        return print_trainer(records);
+    }
     println!("\n## {backend}: causal self-attention, median ms (GFLOP/s)\n");
     println!(
         "| shape (B, T, D, H) | mha fwd | Burn fwd | Burn/mha | mha fwd+bwd | Burn fwd+bwd | Burn/mha | core fwd | core fwd+bwd |"
@@ -390,6 +426,11 @@ fn print_table(backend: Backend, records: &[Record], shapes: &[Shape]) {
             r.gflops.unwrap_or(0.0)
         );
     }
+    print_trainer(records);
+}
+
+/// The trainer's line, if it was measured.
+fn print_trainer(records: &[Record]) {
     if let Some(r) = records.iter().find(|r| r.subject == "trainer") {
         println!(
             "\ntrainer (default model and task, batch 64): {:.1} ms per step, {:.0} tokens/s",
@@ -404,13 +445,14 @@ fn main() -> anyhow::Result<()> {
     let shapes: Vec<Shape> = cli
         .shapes
         .iter()
+        .filter(|name| name.as_str() != "none")
         .map(|name| {
             SHAPES
                 .iter()
                 .find(|s| s.name == name.as_str())
                 .copied()
                 .with_context(|| {
-                    format!("--shapes: unknown shape {name:?} (tiny, small, base, long)")
+                    format!("--shapes: unknown shape {name:?} (tiny, small, base, long, none)")
                 })
         })
         .collect::<anyhow::Result<_>>()?;
@@ -424,7 +466,9 @@ fn main() -> anyhow::Result<()> {
     for backend in backends {
         let device = backend.device()?;
         let mut mine = Vec::new();
-        bench_matmul(&cli, backend, &device, &mut mine)?;
+        if !shapes.is_empty() {
+            bench_matmul(&cli, backend, &device, &mut mine)?;
+        }
         for &shape in &shapes {
             eprintln!("{backend}: {} ...", shape.name);
             bench_mha(&cli, backend, &device, shape, &mut mine)?;
@@ -433,7 +477,19 @@ fn main() -> anyhow::Result<()> {
             eprintln!("{backend}: trainer ...");
             bench_trainer(&cli, backend, &device, &mut mine)?;
         }
+        if cli.decode {
+            decode::bench_decode(cli.runs, backend, &device, &mut mine)?;
+        }
+        if cli.window {
+            decode::bench_window(cli.runs, backend, &device, &mut mine)?;
+        }
         print_table(backend, &mine, &shapes);
+        if cli.decode {
+            decode::print_decode(backend, &mine);
+        }
+        if cli.window {
+            decode::print_window(backend, &mine);
+        }
         records.extend(mine);
     }
     if let Some(path) = &cli.json {

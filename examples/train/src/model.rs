@@ -13,7 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
 use mha::{
     AttentionMask, Decoder, DecoderBlockConfig, DecoderConfig, Encoder, EncoderBlockConfig,
-    EncoderConfig,
+    EncoderConfig, KvCache,
 };
 
 use serde::{Deserialize, Serialize};
@@ -233,11 +233,140 @@ impl Model {
     }
 
     /// Greedy decoding; stops at EOS or after `max_output + 1` tokens. Returns each output
-    /// without EOS. Inputs may differ in length: rows are right-padded, which neither the
-    /// causal self-attention nor the padded cross-attention lets a real position see.
-    /// With `fixed`, every forward pass has that one shape (for GPU backends, which compile
-    /// kernels per shape); without, each step reads the shortest width that fits.
+    /// without EOS. Without `fixed`, with a key/value cache per layer: the prompts run
+    /// once, then each step runs only its new token (see [`generate_cached`](Self::generate_cached)).
+    /// With `fixed` (GPU backends, which compile kernels per shape), every step runs the
+    /// whole prefix at that one shape (see [`generate_recomputed`](Self::generate_recomputed)).
     pub fn generate(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        fixed: Option<FixedShape>,
+        device: &Device,
+    ) -> Vec<Vec<usize>> {
+        match fixed {
+            None => self.generate_cached(inputs, max_output, device),
+            Some(_) => self.generate_recomputed(inputs, max_output, fixed, device),
+        }
+    }
+
+    /// Greedy decoding with a cache. Decoder-only: the prompts `input SEP` are left-padded
+    /// to the longest (each row's positions start at its first real token, the padding is
+    /// masked from every query), run once, then one token per step. Encoder-decoder: the
+    /// memory's keys and values are projected once per layer, then one token per step.
+    pub fn generate_cached(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        device: &Device,
+    ) -> Vec<Vec<usize>> {
+        let batch = inputs.len();
+        let ids = |rows: Vec<Vec<usize>>| {
+            let width = rows.first().map_or(0, Vec::len);
+            let data: Vec<i64> = rows.into_iter().flatten().map(|t| t as i64).collect();
+            Tensor::<2, Int>::from_data(TensorData::new(data, [batch, width]), device)
+        };
+        let room = "the cache holds the prompt and every output token";
+        let mut outputs = vec![Vec::new(); batch];
+        let mut done = vec![false; batch];
+        // The next token of each row from logits `[B, 1, V]`; whether every row is done.
+        let mut pick = |logits: Tensor<3>| -> (Vec<usize>, bool) {
+            let best: Vec<i64> = logits
+                .argmax(2)
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .expect("argmax gives integers");
+            let next: Vec<usize> = best.into_iter().map(|t| t as usize).collect();
+            for (i, &token) in next.iter().enumerate() {
+                if !done[i] {
+                    match token == EOS {
+                        true => done[i] = true,
+                        false => outputs[i].push(token),
+                    }
+                }
+            }
+            (next, done.iter().all(|&d| d))
+        };
+        match self {
+            Model::DecoderOnly(m) => {
+                let prompts: Vec<Vec<usize>> = inputs
+                    .iter()
+                    .map(|i| i.iter().copied().chain([SEP]).collect())
+                    .collect();
+                let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+                let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
+                let left_padded = prompts
+                    .iter()
+                    .zip(&pads)
+                    .map(|(p, &n)| {
+                        std::iter::repeat_n(PAD, n)
+                            .chain(p.iter().copied())
+                            .collect()
+                    })
+                    .collect();
+                let positions = pads
+                    .iter()
+                    .map(|&n| (0..width).map(|t| t.saturating_sub(n)).collect())
+                    .collect();
+                // Keys `0..pads[b]` of row `b` are padding, over every key a call sees.
+                let padding = |keys: usize| {
+                    let blocked: Vec<bool> = pads
+                        .iter()
+                        .flat_map(|&n| (0..keys).map(move |j| j < n))
+                        .collect();
+                    let blocked = TensorData::new(blocked, [batch, keys]);
+                    AttentionMask::key_padding(Tensor::from_data(blocked, device))
+                };
+                let embed = |tokens, positions| {
+                    m.tokens.forward(ids(tokens)) + m.positions.forward(ids(positions))
+                };
+                let mut cache = m.blocks.cache(KvCache::new(width + max_output + 1));
+                let x = embed(left_padded, positions);
+                let h = m.blocks.forward_cached(x, &mut cache, &padding(width));
+                let mut logits = m.head.forward(h.expect(room).narrow(1, width - 1, 1));
+                for step in 0..=max_output {
+                    let (next, all_done) = pick(logits);
+                    if all_done || step == max_output {
+                        break;
+                    }
+                    let tokens = next.into_iter().map(|t| vec![t]).collect();
+                    let positions = prompts.iter().map(|p| vec![p.len() + step]).collect();
+                    let keys = cache.len() + 1;
+                    let h = m.blocks.forward_cached(
+                        embed(tokens, positions),
+                        &mut cache,
+                        &padding(keys),
+                    );
+                    logits = m.head.forward(h.expect(room));
+                }
+            }
+            Model::EncoderDecoder(m) => {
+                let lengths: Vec<usize> = inputs.iter().map(Vec::len).collect();
+                let (memory, padding) = m.encode(padded(inputs, None, device), &lengths);
+                let mut cache = m.decoder.cache(memory, KvCache::new(max_output + 1));
+                let mut tokens = vec![vec![SEP]; batch];
+                for step in 0..=max_output {
+                    let position = vec![vec![step]; batch];
+                    let x = m.tokens.forward(ids(tokens)) + m.positions.forward(ids(position));
+                    let h = m.decoder.forward_cached(x, &mut cache, &padding);
+                    let (next, all_done) = pick(m.head.forward(h.expect(room)));
+                    if all_done || step == max_output {
+                        break;
+                    }
+                    tokens = next.into_iter().map(|t| vec![t]).collect();
+                }
+            }
+        }
+        outputs
+    }
+
+    /// Greedy decoding that runs the whole prefix at every step (what [`generate`](Self::generate)
+    /// does with `fixed`). Inputs may differ in length: rows are right-padded, which neither
+    /// the causal self-attention nor the padded cross-attention lets a real position see.
+    /// With `fixed`, every forward pass has that one shape; without, each step reads the
+    /// shortest width that fits.
+    pub fn generate_recomputed(
         &self,
         inputs: &[Vec<usize>],
         max_output: usize,
@@ -398,9 +527,12 @@ mod tests {
                 };
                 let model = config.init(task.vocab_size(), max_len, &device).unwrap();
                 // Untrained, so outputs run to the length limit: every step is compared.
-                let free = model.generate(&inputs, task.max_output(), None, &device);
+                let cached = model.generate(&inputs, task.max_output(), None, &device);
                 let padded = model.generate(&inputs, task.max_output(), Some(fixed), &device);
-                assert_eq!(free, padded, "{backend} {kind:?}: generate");
+                assert_eq!(cached, padded, "{backend} {kind:?}: generate");
+                let free = model.generate_recomputed(&inputs, task.max_output(), None, &device);
+                assert_eq!(cached, free, "{backend} {kind:?}: generate");
+                assert!(cached.iter().any(|o| o.len() == task.max_output() + 1));
                 let loss = |fixed| {
                     use burn::data::dataloader::batcher::Batcher;
                     let batch = crate::data::SeqBatcher { fixed }.batch(examples.clone(), &device);

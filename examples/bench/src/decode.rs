@@ -1,0 +1,253 @@
+//! Decoding and long windows: the cost of one new token with mha's cache, by recomputing
+//! the prefix, and with Burn's `MhaCache`; sliding-window attention against full causal
+//! attention at long lengths, time and peak memory.
+
+use burn::nn::attention::{
+    MhaCache, MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig,
+};
+use burn::tensor::Device;
+use mha::{AttentionMask, KvCache, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
+use train::backend::Backend;
+
+use crate::{Record, randn, time};
+
+/// Model width and heads of the decoding benchmark (the base shape's).
+const D_MODEL: usize = 512;
+const HEADS: usize = 8;
+/// Positions before the new token.
+pub const CONTEXTS: [usize; 3] = [128, 512, 2048];
+pub const BATCHES: [usize; 2] = [1, 8];
+
+/// A record of the decoding benchmark: one new token after `context - 1` positions.
+fn decode_record(
+    backend: Backend,
+    subject: &'static str,
+    batch: usize,
+    context: usize,
+    (ms, runs): (f64, usize),
+) -> Record {
+    Record {
+        backend: backend.name(),
+        shape: None,
+        subject,
+        pass: "decode-step",
+        median_ms: ms,
+        runs,
+        gflops: None,
+        tokens_per_second: Some(batch as f64 / ms * 1e3),
+        batch: Some(batch),
+        context: Some(context),
+        peak_mib: None,
+    }
+}
+
+/// One token at position `context - 1` of causal self-attention (`D_MODEL` wide,
+/// `HEADS` heads), batch 1 and 8: with mha's cache (`mha-cached`, room for 2048
+/// positions and the timed steps whatever the context), by recomputing the
+/// whole prefix with mha (`mha-recompute`, what decoding without a cache does), and with
+/// Burn's `MhaCache` (`burn-cache`: it caches the projections, concatenates them every
+/// step and computes the scores of every position again).
+pub fn bench_decode(
+    runs: usize,
+    backend: Backend,
+    device: &Device,
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let ours = MultiHeadAttentionConfig::new(D_MODEL, HEADS).init(device);
+    let theirs = BurnMhaConfig::new(D_MODEL, HEADS)
+        .with_dropout(0.0)
+        .init(device);
+    for batch in BATCHES {
+        for context in CONTEXTS {
+            eprintln!("{backend}: decoding at {context} positions, batch {batch} ...");
+            // Room for the warm-up and the timed steps after the prompt.
+            let longest = context + runs + 1;
+            let x = randn([batch, longest, D_MODEL], device);
+            let token = x.clone().narrow(1, context - 1, 1);
+
+            // Every cache has the room of the longest context: a step that copied the
+            // storage would cost as much at 128 positions as at 2048.
+            let capacity = CONTEXTS[CONTEXTS.len() - 1] + runs + 1;
+            let mut cache = KvCache::new(capacity);
+            let prompt = x.clone().narrow(1, 0, context - 1);
+            drop(ours.forward_cached(prompt, &mut cache, AttentionMask::none())?);
+            let ms = time(runs, device, || {
+                let step = ours.forward_cached(token.clone(), &mut cache, AttentionMask::none());
+                drop(step.expect("the cache has room for every step"));
+            })?;
+            out.push(decode_record(backend, "mha-cached", batch, context, ms));
+
+            let prefix = x.clone().narrow(1, 0, context);
+            let ms = time(runs, device, || {
+                let all = ours.forward(MhaInput::causal(prefix.clone())).context;
+                drop(all.narrow(1, context - 1, 1));
+            })?;
+            out.push(decode_record(backend, "mha-recompute", batch, context, ms));
+
+            let mut cache = MhaCache::autoregressive();
+            let prompt = x.clone().narrow(1, 0, context - 1);
+            drop(theirs.forward_cache(BurnMhaInput::self_attn(prompt), &mut cache));
+            // Burn's cache takes the whole sequence so far and projects its last token.
+            let mut len = context;
+            let ms = time(runs, device, || {
+                let input = BurnMhaInput::self_attn(x.clone().narrow(1, 0, len));
+                let all = theirs.forward_cache(input, &mut cache).context;
+                drop(all.narrow(1, len - 1, 1));
+                len += 1;
+            })?;
+            out.push(decode_record(backend, "burn-cache", batch, context, ms));
+        }
+    }
+    Ok(())
+}
+
+/// Sequence lengths of the window benchmark.
+pub const WINDOW_LENGTHS: [usize; 2] = [4096, 16384];
+/// The window.
+pub const WINDOW: usize = 256;
+
+/// The attention core (`[1, HEADS, T, 64]`) forward and backward under a sliding window of
+/// `WINDOW` positions and under full causal attention, at each of `WINDOW_LENGTHS`: time
+/// and the process's peak resident memory above what it held before (Linux; the host's
+/// memory, so for the CPU backends).
+pub fn bench_window(
+    runs: usize,
+    backend: Backend,
+    device: &Device,
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let ad = device.clone().autodiff();
+    let head_dim = D_MODEL / HEADS;
+    for len in WINDOW_LENGTHS {
+        // The window first: the full run's buffers, kept by the allocator, would hide its
+        // peak.
+        for (subject, mask) in [
+            ("window-256", AttentionMask::sliding_window(WINDOW)),
+            ("causal", AttentionMask::causal()),
+        ] {
+            eprintln!("{backend}: {subject} at {len} ...");
+            let dims = [1, HEADS, len, head_dim];
+            let grad = || randn(dims, &ad).require_grad();
+            let (q, k, v) = (grad(), grad(), grad());
+            let before = peak::reset();
+            let ms = time(runs, device, || {
+                let out = mha::scaled_dot_product_attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    &mask,
+                    SdpaOptions::default(),
+                );
+                drop(out.context.sum().backward());
+            })?;
+            let peak_mib = before.and_then(|before| Some(peak::read()? - before));
+            out.push(Record {
+                backend: backend.name(),
+                shape: None,
+                subject,
+                pass: "forward+backward",
+                median_ms: ms.0,
+                runs: ms.1,
+                gflops: None,
+                tokens_per_second: Some(len as f64 / ms.0 * 1e3),
+                batch: Some(1),
+                context: Some(len),
+                peak_mib,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The process's peak resident memory (Linux's `VmHWM`), in MiB.
+mod peak {
+    /// Resets the peak to the memory held now and returns that, if the system allows.
+    pub fn reset() -> Option<f64> {
+        std::fs::write("/proc/self/clear_refs", "5").ok()?;
+        read()
+    }
+
+    /// The peak since the last reset.
+    pub fn read() -> Option<f64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib / 1024.0)
+    }
+}
+
+/// Prints the decoding table: per batch and context, the time of one step (and tokens/s)
+/// and the cache's speed-ups, as Markdown.
+pub fn print_decode(backend: Backend, records: &[Record]) {
+    let find = |subject: &str, batch: usize, context: usize| {
+        records
+            .iter()
+            .find(|r| r.subject == subject && r.batch == Some(batch) && r.context == Some(context))
+    };
+    println!("\n## {backend}: one decoding step (D {D_MODEL}, H {HEADS}), median ms (tokens/s)\n");
+    println!(
+        "| batch | positions | mha cached | mha recompute | Burn MhaCache | recompute/cached | Burn/cached |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for batch in BATCHES {
+        for context in CONTEXTS {
+            let [Some(cached), Some(recompute), Some(burn)] =
+                ["mha-cached", "mha-recompute", "burn-cache"].map(|s| find(s, batch, context))
+            else {
+                continue;
+            };
+            let cell = |r: &Record| {
+                format!(
+                    "{:.3} ({:.0})",
+                    r.median_ms,
+                    r.tokens_per_second.unwrap_or(0.0)
+                )
+            };
+            println!(
+                "| {batch} | {context} | {} | {} | {} | {:.1}x | {:.1}x |",
+                cell(cached),
+                cell(recompute),
+                cell(burn),
+                recompute.median_ms / cached.median_ms,
+                burn.median_ms / cached.median_ms
+            );
+        }
+    }
+}
+
+/// Prints the window table, time and peak memory per length and how they grow, as
+/// Markdown.
+pub fn print_window(backend: Backend, records: &[Record]) {
+    let find = |subject: &str, len: usize| {
+        records
+            .iter()
+            .find(|r| r.subject == subject && r.context == Some(len))
+    };
+    println!(
+        "\n## {backend}: attention core [1, {HEADS}, T, 64] forward+backward, window {WINDOW} vs causal\n"
+    );
+    println!("| T | window ms | window peak MiB | causal ms | causal peak MiB |");
+    println!("|---|---|---|---|---|");
+    let mib = |r: &Record| r.peak_mib.map_or("—".into(), |m| format!("{m:.0}"));
+    for len in WINDOW_LENGTHS {
+        if let (Some(w), Some(c)) = (find("window-256", len), find("causal", len)) {
+            println!(
+                "| {len} | {:.1} | {} | {:.1} | {} |",
+                w.median_ms,
+                mib(w),
+                c.median_ms,
+                mib(c)
+            );
+        }
+    }
+    let [short, long] = WINDOW_LENGTHS;
+    for subject in ["window-256", "causal"] {
+        if let (Some(a), Some(b)) = (find(subject, short), find(subject, long)) {
+            println!(
+                "\n{subject}: T {long} takes {:.2}x the time of T {short} ({}x the length)",
+                b.median_ms / a.median_ms,
+                long / short
+            );
+        }
+    }
+}
