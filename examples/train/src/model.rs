@@ -167,6 +167,17 @@ pub struct EncoderDecoder {
     head: Linear,
 }
 
+/// The most likely token at every position of logits `[B, T, V]`, row by row.
+fn best_tokens(logits: Tensor<3>) -> Vec<usize> {
+    let best = logits
+        .argmax(2)
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .expect("argmax gives integers");
+    best.into_iter().map(|t| t as usize).collect()
+}
+
 /// Token plus position embeddings: `[B, T]` -> `[B, T, d_model]`.
 fn embed(tokens: &Embedding, positions: &Embedding, ids: Tensor<2, Int>) -> Tensor<3> {
     let [_, len] = ids.dims();
@@ -271,13 +282,7 @@ impl Model {
         let mut done = vec![false; batch];
         // The next token of each row from logits `[B, 1, V]`; whether every row is done.
         let mut pick = |logits: Tensor<3>| -> (Vec<usize>, bool) {
-            let best: Vec<i64> = logits
-                .argmax(2)
-                .into_data()
-                .convert::<i64>()
-                .try_into_vec::<i64>()
-                .expect("argmax gives integers");
-            let next: Vec<usize> = best.into_iter().map(|t| t as usize).collect();
+            let next = best_tokens(logits);
             for (i, &token) in next.iter().enumerate() {
                 if !done[i] {
                     match token == EOS {
@@ -404,14 +409,9 @@ impl Model {
             };
             // Every position's argmax, read at each row's last prompt token.
             let [_, width, _] = logits.dims();
-            let best: Vec<i64> = logits
-                .argmax(2)
-                .into_data()
-                .convert::<i64>()
-                .try_into_vec::<i64>()
-                .expect("argmax gives integers");
+            let best = best_tokens(logits);
             for (i, prompt) in prompts.iter_mut().enumerate() {
-                let next = best[i * width + prompt.len() - 1] as usize;
+                let next = best[i * width + prompt.len() - 1];
                 prompt.push(next);
                 if !done[i] {
                     if next == EOS {
