@@ -312,14 +312,19 @@ fn bench_matmul(
 }
 
 /// Whole training steps (batching, forward, loss, backward, AdamW) of the trainer's
-/// default model and task.
+/// default model and task, its batches padded (`trainer`) or packed (`trainer-packed`,
+/// the trainer's `--pack`).
 fn bench_trainer(
     cli: &Cli,
     backend: Backend,
     device: &Device,
+    pack: bool,
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
-    let config = TrainConfig::default();
+    let config = TrainConfig {
+        pack,
+        ..TrainConfig::default()
+    };
     let ad = device.clone().autodiff();
     let mut model = config.init_model(&ad)?;
     let mut optim = AdamWConfig::new()
@@ -328,6 +333,7 @@ fn bench_trainer(
         .init();
     let batcher = SeqBatcher {
         fixed: config.fixed_shape(backend),
+        pack: config.pack_width(),
     };
     let mut next = 0;
     // One step on a fresh batch: the model after it and the batch's real tokens.
@@ -359,7 +365,10 @@ fn bench_trainer(
     out.push(Record {
         backend: backend.name(),
         shape: None,
-        subject: "trainer",
+        subject: match pack {
+            false => "trainer",
+            true => "trainer-packed",
+        },
         pass: "train-step",
         median_ms: seconds * 1e3 / cli.train_steps as f64,
         runs: cli.train_steps,
@@ -429,14 +438,23 @@ fn print_table(backend: Backend, records: &[Record], shapes: &[Shape]) {
     print_trainer(records);
 }
 
-/// The trainer's line, if it was measured.
+/// The trainer's lines, if it was measured.
 fn print_trainer(records: &[Record]) {
-    if let Some(r) = records.iter().find(|r| r.subject == "trainer") {
+    let find = |subject: &str| records.iter().find(|r| r.subject == subject);
+    if let Some(r) = find("trainer") {
         println!(
             "\ntrainer (default model and task, batch 64): {:.1} ms per step, {:.0} tokens/s",
             r.median_ms,
             r.tokens_per_second.unwrap_or(0.0)
         );
+        if let Some(p) = find("trainer-packed") {
+            println!(
+                "trainer, packed batches (--pack): {:.1} ms per step, {:.0} tokens/s ({:.2}x)",
+                p.median_ms,
+                p.tokens_per_second.unwrap_or(0.0),
+                r.median_ms / p.median_ms
+            );
+        }
     }
 }
 
@@ -475,7 +493,9 @@ fn main() -> anyhow::Result<()> {
         }
         if !cli.no_train {
             eprintln!("{backend}: trainer ...");
-            bench_trainer(&cli, backend, &device, &mut mine)?;
+            bench_trainer(&cli, backend, &device, false, &mut mine)?;
+            eprintln!("{backend}: trainer, packed batches ...");
+            bench_trainer(&cli, backend, &device, true, &mut mine)?;
         }
         if cli.decode {
             decode::bench_decode(cli.runs, backend, &device, &mut mine)?;

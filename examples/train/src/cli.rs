@@ -11,7 +11,7 @@ use crate::backend::Backend;
 use crate::config::TrainConfig;
 use crate::data::Task;
 use crate::fields::FIELDS;
-use crate::model::ModelKind;
+use crate::model::{ModelKind, PositionKind};
 use crate::progress::LOG_EVERY;
 use crate::run_dir::{RunDir, load_model};
 use crate::training::{self, Status, Summary};
@@ -99,6 +99,10 @@ struct TrainArgs {
     /// Dropout.
     #[arg(long)]
     dropout: Option<f64>,
+    /// How the model knows where tokens are: absolute positions added to the embeddings
+    /// (learned, sinusoidal) or positions inside attention (rope, alibi, relative, t5).
+    #[arg(long, value_enum)]
+    positions: Option<PositionKind>,
     /// Sequences per step.
     #[arg(long)]
     batch_size: Option<usize>,
@@ -124,6 +128,10 @@ struct TrainArgs {
     /// off for the CPU backends].
     #[arg(long)]
     fixed_shapes: Option<bool>,
+    /// Pack the decoder-only model's training sequences several to a row (attention kept
+    /// within each) instead of padding them.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pack: Option<bool>,
 }
 
 impl TrainArgs {
@@ -138,9 +146,10 @@ impl TrainArgs {
             task => task.task, min_len => task.min_len, max_len => task.max_len,
             symbols => task.n_symbols, model => model.kind, d_model => model.d_model,
             layers => model.n_layers, heads => model.n_heads, dropout => model.dropout,
+            positions => model.positions,
             batch_size => batch_size, lr => lr, warmup => warmup_steps, epochs => epochs,
             steps_per_epoch => steps_per_epoch, eval_examples => eval_examples, seed => seed,
-            fixed_shapes => fixed_shapes,
+            fixed_shapes => fixed_shapes, pack => pack,
         );
         c
     }
@@ -240,7 +249,7 @@ fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     interrupt::install()?;
     println!(
         "{} on {backend}: task {} (lengths {}..={}, {} symbols), model {} (d_model {}, {} \
-         layers, {} heads), {} epochs of {} steps, in {dir}",
+         layers, {} heads, {} positions), {} epochs of {} steps, in {dir}",
         match start_epoch {
             0 => "training".to_string(),
             e => format!("resuming after epoch {e}"),
@@ -253,6 +262,7 @@ fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
         config.model.d_model,
         config.model.n_layers,
         config.model.n_heads,
+        config.model.positions.name(),
         config.epochs,
         config.steps_per_epoch,
     );
@@ -374,6 +384,15 @@ fn report(
         summary.tokens_per_second,
         summary.backend,
     );
+    if let (Some([min, max]), Some(exact)) = (summary.longer_lengths, summary.longer_exact_accuracy)
+    {
+        println!(
+            "longer inputs ({min}..={max}, never trained on): exact accuracy {:.2}% (token \
+             accuracy {:.2}%)",
+            100.0 * exact,
+            100.0 * summary.longer_token_accuracy.unwrap_or(0.0),
+        );
+    }
     println!("summary: {}", run.summary().display());
     println!(
         "learner summary (model and metrics): {}",

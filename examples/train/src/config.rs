@@ -53,6 +53,10 @@ pub struct TrainConfig {
     /// Default (`None`): on for GPU backends, which compile kernels per shape, off on the
     /// CPU, where padding only costs time.
     pub fixed_shapes: Option<bool>,
+    /// Pack the decoder-only model's training sequences several to a row of twice the
+    /// longest sequence, attention kept within each sequence, instead of padding each to
+    /// the longest of its batch. Default: off.
+    pub pack: bool,
 }
 
 impl Default for TrainConfig {
@@ -72,6 +76,7 @@ impl Default for TrainConfig {
             eval_examples: 1000,
             seed: 42,
             fixed_shapes: None,
+            pack: false,
         }
     }
 }
@@ -120,6 +125,13 @@ impl TrainConfig {
                 name("steps_per_epoch"),
             );
         }
+        anyhow::ensure!(
+            !self.pack || self.model.kind == crate::model::ModelKind::DecoderOnly,
+            "{} packs the decoder-only model's sequences; the encoder-decoder ({}) trains on \
+             padded batches",
+            name("pack"),
+            name("model.kind"),
+        );
         if let Some(decay) = self.decay_steps {
             anyhow::ensure!(decay >= 1, "{} must be at least 1", name("decay_steps"));
         }
@@ -148,6 +160,26 @@ impl TrainConfig {
     /// Longest sequence a model reads: `input SEP output EOS`.
     pub fn max_len(&self) -> usize {
         self.task.max_input() + self.task.max_output() + 2
+    }
+
+    /// The task at longer inputs than any trained on, for the length-generalisation test:
+    /// lengths `max_len + 1 ..= max_len * 3 / 2` (17..=24 for 8..=16); `None` for a model
+    /// that cannot read them (learned absolute positions).
+    pub fn longer_task(&self) -> Option<TaskConfig> {
+        let max = self.task.max_len;
+        self.model
+            .positions
+            .reads_longer_inputs()
+            .then(|| TaskConfig {
+                min_len: max + 1,
+                max_len: (max * 3 / 2).max(max + 1),
+                ..self.task.clone()
+            })
+    }
+
+    /// The width of a packed row (twice the longest sequence), when packing.
+    pub fn pack_width(&self) -> Option<usize> {
+        self.pack.then_some(2 * self.max_len())
     }
 
     /// The fixed batch shape on `backend`, if any (see `fixed_shapes`).

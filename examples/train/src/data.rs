@@ -497,6 +497,38 @@ pub struct SeqBatch {
     pub decoder_input: Tensor<2, Int>,
     /// Encoder-decoder targets: `output EOS`, PAD-padded, `[B, U]`.
     pub decoder_targets: Tensor<2, Int>,
+    /// Decoder-only, packed ([`SeqBatcher::pack`]): where the sequences of each row of
+    /// `joined` start and end, and each token's position in its sequence.
+    pub packed: Option<Packed>,
+}
+
+/// Several sequences per row: `joined` row `r` holds sequences
+/// `cu_seqlens[r][s]..cu_seqlens[r][s + 1]` (FlashAttention's varlen convention), then
+/// padding.
+#[derive(Clone, Debug)]
+pub struct Packed {
+    /// Cumulative lengths per row, from 0.
+    pub cu_seqlens: Vec<Vec<usize>>,
+    /// Each token's position in its own sequence, `[rows][width]` (0 on padding).
+    pub positions: Vec<Vec<usize>>,
+}
+
+/// Packs `seqs` (each at most `width / 2` long) into rows of `width` tokens, first fit in
+/// order: a row takes a sequence while it has room. Every row but the last holds at least
+/// two sequences, so there are at most `ceil(seqs / 2)` rows. Returns the rows' sequence
+/// indices.
+pub fn first_fit(lengths: &[usize], width: usize) -> Vec<Vec<usize>> {
+    let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
+    for (i, &len) in lengths.iter().enumerate() {
+        match rows.iter_mut().find(|(used, _)| used + len <= width) {
+            Some((used, members)) => {
+                *used += len;
+                members.push(i);
+            }
+            None => rows.push((len, vec![i])),
+        }
+    }
+    rows.into_iter().map(|(_, members)| members).collect()
 }
 
 /// Widths every batch is padded to, so that a GPU backend sees one shape and compiles its
@@ -524,11 +556,16 @@ impl FixedShape {
     }
 }
 
-/// Pads and stacks examples: to the longest of the batch, or to a [`FixedShape`].
+/// Pads and stacks examples: to the longest of the batch, or to a [`FixedShape`]; or, for
+/// the decoder-only model, packs them several to a row.
 #[derive(Clone, Debug, Default)]
 pub struct SeqBatcher {
     /// Pads every batch to these widths when set.
     pub fixed: Option<FixedShape>,
+    /// Packs the decoder-only sequences into rows of this many tokens (twice the longest
+    /// sequence: every row but the last holds two or more), with the rows' boundaries in
+    /// [`SeqBatch::packed`]. With `fixed`, the batch has `ceil(B / 2)` rows.
+    pub pack: Option<usize>,
 }
 
 /// Right-pads `rows` with PAD to `width` (at least the longest row) and stacks them.
@@ -569,9 +606,44 @@ impl Batcher<Example, SeqBatch> for SeqBatcher {
         }
         let sources: Vec<Vec<usize>> = items.iter().map(|e| e.input.clone()).collect();
         let width = |f: fn(FixedShape) -> usize| self.fixed.map(f);
+        let mut packed = None;
+        if let Some(row_width) = self.pack {
+            let lengths: Vec<usize> = joined.iter().map(Vec::len).collect();
+            let mut rows = first_fit(&lengths, row_width);
+            if self.fixed.is_some() {
+                rows.resize(items.len().div_ceil(2).max(rows.len()), Vec::new());
+            }
+            let concat = |parts: &[Vec<usize>], members: &[usize]| -> Vec<usize> {
+                members
+                    .iter()
+                    .flat_map(|&i| parts[i].iter().copied())
+                    .collect()
+            };
+            let mut cu_seqlens = Vec::with_capacity(rows.len());
+            let mut positions = Vec::with_capacity(rows.len());
+            for members in &rows {
+                let mut cumulative = vec![0];
+                let mut at = Vec::with_capacity(row_width);
+                for &i in members {
+                    cumulative.push(cumulative[cumulative.len() - 1] + lengths[i]);
+                    at.extend(0..lengths[i]);
+                }
+                at.resize(row_width, 0);
+                cu_seqlens.push(cumulative);
+                positions.push(at);
+            }
+            joined = rows.iter().map(|m| concat(&joined, m)).collect();
+            joined_targets = rows.iter().map(|m| concat(&joined_targets, m)).collect();
+            packed = Some(Packed {
+                cu_seqlens,
+                positions,
+            });
+        }
+        let joined_width = self.pack.or(width(FixedShape::joined));
         SeqBatch {
-            joined: padded(&joined, width(FixedShape::joined), device),
-            joined_targets: padded(&joined_targets, width(FixedShape::joined), device),
+            packed,
+            joined: padded(&joined, joined_width, device),
+            joined_targets: padded(&joined_targets, joined_width, device),
             source: padded(&sources, width(|s| s.input), device),
             source_lengths: sources.iter().map(Vec::len).collect(),
             decoder_input: padded(&decoder_input, width(|s| s.output + 1), device),
@@ -611,6 +683,25 @@ impl Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn first_fit_fills_rows_in_order() {
+        assert_eq!(
+            first_fit(&[5, 4, 3, 5, 2], 10),
+            vec![vec![0, 1], vec![2, 3, 4]]
+        );
+        // Sequences of at most half a row: two or more per row but the last.
+        let lengths: Vec<usize> = (0..50).map(|i| 1 + (i * 7) % 17).collect();
+        let rows = first_fit(&lengths, 34);
+        assert!(rows.len() <= 25, "{rows:?}");
+        let mut all: Vec<usize> = rows.concat();
+        all.sort();
+        assert_eq!(all, (0..50).collect::<Vec<_>>());
+        assert!(
+            rows.iter()
+                .all(|r| r.iter().map(|&i| lengths[i]).sum::<usize>() <= 34)
+        );
+    }
 
     fn task(task: Task, [min_len, max_len, n_symbols]: [usize; 3]) -> TaskConfig {
         TaskConfig {

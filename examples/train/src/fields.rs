@@ -51,6 +51,7 @@ pub const FIELDS: &[Field] = &[
     ),
     field("model.n_heads", Some("--heads"), &["heads"], false),
     field("model.dropout", Some("--dropout"), &[], false),
+    field("model.positions", Some("--positions"), &["position"], false),
     field("batch_size", Some("--batch-size"), &["batch"], false),
     field(
         "lr",
@@ -72,6 +73,7 @@ pub const FIELDS: &[Field] = &[
     field("valid_examples", None, &[], false),
     field("eval_examples", Some("--eval-examples"), &[], true),
     field("seed", Some("--seed"), &[], false),
+    field("pack", Some("--pack"), &["packing", "packed"], false),
     field("fixed_shapes", Some("--fixed-shapes"), &[], true),
 ];
 

@@ -29,7 +29,7 @@ use crate::backend::Backend;
 use crate::config::TrainConfig;
 use crate::data::{FixedShape, PAD, SeqBatcher, Split, Task, TaskConfig, TaskDataset};
 use crate::interrupt;
-use crate::model::{Model, ModelKind};
+use crate::model::{Model, ModelKind, PositionKind};
 use crate::progress::{Plan, Progress, Reached};
 use crate::run_dir::{RunDir, write_atomically};
 
@@ -70,8 +70,17 @@ pub struct Summary {
     pub exact_accuracy: Option<f64>,
     /// Held-out output tokens right, greedy decoding.
     pub token_accuracy: Option<f64>,
-    /// Held-out sequences decoded.
+    /// Held-out sequences decoded (at the training lengths, and as many longer ones).
     pub eval_examples: usize,
+    /// How the model knows where tokens are.
+    pub positions: PositionKind,
+    /// The input lengths of the length-generalisation test: longer than any trained on
+    /// (absent for learned positions, which end at the longest training sequence).
+    pub longer_lengths: Option<[usize; 2]>,
+    /// Sequences of `longer_lengths` entirely right, greedy decoding.
+    pub longer_exact_accuracy: Option<f64>,
+    /// Output tokens of `longer_lengths` right, greedy decoding.
+    pub longer_token_accuracy: Option<f64>,
     /// Training wall time of this invocation, in seconds.
     pub wall_seconds: f64,
     /// Non-padding tokens trained on per second in this invocation.
@@ -115,10 +124,13 @@ pub fn train(
         Split::Valid,
         config.valid_examples,
     );
-    let loader_train = DataLoaderBuilder::new(SeqBatcher { fixed })
-        .batch_size(config.batch_size)
-        .build(train_set);
-    let loader_valid = DataLoaderBuilder::new(SeqBatcher { fixed })
+    let loader_train = DataLoaderBuilder::new(SeqBatcher {
+        fixed,
+        pack: config.pack_width(),
+    })
+    .batch_size(config.batch_size)
+    .build(train_set);
+    let loader_valid = DataLoaderBuilder::new(SeqBatcher { fixed, pack: None })
         .batch_size(config.batch_size)
         .build(valid_set);
 
@@ -181,6 +193,10 @@ pub fn train(
         exact_accuracy: None,
         token_accuracy: None,
         eval_examples: config.eval_examples,
+        positions: config.model.positions,
+        longer_lengths: None,
+        longer_exact_accuracy: None,
+        longer_token_accuracy: None,
         wall_seconds: wall,
         tokens_per_second: steps as f64 * tokens_per_step / wall.max(1e-9),
     };
@@ -195,11 +211,21 @@ pub fn train(
         .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", partial.display()))?;
     std::fs::rename(&partial, run.model())
         .with_context(|| format!("cannot write {}", run.model().display()))?;
-    if let Some((exact, token)) = evaluate(&model, config, fixed, device) {
-        summary.status = Status::Finished;
-        summary.exact_accuracy = Some(exact);
-        summary.token_accuracy = Some(token);
+    let Some((exact, token)) = evaluate(&model, config, &config.task, fixed, device) else {
+        return Ok(summary);
+    };
+    summary.exact_accuracy = Some(exact);
+    summary.token_accuracy = Some(token);
+    if let Some(longer) = config.longer_task() {
+        let fixed = fixed.map(|_| FixedShape::of(&longer));
+        let Some((exact, token)) = evaluate(&model, config, &longer, fixed, device) else {
+            return Ok(summary);
+        };
+        summary.longer_lengths = Some([longer.min_len, longer.max_len]);
+        summary.longer_exact_accuracy = Some(exact);
+        summary.longer_token_accuracy = Some(token);
     }
+    summary.status = Status::Finished;
     Ok(summary)
 }
 
@@ -240,19 +266,21 @@ fn mean_tokens(task: &TaskConfig) -> f64 {
     input + output + 2.0
 }
 
-/// Greedy decoding of `eval_examples` held-out sequences: (exact, token) accuracy, or
-/// `None` when a Ctrl-C stops it. Without a fixed shape, inputs of one length are decoded
+/// Greedy decoding of `eval_examples` held-out sequences of `task` (the run's, or
+/// [`TrainConfig::longer_task`]): (exact, token) accuracy, or `None` when a Ctrl-C stops
+/// it. Without a fixed shape, inputs of one length are decoded
 /// together (no padding); with one, every batch has `batch_size` rows of the fixed width
 /// (the last one filled up with repeats that are not counted).
 pub fn evaluate(
     model: &Model,
     config: &TrainConfig,
+    task: &TaskConfig,
     fixed: Option<FixedShape>,
     device: &Device,
 ) -> Option<(f64, f64)> {
     let model = model.valid().to_device(device);
     let examples: Vec<_> = (0..config.eval_examples)
-        .map(|i| config.task.example(config.seed, Split::Valid, i))
+        .map(|i| task.example(config.seed, Split::Valid, i))
         .collect();
     let rows = config.batch_size.max(64);
     let groups: Vec<Vec<&crate::data::Example>> = match fixed {
@@ -278,7 +306,7 @@ pub fn evaluate(
         if fixed.is_some() {
             inputs.resize(rows, inputs[0].clone());
         }
-        let outputs = model.generate(&inputs, config.task.max_output(), fixed, device);
+        let outputs = model.generate(&inputs, task.max_output(), fixed, device);
         for (ex, out) in chunk.iter().zip(outputs) {
             exact += usize::from(out == ex.output);
             right += ex.output.iter().zip(&out).filter(|(a, b)| a == b).count();

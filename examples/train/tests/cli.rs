@@ -116,6 +116,85 @@ fn tiny_run(dir: &Path, epochs: &str) {
 }
 
 #[test]
+fn positions_are_a_setting_and_longer_inputs_are_tested_when_the_model_reads_them() {
+    let root = scratch("positions");
+    // RoPE reads any length: the summary has the longer inputs' accuracy (4 -> 5..=6).
+    let rope = root.join("rope");
+    let out = run(on_flex(TINY)
+        .args([
+            "--positions",
+            "rope",
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "20",
+            "--out",
+        ])
+        .arg(&rope));
+    assert!(out.status.success());
+    let s = summary(&rope);
+    assert_eq!(s["positions"], "rope");
+    assert_eq!(s["longer_lengths"], serde_json::json!([5, 6]));
+    let longer = s["longer_exact_accuracy"]
+        .as_f64()
+        .expect("a longer accuracy");
+    assert!((0.0..=1.0).contains(&longer), "{s}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("longer inputs (5..=6, never trained on)"),
+        "{stdout}"
+    );
+    let config = std::fs::read_to_string(rope.join("config.json")).unwrap();
+    assert!(config.contains(r#""positions": "rope""#), "{config}");
+    // Learned positions end at the longest training sequence: no longer test.
+    let learned = root.join("learned");
+    let out = run(on_flex(TINY)
+        .args(["--epochs", "1", "--steps-per-epoch", "20", "--out"])
+        .arg(&learned));
+    assert!(out.status.success());
+    let s = summary(&learned);
+    assert_eq!(s["positions"], "learned");
+    assert!(
+        s["longer_lengths"].is_null() && s["longer_exact_accuracy"].is_null(),
+        "{s}"
+    );
+    // A misspelt kind is refused with the known ones.
+    let out = run(on_flex(&["--positions", "rotary", "--out"]).arg(root.join("bad")));
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("learned, sinusoidal, rope, alibi, relative, t5"));
+}
+
+#[test]
+fn packing_trains_the_decoder_only_model_and_is_refused_for_the_other() {
+    let root = scratch("pack");
+    let dir = root.join("packed");
+    let out = run(on_flex(TINY)
+        .args([
+            "--pack",
+            "--epochs",
+            "2",
+            "--steps-per-epoch",
+            "40",
+            "--out",
+        ])
+        .arg(&dir));
+    assert!(out.status.success());
+    let s = summary(&dir);
+    assert!(s["token_accuracy"].as_f64().unwrap() > 0.6, "{s}");
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    assert!(config.contains(r#""pack": true"#), "{config}");
+    let other = root.join("encoder-decoder");
+    let out = run(on_flex(TINY)
+        .args(["--pack", "--model", "encoder-decoder", "--out"])
+        .arg(&other));
+    assert_error(
+        &out,
+        &["`--pack` (`pack`) packs the decoder-only model's sequences"],
+    );
+    assert!(!other.exists(), "a refused run writes nothing");
+}
+
+#[test]
 fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
     let dir = scratch("short").join("run");
     let out = run(trainer()
