@@ -311,20 +311,31 @@ fn bench_matmul(
     Ok(())
 }
 
+/// The trainer's measurements: its default model and task (`trainer`), the same with
+/// packed batches (the trainer's `--pack`), and both on mixed lengths (inputs of 1 to 16
+/// tokens, whose padded batches are about 45% padding).
+const TRAINER_RUNS: [(&str, bool, usize); 4] = [
+    ("trainer", false, 8),
+    ("trainer-packed", true, 8),
+    ("trainer-mixed", false, 1),
+    ("trainer-mixed-packed", true, 1),
+];
+
 /// Whole training steps (batching, forward, loss, backward, AdamW) of the trainer's
-/// default model and task, its batches padded (`trainer`) or packed (`trainer-packed`,
-/// the trainer's `--pack`).
+/// default model, on its task with inputs of `min_len` to 16 tokens, its batches padded
+/// or packed (`pack`).
 fn bench_trainer(
     cli: &Cli,
     backend: Backend,
     device: &Device,
-    pack: bool,
+    (subject, pack, min_len): (&'static str, bool, usize),
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
-    let config = TrainConfig {
+    let mut config = TrainConfig {
         pack,
         ..TrainConfig::default()
     };
+    config.task.min_len = min_len;
     let ad = device.clone().autodiff();
     let mut model = config.init_model(&ad)?;
     let mut optim = AdamWConfig::new()
@@ -365,10 +376,7 @@ fn bench_trainer(
     out.push(Record {
         backend: backend.name(),
         shape: None,
-        subject: match pack {
-            false => "trainer",
-            true => "trainer-packed",
-        },
+        subject,
         pass: "train-step",
         median_ms: seconds * 1e3 / cli.train_steps as f64,
         runs: cli.train_steps,
@@ -447,12 +455,20 @@ fn print_trainer(records: &[Record]) {
             r.median_ms,
             r.tokens_per_second.unwrap_or(0.0)
         );
-        if let Some(p) = find("trainer-packed") {
+    }
+    for (padded, packed, what) in [
+        ("trainer", "trainer-packed", "inputs of 8 to 16"),
+        ("trainer-mixed", "trainer-mixed-packed", "inputs of 1 to 16"),
+    ] {
+        if let (Some(a), Some(b)) = (find(padded), find(packed)) {
             println!(
-                "trainer, packed batches (--pack): {:.1} ms per step, {:.0} tokens/s ({:.2}x)",
-                p.median_ms,
-                p.tokens_per_second.unwrap_or(0.0),
-                r.median_ms / p.median_ms
+                "{what}: padded {:.1} ms per step ({:.0} tokens/s), packed (--pack) {:.1} ms \
+                 ({:.0} tokens/s): {:.2}x the tokens/s",
+                a.median_ms,
+                a.tokens_per_second.unwrap_or(0.0),
+                b.median_ms,
+                b.tokens_per_second.unwrap_or(0.0),
+                b.tokens_per_second.unwrap_or(0.0) / a.tokens_per_second.unwrap_or(1.0)
             );
         }
     }
@@ -492,10 +508,10 @@ fn main() -> anyhow::Result<()> {
             bench_mha(&cli, backend, &device, shape, &mut mine)?;
         }
         if !cli.no_train {
-            eprintln!("{backend}: trainer ...");
-            bench_trainer(&cli, backend, &device, false, &mut mine)?;
-            eprintln!("{backend}: trainer, packed batches ...");
-            bench_trainer(&cli, backend, &device, true, &mut mine)?;
+            for run in TRAINER_RUNS {
+                eprintln!("{backend}: {} ...", run.0);
+                bench_trainer(&cli, backend, &device, run, &mut mine)?;
+            }
         }
         if cli.decode {
             decode::bench_decode(cli.runs, backend, &device, &mut mine)?;
