@@ -119,7 +119,8 @@ pub struct ModelConfig {
     pub n_heads: usize,
     /// Dropout in the blocks. Default: 0.
     pub dropout: f64,
-    /// How the model knows where tokens are. Default: learned.
+    /// How the model knows where tokens are. Default: sinusoidal (the best of the six on
+    /// the default task, see the README).
     pub positions: PositionKind,
 }
 
@@ -131,7 +132,7 @@ impl Default for ModelConfig {
             n_layers: 2,
             n_heads: 4,
             dropout: 0.0,
-            positions: PositionKind::Learned,
+            positions: PositionKind::Sinusoidal,
         }
     }
 }

@@ -149,7 +149,15 @@ fn positions_are_a_setting_and_longer_inputs_are_tested_when_the_model_reads_the
     // Learned positions end at the longest training sequence: no longer test.
     let learned = root.join("learned");
     let out = run(on_flex(TINY)
-        .args(["--epochs", "1", "--steps-per-epoch", "20", "--out"])
+        .args([
+            "--positions",
+            "learned",
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "20",
+        ])
+        .arg("--out")
         .arg(&learned));
     assert!(out.status.success());
     let s = summary(&learned);
@@ -171,6 +179,8 @@ fn packing_trains_the_decoder_only_model_and_is_refused_for_the_other() {
     let out = run(on_flex(TINY)
         .args([
             "--pack",
+            "--positions",
+            "learned",
             "--epochs",
             "2",
             "--steps-per-epoch",
@@ -636,6 +646,8 @@ fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
         "70",
     ])
     .args([
+        "--positions",
+        "learned",
         "--d-model",
         "32",
         "--epochs",
