@@ -238,6 +238,17 @@ fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
         false => prepare_new(args, &run, backend)?,
     };
     warn_if_software(backend, &device);
+    if let Some(width) = config.pack_width() {
+        let [padded, packed] =
+            crate::data::padding_shares(&config.task, config.seed, config.batch_size, width, 20);
+        println!(
+            "packing {} sequences per step into rows of {width} tokens: {:.0}% of the positions \
+             are padding, against {:.0}% in batches padded to their longest sequence",
+            config.batch_size,
+            100.0 * packed,
+            100.0 * padded
+        );
+    }
     if let Some([_, valid]) = config.task.split_sizes()
         && valid < 20
     {

@@ -193,6 +193,12 @@ fn packing_trains_the_decoder_only_model_and_is_refused_for_the_other() {
     assert!(s["token_accuracy"].as_f64().unwrap() > 0.6, "{s}");
     let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
     assert!(config.contains(r#""pack": true"#), "{config}");
+    // Sequences of 10 tokens, two to a row of 20: no padding, and none padded either.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("into rows of 20 tokens: 0% of the positions are padding, against 0%"),
+        "{stdout}"
+    );
     let other = root.join("encoder-decoder");
     let out = run(on_flex(TINY)
         .args(["--pack", "--model", "encoder-decoder", "--out"])
