@@ -72,18 +72,26 @@ fn decoded(
 fn decoding_attention_with_a_cache_gives_the_causal_forward() {
     for be in backends() {
         for (n, positions) in positions().into_iter().enumerate() {
-            for kv_heads in [HEADS, 1] {
-                let what = format!("[{}] {positions:?}, {kv_heads} key/value heads", be.name);
+            for (kv_heads, fixed) in [(HEADS, false), (1, false), (1, true)] {
+                let what = format!(
+                    "[{}] {positions:?}, {kv_heads} key/value heads, fixed reads {fixed}",
+                    be.name
+                );
                 let m = attention(positions.clone(), kv_heads, 10 + n as u64, &be.device);
                 let x = randn([2, 11, D_MODEL], 20 + n as u64, &be.device);
                 let want = m.forward(MhaInput::causal(x.clone())).context;
-                let mut cache = KvCache::new(11);
+                // Fixed reads: room for 16, every call reads all 16 slots.
+                let mut cache = match fixed {
+                    false => KvCache::new(11),
+                    true => KvCache::new(16).fixed_reads(),
+                };
                 let got = decoded(&x, &CALLS, |x| {
                     m.forward_cached(x, &mut cache, AttentionMask::none())
                         .unwrap()
                 });
                 assert_eq!(cache.len(), 11);
-                assert_eq!(cache.dims(), Some([2, kv_heads, 11, D_MODEL / HEADS]));
+                let slots = if fixed { 16 } else { 11 };
+                assert_eq!(cache.dims(), Some([2, kv_heads, slots, D_MODEL / HEADS]));
                 assert_close(&what, got, want, be.forward_tol());
             }
         }

@@ -37,6 +37,8 @@ pub struct KvCache {
     store: Option<Store>,
     /// Positions cached so far: the position of the next token.
     len: usize,
+    /// Every call reads all the slots (see [`KvCache::fixed_reads`]).
+    fixed: bool,
 }
 
 /// A cache's storage: keys and values `[B, Hkv, slots, Dh]`.
@@ -70,7 +72,18 @@ impl KvCache {
             ring: false,
             store: None,
             len: 0,
+            fixed: false,
         }
+    }
+
+    /// The same cache, each call attending to all `capacity` slots, those not yet written
+    /// blocked by the causal rule (aligned at [`CausalAlignment::Offset`]), so that every
+    /// call of one number of tokens has one shape: for GPU backends, which compile
+    /// kernels per shape. The outputs are the same; each step does the work of a full
+    /// cache. A sliding cache reads its ring as usual.
+    pub fn fixed_reads(mut self) -> Self {
+        self.fixed = !self.ring;
+        self
     }
 
     /// A cache for sliding-window attention: each position attends to at most the last
@@ -112,13 +125,14 @@ impl KvCache {
 
     /// The keys a call of `tokens` new tokens attends to, in order: the cached positions
     /// it can see (all of them; with a window `W`, the last `W - 1` at most), then the new
-    /// ones. A mask given with the call covers these keys.
+    /// ones (with [`fixed_reads`](Self::fixed_reads): every slot). A mask given with the
+    /// call covers these keys.
     pub fn keys_seen(&self, tokens: usize) -> usize {
-        let prior = match self.ring {
-            true => self.len.min(self.slots - 1),
-            false => self.len,
-        };
-        prior + tokens
+        match (self.ring, self.fixed) {
+            (true, _) => self.len.min(self.slots - 1) + tokens,
+            (false, true) => self.slots,
+            (false, false) => self.len + tokens,
+        }
     }
 
     /// The storage's shape, `[B, Hkv, slots, Dh]`, once allocated.
@@ -187,6 +201,15 @@ impl KvCache {
             keys: write_slots(store.keys, self.len, keys),
             values: write_slots(store.values, self.len, values),
         };
+        if self.fixed {
+            let alignment = CausalAlignment::Offset(self.len as i64);
+            let seen = Seen {
+                keys: store.keys.clone(),
+                values: store.values.clone(),
+                mask: AttentionMask::causal().aligned(alignment),
+            };
+            return (store, seen);
+        }
         let seen = Seen {
             keys: store.keys.clone().narrow(2, 0, self.len + tokens),
             values: store.values.clone().narrow(2, 0, self.len + tokens),

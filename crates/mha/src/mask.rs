@@ -61,6 +61,10 @@ pub enum CausalAlignment {
     BottomRight,
     /// Query `i` is at key `i`: PyTorch's `is_causal`.
     TopLeft,
+    /// Query `i` is at key `i + k`: queries that continue a sequence whose first `k`
+    /// positions are among the keys, with more keys after them (a decode cache read in
+    /// full, its unwritten slots blocked by the causal part).
+    Offset(i64),
 }
 
 /// The keys around its own position that a query sees: `before` keys before it and `after`
@@ -128,6 +132,7 @@ impl Rule {
         let offset = match self.alignment.unwrap_or_default() {
             CausalAlignment::BottomRight => keys as i64 - queries as i64,
             CausalAlignment::TopLeft => 0,
+            CausalAlignment::Offset(k) => k,
         };
         Visibility {
             queries,

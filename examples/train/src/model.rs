@@ -359,32 +359,19 @@ impl Model {
         SequenceOutput::new(loss, logits, None, targets)
     }
 
-    /// Greedy decoding; stops at EOS or after `max_output + 1` tokens. Returns each output
-    /// without EOS. Without `fixed`, with a key/value cache per layer: the prompts run
-    /// once, then each step runs only its new token (see [`generate_cached`](Self::generate_cached)).
-    /// With `fixed` (GPU backends, which compile kernels per shape), every step runs the
-    /// whole prefix at that one shape (see [`generate_recomputed`](Self::generate_recomputed)).
+    /// Greedy decoding with a key/value cache per layer; stops at EOS or after
+    /// `max_output + 1` tokens. Returns each output without EOS. Decoder-only: the prompts
+    /// `input SEP` are left-padded to the longest (each row's positions start at its first
+    /// real token, the padding is masked from every query), run once, then one token per
+    /// step. Encoder-decoder: the memory's keys and values are projected once per layer,
+    /// then one token per step. With `fixed` (GPU backends, which compile kernels per
+    /// shape), the prompts and the memory are padded to that shape and every step reads
+    /// the whole cache ([`KvCache::fixed_reads`]): one shape for every step.
     pub fn generate(
         &self,
         inputs: &[Vec<usize>],
         max_output: usize,
         fixed: Option<FixedShape>,
-        device: &Device,
-    ) -> Vec<Vec<usize>> {
-        match fixed {
-            None => self.generate_cached(inputs, max_output, device),
-            Some(_) => self.generate_recomputed(inputs, max_output, fixed, device),
-        }
-    }
-
-    /// Greedy decoding with a cache. Decoder-only: the prompts `input SEP` are left-padded
-    /// to the longest (each row's positions start at its first real token, the padding is
-    /// masked from every query), run once, then one token per step. Encoder-decoder: the
-    /// memory's keys and values are projected once per layer, then one token per step.
-    pub fn generate_cached(
-        &self,
-        inputs: &[Vec<usize>],
-        max_output: usize,
         device: &Device,
     ) -> Vec<Vec<usize>> {
         let batch = inputs.len();
@@ -394,6 +381,10 @@ impl Model {
             Tensor::<2, Int>::from_data(TensorData::new(data, [batch, width]), device)
         };
         let room = "the cache holds the prompt and every output token";
+        let cache = |capacity| match fixed {
+            None => KvCache::new(capacity),
+            Some(_) => KvCache::new(capacity).fixed_reads(),
+        };
         let mut outputs = vec![Vec::new(); batch];
         let mut done = vec![false; batch];
         // The next token of each row from logits `[B, 1, V]`; whether every row is done.
@@ -415,7 +406,8 @@ impl Model {
                     .iter()
                     .map(|i| i.iter().copied().chain([SEP]).collect())
                     .collect();
-                let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+                let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+                let width = fixed.map_or(longest, |f| longest.max(f.input + 1));
                 let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
                 let left_padded = prompts
                     .iter()
@@ -442,9 +434,10 @@ impl Model {
                 let embed = |tokens, positions: Vec<Vec<usize>>| {
                     m.embed.forward_at(ids(tokens), &positions)
                 };
-                let mut cache = m.blocks.cache(KvCache::new(width + max_output + 1));
+                let mut cache = m.blocks.cache(cache(width + max_output + 1));
                 let x = embed(left_padded, positions);
-                let h = m.blocks.forward_cached(x, &mut cache, &padding(width));
+                let keys = cache.layers()[0].keys_seen(width);
+                let h = m.blocks.forward_cached(x, &mut cache, &padding(keys));
                 let mut logits = m.head.forward(h.expect(room).narrow(1, width - 1, 1));
                 for step in 0..=max_output {
                     let (next, all_done) = pick(logits);
@@ -453,7 +446,7 @@ impl Model {
                     }
                     let tokens = next.into_iter().map(|t| vec![t]).collect();
                     let positions = prompts.iter().map(|p| vec![p.len() + step]).collect();
-                    let keys = cache.len() + 1;
+                    let keys = cache.layers()[0].keys_seen(1);
                     let h = m.blocks.forward_cached(
                         embed(tokens, positions),
                         &mut cache,
@@ -464,8 +457,9 @@ impl Model {
             }
             Model::EncoderDecoder(m) => {
                 let lengths: Vec<usize> = inputs.iter().map(Vec::len).collect();
-                let (memory, padding) = m.encode(padded(inputs, None, device), &lengths);
-                let mut cache = m.decoder.cache(memory, KvCache::new(max_output + 1));
+                let source = padded(inputs, fixed.map(|f| f.input), device);
+                let (memory, padding) = m.encode(source, &lengths);
+                let mut cache = m.decoder.cache(memory, cache(max_output + 1));
                 let mut tokens = vec![vec![SEP]; batch];
                 for step in 0..=max_output {
                     let position = vec![vec![step]; batch];
@@ -482,8 +476,8 @@ impl Model {
         outputs
     }
 
-    /// Greedy decoding that runs the whole prefix at every step (what [`generate`](Self::generate)
-    /// does with `fixed`). Inputs may differ in length: rows are right-padded, which neither
+    /// Greedy decoding that runs the whole prefix at every step, without a cache (the
+    /// reference [`generate`](Self::generate) is tested against). Inputs may differ in length: rows are right-padded, which neither
     /// the causal self-attention nor the padded cross-attention lets a real position see.
     /// With `fixed`, every forward pass has that one shape; without, each step reads the
     /// shortest width that fits.
@@ -663,9 +657,15 @@ mod tests {
                     .find(|(_, cached)| cached.iter().any(|o| o.len() == task.max_output() + 1))
                     .unwrap_or_else(|| panic!("{what}: no seed gives a long output"));
                 let padded = model.generate(&inputs, task.max_output(), Some(fixed), &device);
-                assert_eq!(cached, padded, "{what}: generate");
+                assert_eq!(cached, padded, "{what}: generate with fixed reads");
                 let free = model.generate_recomputed(&inputs, task.max_output(), None, &device);
-                assert_eq!(cached, free, "{what}: generate");
+                assert_eq!(cached, free, "{what}: generate without a cache");
+                let whole = |f| model.generate_recomputed(&inputs, task.max_output(), f, &device);
+                assert_eq!(
+                    cached,
+                    whole(Some(fixed)),
+                    "{what}: without a cache, padded"
+                );
                 let loss = |fixed| {
                     use burn::data::dataloader::batcher::Batcher;
                     let batch = crate::data::SeqBatcher { fixed, pack: None }
