@@ -18,27 +18,40 @@ const HEADS: usize = 8;
 pub const CONTEXTS: [usize; 3] = [128, 512, 2048];
 pub const BATCHES: [usize; 2] = [1, 8];
 
-/// A record of the decoding benchmark: one new token after `context - 1` positions.
-fn decode_record(
+/// A record of `tokens` tokens per run over `context` positions in batches of `batch`:
+/// a decoding step (`decode-step`, one token per row) or a window measurement.
+fn record(
     backend: Backend,
-    subject: &'static str,
-    batch: usize,
-    context: usize,
+    (subject, pass): (&'static str, &'static str),
+    [batch, context, tokens]: [usize; 3],
     (ms, runs): (f64, usize),
+    peak_mib: Option<f64>,
 ) -> Record {
     Record {
         backend: backend.name(),
         shape: None,
         subject,
-        pass: "decode-step",
+        pass,
         median_ms: ms,
         runs,
         gflops: None,
-        tokens_per_second: Some(batch as f64 / ms * 1e3),
+        tokens_per_second: Some(tokens as f64 / ms * 1e3),
         batch: Some(batch),
         context: Some(context),
-        peak_mib: None,
+        peak_mib,
     }
+}
+
+/// A record of one decoding step after `context - 1` positions.
+fn decode_record(
+    backend: Backend,
+    subject: &'static str,
+    batch: usize,
+    context: usize,
+    ms: (f64, usize),
+) -> Record {
+    let what = (subject, "decode-step");
+    record(backend, what, [batch, context, batch], ms, None)
 }
 
 /// One token at position `context - 1` of causal self-attention (`D_MODEL` wide,
@@ -141,19 +154,8 @@ pub fn bench_window(
                 drop(out.context.sum().backward());
             })?;
             let peak_mib = before.and_then(|before| Some(peak::read()? - before));
-            out.push(Record {
-                backend: backend.name(),
-                shape: None,
-                subject,
-                pass: "forward+backward",
-                median_ms: ms.0,
-                runs: ms.1,
-                gflops: None,
-                tokens_per_second: Some(len as f64 / ms.0 * 1e3),
-                batch: Some(1),
-                context: Some(len),
-                peak_mib,
-            });
+            let what = (subject, "forward+backward");
+            out.push(record(backend, what, [1, len, len], ms, peak_mib));
         }
     }
     Ok(())

@@ -422,8 +422,14 @@ impl Model {
                     .iter()
                     .map(|&n| (0..width).map(|t| t.saturating_sub(n)).collect())
                     .collect();
-                // Keys `0..pads[b]` of row `b` are padding, over every key a call sees.
+                // Keys `0..pads[b]` of row `b` are padding, over every key a call sees;
+                // no mask at all when the prompts have one length (the evaluation groups
+                // them so).
+                let padded_rows = pads.iter().any(|&n| n > 0);
                 let padding = |keys: usize| {
+                    if !padded_rows {
+                        return AttentionMask::none();
+                    }
                     let blocked: Vec<bool> = pads
                         .iter()
                         .flat_map(|&n| (0..keys).map(move |j| j < n))
