@@ -17,3 +17,5 @@ mod paths;
 mod cache;
 // Bad configurations, shapes and weight files give errors naming what is wrong.
 mod errors;
+// Head statistics, head masks, importance, pruning, attention maps.
+mod analysis;

@@ -9,6 +9,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
+use crate::analysis::{Heads, Inspect, Inspected};
 use crate::attention::AttentionWeights;
 use crate::cache::{KvCache, MemoryKv};
 use crate::error::{CacheError, Check, ConfigError};
@@ -334,7 +335,29 @@ impl EncoderBlock {
     /// # Panics
     /// If `x` is not `[B, T, d_model]` or the mask does not broadcast.
     pub fn forward(&self, x: Tensor<3>, mask: &AttentionMask) -> Tensor<3> {
-        self.run(x, mask, AttentionWeights::None).0
+        self.run(x, mask, AttentionWeights::None, None).0
+    }
+
+    /// [`forward`](Self::forward) with a head mask (one attention layer) and the weights
+    /// when asked for (see [`Inspect`]).
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), and if the head mask is not one layer of `H` heads.
+    pub fn forward_inspect(
+        &self,
+        x: Tensor<3>,
+        mask: &AttentionMask,
+        inspect: &Inspect,
+    ) -> Inspected {
+        let head = inspect.head_mask.as_ref().map(|m| {
+            m.check("EncoderBlock", &self.head_counts());
+            m.layer(0).clone()
+        });
+        let (output, weights) = self.run(x, mask, wanted(inspect), head);
+        Inspected {
+            output,
+            weights: weights.into_iter().collect(),
+        }
     }
 
     /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]` of a causal
@@ -373,7 +396,7 @@ impl EncoderBlock {
         x: Tensor<3>,
         mask: &AttentionMask,
     ) -> (Tensor<3>, Tensor<4>) {
-        let (y, weights) = self.run(x, mask, AttentionWeights::PerHead);
+        let (y, weights) = self.run(x, mask, AttentionWeights::PerHead, None);
         (y, weights.expect("weights were asked for"))
     }
 
@@ -382,6 +405,7 @@ impl EncoderBlock {
         x: Tensor<3>,
         mask: &AttentionMask,
         weights: AttentionWeights,
+        head_mask: Option<Tensor<1>>,
     ) -> (Tensor<3>, Option<Tensor<4>>) {
         let mask = match self.causal {
             true => mask.clone().and(AttentionMask::causal()),
@@ -389,9 +413,8 @@ impl EncoderBlock {
         };
         let mut attn_weights = None;
         let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
-            let out = self
-                .self_attn
-                .forward(MhaInput::self_attn(h).mask(mask).weights(weights));
+            let input = MhaInput::self_attn(h).mask(mask).weights(weights);
+            let out = self.self_attn.forward(with_head_mask(input, head_mask));
             attn_weights = out.weights;
             out.context
         });
@@ -444,8 +467,51 @@ impl DecoderBlock {
         self_mask: &AttentionMask,
         memory_mask: &AttentionMask,
     ) -> Tensor<3> {
-        self.run(x, memory, self_mask, memory_mask, AttentionWeights::None)
-            .0
+        let none = AttentionWeights::None;
+        self.run(
+            x,
+            memory,
+            [self_mask, memory_mask],
+            [none, none],
+            [None, None],
+        )
+        .0
+    }
+
+    /// [`forward`](Self::forward) with a head mask (two attention layers: the
+    /// self-attention, then the cross-attention) and both attentions' weights when asked
+    /// for (see [`Inspect`]).
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), and if the head mask does not have the block's two
+    /// attention layers.
+    pub fn forward_inspect(
+        &self,
+        x: Tensor<3>,
+        memory: Tensor<3>,
+        self_mask: &AttentionMask,
+        memory_mask: &AttentionMask,
+        inspect: &Inspect,
+    ) -> Inspected {
+        let heads = match &inspect.head_mask {
+            Some(m) => {
+                m.check("DecoderBlock", &self.head_counts());
+                [Some(m.layer(0).clone()), Some(m.layer(1).clone())]
+            }
+            None => [None, None],
+        };
+        let weights = wanted(inspect);
+        let (output, [self_w, cross_w]) = self.run(
+            x,
+            memory,
+            [self_mask, memory_mask],
+            [weights, weights],
+            heads,
+        );
+        Inspected {
+            output,
+            weights: self_w.into_iter().chain(cross_w).collect(),
+        }
     }
 
     /// The cross-attention's keys and values of `memory` `[B, Tk, d_model]`, computed once
@@ -493,36 +559,56 @@ impl DecoderBlock {
         self_mask: &AttentionMask,
         memory_mask: &AttentionMask,
     ) -> (Tensor<3>, Tensor<4>) {
-        let (y, weights) = self.run(x, memory, self_mask, memory_mask, AttentionWeights::PerHead);
-        (y, weights.expect("weights were asked for"))
+        let masks = [self_mask, memory_mask];
+        let weights = [AttentionWeights::None, AttentionWeights::PerHead];
+        let (y, [_, cross]) = self.run(x, memory, masks, weights, [None, None]);
+        (y, cross.expect("weights were asked for"))
     }
 
+    /// The block, with the weights of its self- and cross-attention when asked for and
+    /// each one's head mask.
     fn run(
         &self,
         x: Tensor<3>,
         memory: Tensor<3>,
-        self_mask: &AttentionMask,
-        memory_mask: &AttentionMask,
-        weights: AttentionWeights,
-    ) -> (Tensor<3>, Option<Tensor<4>>) {
+        [self_mask, memory_mask]: [&AttentionMask; 2],
+        [self_weights, cross_weights]: [AttentionWeights; 2],
+        [self_heads, cross_heads]: [Option<Tensor<1>>; 2],
+    ) -> (Tensor<3>, [Option<Tensor<4>>; 2]) {
         let self_mask = self_mask.clone().and(AttentionMask::causal());
+        let mut weights = [None, None];
         let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
-            self.self_attn
-                .forward(MhaInput::self_attn(h).mask(self_mask))
-                .context
+            let input = MhaInput::self_attn(h).mask(self_mask).weights(self_weights);
+            let out = self.self_attn.forward(with_head_mask(input, self_heads));
+            weights[0] = out.weights;
+            out.context
         });
-        let mut cross_weights = None;
         let x = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
             let input = MhaInput::cross(h, memory)
                 .mask(memory_mask.clone())
-                .weights(weights);
-            let out = self.cross_attn.forward(input);
-            cross_weights = out.weights;
+                .weights(cross_weights);
+            let out = self.cross_attn.forward(with_head_mask(input, cross_heads));
+            weights[1] = out.weights;
             out.context
         });
         let y = residual(x, &self.norm3, &self.dropout3, self.norm_first, |h| {
             self.feed_forward.forward(h)
         });
-        (y, cross_weights)
+        (y, weights)
+    }
+}
+
+/// The weights an [`Inspect`] asks for.
+fn wanted(inspect: &Inspect) -> AttentionWeights {
+    match inspect.weights {
+        true => AttentionWeights::PerHead,
+        false => AttentionWeights::None,
+    }
+}
+
+fn with_head_mask(input: MhaInput, head_mask: Option<Tensor<1>>) -> MhaInput {
+    match head_mask {
+        Some(mask) => input.head_mask(mask),
+        None => input,
     }
 }

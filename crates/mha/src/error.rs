@@ -1,4 +1,4 @@
-//! Errors a user can cause: through a configuration, or through a decode cache.
+//! Errors a user can cause: through a configuration, a decode cache or a pruning plan.
 
 use core::fmt;
 
@@ -170,3 +170,78 @@ impl fmt::Display for CacheError {
 }
 
 impl std::error::Error for CacheError {}
+
+/// A [`PrunePlan`](crate::analysis::PrunePlan) did not fit the module it was applied to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PruneError {
+    /// The plan has another number of attention layers than the module.
+    Layers {
+        /// The module, e.g. `Encoder`.
+        module: &'static str,
+        /// The module's attention layers.
+        layers: usize,
+        /// The plan's.
+        plan: usize,
+    },
+    /// The plan names a head the layer does not have.
+    Head {
+        /// The attention layer.
+        layer: usize,
+        /// The head named.
+        head: usize,
+        /// The layer's heads.
+        heads: usize,
+    },
+    /// The plan removes every head of a layer.
+    Empty {
+        /// The attention layer.
+        layer: usize,
+        /// Its heads.
+        heads: usize,
+    },
+}
+
+impl PruneError {
+    /// The same error, its layer counted `offset` layers further (the layer's place in a
+    /// stack rather than in its block).
+    pub(crate) fn at_layer(self, offset: usize) -> Self {
+        match self {
+            PruneError::Head { layer, head, heads } => PruneError::Head {
+                layer: layer + offset,
+                head,
+                heads,
+            },
+            PruneError::Empty { layer, heads } => PruneError::Empty {
+                layer: layer + offset,
+                heads,
+            },
+            other => other,
+        }
+    }
+}
+
+impl fmt::Display for PruneError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PruneError::Layers {
+                module,
+                layers,
+                plan,
+            } => write!(
+                f,
+                "prune: the plan has {plan} attention layers, the {module} {layers}"
+            ),
+            PruneError::Head { layer, head, heads } => write!(
+                f,
+                "prune: attention layer {layer} has heads 0..{heads}, the plan removes head {head}"
+            ),
+            PruneError::Empty { layer, heads } => write!(
+                f,
+                "prune: the plan removes all {heads} heads of attention layer {layer}; keep at \
+                 least one"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for PruneError {}

@@ -32,10 +32,17 @@
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
-//! | [`error`] | [`ConfigError`], [`CacheError`] |
+//! | [`analysis`] | looking inside: head masks and the weights of every layer, head statistics, importance, pruning |
+//! | [`analysis::inspect`] | [`HeadMask`], [`Inspect`]: what a forward can be asked beyond its output |
+//! | [`analysis::stats`] | [`HeadReport`]: entropy, distance, strongest link, same/previous/first shares per head |
+//! | [`analysis::importance`] | [`HeadImportance`]: by ablation and by the head mask's gradient |
+//! | [`analysis::prune`] | [`Heads`], [`PrunePlan`]: smaller modules equal to the masked ones |
+//! | `analysis::maps` (feature `plot`) | heatmaps of the weights, PNG and SVG |
+//! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`] |
 //!
-//! Dependencies flow one way: the modules users import, then `attention`, then `cpu`,
-//! then `mask`.
+//! Dependencies flow one way: `analysis`'s importance and pruning, then the modules users
+//! import, then `attention`, then `cpu`, then `mask`; the head mask
+//! (`analysis::inspect`) is a leaf the modules read.
 //!
 //! Conventions: shapes are batch-first (`[B, T, d_model]`); masks are `true = blocked`
 //! unless the constructor says otherwise; configurations have `try_init` (a `Result`)
@@ -43,6 +50,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+pub mod analysis;
 pub mod attention;
 pub mod block;
 pub mod cache;
@@ -55,13 +63,14 @@ pub mod positions;
 pub mod pytorch;
 pub mod stack;
 
+pub use analysis::{HeadImportance, HeadMask, HeadReport, Heads, Inspect, Inspected, PrunePlan};
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 pub use block::{
     DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig, FeedForward,
     FeedForwardActivation,
 };
 pub use cache::{KvCache, MemoryKv, StackCache};
-pub use error::{CacheError, ConfigError};
+pub use error::{CacheError, ConfigError, PruneError};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};

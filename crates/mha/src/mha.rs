@@ -9,6 +9,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor, module::linear};
 
+use crate::analysis::PrunedFrom;
 use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 use crate::cache::{KvCache, MemoryKv};
 use crate::error::{CacheError, Check, ConfigError};
@@ -110,6 +111,10 @@ pub struct MultiHeadAttention {
     /// The learned relative bias of each head and bucket, `[H, buckets]`, for
     /// [`Positions::Relative`] and [`Positions::T5`].
     pub position_table: Option<Param<Tensor<2>>>,
+    /// For a module made by [`Heads::prune`](crate::analysis::Heads::prune), where its
+    /// heads came from; `None` otherwise.
+    #[module(skip)]
+    pub pruned_from: Option<PrunedFrom>,
 }
 
 /// Where keys and values come from.
@@ -133,6 +138,7 @@ pub struct MhaInput {
     source: Source,
     mask: AttentionMask,
     weights: AttentionWeights,
+    head_mask: Option<Tensor<1>>,
 }
 
 impl MhaInput {
@@ -143,6 +149,7 @@ impl MhaInput {
             source: Source::SelfAttention,
             mask: AttentionMask::none(),
             weights: AttentionWeights::None,
+            head_mask: None,
         }
     }
 
@@ -178,6 +185,15 @@ impl MhaInput {
     /// Asks for the attention weights.
     pub fn weights(mut self, weights: AttentionWeights) -> Self {
         self.weights = weights;
+        self
+    }
+
+    /// Multiplies each head's output by its weight in `mask` `[H]` before the heads are
+    /// merged: 1 keeps a head, 0 drops it (see [`HeadMask`](crate::analysis::HeadMask)).
+    /// The gradient flows to `mask` when it requires one. The returned weights are the
+    /// softmax's, unchanged by the mask.
+    pub fn head_mask(mut self, mask: Tensor<1>) -> Self {
+        self.head_mask = Some(mask);
         self
     }
 }
@@ -275,6 +291,7 @@ impl MultiHeadAttentionConfig {
                 .positions
                 .buckets()
                 .map(|buckets| Initializer::Zeros.init([self.n_heads, buckets.len()], device)),
+            pruned_from: None,
         })
     }
 
@@ -316,7 +333,16 @@ impl MultiHeadAttention {
             source,
             mask,
             weights,
+            head_mask,
         } = input;
+        if let Some(head_mask) = &head_mask {
+            let heads = head_mask.dims()[0];
+            assert_eq!(
+                heads, self.n_heads,
+                "MultiHeadAttention: the head mask has {heads} weights for {} heads",
+                self.n_heads
+            );
+        }
         let self_attention = matches!(source, Source::SelfAttention);
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
@@ -328,7 +354,7 @@ impl MultiHeadAttention {
         };
         let training = self.dropout.training.is_enabled() && q.device().is_autodiff();
         let dropout = if training { self.dropout.prob } else { 0.0 };
-        self.attend([q, k, v], &mask, weights, dropout)
+        self.attend([q, k, v], &mask, weights, dropout, head_mask)
     }
 
     /// Causal self-attention of the next tokens `x` `[B, T, d_model]` with `cache`, which
@@ -373,6 +399,7 @@ impl MultiHeadAttention {
             &mask,
             AttentionWeights::None,
             0.0,
+            None,
         );
         Ok(out.context)
     }
@@ -414,18 +441,20 @@ impl MultiHeadAttention {
         let q = self.project_q(x);
         let q = self.split_heads(q, self.n_heads);
         let (k, v) = (memory.keys.clone(), memory.values.clone());
-        self.attend([q, k, v], &mask, AttentionWeights::None, 0.0)
+        self.attend([q, k, v], &mask, AttentionWeights::None, 0.0, None)
             .context
     }
 
-    /// Attention of the heads `q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, heads
-    /// merged and projected out.
+    /// Attention of the heads `q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, each
+    /// head's output scaled by its weight in `head_mask` `[H]`, heads merged and projected
+    /// out.
     fn attend(
         &self,
         [q, k, v]: [Tensor<4>; 3],
         mask: &AttentionMask,
         weights: AttentionWeights,
         dropout: f64,
+        head_mask: Option<Tensor<1>>,
     ) -> MhaOutput {
         let [batch, _, queries, _] = q.dims();
         let options = SdpaOptions {
@@ -435,8 +464,15 @@ impl MultiHeadAttention {
             softcap: self.softcap,
         };
         let out = scaled_dot_product_attention(q, k, v, mask, options);
+        let context = match head_mask {
+            Some(m) => {
+                let m = m.cast(out.context.dtype()).reshape([1, self.n_heads, 1, 1]);
+                out.context * m // [B, H, Tq, Dh]
+            }
+            None => out.context,
+        };
         let context =
-            out.context
+            context
                 .swap_dims(1, 2)
                 .reshape([batch, queries, self.n_heads * self.head_dim]); // [B, Tq, H·Dh]
         MhaOutput {
@@ -575,7 +611,13 @@ impl MultiHeadAttention {
                 (q, k, mask)
             }
             Positions::Alibi => {
-                let slopes = alibi_slopes(self.n_heads);
+                let slopes = match &self.pruned_from {
+                    Some(from) => {
+                        let all = alibi_slopes(from.heads);
+                        from.kept.iter().map(|&h| all[h]).collect()
+                    }
+                    None => alibi_slopes(self.n_heads),
+                };
                 let bias = AttentionMask::position_bias(PositionBias::Alibi { slopes });
                 (q, k, mask.and(bias))
             }

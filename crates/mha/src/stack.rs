@@ -7,6 +7,7 @@ use burn::module::Module;
 use burn::nn::LayerNorm;
 use burn::tensor::{Device, Tensor};
 
+use crate::analysis::{Heads, Inspect, Inspected};
 use crate::block::{DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig};
 use crate::cache::{KvCache, StackCache};
 use crate::error::{CacheError, Check, ConfigError};
@@ -266,6 +267,34 @@ impl Encoder {
         Ok(norm(&self.norm, x))
     }
 
+    /// [`forward`](Self::forward) with a head mask (one attention layer per block) and
+    /// every block's weights when asked for (see [`Inspect`]).
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), and if the head mask's heads per attention layer
+    /// are not the stack's ([`Heads::head_counts`]).
+    pub fn forward_inspect(
+        &self,
+        x: Tensor<3>,
+        mask: &AttentionMask,
+        inspect: &Inspect,
+    ) -> Inspected {
+        if let Some(m) = &inspect.head_mask {
+            m.check("Encoder", &self.head_counts());
+        }
+        let mut x = positioned(&self.positions, x, 0);
+        let mut weights = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let out = layer.forward_inspect(x, mask, &inspect.slice(i, 1));
+            weights.extend(out.weights);
+            x = out.output;
+        }
+        Inspected {
+            output: norm(&self.norm, x),
+            weights,
+        }
+    }
+
     /// [`forward`](Self::forward), also returning each block's self-attention weights
     /// `[B, H, T, T]`, first block first.
     pub fn forward_with_weights(
@@ -358,6 +387,38 @@ impl Decoder {
             x = layer.forward_cached(x, memory, cache, memory_mask)?;
         }
         Ok(norm(&self.norm, x))
+    }
+
+    /// [`forward`](Self::forward) with a head mask (two attention layers per block: its
+    /// self-attention, then its cross-attention) and their weights when asked for (see
+    /// [`Inspect`]).
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), and if the head mask's heads per attention layer
+    /// are not the stack's ([`Heads::head_counts`]).
+    pub fn forward_inspect(
+        &self,
+        x: Tensor<3>,
+        memory: Tensor<3>,
+        self_mask: &AttentionMask,
+        memory_mask: &AttentionMask,
+        inspect: &Inspect,
+    ) -> Inspected {
+        if let Some(m) = &inspect.head_mask {
+            m.check("Decoder", &self.head_counts());
+        }
+        let mut x = positioned(&self.positions, x, 0);
+        let mut weights = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let part = inspect.slice(2 * i, 2);
+            let out = layer.forward_inspect(x, memory.clone(), self_mask, memory_mask, &part);
+            weights.extend(out.weights);
+            x = out.output;
+        }
+        Inspected {
+            output: norm(&self.norm, x),
+            weights,
+        }
     }
 
     /// [`forward`](Self::forward), also returning each block's cross-attention weights

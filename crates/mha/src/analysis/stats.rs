@@ -1,0 +1,280 @@
+//! What each head does, from its attention weights: how spread its weight is (entropy),
+//! how far it looks, its strongest query-to-key link, and how much of its weight goes to
+//! the same position, the previous one and the first token. [`HeadReport`] prints as an
+//! aligned table and serialises to JSON.
+
+use core::fmt;
+
+use burn::tensor::{Bool, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::mask::AttentionMask;
+
+/// One query-to-key link and its weight.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    /// The query position.
+    pub query: usize,
+    /// The key position.
+    pub key: usize,
+    /// Its weight, averaged over the rows of the batch that have it.
+    pub weight: f64,
+}
+
+/// The statistics of one head, averaged over the query rows of a batch that count: rows
+/// past a sequence's length (padding) and rows whose keys are all blocked are left out.
+/// Positions are counted from the start of each sequence, queries' and keys' alike.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HeadStats {
+    /// The head.
+    pub head: usize,
+    /// The query rows averaged.
+    pub rows: usize,
+    /// Mean entropy of a row's weights, in nats: `-Σ p ln p`.
+    pub entropy: f64,
+    /// Mean entropy divided by the log of the row's visible keys: 0 for a head that puts
+    /// all its weight on one key, 1 for one that spreads it evenly (rows that see a single
+    /// key count as 0).
+    pub normalized_entropy: f64,
+    /// Mean attention distance, in positions: `Σ p |key - query|`.
+    pub distance: f64,
+    /// The link with the largest mean weight, among the rows that see more than one key
+    /// (a row that sees one key gives it all its weight, learned or not).
+    pub strongest: Option<Link>,
+    /// Mean share of the weight on the query's own position.
+    pub same: f64,
+    /// Mean share of the weight on the position before the query's (rows at position 0,
+    /// which have none, are left out of this mean).
+    pub previous: f64,
+    /// Mean share of the weight on the first token.
+    pub first: f64,
+}
+
+/// The statistics of every head of one attention layer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerStats {
+    /// The layer's name, as the report prints it (`"layer 0 self"`, say).
+    pub name: String,
+    /// One entry per head, in order.
+    pub heads: Vec<HeadStats>,
+}
+
+impl LayerStats {
+    /// The statistics of the weights `[B, H, Tq, Tk]` one attention layer computed under
+    /// `mask` (what blocked keys: padding, the causal rule...), over the first
+    /// `query_lengths[b]` query rows of batch row `b` (all rows when `None`).
+    ///
+    /// # Panics
+    /// If `query_lengths` does not have `B` entries, or the mask does not broadcast to
+    /// the weights.
+    pub fn from_weights(
+        name: impl Into<String>,
+        weights: Tensor<4>,
+        mask: &AttentionMask,
+        query_lengths: Option<&[usize]>,
+    ) -> Self {
+        let dims = weights.dims();
+        let [batch, heads, queries, keys] = dims;
+        if let Some(lengths) = query_lengths {
+            assert_eq!(
+                lengths.len(),
+                batch,
+                "LayerStats::from_weights: {} query lengths for a batch of {batch}",
+                lengths.len()
+            );
+        }
+        let blocked: Option<Vec<bool>> =
+            mask.to_blocked(queries, keys, &weights.device())
+                .map(|b: Tensor<4, Bool>| {
+                    // Read as integers: backends store booleans as bytes or as u32.
+                    b.expand(dims)
+                        .int()
+                        .into_data()
+                        .convert::<i64>()
+                        .try_into_vec::<i64>()
+                        .expect("an integer tensor converts to i64")
+                        .into_iter()
+                        .map(|x| x != 0)
+                        .collect()
+                });
+        let w: Vec<f32> = weights
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("a float tensor converts to f32");
+        let mut stats = Vec::with_capacity(heads);
+        for h in 0..heads {
+            let mut acc = Accumulator::new(queries, keys);
+            for b in 0..batch {
+                let rows = query_lengths.map_or(queries, |l| l[b].min(queries));
+                for q in 0..rows {
+                    let at = ((b * heads + h) * queries + q) * keys;
+                    let visible = match &blocked {
+                        Some(blocked) => blocked[at..at + keys].iter().filter(|&&x| !x).count(),
+                        None => keys,
+                    };
+                    if visible > 0 {
+                        acc.row(q, &w[at..at + keys], visible);
+                    }
+                }
+            }
+            stats.push(acc.finish(h));
+        }
+        Self {
+            name: name.into(),
+            heads: stats,
+        }
+    }
+}
+
+/// Sums over the rows of one head.
+struct Accumulator {
+    keys: usize,
+    rows: usize,
+    entropy: f64,
+    normalized: f64,
+    distance: f64,
+    same: f64,
+    previous: f64,
+    previous_rows: usize,
+    first: f64,
+    /// Per link: sum of weights, rows.
+    links: Vec<(f64, usize)>,
+}
+
+impl Accumulator {
+    fn new(queries: usize, keys: usize) -> Self {
+        Self {
+            keys,
+            rows: 0,
+            entropy: 0.0,
+            normalized: 0.0,
+            distance: 0.0,
+            same: 0.0,
+            previous: 0.0,
+            previous_rows: 0,
+            first: 0.0,
+            links: vec![(0.0, 0); queries * keys],
+        }
+    }
+
+    fn row(&mut self, q: usize, weights: &[f32], visible: usize) {
+        let mut entropy = 0.0;
+        let mut distance = 0.0;
+        for (k, &p) in weights.iter().enumerate() {
+            let p = p as f64;
+            if p > 0.0 {
+                entropy -= p * p.ln();
+            }
+            distance += p * k.abs_diff(q) as f64;
+            if visible > 1 {
+                let link = &mut self.links[q * self.keys + k];
+                link.0 += p;
+                link.1 += 1;
+            }
+        }
+        self.rows += 1;
+        self.entropy += entropy;
+        if visible > 1 {
+            self.normalized += entropy / (visible as f64).ln();
+        }
+        self.distance += distance;
+        self.same += weights.get(q).map_or(0.0, |&p| p as f64);
+        if q >= 1 && q - 1 < self.keys {
+            self.previous += weights[q - 1] as f64;
+            self.previous_rows += 1;
+        }
+        self.first += weights.first().map_or(0.0, |&p| p as f64);
+    }
+
+    fn finish(self, head: usize) -> HeadStats {
+        let mean = |sum: f64, n: usize| if n == 0 { 0.0 } else { sum / n as f64 };
+        let strongest = self
+            .links
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, n))| *n > 0)
+            .map(|(i, &(sum, n))| Link {
+                query: i / self.keys,
+                key: i % self.keys,
+                weight: sum / n as f64,
+            })
+            .fold(None, |best: Option<Link>, link| match best {
+                Some(b) if b.weight >= link.weight => Some(b),
+                _ => Some(link),
+            });
+        HeadStats {
+            head,
+            rows: self.rows,
+            entropy: mean(self.entropy, self.rows),
+            normalized_entropy: mean(self.normalized, self.rows),
+            distance: mean(self.distance, self.rows),
+            strongest,
+            same: mean(self.same, self.rows),
+            previous: mean(self.previous, self.previous_rows),
+            first: mean(self.first, self.rows),
+        }
+    }
+}
+
+/// The statistics of every head of a module, layer by layer. `Display` prints an aligned
+/// table; `serde` writes JSON.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HeadReport {
+    /// One entry per attention layer.
+    pub layers: Vec<LayerStats>,
+}
+
+impl HeadReport {
+    /// A report of `layers`.
+    pub fn new(layers: Vec<LayerStats>) -> Self {
+        Self { layers }
+    }
+}
+
+impl fmt::Display for HeadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let width = self
+            .layers
+            .iter()
+            .map(|l| l.name.len())
+            .chain([5])
+            .max()
+            .unwrap_or(5);
+        writeln!(
+            f,
+            "{:<width$}  {:>4}  {:>7}  {:>7}  {:>8}  {:>17}  {:>5}  {:>5}  {:>5}",
+            "layer",
+            "head",
+            "entropy",
+            "/ln(k)",
+            "distance",
+            "strongest q->k",
+            "same",
+            "prev",
+            "first"
+        )?;
+        for layer in &self.layers {
+            for h in &layer.heads {
+                let strongest = match h.strongest {
+                    Some(l) => format!("{:>3}->{:<3} ({:.2})", l.query, l.key, l.weight),
+                    None => "-".into(),
+                };
+                writeln!(
+                    f,
+                    "{:<width$}  {:>4}  {:>7.3}  {:>7.3}  {:>8.2}  {:>17}  {:>5.2}  {:>5.2}  {:>5.2}",
+                    layer.name,
+                    h.head,
+                    h.entropy,
+                    h.normalized_entropy,
+                    h.distance,
+                    strongest,
+                    h.same,
+                    h.previous,
+                    h.first
+                )?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,753 @@
+//! Looking inside: head statistics against values computed by hand, head masks that
+//! change nothing when they keep every head, pruned modules equal to masked ones (values
+//! and gradients, GQA, positions, blocks and stacks, saved and loaded), importance that
+//! finds the head a test makes decisive, and attention maps that draw what they are given.
+
+use burn::module::{Module, Param};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+use mha::analysis::{HeadImportance, HeadMask, HeadReport, Heads, Inspect, LayerStats, PrunePlan};
+use mha::{
+    AttentionMask, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig, MhaInput,
+    MultiHeadAttention, MultiHeadAttentionConfig, Positions, PruneError,
+};
+
+use crate::util::{Backend, assert_close, backends, randn};
+
+fn close(what: &str, got: f64, want: f64) {
+    assert!((got - want).abs() < 1e-6, "{what}: got {got}, want {want}");
+}
+
+/// `[1, 4, 4, 4]` weights of four heads over four causal positions: uniform over the
+/// visible keys, all on the first token, all on the same position, all on the previous
+/// one (the first row on itself).
+fn fixed_weights() -> Vec<f32> {
+    let mut w = vec![0.0f32; 4 * 16];
+    for q in 0..4 {
+        for k in 0..=q {
+            w[q * 4 + k] = 1.0 / (q + 1) as f32;
+        }
+        w[16 + q * 4] = 1.0;
+        w[32 + q * 4 + q] = 1.0;
+        w[48 + q * 4 + q.saturating_sub(1)] = 1.0;
+    }
+    w
+}
+
+#[test]
+fn head_statistics_match_values_computed_by_hand() {
+    for be in backends() {
+        let weights =
+            Tensor::<4>::from_data(TensorData::new(fixed_weights(), [1, 4, 4, 4]), &be.device);
+        let stats = LayerStats::from_weights("layer 0", weights, &AttentionMask::causal(), None);
+        let [uniform, first, same, previous] = &stats.heads[..] else {
+            panic!("four heads");
+        };
+        let name = |h: &str, s: &str| format!("[{}] {h} head, {s}", be.name);
+        let harmonic = (1.0 + 1.0 / 2.0 + 1.0 / 3.0 + 1.0 / 4.0) / 4.0;
+        close(
+            &name("uniform", "entropy"),
+            uniform.entropy,
+            (2f64.ln() + 3f64.ln() + 4f64.ln()) / 4.0,
+        );
+        // Row 0 sees one key and counts as 0; the others are exactly 1.
+        close(
+            &name("uniform", "normalised"),
+            uniform.normalized_entropy,
+            0.75,
+        );
+        close(
+            &name("uniform", "distance"),
+            uniform.distance,
+            (0.0 + 0.5 + 1.0 + 1.5) / 4.0,
+        );
+        close(&name("uniform", "same"), uniform.same, harmonic);
+        close(
+            &name("uniform", "previous"),
+            uniform.previous,
+            (1.0 / 2.0 + 1.0 / 3.0 + 1.0 / 4.0) / 3.0,
+        );
+        close(&name("uniform", "first"), uniform.first, harmonic);
+        // Row 0 sees one key and has no say; row 1 spreads over two keys.
+        let link = uniform.strongest.expect("a link");
+        assert_eq!(
+            (link.query, link.key),
+            (1, 0),
+            "{}",
+            name("uniform", "strongest")
+        );
+        close(&name("uniform", "strongest weight"), link.weight, 0.5);
+
+        close(&name("first", "entropy"), first.entropy, 0.0);
+        close(&name("first", "normalised"), first.normalized_entropy, 0.0);
+        close(&name("first", "distance"), first.distance, 1.5);
+        close(&name("first", "same"), first.same, 0.25);
+        close(&name("first", "previous"), first.previous, 1.0 / 3.0);
+        close(&name("first", "first"), first.first, 1.0);
+
+        close(&name("same", "distance"), same.distance, 0.0);
+        close(&name("same", "same"), same.same, 1.0);
+        close(&name("same", "previous"), same.previous, 0.0);
+        close(&name("same", "first"), same.first, 0.25);
+
+        close(&name("previous", "distance"), previous.distance, 0.75);
+        close(&name("previous", "same"), previous.same, 0.25);
+        close(&name("previous", "previous"), previous.previous, 1.0);
+        close(&name("previous", "first"), previous.first, 0.5);
+        let link = previous.strongest.expect("a link");
+        assert_eq!(
+            (link.query, link.key),
+            (1, 0),
+            "{}",
+            name("previous", "strongest")
+        );
+        close(&name("previous", "strongest weight"), link.weight, 1.0);
+        let link = same.strongest.expect("a link");
+        assert_eq!(
+            (link.query, link.key),
+            (1, 1),
+            "{}",
+            name("same", "strongest")
+        );
+        assert!(stats.heads.iter().all(|h| h.rows == 4));
+
+        let report = HeadReport::new(vec![stats]);
+        let table = report.to_string();
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 5, "a header and a line per head:\n{table}");
+        assert!(
+            lines.iter().all(|l| l.len() == lines[0].len()),
+            "aligned:\n{table}"
+        );
+        assert!(
+            lines[2].contains("layer 0") && lines[2].contains("1.50"),
+            "{table}"
+        );
+        let json = serde_json::to_string(&report).unwrap();
+        assert_eq!(serde_json::from_str::<HeadReport>(&json).unwrap(), report);
+    }
+}
+
+#[test]
+fn padding_rows_and_fully_blocked_rows_are_left_out() {
+    for be in backends() {
+        // Two copies of the fixed weights; the second row's queries 2 and 3 are padding,
+        // filled with weights that would change every statistic.
+        let mut w = fixed_weights();
+        let mut junk = fixed_weights();
+        for h in 0..4 {
+            for q in 2..4 {
+                for k in 0..4 {
+                    junk[h * 16 + q * 4 + k] = 0.25;
+                }
+            }
+        }
+        w.extend(junk);
+        let weights = Tensor::<4>::from_data(TensorData::new(w.clone(), [2, 4, 4, 4]), &be.device);
+        let stats = LayerStats::from_weights(
+            "l",
+            weights.clone(),
+            &AttentionMask::causal(),
+            Some(&[4, 2]),
+        );
+        let same = &stats.heads[2];
+        assert_eq!(same.rows, 6, "[{}] rows counted", be.name);
+        close(&format!("[{}] same head, same", be.name), same.same, 1.0);
+        close(
+            &format!("[{}] same head, entropy", be.name),
+            same.entropy,
+            0.0,
+        );
+
+        // Query row 3 of both batch rows blocked entirely: left out.
+        let mut blocked = vec![false; 2 * 4 * 4];
+        for b in 0..2 {
+            for k in 0..4 {
+                blocked[b * 16 + 3 * 4 + k] = true;
+            }
+        }
+        let mask = AttentionMask::blocking(Tensor::<4, Bool>::from_data(
+            TensorData::new(blocked, [2, 1, 4, 4]),
+            &be.device,
+        ));
+        let stats = LayerStats::from_weights("l", weights, &mask, None);
+        assert!(
+            stats.heads.iter().all(|h| h.rows == 6),
+            "[{}] {stats:?}",
+            be.name
+        );
+    }
+}
+
+/// A module and a random input of width 16.
+fn attention(
+    heads: usize,
+    kv_heads: usize,
+    positions: Positions,
+    device: &Device,
+) -> MultiHeadAttention {
+    let mut m = MultiHeadAttentionConfig::new(16, heads)
+        .with_n_kv_heads(Some(kv_heads))
+        .with_positions(positions)
+        .init(device);
+    if let Some(table) = &m.position_table {
+        m.position_table = Some(Param::from_tensor(randn(table.dims(), 7, device)));
+    }
+    // Random biases, so that a slice taken from the wrong place shows.
+    let out_bias = m
+        .out_proj
+        .bias
+        .take()
+        .map(|b| Param::from_tensor(randn(b.dims(), 8, device)));
+    m.out_proj.bias = out_bias;
+    m
+}
+
+/// `[(layer, head)]` of a plan.
+fn dropped(plan: &PrunePlan) -> Vec<(usize, usize)> {
+    plan.remove
+        .iter()
+        .enumerate()
+        .flat_map(|(l, row)| row.iter().map(move |&h| (l, h)))
+        .collect()
+}
+
+/// Forward values, the input's gradient and the query and output projections' gradients
+/// of the kept heads: the masked module against the pruned one.
+fn assert_pruned_equals_masked(
+    be: &Backend,
+    m: &MultiHeadAttention,
+    plan: &PrunePlan,
+    mask: AttentionMask,
+    what: &str,
+) {
+    let device = be.autodiff();
+    let pruned = m.prune(plan).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let head_mask = HeadMask::dropping(&m.head_counts(), &dropped(plan), &device);
+    let x = randn([2, 6, 16], 3, &device).require_grad();
+    let target = randn([2, 6, 16], 4, &device);
+    let loss = |out: Tensor<3>| (out * target.clone()).sum();
+
+    let masked_out = m
+        .forward(
+            MhaInput::self_attn(x.clone())
+                .mask(mask.clone())
+                .head_mask(head_mask.layer(0).clone()),
+        )
+        .context;
+    let grads_masked = loss(masked_out.clone()).backward();
+    let x2 = x.clone().detach().require_grad();
+    let pruned_out = pruned
+        .forward(MhaInput::self_attn(x2.clone()).mask(mask))
+        .context;
+    let grads_pruned = loss(pruned_out.clone()).backward();
+
+    let tol = be.forward_tol();
+    assert_close(&format!("{what}: output"), pruned_out, masked_out, tol);
+    assert_close(
+        &format!("{what}: input gradient"),
+        x2.grad(&grads_pruned).unwrap(),
+        x.grad(&grads_masked).unwrap(),
+        be.grad_tol(),
+    );
+    let kept: Vec<usize> = (0..m.n_heads)
+        .filter(|h| !plan.remove[0].contains(h))
+        .collect();
+    let dh = m.head_dim;
+    let cols: Vec<i64> = kept
+        .iter()
+        .flat_map(|&h| (h * dh..(h + 1) * dh).map(|c| c as i64))
+        .collect();
+    let index = Tensor::<1, burn::tensor::Int>::from_data(
+        TensorData::new(cols.clone(), [cols.len()]),
+        &device,
+    );
+    let q_grad = |m: &MultiHeadAttention, grads| match &m.in_proj {
+        mha::mha::InputProjection::Packed(p) => p.weight.val().grad(grads).unwrap(),
+        mha::mha::InputProjection::Separate(p) => p.q_proj.weight.val().grad(grads).unwrap(),
+    };
+    let width = kept.len() * dh;
+    assert_close(
+        &format!("{what}: query projection gradient"),
+        q_grad(&pruned, &grads_pruned).narrow(1, 0, width),
+        q_grad(m, &grads_masked).select(1, index.clone()),
+        be.grad_tol(),
+    );
+    assert_close(
+        &format!("{what}: output projection gradient"),
+        pruned.out_proj.weight.val().grad(&grads_pruned).unwrap(),
+        m.out_proj
+            .weight
+            .val()
+            .grad(&grads_masked)
+            .unwrap()
+            .select(0, index),
+        be.grad_tol(),
+    );
+}
+
+#[test]
+fn a_pruned_attention_equals_the_masked_one_in_values_and_gradients() {
+    let cases: Vec<(usize, usize, Positions, Vec<usize>)> = vec![
+        (4, 4, Positions::None, vec![2]),
+        // GQA 8:2: a head of a group (groups of 3 and 4 left: every key/value head
+        // repeated per query head), a whole group, a head of each (3 and 3).
+        (8, 2, Positions::None, vec![1]),
+        (8, 2, Positions::None, vec![0, 1, 2, 3]),
+        (8, 2, Positions::rope(), vec![0, 5]),
+        // Biases per head follow their heads.
+        (8, 4, Positions::Alibi, vec![1, 6]),
+        (4, 2, Positions::Relative { max_distance: 3 }, vec![0]),
+    ];
+    for be in backends() {
+        for (n, (heads, kv, positions, remove)) in cases.iter().enumerate() {
+            let what = format!(
+                "[{}] {heads}:{kv} {positions:?} without {remove:?}",
+                be.name
+            );
+            let m = attention(*heads, *kv, positions.clone(), &be.autodiff());
+            let plan = PrunePlan {
+                remove: vec![remove.clone()],
+            };
+            let mask = match n % 2 {
+                0 => AttentionMask::causal(),
+                _ => AttentionMask::key_lengths(&[6, 4], 6, &be.autodiff()),
+            };
+            assert_pruned_equals_masked(&be, &m, &plan, mask, &what);
+            let pruned = m.prune(&plan).unwrap();
+            assert_eq!(pruned.n_heads, heads - remove.len(), "{what}");
+        }
+    }
+}
+
+#[test]
+fn gqa_pruning_removes_a_key_value_head_only_with_its_whole_group() {
+    let device = backends()[0].device.clone();
+    let m = attention(8, 2, Positions::None, &device);
+    let kv = |remove: Vec<usize>| {
+        m.prune(&PrunePlan {
+            remove: vec![remove],
+        })
+        .unwrap()
+        .n_kv_heads
+    };
+    assert_eq!(
+        kv(vec![0, 1, 2, 3]),
+        1,
+        "a whole group goes with its key/value head"
+    );
+    assert_eq!(
+        kv(vec![0, 4]),
+        2,
+        "groups of 3 and 3 keep both key/value heads"
+    );
+    assert_eq!(kv(vec![0, 1, 4, 5]), 2);
+    assert_eq!(
+        kv(vec![1]),
+        7,
+        "groups of 3 and 4: one key/value head per query head"
+    );
+    assert_eq!(
+        kv(vec![0, 1]),
+        3,
+        "groups of 2 and 4: heads of 2, the second repeated"
+    );
+}
+
+#[test]
+fn blocks_and_stacks_prune_to_their_masked_selves_and_save_and_load() {
+    for be in backends() {
+        let device = be.autodiff();
+        let block = EncoderBlockConfig::new(16, 4)
+            .with_n_kv_heads(Some(2))
+            .with_dropout(0.0)
+            .with_causal(true);
+        let encoder = EncoderConfig::new(block, 2).init(&device);
+        let decoder =
+            DecoderConfig::new(DecoderBlockConfig::new(16, 4).with_dropout(0.0), 2).init(&device);
+        let x = randn([2, 5, 16], 11, &device);
+        let memory = randn([2, 7, 16], 12, &device);
+        let padding = AttentionMask::key_lengths(&[7, 5], 7, &device);
+
+        let plan = PrunePlan {
+            remove: vec![vec![1], vec![0, 2, 3]],
+        };
+        let head_mask = HeadMask::dropping(&encoder.head_counts(), &dropped(&plan), &device);
+        let inspect = Inspect::new().head_mask(head_mask);
+        let masked = encoder
+            .forward_inspect(x.clone(), &AttentionMask::none(), &inspect)
+            .output;
+        let pruned = encoder.prune(&plan).unwrap();
+        assert_eq!(pruned.head_counts(), vec![3, 1]);
+        let got = pruned.forward(x.clone(), &AttentionMask::none());
+        assert_close(
+            &format!("[{}] encoder", be.name),
+            got.clone(),
+            masked,
+            be.forward_tol(),
+        );
+
+        // Saved, then loaded into the full stack pruned with the same plan.
+        let dir =
+            std::env::temp_dir().join(format!("mha-prune-{}-{}", be.name, std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("pruned");
+        pruned.clone().save_file(&file).unwrap();
+        let fresh = EncoderConfig::new(
+            EncoderBlockConfig::new(16, 4)
+                .with_n_kv_heads(Some(2))
+                .with_dropout(0.0)
+                .with_causal(true),
+            2,
+        )
+        .init(&device)
+        .prune(&plan)
+        .unwrap()
+        .try_load_file(&file)
+        .unwrap();
+        let loaded = fresh.forward(x.clone(), &AttentionMask::none());
+        assert_close(&format!("[{}] encoder loaded", be.name), loaded, got, 0.0);
+        std::fs::remove_dir_all(&dir).ok();
+
+        // Decoder: attention layers self, cross, self, cross.
+        let plan = PrunePlan {
+            remove: vec![vec![0], vec![3], vec![], vec![1, 2]],
+        };
+        let head_mask = HeadMask::dropping(&decoder.head_counts(), &dropped(&plan), &device);
+        let none = AttentionMask::none();
+        let masked = decoder
+            .forward_inspect(
+                x.clone(),
+                memory.clone(),
+                &none,
+                &padding,
+                &Inspect::new().head_mask(head_mask),
+            )
+            .output;
+        let pruned = decoder.prune(&plan).unwrap();
+        assert_eq!(pruned.head_counts(), vec![3, 3, 4, 2]);
+        let got = pruned.forward(x.clone(), memory.clone(), &none, &padding);
+        assert_close(
+            &format!("[{}] decoder", be.name),
+            got,
+            masked,
+            be.forward_tol(),
+        );
+    }
+}
+
+#[test]
+fn a_head_mask_that_keeps_every_head_changes_nothing() {
+    for be in backends() {
+        let device = &be.device;
+        let m = attention(4, 2, Positions::None, device);
+        let x = randn([2, 5, 16], 21, device);
+        let keep = HeadMask::keep_all(&m.head_counts(), device);
+        let plain = m.forward(MhaInput::causal(x.clone()));
+        let masked = m.forward(MhaInput::causal(x.clone()).head_mask(keep.layer(0).clone()));
+        assert_close(
+            &format!("[{}] attention", be.name),
+            masked.context,
+            plain.context,
+            0.0,
+        );
+
+        let encoder =
+            EncoderConfig::new(EncoderBlockConfig::new(16, 4).with_causal(true), 3).init(device);
+        let keep = HeadMask::keep_all(&encoder.head_counts(), device);
+        let (plain, plain_weights) =
+            encoder.forward_with_weights(x.clone(), &AttentionMask::none());
+        let inspected = encoder.forward_inspect(
+            x.clone(),
+            &AttentionMask::none(),
+            &Inspect::new().head_mask(keep).weights(),
+        );
+        assert_close(
+            &format!("[{}] encoder", be.name),
+            inspected.output,
+            plain,
+            0.0,
+        );
+        assert_eq!(inspected.weights.len(), 3);
+        for (got, want) in inspected.weights.into_iter().zip(plain_weights) {
+            assert_close(&format!("[{}] encoder weights", be.name), got, want, 0.0);
+        }
+
+        let decoder = DecoderConfig::new(DecoderBlockConfig::new(16, 4), 2).init(device);
+        let memory = randn([2, 3, 16], 22, device);
+        let none = AttentionMask::none();
+        let keep = HeadMask::keep_all(&decoder.head_counts(), device);
+        // Weights asked for change the path attention takes: compare like with like.
+        let plain = decoder.forward(x.clone(), memory.clone(), &none, &none);
+        let inspect = Inspect::new().head_mask(keep);
+        let masked = decoder.forward_inspect(x.clone(), memory.clone(), &none, &none, &inspect);
+        assert_close(&format!("[{}] decoder", be.name), masked.output, plain, 0.0);
+        let (_, cross) = decoder.forward_with_weights(x.clone(), memory.clone(), &none, &none);
+        let inspected =
+            decoder.forward_inspect(x.clone(), memory, &none, &none, &inspect.weights());
+        // Self, cross, self, cross: the cross-attentions are the plain call's.
+        assert_eq!(inspected.weights.len(), 4);
+        assert_eq!(inspected.weights[0].dims(), [2, 4, 5, 5]);
+        for (got, want) in [&inspected.weights[1], &inspected.weights[3]]
+            .into_iter()
+            .zip(cross)
+        {
+            assert_close(
+                &format!("[{}] decoder cross weights", be.name),
+                got.clone(),
+                want,
+                be.forward_tol(),
+            );
+        }
+    }
+}
+
+/// Attention in which only head 2 reaches the output: the output projection reads
+/// nothing from the other heads.
+fn one_decisive_head(device: &Device) -> MultiHeadAttention {
+    let mut m = attention(4, 4, Positions::None, device);
+    let weight = m.out_proj.weight.val();
+    let keep = Tensor::<1>::from_data(
+        TensorData::new(
+            (0..16)
+                .map(|r| if r / 4 == 2 { 1.0f32 } else { 0.0 })
+                .collect::<Vec<_>>(),
+            [16],
+        ),
+        device,
+    );
+    m.out_proj.weight = Param::from_tensor((weight * keep.reshape([16, 1])).detach());
+    m
+}
+
+#[test]
+fn importance_ranks_first_the_head_that_decides_the_loss() {
+    for be in backends() {
+        let device = be.autodiff();
+        let m = one_decisive_head(&device);
+        let counts = m.head_counts();
+        let xs: Vec<Tensor<3>> = (0..2).map(|i| randn([2, 5, 16], 30 + i, &device)).collect();
+        let forward = |i: usize, mask: Tensor<1>| {
+            m.forward(MhaInput::causal(xs[i].clone()).head_mask(mask))
+                .context
+        };
+        // The targets need head 2 twice as strong: dropping it moves the output away.
+        let stronger =
+            Tensor::<1>::from_data(TensorData::new(vec![1.0f32, 1.0, 2.0, 1.0], [4]), &device);
+        let targets: Vec<Tensor<3>> = (0..2)
+            .map(|i| forward(i, stronger.clone()).detach())
+            .collect();
+        let loss = |mask: &HeadMask, i: usize| {
+            (forward(i, mask.layer(0).clone()) - targets[i].clone())
+                .powi_scalar(2)
+                .mean()
+        };
+        let ablation = HeadImportance::by_ablation(&counts, &device, 2, |mask, i| {
+            loss(mask, i).into_scalar::<f64>()
+        });
+        let gradient = HeadImportance::by_gradient(&counts, &device, 2, loss);
+        for importance in [&ablation, &gradient] {
+            let ranking = importance.ranking();
+            assert_eq!(
+                (ranking[0].0, ranking[0].1),
+                (0, 2),
+                "[{}] {importance:?}",
+                be.name
+            );
+            for &(_, h, score) in &ranking[1..] {
+                assert!(
+                    score.abs() < 1e-6,
+                    "[{}] head {h} cannot matter: {importance:?}",
+                    be.name
+                );
+            }
+        }
+        assert!(ablation.scores[0][2] > 0.0, "[{}] {ablation:?}", be.name);
+        close(
+            &format!("[{}] normalised gradient score", be.name),
+            gradient.scores[0][2],
+            1.0,
+        );
+        // The plan keeps the decisive head.
+        assert_eq!(gradient.prune_least(3).remove, vec![vec![0, 1, 3]]);
+    }
+}
+
+#[test]
+fn the_head_mask_gradient_is_the_loss_slope() {
+    // The loss is quadratic in each mask weight, so a central difference is exact up to
+    // rounding.
+    for be in backends() {
+        let device = be.autodiff();
+        let m = attention(4, 2, Positions::None, &device);
+        let x = randn([2, 5, 16], 50, &device);
+        let target = randn([2, 5, 16], 51, &device);
+        let loss = |mask: Tensor<1>| {
+            let out = m
+                .forward(MhaInput::causal(x.clone()).head_mask(mask))
+                .context;
+            (out - target.clone()).powi_scalar(2).sum()
+        };
+        let mask = HeadMask::keep_all(&[4], &device).with_gradient();
+        let grads = loss(mask.layer(0).clone()).backward();
+        let got = mask.grads(&grads).remove(0);
+        for h in 0..4 {
+            let at = |w: f32| {
+                let mut row = vec![1.0f32; 4];
+                row[h] = w;
+                let mask = Tensor::<1>::from_data(TensorData::new(row, [4]), &device);
+                loss(mask).into_scalar::<f64>()
+            };
+            let slope = (at(1.5) - at(0.5)) as f32;
+            assert!(
+                (got[h] - slope).abs() <= 1e-3 * slope.abs().max(1.0),
+                "[{}] head {h}: gradient {} against slope {slope}",
+                be.name,
+                got[h]
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_plans_and_masks_are_refused_by_name() {
+    let device = backends()[0].device.clone();
+    let m = attention(4, 2, Positions::None, &device);
+    let err = m
+        .prune(&PrunePlan {
+            remove: vec![vec![4]],
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        PruneError::Head {
+            layer: 0,
+            head: 4,
+            heads: 4
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "prune: attention layer 0 has heads 0..4, the plan removes head 4"
+    );
+    let err = m
+        .prune(&PrunePlan {
+            remove: vec![vec![0, 1, 2, 3]],
+        })
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("removes all 4 heads of attention layer 0"),
+        "{err}"
+    );
+    let encoder = EncoderConfig::new(EncoderBlockConfig::new(16, 4), 2).init(&device);
+    let err = encoder.prune(&PrunePlan::keep_all(3)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "prune: the plan has 3 attention layers, the Encoder 2"
+    );
+    let err = encoder
+        .prune(&PrunePlan {
+            remove: vec![vec![], vec![9]],
+        })
+        .unwrap_err();
+    assert_eq!(
+        err,
+        PruneError::Head {
+            layer: 1,
+            head: 9,
+            heads: 4
+        }
+    );
+
+    let x = randn([1, 3, 16], 1, &device);
+    let wrong = HeadMask::keep_all(&[4, 4, 4], &device);
+    let message = panic_message(|| {
+        encoder.forward_inspect(
+            x.clone(),
+            &AttentionMask::none(),
+            &Inspect::new().head_mask(wrong),
+        );
+    });
+    assert_eq!(
+        message,
+        "Encoder: the head mask has [4, 4, 4] heads per attention layer, the module [4, 4]"
+    );
+    let message = panic_message(|| {
+        m.forward(MhaInput::causal(x.clone()).head_mask(Tensor::ones([3], &device)));
+    });
+    assert!(
+        message.contains("the head mask has 3 weights for 4 heads"),
+        "{message}"
+    );
+}
+
+fn panic_message(f: impl FnOnce()) -> String {
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("a panic");
+    match err.downcast::<String>() {
+        Ok(message) => *message,
+        Err(err) => err
+            .downcast::<&str>()
+            .map(|m| m.to_string())
+            .unwrap_or_default(),
+    }
+}
+
+#[cfg(feature = "plot")]
+mod maps {
+    use burn::tensor::{Tensor, TensorData};
+    use mha::analysis::maps::{AttentionMap, MapError};
+
+    use crate::util::backends;
+
+    fn labels(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("t{i}")).collect()
+    }
+
+    fn map(values: Vec<f32>) -> AttentionMap {
+        let device = backends()[0].device.clone();
+        let weights = Tensor::<3>::from_data(TensorData::new(values, [2, 3, 4]), &device);
+        AttentionMap::layer(weights, &labels(3), &labels(4)).titled("two heads")
+    }
+
+    #[test]
+    fn a_map_draws_its_weights_at_its_size_in_png_and_svg() {
+        let a = map((0..24).map(|i| (i % 4) as f32 / 3.0).collect());
+        let (w, h) = a.size();
+        let pixels = a.to_rgb().unwrap();
+        assert_eq!(pixels.len(), 3 * w as usize * h as usize);
+        // Not blank: the cells of weight 1 are dark blue.
+        let dark = pixels.chunks(3).filter(|p| p == &[8, 48, 107]).count();
+        assert!(dark > 2 * 3 * 10 * 10, "{dark} dark-blue pixels");
+        // Other weights, other pixels.
+        let b = map((0..24).map(|i| (3 - i % 4) as f32 / 3.0).collect());
+        let changed = pixels
+            .iter()
+            .zip(b.to_rgb().unwrap())
+            .filter(|(x, y)| **x != *y)
+            .count();
+        assert!(changed > 1000, "{changed} bytes changed");
+
+        let dir = std::env::temp_dir().join(format!("mha-maps-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        a.save(dir.join("map.png")).unwrap();
+        let png = std::fs::read(dir.join("map.png")).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        let be32 = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
+        assert_eq!(
+            (be32(16), be32(20)),
+            (w, h),
+            "the PNG header's width and height"
+        );
+        a.save(dir.join("map.svg")).unwrap();
+        let svg = std::fs::read_to_string(dir.join("map.svg")).unwrap();
+        assert_eq!(svg, a.to_svg().unwrap());
+        for text in ["two heads", "head 0", "head 1", "t3", "weight"] {
+            assert!(svg.contains(text), "the SVG has no {text:?}");
+        }
+        assert!(matches!(
+            a.save(dir.join("map.bmp")),
+            Err(MapError::Format(_))
+        ));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
