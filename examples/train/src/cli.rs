@@ -1,5 +1,5 @@
-//! The command line: train a new run, continue one (`--resume`), or answer an input with
-//! a trained run's model (`generate`). The defaults `--help` shows are read from the
+//! The command line: train a new run, continue one (`--resume`), answer an input with a
+//! trained run's model (`generate`), or look inside it (`inspect`). The defaults `--help` shows are read from the
 //! configuration types, the one place they are set.
 
 use std::path::PathBuf;
@@ -34,6 +34,33 @@ pub struct Cli {
 enum Command {
     /// Answer one input with a trained run's model (greedy decoding).
     Generate(GenerateArgs),
+    /// What a trained run's heads learned: their statistics on held-out examples, their
+    /// importance, a map of every attention layer, and with --prune, smaller models
+    /// without the least important heads (all written to <run>/inspect/).
+    Inspect(InspectArgs),
+}
+
+/// The flags of `inspect`.
+#[derive(clap::Args, Debug)]
+struct InspectArgs {
+    /// The run directory [default: runs/<task>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The task whose default run directory to read, when --out is not given.
+    #[arg(long, value_enum)]
+    task: Option<Task>,
+    /// Held-out examples the statistics and the importance are measured on.
+    #[arg(long, default_value_t = 256)]
+    examples: usize,
+    /// Remove the K least important heads (at least one left per layer), write the
+    /// pruned model, and measure its held-out accuracy and speed against the full
+    /// model's; several K separated by commas.
+    #[arg(long, value_name = "K", value_delimiter = ',')]
+    prune: Vec<usize>,
+    /// Which importance --prune follows: the loss increase when the head is masked, or
+    /// the head mask's gradient (Michel et al.), a first-order estimate of it.
+    #[arg(long, value_enum, default_value = "ablation")]
+    by: crate::inspect::By,
 }
 
 /// The flags of `generate`.
@@ -201,6 +228,7 @@ impl Cli {
     pub fn run(self) -> ExitCode {
         let result = match self.command {
             Some(Command::Generate(args)) => generate(&args, self.backend).map(|()| true),
+            Some(Command::Inspect(args)) => inspect(&args, self.backend).map(|()| true),
             None => train(&self.train, self.backend),
         };
         match result {
@@ -413,6 +441,43 @@ fn report(
     for path in heatmaps {
         println!("attention: {}", path.display());
     }
+    Ok(())
+}
+
+/// Reports on the heads of a finished run's model, and prunes it if asked.
+fn inspect(args: &InspectArgs, backend: Option<Backend>) -> anyhow::Result<()> {
+    let run = RunDir(args.out.clone().unwrap_or_else(|| default_out(args.task)));
+    let dir = run.0.display();
+    anyhow::ensure!(
+        run.holds_run() && run.model().exists(),
+        "{dir}: no finished run here (no config.json and model.bpk); train one, or name its \
+         directory with --out"
+    );
+    let config = TrainConfig::load(&run.config())?;
+    let backend = Backend::or_best(backend)?;
+    let device = backend.device()?;
+    warn_if_software(backend, &device);
+    let fixed = config.fixed_shape(backend);
+    let findings = crate::inspect::inspect(
+        &config,
+        &run,
+        &run.model(),
+        args.examples,
+        &args.prune,
+        args.by,
+        &device,
+        fixed,
+    )?;
+    crate::inspect::print(&findings);
+    println!();
+    println!(
+        "findings: {}",
+        run.0.join("inspect").join("heads.json").display()
+    );
+    println!(
+        "attention maps: {}",
+        run.0.join("inspect").join("attention-*.png|svg").display()
+    );
     Ok(())
 }
 

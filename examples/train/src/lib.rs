@@ -12,6 +12,7 @@
 //! - [`interrupt`]: what Ctrl-C does;
 //! - [`training`]: Burn's learner, greedy evaluation, the summary;
 //! - [`plots`]: the loss curve and attention heatmaps;
+//! - [`inspect`]: what a trained run's heads learned; pruning them;
 //! - [`cli`]: the command line.
 
 pub mod backend;
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod fields;
+pub mod inspect;
 pub mod interrupt;
 pub mod model;
 pub mod plots;

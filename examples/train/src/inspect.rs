@@ -1,0 +1,357 @@
+//! What a trained run's heads learned: the head report on held-out examples, the heads
+//! ranked by importance (by the head mask's gradient and by ablation), a map of every
+//! attention layer, and pruned models with their held-out accuracy and speed next to the
+//! full model's. Everything lands in `<run>/inspect/`.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use burn::data::dataloader::batcher::Batcher;
+use burn::module::Module;
+use burn::tensor::Device;
+use mha::analysis::maps::AttentionMap;
+use mha::analysis::{HeadImportance, HeadReport, Inspect, PrunePlan};
+use serde::Serialize;
+
+use crate::config::TrainConfig;
+use crate::data::{EOS, Example, SEP, SeqBatcher, Split};
+use crate::model::{Model, ModelKind};
+use crate::run_dir::{RunDir, load_model, write_atomically};
+use crate::training;
+
+/// Which importance pruning follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum By {
+    /// The loss increase when the head is masked.
+    Ablation,
+    /// The head mask's gradient, normalised per layer (Michel et al.).
+    Gradient,
+}
+
+/// Held-out examples per batch of the importance passes.
+const BATCH: usize = 64;
+
+/// What `inspect` found, as `inspect/heads.json` keeps it.
+#[derive(Serialize)]
+pub struct Findings {
+    /// The statistics of every head.
+    pub report: HeadReport,
+    /// Importance by the head mask's gradient (Michel et al.), normalised per layer.
+    pub gradient: HeadImportance,
+    /// Importance by ablation: the loss increase when the head is masked.
+    pub ablation: HeadImportance,
+    /// The attention layers' names, in the order of the scores.
+    pub layers: Vec<String>,
+    /// The importance the pruned models follow.
+    pub pruned_by: By,
+    /// Each `--prune` run.
+    pub pruned: Vec<PruneResult>,
+}
+
+/// One pruned model against the full one.
+#[derive(Clone, Debug, Serialize)]
+pub struct PruneResult {
+    /// Heads removed.
+    pub removed: usize,
+    /// Heads left, of how many.
+    pub heads: [usize; 2],
+    /// The heads removed per attention layer.
+    pub plan: PrunePlan,
+    /// Held-out exact accuracy of the pruned model (reloaded from its file).
+    pub exact_accuracy: f64,
+    /// The full model's.
+    pub full_exact_accuracy: f64,
+    /// Seconds per teacher-forced forward over the held-out batches, best of three:
+    /// pruned, full.
+    pub forward_seconds: [f64; 2],
+    /// Seconds of greedy decoding of the run's evaluation examples, best of three:
+    /// pruned, full.
+    pub decode_seconds: [f64; 2],
+    /// Where the pruned model and its plan are.
+    pub dir: PathBuf,
+}
+
+/// Inspects the model in `run` on `examples` held-out examples; prunes `prune[i]` heads
+/// for each entry of `prune`, the least important `by` one measure.
+#[allow(clippy::too_many_arguments)]
+pub fn inspect(
+    config: &TrainConfig,
+    run: &RunDir,
+    model_path: &Path,
+    examples: usize,
+    prune: &[usize],
+    by: By,
+    device: &Device,
+    fixed: Option<crate::data::FixedShape>,
+) -> anyhow::Result<Findings> {
+    let dir = run.0.join("inspect");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let model = load_model(config, model_path, device)?.valid();
+    let held_out: Vec<Example> = (0..examples.max(1))
+        .map(|i| config.task.example(config.seed, Split::Valid, i))
+        .collect();
+    let chunks: Vec<Vec<Example>> = held_out.chunks(BATCH).map(<[_]>::to_vec).collect();
+    let batcher = SeqBatcher {
+        fixed: None,
+        pack: None,
+    };
+
+    let report =
+        HeadReport::new(model.head_stats(batcher.batch(held_out.clone(), device), &held_out));
+    let counts = model.head_counts();
+    let ablation = HeadImportance::by_ablation(&counts, device, chunks.len(), |mask, i| {
+        let inspect = Inspect::new().head_mask(mask.clone());
+        let (out, _) = model.forward_inspect(batcher.batch(chunks[i].clone(), device), &inspect);
+        out.loss.into_scalar::<f64>()
+    });
+    let autodiff = device.clone().autodiff();
+    // Frozen: no parameter gradients, no dropout; the head mask's gradient still flows.
+    let tracked = load_model(config, model_path, &autodiff)?.freeze();
+    let gradient = HeadImportance::by_gradient(&counts, &autodiff, chunks.len(), |mask, i| {
+        let inspect = Inspect::new().head_mask(mask.clone());
+        let batch = batcher.batch(chunks[i].clone(), &autodiff);
+        tracked.forward_inspect(batch, &inspect).0.loss
+    });
+    draw_maps(config, &model, &held_out[0], &dir, device)?;
+
+    let importance = match by {
+        By::Gradient => &gradient,
+        By::Ablation => &ablation,
+    };
+    let mut pruned = Vec::new();
+    for &k in prune {
+        pruned.push(prune_and_compare(
+            config, &model, model_path, importance, k, &chunks, &dir, device, fixed,
+        )?);
+    }
+    let findings = Findings {
+        report,
+        gradient,
+        ablation,
+        layers: model.attention_layer_names(),
+        pruned_by: by,
+        pruned,
+    };
+    let json = serde_json::to_string_pretty(&findings).context("the findings serialise")?;
+    write_atomically(&dir.join("heads.json"), json.as_bytes())?;
+    Ok(findings)
+}
+
+/// A map of every attention layer on `example`: `inspect/attention-<layer>.png` and
+/// `.svg`.
+fn draw_maps(
+    config: &TrainConfig,
+    model: &Model,
+    example: &Example,
+    dir: &Path,
+    device: &Device,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let batcher = SeqBatcher {
+        fixed: None,
+        pack: None,
+    };
+    let (_, weights) = model.forward_inspect(
+        batcher.batch(vec![example.clone()], device),
+        &Inspect::new().weights(),
+    );
+    let label =
+        |ts: &[usize]| -> Vec<String> { ts.iter().map(|&t| config.task.token_label(t)).collect() };
+    let joined: Vec<usize> = example
+        .input
+        .iter()
+        .copied()
+        .chain([SEP])
+        .chain(example.output.iter().copied())
+        .chain([EOS])
+        .collect();
+    let decoder: Vec<usize> = [SEP]
+        .into_iter()
+        .chain(example.output.iter().copied())
+        .collect();
+    let mut paths = Vec::new();
+    for (i, (w, name)) in weights
+        .into_iter()
+        .zip(model.attention_layer_names())
+        .enumerate()
+    {
+        let (rows, cols) = match config.model.kind {
+            ModelKind::DecoderOnly => (label(&joined), label(&joined)),
+            ModelKind::EncoderDecoder if name.starts_with("encoder") => {
+                (label(&example.input), label(&example.input))
+            }
+            ModelKind::EncoderDecoder if name.ends_with("self") => {
+                (label(&decoder), label(&decoder))
+            }
+            ModelKind::EncoderDecoder => (label(&decoder), label(&example.input)),
+        };
+        let title = format!(
+            "{name}: {} of {}",
+            config.task.task.name(),
+            config.task.format_output(&example.input)
+        );
+        let map = AttentionMap::layer(w.squeeze_dim(0), &rows, &cols).titled(title);
+        for extension in ["png", "svg"] {
+            let path = dir.join(format!("attention-{i}.{extension}"));
+            map.save(&path)?;
+            paths.push(path);
+        }
+    }
+    Ok(paths)
+}
+
+/// Removes the `k` least important heads by `importance`, writes the pruned model and its
+/// plan to `inspect/pruned-<k>/`, reloads it from there, and measures it against `model`.
+#[allow(clippy::too_many_arguments)]
+fn prune_and_compare(
+    config: &TrainConfig,
+    model: &Model,
+    model_path: &Path,
+    importance: &HeadImportance,
+    k: usize,
+    chunks: &[Vec<Example>],
+    dir: &Path,
+    device: &Device,
+    fixed: Option<crate::data::FixedShape>,
+) -> anyhow::Result<PruneResult> {
+    let plan = importance.prune_least(k);
+    let total: usize = model.head_counts().iter().sum();
+    let out = dir.join(format!("pruned-{k}"));
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let pruned = model.prune(&plan)?;
+    let file = out.join("model.bpk");
+    pruned
+        .clone()
+        .save_file(&file)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?;
+    let json = serde_json::to_string_pretty(&plan).context("a plan serialises")?;
+    write_atomically(&out.join("plan.json"), json.as_bytes())?;
+    let reloaded = load_pruned(config, model_path, &out, device)?;
+
+    let forward = |m: &Model| {
+        let batcher = SeqBatcher {
+            fixed: None,
+            pack: None,
+        };
+        let start = Instant::now();
+        for chunk in chunks {
+            let (out, _) = m.forward_inspect(batcher.batch(chunk.clone(), device), &Inspect::new());
+            out.loss.into_scalar::<f32>();
+        }
+        start.elapsed().as_secs_f64()
+    };
+    let decode = |m: &Model| {
+        let start = Instant::now();
+        let accuracy = training::evaluate(m, config, &config.task, fixed, device);
+        (accuracy.map_or(0.0, |a| a.0), start.elapsed().as_secs_f64())
+    };
+    // Once each to warm up, then timed alternately, best of three (decoding too).
+    forward(model);
+    forward(&reloaded);
+    let (mut f_full, mut f_pruned) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        f_full = f_full.min(forward(model));
+        f_pruned = f_pruned.min(forward(&reloaded));
+    }
+    let (mut full_accuracy, mut accuracy) = (0.0, 0.0);
+    let (mut d_full, mut d_pruned) = (f64::MAX, f64::MAX);
+    for _ in 0..3 {
+        let (a, t) = decode(model);
+        (full_accuracy, d_full) = (a, d_full.min(t));
+        let (a, t) = decode(&reloaded);
+        (accuracy, d_pruned) = (a, d_pruned.min(t));
+    }
+    Ok(PruneResult {
+        removed: plan.removed(),
+        heads: [total - plan.removed(), total],
+        plan,
+        exact_accuracy: accuracy,
+        full_exact_accuracy: full_accuracy,
+        forward_seconds: [f_pruned, f_full],
+        decode_seconds: [d_pruned, d_full],
+        dir: out,
+    })
+}
+
+/// Loads the pruned model in `dir` (`model.bpk` and `plan.json`): the run's model built
+/// from its configuration, pruned by the plan, then the pruned weights loaded into it.
+pub fn load_pruned(
+    config: &TrainConfig,
+    model_path: &Path,
+    dir: &Path,
+    device: &Device,
+) -> anyhow::Result<Model> {
+    let plan_path = dir.join("plan.json");
+    let plan: PrunePlan = serde_json::from_str(
+        &std::fs::read_to_string(&plan_path)
+            .with_context(|| format!("cannot read {}", plan_path.display()))?,
+    )
+    .with_context(|| format!("{}: not a pruning plan", plan_path.display()))?;
+    let file = dir.join("model.bpk");
+    let skeleton = load_model(config, model_path, device)?.prune(&plan)?;
+    skeleton
+        .try_load_file(&file)
+        .map_err(|e| anyhow::anyhow!("{}: cannot load the pruned model ({e})", file.display()))
+}
+
+/// Prints the report, the ranking and the pruning results.
+pub fn print(findings: &Findings) {
+    println!("head statistics on the held-out examples (means over their positions):");
+    print!("{}", findings.report);
+    println!();
+    println!(
+        "heads by importance (ablation: the loss increase when the head is masked; gradient: \
+         of the loss by the head's mask, normalised per layer), ranked by {:?}:",
+        findings.pruned_by
+    );
+    let (ablation, gradient) = (&findings.ablation.scores, &findings.gradient.scores);
+    let ranking = match findings.pruned_by {
+        By::Ablation => findings.ablation.ranking(),
+        By::Gradient => findings.gradient.ranking(),
+    };
+    for (rank, (layer, head, _)) in ranking.into_iter().enumerate() {
+        println!(
+            "{:>3}. {:<18} head {head}  ablation {:+.4}  gradient {:.3}",
+            rank + 1,
+            findings.layers[layer],
+            ablation[layer][head],
+            gradient[layer][head]
+        );
+    }
+    for p in &findings.pruned {
+        println!();
+        println!(
+            "pruned {} of {} heads by {:?} ({}): held-out exact accuracy {:.2}% (full model {:.2}%); \
+             teacher-forced forward {:.1} ms against {:.1} ms ({:.2}x); greedy decoding {:.2} s \
+             against {:.2} s ({:.2}x); model in {}",
+            p.removed,
+            p.heads[1],
+            findings.pruned_by,
+            describe(&p.plan, &findings.layers),
+            100.0 * p.exact_accuracy,
+            100.0 * p.full_exact_accuracy,
+            1e3 * p.forward_seconds[0],
+            1e3 * p.forward_seconds[1],
+            p.forward_seconds[1] / p.forward_seconds[0],
+            p.decode_seconds[0],
+            p.decode_seconds[1],
+            p.decode_seconds[1] / p.decode_seconds[0],
+            p.dir.display()
+        );
+    }
+}
+
+/// `layer 0: 1, 3; layer 1: 2`.
+fn describe(plan: &PrunePlan, layers: &[String]) -> String {
+    plan.remove
+        .iter()
+        .zip(layers)
+        .filter(|(heads, _)| !heads.is_empty())
+        .map(|(heads, name)| {
+            let heads: Vec<String> = heads.iter().map(usize::to_string).collect();
+            format!("{name}: {}", heads.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
