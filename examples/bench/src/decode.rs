@@ -39,6 +39,7 @@ fn record(
         batch: Some(batch),
         context: Some(context),
         peak_mib,
+        heads: None,
     }
 }
 

@@ -20,9 +20,11 @@
 //!
 //! `--decode` adds the cost of one decoding step with mha's cache, by recomputing the
 //! prefix, and with Burn's `MhaCache`; `--window` adds sliding-window attention against
-//! full causal attention at long lengths, time and peak memory (see `decode.rs`).
+//! full causal attention at long lengths, time and peak memory (see `decode.rs`);
+//! `--prune` adds attention pruned to fewer heads against the full module (`prune.rs`).
 
 mod decode;
+mod prune;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -82,6 +84,10 @@ struct Cli {
     /// 4096 and 16384 positions, with peak memory.
     #[arg(long)]
     window: bool,
+    /// Also time attention pruned to 6, 4 and 2 of its 8 heads against the full module,
+    /// at the base shape.
+    #[arg(long)]
+    prune: bool,
     /// Also write every measurement to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -164,6 +170,9 @@ struct Record {
     /// Peak resident memory above what the process held before, MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     peak_mib: Option<f64>,
+    /// Heads kept, in the pruning measurements.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    heads: Option<usize>,
 }
 
 /// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device.
@@ -219,6 +228,7 @@ fn bench_mha(
             batch: None,
             context: None,
             peak_mib: None,
+            heads: None,
         });
     };
     let fwd = shape.mha_flops();
@@ -307,6 +317,7 @@ fn bench_matmul(
         batch: None,
         context: None,
         peak_mib: None,
+        heads: None,
     });
     Ok(())
 }
@@ -385,6 +396,7 @@ fn bench_trainer(
         batch: Some(config.batch_size),
         context: None,
         peak_mib: None,
+        heads: None,
     });
     Ok(())
 }
@@ -519,12 +531,18 @@ fn main() -> anyhow::Result<()> {
         if cli.window {
             decode::bench_window(cli.runs, backend, &device, &mut mine)?;
         }
+        if cli.prune {
+            prune::bench_prune(cli.runs, backend, &device, &mut mine)?;
+        }
         print_table(backend, &mine, &shapes);
         if cli.decode {
             decode::print_decode(backend, &mine);
         }
         if cli.window {
             decode::print_window(backend, &mine);
+        }
+        if cli.prune {
+            prune::print_prune(backend, &mine);
         }
         records.extend(mine);
     }
