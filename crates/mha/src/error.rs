@@ -202,9 +202,9 @@ pub enum PruneError {
 }
 
 impl PruneError {
-    /// The same error, its layer counted `offset` layers further (the layer's place in a
-    /// stack rather than in its block).
-    pub(crate) fn at_layer(self, offset: usize) -> Self {
+    /// The same error, its layer counted `offset` layers further: the layer's place in
+    /// a stack rather than in its block, or in a model rather than in one of its stacks.
+    pub fn at_layer(self, offset: usize) -> Self {
         match self {
             PruneError::Head { layer, head, heads } => PruneError::Head {
                 layer: layer + offset,

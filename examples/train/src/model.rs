@@ -11,7 +11,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
-use mha::analysis::{HeadMask, Heads, Inspect, LayerStats, PrunePlan};
+use mha::analysis::{Heads, Inspect, LayerStats, PrunePlan};
 use mha::positions::sinusoids;
 use mha::{
     AttentionMask, Decoder, DecoderBlockConfig, DecoderConfig, Encoder, EncoderBlockConfig,
@@ -649,8 +649,8 @@ impl Model {
             }
             Model::EncoderDecoder(m) => {
                 let layers = m.encoder.layers.len();
-                let encoder_part = inspect_part(inspect, 0, layers);
-                let decoder_part = inspect_part(inspect, layers, 2 * m.decoder.layers.len());
+                let encoder_part = inspect.slice(0, layers);
+                let decoder_part = inspect.slice(layers, 2 * m.decoder.layers.len());
                 let [_, len] = batch.source.dims();
                 let padding =
                     AttentionMask::key_lengths(&batch.source_lengths, len, &batch.source.device());
@@ -718,39 +718,17 @@ impl Model {
             }),
             Model::EncoderDecoder(m) => {
                 let n = m.encoder.layers.len();
-                let part = |start, len| PrunePlan {
-                    remove: plan.remove[start..start + len].to_vec(),
-                };
-                let decoder = m.decoder.prune(&part(n, layers - n)).map_err(|e| match e {
-                    PruneError::Head { layer, head, heads } => PruneError::Head {
-                        layer: layer + n,
-                        head,
-                        heads,
-                    },
-                    PruneError::Empty { layer, heads } => PruneError::Empty {
-                        layer: layer + n,
-                        heads,
-                    },
-                    other => other,
-                })?;
+                let decoder = m
+                    .decoder
+                    .prune(&plan.slice(n, layers - n))
+                    .map_err(|e| e.at_layer(n))?;
                 Model::EncoderDecoder(EncoderDecoder {
-                    encoder: m.encoder.prune(&part(0, n))?,
+                    encoder: m.encoder.prune(&plan.slice(0, n))?,
                     decoder,
                     ..m.clone()
                 })
             }
         })
-    }
-}
-
-/// The part of `inspect` for attention layers `start..start + len`.
-fn inspect_part(inspect: &Inspect, start: usize, len: usize) -> Inspect {
-    Inspect {
-        head_mask: inspect
-            .head_mask
-            .as_ref()
-            .map(|m: &HeadMask| m.slice(start, len)),
-        weights: inspect.weights,
     }
 }
 

@@ -185,8 +185,12 @@ impl Inspect {
         self
     }
 
-    /// The part of this request for attention layers `start..start + len`.
-    pub(crate) fn slice(&self, start: usize, len: usize) -> Inspect {
+    /// The part of this request for attention layers `start..start + len`: what one
+    /// stack of a model takes.
+    ///
+    /// # Panics
+    /// If the head mask has fewer layers.
+    pub fn slice(&self, start: usize, len: usize) -> Inspect {
         Inspect {
             head_mask: self.head_mask.as_ref().map(|m| m.slice(start, len)),
             weights: self.weights,

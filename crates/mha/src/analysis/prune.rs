@@ -76,8 +76,12 @@ impl PrunePlan {
         self.remove.iter().map(Vec::len).sum()
     }
 
-    /// Attention layers `start..start + len` as a plan of their own.
-    fn slice(&self, start: usize, len: usize) -> PrunePlan {
+    /// Attention layers `start..start + len` as a plan of their own: the part of a
+    /// model's plan that one of its stacks takes.
+    ///
+    /// # Panics
+    /// If the range passes the plan's last layer.
+    pub fn slice(&self, start: usize, len: usize) -> PrunePlan {
         PrunePlan {
             remove: self.remove[start..start + len].to_vec(),
         }
