@@ -12,10 +12,23 @@ GFLOP/s count the same work as the Rust benchmark: `8·B·T·D²` for the projec
     python3 scripts/bench_pytorch.py                    # CPU, every thread
     python3 scripts/bench_pytorch.py --threads 2 --json pytorch.json
     python3 scripts/bench_pytorch.py --device cuda
+    python3 scripts/bench_pytorch.py --trainer --threads 2   # whole training steps
+
+`--trainer` times whole training steps of the trainer's decoder-only model built the same
+way in PyTorch (token embedding plus sinusoidal positions, pre-norm causal
+`nn.TransformerEncoderLayer`s with GELU and no dropout, a final LayerNorm, a linear head;
+cross-entropy over the output tokens, backward, clipping of the gradient norm at 1, AdamW
+with weight decay 0.01) on batches of 64 reversals of 8 to 16 symbols (10 symbols), right
+padded to the longest of each batch, a fresh batch per step: at the trainer's default
+size (d_model 64, 2 layers, 4 heads, feed-forward 256) and at the reference size
+(d_model 128, 3 layers, 4 heads, feed-forward 512), like `cargo run --release -p bench --
+--shapes none` (its `trainer` and `trainer-reference` lines). Tokens per second count the
+real tokens of each batch (`input SEP output EOS`), as the Rust benchmark does.
 """
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -103,6 +116,93 @@ def bench(shape_name, device, runs):
     return records
 
 
+# The trainer's vocabulary: PAD, SEP, EOS, then the symbols.
+PAD, SEP, EOS, FIRST = 0, 1, 2, 3
+TRAINER_SIZES = {
+    # name: (d_model, layers, heads, learning rate)
+    "default": (64, 2, 4, 3e-3),
+    "reference": (128, 3, 4, 1e-3),
+}
+
+
+class Decoder(torch.nn.Module):
+    """The trainer's decoder-only model (examples/train/src/model.rs), in PyTorch."""
+
+    def __init__(self, vocab, d_model, layers, heads):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, d_model)
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, norm=torch.nn.LayerNorm(d_model), enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d_model, vocab)
+        self.d_model = d_model
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        position = torch.arange(t, dtype=torch.float32, device=ids.device)[:, None]
+        div = torch.exp(torch.arange(0, self.d_model, 2, dtype=torch.float32, device=ids.device) * (-math.log(10000.0) / self.d_model))
+        pe = torch.zeros(t, self.d_model, device=ids.device)
+        pe[:, 0::2] = torch.sin(position * div)
+        pe[:, 1::2] = torch.cos(position * div)
+        x = self.tokens(ids) + pe
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=ids.device, dtype=torch.bool)
+        return self.head(self.blocks(x, mask=mask, is_causal=True))
+
+
+def reverse_batch(rng, batch, device, symbols=10, lengths=(8, 16)):
+    """A batch of reversals as the trainer lays it out: `input SEP output EOS`, targets the
+    next token on the output positions (PAD elsewhere), right padded; and its real tokens."""
+    rows, targets = [], []
+    for _ in range(batch):
+        n = rng.randint(lengths[0], lengths[1])
+        inp = [FIRST + rng.randrange(symbols) for _ in range(n)]
+        out = inp[::-1] + [EOS]
+        seq = inp + [SEP] + out
+        tgt = [PAD] * len(seq)
+        tgt[n:n + len(out)] = out
+        rows.append(seq)
+        targets.append(tgt)
+    width = max(map(len, rows))
+    pad = lambda r: r + [PAD] * (width - len(r))
+    ids = torch.tensor([pad(r) for r in rows], device=device)
+    tgt = torch.tensor([pad(r) for r in targets], device=device)
+    return ids, tgt, sum(map(len, rows))
+
+
+def bench_trainer(size, device, steps):
+    """Mean milliseconds and tokens per second of `steps` training steps after one warm-up."""
+    import random
+
+    d_model, layers, heads, lr = TRAINER_SIZES[size]
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    vocab = FIRST + 10
+    model = Decoder(vocab, d_model, layers, heads).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=PAD)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step():
+        ids, tgt, tokens = reverse_batch(rng, 64, device)
+        logits = model(ids)
+        loss = loss_fn(logits.reshape(-1, vocab), tgt.reshape(-1))
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        return tokens
+
+    step()
+    sync()
+    start = time.perf_counter()
+    tokens = sum(step() for _ in range(steps))
+    sync()
+    seconds = time.perf_counter() - start
+    return dict(subject=f"pytorch-trainer-{size}", pass_="train-step", median_ms=seconds * 1e3 / steps, runs=steps,
+                tokens_per_second=tokens / seconds)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="small,base,long", help="comma-separated: " + ", ".join(SHAPES))
@@ -110,10 +210,26 @@ def main():
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", help="also write every measurement to this file")
+    parser.add_argument("--trainer", action="store_true", help="time whole training steps instead (see above)")
+    parser.add_argument("--train-steps", type=int, default=20, help="training steps timed per size")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.trainer:
+        where = torch.cuda.get_device_name() if device.type == "cuda" else f"{args.threads} threads"
+        print(f"## PyTorch {torch.__version__} on {args.device} ({where}): whole training steps, batch 64\n")
+        print("| size | ms per step | tokens/s |")
+        print("|---|---|---|")
+        records = []
+        for size in TRAINER_SIZES:
+            r = bench_trainer(size, device, args.train_steps)
+            records.append(r)
+            print(f"| {size} | {r['median_ms']:.1f} | {r['tokens_per_second']:.0f} |", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(torch=torch.__version__, device=args.device, threads=args.threads, records=records), f, indent=1)
+        return
     shapes = args.shapes.split(",")
     for s in shapes:
         if s not in SHAPES:

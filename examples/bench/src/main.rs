@@ -323,30 +323,66 @@ fn bench_matmul(
 }
 
 /// The trainer's measurements: its default model and task (`trainer`), the same with
-/// packed batches (the trainer's `--pack`), and both on mixed lengths (inputs of 1 to 16
-/// tokens, whose padded batches are about 45% padding).
-const TRAINER_RUNS: [(&str, bool, usize); 4] = [
-    ("trainer", false, 8),
-    ("trainer-packed", true, 8),
-    ("trainer-mixed", false, 1),
-    ("trainer-mixed-packed", true, 1),
+/// packed batches (the trainer's `--pack`), both on mixed lengths (inputs of 1 to 16
+/// tokens, whose padded batches are about 45% padding), and the model at the size of the
+/// PyTorch reference (`trainer-reference`: d_model 128, 3 layers, 4 heads, feed-forward
+/// 512, learning rate 1e-3), which `scripts/bench_pytorch.py --trainer` builds in
+/// PyTorch.
+const TRAINER_RUNS: [TrainerRun; 5] = [
+    TrainerRun::new("trainer", false, 8),
+    TrainerRun::new("trainer-packed", true, 8),
+    TrainerRun::new("trainer-mixed", false, 1),
+    TrainerRun::new("trainer-mixed-packed", true, 1),
+    TrainerRun {
+        reference: true,
+        ..TrainerRun::new("trainer-reference", false, 8)
+    },
 ];
 
-/// Whole training steps (batching, forward, loss, backward, AdamW) of the trainer's
-/// default model, on its task with inputs of `min_len` to 16 tokens, its batches padded
-/// or packed (`pack`).
+/// One trainer measurement.
+#[derive(Clone, Copy)]
+struct TrainerRun {
+    subject: &'static str,
+    /// Packed batches.
+    pack: bool,
+    /// The shortest input (the longest is 16).
+    min_len: usize,
+    /// The reference size instead of the default.
+    reference: bool,
+}
+
+impl TrainerRun {
+    const fn new(subject: &'static str, pack: bool, min_len: usize) -> Self {
+        Self {
+            subject,
+            pack,
+            min_len,
+            reference: false,
+        }
+    }
+}
+
+/// Whole training steps (batching, forward, loss, backward, clipping, AdamW) of the
+/// trainer's model, on its task with inputs of `min_len` to 16 tokens, its batches
+/// padded or packed.
 fn bench_trainer(
     cli: &Cli,
     backend: Backend,
     device: &Device,
-    (subject, pack, min_len): (&'static str, bool, usize),
+    run: TrainerRun,
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
     let mut config = TrainConfig {
-        pack,
+        pack: run.pack,
         ..TrainConfig::default()
     };
-    config.task.min_len = min_len;
+    config.task.min_len = run.min_len;
+    if run.reference {
+        config.model.d_model = 128;
+        config.model.n_layers = 3;
+        config.lr = 1e-3;
+    }
+    let subject = run.subject;
     let ad = device.clone().autodiff();
     let mut model = config.init_model(&ad)?;
     let mut optim = AdamWConfig::new()
@@ -468,6 +504,14 @@ fn print_trainer(records: &[Record]) {
             r.tokens_per_second.unwrap_or(0.0)
         );
     }
+    if let Some(r) = find("trainer-reference") {
+        println!(
+            "trainer at the reference size (d_model 128, 3 layers, 4 heads, feed-forward 512, \
+             batch 64): {:.1} ms per step, {:.0} tokens/s",
+            r.median_ms,
+            r.tokens_per_second.unwrap_or(0.0)
+        );
+    }
     for (padded, packed, what) in [
         ("trainer", "trainer-packed", "inputs of 8 to 16"),
         ("trainer-mixed", "trainer-mixed-packed", "inputs of 1 to 16"),
@@ -521,7 +565,7 @@ fn main() -> anyhow::Result<()> {
         }
         if !cli.no_train {
             for run in TRAINER_RUNS {
-                eprintln!("{backend}: {} ...", run.0);
+                eprintln!("{backend}: {} ...", run.subject);
                 bench_trainer(&cli, backend, &device, run, &mut mine)?;
             }
         }
