@@ -7,8 +7,8 @@ use burn::module::{Module, Param};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use mha::analysis::{HeadImportance, HeadMask, HeadReport, Heads, Inspect, LayerStats, PrunePlan};
 use mha::{
-    AttentionMask, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig, MhaInput,
-    MultiHeadAttention, MultiHeadAttentionConfig, Positions, PruneError,
+    AttentionMask, AttentionWeights, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
+    EncoderConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, Positions, PruneError,
 };
 
 use crate::util::{Backend, assert_close, backends, randn};
@@ -212,13 +212,14 @@ fn dropped(plan: &PrunePlan) -> Vec<(usize, usize)> {
 }
 
 /// Forward values, the input's gradient and the query and output projections' gradients
-/// of the kept heads: the masked module against the pruned one.
+/// of the kept heads: the masked module (asking for `weights`) against the pruned one.
 fn assert_pruned_equals_masked(
     be: &Backend,
     m: &MultiHeadAttention,
     plan: &PrunePlan,
     mask: AttentionMask,
     what: &str,
+    weights: AttentionWeights,
 ) {
     let device = be.autodiff();
     let pruned = m.prune(plan).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -231,7 +232,8 @@ fn assert_pruned_equals_masked(
         .forward(
             MhaInput::self_attn(x.clone())
                 .mask(mask.clone())
-                .head_mask(head_mask.layer(0).clone()),
+                .head_mask(head_mask.layer(0).clone())
+                .weights(weights),
         )
         .context;
     let grads_masked = loss(masked_out.clone()).backward();
@@ -312,7 +314,11 @@ fn a_pruned_attention_equals_the_masked_one_in_values_and_gradients() {
                 0 => AttentionMask::causal(),
                 _ => AttentionMask::key_lengths(&[6, 4], 6, &be.autodiff()),
             };
-            assert_pruned_equals_masked(&be, &m, &plan, mask, &what);
+            // Weights asked for take the explicit path, on the CPU too.
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let what = format!("{what}, weights {weights:?}");
+                assert_pruned_equals_masked(&be, &m, &plan, mask.clone(), &what, weights);
+            }
             let pruned = m.prune(&plan).unwrap();
             assert_eq!(pruned.n_heads, heads - remove.len(), "{what}");
         }
