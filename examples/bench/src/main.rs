@@ -45,9 +45,10 @@ use train::backend::Backend;
 use train::config::TrainConfig;
 use train::data::{SeqBatcher, Split};
 
-/// mimalloc keeps freed memory for the next allocation; the system allocator (glibc)
-/// unmaps tensors of a few MB when they are freed, and every step faults them in again
-/// (see the README's benchmarks: `--no-default-features` builds without it).
+/// mimalloc keeps freed memory for the next allocation (and, told so by
+/// `keep_freed_memory`, never gives it back); the system allocator (glibc) unmaps tensors
+/// of a few MB when they are freed, and every step faults them in again (see the README's
+/// benchmarks: `--no-default-features` builds without it).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -531,6 +532,7 @@ fn print_trainer(records: &[Record]) {
 }
 
 fn main() -> anyhow::Result<()> {
+    train::alloc::keep_freed_memory();
     let cli = Cli::parse();
     let shapes: Vec<Shape> = cli
         .shapes

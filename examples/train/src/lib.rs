@@ -13,8 +13,10 @@
 //! - [`training`]: Burn's learner, greedy evaluation, the summary;
 //! - [`plots`]: the loss curve and attention heatmaps;
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
-//! - [`cli`]: the command line.
+//! - [`cli`]: the command line;
+//! - [`alloc`]: the allocator's settings.
 
+pub mod alloc;
 pub mod backend;
 pub mod cli;
 pub mod config;

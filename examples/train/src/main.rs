@@ -13,13 +13,15 @@
 
 use std::process::ExitCode;
 
-/// mimalloc keeps freed memory for the next allocation; the system allocator (glibc)
-/// unmaps tensors of a few MB when they are freed, and every step faults them in again
-/// (see the README's benchmarks: `--no-default-features` builds without it).
+/// mimalloc keeps freed memory for the next allocation (and, told so by
+/// `keep_freed_memory`, never gives it back); the system allocator (glibc) unmaps tensors
+/// of a few MB when they are freed, and every step faults them in again (see the README's
+/// benchmarks: `--no-default-features` builds without it).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    train::alloc::keep_freed_memory();
     train::cli::Cli::parse_with_defaults().run()
 }
