@@ -291,6 +291,17 @@ def positioned_attention(name, kind, seed, **kw):
     save(name, mha, inputs, out)
 
 
+def gelu():
+    """The exact GELU, `x Φ(x)`, of the feed-forward: values and gradient, over inputs
+    spread to its tails (|x| up to 12) and rows of a length that is no multiple of 8."""
+    torch.manual_seed(17)
+    x = torch.randn(3, 5, 67) * 3
+    x[0, 0, :6] = torch.tensor([0.0, -12.0, 12.0, -5.5, 5.5, 1e-4])
+    x.requires_grad_(True)
+    out = F.gelu(x)
+    save("gelu", None, {"x": x}, out)
+
+
 def position_tables():
     """What positions are made of, to compare exactly: T5's bucket of every distance in
     -300..=300 for four configurations, sinusoids, ALiBi's slopes for 1..=16 heads."""
@@ -329,3 +340,4 @@ if __name__ == "__main__":
     positioned_attention("mha_t5_bidirectional", "t5", 15, bidirectional=True, num_buckets=8, max_distance=20)
     positioned_attention("mha_t5_causal", "t5", 16, bidirectional=False, num_buckets=8, max_distance=20)
     position_tables()
+    gelu()

@@ -400,3 +400,47 @@ fn buckets_sinusoids_and_slopes_are_pytorchs() {
         assert_eq!(mha::positions::alibi_slopes(heads), want, "{heads} heads");
     }
 }
+
+#[test]
+fn gelu_values_and_gradient_match_pytorch_with_and_without_autodiff() {
+    // The fused operation on flex and ndarray, written with erf on wgpu.
+    let f = Fixture::load("gelu");
+    let shape = [3, 5, 67];
+    for b in backends() {
+        let gelu = FeedForwardActivation::Gelu;
+        let x = f.io("x", shape, &b.device);
+        let out = gelu.forward(x);
+        assert_close(
+            &format!("[{}] gelu", b.name),
+            out,
+            f.io("out", shape, &b.device),
+            b.forward_tol(),
+        );
+
+        let device = b.autodiff();
+        let x = f.io("x", shape, &device).require_grad();
+        let out = gelu.forward(x.clone());
+        let grads = backward(&f, &out, &device);
+        assert_close(
+            &format!("[{}] gelu under autodiff", b.name),
+            out,
+            f.io("out", shape, &device),
+            b.forward_tol(),
+        );
+        assert_close(
+            &format!("[{}] gelu gradient", b.name),
+            x.grad(&grads).expect("x has a gradient"),
+            f.io("grad.x", shape, &device),
+            b.grad_tol(),
+        );
+        // A view that is not contiguous (the transpose of the last two axes) reads the same.
+        let x = f.io("x", shape, &b.device).swap_dims(1, 2);
+        let want = f.io("out", shape, &b.device).swap_dims(1, 2);
+        assert_close(
+            &format!("[{}] gelu of a view", b.name),
+            gelu.forward(x),
+            want,
+            b.forward_tol(),
+        );
+    }
+}

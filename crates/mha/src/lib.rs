@@ -30,6 +30,8 @@
 //! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
 //! | [`cache`] | [`KvCache`]: decoding token by token, per layer and per stack; the cross-attention's keys and values once |
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
+//! | `activation` (private) | the feed-forward's exact GELU: one operation with its own backward on the CPU backends |
+//! | `cpu::gelu` (private) | GELU and its derivative over rows, with an `erf` that vectorises |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
 //! | [`analysis`] | looking inside: head masks and the weights of every layer, head statistics, importance, pruning |
@@ -50,6 +52,7 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
+mod activation;
 pub mod analysis;
 pub mod attention;
 pub mod block;

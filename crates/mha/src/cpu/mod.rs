@@ -28,6 +28,7 @@ mod backward;
 #[cfg(feature = "flex")]
 mod flex;
 mod forward;
+pub(crate) mod gelu;
 mod gemm;
 mod math;
 #[cfg(feature = "ndarray")]
