@@ -41,7 +41,7 @@ pub struct TrainConfig {
     pub grad_clip: f32,
     /// Steps per epoch (a checkpoint is written after each epoch). Default: 100.
     pub steps_per_epoch: usize,
-    /// Epochs. Default: 8.
+    /// Epochs. Default: 10.
     pub epochs: usize,
     /// Held-out sequences for the validation loss after each epoch. Default: 256.
     pub valid_examples: usize,
@@ -71,7 +71,7 @@ impl Default for TrainConfig {
             weight_decay: 0.01,
             grad_clip: 1.0,
             steps_per_epoch: 100,
-            epochs: 8,
+            epochs: 10,
             valid_examples: 256,
             eval_examples: 1000,
             seed: 42,
