@@ -216,8 +216,14 @@ def main():
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {args.threads} threads"
+
+    def write_json(records):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(torch=torch.__version__, device=args.device, threads=args.threads, records=records), f, indent=1)
+
     if args.trainer:
-        where = torch.cuda.get_device_name() if device.type == "cuda" else f"{args.threads} threads"
         print(f"## PyTorch {torch.__version__} on {args.device} ({where}): whole training steps, batch 64\n")
         print("| size | ms per step | tokens/s |")
         print("|---|---|---|")
@@ -226,15 +232,12 @@ def main():
             r = bench_trainer(size, device, args.train_steps)
             records.append(r)
             print(f"| {size} | {r['median_ms']:.1f} | {r['tokens_per_second']:.0f} |", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(torch=torch.__version__, device=args.device, threads=args.threads, records=records), f, indent=1)
+        write_json(records)
         return
     shapes = args.shapes.split(",")
     for s in shapes:
         if s not in SHAPES:
             parser.error(f"--shapes: unknown shape {s!r} ({', '.join(SHAPES)})")
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {args.threads} threads"
     print(f"## PyTorch {torch.__version__} on {args.device} ({where}): causal self-attention, median ms (GFLOP/s)\n")
     print("| shape (B, T, D, H) | fwd | fwd+bwd | core fwd | core fwd+bwd |")
     print("|---|---|---|---|---|")
@@ -249,9 +252,7 @@ def main():
             f"| {cell['pytorch-core', 'forward']} | {cell['pytorch-core', 'forward+backward']} |",
             flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(torch=torch.__version__, device=args.device, threads=args.threads, records=records), f, indent=1)
+    write_json(records)
 
 
 if __name__ == "__main__":
