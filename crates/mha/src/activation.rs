@@ -33,28 +33,16 @@ mod cpu {
         grads::Gradients,
         ops::{Backward, Ops, OpsKind},
     };
-    use burn::backend::{
-        Backend, Dispatch, DispatchDevice, backend_extension, tensor::FloatTensor,
-    };
+    use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
     use burn::tensor::{DType, Tensor};
 
+    use crate::attention::dispatch::Cpu;
     use crate::cpu::CpuTensors;
     use crate::cpu::gelu::{gelu_backward, gelu_forward};
 
     /// Whether `x` is an f32 tensor on flex or ndarray (with autodiff or not).
     pub(super) fn runs<const D: usize>(x: &Tensor<D>) -> bool {
-        fn cpu(device: &DispatchDevice) -> bool {
-            #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
-            match device {
-                DispatchDevice::Autodiff(inner) => cpu(inner),
-                #[cfg(feature = "flex")]
-                DispatchDevice::Flex(_) => true,
-                #[cfg(feature = "ndarray")]
-                DispatchDevice::NdArray(_) => true,
-                _ => false,
-            }
-        }
-        x.dtype() == DType::F32 && D >= 1 && cpu(x.device().as_dispatch())
+        x.dtype() == DType::F32 && Cpu::of(x.device().as_dispatch()).is_some()
     }
 
     /// GELU as one operation, differentiable on `Autodiff<Flex | NdArray>`.

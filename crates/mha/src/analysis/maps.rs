@@ -42,8 +42,6 @@ pub fn register_font() -> Result<(), MapError> {
 pub enum MapError {
     /// The file's extension is neither `png` nor `svg`.
     Format(String),
-    /// The weights and the labels disagree.
-    Shape(String),
     /// Drawing or writing failed.
     Draw(String),
 }
@@ -55,7 +53,7 @@ impl fmt::Display for MapError {
                 f,
                 "attention map: cannot tell the format of {path}: name it .png or .svg"
             ),
-            MapError::Shape(message) | MapError::Draw(message) => {
+            MapError::Draw(message) => {
                 write!(f, "attention map: {message}")
             }
         }

@@ -30,7 +30,7 @@ pub(super) enum Path {
 
 /// A CPU backend with tiles, under a device (autodiff or not).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Cpu {
+pub(crate) enum Cpu {
     #[cfg(feature = "flex")]
     Flex,
     #[cfg(feature = "ndarray")]
@@ -39,7 +39,7 @@ enum Cpu {
 
 impl Cpu {
     /// The backend of `device`, if it is one with tiles compiled in.
-    fn of(device: &DispatchDevice) -> Option<Self> {
+    pub(crate) fn of(device: &DispatchDevice) -> Option<Self> {
         #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
         match device {
             DispatchDevice::Autodiff(inner) => Self::of(inner),

@@ -16,7 +16,7 @@
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. Both
 //! paths read the shared head where it lies instead of copying it per query head.
 
-mod dispatch;
+pub(crate) mod dispatch;
 mod explicit;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod recompute;
