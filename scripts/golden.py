@@ -28,21 +28,22 @@ OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures")
 
 
 def save(name, model, inputs, out, weights=None, extra=None):
-    """Backprop (out * grad_out).sum() and write the fixture."""
+    """Backprop (out * grad_out).sum() and write the fixture, in f32 (a reference computed
+    in f64 is rounded once, at the end)."""
     g = torch.Generator().manual_seed(1234)
     grad_out = torch.randn(out.shape, generator=g)
     (out * grad_out).sum().backward()
     tensors = {}
     if model is not None:
         for k, v in model.state_dict().items():
-            tensors[f"model.{k}"] = v.detach().clone().contiguous()
+            tensors[f"model.{k}"] = v.detach().float().clone().contiguous()
         for k, p in model.named_parameters():
-            tensors[f"io.grad.model.{k}"] = p.grad.detach().clone().contiguous()
+            tensors[f"io.grad.model.{k}"] = p.grad.detach().float().clone().contiguous()
     for k, v in inputs.items():
         tensors[f"io.{k}"] = v.detach().float().clone().contiguous()
         if v.requires_grad:
-            tensors[f"io.grad.{k}"] = v.grad.detach().clone().contiguous()
-    tensors["io.out"] = out.detach().clone().contiguous()
+            tensors[f"io.grad.{k}"] = v.grad.detach().float().clone().contiguous()
+    tensors["io.out"] = out.detach().float().clone().contiguous()
     tensors["io.grad_out"] = grad_out
     if weights is not None:
         tensors["io.weights"] = weights.detach().clone().contiguous()
@@ -302,6 +303,27 @@ def gelu():
     save("gelu", None, {"x": x}, out)
 
 
+def layer_norm():
+    """`nn.LayerNorm` over rows of 67 (no multiple of 8) far from zero mean and unit
+    variance, one row constant (its variance is 0: ε alone; its input gradient is then
+    ~300, as large as an f32 tolerance of 1e-4 allows), a learned scale and shift; and a
+    norm without shift over rows of 128. Values and gradients of the input and
+    the parameters, computed in f64 from f32 inputs: PyTorch's own f32 gradient of the
+    scale is 1e-4 off the exact one here (rows whose mean is 30 times their spread)."""
+    torch.manual_seed(19)
+    for name, d, bias in (("layer_norm", 67, True), ("layer_norm_no_bias", 128, False)):
+        norm = nn.LayerNorm(d, eps=1e-5, bias=bias)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(d) * 0.5 + 1.0)
+            if bias:
+                norm.bias.copy_(torch.randn(d) * 0.5)
+        x = torch.randn(3, 5, d) * (torch.rand(3, 5, 1) * 3 + 0.5) + torch.randn(3, 5, 1) * 10
+        if bias:
+            x[1, 2] = 7.25
+        norm, x = norm.double(), x.double().requires_grad_(True)
+        save(name, norm, {"x": x}, norm(x))
+
+
 def position_tables():
     """What positions are made of, to compare exactly: T5's bucket of every distance in
     -300..=300 for four configurations, sinusoids, ALiBi's slopes for 1..=16 heads."""
@@ -341,3 +363,4 @@ if __name__ == "__main__":
     positioned_attention("mha_t5_causal", "t5", 16, bidirectional=False, num_buckets=8, max_distance=20)
     position_tables()
     gelu()
+    layer_norm()

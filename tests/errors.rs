@@ -125,6 +125,15 @@ fn bad_block_and_stack_configs_name_the_field_and_values() {
 }
 
 #[test]
+#[should_panic(
+    expected = "LayerNorm: the input's last axis is 6 wide (shape [2, 6]), the norm's d_model is 8"
+)]
+fn layer_norm_refuses_rows_of_another_width() {
+    let norm = mha::LayerNorm::new(&burn::nn::LayerNormConfig::new(8), &dev());
+    norm.forward(burn::tensor::Tensor::<2>::zeros([2, 6], &dev()));
+}
+
+#[test]
 #[should_panic(expected = "MultiHeadAttentionConfig.d_model: 100 is not divisible by n_heads = 3")]
 fn init_panics_with_the_same_message() {
     MultiHeadAttentionConfig::new(100, 3).init(&dev());

@@ -444,3 +444,77 @@ fn gelu_values_and_gradient_match_pytorch_with_and_without_autodiff() {
         );
     }
 }
+
+#[test]
+fn layer_norm_values_and_gradients_match_pytorch_with_and_without_autodiff() {
+    // The fused operation on flex and ndarray, Burn's layer_norm on wgpu; with and without
+    // a shift, a row whose variance is 0, rows of 67 and 128.
+    for (name, d, bias) in [("layer_norm", 67, true), ("layer_norm_no_bias", 128, false)] {
+        let f = Fixture::load(name);
+        let shape = [3, 5, d];
+        let config = burn::nn::LayerNormConfig::new(d).with_bias(bias);
+        for b in backends() {
+            let load = |device: &Device| {
+                mha::LayerNorm::new(&config, device)
+                    .load_pytorch(&f.weights, "model.")
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            let norm = load(&b.device);
+            check_forward(
+                &b,
+                &f,
+                "layer norm",
+                norm.forward(f.io("x", shape, &b.device)),
+                "out",
+            );
+
+            let device = b.autodiff();
+            let norm = load(&device);
+            let x = f.io("x", shape, &device).require_grad();
+            let out = norm.forward(x.clone());
+            let grads = backward(&f, &out, &device);
+            check_forward(&b, &f, "layer norm under autodiff", out, "out");
+            check_input_grad(&b, &f, "x", &x, &grads);
+            check_param_grads(&b, &f, &norm, mha::LayerNorm::new(&config, &device), &grads);
+
+            // A view that is not contiguous (the first two axes swapped) reads the same.
+            let x = f.io("x", shape, &b.device).swap_dims(0, 1);
+            let want = f.io("out", shape, &b.device).swap_dims(0, 1);
+            let label = format!("[{}] {name} of a view", b.name);
+            assert_close(&label, load(&b.device).forward(x), want, b.forward_tol());
+        }
+    }
+}
+
+#[test]
+fn layer_norm_files_load_across_burn_and_mha() {
+    // A model saved with Burn's LayerNorm (as blocks were before they had their own) loads
+    // into mha's, and back.
+    let device = Device::default();
+    let config = burn::nn::LayerNormConfig::new(5);
+    let dir = std::env::temp_dir().join(format!("mha-norm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut burns = config.init(&device);
+    burns.gamma = Param::from_tensor(crate::util::randn([5], 1, &device));
+    burns.beta = Some(Param::from_tensor(crate::util::randn([5], 2, &device)));
+    burns.clone().save_file(dir.join("burn")).unwrap();
+    let ours = mha::LayerNorm::new(&config, &device)
+        .try_load_file(dir.join("burn"))
+        .unwrap();
+    let x = crate::util::randn([4, 5], 3, &device);
+    assert_close(
+        "burn -> mha",
+        ours.forward(x.clone()),
+        burns.forward(x.clone()),
+        1e-6,
+    );
+    ours.save_file(dir.join("mha")).unwrap();
+    let back = config.init(&device).try_load_file(dir.join("mha")).unwrap();
+    assert_close(
+        "mha -> burn",
+        back.forward(x.clone()),
+        burns.forward(x),
+        0.0,
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -6,7 +6,7 @@
 
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, LayerNormConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
 use crate::analysis::{Heads, Inspect, Inspected};
@@ -15,6 +15,7 @@ use crate::cache::{KvCache, MemoryKv};
 use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::mha::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::norm::LayerNorm;
 use crate::positions::Positions;
 
 /// The feed-forward activation.
@@ -143,10 +144,10 @@ impl EncoderBlockConfig {
     }
 
     fn norm(&self, device: &Device) -> LayerNorm {
-        LayerNormConfig::new(self.d_model)
+        let config = LayerNormConfig::new(self.d_model)
             .with_epsilon(self.layer_norm_eps)
-            .with_bias(self.bias)
-            .init(device)
+            .with_bias(self.bias);
+        LayerNorm::new(&config, device)
     }
 
     /// The final norm a pre-norm stack of these blocks needs.

@@ -32,6 +32,8 @@
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | `activation` (private) | the feed-forward's exact GELU: one operation with its own backward on the CPU backends |
 //! | `cpu::gelu` (private) | GELU and its derivative over rows, with an `erf` that vectorises |
+//! | [`norm`] | [`LayerNorm`]: layer normalisation, one operation with its own backward on the CPU backends |
+//! | `cpu::norm` (private) | layer norm and its gradients over rows, one pass each way |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
 //! | [`analysis`] | looking inside: head masks and the weights of every layer, head statistics, importance, pruning |
@@ -62,6 +64,7 @@ mod cpu;
 pub mod error;
 pub mod mask;
 pub mod mha;
+pub mod norm;
 pub mod positions;
 pub mod pytorch;
 pub mod stack;
@@ -76,6 +79,7 @@ pub use cache::{KvCache, MemoryKv, StackCache};
 pub use error::{CacheError, ConfigError, PruneError};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
+pub use norm::LayerNorm;
 pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};
 pub use pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
 pub use stack::{Decoder, DecoderConfig, Encoder, EncoderConfig};

@@ -20,12 +20,13 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 use burn::module::Param;
-use burn::nn::{LayerNorm, Linear};
+use burn::nn::Linear;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::block::{DecoderBlock, EncoderBlock, FeedForward};
 use crate::mha::{InputProjection, MultiHeadAttention, SeparateProjection};
+use crate::norm::LayerNorm;
 use crate::stack::{Decoder, Encoder};
 
 /// Why weights could not be imported.
@@ -334,6 +335,14 @@ fn load_norm(
         }
     };
     Ok(norm)
+}
+
+impl LoadPyTorch for LayerNorm {
+    /// Keys of `nn.LayerNorm`: `weight` (`γ`), `bias` (`β`; refused when the norm has
+    /// none).
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        load_norm(self, weights, prefix)
+    }
 }
 
 impl LoadPyTorch for MultiHeadAttention {

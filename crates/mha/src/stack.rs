@@ -4,7 +4,6 @@
 
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::LayerNorm;
 use burn::tensor::{Device, Tensor};
 
 use crate::analysis::{Heads, Inspect, Inspected};
@@ -12,6 +11,7 @@ use crate::block::{DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockC
 use crate::cache::{KvCache, StackCache};
 use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
+use crate::norm::LayerNorm;
 use crate::positions::{AbsolutePositions, Positions};
 
 /// Configuration of [`Encoder`].

@@ -12,7 +12,7 @@ use burn::backend::tensor::FloatTensor;
 
 use super::gemm::Isa;
 use super::math::{exp, exp_fma};
-use super::{CpuTensors, Grid};
+use super::{CpuTensors, dims_of};
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -21,8 +21,7 @@ const CHUNK: usize = 1 << 14;
 pub(crate) fn gelu_forward<B: CpuTensors>(x: &FloatTensor<B>) -> FloatTensor<B> {
     let x = B::readable(x);
     let dims = dims_of::<B>(&x);
-    let grid = B::floats(&x);
-    let input = contiguous(&grid, dims);
+    let input = B::floats(&x).contiguous(dims);
     let mut out = vec![0.0f32; input.len()];
     let isa = Isa::best();
     out.par_chunks_mut(CHUNK)
@@ -38,40 +37,14 @@ pub(crate) fn gelu_backward<B: CpuTensors>(
 ) -> FloatTensor<B> {
     let (x, grad) = (B::readable(x), B::readable(grad));
     let dims = dims_of::<B>(&x);
-    let input = contiguous(&B::floats(&x), dims);
-    let upstream = contiguous(&B::floats(&grad), dims);
+    let input = B::floats(&x).contiguous(dims);
+    let upstream = B::floats(&grad).contiguous(dims);
     let mut out = vec![0.0f32; input.len()];
     let isa = Isa::best();
     out.par_chunks_mut(CHUNK)
         .zip(input.par_chunks(CHUNK).zip(upstream.par_chunks(CHUNK)))
         .for_each(|(out, (x, g))| run(isa, x, Some(g), out));
     B::from_rows(out, dims)
-}
-
-/// The dims of a rank-4 tensor.
-fn dims_of<B: CpuTensors>(x: &FloatTensor<B>) -> [usize; 4] {
-    use burn::backend::TensorMetadata;
-    let shape: Vec<usize> = x.shape().iter().copied().collect();
-    <[usize; 4]>::try_from(shape).expect("rank 4")
-}
-
-/// The elements of `grid` in row-major order: the storage itself when it is contiguous.
-fn contiguous<'a>(grid: &Grid<'a, f32>, [b, h, r, c]: [usize; 4]) -> std::borrow::Cow<'a, [f32]> {
-    let n = b * h * r * c;
-    let [s0, s1, s2, _] = grid.strides;
-    let dense = (b == 1 || s0 == h * r * c) && (h == 1 || s1 == r * c) && (r == 1 || s2 == c);
-    if dense && grid.offset + n <= grid.data.len() {
-        return std::borrow::Cow::Borrowed(&grid.data[grid.offset..grid.offset + n]);
-    }
-    let mut all = Vec::with_capacity(n);
-    for bi in 0..b {
-        for hi in 0..h {
-            for ri in 0..r {
-                all.extend_from_slice(grid.row(bi, hi, ri, c));
-            }
-        }
-    }
-    std::borrow::Cow::Owned(all)
 }
 
 /// GELU of `x` into `out`, or with `grad`, its derivative times `grad`.

@@ -33,6 +33,7 @@ mod gemm;
 mod math;
 #[cfg(feature = "ndarray")]
 mod ndarray;
+pub(crate) mod norm;
 #[cfg(test)]
 mod tests;
 
@@ -344,6 +345,34 @@ impl<T: Copy> Grid<'_, T> {
         );
         (self.data[start..].as_ptr(), s2)
     }
+}
+
+impl<'a> Grid<'a, f32> {
+    /// The elements of a tensor of `dims` in row-major order: the storage itself when it
+    /// is contiguous, else a copy.
+    pub(crate) fn contiguous(&self, [b, h, r, c]: [usize; 4]) -> std::borrow::Cow<'a, [f32]> {
+        let n = b * h * r * c;
+        let [s0, s1, s2, _] = self.strides;
+        let dense = (b == 1 || s0 == h * r * c) && (h == 1 || s1 == r * c) && (r == 1 || s2 == c);
+        if dense && self.offset + n <= self.data.len() {
+            return std::borrow::Cow::Borrowed(&self.data[self.offset..self.offset + n]);
+        }
+        let mut all = Vec::with_capacity(n);
+        for bi in 0..b {
+            for hi in 0..h {
+                for ri in 0..r {
+                    all.extend_from_slice(self.row(bi, hi, ri, c));
+                }
+            }
+        }
+        std::borrow::Cow::Owned(all)
+    }
+}
+
+/// The dims of a rank-4 tensor.
+pub(crate) fn dims_of<B: Backend>(x: &FloatTensor<B>) -> [usize; 4] {
+    let shape: Vec<usize> = x.shape().iter().copied().collect();
+    <[usize; 4]>::try_from(shape).expect("rank 4")
 }
 
 /// What a tile reads to make its scores: the [`Scoring`], a bias and a boolean mask
