@@ -324,6 +324,17 @@ def layer_norm():
         save(name, norm, {"x": x}, norm(x))
 
 
+def cross_entropy():
+    """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
+    ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
+    torch.manual_seed(23)
+    logits = (torch.randn(37, 13) * 5).requires_grad_(True)
+    targets = torch.randint(1, 13, (37,))
+    targets[[0, 5, 6, 30]] = 0
+    loss = F.cross_entropy(logits, targets, ignore_index=0).reshape(1)
+    save("cross_entropy", None, {"logits": logits}, loss, extra={"targets": targets})
+
+
 def position_tables():
     """What positions are made of, to compare exactly: T5's bucket of every distance in
     -300..=300 for four configurations, sinusoids, ALiBi's slopes for 1..=16 heads."""
@@ -364,3 +375,4 @@ if __name__ == "__main__":
     position_tables()
     gelu()
     layer_norm()
+    cross_entropy()

@@ -134,6 +134,24 @@ fn layer_norm_refuses_rows_of_another_width() {
 }
 
 #[test]
+#[should_panic(
+    expected = "cross_entropy: targets[2] = 7 is not a class index below 4 (logits [3, 4]), nor ignore_index 9"
+)]
+fn cross_entropy_refuses_a_target_out_of_range() {
+    let logits = burn::tensor::Tensor::<2>::zeros([3, 4], &dev());
+    let targets = burn::tensor::Tensor::<1, burn::tensor::Int>::from_ints([1, 9, 7], &dev());
+    mha::loss::cross_entropy(logits, targets, Some(9));
+}
+
+#[test]
+#[should_panic(expected = "cross_entropy: targets has 2 rows, logits 3 (shape [3, 4])")]
+fn cross_entropy_refuses_targets_of_another_length() {
+    let logits = burn::tensor::Tensor::<2>::zeros([3, 4], &dev());
+    let targets = burn::tensor::Tensor::<1, burn::tensor::Int>::from_ints([1, 2], &dev());
+    mha::loss::cross_entropy(logits, targets, None);
+}
+
+#[test]
 #[should_panic(expected = "MultiHeadAttentionConfig.d_model: 100 is not divisible by n_heads = 3")]
 fn init_panics_with_the_same_message() {
     MultiHeadAttentionConfig::new(100, 3).init(&dev());

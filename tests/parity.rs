@@ -518,3 +518,47 @@ fn layer_norm_files_load_across_burn_and_mha() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn cross_entropy_loss_and_gradient_match_pytorch_with_and_without_autodiff() {
+    // The fused operation on flex and ndarray, log_softmax and a gather on wgpu; rows whose
+    // target is the ignored index 0 count for nothing.
+    let f = Fixture::load("cross_entropy");
+    let shape = [37, 13];
+    for b in backends() {
+        let targets = |device: &Device| f.io::<1>("targets", [37], device).int();
+        let loss = mha::loss::cross_entropy(
+            f.io("logits", shape, &b.device),
+            targets(&b.device),
+            Some(0),
+        );
+        check_forward(&b, &f, "cross-entropy", loss, "out");
+
+        let device = b.autodiff();
+        let logits = f.io("logits", shape, &device).require_grad();
+        let loss = mha::loss::cross_entropy(logits.clone(), targets(&device), Some(0));
+        let grads = backward(&f, &loss, &device);
+        check_forward(&b, &f, "cross-entropy under autodiff", loss, "out");
+        check_input_grad(&b, &f, "logits", &logits, &grads);
+
+        // Every row ignored: 0 and a gradient of 0, not NaN.
+        let logits = f.io("logits", shape, &device).require_grad();
+        let none = Tensor::<1, burn::tensor::Int>::zeros([37], &device);
+        let loss = mha::loss::cross_entropy(logits.clone(), none, Some(0));
+        let grads = loss.clone().backward();
+        let zeros = Tensor::<2>::zeros(shape, &device);
+        assert_close(
+            &format!("[{}] all ignored", b.name),
+            loss,
+            Tensor::zeros([1], &device),
+            0.0,
+        );
+        let grad = logits.grad(&grads).expect("a gradient");
+        assert_close(
+            &format!("[{}] all ignored, gradient", b.name),
+            grad,
+            zeros,
+            0.0,
+        );
+    }
+}

@@ -32,6 +32,8 @@
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | `activation` (private) | the feed-forward's exact GELU: one operation with its own backward on the CPU backends |
 //! | `cpu::gelu` (private) | GELU and its derivative over rows, with an `erf` that vectorises |
+//! | [`loss`] | [`loss::cross_entropy`]: one operation that writes its gradient in the same pass on the CPU backends |
+//! | `cpu::loss` (private) | cross-entropy and its gradient over rows of logits |
 //! | [`norm`] | [`LayerNorm`]: layer normalisation, one operation with its own backward on the CPU backends |
 //! | `cpu::norm` (private) | layer norm and its gradients over rows, one pass each way |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
@@ -62,6 +64,7 @@ pub mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
 pub mod error;
+pub mod loss;
 pub mod mask;
 pub mod mha;
 pub mod norm;

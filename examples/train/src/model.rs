@@ -7,7 +7,6 @@
 //! The loss counts only output tokens (and the closing EOS).
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
@@ -588,13 +587,11 @@ impl Model {
 /// `[B, T]` (PAD ignored).
 fn output_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> SequenceOutput {
     let [b, t, v] = logits.dims();
-    let loss = CrossEntropyLossConfig::new()
-        .with_pad_tokens(Some(vec![PAD]))
-        .init(&logits.device())
-        .forward(
-            logits.clone().reshape([b * t, v]),
-            targets.clone().reshape([b * t]),
-        );
+    let loss = mha::loss::cross_entropy(
+        logits.clone().reshape([b * t, v]),
+        targets.clone().reshape([b * t]),
+        Some(PAD),
+    );
     SequenceOutput::new(loss, logits, None, targets)
 }
 
