@@ -74,7 +74,7 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
     let input = B::floats(&x).contiguous(dims);
     let gamma = vector::<B>(gamma, d);
     let beta = beta.map_or_else(|| vec![0.0; d], |b| vector::<B>(b, d));
-    let rows = if d == 0 { 0 } else { input.len() / d };
+    let rows = input.len().checked_div(d).unwrap_or(0);
     let mut out = vec![0.0f32; input.len()];
     let (mut mean, mut rstd) = (vec![0.0f32; rows], vec![0.0f32; rows]);
     if rows > 0 {
@@ -117,13 +117,12 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
     if !stats.mean.is_empty() {
         let per = rows_per_task(d);
         let isa = Isa::best();
-        let task =
-            |(x, dy, mean, rstd, dx): (&[f32], &[f32], &[f32], &[f32], Option<&mut [f32]>)| {
-                let mut part = vec![0.0f32; 2 * d];
-                let (dg, db) = part.split_at_mut(d);
-                backward(isa, Rows { x, dy, mean, rstd }, &gamma, dx, [dg, db]);
-                part
-            };
+        let task = |rows: Rows, dx: Option<&mut [f32]>| {
+            let mut part = vec![0.0f32; 2 * d];
+            let (dg, db) = part.split_at_mut(d);
+            backward(isa, rows, &gamma, dx, [dg, db]);
+            part
+        };
         let blocks = input
             .par_chunks(per * d)
             .zip(upstream.par_chunks(per * d))
@@ -131,11 +130,11 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
         let parts: Vec<Vec<f32>> = if want_x {
             blocks
                 .zip(dx.par_chunks_mut(per * d))
-                .map(|(((x, dy), (mean, rstd)), dx)| task((x, dy, mean, rstd, Some(dx))))
+                .map(|(((x, dy), (mean, rstd)), dx)| task(Rows { x, dy, mean, rstd }, Some(dx)))
                 .collect()
         } else {
             blocks
-                .map(|((x, dy), (mean, rstd))| task((x, dy, mean, rstd, None)))
+                .map(|((x, dy), (mean, rstd))| task(Rows { x, dy, mean, rstd }, None))
                 .collect()
         };
         for part in parts {
