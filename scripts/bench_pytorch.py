@@ -170,6 +170,18 @@ def reverse_batch(rng, batch, device, symbols=10, lengths=(8, 16)):
     return ids, tgt, sum(map(len, rows))
 
 
+def train_step(model, optim, loss_fn, ids, tgt):
+    """One step of the trainer's: forward, cross-entropy over the output tokens, backward,
+    clipping of the gradient norm at 1, AdamW; returns the loss."""
+    logits = model(ids)
+    loss = loss_fn(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    return loss
+
+
 def bench_trainer(size, device, steps):
     """Mean milliseconds and tokens per second of `steps` training steps after one warm-up."""
     import random
@@ -185,12 +197,7 @@ def bench_trainer(size, device, steps):
 
     def step():
         ids, tgt, tokens = reverse_batch(rng, 64, device)
-        logits = model(ids)
-        loss = loss_fn(logits.reshape(-1, vocab), tgt.reshape(-1))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        train_step(model, optim, loss_fn, ids, tgt)
         return tokens
 
     step()

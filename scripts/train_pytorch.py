@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_pytorch import EOS, FIRST, PAD, SEP, TRAINER_SIZES, Decoder, reverse_batch  # noqa: E402
+from bench_pytorch import EOS, FIRST, PAD, SEP, TRAINER_SIZES, Decoder, reverse_batch, train_step  # noqa: E402
 
 SYMBOLS, LENGTHS = 10, (8, 16)
 
@@ -90,12 +90,7 @@ def main():
     tokens, step, accuracy, loss = 0, 0, 0.0, float("nan")
     while step < args.max_steps:
         ids, tgt, real = reverse_batch(rng, args.batch_size, device, SYMBOLS, LENGTHS)
-        logits = model(ids)
-        loss = loss_fn(logits.reshape(-1, vocab), tgt.reshape(-1))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
+        loss = train_step(model, optim, loss_fn, ids, tgt)
         tokens += real
         step += 1
         if step % args.eval_every == 0:

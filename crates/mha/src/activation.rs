@@ -15,7 +15,7 @@ use burn::tensor::Tensor;
 /// `x Φ(x)`, elementwise, with its gradient under autodiff.
 pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(any(feature = "flex", feature = "ndarray"))]
-    if cpu::runs(&x) {
+    if crate::attention::dispatch::Cpu::runs_fused(&x) {
         return cpu::gelu(x);
     }
     x.clone() * ((x / core::f64::consts::SQRT_2).erf() + 1.0) * 0.5
@@ -34,16 +34,10 @@ mod cpu {
         ops::{Backward, Ops, OpsKind},
     };
     use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
-    use burn::tensor::{DType, Tensor};
+    use burn::tensor::Tensor;
 
-    use crate::attention::dispatch::Cpu;
     use crate::cpu::CpuTensors;
     use crate::cpu::gelu::{gelu_backward, gelu_forward};
-
-    /// Whether `x` is an f32 tensor on flex or ndarray (with autodiff or not).
-    pub(super) fn runs<const D: usize>(x: &Tensor<D>) -> bool {
-        x.dtype() == DType::F32 && Cpu::of(x.device().as_dispatch()).is_some()
-    }
 
     /// GELU as one operation, differentiable on `Autodiff<Flex | NdArray>`.
     #[backend_extension(

@@ -61,7 +61,7 @@ pub fn cross_entropy(
         );
     }
     #[cfg(any(feature = "flex", feature = "ndarray"))]
-    if cpu::runs(&logits) {
+    if crate::attention::dispatch::Cpu::runs_fused(&logits) {
         let targets = values
             .iter()
             .map(|&t| {
@@ -103,16 +103,10 @@ mod cpu {
         ops::{Backward, Ops, OpsKind},
     };
     use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
-    use burn::tensor::{DType, Tensor};
+    use burn::tensor::Tensor;
 
-    use crate::attention::dispatch::Cpu;
     use crate::cpu::CpuTensors;
     use crate::cpu::loss::{cross_entropy_backward, cross_entropy_forward};
-
-    /// Whether `x` is an f32 tensor on flex or ndarray (with autodiff or not).
-    pub(super) fn runs<const D: usize>(x: &Tensor<D>) -> bool {
-        x.dtype() == DType::F32 && Cpu::of(x.device().as_dispatch()).is_some()
-    }
 
     /// Cross-entropy as one operation, differentiable on `Autodiff<Flex | NdArray>`.
     #[backend_extension(

@@ -81,7 +81,7 @@ impl LayerNorm {
         let gamma = self.gamma.val();
         let beta = self.beta.as_ref().map(Param::val);
         #[cfg(any(feature = "flex", feature = "ndarray"))]
-        if cpu::runs(&x) {
+        if crate::attention::dispatch::Cpu::runs_fused(&x) {
             return cpu::layer_norm(x, gamma, beta, self.epsilon);
         }
         match x.dtype() {
@@ -114,16 +114,10 @@ mod cpu {
         ops::{Backward, Ops, OpsKind},
     };
     use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor};
-    use burn::tensor::{DType, Tensor};
+    use burn::tensor::Tensor;
 
-    use crate::attention::dispatch::Cpu;
     use crate::cpu::CpuTensors;
     use crate::cpu::norm::{RowStats, layer_norm_backward, layer_norm_forward};
-
-    /// Whether `x` is an f32 tensor on flex or ndarray (with autodiff or not).
-    pub(super) fn runs<const D: usize>(x: &Tensor<D>) -> bool {
-        x.dtype() == DType::F32 && Cpu::of(x.device().as_dispatch()).is_some()
-    }
 
     /// Layer norm as one operation, differentiable on `Autodiff<Flex | NdArray>`.
     #[backend_extension(

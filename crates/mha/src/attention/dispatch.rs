@@ -50,6 +50,13 @@ impl Cpu {
             _ => None,
         }
     }
+
+    /// Whether `x` is an f32 tensor on flex or ndarray (with autodiff or not): what the
+    /// fused CPU operations (GELU, layer norm, cross-entropy) take.
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    pub(crate) fn runs_fused<const D: usize>(x: &Tensor<D>) -> bool {
+        x.dtype() == DType::F32 && Self::of(x.device().as_dispatch()).is_some()
+    }
 }
 
 /// What the choice depends on.

@@ -17,9 +17,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-#[cfg(target_arch = "x86_64")]
-use super::gemm::Avx2;
 use super::gemm::{Arch, Isa, Portable};
+#[cfg(target_arch = "x86_64")]
+use super::gemm::{Avx2, Avx512};
 use super::math::dot_product;
 use super::{Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, mask_tile, soft_cap};
 use crate::mask::Visibility;
@@ -377,12 +377,28 @@ impl<'a> Head<'a> {
         dq: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 {
-            // SAFETY: the CPU has the features the function is compiled for.
-            unsafe { self.backward_avx2(dims, kv_in, extra, range, kv, dq) };
-            return;
+        match isa {
+            // SAFETY: the CPU has the features the functions are compiled for.
+            Isa::Avx512 => unsafe { self.backward_avx512(dims, kv_in, extra, range, kv, dq) },
+            Isa::Avx2 => unsafe { self.backward_avx2(dims, kv_in, extra, range, kv, dq) },
+            Isa::Portable => self.backward_in::<Portable>(dims, kv_in, extra, range, kv, dq),
         }
+        #[cfg(not(target_arch = "x86_64"))]
         self.backward_in::<Portable>(dims, kv_in, extra, range, kv, dq);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn backward_avx512(
+        &self,
+        dims: Dims,
+        kv_in: [&Grid<f32>; 2],
+        extra: &Extra,
+        range: Range<usize>,
+        kv: &mut KeyGrads,
+        dq: &mut [f32],
+    ) {
+        self.backward_in::<Avx512>(dims, kv_in, extra, range, kv, dq);
     }
 
     #[cfg(target_arch = "x86_64")]

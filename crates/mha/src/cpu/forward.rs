@@ -4,9 +4,9 @@
 
 use rayon::prelude::*;
 
-#[cfg(target_arch = "x86_64")]
-use super::gemm::Avx2;
 use super::gemm::{Arch, Isa, Portable};
+#[cfg(target_arch = "x86_64")]
+use super::gemm::{Avx2, Avx512};
 use super::{Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
@@ -105,13 +105,29 @@ impl Scratch {
         tile: Tile,
     ) -> (&[f32], &[f32]) {
         #[cfg(target_arch = "x86_64")]
-        if isa == Isa::Avx2 {
-            // SAFETY: the CPU has the features the function is compiled for.
-            unsafe { self.forward_avx2(dims, q, k, v, extra, tile) };
-            return (&self.acc, &self.lse);
+        match isa {
+            // SAFETY: the CPU has the features the functions are compiled for.
+            Isa::Avx512 => unsafe { self.forward_avx512(dims, q, k, v, extra, tile) },
+            Isa::Avx2 => unsafe { self.forward_avx2(dims, q, k, v, extra, tile) },
+            Isa::Portable => self.forward_in::<Portable>(dims, q, k, v, extra, tile),
         }
+        #[cfg(not(target_arch = "x86_64"))]
         self.forward_in::<Portable>(dims, q, k, v, extra, tile);
         (&self.acc, &self.lse)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    fn forward_avx512(
+        &mut self,
+        dims: Dims,
+        q: &Grid<f32>,
+        k: &Grid<f32>,
+        v: &Grid<f32>,
+        extra: &Extra,
+        tile: Tile,
+    ) {
+        self.forward_in::<Avx512>(dims, q, k, v, extra, tile);
     }
 
     #[cfg(target_arch = "x86_64")]

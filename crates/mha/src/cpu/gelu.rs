@@ -50,13 +50,23 @@ pub(crate) fn gelu_backward<B: CpuTensors>(
 /// GELU of `x` into `out`, or with `grad`, its derivative times `grad`.
 fn run(isa: Isa, x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: the CPU has the features the function is compiled for.
-        unsafe { run_avx2(x, grad, out) };
-        return;
+    match isa {
+        // SAFETY: the CPU has the features the functions are compiled for.
+        Isa::Avx512 => unsafe { run_avx512(x, grad, out) },
+        Isa::Avx2 => unsafe { run_avx2(x, grad, out) },
+        Isa::Portable => run_with::<false>(x, grad, out),
     }
-    let _ = isa;
-    run_with::<false>(x, grad, out);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        run_with::<false>(x, grad, out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn run_avx512(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
+    run_with::<true>(x, grad, out);
 }
 
 #[cfg(target_arch = "x86_64")]

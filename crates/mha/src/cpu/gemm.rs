@@ -1,6 +1,7 @@
 //! The matrix kernels of the tiles, one per instruction set ([`Isa`], chosen at run time):
-//! plain loops for any CPU ([`Portable`]) and, on x86-64 with AVX2 and FMA, register tiles
-//! of 6 x 16 outputs ([`Avx2`]). Each is tested against a plain f64 product.
+//! plain loops for any CPU ([`Portable`]), on x86-64 with AVX2 and FMA register tiles of
+//! 6 x 16 outputs ([`Avx2`]), and with AVX-512 tiles of 8 x 32 ([`Avx512`]). Each is
+//! tested against a plain f64 product.
 
 use super::math;
 
@@ -12,6 +13,9 @@ pub(super) enum Isa {
     /// x86-64 with AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// x86-64 with AVX-512 (F), AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Isa {
@@ -20,6 +24,9 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Isa::Avx512;
+            }
             return Isa::Avx2;
         }
         Isa::Portable
@@ -304,6 +311,162 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Arch for Avx512 {
+    #[inline(always)]
+    fn exp(x: f32) -> f32 {
+        math::exp_fma(x)
+    }
+
+    #[inline(always)]
+    unsafe fn gemm(
+        [m, n, k]: [usize; 3],
+        a: (*const f32, usize, usize),
+        b: (*const f32, usize),
+        c: (*mut f32, usize),
+        add: bool,
+    ) {
+        // SAFETY: the caller's contract; only called where the CPU has AVX-512, AVX2, FMA.
+        unsafe { avx512::gemm([m, n, k], a, b, c, add) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Rows of C per register tile: 8 x 32 outputs are 16 of the 32 registers, sums enough
+    /// to keep both FMA units busy through the FMA's latency.
+    const MR: usize = 8;
+
+    /// [`super::Arch::gemm`] in tiles of 8 x 32 and 8 x 16 outputs; the last columns
+    /// (fewer than 16) through the AVX2 kernel.
+    ///
+    /// # Safety
+    /// As [`super::Arch::gemm`], on a CPU with AVX-512 F, AVX2 and FMA (as for every
+    /// function here).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub(super) unsafe fn gemm(
+        [m, n, k]: [usize; 3],
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        let mut j = 0;
+        // SAFETY (throughout): the caller's contract bounds every tile.
+        unsafe {
+            while j + 32 <= n {
+                rows::<2>(m, k, (a, rsa, csa), (b.add(j), ldb), (c.add(j), ldc), add);
+                j += 32;
+            }
+            if j + 16 <= n {
+                rows::<1>(m, k, (a, rsa, csa), (b.add(j), ldb), (c.add(j), ldc), add);
+                j += 16;
+            }
+            if j < n {
+                let rest = [m, n - j, k];
+                super::avx2::gemm(rest, (a, rsa, csa), (b.add(j), ldb), (c.add(j), ldc), add);
+            }
+        }
+    }
+
+    /// Columns `0..16·V` of every row, `MR` rows at a time.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    unsafe fn rows<const V: usize>(
+        m: usize,
+        k: usize,
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        let mut i = 0;
+        // SAFETY (throughout): the caller's contract bounds every tile.
+        unsafe {
+            while i + MR <= m {
+                let at = (a.add(i * rsa), rsa, csa);
+                tile::<MR, V>(k, at, (b, ldb), (c.add(i * ldc), ldc), add);
+                i += MR;
+            }
+            let at = (a.add(i * rsa), rsa, csa);
+            let ct = (c.add(i * ldc), ldc);
+            match m - i {
+                7 => tile::<7, V>(k, at, (b, ldb), ct, add),
+                6 => tile::<6, V>(k, at, (b, ldb), ct, add),
+                5 => tile::<5, V>(k, at, (b, ldb), ct, add),
+                4 => tile::<4, V>(k, at, (b, ldb), ct, add),
+                3 => tile::<3, V>(k, at, (b, ldb), ct, add),
+                2 => tile::<2, V>(k, at, (b, ldb), ct, add),
+                1 => tile::<1, V>(k, at, (b, ldb), ct, add),
+                _ => {}
+            }
+        }
+    }
+
+    /// One `R x 16·V` tile of C, its sums in registers over the whole `k`.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    unsafe fn tile<const R: usize, const V: usize>(
+        k: usize,
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        // SAFETY (throughout): the caller's contract bounds every load and store.
+        unsafe {
+            let mut sum = [[_mm512_setzero_ps(); V]; R];
+            if add {
+                for (r, row) in sum.iter_mut().enumerate() {
+                    for (x, s) in row.iter_mut().enumerate() {
+                        *s = _mm512_loadu_ps(c.add(r * ldc + 16 * x));
+                    }
+                }
+            }
+            for p in 0..k {
+                let b_row = b.add(p * ldb);
+                let mut w = [_mm512_setzero_ps(); V];
+                for (x, w) in w.iter_mut().enumerate() {
+                    *w = _mm512_loadu_ps(b_row.add(16 * x));
+                }
+                for (r, row) in sum.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*a.add(r * rsa + p * csa));
+                    for (s, &w) in row.iter_mut().zip(&w) {
+                        *s = _mm512_fmadd_ps(x, w, *s);
+                    }
+                }
+            }
+            for (r, row) in sum.iter().enumerate() {
+                for (x, &s) in row.iter().enumerate() {
+                    _mm512_storeu_ps(c.add(r * ldc + 16 * x), s);
+                }
+            }
+        }
+    }
+}
+
+/// Whether a test can run the AVX-512 kernels on this CPU. When it cannot, the test says
+/// so on stderr and skips them, or fails when the environment variable
+/// `MHA_REQUIRE_AVX512` is set (CI sets it on CPUs that have AVX-512).
+#[cfg(test)]
+pub(super) fn avx512_under_test(test: &str) -> bool {
+    if Isa::best() == Isa::Avx512 {
+        return true;
+    }
+    assert!(
+        std::env::var_os("MHA_REQUIRE_AVX512").is_none(),
+        "{test}: MHA_REQUIRE_AVX512 is set, but this CPU has no AVX-512"
+    );
+    eprintln!("{test}: skipped the AVX-512 kernel: this CPU has no AVX-512");
+    false
+}
+
 /// Whether a test can run the AVX2 kernels on this CPU. When it cannot, the test says so
 /// on stderr and skips them, or fails when the environment variable `MHA_REQUIRE_AVX2` is
 /// set (CI sets it on CPUs that have AVX2 and FMA, so that the kernel is never skipped
@@ -359,6 +522,8 @@ mod tests {
             (13, 40, 70),
             (5, 3, 40),
             (64, 1, 64),
+            (17, 48, 33),
+            (9, 63, 5),
         ] {
             for transposed in [false, true] {
                 let a = random(m * k + 1, (m * 31 + n * 7 + k) as u32);
@@ -424,6 +589,10 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             check_tanh::<Avx2>("avx2");
         }
+        if avx512_under_test("tanh_is_within_2e7_of_f64_on_every_instruction_set") {
+            #[cfg(target_arch = "x86_64")]
+            check_tanh::<Avx512>("avx512");
+        }
     }
 
     #[test]
@@ -436,6 +605,14 @@ mod tests {
         if avx2_under_test("avx2_gemm_matches_f64") {
             #[cfg(target_arch = "x86_64")]
             check::<Avx2>("avx2");
+        }
+    }
+
+    #[test]
+    fn avx512_gemm_matches_f64() {
+        if avx512_under_test("avx512_gemm_matches_f64") {
+            #[cfg(target_arch = "x86_64")]
+            check::<Avx512>("avx512");
         }
     }
 }

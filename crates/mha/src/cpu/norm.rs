@@ -173,13 +173,23 @@ struct Rows<'a> {
 
 fn forward(isa: Isa, p: &Params, x: &[f32], y: &mut [f32], stats: [&mut [f32]; 2]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: the CPU has the features the function is compiled for.
-        unsafe { forward_avx2(p, x, y, stats) };
-        return;
+    match isa {
+        // SAFETY: the CPU has the features the functions are compiled for.
+        Isa::Avx512 => unsafe { forward_avx512(p, x, y, stats) },
+        Isa::Avx2 => unsafe { forward_avx2(p, x, y, stats) },
+        Isa::Portable => forward_with::<false>(p, x, y, stats),
     }
-    let _ = isa;
-    forward_with::<false>(p, x, y, stats);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        forward_with::<false>(p, x, y, stats);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn forward_avx512(p: &Params, x: &[f32], y: &mut [f32], stats: [&mut [f32]; 2]) {
+    forward_with::<true>(p, x, y, stats);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -190,13 +200,23 @@ fn forward_avx2(p: &Params, x: &[f32], y: &mut [f32], stats: [&mut [f32]; 2]) {
 
 fn backward(isa: Isa, rows: Rows, gamma: &[f32], dx: Option<&mut [f32]>, dp: [&mut [f32]; 2]) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: the CPU has the features the function is compiled for.
-        unsafe { backward_avx2(rows, gamma, dx, dp) };
-        return;
+    match isa {
+        // SAFETY: the CPU has the features the functions are compiled for.
+        Isa::Avx512 => unsafe { backward_avx512(rows, gamma, dx, dp) },
+        Isa::Avx2 => unsafe { backward_avx2(rows, gamma, dx, dp) },
+        Isa::Portable => backward_with::<false>(rows, gamma, dx, dp),
     }
-    let _ = isa;
-    backward_with::<false>(rows, gamma, dx, dp);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        backward_with::<false>(rows, gamma, dx, dp);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn backward_avx512(rows: Rows, gamma: &[f32], dx: Option<&mut [f32]>, dp: [&mut [f32]; 2]) {
+    backward_with::<true>(rows, gamma, dx, dp);
 }
 
 #[cfg(target_arch = "x86_64")]

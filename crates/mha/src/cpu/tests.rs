@@ -3,7 +3,7 @@
 
 use super::backward::backward_on;
 use super::forward::forward_on;
-use super::gemm::{Isa, avx2_under_test};
+use super::gemm::{Isa, avx2_under_test, avx512_under_test};
 use super::{Dims, Extra, Grid, Positional, Scoring};
 use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW};
 use crate::positions::Buckets;
@@ -256,6 +256,10 @@ fn tiles_match_f64_attention_forward_and_backward() {
     if avx2_under_test("tiles_match_f64_attention_forward_and_backward") {
         #[cfg(target_arch = "x86_64")]
         isas.push(Isa::Avx2);
+    }
+    if avx512_under_test("tiles_match_f64_attention_forward_and_backward") {
+        #[cfg(target_arch = "x86_64")]
+        isas.push(Isa::Avx512);
     }
     // Partial tiles; causal with more keys than queries, with fewer (the first 20
     // queries see no key), and not causal; sliding and local windows narrower than a
