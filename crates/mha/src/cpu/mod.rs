@@ -195,7 +195,7 @@ pub(crate) fn tiled_forward<B: CpuTensors>(
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let mask = Mask::<B>::new(blocked, bias, table);
     let q = B::readable(query);
-    let [k, v] = [key, value].map(B::dense_rows);
+    let [k, v] = [key, value].map(key_panel::<B>);
     let [q, k, v] = [&q, &k, &v].map(B::floats);
     let (output, lse) = forward(dims, q, k, v, mask.extra(scoring));
     let d = dims;
@@ -219,7 +219,7 @@ pub(crate) fn tiled_backward<B: CpuTensors>(
 ) -> Grads<B> {
     let mask = Mask::<B>::new(blocked, bias, table);
     let [q, o, g, lse] = [query, output, grad, lse].map(B::readable);
-    let [k, v] = [key, value].map(B::dense_rows);
+    let [k, v] = [key, value].map(key_panel::<B>);
     let lse = B::floats(&lse);
     let lse: Vec<f32> = (0..dims.batch * dims.heads * dims.queries)
         .map(|at| {
@@ -262,6 +262,17 @@ pub(crate) fn tiled_backward<B: CpuTensors>(
             .table
             .zip(table_shape)
             .map(|(values, shape)| table_of(values, shape)),
+    }
+}
+
+/// The key or value tensor as the tiles read it: rows next to each other
+/// ([`CpuTensors::dense_rows`]) when a head has more keys than one tile, else where they
+/// lie: a tile's worth of rows a few hundred bytes apart still fits the L1 cache's sets,
+/// and the copy (of every head, at every call) would cost more than it saves.
+fn key_panel<B: CpuTensors>(tensor: &FloatTensor<B>) -> FloatTensor<B> {
+    match tensor.shape()[2] > KT {
+        true => B::dense_rows(tensor),
+        false => B::readable(tensor),
     }
 }
 
