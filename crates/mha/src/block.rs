@@ -271,8 +271,10 @@ impl FeedForward {
     /// # Shapes
     /// `[B, T, d_model]` -> `[B, T, d_model]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let hidden = self.activation.forward(self.linear1.forward(x)); // [B, T, d_ff]
-        self.linear2.forward(self.dropout.forward(hidden))
+        let hidden = self
+            .activation
+            .forward(crate::linear::forward(&self.linear1, x)); // [B, T, d_ff]
+        crate::linear::forward(&self.linear2, self.dropout.forward(hidden))
     }
 }
 

@@ -32,6 +32,8 @@
 //! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
 //! | `activation` (private) | the feed-forward's exact GELU: one operation with its own backward on the CPU backends |
 //! | `cpu::gelu` (private) | GELU and its derivative over rows, with an `erf` that vectorises |
+//! | `linear` (private) | the linear layers' products: one operation with its own backward on the CPU backends |
+//! | `cpu::linear` (private) | those products and their gradients through the `gemm` crate |
 //! | [`loss`] | [`loss::cross_entropy`]: one operation that writes its gradient in the same pass on the CPU backends |
 //! | `cpu::loss` (private) | cross-entropy and its gradient over rows of logits |
 //! | [`norm`] | [`LayerNorm`]: layer normalisation, one operation with its own backward on the CPU backends |
@@ -64,6 +66,7 @@ pub mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
 pub mod error;
+mod linear;
 pub mod loss;
 pub mod mask;
 pub mod mha;

@@ -7,7 +7,7 @@
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
-use burn::tensor::{Device, Tensor, module::linear};
+use burn::tensor::{Device, Tensor};
 
 use crate::analysis::PrunedFrom;
 use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
@@ -476,7 +476,7 @@ impl MultiHeadAttention {
                 .swap_dims(1, 2)
                 .reshape([batch, queries, self.n_heads * self.head_dim]); // [B, Tq, H·Dh]
         MhaOutput {
-            context: self.out_proj.forward(context),
+            context: crate::linear::forward(&self.out_proj, context),
             weights: out.weights,
         }
     }
@@ -539,9 +539,9 @@ impl MultiHeadAttention {
                 check_input("value", &value, batch, self.vdim);
                 check_same_len(&key, &value);
                 (
-                    proj.q_proj.forward(query),
-                    proj.k_proj.forward(key),
-                    proj.v_proj.forward(value),
+                    crate::linear::forward(&proj.q_proj, query),
+                    crate::linear::forward(&proj.k_proj, key),
+                    crate::linear::forward(&proj.v_proj, value),
                 )
             }
         }
@@ -555,7 +555,7 @@ impl MultiHeadAttention {
             InputProjection::Packed(proj) => {
                 linear_columns(proj, query, 0, self.n_heads * self.head_dim)
             }
-            InputProjection::Separate(proj) => proj.q_proj.forward(query),
+            InputProjection::Separate(proj) => crate::linear::forward(&proj.q_proj, query),
         }
     }
 
@@ -576,8 +576,8 @@ impl MultiHeadAttention {
                 check_input("key", &context, batch, self.kdim);
                 check_input("value", &context, batch, self.vdim);
                 (
-                    proj.k_proj.forward(context.clone()),
-                    proj.v_proj.forward(context),
+                    crate::linear::forward(&proj.k_proj, context.clone()),
+                    crate::linear::forward(&proj.v_proj, context),
                 )
             }
         }
@@ -662,9 +662,8 @@ fn token_positions(mask: &AttentionMask, offset: usize, len: usize) -> Vec<Vec<u
 
 /// `x W[:, start..start+len] + b[start..start+len]`: one block of a packed projection.
 fn linear_columns(proj: &Linear, x: Tensor<3>, start: usize, len: usize) -> Tensor<3> {
-    let weight = proj.weight.val().narrow(1, start, len);
-    let bias = proj.bias.as_ref().map(|b| b.val().narrow(0, start, len));
-    linear(x, weight, bias)
+    let bias = proj.bias.as_ref().map(|b| b.val());
+    crate::linear::columns(x, proj.weight.val(), bias, Some([start, len]))
 }
 
 fn check_input(name: &str, x: &Tensor<3>, batch: usize, width: usize) {

@@ -30,6 +30,7 @@ mod flex;
 mod forward;
 pub(crate) mod gelu;
 mod gemm;
+pub(crate) mod linear;
 pub(crate) mod loss;
 mod math;
 #[cfg(feature = "ndarray")]
