@@ -309,39 +309,31 @@ fn load_linear(
     )
 }
 
-fn load_norm(
-    norm: LayerNorm,
-    weights: &PyTorchWeights,
-    prefix: &str,
-) -> Result<LayerNorm, ImportError> {
-    let [d] = norm.gamma.shape().dims::<1>();
-    let device = norm.gamma.val().device();
-    let mut norm = norm;
-    norm.gamma = set(
-        norm.gamma,
-        weights.tensor(&format!("{prefix}weight"), [d], &device)?,
-    );
-    norm.beta = match norm.beta {
-        Some(beta) => Some(set(
-            beta,
-            weights.tensor(&format!("{prefix}bias"), [d], &device)?,
-        )),
-        None => {
-            weights.reject(
-                format!("{prefix}bias"),
-                "the module was configured without bias",
-            )?;
-            None
-        }
-    };
-    Ok(norm)
-}
-
 impl LoadPyTorch for LayerNorm {
     /// Keys of `nn.LayerNorm`: `weight` (`γ`), `bias` (`β`; refused when the norm has
     /// none).
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
-        load_norm(self, weights, prefix)
+        let [d] = self.gamma.shape().dims::<1>();
+        let device = self.gamma.val().device();
+        let mut norm = self;
+        norm.gamma = set(
+            norm.gamma,
+            weights.tensor(&format!("{prefix}weight"), [d], &device)?,
+        );
+        norm.beta = match norm.beta {
+            Some(beta) => Some(set(
+                beta,
+                weights.tensor(&format!("{prefix}bias"), [d], &device)?,
+            )),
+            None => {
+                weights.reject(
+                    format!("{prefix}bias"),
+                    "the module was configured without bias",
+                )?;
+                None
+            }
+        };
+        Ok(norm)
     }
 }
 
@@ -420,8 +412,12 @@ impl LoadPyTorch for EncoderBlock {
             .self_attn
             .load_pytorch(weights, &format!("{prefix}self_attn."))?;
         self.feed_forward = self.feed_forward.load_pytorch(weights, prefix)?;
-        self.norm1 = load_norm(self.norm1, weights, &format!("{prefix}norm1."))?;
-        self.norm2 = load_norm(self.norm2, weights, &format!("{prefix}norm2."))?;
+        self.norm1 = self
+            .norm1
+            .load_pytorch(weights, &format!("{prefix}norm1."))?;
+        self.norm2 = self
+            .norm2
+            .load_pytorch(weights, &format!("{prefix}norm2."))?;
         Ok(self)
     }
 }
@@ -437,9 +433,15 @@ impl LoadPyTorch for DecoderBlock {
             .cross_attn
             .load_pytorch(weights, &format!("{prefix}multihead_attn."))?;
         self.feed_forward = self.feed_forward.load_pytorch(weights, prefix)?;
-        self.norm1 = load_norm(self.norm1, weights, &format!("{prefix}norm1."))?;
-        self.norm2 = load_norm(self.norm2, weights, &format!("{prefix}norm2."))?;
-        self.norm3 = load_norm(self.norm3, weights, &format!("{prefix}norm3."))?;
+        self.norm1 = self
+            .norm1
+            .load_pytorch(weights, &format!("{prefix}norm1."))?;
+        self.norm2 = self
+            .norm2
+            .load_pytorch(weights, &format!("{prefix}norm2."))?;
+        self.norm3 = self
+            .norm3
+            .load_pytorch(weights, &format!("{prefix}norm3."))?;
         Ok(self)
     }
 }
@@ -457,7 +459,7 @@ fn load_stack<L: LoadPyTorch>(
         .map(|(i, layer)| layer.load_pytorch(weights, &format!("{prefix}layers.{i}.")))
         .collect::<Result<_, _>>()?;
     let norm = match norm {
-        Some(norm) => Some(load_norm(norm, weights, &format!("{prefix}norm."))?),
+        Some(norm) => Some(norm.load_pytorch(weights, &format!("{prefix}norm."))?),
         None => {
             weights.reject(
                 format!("{prefix}norm.weight"),
