@@ -145,7 +145,7 @@ mod cpu {
                     beta: FloatTensor<Self>,
                     epsilon: f64,
                 ) -> FloatTensor<Self> {
-                    layer_norm_forward::<Self>(&x, &gamma, Some(&beta), epsilon).0
+                    layer_norm_forward::<Self>(&x, &gamma, &beta, epsilon).0
                 }
             }
         };
@@ -167,11 +167,11 @@ mod cpu {
             let [x, gamma, beta] = [x, gamma, beta].map(|t| t.into_primitive());
             match NormBackward.prepare::<C>(nodes).compute_bound().stateful() {
                 OpsKind::Tracked(prep) => {
-                    let (y, stats) = layer_norm_forward::<B>(&x, &gamma, Some(&beta), epsilon);
+                    let (y, stats) = layer_norm_forward::<B>(&x, &gamma, &beta, epsilon);
                     prep.finish(State { x, gamma, stats }, y)
                 }
                 OpsKind::UnTracked(prep) => {
-                    prep.finish(layer_norm_forward::<B>(&x, &gamma, Some(&beta), epsilon).0)
+                    prep.finish(layer_norm_forward::<B>(&x, &gamma, &beta, epsilon).0)
                 }
             }
         }

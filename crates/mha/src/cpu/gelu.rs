@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use burn::backend::tensor::FloatTensor;
 
-use super::gemm::Isa;
+use super::gemm::{Isa, Kernel};
 use super::math::{exp, exp_fma};
 use super::{CpuTensors, dims_of};
 
@@ -26,7 +26,7 @@ pub(crate) fn gelu_forward<B: CpuTensors>(x: &FloatTensor<B>) -> FloatTensor<B> 
     let isa = Isa::best();
     out.par_chunks_mut(CHUNK)
         .zip(input.par_chunks(CHUNK))
-        .for_each(|(out, x)| run(isa, x, None, out));
+        .for_each(|(out, x)| isa.run(Rows { x, grad: None, out }));
     B::from_rows(out, dims)
 }
 
@@ -43,36 +43,28 @@ pub(crate) fn gelu_backward<B: CpuTensors>(
     let isa = Isa::best();
     out.par_chunks_mut(CHUNK)
         .zip(input.par_chunks(CHUNK).zip(upstream.par_chunks(CHUNK)))
-        .for_each(|(out, (x, g))| run(isa, x, Some(g), out));
+        .for_each(|(out, (x, g))| {
+            isa.run(Rows {
+                x,
+                grad: Some(g),
+                out,
+            })
+        });
     B::from_rows(out, dims)
 }
 
 /// GELU of `x` into `out`, or with `grad`, its derivative times `grad`.
-fn run(isa: Isa, x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    match isa {
-        // SAFETY: the CPU has the features the functions are compiled for.
-        Isa::Avx512 => unsafe { run_avx512(x, grad, out) },
-        Isa::Avx2 => unsafe { run_avx2(x, grad, out) },
-        Isa::Portable => run_with::<false>(x, grad, out),
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        run_with::<false>(x, grad, out);
-    }
+struct Rows<'a> {
+    x: &'a [f32],
+    grad: Option<&'a [f32]>,
+    out: &'a mut [f32],
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn run_avx512(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
-    run_with::<true>(x, grad, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn run_avx2(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
-    run_with::<true>(x, grad, out);
+impl Kernel for Rows<'_> {
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        run_with::<FMA>(self.x, self.grad, self.out);
+    }
 }
 
 #[inline(always)]

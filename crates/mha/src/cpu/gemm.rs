@@ -33,6 +33,43 @@ impl Isa {
     }
 }
 
+/// Row work written once over a flag for fused multiply-adds, run compiled for an
+/// instruction set by [`Isa::run`] (the elementwise kernels of GELU and layer norm).
+pub(super) trait Kernel {
+    /// The work; `FMA` when it runs with the fused multiply-add instructions. It is
+    /// `#[inline(always)]` in every implementation, so that it is compiled inside the
+    /// function that enables the instruction set (its vectors' width too).
+    fn run<const FMA: bool>(self);
+}
+
+impl Isa {
+    /// Runs `kernel` compiled for this instruction set.
+    pub(super) fn run<K: Kernel>(self, kernel: K) {
+        #[cfg(target_arch = "x86_64")]
+        match self {
+            // SAFETY: `best` chose the instruction set from the CPU's features.
+            Isa::Avx512 => unsafe { run_avx512(kernel) },
+            // SAFETY: as above.
+            Isa::Avx2 => unsafe { run_avx2(kernel) },
+            Isa::Portable => kernel.run::<false>(),
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        kernel.run::<false>();
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn run_avx512<K: Kernel>(kernel: K) {
+    kernel.run::<true>();
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn run_avx2<K: Kernel>(kernel: K) {
+    kernel.run::<true>();
+}
+
 /// A matrix kernel for one instruction set.
 pub(super) trait Arch {
     /// `C = A B` (or `C += A B` when `add`) for sizes `[m, n, k]`: A is `(ptr, row

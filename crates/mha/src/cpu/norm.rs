@@ -23,7 +23,7 @@ use rayon::prelude::*;
 
 use burn::backend::tensor::FloatTensor;
 
-use super::gemm::Isa;
+use super::gemm::{Isa, Kernel};
 use super::{CpuTensors, dims_of};
 
 /// Elements per parallel task (whole rows).
@@ -65,7 +65,7 @@ fn vector<B: CpuTensors>(v: &FloatTensor<B>, d: usize) -> Vec<f32> {
 pub(crate) fn layer_norm_forward<B: CpuTensors>(
     x: &FloatTensor<B>,
     gamma: &FloatTensor<B>,
-    beta: Option<&FloatTensor<B>>,
+    beta: &FloatTensor<B>,
     epsilon: f64,
 ) -> (FloatTensor<B>, RowStats) {
     let x = B::readable(x);
@@ -73,7 +73,7 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
     let d = dims[3];
     let input = B::floats(&x).contiguous(dims);
     let gamma = vector::<B>(gamma, d);
-    let beta = beta.map_or_else(|| vec![0.0; d], |b| vector::<B>(b, d));
+    let beta = vector::<B>(beta, d);
     let rows = input.len().checked_div(d).unwrap_or(0);
     let mut out = vec![0.0f32; input.len()];
     let (mut mean, mut rstd) = (vec![0.0f32; rows], vec![0.0f32; rows]);
@@ -88,7 +88,15 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
         out.par_chunks_mut(per * d)
             .zip(input.par_chunks(per * d))
             .zip(mean.par_chunks_mut(per).zip(rstd.par_chunks_mut(per)))
-            .for_each(|((y, x), (mean, rstd))| forward(isa, &params, x, y, [mean, rstd]));
+            .for_each(|((y, x), (mean, rstd))| {
+                let stats = [mean, rstd];
+                isa.run(Forward {
+                    p: &params,
+                    x,
+                    y,
+                    stats,
+                })
+            });
     }
     let stats = RowStats {
         mean: mean.into(),
@@ -120,7 +128,12 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
         let task = |rows: Rows, dx: Option<&mut [f32]>| {
             let mut part = vec![0.0f32; 2 * d];
             let (dg, db) = part.split_at_mut(d);
-            backward(isa, rows, &gamma, dx, [dg, db]);
+            isa.run(Backward {
+                rows,
+                gamma: &gamma,
+                dx,
+                dp: [dg, db],
+            });
             part
         };
         let blocks = input
@@ -171,58 +184,35 @@ struct Rows<'a> {
     rstd: &'a [f32],
 }
 
-fn forward(isa: Isa, p: &Params, x: &[f32], y: &mut [f32], stats: [&mut [f32]; 2]) {
-    #[cfg(target_arch = "x86_64")]
-    match isa {
-        // SAFETY: the CPU has the features the functions are compiled for.
-        Isa::Avx512 => unsafe { forward_avx512(p, x, y, stats) },
-        Isa::Avx2 => unsafe { forward_avx2(p, x, y, stats) },
-        Isa::Portable => forward_with::<false>(p, x, y, stats),
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        forward_with::<false>(p, x, y, stats);
-    }
+/// The forward pass over a block of rows: their outputs and statistics.
+struct Forward<'a> {
+    p: &'a Params<'a>,
+    x: &'a [f32],
+    y: &'a mut [f32],
+    stats: [&'a mut [f32]; 2],
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn forward_avx512(p: &Params, x: &[f32], y: &mut [f32], stats: [&mut [f32]; 2]) {
-    forward_with::<true>(p, x, y, stats);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn forward_avx2(p: &Params, x: &[f32], y: &mut [f32], stats: [&mut [f32]; 2]) {
-    forward_with::<true>(p, x, y, stats);
-}
-
-fn backward(isa: Isa, rows: Rows, gamma: &[f32], dx: Option<&mut [f32]>, dp: [&mut [f32]; 2]) {
-    #[cfg(target_arch = "x86_64")]
-    match isa {
-        // SAFETY: the CPU has the features the functions are compiled for.
-        Isa::Avx512 => unsafe { backward_avx512(rows, gamma, dx, dp) },
-        Isa::Avx2 => unsafe { backward_avx2(rows, gamma, dx, dp) },
-        Isa::Portable => backward_with::<false>(rows, gamma, dx, dp),
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        backward_with::<false>(rows, gamma, dx, dp);
+impl Kernel for Forward<'_> {
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        forward_with::<FMA>(self.p, self.x, self.y, self.stats);
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn backward_avx512(rows: Rows, gamma: &[f32], dx: Option<&mut [f32]>, dp: [&mut [f32]; 2]) {
-    backward_with::<true>(rows, gamma, dx, dp);
+/// The backward pass over a block of rows: their input gradients (when asked) and their
+/// parts of the scale's and shift's.
+struct Backward<'a> {
+    rows: Rows<'a>,
+    gamma: &'a [f32],
+    dx: Option<&'a mut [f32]>,
+    dp: [&'a mut [f32]; 2],
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn backward_avx2(rows: Rows, gamma: &[f32], dx: Option<&mut [f32]>, dp: [&mut [f32]; 2]) {
-    backward_with::<true>(rows, gamma, dx, dp);
+impl Kernel for Backward<'_> {
+    #[inline(always)]
+    fn run<const FMA: bool>(self) {
+        backward_with::<FMA>(self.rows, self.gamma, self.dx, self.dp);
+    }
 }
 
 #[inline(always)]
