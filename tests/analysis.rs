@@ -7,8 +7,9 @@ use burn::module::{Module, Param};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use mha::analysis::{HeadImportance, HeadMask, HeadReport, Heads, Inspect, LayerStats, PrunePlan};
 use mha::{
-    AttentionMask, AttentionWeights, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
-    EncoderConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, Positions, PruneError,
+    AttentionMask, AttentionWeights, Decoder, DecoderBlockConfig, DecoderConfig,
+    EncoderBlockConfig, EncoderConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    Positions, PruneError, StackInput,
 };
 
 use crate::util::{Backend, assert_close, backends, randn};
@@ -380,11 +381,12 @@ fn blocks_and_stacks_prune_to_their_masked_selves_and_save_and_load() {
         let head_mask = HeadMask::dropping(&encoder.head_counts(), &dropped(&plan), &device);
         let inspect = Inspect::new().head_mask(head_mask);
         let masked = encoder
-            .forward_inspect(x.clone(), &AttentionMask::none(), &inspect)
+            .forward(StackInput::new(x.clone()).inspect(inspect))
+            .unwrap()
             .output;
         let pruned = encoder.prune(&plan).unwrap();
         assert_eq!(pruned.head_counts(), vec![3, 1]);
-        let got = pruned.forward(x.clone(), &AttentionMask::none());
+        let got = pruned.forward(StackInput::new(x.clone())).unwrap().output;
         assert_close(
             &format!("[{}] encoder", be.name),
             got.clone(),
@@ -410,7 +412,7 @@ fn blocks_and_stacks_prune_to_their_masked_selves_and_save_and_load() {
         .unwrap()
         .try_load_file(&file)
         .unwrap();
-        let loaded = fresh.forward(x.clone(), &AttentionMask::none());
+        let loaded = fresh.forward(StackInput::new(x.clone())).unwrap().output;
         assert_close(&format!("[{}] encoder loaded", be.name), loaded, got, 0.0);
         std::fs::remove_dir_all(&dir).ok();
 
@@ -419,19 +421,18 @@ fn blocks_and_stacks_prune_to_their_masked_selves_and_save_and_load() {
             remove: vec![vec![0], vec![3], vec![], vec![1, 2]],
         };
         let head_mask = HeadMask::dropping(&decoder.head_counts(), &dropped(&plan), &device);
-        let none = AttentionMask::none();
+        let input = || {
+            StackInput::new(x.clone())
+                .memory(memory.clone())
+                .memory_mask(padding.clone())
+        };
         let masked = decoder
-            .forward_inspect(
-                x.clone(),
-                memory.clone(),
-                &none,
-                &padding,
-                &Inspect::new().head_mask(head_mask),
-            )
+            .forward(input().head_mask(head_mask))
+            .unwrap()
             .output;
         let pruned = decoder.prune(&plan).unwrap();
         assert_eq!(pruned.head_counts(), vec![3, 3, 4, 2]);
-        let got = pruned.forward(x.clone(), memory.clone(), &none, &padding);
+        let got = pruned.forward(input()).unwrap().output;
         assert_close(
             &format!("[{}] decoder", be.name),
             got,
@@ -460,39 +461,36 @@ fn a_head_mask_that_keeps_every_head_changes_nothing() {
         let encoder =
             EncoderConfig::new(EncoderBlockConfig::new(16, 4).with_causal(true), 3).init(device);
         let keep = HeadMask::keep_all(&encoder.head_counts(), device);
-        let (plain, plain_weights) =
-            encoder.forward_with_weights(x.clone(), &AttentionMask::none());
-        let inspected = encoder.forward_inspect(
-            x.clone(),
-            &AttentionMask::none(),
-            &Inspect::new().head_mask(keep).weights(),
-        );
+        let plain = encoder
+            .forward(StackInput::new(x.clone()).weights())
+            .unwrap();
+        let inspected = encoder
+            .forward(StackInput::new(x.clone()).head_mask(keep).weights())
+            .unwrap();
         assert_close(
             &format!("[{}] encoder", be.name),
             inspected.output,
-            plain,
+            plain.output,
             0.0,
         );
         assert_eq!(inspected.weights.len(), 3);
-        for (got, want) in inspected.weights.into_iter().zip(plain_weights) {
+        for (got, want) in inspected.weights.into_iter().zip(plain.weights) {
             assert_close(&format!("[{}] encoder weights", be.name), got, want, 0.0);
         }
 
         let decoder = DecoderConfig::new(DecoderBlockConfig::new(16, 4), 2).init(device);
         let memory = randn([2, 3, 16], 22, device);
-        let none = AttentionMask::none();
         let keep = HeadMask::keep_all(&decoder.head_counts(), device);
+        let input = || StackInput::new(x.clone()).memory(memory.clone());
         // Weights asked for change the path attention takes: compare like with like.
-        let plain = decoder.forward(x.clone(), memory.clone(), &none, &none);
-        let inspect = Inspect::new().head_mask(keep);
-        let masked = decoder.forward_inspect(x.clone(), memory.clone(), &none, &none, &inspect);
+        let plain = decoder.forward(input()).unwrap().output;
+        let masked = decoder.forward(input().head_mask(keep.clone())).unwrap();
         assert_close(&format!("[{}] decoder", be.name), masked.output, plain, 0.0);
-        let (_, cross) = decoder.forward_with_weights(x.clone(), memory.clone(), &none, &none);
-        let inspected =
-            decoder.forward_inspect(x.clone(), memory, &none, &none, &inspect.weights());
+        let cross: Vec<_> = decoder.forward(input().weights()).unwrap().weights;
+        let cross = [cross[1].clone(), cross[3].clone()];
+        let inspected = decoder.forward(input().head_mask(keep).weights()).unwrap();
         // Self, cross, self, cross: the cross-attentions are the plain call's.
         assert_eq!(inspected.weights.len(), 4);
-        assert_eq!(inspected.weights[0].dims(), [2, 4, 5, 5]);
         for (got, want) in [&inspected.weights[1], &inspected.weights[3]]
             .into_iter()
             .zip(cross)
@@ -504,7 +502,39 @@ fn a_head_mask_that_keeps_every_head_changes_nothing() {
                 be.forward_tol(),
             );
         }
+        // Every layer's weights, self-attentions included, are those of its attention
+        // module over its branch's input, the blocks walked by hand (pre-norm).
+        let want = decoder_weights_by_hand(&decoder, x.clone(), memory.clone());
+        for (layer, (got, want)) in inspected.weights.into_iter().zip(want).enumerate() {
+            assert_close(
+                &format!("[{}] decoder weights of attention layer {layer}", be.name),
+                got,
+                want,
+                be.forward_tol(),
+            );
+        }
     }
+}
+
+/// The weights of every attention layer of a pre-norm decoder without absolute positions
+/// over `x` and `memory`: each block's self-attention over `norm1(x)` (causal), its
+/// cross-attention over `norm2(x + self)`, its feed-forward over `norm3(..)`.
+fn decoder_weights_by_hand(decoder: &Decoder, x: Tensor<3>, memory: Tensor<3>) -> Vec<Tensor<4>> {
+    let per_head = AttentionWeights::PerHead;
+    let mut weights = Vec::new();
+    let x = decoder.layers.iter().fold(x, |x, block| {
+        let input = MhaInput::causal(block.norm1.forward(x.clone())).weights(per_head);
+        let out = block.self_attn.forward(input);
+        weights.push(out.weights.expect("asked for"));
+        let x = x + out.context;
+        let input = MhaInput::cross(block.norm2.forward(x.clone()), memory.clone());
+        let out = block.cross_attn.forward(input.weights(per_head));
+        weights.push(out.weights.expect("asked for"));
+        let x = x + out.context;
+        x.clone() + block.feed_forward.forward(block.norm3.forward(x))
+    });
+    assert_eq!(weights[0].dims(), [x.dims()[0], 4, 5, 5]);
+    weights
 }
 
 /// Attention in which only head 2 reaches the output: the output projection reads
@@ -668,11 +698,7 @@ fn bad_plans_and_masks_are_refused_by_name() {
     let x = randn([1, 3, 16], 1, &device);
     let wrong = HeadMask::keep_all(&[4, 4, 4], &device);
     let message = panic_message(|| {
-        encoder.forward_inspect(
-            x.clone(),
-            &AttentionMask::none(),
-            &Inspect::new().head_mask(wrong),
-        );
+        let _ = encoder.forward(StackInput::new(x.clone()).head_mask(wrong));
     });
     assert_eq!(
         message,

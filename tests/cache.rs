@@ -10,7 +10,7 @@ use burn::tensor::{Device, Tensor};
 use mha::{
     AttentionMask, CacheError, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
     EncoderConfig, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, Positions,
-    RopeLayout,
+    RopeLayout, StackInput,
 };
 
 use crate::util::{assert_close, backends, randn};
@@ -182,12 +182,11 @@ fn a_decoder_only_stack_decodes_with_one_cache_per_layer() {
             let what = format!("[{}] decoder-only, {positions:?}", be.name);
             let stack = EncoderConfig::new(encoder_block(positions), 2).init(&be.device);
             let x = randn([2, 11, D_MODEL], 60, &be.device);
-            let want = stack.forward(x.clone(), &AttentionMask::none());
+            let want = stack.forward(StackInput::new(x.clone())).unwrap().output;
             let mut cache = stack.cache(KvCache::new(11));
             let got = decoded(&x, &CALLS, |x| {
-                stack
-                    .forward_cached(x, &mut cache, &AttentionMask::none())
-                    .unwrap()
+                let input = StackInput::new(x).cache(&mut cache);
+                stack.forward(input).unwrap().output
             });
             assert_eq!(cache.len(), 11);
             assert_eq!(cache.layers().len(), 2);
@@ -211,15 +210,16 @@ fn an_encoder_decoder_computes_the_memory_once_and_decodes() {
             // The memory's padding: row 1 has 5 tokens.
             let memory_mask = AttentionMask::key_lengths(&[7, 5], 7, &be.device);
             let x = randn([2, 11, D_MODEL], 71, &be.device);
-            let want = stack.forward(
-                x.clone(),
-                memory.clone(),
-                &AttentionMask::none(),
-                &memory_mask,
-            );
+            let input = StackInput::new(x.clone())
+                .memory(memory.clone())
+                .memory_mask(memory_mask.clone());
+            let want = stack.forward(input).unwrap().output;
             let mut cache = stack.cache(memory, KvCache::new(16));
             let got = decoded(&x, &CALLS, |x| {
-                stack.forward_cached(x, &mut cache, &memory_mask).unwrap()
+                let input = StackInput::new(x)
+                    .memory_mask(memory_mask.clone())
+                    .cache(&mut cache);
+                stack.forward(input).unwrap().output
             });
             assert_close(&what, got, want, be.forward_tol());
         }
@@ -268,7 +268,7 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
         EncoderConfig::new(encoder_block(Positions::None).with_causal(false), 1).init(&device);
     let mut caches = bidirectional.cache(KvCache::new(8));
     let err = bidirectional
-        .forward_cached(x.clone(), &mut caches, &AttentionMask::none())
+        .forward(StackInput::new(x.clone()).cache(&mut caches))
         .unwrap_err();
     assert_eq!(
         err,
@@ -281,14 +281,10 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
         EncoderConfig::new(encoder_block(Positions::Learned { max_len: 5 }), 2).init(&device);
     let mut caches = learned.cache(KvCache::new(8));
     learned
-        .forward_cached(x.clone(), &mut caches, &AttentionMask::none())
+        .forward(StackInput::new(x.clone()).cache(&mut caches))
         .unwrap();
     let err = learned
-        .forward_cached(
-            x.clone().narrow(1, 0, 2),
-            &mut caches,
-            &AttentionMask::none(),
-        )
+        .forward(StackInput::new(x.clone().narrow(1, 0, 2)).cache(&mut caches))
         .unwrap_err();
     assert_eq!(
         err.to_string(),
@@ -297,7 +293,7 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
     assert_eq!(caches.len(), 4);
     let mut one_layer = mha::StackCache::new(1, KvCache::new(8));
     let err = learned
-        .forward_cached(x, &mut one_layer, &AttentionMask::none())
+        .forward(StackInput::new(x).cache(&mut one_layer))
         .unwrap_err();
     assert_eq!(
         err,

@@ -223,7 +223,7 @@ fn attention_dropout_acts_in_training_only() {
 
 #[test]
 fn blocks_return_the_weights_they_used() {
-    use mha::{DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig};
+    use mha::{DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig, StackInput};
     for be in backends() {
         let dev = &be.device;
         let block = EncoderBlockConfig::new(16, 4)
@@ -231,8 +231,12 @@ fn blocks_return_the_weights_they_used() {
             .with_causal(true);
         let encoder = EncoderConfig::new(block, 2).init(dev);
         let x = randn([2, 5, 16], 21, dev);
-        let (y, weights) = encoder.forward_with_weights(x.clone(), &AttentionMask::none());
-        assert!(max_abs_diff(y, encoder.forward(x.clone(), &AttentionMask::none())) <= 1e-6);
+        let out = encoder
+            .forward(StackInput::new(x.clone()).weights())
+            .unwrap();
+        let (y, weights) = (out.output, out.weights);
+        let plain = encoder.forward(StackInput::new(x.clone())).unwrap().output;
+        assert!(max_abs_diff(y, plain) <= 1e-6);
         assert_eq!(weights.len(), 2);
         for w in weights {
             let w = to_vec(w); // [2, 4, 5, 5]
@@ -254,10 +258,17 @@ fn blocks_return_the_weights_they_used() {
             DecoderConfig::new(DecoderBlockConfig::new(16, 4).with_dropout(0.0), 1).init(dev);
         let memory = randn([2, 7, 16], 22, dev);
         let padding = AttentionMask::key_lengths(&[7, 3], 7, dev);
-        let none = AttentionMask::none();
-        let (y, cross) = decoder.forward_with_weights(x.clone(), memory.clone(), &none, &padding);
-        assert!(max_abs_diff(y, decoder.forward(x, memory, &none, &padding)) <= 1e-6);
-        let w = to_vec(cross[0].clone()); // [2, 4, 5, 7]
+        let input = || {
+            StackInput::new(x.clone())
+                .memory(memory.clone())
+                .memory_mask(padding.clone())
+        };
+        let out = decoder.forward(input().weights()).unwrap();
+        let plain = decoder.forward(input()).unwrap().output;
+        assert!(max_abs_diff(out.output, plain) <= 1e-6);
+        // The block's self-attention's weights, then its cross-attention's.
+        assert_eq!(out.weights.len(), 2);
+        let w = to_vec(out.weights[1].clone()); // [2, 4, 5, 7]
         for (r, row) in w.chunks(7).enumerate() {
             assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
             if r >= 4 * 5 {

@@ -5,7 +5,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
 use mha::{
-    AttentionMask, AttentionWeights, Buckets, DecoderBlockConfig, EncoderBlockConfig,
+    AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlockConfig,
     EncoderConfig, FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig,
     Positions, RopeLayout, SdpaOptions, scaled_dot_product_attention,
 };
@@ -168,7 +168,11 @@ fn encoder_layer(fixture: &'static str, norm_first: bool, activation: FeedForwar
     check_encoder(
         fixture,
         |dev| config.init(dev),
-        |m, x, mask| m.forward(x, mask),
+        |m, x, mask| {
+            m.forward(BlockInput::new(x).mask(mask.clone()))
+                .unwrap()
+                .output
+        },
     );
 }
 
@@ -201,7 +205,10 @@ fn decoder_layer_pre_norm_gelu_with_memory_padding() {
         let x = f.io("x", [2, 5, 16], &dev).require_grad();
         let memory = f.io("memory", [2, 7, 16], &dev).require_grad();
         let padding = AttentionMask::key_padding(f.io_mask("memory_padding", [2, 7], &dev));
-        let out = block.forward(x.clone(), memory.clone(), &AttentionMask::none(), &padding);
+        let input = BlockInput::new(x.clone())
+            .memory(memory.clone())
+            .memory_mask(padding);
+        let out = block.forward(input).unwrap().output;
         check_forward(&b, &f, "out", out.clone(), "out");
         let grads = backward(&f, &out, &dev);
         check_input_grad(&b, &f, "x", &x, &grads);
@@ -220,7 +227,11 @@ fn encoder_stack_pre_norm_causal_with_final_norm() {
     check_encoder(
         "encoder_stack_pre_gelu",
         |dev| config.init(dev),
-        |m, x, mask| m.forward(x, mask),
+        |m, x, mask| {
+            m.forward(BlockInput::new(x).mask(mask.clone()))
+                .unwrap()
+                .output
+        },
     );
 }
 

@@ -207,7 +207,7 @@ fn mha_input_forms_agree() {
 #[test]
 fn stacks_add_absolute_positions_once() {
     use mha::positions::sinusoids;
-    use mha::{EncoderBlockConfig, EncoderConfig, Positions};
+    use mha::{EncoderBlockConfig, EncoderConfig, Positions, StackInput};
     for be in backends() {
         let dev = &be.device;
         let block = EncoderBlockConfig::new(16, 4).with_dropout(0.0);
@@ -218,16 +218,17 @@ fn stacks_add_absolute_positions_once() {
         positioned.norm = plain.norm.clone();
         let x = randn([2, 7, 16], 3, dev);
         let by_hand = x.clone() + sinusoids(0, 7, 16, dev).unsqueeze::<3>();
+        let causal = |x| StackInput::new(x).mask(AttentionMask::causal());
         let err = max_abs_diff(
-            positioned.forward(x, &AttentionMask::causal()),
-            plain.forward(by_hand, &AttentionMask::causal()),
+            positioned.forward(causal(x)).unwrap().output,
+            plain.forward(causal(by_hand)).unwrap().output,
         );
         assert!(err <= 1e-5, "[{}] {err}", be.name);
         let learned =
             EncoderBlockConfig::new(16, 4).with_positions(Positions::Learned { max_len: 5 });
         let stack = EncoderConfig::new(learned, 1).init(dev);
         let message = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            stack.forward(randn([1, 7, 16], 4, dev), &AttentionMask::none());
+            let _ = stack.forward(StackInput::new(randn([1, 7, 16], 4, dev)));
         }))
         .expect_err("positions past the table")
         .downcast_ref::<String>()

@@ -11,46 +11,28 @@
 //! | module | concept |
 //! |---|---|
 //! | [`mask`] | [`AttentionMask`]: what is blocked, in every convention; the causal rule and the blocked-score sentinels every path uses |
-//! | [`attention`] | [`scaled_dot_product_attention`]: options, output, and the choice of path |
-//! | `attention::dispatch` (private) | the path of a call, from the device's backend, autodiff, dtypes and sizes |
-//! | `attention::explicit` (private) | matmul, mask, softmax, matmul; the weights, dropout, query chunks |
-//! | `attention::recompute` (private) | the CPU op (a Burn backend extension) and its autodiff node, whose backward recomputes the weights |
-//! | `cpu` (private) | the tiles' entry points over any CPU backend's tensors, their shared types, the mask of a tile |
-//! | `cpu::forward` (private) | the forward pass in tiles: online softmax, output and log-sum-exp |
-//! | `cpu::backward` (private) | the backward pass in tiles: weights recomputed from the log-sum-exp, key ranges per task |
-//! | `cpu::gemm` (private) | the matrix kernels per instruction set (portable, AVX2 + FMA) and their tests |
-//! | `cpu::math` (private) | the vectorised `exp` and dot product |
-//! | `cpu::flex` (private) | how the tiles read flex's tensors in place |
-//! | `cpu::ndarray` (private) | how the tiles read ndarray's arrays in place |
-//! | `cpu::tests` (private) | the tiles against attention computed in f64, on every instruction set |
-//! | [`positions`] | [`Positions`]: absolute embeddings, RoPE, ALiBi, learned relative biases |
-//! | [`positions::absolute`] | sinusoidal and learned absolute positions, added to the input |
-//! | [`positions::rotary`] | rotary embeddings of queries and keys, both layouts |
-//! | [`positions::bias`] | biases by distance: ALiBi's slopes, clipped and T5 buckets, [`PositionBias`] |
-//! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
+//! | [`positions`] | [`Positions`]: absolute embeddings ([`positions::absolute`]), RoPE ([`positions::rotary`]), ALiBi and learned relative biases ([`positions::bias`]) |
+//! | `dispatch` (private) | the one place that decides how an operation runs: the path of attention, our row operations or Burn's, the dtype they run in |
+//! | `cpu` (private) | the CPU kernels, a file or folder per job: `isa` (instruction set), `tensors` (reading flex's and ndarray's tensors in place), `gemm` (the tiles' matrix kernel), `math`, `attention` (the tiles, forward and backward, tested against f64), `rows` (GELU, layer norm, cross-entropy), `linear` (the `gemm` crate) |
+//! | `op` (private) | the pattern of an operation of our own, written once: forward, what it keeps, backward, its autodiff node |
+//! | `ops` (private) | the operations: attention (backward recomputing the weights), linear, layer norm, GELU, cross-entropy; one backend extension carries them all |
+//! | [`attention`] | [`scaled_dot_product_attention`]: options, output; the explicit path (matmul, mask, softmax, matmul: weights, dropout, query chunks) |
+//! | [`norm`] | [`LayerNorm`]: Burn's parameters and record, our operation |
+//! | [`loss`] | [`loss::cross_entropy`]: PyTorch's, with no NaN when every target is ignored |
+//! | [`inspect`] | [`HeadMask`], [`Inspect`]: what a forward can be asked beyond its output |
 //! | [`cache`] | [`KvCache`]: decoding token by token, per layer and per stack; the cross-attention's keys and values once |
-//! | [`block`] | [`EncoderBlock`], [`DecoderBlock`]: transformer blocks |
-//! | `activation` (private) | the feed-forward's exact GELU: one operation with its own backward on the CPU backends |
-//! | `cpu::gelu` (private) | GELU and its derivative over rows, with an `erf` that vectorises |
-//! | `linear` (private) | the linear layers' products: one operation with its own backward on the CPU backends |
-//! | `cpu::linear` (private) | those products and their gradients through the `gemm` crate |
-//! | [`loss`] | [`loss::cross_entropy`]: one operation that writes its gradient in the same pass on the CPU backends |
-//! | `cpu::loss` (private) | cross-entropy and its gradient over rows of logits |
-//! | [`norm`] | [`LayerNorm`]: layer normalisation, one operation with its own backward on the CPU backends |
-//! | `cpu::norm` (private) | layer norm and its gradients over rows, one pass each way |
+//! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
+//! | [`block`] | [`EncoderBlock`], [`DecoderBlock`], their configurations, and the one input and output of blocks and stacks ([`BlockInput`], [`BlockOutput`]) |
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
-//! | [`analysis`] | looking inside: head masks and the weights of every layer, head statistics, importance, pruning |
-//! | [`analysis::inspect`] | [`HeadMask`], [`Inspect`]: what a forward can be asked beyond its output |
-//! | [`analysis::stats`] | [`HeadReport`]: entropy, distance, strongest link, same/previous/first shares per head |
-//! | [`analysis::importance`] | [`HeadImportance`]: by ablation and by the head mask's gradient |
-//! | [`analysis::prune`] | [`Heads`], [`PrunePlan`]: smaller modules equal to the masked ones |
-//! | `analysis::maps` (feature `plot`) | heatmaps of the weights, PNG and SVG |
+//! | [`analysis`] | looking inside: head statistics ([`HeadReport`]), importance ([`HeadImportance`]), pruning ([`Heads`], [`PrunePlan`]), maps of the weights (feature `plot`) |
 //! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`] |
 //!
-//! Dependencies flow one way: `analysis`'s importance and pruning, then the modules users
-//! import, then `attention`, then `cpu`, then `mask`; the head mask
-//! (`analysis::inspect`) is a leaf the modules read.
+//! Dependencies flow one way, down this list read from the bottom: `analysis` and
+//! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
+//! `loss`), which use `attention` and `ops`; those ask `dispatch` and run through `op`
+//! over `cpu`; everything may use the leaves (`mask`, `positions`, `inspect`, `error`).
+//! No module imports one above it.
 //!
 //! Conventions: shapes are batch-first (`[B, T, d_model]`); masks are `true = blocked`
 //! unless the constructor says otherwise; configurations have `try_init` (a `Result`)
@@ -58,31 +40,35 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
-mod activation;
 pub mod analysis;
 pub mod attention;
 pub mod block;
 pub mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
+mod dispatch;
 pub mod error;
-mod linear;
+pub mod inspect;
 pub mod loss;
 pub mod mask;
 pub mod mha;
 pub mod norm;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod op;
+mod ops;
 pub mod positions;
 pub mod pytorch;
 pub mod stack;
 
-pub use analysis::{HeadImportance, HeadMask, HeadReport, Heads, Inspect, Inspected, PrunePlan};
+pub use analysis::{HeadImportance, HeadReport, Heads, PrunePlan};
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 pub use block::{
-    DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig, FeedForward,
-    FeedForwardActivation,
+    BlockInput, BlockOutput, DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig,
+    FeedForward, FeedForwardActivation, StackInput,
 };
 pub use cache::{KvCache, MemoryKv, StackCache};
 pub use error::{CacheError, ConfigError, PruneError};
+pub use inspect::{HeadMask, Inspect};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use norm::LayerNorm;

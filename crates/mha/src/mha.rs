@@ -9,7 +9,6 @@ use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
-use crate::analysis::PrunedFrom;
 use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
 use crate::cache::{KvCache, MemoryKv};
 use crate::error::{CacheError, Check, ConfigError};
@@ -115,6 +114,16 @@ pub struct MultiHeadAttention {
     /// heads came from; `None` otherwise.
     #[module(skip)]
     pub pruned_from: Option<PrunedFrom>,
+}
+
+/// Where the heads of a pruned module came from: ALiBi gives each head the slope of its
+/// place among the original heads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrunedFrom {
+    /// The heads of the module before any pruning.
+    pub heads: usize,
+    /// The original index of each head left.
+    pub kept: Vec<usize>,
 }
 
 /// Where keys and values come from.
@@ -312,6 +321,11 @@ fn zero_bias(mut linear: Linear) -> Linear {
 }
 
 impl MultiHeadAttention {
+    /// The heads of its one attention layer: `[n_heads]` (see [`crate::inspect`]).
+    pub fn head_counts(&self) -> Vec<usize> {
+        vec![self.n_heads]
+    }
+
     /// Model width `d_model`.
     pub fn d_model(&self) -> usize {
         self.out_proj.weight.shape().dims::<2>()[1]
@@ -335,14 +349,6 @@ impl MultiHeadAttention {
             weights,
             head_mask,
         } = input;
-        if let Some(head_mask) = &head_mask {
-            let heads = head_mask.dims()[0];
-            assert_eq!(
-                heads, self.n_heads,
-                "MultiHeadAttention: the head mask has {heads} weights for {} heads",
-                self.n_heads
-            );
-        }
         let self_attention = matches!(source, Source::SelfAttention);
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
@@ -383,6 +389,21 @@ impl MultiHeadAttention {
         cache: &mut KvCache,
         mask: AttentionMask,
     ) -> Result<Tensor<3>, CacheError> {
+        let out = self.cached(x, cache, mask, AttentionWeights::None, None)?;
+        Ok(out.context)
+    }
+
+    /// [`forward_cached`](Self::forward_cached) with the weights over the keys the call
+    /// sees (`[B, H, T, keys_seen]`) when asked for, and each head's output scaled by its
+    /// weight in `head_mask` `[H]`.
+    pub(crate) fn cached(
+        &self,
+        x: Tensor<3>,
+        cache: &mut KvCache,
+        mask: AttentionMask,
+        weights: AttentionWeights,
+        head_mask: Option<Tensor<1>>,
+    ) -> Result<MhaOutput, CacheError> {
         if mask.rule().packed.is_some() {
             return Err(CacheError::Packed);
         }
@@ -394,14 +415,8 @@ impl MultiHeadAttention {
         let (q, k, mask) = self.positioned(q, k, mask, [offset, offset]);
         let seen = cache.write(k, v, !mask.is_none())?;
         let mask = mask.and(seen.mask);
-        let out = self.attend(
-            [q, seen.keys, seen.values],
-            &mask,
-            AttentionWeights::None,
-            0.0,
-            None,
-        );
-        Ok(out.context)
+        let inputs = [q, seen.keys, seen.values];
+        Ok(self.attend(inputs, &mask, weights, 0.0, head_mask))
     }
 
     /// The cross-attention keys and values of `memory` `[B, Tk, kdim]` (keys = values, as
@@ -432,6 +447,20 @@ impl MultiHeadAttention {
         memory: &MemoryKv,
         mask: AttentionMask,
     ) -> Tensor<3> {
+        self.cross_cached(x, memory, mask, AttentionWeights::None, None)
+            .context
+    }
+
+    /// [`cross_attention_cached`](Self::cross_attention_cached) with the weights when
+    /// asked for and each head's output scaled by its weight in `head_mask` `[H]`.
+    pub(crate) fn cross_cached(
+        &self,
+        x: Tensor<3>,
+        memory: &MemoryKv,
+        mask: AttentionMask,
+        weights: AttentionWeights,
+        head_mask: Option<Tensor<1>>,
+    ) -> MhaOutput {
         let [batch, _, _] = x.dims();
         let memory_batch = memory.keys.dims()[0];
         assert_eq!(
@@ -441,8 +470,7 @@ impl MultiHeadAttention {
         let q = self.project_q(x);
         let q = self.split_heads(q, self.n_heads);
         let (k, v) = (memory.keys.clone(), memory.values.clone());
-        self.attend([q, k, v], &mask, AttentionWeights::None, 0.0, None)
-            .context
+        self.attend([q, k, v], &mask, weights, 0.0, head_mask)
     }
 
     /// Attention of the heads `q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, each
@@ -456,6 +484,14 @@ impl MultiHeadAttention {
         dropout: f64,
         head_mask: Option<Tensor<1>>,
     ) -> MhaOutput {
+        if let Some(head_mask) = &head_mask {
+            let heads = head_mask.dims()[0];
+            assert_eq!(
+                heads, self.n_heads,
+                "MultiHeadAttention: the head mask has {heads} weights for {} heads",
+                self.n_heads
+            );
+        }
         let [batch, _, queries, _] = q.dims();
         let options = SdpaOptions {
             scale: Some(self.scale),
@@ -476,7 +512,7 @@ impl MultiHeadAttention {
                 .swap_dims(1, 2)
                 .reshape([batch, queries, self.n_heads * self.head_dim]); // [B, Tq, H·Dh]
         MhaOutput {
-            context: crate::linear::forward(&self.out_proj, context),
+            context: crate::ops::linear::forward(&self.out_proj, context),
             weights: out.weights,
         }
     }
@@ -539,9 +575,9 @@ impl MultiHeadAttention {
                 check_input("value", &value, batch, self.vdim);
                 check_same_len(&key, &value);
                 (
-                    crate::linear::forward(&proj.q_proj, query),
-                    crate::linear::forward(&proj.k_proj, key),
-                    crate::linear::forward(&proj.v_proj, value),
+                    crate::ops::linear::forward(&proj.q_proj, query),
+                    crate::ops::linear::forward(&proj.k_proj, key),
+                    crate::ops::linear::forward(&proj.v_proj, value),
                 )
             }
         }
@@ -555,7 +591,7 @@ impl MultiHeadAttention {
             InputProjection::Packed(proj) => {
                 linear_columns(proj, query, 0, self.n_heads * self.head_dim)
             }
-            InputProjection::Separate(proj) => crate::linear::forward(&proj.q_proj, query),
+            InputProjection::Separate(proj) => crate::ops::linear::forward(&proj.q_proj, query),
         }
     }
 
@@ -576,8 +612,8 @@ impl MultiHeadAttention {
                 check_input("key", &context, batch, self.kdim);
                 check_input("value", &context, batch, self.vdim);
                 (
-                    crate::linear::forward(&proj.k_proj, context.clone()),
-                    crate::linear::forward(&proj.v_proj, context),
+                    crate::ops::linear::forward(&proj.k_proj, context.clone()),
+                    crate::ops::linear::forward(&proj.v_proj, context),
                 )
             }
         }
@@ -663,7 +699,7 @@ fn token_positions(mask: &AttentionMask, offset: usize, len: usize) -> Vec<Vec<u
 /// `x W[:, start..start+len] + b[start..start+len]`: one block of a packed projection.
 fn linear_columns(proj: &Linear, x: Tensor<3>, start: usize, len: usize) -> Tensor<3> {
     let bias = proj.bias.as_ref().map(|b| b.val());
-    crate::linear::columns(x, proj.weight.val(), bias, Some([start, len]))
+    crate::ops::linear::columns(x, proj.weight.val(), bias, Some([start, len]))
 }
 
 fn check_input(name: &str, x: &Tensor<3>, batch: usize, width: usize) {

@@ -6,11 +6,13 @@ use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 
-use crate::analysis::{Heads, Inspect, Inspected};
-use crate::block::{DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig};
-use crate::cache::{KvCache, StackCache};
+use crate::block::Memory;
+use crate::block::{
+    BlockInput, BlockOutput, DecoderBlock, DecoderBlockConfig, EncoderBlock, EncoderBlockConfig,
+    StackInput,
+};
+use crate::cache::{KvCache, MemoryKv, StackCache};
 use crate::error::{CacheError, Check, ConfigError};
-use crate::mask::AttentionMask;
 use crate::norm::LayerNorm;
 use crate::positions::{AbsolutePositions, Positions};
 
@@ -178,7 +180,7 @@ fn positioned(positions: &Option<AbsolutePositions>, x: Tensor<3>, offset: usize
     }
 }
 
-/// Checks that `caches` fit a stack of `layers` layers and that the absolute positions
+/// Checks that `cache` fits a stack of `layers` layers and that the absolute positions
 /// cover the next `tokens`.
 ///
 /// # Errors
@@ -186,16 +188,16 @@ fn positioned(positions: &Option<AbsolutePositions>, x: Tensor<3>, offset: usize
 fn check_cached(
     positions: &Option<AbsolutePositions>,
     layers: usize,
-    caches: &[KvCache],
+    cache: &StackCache,
     tokens: usize,
 ) -> Result<(), CacheError> {
-    if caches.len() != layers {
+    if cache.layers.len() != layers {
         return Err(CacheError::Layers {
             layers,
-            caches: caches.len(),
+            caches: cache.layers.len(),
         });
     }
-    let position = caches.first().map_or(0, KvCache::len);
+    let position = cache.len();
     match positions.as_ref().and_then(AbsolutePositions::max_len) {
         Some(max_len) if position + tokens > max_len => Err(CacheError::PastPositions {
             max_len,
@@ -203,6 +205,132 @@ fn check_cached(
             tokens,
         }),
         _ => Ok(()),
+    }
+}
+
+/// A block a stack repeats.
+trait Block {
+    /// Whether its cross-attention reads a memory (a decoder's blocks).
+    const READS_MEMORY: bool;
+    /// The block's forward.
+    fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError>;
+    /// The heads of each of its attention layers.
+    fn head_counts(&self) -> Vec<usize>;
+}
+
+impl Block for EncoderBlock {
+    const READS_MEMORY: bool = false;
+
+    fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
+        self.forward(input)
+    }
+
+    fn head_counts(&self) -> Vec<usize> {
+        self.head_counts()
+    }
+}
+
+impl Block for DecoderBlock {
+    const READS_MEMORY: bool = true;
+
+    fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
+        self.forward(input)
+    }
+
+    fn head_counts(&self) -> Vec<usize> {
+        self.head_counts()
+    }
+}
+
+/// What a stack is made of.
+struct Stack<'a, B> {
+    /// The stack's name in messages.
+    name: &'static str,
+    blocks: &'a [B],
+    norm: &'a Option<LayerNorm>,
+    positions: &'a Option<AbsolutePositions>,
+}
+
+impl<B: Block> Stack<'_, B> {
+    /// The heads of every attention layer, block by block.
+    fn head_counts(&self) -> Vec<usize> {
+        self.blocks.iter().flat_map(B::head_counts).collect()
+    }
+
+    /// The stack over `input`: the absolute positions added (from the cache's length when
+    /// decoding), each block over the output of the one before with its part of the cache
+    /// and of the head mask, and the memory (the input's, else its keys and values in the
+    /// cache), then the final norm.
+    fn forward(&self, input: StackInput) -> Result<BlockOutput, CacheError> {
+        let BlockInput {
+            x,
+            memory,
+            mask,
+            memory_mask,
+            cache,
+            inspect,
+        } = input;
+        if let Some(m) = &inspect.head_mask {
+            m.check(self.name, &self.head_counts());
+        }
+        let layers = self.blocks.len();
+        let offset = match &cache {
+            Some(cache) => {
+                check_cached(self.positions, layers, cache, x.dims()[1])?;
+                cache.len()
+            }
+            None => 0,
+        };
+        // Each block's cache, and its keys and values of the memory when they come from
+        // the cache.
+        let parts: Vec<(Option<&mut KvCache>, Option<&MemoryKv>)> = match cache {
+            Some(StackCache {
+                layers: caches,
+                memory: kvs,
+            }) => {
+                let from_cache = B::READS_MEMORY && matches!(memory, Memory::None);
+                if from_cache && kvs.len() != layers {
+                    return Err(CacheError::Layers {
+                        layers,
+                        caches: kvs.len(),
+                    });
+                }
+                let kvs = kvs.iter().map(|kv| Some(kv).filter(|_| from_cache));
+                caches
+                    .iter_mut()
+                    .map(Some)
+                    .zip(kvs.chain(std::iter::repeat(None)))
+                    .collect()
+            }
+            None => (0..layers).map(|_| (None, None)).collect(),
+        };
+        let mut x = positioned(self.positions, x, offset);
+        let mut weights = Vec::new();
+        let mut first = 0;
+        for (block, (cache, kv)) in self.blocks.iter().zip(parts) {
+            let attention_layers = block.head_counts().len();
+            let memory = match (&memory, kv) {
+                (_, Some(kv)) => Memory::Projected(kv),
+                (Memory::Tensor(m), None) => Memory::Tensor(m.clone()),
+                (Memory::Projected(kv), None) => Memory::Projected(kv),
+                (Memory::None, None) => Memory::None,
+            };
+            let out = block.forward(BlockInput {
+                x,
+                memory,
+                mask: mask.clone(),
+                memory_mask: memory_mask.clone(),
+                cache,
+                inspect: inspect.slice(first, attention_layers),
+            })?;
+            weights.extend(out.weights);
+            x = out.output;
+            first += attention_layers;
+        }
+        Ok(BlockOutput {
+            output: norm(self.norm, x),
+            weights,
+        })
     }
 }
 
@@ -226,90 +354,46 @@ pub struct Encoder {
 }
 
 impl Encoder {
+    /// The stack over `input`: its blocks in turn (see [`EncoderBlock::forward`]), with
+    /// the absolute positions added first and the final norm last. With a cache (from
+    /// [`cache`](Self::cache); a stack of causal blocks: a decoder-only language model),
+    /// the absolute positions continue at the cache's length; the head mask has one
+    /// attention layer per block; the weights are every block's, first block first.
+    ///
     /// # Shapes
-    /// `x`: `[B, T, d_model]` -> `[B, T, d_model]`; `mask` broadcastable to `[B, H, T, T]`.
-    pub fn forward(&self, x: Tensor<3>, mask: &AttentionMask) -> Tensor<3> {
-        let x = positioned(&self.positions, x, 0);
-        let x = self
-            .layers
-            .iter()
-            .fold(x, |x, layer| layer.forward(x, mask));
-        norm(&self.norm, x)
+    /// `x`: `[B, T, d_model]` -> output `[B, T, d_model]`; the mask broadcastable to
+    /// `[B, H, T, T]` (`[B, H, T, keys seen]` with a cache).
+    ///
+    /// # Errors
+    /// With a cache: [`CacheError::Layers`] for the caches of another stack,
+    /// [`CacheError::PastPositions`] past the learned positions, and the blocks' errors
+    /// ([`EncoderBlock::forward`]). Without a cache, none.
+    ///
+    /// # Panics
+    /// As [`EncoderBlock::forward`], and if the head mask's heads per attention layer are
+    /// not the stack's ([`head_counts`](Self::head_counts)).
+    pub fn forward(&self, input: StackInput) -> Result<BlockOutput, CacheError> {
+        self.stack().forward(input)
     }
 
     /// Caches for every layer, each like `cache` (e.g. [`KvCache::new`] with the longest
-    /// sequence to decode), for [`forward_cached`](Self::forward_cached).
+    /// sequence to decode), for [`BlockInput::cache`].
     pub fn cache(&self, cache: KvCache) -> StackCache {
         StackCache::new(self.layers.len(), cache)
     }
 
-    /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]` of a stack of
-    /// causal blocks (a decoder-only language model), with `cache` keeping every layer's
-    /// keys and values of the tokens before them: a prompt, then one token per call. The
-    /// absolute positions, if any, continue at `cache.len()`.
-    ///
-    /// # Errors
-    /// [`CacheError::Layers`] for the caches of another stack,
-    /// [`CacheError::PastPositions`] past the learned positions, and the blocks' errors
-    /// ([`EncoderBlock::forward_cached`]).
-    pub fn forward_cached(
-        &self,
-        x: Tensor<3>,
-        cache: &mut StackCache,
-        mask: &AttentionMask,
-    ) -> Result<Tensor<3>, CacheError> {
-        let tokens = x.dims()[1];
-        check_cached(&self.positions, self.layers.len(), &cache.layers, tokens)?;
-        let mut x = positioned(&self.positions, x, cache.len());
-        for (layer, cache) in self.layers.iter().zip(&mut cache.layers) {
-            x = layer.forward_cached(x, cache, mask)?;
-        }
-        Ok(norm(&self.norm, x))
+    /// The heads of every attention layer: one per block (see [`crate::inspect`]).
+    pub fn head_counts(&self) -> Vec<usize> {
+        self.stack().head_counts()
     }
 
-    /// [`forward`](Self::forward) with a head mask (one attention layer per block) and
-    /// every block's weights when asked for (see [`Inspect`]).
-    ///
-    /// # Panics
-    /// As [`forward`](Self::forward), and if the head mask's heads per attention layer
-    /// are not the stack's ([`Heads::head_counts`]).
-    pub fn forward_inspect(
-        &self,
-        x: Tensor<3>,
-        mask: &AttentionMask,
-        inspect: &Inspect,
-    ) -> Inspected {
-        if let Some(m) = &inspect.head_mask {
-            m.check("Encoder", &self.head_counts());
+    fn stack(&self) -> Stack<'_, EncoderBlock> {
+        Stack {
+            name: "Encoder",
+            blocks: &self.layers,
+            norm: &self.norm,
+            positions: &self.positions,
         }
-        let mut x = positioned(&self.positions, x, 0);
-        let mut weights = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let out = layer.forward_inspect(x, mask, &inspect.slice(i, 1));
-            weights.extend(out.weights);
-            x = out.output;
-        }
-        Inspected {
-            output: norm(&self.norm, x),
-            weights,
-        }
-    }
-
-    /// [`forward`](Self::forward), also returning each block's self-attention weights
-    /// `[B, H, T, T]`, first block first.
-    pub fn forward_with_weights(
-        &self,
-        x: Tensor<3>,
-        mask: &AttentionMask,
-    ) -> (Tensor<3>, Vec<Tensor<4>>) {
-        let x = positioned(&self.positions, x, 0);
-        let mut all = Vec::with_capacity(self.layers.len());
-        let x = self.layers.iter().fold(x, |x, layer| {
-            let (y, weights) = layer.forward_with_weights(x, mask);
-            all.push(weights);
-            y
-        });
-        (norm(&self.norm, x), all)
     }
 }
 
@@ -326,28 +410,34 @@ pub struct Decoder {
 }
 
 impl Decoder {
+    /// The stack over `input`: its blocks in turn (see [`DecoderBlock::forward`]) over
+    /// the input's memory, with the absolute positions added first and the final norm
+    /// last. With a cache from [`cache`](Self::cache), the memory's keys and values are
+    /// the cache's (when the input has no memory of its own) and the absolute positions
+    /// continue at the cache's length. The head mask has two attention layers per block
+    /// (its self-attention, then its cross-attention); the weights are theirs, in that
+    /// order.
+    ///
     /// # Shapes
-    /// - `x`: `[B, Tq, d_model]` -> `[B, Tq, d_model]`; `memory`: `[B, Tk, d_model]`
-    /// - `self_mask` broadcastable to `[B, H, Tq, Tq]` (combined with causal),
-    ///   `memory_mask` to `[B, H, Tq, Tk]`
-    pub fn forward(
-        &self,
-        x: Tensor<3>,
-        memory: Tensor<3>,
-        self_mask: &AttentionMask,
-        memory_mask: &AttentionMask,
-    ) -> Tensor<3> {
-        let x = positioned(&self.positions, x, 0);
-        let x = self.layers.iter().fold(x, |x, layer| {
-            layer.forward(x, memory.clone(), self_mask, memory_mask)
-        });
-        norm(&self.norm, x)
+    /// - `x`: `[B, Tq, d_model]` -> output `[B, Tq, d_model]`; memory `[B, Tk, d_model]`
+    /// - the mask broadcastable to `[B, H, Tq, Tq]` (combined with causal; `[B, H, Tq,
+    ///   keys seen]` with a cache), the memory mask to `[B, H, Tq, Tk]`
+    ///
+    /// # Errors
+    /// With a cache: [`CacheError::Layers`] for the caches of another stack (or without
+    /// a memory), [`CacheError::PastPositions`] past the learned positions, and the
+    /// caches' errors. Without a cache, none.
+    ///
+    /// # Panics
+    /// As [`DecoderBlock::forward`], and if the head mask's heads per attention layer are
+    /// not the stack's ([`head_counts`](Self::head_counts)).
+    pub fn forward(&self, input: StackInput) -> Result<BlockOutput, CacheError> {
+        self.stack().forward(input)
     }
 
     /// Caches for decoding against `memory` `[B, Tk, d_model]` (the encoder's output):
     /// every layer's cross-attention keys and values, computed here once, and a
-    /// self-attention cache per layer like `cache`; for
-    /// [`forward_cached`](Self::forward_cached).
+    /// self-attention cache per layer like `cache`; for [`BlockInput::cache`].
     pub fn cache(&self, memory: Tensor<3>, cache: KvCache) -> StackCache {
         let mut caches = StackCache::new(self.layers.len(), cache);
         caches.memory = self
@@ -358,86 +448,18 @@ impl Decoder {
         caches
     }
 
-    /// [`forward`](Self::forward) of the next tokens `x` `[B, T, d_model]`, with `cache`
-    /// (from [`cache`](Self::cache)) keeping every layer's self-attention keys and values
-    /// of the tokens before them and its cross-attention's of the memory. The absolute
-    /// positions, if any, continue at `cache.len()`.
-    ///
-    /// # Errors
-    /// [`CacheError::Layers`] for the caches of another stack (or without a memory),
-    /// [`CacheError::PastPositions`] past the learned positions, and the caches' errors.
-    pub fn forward_cached(
-        &self,
-        x: Tensor<3>,
-        cache: &mut StackCache,
-        memory_mask: &AttentionMask,
-    ) -> Result<Tensor<3>, CacheError> {
-        let tokens = x.dims()[1];
-        let layers = self.layers.len();
-        check_cached(&self.positions, layers, &cache.layers, tokens)?;
-        if cache.memory.len() != layers {
-            return Err(CacheError::Layers {
-                layers,
-                caches: cache.memory.len(),
-            });
-        }
-        let mut x = positioned(&self.positions, x, cache.len());
-        let parts = self.layers.iter().zip(&mut cache.layers).zip(&cache.memory);
-        for ((layer, cache), memory) in parts {
-            x = layer.forward_cached(x, memory, cache, memory_mask)?;
-        }
-        Ok(norm(&self.norm, x))
+    /// The heads of every attention layer: two per block, its self-attention's then its
+    /// cross-attention's (see [`crate::inspect`]).
+    pub fn head_counts(&self) -> Vec<usize> {
+        self.stack().head_counts()
     }
 
-    /// [`forward`](Self::forward) with a head mask (two attention layers per block: its
-    /// self-attention, then its cross-attention) and their weights when asked for (see
-    /// [`Inspect`]).
-    ///
-    /// # Panics
-    /// As [`forward`](Self::forward), and if the head mask's heads per attention layer
-    /// are not the stack's ([`Heads::head_counts`]).
-    pub fn forward_inspect(
-        &self,
-        x: Tensor<3>,
-        memory: Tensor<3>,
-        self_mask: &AttentionMask,
-        memory_mask: &AttentionMask,
-        inspect: &Inspect,
-    ) -> Inspected {
-        if let Some(m) = &inspect.head_mask {
-            m.check("Decoder", &self.head_counts());
+    fn stack(&self) -> Stack<'_, DecoderBlock> {
+        Stack {
+            name: "Decoder",
+            blocks: &self.layers,
+            norm: &self.norm,
+            positions: &self.positions,
         }
-        let mut x = positioned(&self.positions, x, 0);
-        let mut weights = Vec::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let part = inspect.slice(2 * i, 2);
-            let out = layer.forward_inspect(x, memory.clone(), self_mask, memory_mask, &part);
-            weights.extend(out.weights);
-            x = out.output;
-        }
-        Inspected {
-            output: norm(&self.norm, x),
-            weights,
-        }
-    }
-
-    /// [`forward`](Self::forward), also returning each block's cross-attention weights
-    /// `[B, H, Tq, Tk]`, first block first.
-    pub fn forward_with_weights(
-        &self,
-        x: Tensor<3>,
-        memory: Tensor<3>,
-        self_mask: &AttentionMask,
-        memory_mask: &AttentionMask,
-    ) -> (Tensor<3>, Vec<Tensor<4>>) {
-        let x = positioned(&self.positions, x, 0);
-        let mut all = Vec::with_capacity(self.layers.len());
-        let x = self.layers.iter().fold(x, |x, layer| {
-            let (y, weights) =
-                layer.forward_with_weights(x, memory.clone(), self_mask, memory_mask);
-            all.push(weights);
-            y
-        });
-        (norm(&self.norm, x), all)
     }
 }

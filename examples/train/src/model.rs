@@ -13,8 +13,8 @@ use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
 use mha::analysis::{Heads, Inspect, LayerStats, PrunePlan};
 use mha::positions::sinusoids;
 use mha::{
-    AttentionMask, Decoder, DecoderBlockConfig, DecoderConfig, Encoder, EncoderBlockConfig,
-    EncoderConfig, KvCache, Positions, PruneError,
+    AttentionMask, BlockOutput, CacheError, Decoder, DecoderBlockConfig, DecoderConfig, Encoder,
+    EncoderBlockConfig, EncoderConfig, KvCache, Positions, PruneError, StackInput,
 };
 
 use serde::{Deserialize, Serialize};
@@ -305,7 +305,9 @@ impl DecoderOnly {
                 AttentionMask::packed(&packed.cu_seqlens),
             ),
         };
-        self.head.forward(self.blocks.forward(x, &mask))
+        let input = StackInput::new(x).mask(mask);
+        self.head
+            .forward(uncached(self.blocks.forward(input)).output)
     }
 }
 
@@ -313,8 +315,8 @@ impl EncoderDecoder {
     fn encode(&self, source: Tensor<2, Int>, lengths: &[usize]) -> (Tensor<3>, AttentionMask) {
         let [_, len] = source.dims();
         let padding = AttentionMask::key_lengths(lengths, len, &source.device());
-        let memory = self.encoder.forward(self.embed.forward(source), &padding);
-        (memory, padding)
+        let input = StackInput::new(self.embed.forward(source)).mask(padding.clone());
+        (uncached(self.encoder.forward(input)).output, padding)
     }
 
     /// Logits `[B, U, V]` of the decoder reading `decoder_input` `[B, U]`.
@@ -325,10 +327,11 @@ impl EncoderDecoder {
         decoder_input: Tensor<2, Int>,
     ) -> Tensor<3> {
         let x = self.embed.forward(decoder_input);
-        self.head.forward(
-            self.decoder
-                .forward(x, memory, &AttentionMask::none(), padding),
-        )
+        let input = StackInput::new(x)
+            .memory(memory)
+            .memory_mask(padding.clone());
+        self.head
+            .forward(uncached(self.decoder.forward(input)).output)
     }
 }
 
@@ -435,7 +438,8 @@ impl Model {
                 let mut cache = m.blocks.cache(cache(width + max_output + 1));
                 let x = embed(left_padded, positions);
                 let keys = cache.layers()[0].keys_seen(width);
-                let h = m.blocks.forward_cached(x, &mut cache, &padding(keys));
+                let input = StackInput::new(x).mask(padding(keys)).cache(&mut cache);
+                let h = m.blocks.forward(input).map(|out| out.output);
                 let mut logits = m.head.forward(h.expect(room).narrow(1, width - 1, 1));
                 for step in 0..=max_output {
                     let (next, all_done) = pick(logits);
@@ -445,11 +449,10 @@ impl Model {
                     let tokens = next.into_iter().map(|t| vec![t]).collect();
                     let positions = prompts.iter().map(|p| vec![p.len() + step]).collect();
                     let keys = cache.layers()[0].keys_seen(1);
-                    let h = m.blocks.forward_cached(
-                        embed(tokens, positions),
-                        &mut cache,
-                        &padding(keys),
-                    );
+                    let input = StackInput::new(embed(tokens, positions))
+                        .mask(padding(keys))
+                        .cache(&mut cache);
+                    let h = m.blocks.forward(input).map(|out| out.output);
                     logits = m.head.forward(h.expect(room));
                 }
             }
@@ -462,7 +465,10 @@ impl Model {
                 for step in 0..=max_output {
                     let position = vec![vec![step]; batch];
                     let x = m.embed.forward_at(ids(tokens), &position);
-                    let h = m.decoder.forward_cached(x, &mut cache, &padding);
+                    let input = StackInput::new(x)
+                        .memory_mask(padding.clone())
+                        .cache(&mut cache);
+                    let h = m.decoder.forward(input).map(|out| out.output);
                     let (next, all_done) = pick(m.head.forward(h.expect(room)));
                     if all_done || step == max_output {
                         break;
@@ -559,7 +565,7 @@ impl Model {
                     .chain(output.iter().copied())
                     .collect();
                 let x = m.embed.forward(ids(&seq));
-                let (_, weights) = m.blocks.forward_with_weights(x, &AttentionMask::none());
+                let weights = uncached(m.blocks.forward(StackInput::new(x).weights())).weights;
                 (
                     weights.into_iter().map(|w| w.squeeze_dim(0)).collect(),
                     seq.clone(),
@@ -570,17 +576,30 @@ impl Model {
                 let (memory, padding) = m.encode(ids(input), &[input.len()]);
                 let rows: Vec<usize> = [SEP].into_iter().chain(output.iter().copied()).collect();
                 let x = m.embed.forward(ids(&rows));
-                let (_, weights) =
-                    m.decoder
-                        .forward_with_weights(x, memory, &AttentionMask::none(), &padding);
+                let stack_input = StackInput::new(x)
+                    .memory(memory)
+                    .memory_mask(padding)
+                    .weights();
+                // Each block's self-attention, then its cross-attention: the latter.
+                let weights = uncached(m.decoder.forward(stack_input)).weights;
                 (
-                    weights.into_iter().map(|w| w.squeeze_dim(0)).collect(),
+                    weights
+                        .into_iter()
+                        .skip(1)
+                        .step_by(2)
+                        .map(|w| w.squeeze_dim(0))
+                        .collect(),
                     rows,
                     input.to_vec(),
                 )
             }
         }
     }
+}
+
+/// A stack's output without a cache, which has no cache error to give.
+fn uncached(out: Result<BlockOutput, CacheError>) -> BlockOutput {
+    out.unwrap_or_else(|err| unreachable!("no cache, yet {err}"))
 }
 
 /// The cross-entropy over the output tokens of logits `[B, T, V]` against `targets`
@@ -638,7 +657,8 @@ impl Model {
         match self {
             Model::DecoderOnly(m) => {
                 let x = m.embed.forward(batch.joined);
-                let out = m.blocks.forward_inspect(x, &AttentionMask::none(), inspect);
+                let input = StackInput::new(x).inspect(inspect.clone());
+                let out = uncached(m.blocks.forward(input));
                 (
                     output_loss(m.head.forward(out.output), batch.joined_targets),
                     out.weights,
@@ -652,12 +672,16 @@ impl Model {
                 let padding =
                     AttentionMask::key_lengths(&batch.source_lengths, len, &batch.source.device());
                 let x = m.embed.forward(batch.source);
-                let encoded = m.encoder.forward_inspect(x, &padding, &encoder_part);
+                let input = StackInput::new(x)
+                    .mask(padding.clone())
+                    .inspect(encoder_part);
+                let encoded = uncached(m.encoder.forward(input));
                 let y = m.embed.forward(batch.decoder_input);
-                let none = AttentionMask::none();
-                let decoded =
-                    m.decoder
-                        .forward_inspect(y, encoded.output, &none, &padding, &decoder_part);
+                let input = StackInput::new(y)
+                    .memory(encoded.output)
+                    .memory_mask(padding)
+                    .inspect(decoder_part);
+                let decoded = uncached(m.decoder.forward(input));
                 let mut weights = encoded.weights;
                 weights.extend(decoded.weights);
                 (

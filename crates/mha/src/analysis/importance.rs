@@ -4,13 +4,13 @@
 //!
 //! Both take the model through a closure that computes the loss of batch `i` under a
 //! [`HeadMask`], so they work with any model that passes the mask to its attention
-//! layers (see [`super::inspect`]).
+//! layers (see [`crate::inspect`]).
 
 use burn::tensor::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::inspect::HeadMask;
 use super::prune::PrunePlan;
+use crate::inspect::HeadMask;
 
 /// How [`HeadImportance`] scored the heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

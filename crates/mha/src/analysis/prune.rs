@@ -2,7 +2,7 @@
 //! heads masked ([`HeadMask`](super::HeadMask)), which saves and loads like any module.
 //!
 //! A [`PrunePlan`] names the heads to remove per attention layer (in the order of
-//! [`super::inspect`]). Query heads go with their slices of the query projection and of
+//! [`crate::inspect`]). Query heads go with their slices of the query projection and of
 //! the output projection; a key/value head goes only when every query head of its group
 //! goes. When the groups left are of different sizes (grouped-query attention with some
 //! of a group's heads removed), the key/value heads are repeated (their weights copied)
@@ -20,12 +20,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::{DecoderBlock, EncoderBlock};
 use crate::error::PruneError;
-use crate::mha::{InputProjection, MultiHeadAttention, SeparateProjection};
+use crate::mha::{InputProjection, MultiHeadAttention, PrunedFrom, SeparateProjection};
 use crate::stack::{Decoder, Encoder};
 
 /// The heads of a module, and how to remove some of them.
 pub trait Heads: Sized {
-    /// The heads of each attention layer, in order (see [`super::inspect`]).
+    /// The heads of each attention layer, in order (see [`crate::inspect`]); the
+    /// module's own `head_counts`.
     fn head_counts(&self) -> Vec<usize>;
 
     /// The module without the heads `plan` removes.
@@ -99,19 +100,9 @@ impl PrunePlan {
     }
 }
 
-/// Where the heads of a pruned module came from: ALiBi gives each head the slope of its
-/// place among the original heads.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PrunedFrom {
-    /// The heads of the module before any pruning.
-    pub heads: usize,
-    /// The original index of each head left.
-    pub kept: Vec<usize>,
-}
-
 impl Heads for MultiHeadAttention {
     fn head_counts(&self) -> Vec<usize> {
-        vec![self.n_heads]
+        MultiHeadAttention::head_counts(self)
     }
 
     fn prune(&self, plan: &PrunePlan) -> Result<Self, PruneError> {
@@ -240,7 +231,7 @@ fn select_outputs(linear: &Linear, cols: &[usize]) -> Linear {
 
 impl Heads for EncoderBlock {
     fn head_counts(&self) -> Vec<usize> {
-        self.self_attn.head_counts()
+        EncoderBlock::head_counts(self)
     }
 
     fn prune(&self, plan: &PrunePlan) -> Result<Self, PruneError> {
@@ -254,7 +245,7 @@ impl Heads for EncoderBlock {
 
 impl Heads for DecoderBlock {
     fn head_counts(&self) -> Vec<usize> {
-        vec![self.self_attn.n_heads, self.cross_attn.n_heads]
+        DecoderBlock::head_counts(self)
     }
 
     fn prune(&self, plan: &PrunePlan) -> Result<Self, PruneError> {
@@ -289,7 +280,7 @@ fn prune_blocks<T: Heads>(
 
 impl Heads for Encoder {
     fn head_counts(&self) -> Vec<usize> {
-        self.layers.iter().flat_map(Heads::head_counts).collect()
+        Encoder::head_counts(self)
     }
 
     fn prune(&self, plan: &PrunePlan) -> Result<Self, PruneError> {
@@ -302,7 +293,7 @@ impl Heads for Encoder {
 
 impl Heads for Decoder {
     fn head_counts(&self) -> Vec<usize> {
-        self.layers.iter().flat_map(Heads::head_counts).collect()
+        Decoder::head_counts(self)
     }
 
     fn prune(&self, plan: &PrunePlan) -> Result<Self, PruneError> {

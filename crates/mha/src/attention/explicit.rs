@@ -1,14 +1,15 @@
 //! The explicit path: matmul, mask, softmax, matmul, as Burn tensor ops that every
 //! backend runs and autodiff differentiates; the weights come from here when they are
 //! asked for, and dropout acts here. Long calls run in query chunks (see
-//! [`super::dispatch::Path::Explicit`]).
+//! [`crate::dispatch::AttentionPath::Explicit`]).
 
 use std::ops::Range;
 
 use burn::tensor::{Distribution, Tensor, activation::softmax};
 
-use super::{Scores, SdpaOptions};
+use super::SdpaOptions;
 use crate::mask::{AttentionMask, Sentinels};
+use crate::ops::attention::Scores;
 
 /// The attention weights `softmax(cap(Q Kᵀ · scale) + bias, masked)`, `[B, H, Tq, Tk]`,
 /// with the scale (default `1 / sqrt(Dk)`) and soft cap of `options`; rows with every key

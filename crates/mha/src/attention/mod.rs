@@ -1,8 +1,9 @@
 //! Scaled dot-product attention: `softmax(Q Kᵀ · scale + bias, masked) V`.
 //!
-//! One public function over paths that give the same numbers; `dispatch` picks one per
-//! call from the device's backend, whether it differentiates, the dtypes and the sizes:
-//! - **tiles** (`recompute` over `crate::cpu`): on flex and ndarray in f32, with
+//! One public function over paths that give the same numbers; the dispatcher
+//! (`crate::dispatch`) picks one per call from the device's backend, whether it
+//! differentiates, the dtypes, the sizes and whether the weights are wanted:
+//! - **tiles** (`ops::attention` over `crate::cpu`): on flex and ndarray in f32, with
 //!   autodiff or not, attention is one operation of the backend whose backward pass
 //!   recomputes the weights from each row's log-sum-exp instead of keeping them; both
 //!   passes run in cache-sized tiles (FlashAttention's scheme on the CPU);
@@ -16,24 +17,15 @@
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. Both
 //! paths read the shared head where it lies instead of copying it per query head.
 
-pub(crate) mod dispatch;
 mod explicit;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
-mod recompute;
 
 use burn::tensor::Tensor;
 
 pub use explicit::attention_weights;
 
+use crate::dispatch::{self, AttentionCall, AttentionPath};
 use crate::mask::AttentionMask;
-use dispatch::Path;
-
-/// How the scores are made from `Q Kᵀ`: the scale and the soft cap.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Scores {
-    pub(crate) scale: f64,
-    pub(crate) softcap: Option<f64>,
-}
+use crate::ops::attention::Scores;
 
 /// Which attention weights to return.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -145,25 +137,24 @@ pub fn scaled_dot_product_attention(
         softcap: options.softcap,
     };
 
-    if options.weights != AttentionWeights::None || options.dropout > 0.0 {
-        let inputs = [query, key, value];
-        let (context, weights) = explicit::with_weights(inputs, mask, scores, options.dropout);
-        let weights = match options.weights {
-            AttentionWeights::None => None,
-            AttentionWeights::PerHead => Some(weights),
-            AttentionWeights::Averaged => Some(weights.mean_dim(1)),
-        };
-        return AttentionOutput { context, weights };
-    }
-    let context = match Path::of(&query, &key, &value, mask) {
+    let keeps_weights = options.weights != AttentionWeights::None || options.dropout > 0.0;
+    let call = AttentionCall::of([&query, &key, &value], mask, keeps_weights);
+    let inputs = [query, key, value];
+    let (context, weights) = match dispatch::attention(call) {
         #[cfg(any(feature = "flex", feature = "ndarray"))]
-        Path::Tiles => recompute::attention([query, key, value], mask, scores),
-        Path::Explicit { chunk } => explicit::context([query, key, value], mask, scores, chunk),
+        AttentionPath::Tiles => (crate::ops::attention::attention(inputs, mask, scores), None),
+        AttentionPath::Explicit { chunk } => (explicit::context(inputs, mask, scores, chunk), None),
+        AttentionPath::Weights => {
+            let (context, weights) = explicit::with_weights(inputs, mask, scores, options.dropout);
+            (context, Some(weights))
+        }
     };
-    AttentionOutput {
-        context,
-        weights: None,
-    }
+    let weights = match options.weights {
+        AttentionWeights::None => None,
+        AttentionWeights::PerHead => weights,
+        AttentionWeights::Averaged => weights.map(|w| w.mean_dim(1)),
+    };
+    AttentionOutput { context, weights }
 }
 
 fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {

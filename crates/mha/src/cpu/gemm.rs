@@ -1,129 +1,19 @@
-//! The matrix kernels of the tiles, one per instruction set ([`Isa`], chosen at run time):
-//! plain loops for any CPU ([`Portable`]), on x86-64 with AVX2 and FMA register tiles of
-//! 6 x 16 outputs ([`Avx2`]), and with AVX-512 tiles of 8 x 32 ([`Avx512`]). Each is
-//! tested against a plain f64 product.
+//! The matrix kernel of the attention tiles, `C (+)= A B` with A read through its
+//! strides, per instruction set: plain loops for any CPU ([`portable`]), on x86-64 with
+//! AVX2 and FMA register tiles of 6 x 16 outputs ([`avx2`]), and with AVX-512 tiles of
+//! 8 x 32 ([`avx512`]). `super::isa` chooses among them; each is tested against a plain
+//! f64 product.
+//!
+//! The tiles' products are small (64 x 64 by a head's width) and fused with the softmax
+//! between them; the linear layers' large products go through the `gemm` crate instead
+//! (`super::linear`, which says why with the measurement).
 
-use super::math;
-
-/// The instruction set the kernels are compiled for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Isa {
-    /// Plain loops, any CPU.
-    Portable,
-    /// x86-64 with AVX2 and FMA.
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    /// x86-64 with AVX-512 (F), AVX2 and FMA.
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-}
-
-impl Isa {
-    /// The best this CPU runs (the standard library caches the detection).
-    pub(super) fn best() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            return Isa::Avx2;
-        }
-        Isa::Portable
-    }
-}
-
-/// Row work written once over a flag for fused multiply-adds, run compiled for an
-/// instruction set by [`Isa::run`] (the elementwise kernels of GELU and layer norm).
-pub(super) trait Kernel {
-    /// The work; `FMA` when it runs with the fused multiply-add instructions. It is
-    /// `#[inline(always)]` in every implementation, so that it is compiled inside the
-    /// function that enables the instruction set (its vectors' width too).
-    fn run<const FMA: bool>(self);
-}
-
-impl Isa {
-    /// Runs `kernel` compiled for this instruction set.
-    pub(super) fn run<K: Kernel>(self, kernel: K) {
-        #[cfg(target_arch = "x86_64")]
-        match self {
-            // SAFETY: `best` chose the instruction set from the CPU's features.
-            Isa::Avx512 => unsafe { run_avx512(kernel) },
-            // SAFETY: as above.
-            Isa::Avx2 => unsafe { run_avx2(kernel) },
-            Isa::Portable => kernel.run::<false>(),
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        kernel.run::<false>();
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn run_avx512<K: Kernel>(kernel: K) {
-    kernel.run::<true>();
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn run_avx2<K: Kernel>(kernel: K) {
-    kernel.run::<true>();
-}
-
-/// A matrix kernel for one instruction set.
-pub(super) trait Arch {
-    /// `C = A B` (or `C += A B` when `add`) for sizes `[m, n, k]`: A is `(ptr, row
-    /// stride, column stride)`, B and C are `(ptr, row stride)` with unit column stride.
-    ///
-    /// # Safety
-    /// Every element of the three matrices is in bounds.
-    unsafe fn gemm(
-        mnk: [usize; 3],
-        a: (*const f32, usize, usize),
-        b: (*const f32, usize),
-        c: (*mut f32, usize),
-        add: bool,
-    );
-
-    /// `e^x` ([`math::exp`], with fused multiply-adds where the instruction set has them).
-    fn exp(x: f32) -> f32;
-
-    /// `tanh(x) = 1 - 2 / (e^{2x} + 1)` through [`exp`](Self::exp): within 2e-7 of the
-    /// true value, and vectorised like it.
-    #[inline(always)]
-    fn tanh(x: f32) -> f32 {
-        1.0 - 2.0 / (Self::exp(2.0 * x) + 1.0)
-    }
-}
-
-/// Plain loops, for any CPU.
-pub(super) struct Portable;
-
-impl Arch for Portable {
-    #[inline(always)]
-    fn exp(x: f32) -> f32 {
-        math::exp(x)
-    }
-
-    #[inline(always)]
-    unsafe fn gemm(
-        [m, n, k]: [usize; 3],
-        (a, rsa, csa): (*const f32, usize, usize),
-        (b, ldb): (*const f32, usize),
-        (c, ldc): (*mut f32, usize),
-        add: bool,
-    ) {
-        // SAFETY: the caller's contract.
-        unsafe { gemm_portable([m, n, k], (a, rsa, csa), (b, ldb), (c, ldc), add) }
-    }
-}
-
-/// [`Arch::gemm`] in plain loops.
+/// [`gemm`](self) in plain loops, for any CPU.
 ///
 /// # Safety
-/// As [`Arch::gemm`].
+/// As [`Arch::gemm`](super::isa::Arch::gemm).
 #[inline(always)]
-unsafe fn gemm_portable(
+pub(super) unsafe fn portable(
     [m, n, k]: [usize; 3],
     (a, rsa, csa): (*const f32, usize, usize),
     (b, ldb): (*const f32, usize),
@@ -152,44 +42,21 @@ unsafe fn gemm_portable(
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) struct Avx2;
-
-#[cfg(target_arch = "x86_64")]
-impl Arch for Avx2 {
-    #[inline(always)]
-    fn exp(x: f32) -> f32 {
-        math::exp_fma(x)
-    }
-
-    #[inline(always)]
-    unsafe fn gemm(
-        [m, n, k]: [usize; 3],
-        a: (*const f32, usize, usize),
-        b: (*const f32, usize),
-        c: (*mut f32, usize),
-        add: bool,
-    ) {
-        // SAFETY: the caller's contract; only called where the CPU has AVX2 and FMA.
-        unsafe { avx2::gemm([m, n, k], a, b, c, add) }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     /// Rows of C per register tile: 6 x 16 outputs are 12 registers of sums, enough to
     /// keep both FMA units busy through the FMA's latency.
     const MR: usize = 6;
 
-    /// [`super::Arch::gemm`] in tiles of 6 x 16 and 6 x 8 outputs, the last
+    /// [`Arch::gemm`](crate::cpu::isa::Arch::gemm) in tiles of 6 x 16 and 6 x 8 outputs, the last
     /// columns (fewer than 8) as dot products ([`narrow`]) or in plain loops.
     ///
     /// # Safety
-    /// As [`super::Arch::gemm`], on a CPU with AVX2 and FMA (as for every function here).
+    /// As [`Arch::gemm`](crate::cpu::isa::Arch::gemm), on a CPU with AVX2 and FMA (as for every function here).
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    pub(super) unsafe fn gemm(
+    pub(crate) unsafe fn gemm(
         [m, n, k]: [usize; 3],
         (a, rsa, csa): (*const f32, usize, usize),
         (b, ldb): (*const f32, usize),
@@ -216,7 +83,7 @@ mod avx2 {
                     add,
                 );
             } else if j < n {
-                super::gemm_portable(
+                super::portable(
                     [m, n - j, k],
                     (a, rsa, csa),
                     (b.add(j), ldb),
@@ -349,45 +216,22 @@ mod avx2 {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) struct Avx512;
-
-#[cfg(target_arch = "x86_64")]
-impl Arch for Avx512 {
-    #[inline(always)]
-    fn exp(x: f32) -> f32 {
-        math::exp_fma(x)
-    }
-
-    #[inline(always)]
-    unsafe fn gemm(
-        [m, n, k]: [usize; 3],
-        a: (*const f32, usize, usize),
-        b: (*const f32, usize),
-        c: (*mut f32, usize),
-        add: bool,
-    ) {
-        // SAFETY: the caller's contract; only called where the CPU has AVX-512, AVX2, FMA.
-        unsafe { avx512::gemm([m, n, k], a, b, c, add) }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(super) mod avx512 {
     use std::arch::x86_64::*;
 
     /// Rows of C per register tile: 8 x 32 outputs are 16 of the 32 registers, sums enough
     /// to keep both FMA units busy through the FMA's latency.
     const MR: usize = 8;
 
-    /// [`super::Arch::gemm`] in tiles of 8 x 32 and 8 x 16 outputs; the last columns
+    /// [`Arch::gemm`](crate::cpu::isa::Arch::gemm) in tiles of 8 x 32 and 8 x 16 outputs; the last columns
     /// (fewer than 16) through the AVX2 kernel.
     ///
     /// # Safety
-    /// As [`super::Arch::gemm`], on a CPU with AVX-512 F, AVX2 and FMA (as for every
+    /// As [`Arch::gemm`](crate::cpu::isa::Arch::gemm), on a CPU with AVX-512 F, AVX2 and FMA (as for every
     /// function here).
     #[target_feature(enable = "avx512f,avx2,fma")]
     #[inline]
-    pub(super) unsafe fn gemm(
+    pub(crate) unsafe fn gemm(
         [m, n, k]: [usize; 3],
         (a, rsa, csa): (*const f32, usize, usize),
         (b, ldb): (*const f32, usize),
@@ -488,43 +332,19 @@ mod avx512 {
     }
 }
 
-/// Whether a test can run the AVX-512 kernels on this CPU. When it cannot, the test says
-/// so on stderr and skips them, or fails when the environment variable
-/// `MHA_REQUIRE_AVX512` is set (CI sets it on CPUs that have AVX-512).
-#[cfg(test)]
-pub(super) fn avx512_under_test(test: &str) -> bool {
-    if Isa::best() == Isa::Avx512 {
-        return true;
-    }
-    assert!(
-        std::env::var_os("MHA_REQUIRE_AVX512").is_none(),
-        "{test}: MHA_REQUIRE_AVX512 is set, but this CPU has no AVX-512"
-    );
-    eprintln!("{test}: skipped the AVX-512 kernel: this CPU has no AVX-512");
-    false
-}
-
-/// Whether a test can run the AVX2 kernels on this CPU. When it cannot, the test says so
-/// on stderr and skips them, or fails when the environment variable `MHA_REQUIRE_AVX2` is
-/// set (CI sets it on CPUs that have AVX2 and FMA, so that the kernel is never skipped
-/// there unnoticed).
-#[cfg(test)]
-pub(super) fn avx2_under_test(test: &str) -> bool {
-    if Isa::best() != Isa::Portable {
-        return true;
-    }
-    assert!(
-        std::env::var_os("MHA_REQUIRE_AVX2").is_none(),
-        "{test}: MHA_REQUIRE_AVX2 is set, but this CPU has no AVX2 and FMA"
-    );
-    eprintln!("{test}: skipped the AVX2 kernel: this CPU has no AVX2 and FMA");
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::tests::random;
+    use crate::cpu::testing::{avx2_under_test, avx512_under_test, random};
+
+    /// A kernel: sizes, A with its strides, B and C with their row strides, whether to add.
+    type Kernel = unsafe fn(
+        [usize; 3],
+        (*const f32, usize, usize),
+        (*const f32, usize),
+        (*mut f32, usize),
+        bool,
+    );
 
     /// The reference product in f64, A read through its strides.
     fn reference(
@@ -547,7 +367,7 @@ mod tests {
         c
     }
 
-    fn check<A: Arch>(name: &str) {
+    fn check(name: &str, gemm: Kernel) {
         // Sizes around the register tiles' edges and the narrow columns' dot products,
         // A both ways round, C = and +=.
         for &(m, n, k) in &[
@@ -573,7 +393,7 @@ mod tests {
                     let mut c = start.clone();
                     // SAFETY: the buffers hold every element the sizes and strides name.
                     unsafe {
-                        A::gemm(
+                        gemm(
                             [m, n, k],
                             (a.as_ptr(), strides.0, strides.1),
                             (b.as_ptr(), ldb),
@@ -606,42 +426,16 @@ mod tests {
         }
     }
 
-    fn check_tanh<A: Arch>(name: &str) {
-        let mut x = -12.0f32;
-        while x < 12.0 {
-            let (got, want) = (A::tanh(x) as f64, (x as f64).tanh());
-            assert!(
-                (got - want).abs() <= 2e-7,
-                "{name}: tanh({x}) = {got}, want {want}"
-            );
-            x += 0.000_97;
-        }
-        assert_eq!((A::tanh(100.0), A::tanh(-100.0)), (1.0, -1.0));
-    }
-
-    #[test]
-    fn tanh_is_within_2e7_of_f64_on_every_instruction_set() {
-        check_tanh::<Portable>("portable");
-        if avx2_under_test("tanh_is_within_2e7_of_f64_on_every_instruction_set") {
-            #[cfg(target_arch = "x86_64")]
-            check_tanh::<Avx2>("avx2");
-        }
-        if avx512_under_test("tanh_is_within_2e7_of_f64_on_every_instruction_set") {
-            #[cfg(target_arch = "x86_64")]
-            check_tanh::<Avx512>("avx512");
-        }
-    }
-
     #[test]
     fn portable_gemm_matches_f64() {
-        check::<Portable>("portable");
+        check("portable", portable);
     }
 
     #[test]
     fn avx2_gemm_matches_f64() {
         if avx2_under_test("avx2_gemm_matches_f64") {
             #[cfg(target_arch = "x86_64")]
-            check::<Avx2>("avx2");
+            check("avx2", avx2::gemm);
         }
     }
 
@@ -649,7 +443,7 @@ mod tests {
     fn avx512_gemm_matches_f64() {
         if avx512_under_test("avx512_gemm_matches_f64") {
             #[cfg(target_arch = "x86_64")]
-            check::<Avx512>("avx512");
+            check("avx512", avx512::gemm);
         }
     }
 }

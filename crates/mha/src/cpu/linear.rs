@@ -4,6 +4,13 @@
 //! and writing each result once into a buffer of its own. The same kernels as flex's
 //! matmul, without its allocation of every result (a zeroed buffer, then an aligned copy
 //! of it in fresh pages).
+//!
+//! A second matrix engine beside the tiles' kernel (`super::gemm`), each where it is the
+//! faster one: a linear layer's products are large (thousands of rows by hundreds), where
+//! the crate's packing of both operands and its threads pay; the tiles' are 64 x 64 by a
+//! head's width and strided, fused with the softmax between them, where one call of the
+//! crate (its dispatch and packing) costs more than the product. The `engines` test below
+//! times both at both sizes; docs/benchmarks.md has its numbers.
 
 use burn::backend::tensor::FloatTensor;
 
@@ -163,4 +170,124 @@ pub(crate) fn linear_backward<B: CpuTensors>(
         B::from_rows(db, [1, 1, 1, d_out])
     });
     [dx, dw, db]
+}
+
+/// The two matrix engines at the sizes each serves, one thread: the tiles' kernel
+/// (`super::gemm`, through `super::isa`) and the `gemm` crate, on a tile's product (64
+/// keys by 64 queries over a head's 64 dimensions, the keys' rows strided as in a `[B, T,
+/// H·Dh]` projection) and on a linear layer's (4096 rows, 512 by 512). Prints the time
+/// per product and GFLOP/s; asserts only that both agree. Run with
+/// `cargo test --release -p mha --lib engines -- --ignored --nocapture`.
+#[cfg(test)]
+mod engines {
+    use std::time::Instant;
+
+    use super::super::isa::{Arch, Isa, Kernel};
+    use super::super::testing::random;
+
+    /// `reps` products `c = a b` with the tiles' kernel (`a` with row stride `lda`).
+    struct Ours<'a> {
+        mnk: [usize; 3],
+        a: (&'a [f32], usize),
+        b: &'a [f32],
+        c: &'a mut [f32],
+        reps: usize,
+    }
+
+    impl Kernel for Ours<'_> {
+        type Output = ();
+
+        #[inline(always)]
+        fn run<A: Arch>(self) {
+            let [_, n, _] = self.mnk;
+            for _ in 0..self.reps {
+                // SAFETY: the buffers hold the sizes (see `measure`).
+                unsafe {
+                    let a = (self.a.0.as_ptr(), self.a.1, 1);
+                    let c = (self.c.as_mut_ptr(), n);
+                    A::gemm(self.mnk, a, (self.b.as_ptr(), n), c, false);
+                }
+            }
+        }
+    }
+
+    /// Seconds per product of each engine, and the largest difference between them.
+    fn measure([m, n, k]: [usize; 3], lda: usize, reps: usize) -> [f64; 3] {
+        let a = random(m * lda, 1);
+        let b = random(k * n, 2);
+        let (mut ours, mut theirs) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+        let mut best = [f64::INFINITY; 2];
+        for _ in 0..3 {
+            let start = Instant::now();
+            Isa::best().run(Ours {
+                mnk: [m, n, k],
+                a: (&a, lda),
+                b: &b,
+                c: &mut ours,
+                reps,
+            });
+            best[0] = best[0].min(start.elapsed().as_secs_f64() / reps as f64);
+            let start = Instant::now();
+            for _ in 0..reps {
+                // SAFETY: as above.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        theirs.as_mut_ptr(),
+                        1,
+                        n as isize,
+                        false,
+                        a.as_ptr(),
+                        1,
+                        lda as isize,
+                        b.as_ptr(),
+                        1,
+                        n as isize,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            }
+            best[1] = best[1].min(start.elapsed().as_secs_f64() / reps as f64);
+        }
+        let diff = ours
+            .iter()
+            .zip(&theirs)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        [best[0], best[1], diff as f64]
+    }
+
+    #[test]
+    #[ignore = "a measurement, for release builds"]
+    fn engines() {
+        for (what, mnk, lda, reps) in [
+            (
+                "tile 64 x 64 x 64, keys 512 apart",
+                [64, 64, 64],
+                512,
+                20_000,
+            ),
+            ("linear 4096 x 512 x 512", [4096, 512, 512], 512, 5),
+        ] {
+            let [ours, theirs, diff] = measure(mnk, lda, reps);
+            let flop = 2.0 * mnk.iter().product::<usize>() as f64;
+            println!(
+                "{what} ({:?}): tiles' kernel {:.2} us ({:.1} GFLOP/s), gemm crate {:.2} us \
+                 ({:.1} GFLOP/s); max difference {diff:.1e}",
+                Isa::best(),
+                ours * 1e6,
+                flop / ours * 1e-9,
+                theirs * 1e6,
+                flop / theirs * 1e-9,
+            );
+            assert!(diff <= 1e-3, "{what}: the engines differ by {diff}");
+        }
+    }
 }

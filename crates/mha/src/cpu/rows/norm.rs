@@ -23,8 +23,8 @@ use rayon::prelude::*;
 
 use burn::backend::tensor::FloatTensor;
 
-use super::gemm::{Isa, Kernel};
-use super::{CpuTensors, dims_of};
+use crate::cpu::isa::{Arch, Isa, Kernel};
+use crate::cpu::{CpuTensors, dims_of};
 
 /// Elements per parallel task (whole rows).
 const CHUNK: usize = 1 << 14;
@@ -193,9 +193,11 @@ struct Forward<'a> {
 }
 
 impl Kernel for Forward<'_> {
+    type Output = ();
+
     #[inline(always)]
-    fn run<const FMA: bool>(self) {
-        forward_with::<FMA>(self.p, self.x, self.y, self.stats);
+    fn run<A: Arch>(self) {
+        forward_with::<A>(self.p, self.x, self.y, self.stats);
     }
 }
 
@@ -209,15 +211,12 @@ struct Backward<'a> {
 }
 
 impl Kernel for Backward<'_> {
-    #[inline(always)]
-    fn run<const FMA: bool>(self) {
-        backward_with::<FMA>(self.rows, self.gamma, self.dx, self.dp);
-    }
-}
+    type Output = ();
 
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA { a.mul_add(b, c) } else { a * b + c }
+    #[inline(always)]
+    fn run<A: Arch>(self) {
+        backward_with::<A>(self.rows, self.gamma, self.dx, self.dp);
+    }
 }
 
 /// The sum of eight lanes, pairwise.
@@ -245,12 +244,7 @@ fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
 }
 
 #[inline(always)]
-fn forward_with<const FMA: bool>(
-    p: &Params,
-    x: &[f32],
-    y: &mut [f32],
-    [means, rstds]: [&mut [f32]; 2],
-) {
+fn forward_with<A: Arch>(p: &Params, x: &[f32], y: &mut [f32], [means, rstds]: [&mut [f32]; 2]) {
     let d = p.gamma.len();
     // Divided, not multiplied by 1/d: a constant row's mean is then its value exactly, and
     // its normalised values are 0 rather than a rounding error times 1/√ε.
@@ -265,14 +259,14 @@ fn forward_with<const FMA: bool>(
         let var = lane_sum(d, |i| (x[i] - mu) * (x[i] - mu)) / n;
         let r = 1.0 / (var + p.epsilon).sqrt();
         for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(p.gamma).zip(p.beta) {
-            *y = madd::<FMA>((x - mu) * r, g, b);
+            *y = A::madd((x - mu) * r, g, b);
         }
         (*mean, *rstd) = (mu, r);
     }
 }
 
 #[inline(always)]
-fn backward_with<const FMA: bool>(
+fn backward_with<A: Arch>(
     rows: Rows,
     gamma: &[f32],
     mut dx: Option<&mut [f32]>,
@@ -291,7 +285,7 @@ fn backward_with<const FMA: bool>(
         let sum_g = lane_sum(d, |i| dy[i] * gamma[i]);
         let sum_gx = lane_sum(d, |i| dy[i] * gamma[i] * xhat(i));
         for i in 0..d {
-            dgamma[i] = madd::<FMA>(dy[i], xhat(i), dgamma[i]);
+            dgamma[i] = A::madd(dy[i], xhat(i), dgamma[i]);
             dbeta[i] += dy[i];
         }
         if let Some(dx) = dx.as_deref_mut() {
@@ -306,6 +300,9 @@ fn backward_with<const FMA: bool>(
 #[cfg(test)]
 mod tests {
     use super::{Params, Rows, backward_with, forward_with};
+    #[cfg(target_arch = "x86_64")]
+    use crate::cpu::isa::Avx2;
+    use crate::cpu::isa::Portable;
 
     /// Layer norm of one row and its gradients, in f64.
     fn reference(x: &[f32], dy: &[f32], g: &[f32], b: &[f32], eps: f64) -> [Vec<f64>; 4] {
@@ -349,8 +346,11 @@ mod tests {
                 let (mut dx, mut dg, mut db) = (vec![0.0; d], vec![0.0; d], vec![0.0; d]);
                 let stats = [&mut mean[..], &mut rstd[..]];
                 match fma {
-                    false => forward_with::<false>(&p, &x, &mut y, stats),
-                    true => forward_with::<true>(&p, &x, &mut y, stats),
+                    false => forward_with::<Portable>(&p, &x, &mut y, stats),
+                    #[cfg(target_arch = "x86_64")]
+                    true => forward_with::<Avx2>(&p, &x, &mut y, stats),
+                    #[cfg(not(target_arch = "x86_64"))]
+                    true => continue,
                 }
                 let rows = Rows {
                     x: &x,
@@ -360,8 +360,11 @@ mod tests {
                 };
                 let dp = [&mut dg[..], &mut db[..]];
                 match fma {
-                    false => backward_with::<false>(rows, &g, Some(&mut dx), dp),
-                    true => backward_with::<true>(rows, &g, Some(&mut dx), dp),
+                    false => backward_with::<Portable>(rows, &g, Some(&mut dx), dp),
+                    #[cfg(target_arch = "x86_64")]
+                    true => backward_with::<Avx2>(rows, &g, Some(&mut dx), dp),
+                    #[cfg(not(target_arch = "x86_64"))]
+                    true => continue,
                 }
                 for (got, want) in [&y, &dx, &dg, &db].into_iter().zip(&want) {
                     for (i, (&got, &want)) in got.iter().zip(want).enumerate() {

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use burn::backend::tensor::FloatTensor;
 
-use super::{CpuTensors, dims_of};
+use crate::cpu::{CpuTensors, dims_of};
 
 /// Rows per parallel task.
 const ROWS: usize = 256;

@@ -17,11 +17,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::gemm::{Arch, Isa, Portable};
-#[cfg(target_arch = "x86_64")]
-use super::gemm::{Avx2, Avx512};
-use super::math::dot_product;
 use super::{Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, mask_tile, soft_cap};
+use crate::cpu::isa::{Arch, Isa, Kernel};
+use crate::cpu::math::dot_product;
 use crate::mask::Visibility;
 
 /// Backward pass: the gradients of the inputs `[q, k, v, output, grad]` of [`forward`](super::forward)
@@ -90,7 +88,15 @@ pub(super) fn backward_on(
                 let bh = b * heads + h;
                 let lse = &lse[bh * queries..(bh + 1) * queries];
                 let head = Head::new(dims, b, h, &q, &output, &grad, lse);
-                head.backward(isa, dims, [&k, &v], &extra, range.clone(), &mut kv, dq);
+                isa.run(HeadBackward {
+                    head: &head,
+                    dims,
+                    kv_in: [&k, &v],
+                    extra: &extra,
+                    range: range.clone(),
+                    kv: &mut kv,
+                    dq,
+                });
             }
             for (j, key) in range.enumerate() {
                 let at = (b * keys + key) * kv_heads + kvh;
@@ -365,56 +371,6 @@ impl<'a> Head<'a> {
 
     /// Adds this query head's share of the gradients of the keys in `range` to `kv`, and
     /// its partial `dQ` over them (unscaled, `[Tq, Dk]`) to `dq`.
-    #[allow(clippy::too_many_arguments)]
-    fn backward(
-        &self,
-        isa: Isa,
-        dims: Dims,
-        kv_in: [&Grid<f32>; 2],
-        extra: &Extra,
-        range: Range<usize>,
-        kv: &mut KeyGrads,
-        dq: &mut [f32],
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        match isa {
-            // SAFETY: the CPU has the features the functions are compiled for.
-            Isa::Avx512 => unsafe { self.backward_avx512(dims, kv_in, extra, range, kv, dq) },
-            Isa::Avx2 => unsafe { self.backward_avx2(dims, kv_in, extra, range, kv, dq) },
-            Isa::Portable => self.backward_in::<Portable>(dims, kv_in, extra, range, kv, dq),
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        self.backward_in::<Portable>(dims, kv_in, extra, range, kv, dq);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    fn backward_avx512(
-        &self,
-        dims: Dims,
-        kv_in: [&Grid<f32>; 2],
-        extra: &Extra,
-        range: Range<usize>,
-        kv: &mut KeyGrads,
-        dq: &mut [f32],
-    ) {
-        self.backward_in::<Avx512>(dims, kv_in, extra, range, kv, dq);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn backward_avx2(
-        &self,
-        dims: Dims,
-        kv_in: [&Grid<f32>; 2],
-        extra: &Extra,
-        range: Range<usize>,
-        kv: &mut KeyGrads,
-        dq: &mut [f32],
-    ) {
-        self.backward_in::<Avx2>(dims, kv_in, extra, range, kv, dq);
-    }
-
     #[inline(always)]
     fn backward_in<A: Arch>(
         &self,
@@ -541,6 +497,35 @@ impl<'a> Head<'a> {
                 }
             }
         }
+    }
+}
+
+/// One query head's share of a backward task, run through [`Isa::run`].
+struct HeadBackward<'a> {
+    head: &'a Head<'a>,
+    dims: Dims,
+    kv_in: [&'a Grid<'a, f32>; 2],
+    extra: &'a Extra<'a>,
+    range: Range<usize>,
+    kv: &'a mut KeyGrads,
+    dq: &'a mut [f32],
+}
+
+impl Kernel for HeadBackward<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<A: Arch>(self) {
+        let Self {
+            head,
+            dims,
+            kv_in,
+            extra,
+            range,
+            kv,
+            dq,
+        } = self;
+        head.backward_in::<A>(dims, kv_in, extra, range, kv, dq);
     }
 }
 

@@ -4,10 +4,8 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{Arch, Isa, Portable};
-#[cfg(target_arch = "x86_64")]
-use super::gemm::{Avx2, Avx512};
 use super::{Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
+use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
 /// Forward pass: `(output, lse)`, the output laid out `[B, Tq, H, Dv]` and the
@@ -53,7 +51,14 @@ pub(super) fn forward_on(
             let q0 = tile * QT;
             let nq = QT.min(queries - q0);
             let tile = Tile { b, h, q0, nq };
-            let (o, l) = scratch.forward(isa, dims, &q, &k, &v, &extra, tile);
+            isa.run(TileForward {
+                scratch: &mut *scratch,
+                dims,
+                qkv: [&q, &k, &v],
+                extra: &extra,
+                tile,
+            });
+            let (o, l) = (&scratch.acc, &scratch.lse);
             for i in 0..nq {
                 let row = ((b * queries + q0 + i) * heads + h) * d_v;
                 // SAFETY: row `q0 + i` of head `(b, h)` belongs to this task alone.
@@ -92,65 +97,13 @@ impl Scratch {
         }
     }
 
-    /// The output rows `[nq, Dv]` and log-sum-exps of one tile of queries.
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &mut self,
-        isa: Isa,
-        dims: Dims,
-        q: &Grid<f32>,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
-        extra: &Extra,
-        tile: Tile,
-    ) -> (&[f32], &[f32]) {
-        #[cfg(target_arch = "x86_64")]
-        match isa {
-            // SAFETY: the CPU has the features the functions are compiled for.
-            Isa::Avx512 => unsafe { self.forward_avx512(dims, q, k, v, extra, tile) },
-            Isa::Avx2 => unsafe { self.forward_avx2(dims, q, k, v, extra, tile) },
-            Isa::Portable => self.forward_in::<Portable>(dims, q, k, v, extra, tile),
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        self.forward_in::<Portable>(dims, q, k, v, extra, tile);
-        (&self.acc, &self.lse)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    fn forward_avx512(
-        &mut self,
-        dims: Dims,
-        q: &Grid<f32>,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
-        extra: &Extra,
-        tile: Tile,
-    ) {
-        self.forward_in::<Avx512>(dims, q, k, v, extra, tile);
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn forward_avx2(
-        &mut self,
-        dims: Dims,
-        q: &Grid<f32>,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
-        extra: &Extra,
-        tile: Tile,
-    ) {
-        self.forward_in::<Avx2>(dims, q, k, v, extra, tile);
-    }
-
+    /// Writes the unnormalised output rows `[nq, Dv]` of one tile of queries to `acc`
+    /// and their log-sum-exps to `lse`.
     #[inline(always)]
     fn forward_in<A: Arch>(
         &mut self,
         dims: Dims,
-        q: &Grid<f32>,
-        k: &Grid<f32>,
-        v: &Grid<f32>,
+        [q, k, v]: [&Grid<f32>; 3],
         extra: &Extra,
         tile: Tile,
     ) {
@@ -242,5 +195,30 @@ impl Scratch {
                 self.lse[i] = self.max[i] + self.sum[i].ln();
             }
         }
+    }
+}
+
+/// One tile of queries of the forward pass, run through [`Isa::run`].
+struct TileForward<'a> {
+    scratch: &'a mut Scratch,
+    dims: Dims,
+    qkv: [&'a Grid<'a, f32>; 3],
+    extra: &'a Extra<'a>,
+    tile: Tile,
+}
+
+impl Kernel for TileForward<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<A: Arch>(self) {
+        let Self {
+            scratch,
+            dims,
+            qkv,
+            extra,
+            tile,
+        } = self;
+        scratch.forward_in::<A>(dims, qkv, extra, tile);
     }
 }

@@ -10,9 +10,9 @@ use rayon::prelude::*;
 
 use burn::backend::tensor::FloatTensor;
 
-use super::gemm::{Isa, Kernel};
-use super::math::{exp, exp_fma};
-use super::{CpuTensors, dims_of};
+use crate::cpu::isa::{Arch, Isa, Kernel};
+
+use crate::cpu::{CpuTensors, dims_of};
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -61,23 +61,25 @@ struct Rows<'a> {
 }
 
 impl Kernel for Rows<'_> {
+    type Output = ();
+
     #[inline(always)]
-    fn run<const FMA: bool>(self) {
-        run_with::<FMA>(self.x, self.grad, self.out);
+    fn run<A: Arch>(self) {
+        run_with::<A>(self.x, self.grad, self.out);
     }
 }
 
 #[inline(always)]
-fn run_with<const FMA: bool>(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
+fn run_with<A: Arch>(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
     match grad {
         None => {
             for (o, &x) in out.iter_mut().zip(x) {
-                *o = gelu_and_slope::<FMA>(x).0;
+                *o = gelu_and_slope::<A>(x).0;
             }
         }
         Some(grad) => {
             for ((o, &x), &g) in out.iter_mut().zip(x).zip(grad) {
-                *o = gelu_and_slope::<FMA>(x).1 * g;
+                *o = gelu_and_slope::<A>(x).1 * g;
             }
         }
     }
@@ -85,10 +87,10 @@ fn run_with<const FMA: bool>(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
 
 /// `(x Φ(x), Φ(x) + x φ(x))`, branch-free.
 #[inline(always)]
-fn gelu_and_slope<const FMA: bool>(x: f32) -> (f32, f32) {
-    let madd = |a: f32, b: f32, c: f32| if FMA { a.mul_add(b, c) } else { a * b + c };
+fn gelu_and_slope<A: Arch>(x: f32) -> (f32, f32) {
+    let madd = A::madd;
     const P: f32 = 0.327_591_1;
-    const A: [f32; 5] = [
+    const COEF: [f32; 5] = [
         0.254_829_6,
         -0.284_496_74,
         1.421_413_7,
@@ -100,8 +102,12 @@ fn gelu_and_slope<const FMA: bool>(x: f32) -> (f32, f32) {
     const INV_SQRT_2PI: f32 = 0.398_942_3;
     let z = (x * FRAC_1_SQRT_2).abs();
     let t = 1.0 / madd(P, z, 1.0);
-    let poly = t * madd(madd(madd(madd(A[4], t, A[3]), t, A[2]), t, A[1]), t, A[0]);
-    let gauss = if FMA { exp_fma(-z * z) } else { exp(-z * z) }; // e^{-x²/2}
+    let poly = t * madd(
+        madd(madd(madd(COEF[4], t, COEF[3]), t, COEF[2]), t, COEF[1]),
+        t,
+        COEF[0],
+    );
+    let gauss = A::exp(-z * z); // e^{-x²/2}
     let erf_abs = 1.0 - poly * gauss;
     let erf = erf_abs.copysign(x);
     let cdf = 0.5 * (1.0 + erf);
@@ -111,6 +117,9 @@ fn gelu_and_slope<const FMA: bool>(x: f32) -> (f32, f32) {
 #[cfg(test)]
 mod tests {
     use super::{gelu_and_slope, run_with};
+    #[cfg(target_arch = "x86_64")]
+    use crate::cpu::isa::Avx2;
+    use crate::cpu::isa::Portable;
 
     fn erf64(x: f64) -> f64 {
         // The series to convergence, and the complement's continued fraction far out.
@@ -137,7 +146,13 @@ mod tests {
             let cdf = 0.5 * (1.0 + erf64(xd / std::f64::consts::SQRT_2));
             let pdf = (-xd * xd / 2.0).exp() / (2.0 * std::f64::consts::PI).sqrt();
             let (want_g, want_s) = (xd * cdf, cdf + xd * pdf);
-            for (g, s) in [gelu_and_slope::<false>(x), gelu_and_slope::<true>(x)] {
+            // Without and with fused multiply-adds (computed in software where the CPU
+            // has none).
+            #[cfg(target_arch = "x86_64")]
+            let both = [gelu_and_slope::<Portable>(x), gelu_and_slope::<Avx2>(x)];
+            #[cfg(not(target_arch = "x86_64"))]
+            let both = [gelu_and_slope::<Portable>(x)];
+            for (g, s) in both {
                 let error = |got: f32, want: f64| (got as f64 - want).abs() / want.abs().max(1.0);
                 worst[0] = worst[0].max(error(g, want_g));
                 worst[1] = worst[1].max(error(s, want_s));
@@ -157,9 +172,9 @@ mod tests {
         for len in [0, 1, 7, 8, 9, 33] {
             let x: Vec<f32> = (0..len).map(|i| i as f32 * 0.37 - 3.0).collect();
             let mut out = vec![f32::NAN; len];
-            run_with::<false>(&x, None, &mut out);
+            run_with::<Portable>(&x, None, &mut out);
             for (o, &x) in out.iter().zip(&x) {
-                assert_eq!(*o, gelu_and_slope::<false>(x).0);
+                assert_eq!(*o, gelu_and_slope::<Portable>(x).0);
             }
         }
     }

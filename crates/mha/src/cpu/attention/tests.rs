@@ -3,23 +3,10 @@
 
 use super::backward::backward_on;
 use super::forward::forward_on;
-use super::gemm::{Isa, avx2_under_test, avx512_under_test};
 use super::{Dims, Extra, Grid, Positional, Scoring};
+use crate::cpu::testing::{isas_under_test, random};
 use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW};
 use crate::positions::Buckets;
-
-/// Seeded values in `[-1, 1]`.
-pub(super) fn random(len: usize, seed: u32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(2_654_435_761).max(1);
-    (0..len)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            (state as f32 / u32::MAX as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// Inputs of one attention call, `[B, H, T, D]` contiguous, with a bias broadcast
 /// over batch and queries and a boolean mask broadcast over heads.
@@ -252,15 +239,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], [b, h, t, d]: [usize; 4])
 
 #[test]
 fn tiles_match_f64_attention_forward_and_backward() {
-    let mut isas = vec![Isa::Portable];
-    if avx2_under_test("tiles_match_f64_attention_forward_and_backward") {
-        #[cfg(target_arch = "x86_64")]
-        isas.push(Isa::Avx2);
-    }
-    if avx512_under_test("tiles_match_f64_attention_forward_and_backward") {
-        #[cfg(target_arch = "x86_64")]
-        isas.push(Isa::Avx512);
-    }
+    let isas = isas_under_test("tiles_match_f64_attention_forward_and_backward");
     // Partial tiles; causal with more keys than queries, with fewer (the first 20
     // queries see no key), and not causal; sliding and local windows narrower than a
     // tile, with a soft cap; packed sequences across tile edges; 2 query heads per

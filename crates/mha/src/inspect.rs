@@ -1,6 +1,6 @@
 //! What a forward can be asked beyond its output: a weight per head multiplying what the
 //! head contributes ([`HeadMask`]), and the attention weights of every attention layer
-//! ([`Inspect`], [`Inspected`]).
+//! ([`Inspect`]). The modules read both; `crate::analysis` builds on them.
 //!
 //! A module's *attention layers* are its attentions in order: one for
 //! [`MultiHeadAttention`](crate::MultiHeadAttention) and
@@ -16,11 +16,11 @@ use burn::tensor::{Device, Tensor, TensorData};
 /// heads are merged and projected out: 1 keeps the head, 0 drops it, anything else scales
 /// it. Masking a head changes nothing else (the weights a forward returns are those of
 /// the softmax, before the mask), so a masked module equals one whose dropped heads are
-/// removed (see [`Heads::prune`](super::Heads::prune)).
+/// removed (see [`Heads::prune`](crate::analysis::Heads::prune)).
 ///
 /// With [`with_gradient`](Self::with_gradient), the loss's gradient with respect to each
 /// weight is the head's importance score of Michel et al. (2019): see
-/// [`HeadImportance::by_gradient`](super::HeadImportance::by_gradient).
+/// [`HeadImportance::by_gradient`](crate::analysis::HeadImportance::by_gradient).
 #[derive(Clone, Debug)]
 pub struct HeadMask {
     layers: Vec<Tensor<1>>,
@@ -158,7 +158,8 @@ fn values(t: Tensor<1>) -> Vec<f32> {
         .expect("a float tensor converts to f32")
 }
 
-/// What a block's or a stack's `forward_inspect` does beyond its output.
+/// What a block's or a stack's forward does beyond its output (see
+/// [`BlockInput::inspect`](crate::block::BlockInput::inspect)).
 #[derive(Clone, Debug, Default)]
 pub struct Inspect {
     /// A weight per attention layer and head (see [`HeadMask`]); `None` keeps every head.
@@ -196,14 +197,4 @@ impl Inspect {
             weights: self.weights,
         }
     }
-}
-
-/// The result of a `forward_inspect`.
-#[derive(Clone, Debug)]
-pub struct Inspected {
-    /// The module's output.
-    pub output: Tensor<3>,
-    /// Each attention layer's weights `[B, H, Tq, Tk]`, in the order of the module's
-    /// attention layers, when asked for; empty otherwise.
-    pub weights: Vec<Tensor<4>>,
 }

@@ -1,0 +1,222 @@
+//! The configurations of [`EncoderBlock`] and [`DecoderBlock`]. Their hyperparameters
+//! are declared once (`block_config!`), and what both blocks build from them (the
+//! attentions, the feed-forward, the norms, the dropouts) is built once, by `Parts`.
+
+use burn::config::Config;
+use burn::nn::{Dropout, DropoutConfig, LayerNormConfig, LinearConfig};
+use burn::tensor::Device;
+
+use super::{DecoderBlock, EncoderBlock, FeedForward, FeedForwardActivation};
+use crate::error::{Check, ConfigError};
+use crate::mha::{MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::norm::LayerNorm;
+use crate::positions::Positions;
+
+/// A block configuration: the hyperparameters both blocks share, then `$own` fields.
+macro_rules! block_config {
+    ($(#[$doc:meta])* $name:ident { $($own:tt)* }) => {
+        $(#[$doc])*
+        #[derive(Config, Debug)]
+        pub struct $name {
+            /// Model width.
+            pub d_model: usize,
+            /// Attention heads.
+            pub n_heads: usize,
+            /// Key/value heads (GQA). Default: `n_heads`.
+            #[config(default = "None")]
+            pub n_kv_heads: Option<usize>,
+            /// Hidden width of the feed-forward. Default: `4 · d_model`.
+            #[config(default = "None")]
+            pub d_ff: Option<usize>,
+            /// Dropout on attention weights, the feed-forward hidden layer and each
+            /// residual branch, in training only. Default: 0.1, as PyTorch.
+            #[config(default = 0.1)]
+            pub dropout: f64,
+            /// Feed-forward activation. Default: GELU.
+            #[config(default = "FeedForwardActivation::Gelu")]
+            pub activation: FeedForwardActivation,
+            /// Pre-norm (`x + f(norm(x))`, PyTorch's `norm_first=True`) when true,
+            /// post-norm (`norm(x + f(x))`) when false. Default: true.
+            #[config(default = true)]
+            pub norm_first: bool,
+            /// LayerNorm epsilon. Default: 1e-5.
+            #[config(default = 1e-5)]
+            pub layer_norm_eps: f64,
+            /// Bias in the linear layers and LayerNorms. Default: true.
+            #[config(default = true)]
+            pub bias: bool,
+            $($own)*
+        }
+
+        impl $name {
+            /// The hyperparameters both blocks share.
+            fn parts(&self) -> Parts {
+                Parts {
+                    d_model: self.d_model,
+                    n_heads: self.n_heads,
+                    n_kv_heads: self.n_kv_heads,
+                    d_ff: self.d_ff.unwrap_or(4 * self.d_model),
+                    dropout: self.dropout,
+                    activation: self.activation,
+                    norm_first: self.norm_first,
+                    layer_norm_eps: self.layer_norm_eps,
+                    bias: self.bias,
+                }
+            }
+
+            /// The final norm a pre-norm stack of these blocks needs (its blocks leave
+            /// the residual stream un-normalised).
+            pub(crate) fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
+                let parts = self.parts();
+                parts.norm_first.then(|| parts.norm(device))
+            }
+        }
+    };
+}
+
+block_config!(
+    /// Configuration of [`EncoderBlock`].
+    EncoderBlockConfig {
+        /// Whether the self-attention is causal. Default: false.
+        #[config(default = false)]
+        pub causal: bool,
+        /// How the self-attention knows where tokens are (see [`Positions`]); a stack
+        /// adds absolute positions to its input once. Default: none.
+        #[config(default = "Positions::None")]
+        pub positions: Positions,
+    }
+);
+
+block_config!(
+    /// Configuration of [`DecoderBlock`]; its self-attention is always causal.
+    DecoderBlockConfig {
+        /// How the causal self-attention knows where tokens are (see [`Positions`]; the
+        /// cross-attention reads the memory as it is); a stack adds absolute positions to
+        /// its input once. Default: none.
+        #[config(default = "Positions::None")]
+        pub positions: Positions,
+    }
+);
+
+/// The hyperparameters both block configurations share, and what they build.
+#[derive(Clone, Copy, Debug)]
+struct Parts {
+    d_model: usize,
+    n_heads: usize,
+    n_kv_heads: Option<usize>,
+    d_ff: usize,
+    dropout: f64,
+    activation: FeedForwardActivation,
+    norm_first: bool,
+    layer_norm_eps: f64,
+    bias: bool,
+}
+
+impl Parts {
+    fn validate(&self, config: &'static str) -> Result<(), ConfigError> {
+        let check = Check(config);
+        check.nonzero("d_ff", self.d_ff)?;
+        check.probability("dropout", self.dropout)?;
+        check.positive("layer_norm_eps", self.layer_norm_eps)
+    }
+
+    /// Attention with these hyperparameters and `positions`.
+    fn attention(
+        &self,
+        positions: Positions,
+        device: &Device,
+    ) -> Result<MultiHeadAttention, ConfigError> {
+        MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
+            .with_n_kv_heads(self.n_kv_heads)
+            .with_bias(self.bias)
+            .with_dropout(self.dropout)
+            .with_positions(positions)
+            .try_init(device)
+    }
+
+    fn norm(&self, device: &Device) -> LayerNorm {
+        let config = LayerNormConfig::new(self.d_model)
+            .with_epsilon(self.layer_norm_eps)
+            .with_bias(self.bias);
+        LayerNorm::new(&config, device)
+    }
+
+    fn dropout(&self) -> Dropout {
+        DropoutConfig::new(self.dropout).init()
+    }
+
+    fn feed_forward(&self, device: &Device) -> FeedForward {
+        let linear = |d_in, d_out| {
+            LinearConfig::new(d_in, d_out)
+                .with_bias(self.bias)
+                .init(device)
+        };
+        FeedForward {
+            linear1: linear(self.d_model, self.d_ff),
+            activation: self.activation,
+            dropout: self.dropout(),
+            linear2: linear(self.d_ff, self.d_model),
+        }
+    }
+}
+
+impl EncoderBlockConfig {
+    /// Builds an [`EncoderBlock`].
+    ///
+    /// # Errors
+    /// A [`ConfigError`] naming the field and values (see
+    /// [`MultiHeadAttentionConfig::try_init`], and `d_ff`, `dropout`, `layer_norm_eps`).
+    pub fn try_init(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
+        let parts = self.parts();
+        parts.validate("EncoderBlockConfig")?;
+        Ok(EncoderBlock {
+            self_attn: parts.attention(self.positions.clone(), device)?,
+            feed_forward: parts.feed_forward(device),
+            norm1: parts.norm(device),
+            norm2: parts.norm(device),
+            dropout1: parts.dropout(),
+            dropout2: parts.dropout(),
+            norm_first: self.norm_first,
+            causal: self.causal,
+        })
+    }
+
+    /// Builds an [`EncoderBlock`].
+    ///
+    /// # Panics
+    /// With the message of [`try_init`](Self::try_init)'s error.
+    pub fn init(&self, device: &Device) -> EncoderBlock {
+        self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+}
+
+impl DecoderBlockConfig {
+    /// Builds a [`DecoderBlock`].
+    ///
+    /// # Errors
+    /// As [`EncoderBlockConfig::try_init`].
+    pub fn try_init(&self, device: &Device) -> Result<DecoderBlock, ConfigError> {
+        let parts = self.parts();
+        parts.validate("DecoderBlockConfig")?;
+        Ok(DecoderBlock {
+            self_attn: parts.attention(self.positions.clone(), device)?,
+            cross_attn: parts.attention(Positions::None, device)?,
+            feed_forward: parts.feed_forward(device),
+            norm1: parts.norm(device),
+            norm2: parts.norm(device),
+            norm3: parts.norm(device),
+            dropout1: parts.dropout(),
+            dropout2: parts.dropout(),
+            dropout3: parts.dropout(),
+            norm_first: self.norm_first,
+        })
+    }
+
+    /// Builds a [`DecoderBlock`].
+    ///
+    /// # Panics
+    /// With the message of [`try_init`](Self::try_init)'s error.
+    pub fn init(&self, device: &Device) -> DecoderBlock {
+        self.try_init(device).unwrap_or_else(|err| panic!("{err}"))
+    }
+}

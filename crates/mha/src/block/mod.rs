@@ -1,0 +1,339 @@
+//! Transformer blocks: an encoder block (self-attention, feed-forward) and a decoder
+//! block (causal self-attention, cross-attention, feed-forward), each with residuals,
+//! LayerNorm (pre-norm by default, post-norm as an option) and dropout where PyTorch's
+//! `nn.TransformerEncoderLayer` / `nn.TransformerDecoderLayer` put it, so weights import
+//! one to one.
+
+mod config;
+mod input;
+
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{Dropout, Linear};
+use burn::tensor::Tensor;
+
+pub use config::{DecoderBlockConfig, EncoderBlockConfig};
+pub use input::{BlockInput, BlockOutput, StackInput};
+
+use crate::attention::AttentionWeights;
+use crate::cache::{KvCache, MemoryKv};
+use crate::error::CacheError;
+use crate::inspect::Inspect;
+use crate::mask::AttentionMask;
+use crate::mha::{MhaInput, MhaOutput, MultiHeadAttention};
+use crate::norm::LayerNorm;
+pub(crate) use input::Memory;
+
+/// The feed-forward activation.
+#[derive(Config, Debug, Copy, PartialEq, Eq)]
+pub enum FeedForwardActivation {
+    /// Exact (erf) GELU, PyTorch's `"gelu"`.
+    Gelu,
+    /// ReLU, PyTorch's `"relu"` (its default).
+    Relu,
+}
+
+impl FeedForwardActivation {
+    /// Applies the activation.
+    ///
+    /// GELU is exact on every backend, values and gradient: one operation with a backward
+    /// of its own on flex and ndarray in f32, written with `erf` elsewhere (see
+    /// `ops::gelu`).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self {
+            Self::Gelu => crate::ops::gelu::gelu(x),
+            Self::Relu => burn::tensor::activation::relu(x),
+        }
+    }
+}
+
+/// `linear2(dropout(activation(linear1(x))))`.
+#[derive(Module, Debug)]
+pub struct FeedForward {
+    /// `[d_model, d_ff]`.
+    pub linear1: Linear,
+    /// GELU or ReLU.
+    #[module(skip)]
+    pub activation: FeedForwardActivation,
+    /// Dropout on the hidden layer.
+    pub dropout: Dropout,
+    /// `[d_ff, d_model]`.
+    pub linear2: Linear,
+}
+
+impl FeedForward {
+    /// # Shapes
+    /// `[B, T, d_model]` -> `[B, T, d_model]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let hidden = self
+            .activation
+            .forward(crate::ops::linear::forward(&self.linear1, x)); // [B, T, d_ff]
+        crate::ops::linear::forward(&self.linear2, self.dropout.forward(hidden))
+    }
+}
+
+/// A residual branch `x + dropout(f(norm(x)))` (pre-norm) or `norm(x + dropout(f(x)))`
+/// (post-norm).
+fn residual(
+    x: Tensor<3>,
+    norm: &LayerNorm,
+    dropout: &Dropout,
+    norm_first: bool,
+    f: impl FnOnce(Tensor<3>) -> Result<Tensor<3>, CacheError>,
+) -> Result<Tensor<3>, CacheError> {
+    Ok(match norm_first {
+        true => x.clone() + dropout.forward(f(norm.forward(x))?),
+        false => norm.forward(x.clone() + dropout.forward(f(x)?)),
+    })
+}
+
+/// Self-attention and feed-forward, PyTorch's `nn.TransformerEncoderLayer`.
+#[derive(Module, Debug)]
+pub struct EncoderBlock {
+    /// Self-attention.
+    pub self_attn: MultiHeadAttention,
+    /// Feed-forward.
+    pub feed_forward: FeedForward,
+    /// Norm of the attention branch.
+    pub norm1: LayerNorm,
+    /// Norm of the feed-forward branch.
+    pub norm2: LayerNorm,
+    /// Dropout on the attention branch.
+    pub dropout1: Dropout,
+    /// Dropout on the feed-forward branch.
+    pub dropout2: Dropout,
+    /// Pre-norm when true.
+    pub norm_first: bool,
+    /// Causal self-attention when true.
+    pub causal: bool,
+}
+
+impl EncoderBlock {
+    /// The block over `input`: its tokens, its self-attention mask (with the causal rule
+    /// when the block is causal), a cache when decoding (a causal block only), a head
+    /// mask (one attention layer) and the weights when asked for.
+    ///
+    /// # Shapes
+    /// - `x`: `[B, T, d_model]` -> output `[B, T, d_model]`
+    /// - mask: broadcastable to `[B, H, T, T]` (`[B, H, T, keys seen]` with a cache)
+    /// - weights: `[B, H, T, T]` (`[B, H, T, keys seen]`), when asked for
+    ///
+    /// # Errors
+    /// With a cache: [`CacheError::NotCausal`] for a block that is not causal, and the
+    /// cache's errors ([`MultiHeadAttention::forward_cached`]). Without a cache, none.
+    ///
+    /// # Panics
+    /// If `x` is not `[B, T, d_model]`, the mask does not broadcast, the input has a
+    /// memory (an encoder block has no cross-attention), or the head mask is not one layer
+    /// of `H` heads.
+    pub fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
+        let weights = input.attention_weights();
+        let BlockInput {
+            x,
+            memory,
+            mask,
+            cache,
+            inspect,
+            ..
+        } = input;
+        assert!(
+            matches!(memory, Memory::None),
+            "EncoderBlock: the input has a memory, and an encoder block has no \
+             cross-attention (DecoderBlock has)"
+        );
+        if cache.is_some() && !self.causal {
+            return Err(CacheError::NotCausal {
+                module: "EncoderBlock",
+            });
+        }
+        let [head] = head_masks(&inspect, "EncoderBlock", &self.head_counts());
+        let attention = SelfAttention {
+            causal: self.causal,
+            weights,
+            head,
+        };
+        let mut all = Vec::new();
+        let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            let out = attention.run(&self.self_attn, h, mask, cache)?;
+            all.extend(out.weights);
+            Ok(out.context)
+        })?;
+        let output = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
+            Ok(self.feed_forward.forward(h))
+        })?;
+        Ok(BlockOutput {
+            output,
+            weights: all,
+        })
+    }
+
+    /// The heads of its one attention layer (see [`crate::inspect`]).
+    pub fn head_counts(&self) -> Vec<usize> {
+        self.self_attn.head_counts()
+    }
+}
+
+/// Causal self-attention, cross-attention to an encoded memory, and feed-forward:
+/// PyTorch's `nn.TransformerDecoderLayer` with `tgt_is_causal=True`.
+#[derive(Module, Debug)]
+pub struct DecoderBlock {
+    /// Causal self-attention.
+    pub self_attn: MultiHeadAttention,
+    /// Cross-attention to the memory (PyTorch's `multihead_attn`).
+    pub cross_attn: MultiHeadAttention,
+    /// Feed-forward.
+    pub feed_forward: FeedForward,
+    /// Norm of the self-attention branch.
+    pub norm1: LayerNorm,
+    /// Norm of the cross-attention branch.
+    pub norm2: LayerNorm,
+    /// Norm of the feed-forward branch.
+    pub norm3: LayerNorm,
+    /// Dropout on the self-attention branch.
+    pub dropout1: Dropout,
+    /// Dropout on the cross-attention branch.
+    pub dropout2: Dropout,
+    /// Dropout on the feed-forward branch.
+    pub dropout3: Dropout,
+    /// Pre-norm when true.
+    pub norm_first: bool,
+}
+
+impl DecoderBlock {
+    /// The block over `input`: its tokens, the memory its cross-attention reads (a
+    /// tensor, or its keys and values from [`memory_kv`](Self::memory_kv)), the
+    /// self-attention's mask (with the causal rule) and the memory's, a cache when
+    /// decoding, a head mask (two attention layers: the self-attention, then the
+    /// cross-attention) and both attentions' weights when asked for.
+    ///
+    /// # Shapes
+    /// - `x`: `[B, Tq, d_model]` -> output `[B, Tq, d_model]`; memory `[B, Tk, d_model]`
+    /// - mask: broadcastable to `[B, H, Tq, Tq]` (`[B, H, Tq, keys seen]` with a cache);
+    ///   memory mask: to `[B, H, Tq, Tk]` (e.g. the memory's padding)
+    /// - weights: the self-attention's `[B, H, Tq, Tq]`, then the cross-attention's
+    ///   `[B, H, Tq, Tk]`, when asked for
+    ///
+    /// # Errors
+    /// The cache's errors ([`MultiHeadAttention::forward_cached`]); without a cache,
+    /// none.
+    ///
+    /// # Panics
+    /// If the shapes disagree, a mask does not broadcast, the input has no memory, or the
+    /// head mask does not have the block's two attention layers.
+    pub fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
+        let weights = input.attention_weights();
+        let BlockInput {
+            x,
+            memory,
+            mask,
+            memory_mask,
+            cache,
+            inspect,
+        } = input;
+        let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
+        let attention = SelfAttention {
+            causal: true,
+            weights,
+            head,
+        };
+        let mut all = Vec::new();
+        let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
+            let out = attention.run(&self.self_attn, h, mask, cache)?;
+            all.extend(out.weights);
+            Ok(out.context)
+        })?;
+        let x = residual(x, &self.norm2, &self.dropout2, self.norm_first, |h| {
+            let out = match memory {
+                Memory::Tensor(memory) => {
+                    let input = MhaInput::cross(h, memory).mask(memory_mask);
+                    self.cross_attn
+                        .forward(with_head(input.weights(weights), cross_head))
+                }
+                Memory::Projected(kv) => {
+                    let attn = &self.cross_attn;
+                    attn.cross_cached(h, kv, memory_mask, weights, cross_head)
+                }
+                Memory::None => panic!(
+                    "DecoderBlock: the input has no memory for the cross-attention \
+                     (BlockInput::memory or BlockInput::memory_kv)"
+                ),
+            };
+            all.extend(out.weights);
+            Ok(out.context)
+        })?;
+        let output = residual(x, &self.norm3, &self.dropout3, self.norm_first, |h| {
+            Ok(self.feed_forward.forward(h))
+        })?;
+        Ok(BlockOutput {
+            output,
+            weights: all,
+        })
+    }
+
+    /// The cross-attention's keys and values of `memory` `[B, Tk, d_model]`, computed once
+    /// for every decoding step ([`BlockInput::memory_kv`]).
+    pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
+        self.cross_attn.memory_kv(memory)
+    }
+
+    /// The heads of its two attention layers: the self-attention's, then the
+    /// cross-attention's (see [`crate::inspect`]).
+    pub fn head_counts(&self) -> Vec<usize> {
+        vec![self.self_attn.n_heads, self.cross_attn.n_heads]
+    }
+}
+
+/// A block's self-attention: causal or not, the weights it returns, its head mask.
+struct SelfAttention {
+    causal: bool,
+    weights: AttentionWeights,
+    head: Option<Tensor<1>>,
+}
+
+impl SelfAttention {
+    /// `attention` of `h` under `mask` (and the causal rule), through `cache` when
+    /// decoding (whose rule is causal: `mask` adds to it).
+    fn run(
+        self,
+        attention: &MultiHeadAttention,
+        h: Tensor<3>,
+        mask: AttentionMask,
+        cache: Option<&mut KvCache>,
+    ) -> Result<MhaOutput, CacheError> {
+        if let Some(cache) = cache {
+            return attention.cached(h, cache, mask, self.weights, self.head);
+        }
+        let mask = match self.causal {
+            true => mask.and(AttentionMask::causal()),
+            false => mask,
+        };
+        let input = MhaInput::self_attn(h).mask(mask).weights(self.weights);
+        Ok(attention.forward(with_head(input, self.head)))
+    }
+}
+
+/// Each attention layer's row of the head mask of `inspect`, checked against the module's
+/// `counts` (one per attention layer).
+///
+/// # Panics
+/// Naming `module` and both shapes when the head mask has other layers or heads.
+fn head_masks<const N: usize>(
+    inspect: &Inspect,
+    module: &str,
+    counts: &[usize],
+) -> [Option<Tensor<1>>; N] {
+    match &inspect.head_mask {
+        Some(m) => {
+            m.check(module, counts);
+            std::array::from_fn(|layer| Some(m.layer(layer).clone()))
+        }
+        None => std::array::from_fn(|_| None),
+    }
+}
+
+fn with_head(input: MhaInput, head_mask: Option<Tensor<1>>) -> MhaInput {
+    match head_mask {
+        Some(mask) => input.head_mask(mask),
+        None => input,
+    }
+}

@@ -1,0 +1,374 @@
+//! The one place that decides how an operation runs. Each choice is a pure function of a
+//! small description of the call (which backend the device is, whether it
+//! differentiates, the dtypes, the sizes), unit-tested without devices; nothing else in
+//! the crate asks which backend a device is. The choices were measured: the README's
+//! benchmarks give the numbers.
+//!
+//! - Attention ([`attention`]): the tiles of our own on flex and ndarray in f32
+//!   (`ops::attention` over `cpu::attention`), else the explicit path (matmul, mask,
+//!   softmax, matmul) in query chunks, or in one pass keeping the weights when they are
+//!   returned or dropout acts on them.
+//! - The row operations ([`row`]: linear, layer norm, GELU, cross-entropy): one operation
+//!   of our own with its own backward on flex and ndarray in f32, else Burn's operations,
+//!   in f32 where the input's half precision would lose too much (layer norm in f16, as
+//!   Burn's own module does).
+//!
+//! GPU kernels of our own enter as one more [`AttentionPath`] variant, chosen here for
+//! [`Backend::Gpu`] devices; until then GPU devices run Burn's operations.
+
+use burn::backend::DispatchDevice;
+use burn::tensor::{BoolStore, DType, Device, Tensor};
+
+use crate::mask::AttentionMask;
+
+/// Smallest query chunk of the explicit path; it chunks from `2 * MIN_CHUNK` queries on.
+const MIN_CHUNK: usize = 128;
+/// Most chunks the explicit path cuts the queries into (longer sequences, longer chunks).
+const MAX_CHUNKS: usize = 16;
+
+/// Which backend runs a device's operations (under autodiff or not), as far as the
+/// choices here go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Backend {
+    /// Burn's flex: our CPU kernels.
+    #[cfg(feature = "flex")]
+    Flex,
+    /// Burn's ndarray: our CPU kernels.
+    #[cfg(feature = "ndarray")]
+    NdArray,
+    /// A CubeCL backend (wgpu, cuda): Burn's operations.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    Gpu,
+    /// Any other backend: Burn's operations.
+    Other,
+}
+
+impl Backend {
+    /// The backend of `device`.
+    pub(crate) fn of(device: &Device) -> Self {
+        Self::of_dispatch(device.as_dispatch())
+    }
+
+    fn of_dispatch(device: &DispatchDevice) -> Self {
+        #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
+        match device {
+            DispatchDevice::Autodiff(inner) => Self::of_dispatch(inner),
+            #[cfg(feature = "flex")]
+            DispatchDevice::Flex(_) => Backend::Flex,
+            #[cfg(feature = "ndarray")]
+            DispatchDevice::NdArray(_) => Backend::NdArray,
+            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            DispatchDevice::Cube(_) => Backend::Gpu,
+            _ => Backend::Other,
+        }
+    }
+
+    /// Whether our CPU kernels (tiles and fused row operations) run on it.
+    fn has_cpu_kernels(self) -> bool {
+        match self {
+            #[cfg(feature = "flex")]
+            Backend::Flex => true,
+            #[cfg(feature = "ndarray")]
+            Backend::NdArray => true,
+            _ => false,
+        }
+    }
+}
+
+/// How one attention call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AttentionPath {
+    /// The CPU tiles (`ops::attention`): flex and ndarray, every float tensor f32 and the
+    /// boolean mask stored as bytes, with autodiff or not; the backward pass recomputes
+    /// the weights.
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    Tiles,
+    /// Matmul, mask, softmax, matmul, in query chunks of `chunk` rows (`chunk >= Tq`: one
+    /// pass). Chunks from `2 * MIN_CHUNK` queries on when the mask blocks by position
+    /// (causal, windows, packed sequences: a chunk skips the keys its rows cannot see) or
+    /// the device does not differentiate (a chunk's scores are freed before the next one's
+    /// exist; under autodiff every chunk's are kept for the backward pass, so chunking
+    /// would only add launches).
+    Explicit { chunk: usize },
+    /// The explicit path in one pass, keeping the weights: they are returned, or dropout
+    /// acts on them (whatever the backend: only this path has the weights).
+    Weights,
+}
+
+/// What the path of an attention call depends on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttentionCall {
+    backend: Backend,
+    autodiff: bool,
+    /// Every float tensor is f32 and the boolean mask is stored as bytes.
+    f32_bytes: bool,
+    queries: usize,
+    /// The mask blocks by position.
+    by_position: bool,
+    /// The weights are returned or dropout acts on them.
+    weights: bool,
+}
+
+impl AttentionCall {
+    /// The call over `query` `[B, H, Tq, Dk]`, `key`, `value` and `mask`; `weights` when
+    /// the weights are returned or dropout acts on them.
+    pub(crate) fn of(
+        [query, key, value]: [&Tensor<4>; 3],
+        mask: &AttentionMask,
+        weights: bool,
+    ) -> Self {
+        let device = query.device();
+        let floats = [query, key, value].into_iter().chain(mask.additive_bias());
+        let bool_bytes = mask.blocked().is_none_or(|blocked| {
+            matches!(
+                blocked.dtype(),
+                DType::Bool(BoolStore::Native | BoolStore::U8)
+            )
+        });
+        Self {
+            backend: Backend::of(&device),
+            autodiff: device.is_autodiff(),
+            f32_bytes: bool_bytes && floats.into_iter().all(|t| t.dtype() == DType::F32),
+            queries: query.dims()[2],
+            by_position: !mask.rule().is_none(),
+            weights,
+        }
+    }
+}
+
+/// The path of an attention call.
+pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
+    if call.weights {
+        return AttentionPath::Weights;
+    }
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    if call.backend.has_cpu_kernels() && call.f32_bytes {
+        return AttentionPath::Tiles;
+    }
+    let long = call.queries >= 2 * MIN_CHUNK;
+    let chunk = match long && (call.by_position || !call.autodiff) {
+        true => MIN_CHUNK.max(call.queries.div_ceil(MAX_CHUNKS)),
+        false => call.queries,
+    };
+    AttentionPath::Explicit { chunk }
+}
+
+/// An operation over rows with an operation of its own on the CPU backends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowOp {
+    /// `x W + b`.
+    Linear,
+    /// Layer normalisation.
+    LayerNorm,
+    /// The exact GELU.
+    Gelu,
+    /// Cross-entropy over rows of logits.
+    CrossEntropy,
+}
+
+/// How a row operation runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RowPath {
+    /// One operation of our own with its own backward (`ops`): flex and ndarray in f32.
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    Fused,
+    /// Burn's operations in the input's dtype.
+    Burn,
+    /// Burn's operations in f32, the result cast back to the input's dtype.
+    BurnInF32,
+}
+
+/// What the path of a row operation depends on.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RowCall {
+    op: RowOp,
+    backend: Backend,
+    dtype: DType,
+}
+
+impl RowCall {
+    /// `op` over `x`.
+    pub(crate) fn of<const D: usize>(op: RowOp, x: &Tensor<D>) -> Self {
+        Self {
+            op,
+            backend: Backend::of(&x.device()),
+            dtype: x.dtype(),
+        }
+    }
+}
+
+/// The path of a row operation.
+pub(crate) fn row(call: RowCall) -> RowPath {
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    if call.backend.has_cpu_kernels() && call.dtype == DType::F32 {
+        return RowPath::Fused;
+    }
+    match (call.op, call.dtype) {
+        // Burn's layer norm sums the squares in the input's dtype: f16 overflows past 256.
+        (RowOp::LayerNorm, DType::F16) => RowPath::BurnInF32,
+        _ => RowPath::Burn,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(backend: Backend, autodiff: bool, queries: usize, by_position: bool) -> AttentionCall {
+        AttentionCall {
+            backend,
+            autodiff,
+            f32_bytes: true,
+            queries,
+            by_position,
+            weights: false,
+        }
+    }
+
+    #[test]
+    fn the_explicit_path_chunks_long_causal_calls_and_long_calls_without_autodiff() {
+        let whole = |queries| AttentionPath::Explicit { chunk: queries };
+        for autodiff in [false, true] {
+            for causal in [false, true] {
+                // Short calls are one pass.
+                let short = call(Backend::Other, autodiff, 255, causal);
+                assert_eq!(attention(short), whole(255));
+                let path = attention(call(Backend::Other, autodiff, 256, causal));
+                match causal || !autodiff {
+                    true => assert_eq!(path, AttentionPath::Explicit { chunk: 128 }),
+                    false => assert_eq!(path, whole(256)),
+                }
+            }
+        }
+        // At most 16 chunks.
+        let path = attention(call(Backend::Other, false, 4096, true));
+        assert_eq!(path, AttentionPath::Explicit { chunk: 256 });
+    }
+
+    #[test]
+    fn weights_and_dropout_take_the_weights_path_on_every_backend() {
+        let mut backends = vec![Backend::Other];
+        #[cfg(feature = "flex")]
+        backends.push(Backend::Flex);
+        #[cfg(feature = "ndarray")]
+        backends.push(Backend::NdArray);
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        backends.push(Backend::Gpu);
+        for backend in backends {
+            for queries in [1, 4096] {
+                let call = AttentionCall {
+                    weights: true,
+                    ..call(backend, true, queries, true)
+                };
+                assert_eq!(attention(call), AttentionPath::Weights);
+            }
+        }
+    }
+
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[test]
+    fn the_cpu_backends_take_the_tiles_and_fused_rows_in_f32_only() {
+        let mut backends = Vec::new();
+        #[cfg(feature = "flex")]
+        backends.push(Backend::Flex);
+        #[cfg(feature = "ndarray")]
+        backends.push(Backend::NdArray);
+        for backend in backends {
+            for autodiff in [false, true] {
+                assert_eq!(
+                    attention(call(backend, autodiff, 300, true)),
+                    AttentionPath::Tiles
+                );
+                let other_dtypes = AttentionCall {
+                    f32_bytes: false,
+                    ..call(backend, autodiff, 300, true)
+                };
+                assert_eq!(
+                    attention(other_dtypes),
+                    AttentionPath::Explicit { chunk: 128 }
+                );
+            }
+            for op in [
+                RowOp::Linear,
+                RowOp::LayerNorm,
+                RowOp::Gelu,
+                RowOp::CrossEntropy,
+            ] {
+                let row_of = |dtype| row(RowCall { op, backend, dtype });
+                assert_eq!(row_of(DType::F32), RowPath::Fused);
+                assert_eq!(row_of(DType::F64), RowPath::Burn);
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_layer_norm_runs_in_f32_elsewhere() {
+        for op in [
+            RowOp::Linear,
+            RowOp::LayerNorm,
+            RowOp::Gelu,
+            RowOp::CrossEntropy,
+        ] {
+            let row_of = |dtype| {
+                row(RowCall {
+                    op,
+                    backend: Backend::Other,
+                    dtype,
+                })
+            };
+            assert_eq!(row_of(DType::F32), RowPath::Burn);
+            assert_eq!(row_of(DType::BF16), RowPath::Burn);
+            let f16 = match op {
+                RowOp::LayerNorm => RowPath::BurnInF32,
+                _ => RowPath::Burn,
+            };
+            assert_eq!(row_of(DType::F16), f16);
+        }
+    }
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn flex_devices_are_flex_with_autodiff_or_not() {
+        use burn::tensor::Distribution;
+        for device in [Device::flex(), Device::flex().autodiff()] {
+            assert_eq!(Backend::of(&device), Backend::Flex);
+            let x = Tensor::<4>::random([1, 2, 300, 4], Distribution::Default, &device);
+            let causal = AttentionMask::causal();
+            let call = AttentionCall::of([&x, &x, &x], &causal, false);
+            assert_eq!(attention(call), AttentionPath::Tiles);
+            let x64 = x.clone().cast(DType::F64);
+            let call = AttentionCall::of([&x, &x64, &x], &causal, false);
+            assert!(!call.f32_bytes);
+            let bias = AttentionMask::bias(x64.slice([0..1, 0..1, 0..300, 0..1]));
+            let call = AttentionCall::of([&x, &x, &x], &bias, false);
+            assert!(!call.f32_bytes && !call.by_position);
+            assert_eq!(call.autodiff, device.is_autodiff());
+        }
+    }
+
+    #[cfg(feature = "ndarray")]
+    #[allow(deprecated)] // Burn 0.22 deprecates ndarray; it is still one of our backends.
+    #[test]
+    fn ndarray_devices_are_ndarray_and_take_the_tiles() {
+        for device in [Device::ndarray(), Device::ndarray().autodiff()] {
+            assert_eq!(Backend::of(&device), Backend::NdArray);
+            let x = Tensor::<4>::zeros([1, 1, 3, 4], &device);
+            let mask = AttentionMask::key_lengths(&[2], 3, &device);
+            let call = AttentionCall::of([&x, &x, &x], &mask, false);
+            assert_eq!(attention(call), AttentionPath::Tiles);
+        }
+    }
+
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn wgpu_devices_are_gpus_and_take_the_explicit_path() {
+        let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        for device in [device.clone(), device.autodiff()] {
+            assert_eq!(Backend::of(&device), Backend::Gpu);
+            let x = Tensor::<4>::zeros([1, 1, 3, 4], &device);
+            let call = AttentionCall::of([&x, &x, &x], &AttentionMask::causal(), false);
+            assert_eq!(attention(call), AttentionPath::Explicit { chunk: 3 });
+            assert_eq!(row(RowCall::of(RowOp::Gelu, &x)), RowPath::Burn);
+        }
+    }
+}

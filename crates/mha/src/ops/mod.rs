@@ -1,0 +1,204 @@
+//! The operations of our own, each with its own backward pass on the CPU backends (flex
+//! and ndarray, f32), and the one backend extension that carries them to the backend
+//! ([`Fused`]). Each file holds what is its operation's own: the function the modules
+//! call (which asks the dispatcher whether to run the operation or Burn's ops), and its
+//! [`Op`](crate::op::Op): the forward pass, what it keeps, the backward pass. The
+//! pattern every operation follows is written once, in `crate::op`.
+//!
+//! | operation | what it replaces |
+//! |---|---|
+//! | [`attention`] | matmul, mask, softmax, matmul and their backward, which keep the `[B, H, Tq, Tk]` weights |
+//! | [`linear`] | Burn's `linear` (its matmul allocates each result twice) |
+//! | [`norm`] | the nine elementwise steps of Burn's `layer_norm` |
+//! | [`gelu`] | `erf` and four elementwise steps, each with a backward |
+//! | [`loss`] | `log_softmax`, a gather and a masked mean |
+
+// Burn 0.22 deprecates ndarray; it is still one of our backends.
+#![allow(deprecated)]
+
+pub(crate) mod attention;
+pub(crate) mod gelu;
+pub(crate) mod linear;
+pub(crate) mod loss;
+pub(crate) mod norm;
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+use burn::tensor::Tensor;
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+pub(crate) use fused::{FusedOp, run};
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod fused {
+    use burn::backend::autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
+    use burn::backend::{
+        Backend, Dispatch, ExtensionType, backend_extension,
+        tensor::{BoolTensor, FloatTensor},
+    };
+    use burn::tensor::{Bool, Tensor};
+
+    use super::{attention, gelu, linear, loss, norm};
+    use crate::cpu::CpuTensors;
+    use crate::op;
+
+    /// Which operation, with what it takes besides its tensors.
+    #[derive(Clone, Debug)]
+    pub(crate) enum FusedOp {
+        /// [`attention::AttentionOp`].
+        Attention(attention::Spec),
+        /// [`linear::LinearOp`].
+        Linear,
+        /// [`norm::LayerNormOp`].
+        LayerNorm { epsilon: f64 },
+        /// [`gelu::GeluOp`].
+        Gelu,
+        /// [`loss::CrossEntropyOp`].
+        CrossEntropy { targets: std::sync::Arc<[i64]> },
+    }
+
+    /// The tensors an operation differentiates, in its order: one to five (a backend
+    /// extension carries tensors in fields, not in a list).
+    #[derive(ExtensionType)]
+    pub(crate) enum Floats<B: Backend> {
+        One(FloatTensor<B>),
+        Two(FloatTensor<B>, FloatTensor<B>),
+        Three(FloatTensor<B>, FloatTensor<B>, FloatTensor<B>),
+        Four(
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+        ),
+        Five(
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+        ),
+    }
+
+    impl<B: Backend> Floats<B> {
+        /// # Panics
+        /// Unless there are one to five tensors.
+        fn new(floats: Vec<FloatTensor<B>>) -> Self {
+            let n = floats.len();
+            let mut it = floats.into_iter();
+            let mut next = || it.next().expect("counted");
+            match n {
+                1 => Floats::One(next()),
+                2 => Floats::Two(next(), next()),
+                3 => Floats::Three(next(), next(), next()),
+                4 => Floats::Four(next(), next(), next(), next()),
+                5 => Floats::Five(next(), next(), next(), next(), next()),
+                n => panic!("an operation of {n} inputs (1 to 5 are supported)"),
+            }
+        }
+
+        fn into_vec(self) -> Vec<FloatTensor<B>> {
+            match self {
+                Floats::One(a) => vec![a],
+                Floats::Two(a, b) => vec![a, b],
+                Floats::Three(a, b, c) => vec![a, b, c],
+                Floats::Four(a, b, c, d) => vec![a, b, c, d],
+                Floats::Five(a, b, c, d, e) => vec![a, b, c, d, e],
+            }
+        }
+    }
+
+    /// A boolean tensor an operation reads but does not differentiate, if it has one.
+    #[derive(ExtensionType)]
+    pub(crate) enum Mask<B: Backend> {
+        None,
+        Bool(BoolTensor<B>),
+    }
+
+    impl<B: Backend> Mask<B> {
+        /// The tensor (under autodiff, boolean tensors are the inner backend's).
+        fn into_option(self) -> Option<BoolTensor<B>> {
+            match self {
+                Mask::None => None,
+                Mask::Bool(mask) => Some(mask),
+            }
+        }
+    }
+
+    /// Every operation of ours as one operation of the backend, differentiable on
+    /// `Autodiff<Flex | NdArray>`.
+    #[backend_extension(
+        Flex: cfg(feature = "flex"),
+        NdArray: cfg(feature = "ndarray"),
+        Autodiff
+    )]
+    pub(crate) trait Fused: Backend {
+        /// `op` over `floats` (the tensors it differentiates, in its order) and `mask` (a
+        /// boolean tensor it reads but does not differentiate).
+        fn fused(
+            op: FusedOp,
+            #[extension_type] floats: Floats<Self>,
+            #[extension_type] mask: Mask<Self>,
+        ) -> FloatTensor<Self>;
+    }
+
+    impl<B: CpuTensors> Fused for B {
+        fn fused(op: FusedOp, floats: Floats<B>, mask: Mask<B>) -> FloatTensor<B> {
+            let (floats, mask) = (floats.into_vec(), mask.into_option());
+            match op {
+                FusedOp::Attention(spec) => {
+                    op::forward::<B, _>(attention::AttentionOp::<B> { spec, mask }, floats)
+                }
+                FusedOp::Linear => op::forward::<B, _>(linear::LinearOp, floats),
+                FusedOp::LayerNorm { epsilon } => {
+                    op::forward::<B, _>(norm::LayerNormOp { epsilon }, floats)
+                }
+                FusedOp::Gelu => op::forward::<B, _>(gelu::GeluOp, floats),
+                FusedOp::CrossEntropy { targets } => {
+                    op::forward::<B, _>(loss::CrossEntropyOp { targets }, floats)
+                }
+            }
+        }
+    }
+
+    /// Under autodiff, each operation is one node whose backward pass is its own.
+    impl<B: CpuTensors, C: CheckpointStrategy> Fused for Autodiff<B, C> {
+        fn fused(op: FusedOp, floats: Floats<Self>, mask: Mask<Self>) -> FloatTensor<Self> {
+            let (floats, mask) = (floats.into_vec(), mask.into_option());
+            match op {
+                FusedOp::Attention(spec) => {
+                    op::autodiff::<B, C, _>(attention::AttentionOp::<B> { spec, mask }, floats)
+                }
+                FusedOp::Linear => op::autodiff::<B, C, _>(linear::LinearOp, floats),
+                FusedOp::LayerNorm { epsilon } => {
+                    op::autodiff::<B, C, _>(norm::LayerNormOp { epsilon }, floats)
+                }
+                FusedOp::Gelu => op::autodiff::<B, C, _>(gelu::GeluOp, floats),
+                FusedOp::CrossEntropy { targets } => {
+                    op::autodiff::<B, C, _>(loss::CrossEntropyOp { targets }, floats)
+                }
+            }
+        }
+    }
+
+    /// `op` over `floats` and `mask` through [`Fused`], on whatever device they are.
+    pub(crate) fn run(
+        op: FusedOp,
+        floats: Vec<Tensor<4>>,
+        mask: Option<Tensor<4, Bool>>,
+    ) -> Tensor<4> {
+        let floats = Floats::new(floats.into_iter().map(Tensor::into_dispatch).collect());
+        let mask = match mask {
+            Some(mask) => Mask::Bool(mask.into_dispatch()),
+            None => Mask::None,
+        };
+        Tensor::from_dispatch(<Dispatch as Fused>::fused(op, floats, mask))
+    }
+}
+
+/// `x` `[.., cols]` as the `[1, 1, rows, cols]` the row operations take.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+fn rows<const D: usize>(x: Tensor<D>) -> Tensor<4> {
+    let dims = x.dims();
+    let cols = dims[D - 1];
+    let rows = dims.iter().product::<usize>() / cols.max(1);
+    x.reshape([1, 1, rows, cols])
+}
