@@ -13,7 +13,10 @@ use serde_json::{Map, Value};
 
 use crate::backend::Backend;
 use crate::data::{FixedShape, TaskConfig};
-use crate::fields::{self, name};
+use crate::fields::{
+    self, BATCH_SIZE, DECAY_STEPS, EPOCHS, EVAL_EXAMPLES, GRAD_CLIP, LR, MODEL_KIND, PACK,
+    STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
+};
 use crate::model::{Model, ModelConfig};
 
 /// Every hyperparameter of a run.
@@ -87,31 +90,31 @@ impl TrainConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
         self.task.validate()?;
         self.model.validate()?;
-        for (path, value) in [
-            ("batch_size", self.batch_size),
-            ("steps_per_epoch", self.steps_per_epoch),
-            ("epochs", self.epochs),
-            ("valid_examples", self.valid_examples),
-            ("eval_examples", self.eval_examples),
+        for (field, value) in [
+            (BATCH_SIZE, self.batch_size),
+            (STEPS_PER_EPOCH, self.steps_per_epoch),
+            (EPOCHS, self.epochs),
+            (VALID_EXAMPLES, self.valid_examples),
+            (EVAL_EXAMPLES, self.eval_examples),
         ] {
-            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", name(path));
+            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", field.name());
         }
         anyhow::ensure!(
             self.lr > 0.0 && self.lr <= 1.0,
             "{} must be in (0, 1], got {}",
-            name("lr"),
+            LR.name(),
             self.lr
         );
         anyhow::ensure!(
             self.grad_clip > 0.0,
             "{} must be positive, got {}",
-            name("grad_clip"),
+            GRAD_CLIP.name(),
             self.grad_clip
         );
         anyhow::ensure!(
             self.weight_decay >= 0.0,
             "{} must not be negative, got {}",
-            name("weight_decay"),
+            WEIGHT_DECAY.name(),
             self.weight_decay
         );
         if let Some(warmup) = self.warmup_steps {
@@ -119,21 +122,21 @@ impl TrainConfig {
                 warmup < self.total_steps(),
                 "{} = {warmup} must be below the run's {} steps ({} x {}); leave it out for \
                  a tenth of the run",
-                name("warmup_steps"),
+                WARMUP_STEPS.name(),
                 self.total_steps(),
-                name("epochs"),
-                name("steps_per_epoch"),
+                EPOCHS.name(),
+                STEPS_PER_EPOCH.name(),
             );
         }
         anyhow::ensure!(
             !self.pack || self.model.kind == crate::model::ModelKind::DecoderOnly,
             "{} packs the decoder-only model's sequences; the encoder-decoder ({}) trains on \
              padded batches",
-            name("pack"),
-            name("model.kind"),
+            PACK.name(),
+            MODEL_KIND.name(),
         );
         if let Some(decay) = self.decay_steps {
-            anyhow::ensure!(decay >= 1, "{} must be at least 1", name("decay_steps"));
+            anyhow::ensure!(decay >= 1, "{} must be at least 1", DECAY_STEPS.name());
         }
         Ok(())
     }
@@ -404,6 +407,26 @@ mod tests {
             "{err}"
         );
         assert_eq!(run.changed_fields(&wider), vec!["model.d_model"]);
+    }
+
+    #[test]
+    fn the_field_table_has_every_field_of_the_file() {
+        fn leaves(value: &Value, path: &str, out: &mut Vec<String>) {
+            match value {
+                Value::Object(map) => map.iter().for_each(|(k, v)| leaves(v, &join(path, k), out)),
+                _ => out.push(path.to_string()),
+            }
+        }
+        let mut paths = Vec::new();
+        leaves(
+            &serde_json::to_value(TrainConfig::default()).unwrap(),
+            "",
+            &mut paths,
+        );
+        let mut table: Vec<&str> = fields::FIELDS.iter().map(|f| f.path).collect();
+        paths.sort();
+        table.sort();
+        assert_eq!(paths, table);
     }
 
     #[test]

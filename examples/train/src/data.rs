@@ -7,7 +7,7 @@ use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
-use crate::fields::name;
+use crate::fields::{MAX_LEN, MIN_LEN, N_SYMBOLS};
 
 /// Padding: ignored by the loss and the metrics.
 pub const PAD: usize = 0;
@@ -85,26 +85,26 @@ impl TaskConfig {
         anyhow::ensure!(
             self.min_len >= 1,
             "{} must be at least 1, got 0",
-            name("task.min_len")
+            MIN_LEN.name()
         );
         anyhow::ensure!(
             self.min_len <= self.max_len,
             "{} = {} exceeds {} = {}",
-            name("task.min_len"),
+            MIN_LEN.name(),
             self.min_len,
-            name("task.max_len"),
+            MAX_LEN.name(),
             self.max_len
         );
         anyhow::ensure!(
             self.n_symbols >= 2,
             "{} must be at least 2, got {}",
-            name("task.n_symbols"),
+            N_SYMBOLS.name(),
             self.n_symbols
         );
         anyhow::ensure!(
             self.task != Task::Add || self.n_symbols == 10,
             "{} must be 10 for add, whose symbols are the digits, got {}",
-            name("task.n_symbols"),
+            N_SYMBOLS.name(),
             self.n_symbols
         );
         let [train, valid] = self.split_sizes().unwrap_or([1, 1]);
@@ -119,8 +119,8 @@ impl TaskConfig {
             train + valid,
             valid,
             if valid == 0 { "held-out" } else { "training" },
-            name("task.n_symbols"),
-            name("task.max_len"),
+            N_SYMBOLS.name(),
+            MAX_LEN.name(),
         );
         Ok(())
     }

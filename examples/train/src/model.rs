@@ -20,7 +20,7 @@ use mha::{
 use serde::{Deserialize, Serialize};
 
 use crate::data::{EOS, Example, FixedShape, PAD, Packed, SEP, SeqBatch, padded};
-use crate::fields::name;
+use crate::fields::{D_MODEL, DROPOUT, N_HEADS, N_LAYERS};
 
 /// Which model; spelt in `config.json` as on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -141,25 +141,25 @@ impl ModelConfig {
     /// Checks the values before anything is built or written; the error names the flag
     /// and the field.
     pub fn validate(&self) -> anyhow::Result<()> {
-        for (path, value) in [
-            ("model.d_model", self.d_model),
-            ("model.n_layers", self.n_layers),
-            ("model.n_heads", self.n_heads),
+        for (field, value) in [
+            (D_MODEL, self.d_model),
+            (N_LAYERS, self.n_layers),
+            (N_HEADS, self.n_heads),
         ] {
-            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", name(path));
+            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", field.name());
         }
         anyhow::ensure!(
             self.d_model.is_multiple_of(self.n_heads),
             "{} = {} is not divisible by {} = {}",
-            name("model.d_model"),
+            D_MODEL.name(),
             self.d_model,
-            name("model.n_heads"),
+            N_HEADS.name(),
             self.n_heads
         );
         anyhow::ensure!(
             (0.0..1.0).contains(&self.dropout),
             "{} must be in [0, 1), got {}",
-            name("model.dropout"),
+            DROPOUT.name(),
             self.dropout
         );
         Ok(())
