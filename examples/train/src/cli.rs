@@ -9,11 +9,11 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::backend::Backend;
 use crate::config::TrainConfig;
-use crate::data::Task;
 use crate::fields::FIELDS;
 use crate::model::{ModelKind, PositionKind};
 use crate::progress::LOG_EVERY;
 use crate::run_dir::{RunDir, load_model};
+use crate::tasks::Task;
 use crate::training::{self, Status, Summary};
 use crate::{interrupt, plots};
 
@@ -268,7 +268,7 @@ fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     warn_if_software(backend, &device);
     if let Some(width) = config.pack_width() {
         let [padded, packed] =
-            crate::data::padding_shares(&config.task, config.seed, config.batch_size, width, 20);
+            crate::batch::padding_shares(&config.task, config.seed, config.batch_size, width, 20);
         println!(
             "packing {} sequences per step into rows of {width} tokens: {:.0}% of the positions \
              are padding, against {:.0}% in batches padded to their longest sequence",

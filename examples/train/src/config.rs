@@ -12,12 +12,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::backend::Backend;
-use crate::data::{FixedShape, TaskConfig};
+use crate::batch::FixedShape;
 use crate::fields::{
     self, BATCH_SIZE, DECAY_STEPS, EPOCHS, EVAL_EXAMPLES, GRAD_CLIP, LR, MODEL_KIND, PACK,
     STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
 };
 use crate::model::{Model, ModelConfig};
+use crate::tasks::TaskConfig;
 
 /// Every hyperparameter of a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -355,7 +356,7 @@ mod tests {
         let config =
             load(r#"{"task": {"task": "sort"}, "model": {"kind": "encoder-decoder"}, "lr": 0.01}"#)
                 .unwrap();
-        assert_eq!(config.task.task, crate::data::Task::Sort);
+        assert_eq!(config.task.task, crate::tasks::Task::Sort);
         assert_eq!(config.model.kind, crate::model::ModelKind::EncoderDecoder);
         assert_eq!(config.lr, 0.01);
         assert_eq!(config.epochs, TrainConfig::default().epochs);
@@ -377,7 +378,7 @@ mod tests {
         assert!(err.contains(wanted), "{err}");
         // The files of earlier versions spelt the task and model capitalised.
         let old = load(r#"{"task": {"task": "Reverse"}, "model": {"kind": "DecoderOnly"}}"#);
-        assert_eq!(old.unwrap().task.task, crate::data::Task::Reverse);
+        assert_eq!(old.unwrap().task.task, crate::tasks::Task::Reverse);
     }
 
     #[test]

@@ -14,10 +14,11 @@ use mha::analysis::maps::AttentionMap;
 use mha::analysis::{HeadImportance, HeadReport, Inspect, PrunePlan};
 use serde::Serialize;
 
+use crate::batch::SeqBatcher;
 use crate::config::TrainConfig;
-use crate::data::{EOS, Example, SEP, SeqBatcher, Split};
 use crate::model::{Model, ModelKind};
 use crate::run_dir::{RunDir, load_model, write_atomically};
+use crate::tasks::{EOS, Example, SEP, Split};
 use crate::training;
 
 /// Which importance pruning follows.
@@ -84,7 +85,7 @@ pub fn inspect(
     prune: &[usize],
     by: By,
     device: &Device,
-    fixed: Option<crate::data::FixedShape>,
+    fixed: Option<crate::batch::FixedShape>,
 ) -> anyhow::Result<Findings> {
     let dir = run.0.join("inspect");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -213,7 +214,7 @@ fn prune_and_compare(
     chunks: &[Vec<Example>],
     dir: &Path,
     device: &Device,
-    fixed: Option<crate::data::FixedShape>,
+    fixed: Option<crate::batch::FixedShape>,
 ) -> anyhow::Result<PruneResult> {
     let plan = importance.prune_least(k);
     let total: usize = model.head_counts().iter().sum();

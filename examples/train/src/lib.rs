@@ -2,7 +2,8 @@
 //! Burn's learner: the library behind the `train` binary (and the trainer benchmark).
 //! Read top to bottom:
 //!
-//! - [`data`]: the tasks, their held-out split, their input grammar, batches;
+//! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
+//! - [`batch`]: examples padded or packed into batches;
 //! - [`model`]: decoder-only and encoder-decoder transformers;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
 //! - [`fields`]: which flag sets which field;
@@ -18,9 +19,9 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod batch;
 pub mod cli;
 pub mod config;
-pub mod data;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;
@@ -28,4 +29,5 @@ pub mod model;
 pub mod plots;
 pub mod progress;
 pub mod run_dir;
+pub mod tasks;
 pub mod training;

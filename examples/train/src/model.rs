@@ -19,8 +19,9 @@ use mha::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::data::{EOS, Example, FixedShape, PAD, Packed, SEP, SeqBatch, padded};
+use crate::batch::{FixedShape, Packed, SeqBatch, padded};
 use crate::fields::{D_MODEL, DROPOUT, N_HEADS, N_LAYERS};
+use crate::tasks::{EOS, Example, PAD, SEP};
 
 /// Which model; spelt in `config.json` as on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -752,7 +753,7 @@ impl InferenceStep for Model {
 mod tests {
     use super::*;
     use crate::backend::Backend;
-    use crate::data::{Split, TaskConfig};
+    use crate::tasks::{Split, TaskConfig};
 
     #[test]
     fn decoding_with_a_cache_or_padding_changes_no_output_or_loss() {
@@ -812,7 +813,7 @@ mod tests {
                 );
                 let loss = |fixed| {
                     use burn::data::dataloader::batcher::Batcher;
-                    let batch = crate::data::SeqBatcher { fixed, pack: None }
+                    let batch = crate::batch::SeqBatcher { fixed, pack: None }
                         .batch(examples.clone(), &device);
                     let out = model.forward_loss(batch);
                     (out.loss.into_scalar::<f32>(), out.targets.dims())
@@ -859,13 +860,13 @@ mod tests {
                 };
                 let max_len = task.max_input() + task.max_output() + 2;
                 let model = config.init(task.vocab_size(), max_len, &device).unwrap();
-                let loss = |batcher: crate::data::SeqBatcher| {
+                let loss = |batcher: crate::batch::SeqBatcher| {
                     let batch = batcher.batch(examples.clone(), &device);
                     let rows = batch.joined.dims()[0];
                     (model.forward_loss(batch).loss.into_scalar::<f32>(), rows)
                 };
-                let (padded, _) = loss(crate::data::SeqBatcher::default());
-                let packed = crate::data::SeqBatcher {
+                let (padded, _) = loss(crate::batch::SeqBatcher::default());
+                let packed = crate::batch::SeqBatcher {
                     fixed: None,
                     pack: Some(width),
                 };
@@ -901,7 +902,7 @@ mod tests {
                     ..ModelConfig::default()
                 };
                 let model = config.init(task.vocab_size(), max_len, &device).unwrap();
-                let batch = || crate::data::SeqBatcher::default().batch(examples.clone(), &device);
+                let batch = || crate::batch::SeqBatcher::default().batch(examples.clone(), &device);
                 let counts = model.head_counts();
                 let layers = counts.len();
                 assert_eq!(model.attention_layer_names().len(), layers);

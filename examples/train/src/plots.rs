@@ -9,9 +9,9 @@ use mha::analysis::maps::{self, AttentionMap, FONT_FAMILY};
 use plotters::prelude::*;
 
 use crate::config::TrainConfig;
-use crate::data::Split;
 use crate::model::ModelKind;
 use crate::run_dir::{RunDir, load_model};
+use crate::tasks::Split;
 
 const FAMILY: &str = FONT_FAMILY;
 
