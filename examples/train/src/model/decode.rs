@@ -1,13 +1,92 @@
-//! Greedy decoding: each row's most likely next token until EOS or `max_output + 1`
-//! tokens, with a key/value cache, and without one (the reference the cache is tested
-//! against).
+//! Greedy decoding: each row's most likely next token, until EOS or `max_output + 1`
+//! tokens. One loop, [`greedy`], picks the tokens; the logits come from a model kind's
+//! [`Decode`] (the prompts read once, then one token per step against a key/value
+//! cache), or, in the reference the cache is tested against
+//! ([`Model::generate_recomputed`]), from the whole prefix read again at every step.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use mha::{AttentionMask, KvCache};
+use mha::KvCache;
 
 use super::Model;
+use super::decoder_only::prompt;
 use crate::batch::{FixedShape, padded};
-use crate::tasks::{EOS, PAD, SEP};
+use crate::tasks::{EOS, SEP};
+
+/// Why a cached step cannot fail: the cache is made for the prompt and every output token.
+pub(super) const ROOM: &str = "the cache holds the prompt and every output token";
+
+/// A model kind's side of greedy decoding with a key/value cache.
+pub trait Decode {
+    /// What decoding keeps between steps: every layer's keys and values so far, and
+    /// where each row is.
+    type Cache;
+
+    /// Reads `inputs` (`B` rows) and the SEP that starts each output: the cache, with room
+    /// for `max_output + 1` more tokens, and the logits `[B, 1, V]` of each row's first
+    /// output token. With `fixed`, the inputs are padded to that shape and every step
+    /// reads the whole cache ([`KvCache::fixed_reads`]): one shape for every step.
+    fn prefill(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        fixed: Option<FixedShape>,
+        device: &Device,
+    ) -> (Self::Cache, Tensor<3>);
+
+    /// Reads `tokens`, one per row: the logits `[B, 1, V]` of each row's next token.
+    fn step(&self, cache: &mut Self::Cache, tokens: &[usize]) -> Tensor<3>;
+
+    /// Greedy decoding of `inputs`: see [`Model::generate`].
+    fn generate(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        fixed: Option<FixedShape>,
+        device: &Device,
+    ) -> Vec<Vec<usize>> {
+        let (mut cache, first) = self.prefill(inputs, max_output, fixed, device);
+        greedy(first, max_output, |tokens| self.step(&mut cache, tokens))
+    }
+}
+
+/// A cache of `capacity` positions; with a fixed shape, one whose every read is the
+/// whole cache.
+pub(super) fn kv_cache(capacity: usize, fixed: Option<FixedShape>) -> KvCache {
+    match fixed {
+        None => KvCache::new(capacity),
+        Some(_) => KvCache::new(capacity).fixed_reads(),
+    }
+}
+
+/// The loop of greedy decoding. From `logits` `[B, 1, V]`, takes each row's most likely
+/// token, which ends the row's output if it is EOS; while a row goes on and no row has
+/// `max_output + 1` tokens, `next` reads every row's token and gives the next logits.
+/// Returns each output without EOS.
+pub fn greedy(
+    mut logits: Tensor<3>,
+    max_output: usize,
+    mut next: impl FnMut(&[usize]) -> Tensor<3>,
+) -> Vec<Vec<usize>> {
+    let batch = logits.dims()[0];
+    let mut outputs = vec![Vec::new(); batch];
+    let mut done = vec![false; batch];
+    for step in 0..=max_output {
+        let tokens = best_tokens(logits);
+        for (i, &token) in tokens.iter().enumerate() {
+            if !done[i] {
+                match token == EOS {
+                    true => done[i] = true,
+                    false => outputs[i].push(token),
+                }
+            }
+        }
+        if step == max_output || done.iter().all(|&d| d) {
+            break;
+        }
+        logits = next(&tokens);
+    }
+    outputs
+}
 
 /// The most likely token at every position of logits `[B, T, V]`, row by row.
 fn best_tokens(logits: Tensor<3>) -> Vec<usize> {
@@ -36,119 +115,17 @@ impl Model {
         fixed: Option<FixedShape>,
         device: &Device,
     ) -> Vec<Vec<usize>> {
-        let batch = inputs.len();
-        let ids = |rows: Vec<Vec<usize>>| {
-            let width = rows.first().map_or(0, Vec::len);
-            let data: Vec<i64> = rows.into_iter().flatten().map(|t| t as i64).collect();
-            Tensor::<2, Int>::from_data(TensorData::new(data, [batch, width]), device)
-        };
-        let room = "the cache holds the prompt and every output token";
-        let cache = |capacity| match fixed {
-            None => KvCache::new(capacity),
-            Some(_) => KvCache::new(capacity).fixed_reads(),
-        };
-        let mut outputs = vec![Vec::new(); batch];
-        let mut done = vec![false; batch];
-        // The next token of each row from logits `[B, 1, V]`; whether every row is done.
-        let mut pick = |logits: Tensor<3>| -> (Vec<usize>, bool) {
-            let next = best_tokens(logits);
-            for (i, &token) in next.iter().enumerate() {
-                if !done[i] {
-                    match token == EOS {
-                        true => done[i] = true,
-                        false => outputs[i].push(token),
-                    }
-                }
-            }
-            (next, done.iter().all(|&d| d))
-        };
         match self {
-            Model::DecoderOnly(m) => {
-                let prompts: Vec<Vec<usize>> = inputs
-                    .iter()
-                    .map(|i| i.iter().copied().chain([SEP]).collect())
-                    .collect();
-                let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-                let width = fixed.map_or(longest, |f| longest.max(f.input + 1));
-                let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
-                let left_padded = prompts
-                    .iter()
-                    .zip(&pads)
-                    .map(|(p, &n)| {
-                        std::iter::repeat_n(PAD, n)
-                            .chain(p.iter().copied())
-                            .collect()
-                    })
-                    .collect();
-                let positions = pads
-                    .iter()
-                    .map(|&n| (0..width).map(|t| t.saturating_sub(n)).collect())
-                    .collect();
-                // Keys `0..pads[b]` of row `b` are padding, over every key a call sees;
-                // no mask at all when the prompts have one length (the evaluation groups
-                // them so).
-                let padded_rows = pads.iter().any(|&n| n > 0);
-                let padding = |keys: usize| {
-                    if !padded_rows {
-                        return AttentionMask::none();
-                    }
-                    let blocked: Vec<bool> = pads
-                        .iter()
-                        .flat_map(|&n| (0..keys).map(move |j| j < n))
-                        .collect();
-                    let blocked = TensorData::new(blocked, [batch, keys]);
-                    AttentionMask::key_padding(Tensor::from_data(blocked, device))
-                };
-                let embed = |tokens, positions: Vec<Vec<usize>>| {
-                    m.embed.forward_at(ids(tokens), &positions)
-                };
-                let mut cache = m.blocks.cache(cache(width + max_output + 1));
-                let x = embed(left_padded, positions);
-                let keys = cache.layers()[0].keys_seen(width);
-                let h = m.blocks.forward_cached(x, &mut cache, &padding(keys));
-                let mut logits = m.head.forward(h.expect(room).narrow(1, width - 1, 1));
-                for step in 0..=max_output {
-                    let (next, all_done) = pick(logits);
-                    if all_done || step == max_output {
-                        break;
-                    }
-                    let tokens = next.into_iter().map(|t| vec![t]).collect();
-                    let positions = prompts.iter().map(|p| vec![p.len() + step]).collect();
-                    let keys = cache.layers()[0].keys_seen(1);
-                    let h = m.blocks.forward_cached(
-                        embed(tokens, positions),
-                        &mut cache,
-                        &padding(keys),
-                    );
-                    logits = m.head.forward(h.expect(room));
-                }
-            }
-            Model::EncoderDecoder(m) => {
-                let lengths: Vec<usize> = inputs.iter().map(Vec::len).collect();
-                let source = padded(inputs, fixed.map(|f| f.input), device);
-                let (memory, padding) = m.encode(source, &lengths);
-                let mut cache = m.decoder.cache(memory, cache(max_output + 1));
-                let mut tokens = vec![vec![SEP]; batch];
-                for step in 0..=max_output {
-                    let position = vec![vec![step]; batch];
-                    let x = m.embed.forward_at(ids(tokens), &position);
-                    let h = m.decoder.forward_cached(x, &mut cache, &padding);
-                    let (next, all_done) = pick(m.head.forward(h.expect(room)));
-                    if all_done || step == max_output {
-                        break;
-                    }
-                    tokens = next.into_iter().map(|t| vec![t]).collect();
-                }
-            }
+            Model::DecoderOnly(m) => m.generate(inputs, max_output, fixed, device),
+            Model::EncoderDecoder(m) => m.generate(inputs, max_output, fixed, device),
         }
-        outputs
     }
 
     /// Greedy decoding that runs the whole prefix at every step, without a cache (the
-    /// reference [`generate`](Self::generate) is tested against). Inputs may differ in length: rows are right-padded, which neither
-    /// the causal self-attention nor the padded cross-attention lets a real position see.
-    /// With `fixed`, every forward pass has that one shape; without, each step reads the
-    /// shortest width that fits.
+    /// reference [`generate`](Self::generate) is tested against). Inputs may differ in
+    /// length: rows are right-padded, which neither the causal self-attention nor the
+    /// padded cross-attention lets a real position see. With `fixed`, every forward pass
+    /// has that one shape; without, each step reads the shortest width that fits.
     pub fn generate_recomputed(
         &self,
         inputs: &[Vec<usize>],
@@ -156,55 +133,58 @@ impl Model {
         fixed: Option<FixedShape>,
         device: &Device,
     ) -> Vec<Vec<usize>> {
-        let batch = inputs.len();
-        let mut done = vec![false; batch];
-        let mut outputs = vec![Vec::new(); batch];
-        // The prompt each step reads: decoder-only `input SEP out..`, encoder-decoder `SEP out..`.
-        let mut prompts: Vec<Vec<usize>> = match self {
-            Model::DecoderOnly(_) => inputs
-                .iter()
-                .map(|i| i.iter().copied().chain([SEP]).collect())
-                .collect(),
-            Model::EncoderDecoder(_) => vec![vec![SEP]; batch],
-        };
-        let prompt_width = fixed.map(|f| match self {
-            Model::DecoderOnly(_) => f.joined(),
-            Model::EncoderDecoder(_) => f.output + 1,
-        });
-        let memory = match self {
+        match self {
+            Model::DecoderOnly(m) => {
+                let prompts = inputs.iter().map(|i| prompt(i)).collect();
+                let width = fixed.map(FixedShape::joined);
+                reread(prompts, width, max_output, device, |ids| {
+                    m.logits(ids, None)
+                })
+            }
             Model::EncoderDecoder(m) => {
                 let lengths: Vec<usize> = inputs.iter().map(Vec::len).collect();
-                Some(m.encode(padded(inputs, fixed.map(|f| f.input), device), &lengths))
-            }
-            Model::DecoderOnly(_) => None,
-        };
-        for _ in 0..=max_output {
-            let ids = padded(&prompts, prompt_width, device);
-            let logits = match (self, &memory) {
-                (Model::DecoderOnly(m), _) => m.logits(ids, None),
-                (Model::EncoderDecoder(m), Some((mem, pad))) => m.logits(mem.clone(), pad, ids),
-                _ => unreachable!(),
-            };
-            // Every position's argmax, read at each row's last prompt token.
-            let [_, width, _] = logits.dims();
-            let best = best_tokens(logits);
-            for (i, prompt) in prompts.iter_mut().enumerate() {
-                let next = best[i * width + prompt.len() - 1];
-                prompt.push(next);
-                if !done[i] {
-                    if next == EOS {
-                        done[i] = true;
-                    } else {
-                        outputs[i].push(next);
-                    }
-                }
-            }
-            if done.iter().all(|&d| d) {
-                break;
+                let source = padded(inputs, fixed.map(|f| f.input), device);
+                let (memory, padding) = m.encode(source, &lengths);
+                let prompts = vec![vec![SEP]; inputs.len()];
+                let width = fixed.map(|f| f.output + 1);
+                reread(prompts, width, max_output, device, |ids| {
+                    m.logits(memory.clone(), &padding, ids)
+                })
             }
         }
-        outputs
     }
+}
+
+/// [`greedy`] on `prompts` read whole at every step, right-padded to `width` (at least
+/// the longest), by `logits`: prompts `[B, T]` -> logits `[B, T, V]`.
+fn reread(
+    mut prompts: Vec<Vec<usize>>,
+    width: Option<usize>,
+    max_output: usize,
+    device: &Device,
+    logits: impl Fn(Tensor<2, Int>) -> Tensor<3>,
+) -> Vec<Vec<usize>> {
+    // The logits `[B, 1, V]` at each row's last prompt token.
+    let read = |prompts: &[Vec<usize>]| {
+        let all = logits(padded(prompts, width, device));
+        let [batch, t, v] = all.dims();
+        let last: Vec<i64> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (i * t + p.len() - 1) as i64)
+            .collect();
+        let last = Tensor::<1, Int>::from_data(TensorData::new(last, [batch]), device);
+        all.reshape([batch * t, v])
+            .select(0, last)
+            .reshape([batch, 1, v])
+    };
+    let first = read(&prompts);
+    greedy(first, max_output, |tokens| {
+        for (prompt, &token) in prompts.iter_mut().zip(tokens) {
+            prompt.push(token);
+        }
+        read(&prompts)
+    })
 }
 
 #[cfg(test)]
@@ -290,5 +270,40 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn greedy_stops_each_row_at_eos_and_all_at_the_limit() {
+        let device = Backend::compiled()[0].device().unwrap();
+        // Logits `[B, 1, V]` whose most likely token is each row's in `tokens`.
+        let logits = |tokens: &[usize]| {
+            let v = 8;
+            let mut data = vec![0.0f32; tokens.len() * v];
+            for (i, &t) in tokens.iter().enumerate() {
+                data[i * v + t] = 1.0;
+            }
+            Tensor::<3>::from_data(TensorData::new(data, [tokens.len(), 1, v]), &device)
+        };
+        // The tokens of steps 0 to 3 (rows across): row 0 ends at once, row 1 after two
+        // tokens, row 2 never and stops at `max_output + 1` = 4 tokens.
+        let script = [[EOS, 4, 5], [6, 5, 6], [6, EOS, 6], [6, 6, 6]];
+        let mut reads = Vec::new();
+        let outputs = greedy(logits(&script[0]), 3, |tokens| {
+            reads.push(tokens.to_vec());
+            logits(&script[reads.len()])
+        });
+        assert_eq!(outputs, vec![vec![], vec![4, 5], vec![5, 6, 6, 6]]);
+        assert_eq!(reads.len(), 3, "no read after the last token");
+        assert_eq!(
+            reads[0], script[0],
+            "every row's token is read, ended or not"
+        );
+        // Every row ended: no more reads.
+        let mut calls = 0;
+        let outputs = greedy(logits(&[EOS, EOS]), 5, |_| {
+            calls += 1;
+            logits(&[4, 4])
+        });
+        assert_eq!((outputs, calls), (vec![vec![], vec![]], 0));
     }
 }

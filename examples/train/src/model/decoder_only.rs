@@ -1,13 +1,16 @@
 //! The decoder-only transformer: token and position embeddings, N causal blocks, a
-//! final norm and the LM head, reading `input SEP output`.
+//! final norm and the LM head, reading `input SEP output`; and how it decodes: the
+//! prompts `input SEP` once, then one token per step.
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{Int, Tensor};
-use mha::{AttentionMask, Encoder};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use mha::{AttentionMask, Encoder, StackCache};
 
 use super::Embed;
-use crate::batch::Packed;
+use super::decode::{Decode, ROOM, kv_cache};
+use crate::batch::{FixedShape, Packed, padded};
+use crate::tasks::{PAD, SEP};
 
 /// Decoder-only transformer.
 #[derive(Module, Debug)]
@@ -33,5 +36,96 @@ impl DecoderOnly {
             ),
         };
         self.head.forward(self.blocks.forward(x, &mask))
+    }
+}
+
+/// The prompt an output continues: `input SEP`.
+pub(super) fn prompt(input: &[usize]) -> Vec<usize> {
+    input.iter().copied().chain([SEP]).collect()
+}
+
+/// What the decoder-only model keeps between decoding steps.
+pub struct DecoderOnlyCache {
+    /// Every block's keys and values so far.
+    layers: StackCache,
+    /// The PAD tokens on the left of each row's prompt.
+    pads: Vec<usize>,
+    /// The position of each row's next token (counted from its first real token).
+    next: Vec<usize>,
+    device: Device,
+}
+
+impl DecoderOnlyCache {
+    /// The mask of the left padding over `keys` keys: keys `0..pads[b]` of row `b` are
+    /// padding, over every key a call sees; no mask at all when the prompts have one
+    /// length (the evaluation groups them so).
+    fn padding(&self, keys: usize) -> AttentionMask {
+        if self.pads.iter().all(|&n| n == 0) {
+            return AttentionMask::none();
+        }
+        let blocked: Vec<bool> = self
+            .pads
+            .iter()
+            .flat_map(|&n| (0..keys).map(move |j| j < n))
+            .collect();
+        let blocked = TensorData::new(blocked, [self.pads.len(), keys]);
+        AttentionMask::key_padding(Tensor::from_data(blocked, &self.device))
+    }
+}
+
+impl Decode for DecoderOnly {
+    type Cache = DecoderOnlyCache;
+
+    /// The prompts `input SEP`, left-padded to the longest (or to the fixed shape's), run
+    /// at once; each row's positions start at its first real token.
+    fn prefill(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        fixed: Option<FixedShape>,
+        device: &Device,
+    ) -> (DecoderOnlyCache, Tensor<3>) {
+        let prompts: Vec<Vec<usize>> = inputs.iter().map(|i| prompt(i)).collect();
+        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let width = fixed.map_or(longest, |f| longest.max(f.input + 1));
+        let pads: Vec<usize> = prompts.iter().map(|p| width - p.len()).collect();
+        let left_padded: Vec<Vec<usize>> = prompts
+            .iter()
+            .zip(&pads)
+            .map(|(p, &n)| {
+                std::iter::repeat_n(PAD, n)
+                    .chain(p.iter().copied())
+                    .collect()
+            })
+            .collect();
+        let positions: Vec<Vec<usize>> = pads
+            .iter()
+            .map(|&n| (0..width).map(|t| t.saturating_sub(n)).collect())
+            .collect();
+        let mut cache = DecoderOnlyCache {
+            layers: self.blocks.cache(kv_cache(width + max_output + 1, fixed)),
+            pads,
+            next: prompts.iter().map(Vec::len).collect(),
+            device: device.clone(),
+        };
+        let x = self
+            .embed
+            .forward_at(padded(&left_padded, None, device), &positions);
+        let mask = cache.padding(cache.layers.layers()[0].keys_seen(width));
+        let h = self.blocks.forward_cached(x, &mut cache.layers, &mask);
+        let logits = self.head.forward(h.expect(ROOM).narrow(1, width - 1, 1));
+        (cache, logits)
+    }
+
+    fn step(&self, cache: &mut DecoderOnlyCache, tokens: &[usize]) -> Tensor<3> {
+        let rows: Vec<Vec<usize>> = tokens.iter().map(|&t| vec![t]).collect();
+        let positions: Vec<Vec<usize>> = cache.next.iter().map(|&p| vec![p]).collect();
+        cache.next.iter_mut().for_each(|p| *p += 1);
+        let x = self
+            .embed
+            .forward_at(padded(&rows, None, &cache.device), &positions);
+        let mask = cache.padding(cache.layers.layers()[0].keys_seen(1));
+        let h = self.blocks.forward_cached(x, &mut cache.layers, &mask);
+        self.head.forward(h.expect(ROOM))
     }
 }

@@ -1,12 +1,16 @@
 //! The encoder-decoder transformer: the encoder reads the input, the decoder writes
-//! `SEP output` while cross-attending to it.
+//! `SEP output` while cross-attending to it; and how it decodes: the input encoded once
+//! (and its keys and values projected once per layer), then one token per step.
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{Int, Tensor};
-use mha::{AttentionMask, Decoder, Encoder};
+use burn::tensor::{Device, Int, Tensor};
+use mha::{AttentionMask, Decoder, Encoder, StackCache};
 
 use super::Embed;
+use super::decode::{Decode, ROOM, kv_cache};
+use crate::batch::{FixedShape, padded};
+use crate::tasks::SEP;
 
 /// Encoder-decoder transformer.
 #[derive(Module, Debug)]
@@ -47,5 +51,56 @@ impl EncoderDecoder {
             self.decoder
                 .forward(x, memory, &AttentionMask::none(), padding),
         )
+    }
+}
+
+/// What the encoder-decoder model keeps between decoding steps.
+pub struct EncoderDecoderCache {
+    /// Every block's self-attention keys and values so far, and its cross-attention's of
+    /// the encoded input.
+    layers: StackCache,
+    /// The mask of the inputs' padding.
+    padding: AttentionMask,
+    /// The position of the next token, the same in every row.
+    next: usize,
+    device: Device,
+}
+
+impl Decode for EncoderDecoder {
+    type Cache = EncoderDecoderCache;
+
+    /// The inputs, right-padded to the longest (or to the fixed shape's), encoded at
+    /// once; then SEP, the decoder's first token.
+    fn prefill(
+        &self,
+        inputs: &[Vec<usize>],
+        max_output: usize,
+        fixed: Option<FixedShape>,
+        device: &Device,
+    ) -> (EncoderDecoderCache, Tensor<3>) {
+        let lengths: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        let source = padded(inputs, fixed.map(|f| f.input), device);
+        let (memory, padding) = self.encode(source, &lengths);
+        let mut cache = EncoderDecoderCache {
+            layers: self.decoder.cache(memory, kv_cache(max_output + 1, fixed)),
+            padding,
+            next: 0,
+            device: device.clone(),
+        };
+        let logits = self.step(&mut cache, &vec![SEP; inputs.len()]);
+        (cache, logits)
+    }
+
+    fn step(&self, cache: &mut EncoderDecoderCache, tokens: &[usize]) -> Tensor<3> {
+        let rows: Vec<Vec<usize>> = tokens.iter().map(|&t| vec![t]).collect();
+        let positions = vec![vec![cache.next]; tokens.len()];
+        cache.next += 1;
+        let x = self
+            .embed
+            .forward_at(padded(&rows, None, &cache.device), &positions);
+        let h = self
+            .decoder
+            .forward_cached(x, &mut cache.layers, &cache.padding);
+        self.head.forward(h.expect(ROOM))
     }
 }
