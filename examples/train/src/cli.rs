@@ -343,23 +343,8 @@ fn prepare_resume(
         "{dir}: no run to resume (no config.json); start one without --resume"
     );
     let stored = TrainConfig::load(&run.config())?;
-    let mut config = args.apply(stored.clone());
-    stored.check_resume(&config)?;
     let done = run.last_complete_epoch().unwrap_or(0);
-    if config.epochs != stored.epochs {
-        anyhow::ensure!(
-            config.epochs > done,
-            "--epochs {}: the run has done {done} epochs already",
-            config.epochs
-        );
-        // The warmup stays what it was. An extended run keeps its decay too, so its extra
-        // steps train at lr/100; a shortened one decays to the floor by its end.
-        config.warmup_steps = Some(stored.warmup().min(config.total_steps() - 1));
-        if config.epochs > stored.epochs {
-            config.decay_steps = Some(stored.decay());
-        }
-    }
-    config.validate()?;
+    let config = stored.resumed(args.apply(stored.clone()), done)?;
     anyhow::ensure!(
         done < config.epochs,
         "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \

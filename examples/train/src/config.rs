@@ -241,6 +241,33 @@ impl TrainConfig {
         changed
     }
 
+    /// The configuration a `--resume` continues the run with: `requested`, the run's
+    /// configuration (`self`) with the flags of the `--resume` applied, checked against the
+    /// run, which has done `done` epochs. Only what [`check_resume`](Self::check_resume)
+    /// allows may change. A changed `--epochs` keeps the run's warmup (within the new
+    /// length); an extended run keeps its decay too, so that its extra steps train at
+    /// lr/100, and a shortened one decays to the floor by its end.
+    ///
+    /// # Errors
+    /// As [`check_resume`](Self::check_resume); when `--epochs` asks for no more epochs
+    /// than are done; and naming a value [`validate`](Self::validate) rejects.
+    pub fn resumed(&self, mut requested: Self, done: usize) -> anyhow::Result<Self> {
+        self.check_resume(&requested)?;
+        if requested.epochs != self.epochs {
+            anyhow::ensure!(
+                requested.epochs > done,
+                "--epochs {}: the run has done {done} epochs already",
+                requested.epochs
+            );
+            requested.warmup_steps = Some(self.warmup().min(requested.total_steps() - 1));
+            if requested.epochs > self.epochs {
+                requested.decay_steps = Some(self.decay());
+            }
+        }
+        requested.validate()?;
+        Ok(requested)
+    }
+
     /// Checks that `requested` (the run's configuration with the flags of a `--resume`
     /// applied) changes only what `--resume` may change: how long the run goes on, how it
     /// is evaluated and how its batches are padded.
@@ -408,6 +435,61 @@ mod tests {
             "{err}"
         );
         assert_eq!(run.changed_fields(&wider), vec!["model.d_model"]);
+    }
+
+    #[test]
+    fn resuming_with_other_epochs_keeps_the_schedule_it_can() {
+        // 400 steps: 40 of warmup, 360 of decay.
+        let run = TrainConfig {
+            epochs: 4,
+            ..TrainConfig::default()
+        };
+        assert_eq!(run.resumed(run.clone(), 2).unwrap(), run);
+        let epochs = |epochs| TrainConfig {
+            epochs,
+            ..run.clone()
+        };
+        // Extended: the warmup and the decay as they were, the extra steps at the floor.
+        let longer = run.resumed(epochs(6), 2).unwrap();
+        assert_eq!(
+            (longer.warmup_steps, longer.decay_steps),
+            (Some(40), Some(360))
+        );
+        assert_eq!(longer.total_steps(), 600);
+        // Shortened: the warmup as it was, the decay ending with the run.
+        let shorter = run.resumed(epochs(3), 2).unwrap();
+        assert_eq!(
+            (shorter.warmup_steps, shorter.decay_steps),
+            (Some(40), None)
+        );
+        assert_eq!(shorter.decay(), 260);
+        // Shortened below its warmup: one step of decay is left.
+        let quick = TrainConfig {
+            epochs: 2,
+            steps_per_epoch: 20,
+            warmup_steps: Some(30),
+            ..TrainConfig::default()
+        };
+        let cut = quick
+            .resumed(
+                TrainConfig {
+                    epochs: 1,
+                    ..quick.clone()
+                },
+                0,
+            )
+            .unwrap();
+        assert_eq!((cut.warmup(), cut.decay()), (19, 1));
+        // No fewer epochs than are done, and nothing that changes the run.
+        let err = run.resumed(epochs(2), 2).unwrap_err().to_string();
+        assert_eq!(err, "--epochs 2: the run has done 2 epochs already");
+        let mut wider = epochs(6);
+        wider.model.d_model = 128;
+        let err = run.resumed(wider, 2).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--d-model 128 would change the run"),
+            "{err}"
+        );
     }
 
     #[test]
