@@ -14,13 +14,15 @@
 //! - [`training`]: Burn's learner, greedy evaluation, the summary;
 //! - [`plots`]: the loss curve and attention heatmaps;
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
-//! - [`cli`]: the command line;
+//! - [`commands`]: what `train`, `generate` and `inspect` do, one function each;
+//! - [`cli`]: the command line (clap);
 //! - [`alloc`]: the allocator's settings.
 
 pub mod alloc;
 pub mod backend;
 pub mod batch;
 pub mod cli;
+pub mod commands;
 pub mod config;
 pub mod fields;
 pub mod inspect;
