@@ -4,7 +4,8 @@
 //!
 //! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
 //! - [`batch`]: examples padded or packed into batches;
-//! - [`model`]: decoder-only and encoder-decoder transformers;
+//! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
+//!   looking inside them;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
 //! - [`fields`]: which flag sets which field;
 //! - [`backend`]: the backends a build has;
@@ -12,7 +13,7 @@
 //! - [`progress`]: the lines a run prints;
 //! - [`interrupt`]: what Ctrl-C does;
 //! - [`training`]: Burn's learner, greedy evaluation, the summary;
-//! - [`plots`]: the loss curve and attention heatmaps;
+//! - [`plots`]: the loss curve, and every attention map drawn;
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
 //! - [`commands`]: what `train`, `generate` and `inspect` do, one function each;
 //! - [`cli`]: the command line (clap);

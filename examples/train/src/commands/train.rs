@@ -138,21 +138,7 @@ fn report(
         );
         return Ok(());
     }
-    plots::register_font()?;
-    let losses = |split| training::epoch_losses(&run.0, config.epochs, split);
-    use burn::train::metric::store::Split;
-    let title = format!(
-        "{}, {}: loss per step",
-        config.task.task.name(),
-        config.model.kind.name()
-    );
-    plots::loss_curve(
-        &run.loss_curve(),
-        &losses(&Split::Train),
-        &losses(&Split::Valid),
-        &title,
-    )?;
-    let heatmaps = plots::attention_heatmaps(config, run, device)?;
+    let heatmaps = plots::draw_run(config, run, device)?;
     println!(
         "held-out exact accuracy {:.2}% (token accuracy {:.2}%) on {} sequences; final loss {:.4}; \
          {:.1} s, {:.0} tokens/s on {}",

@@ -1,31 +1,45 @@
 //! Looking inside: the model's attention layers, their names, heads and weights, a head
 //! mask applied to them, and the model without some of its heads.
 
+use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::SequenceOutput;
 use mha::analysis::{Heads, Inspect, LayerStats, PrunePlan};
 use mha::{AttentionMask, PruneError};
 
 use super::{DecoderOnly, EncoderDecoder, Model, output_loss};
-use crate::batch::SeqBatch;
-use crate::tasks::{Example, SEP};
+use crate::batch::{SeqBatch, SeqBatcher};
+use crate::tasks::{EOS, Example, SEP};
+
+/// One attention layer's weights on one example, `[H, rows, cols]`, with the tokens of
+/// its rows (queries) and columns (keys), ready to draw.
+pub struct LayerWeights {
+    /// The layer, as a map's title names it.
+    pub name: String,
+    /// Every head's weights, `[H, rows, cols]`.
+    pub weights: Tensor<3>,
+    /// The tokens of the rows.
+    pub rows: Vec<usize>,
+    /// The tokens of the columns.
+    pub cols: Vec<usize>,
+}
 
 impl Model {
-    /// Attention weights for one example, teacher-forced: per layer `[H, rows, cols]`,
-    /// with the row and column tokens. Decoder-only: self-attention over
-    /// `input SEP output`; encoder-decoder: the decoder's cross-attention from
-    /// `SEP output` to the input.
+    /// The attention a finished run shows, on one example, teacher-forced: per block,
+    /// decoder-only, the self-attention over `input SEP output` (`layer 0
+    /// self-attention`); encoder-decoder, the decoder's cross-attention from `SEP output`
+    /// to the input (`layer 0 decoder cross-attention`).
     pub fn attention_maps(
         &self,
         input: &[usize],
         output: &[usize],
         device: &Device,
-    ) -> (Vec<Tensor<3>>, Vec<usize>, Vec<usize>) {
+    ) -> Vec<LayerWeights> {
         let ids = |row: &[usize]| {
             let data: Vec<i64> = row.iter().map(|&t| t as i64).collect();
             Tensor::<2, Int>::from_data(TensorData::new(data, [1, row.len()]), device)
         };
-        match self {
+        let (what, weights, rows, cols) = match self {
             Model::DecoderOnly(m) => {
                 let seq: Vec<usize> = input
                     .iter()
@@ -35,11 +49,7 @@ impl Model {
                     .collect();
                 let x = m.embed.forward(ids(&seq));
                 let (_, weights) = m.blocks.forward_with_weights(x, &AttentionMask::none());
-                (
-                    weights.into_iter().map(|w| w.squeeze_dim(0)).collect(),
-                    seq.clone(),
-                    seq,
-                )
+                ("self-attention", weights, seq.clone(), seq)
             }
             Model::EncoderDecoder(m) => {
                 let (memory, padding) = m.encode(ids(input), &[input.len()]);
@@ -48,13 +58,60 @@ impl Model {
                 let (_, weights) =
                     m.decoder
                         .forward_with_weights(x, memory, &AttentionMask::none(), &padding);
-                (
-                    weights.into_iter().map(|w| w.squeeze_dim(0)).collect(),
-                    rows,
-                    input.to_vec(),
-                )
+                ("decoder cross-attention", weights, rows, input.to_vec())
             }
-        }
+        };
+        weights
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| LayerWeights {
+                name: format!("layer {i} {what}"),
+                weights: w.squeeze_dim(0),
+                rows: rows.clone(),
+                cols: cols.clone(),
+            })
+            .collect()
+    }
+
+    /// Every attention layer's weights on `example`, teacher-forced, named as
+    /// [`attention_layer_names`](Self::attention_layer_names) names them: the rows and
+    /// columns of the decoder-only model are `input SEP output EOS`; the encoder's are the
+    /// input, the decoder's self-attention's `SEP output`, its cross-attention's `SEP
+    /// output` by the input.
+    pub fn every_attention_map(&self, example: &Example, device: &Device) -> Vec<LayerWeights> {
+        let batch = SeqBatcher::default().batch(vec![example.clone()], device);
+        let (_, weights) = self.forward_inspect(batch, &Inspect::new().weights());
+        let joined: Vec<usize> = example
+            .input
+            .iter()
+            .copied()
+            .chain([SEP])
+            .chain(example.output.iter().copied())
+            .chain([EOS])
+            .collect();
+        let decoder: Vec<usize> = [SEP]
+            .into_iter()
+            .chain(example.output.iter().copied())
+            .collect();
+        let input = &example.input;
+        weights
+            .into_iter()
+            .zip(self.attention_layer_names())
+            .map(|(w, name)| {
+                let (rows, cols) = match self {
+                    Model::DecoderOnly(_) => (&joined, &joined),
+                    Model::EncoderDecoder(_) if name.starts_with("encoder") => (input, input),
+                    Model::EncoderDecoder(_) if name.ends_with("self") => (&decoder, &decoder),
+                    Model::EncoderDecoder(_) => (&decoder, input),
+                };
+                LayerWeights {
+                    weights: w.squeeze_dim(0),
+                    rows: rows.clone(),
+                    cols: cols.clone(),
+                    name,
+                }
+            })
+            .collect()
     }
 }
 
