@@ -58,24 +58,25 @@ pub fn loss_curve(
     title: &str,
 ) -> anyhow::Result<()> {
     let steps_per_epoch = train.first().map(Vec::len).unwrap_or(1).max(1);
-    let train_points: Vec<(f64, f64)> = train
+    // Steps on an integer axis: whole ticks, labelled `100`, not `100.0`.
+    let train_points: Vec<(usize, f64)> = train
         .iter()
         .flatten()
         .enumerate()
-        .map(|(i, &l)| ((i + 1) as f64, l))
+        .map(|(i, &l)| (i + 1, l))
         .collect();
-    let valid_points: Vec<(f64, f64)> = valid
+    let valid_points: Vec<(usize, f64)> = valid
         .iter()
         .enumerate()
         .filter(|(_, v)| !v.is_empty())
         .map(|(e, v)| {
             (
-                ((e + 1) * steps_per_epoch) as f64,
+                (e + 1) * steps_per_epoch,
                 v.iter().sum::<f64>() / v.len() as f64,
             )
         })
         .collect();
-    let max_step = train_points.len().max(1) as f64;
+    let max_step = train_points.len().max(1);
     let max_loss = train_points
         .iter()
         .chain(&valid_points)
@@ -90,7 +91,7 @@ pub fn loss_curve(
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..max_step, 0.0..max_loss)
+        .build_cartesian_2d(0..max_step, 0.0..max_loss)
         .map_err(err(path))?;
     chart
         .configure_mesh()
