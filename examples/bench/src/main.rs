@@ -42,8 +42,9 @@ use clap::Parser;
 use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use serde::Serialize;
 use train::backend::Backend;
+use train::batch::SeqBatcher;
 use train::config::TrainConfig;
-use train::data::{SeqBatcher, Split};
+use train::tasks::Split;
 
 /// mimalloc keeps freed memory for the next allocation (and, told so by
 /// `keep_freed_memory`, never gives it back); the system allocator (glibc) unmaps tensors

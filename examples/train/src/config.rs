@@ -12,9 +12,13 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::backend::Backend;
-use crate::data::{FixedShape, TaskConfig};
-use crate::fields::{self, name};
+use crate::batch::FixedShape;
+use crate::fields::{
+    self, BATCH_SIZE, DECAY_STEPS, EPOCHS, EVAL_EXAMPLES, GRAD_CLIP, LR, MODEL_KIND, PACK,
+    STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
+};
 use crate::model::{Model, ModelConfig};
+use crate::tasks::TaskConfig;
 
 /// Every hyperparameter of a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -87,31 +91,31 @@ impl TrainConfig {
     pub fn validate(&self) -> anyhow::Result<()> {
         self.task.validate()?;
         self.model.validate()?;
-        for (path, value) in [
-            ("batch_size", self.batch_size),
-            ("steps_per_epoch", self.steps_per_epoch),
-            ("epochs", self.epochs),
-            ("valid_examples", self.valid_examples),
-            ("eval_examples", self.eval_examples),
+        for (field, value) in [
+            (BATCH_SIZE, self.batch_size),
+            (STEPS_PER_EPOCH, self.steps_per_epoch),
+            (EPOCHS, self.epochs),
+            (VALID_EXAMPLES, self.valid_examples),
+            (EVAL_EXAMPLES, self.eval_examples),
         ] {
-            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", name(path));
+            anyhow::ensure!(value >= 1, "{} must be at least 1, got 0", field.name());
         }
         anyhow::ensure!(
             self.lr > 0.0 && self.lr <= 1.0,
             "{} must be in (0, 1], got {}",
-            name("lr"),
+            LR.name(),
             self.lr
         );
         anyhow::ensure!(
             self.grad_clip > 0.0,
             "{} must be positive, got {}",
-            name("grad_clip"),
+            GRAD_CLIP.name(),
             self.grad_clip
         );
         anyhow::ensure!(
             self.weight_decay >= 0.0,
             "{} must not be negative, got {}",
-            name("weight_decay"),
+            WEIGHT_DECAY.name(),
             self.weight_decay
         );
         if let Some(warmup) = self.warmup_steps {
@@ -119,21 +123,21 @@ impl TrainConfig {
                 warmup < self.total_steps(),
                 "{} = {warmup} must be below the run's {} steps ({} x {}); leave it out for \
                  a tenth of the run",
-                name("warmup_steps"),
+                WARMUP_STEPS.name(),
                 self.total_steps(),
-                name("epochs"),
-                name("steps_per_epoch"),
+                EPOCHS.name(),
+                STEPS_PER_EPOCH.name(),
             );
         }
         anyhow::ensure!(
             !self.pack || self.model.kind == crate::model::ModelKind::DecoderOnly,
             "{} packs the decoder-only model's sequences; the encoder-decoder ({}) trains on \
              padded batches",
-            name("pack"),
-            name("model.kind"),
+            PACK.name(),
+            MODEL_KIND.name(),
         );
         if let Some(decay) = self.decay_steps {
-            anyhow::ensure!(decay >= 1, "{} must be at least 1", name("decay_steps"));
+            anyhow::ensure!(decay >= 1, "{} must be at least 1", DECAY_STEPS.name());
         }
         Ok(())
     }
@@ -235,6 +239,33 @@ impl TrainConfig {
         let mut changed = Vec::new();
         diff(&a, &b, "", &mut changed);
         changed
+    }
+
+    /// The configuration a `--resume` continues the run with: `requested`, the run's
+    /// configuration (`self`) with the flags of the `--resume` applied, checked against the
+    /// run, which has done `done` epochs. Only what [`check_resume`](Self::check_resume)
+    /// allows may change. A changed `--epochs` keeps the run's warmup (within the new
+    /// length); an extended run keeps its decay too, so that its extra steps train at
+    /// lr/100, and a shortened one decays to the floor by its end.
+    ///
+    /// # Errors
+    /// As [`check_resume`](Self::check_resume); when `--epochs` asks for no more epochs
+    /// than are done; and naming a value [`validate`](Self::validate) rejects.
+    pub fn resumed(&self, mut requested: Self, done: usize) -> anyhow::Result<Self> {
+        self.check_resume(&requested)?;
+        if requested.epochs != self.epochs {
+            anyhow::ensure!(
+                requested.epochs > done,
+                "--epochs {}: the run has done {done} epochs already",
+                requested.epochs
+            );
+            requested.warmup_steps = Some(self.warmup().min(requested.total_steps() - 1));
+            if requested.epochs > self.epochs {
+                requested.decay_steps = Some(self.decay());
+            }
+        }
+        requested.validate()?;
+        Ok(requested)
     }
 
     /// Checks that `requested` (the run's configuration with the flags of a `--resume`
@@ -352,7 +383,7 @@ mod tests {
         let config =
             load(r#"{"task": {"task": "sort"}, "model": {"kind": "encoder-decoder"}, "lr": 0.01}"#)
                 .unwrap();
-        assert_eq!(config.task.task, crate::data::Task::Sort);
+        assert_eq!(config.task.task, crate::tasks::Task::Sort);
         assert_eq!(config.model.kind, crate::model::ModelKind::EncoderDecoder);
         assert_eq!(config.lr, 0.01);
         assert_eq!(config.epochs, TrainConfig::default().epochs);
@@ -374,7 +405,7 @@ mod tests {
         assert!(err.contains(wanted), "{err}");
         // The files of earlier versions spelt the task and model capitalised.
         let old = load(r#"{"task": {"task": "Reverse"}, "model": {"kind": "DecoderOnly"}}"#);
-        assert_eq!(old.unwrap().task.task, crate::data::Task::Reverse);
+        assert_eq!(old.unwrap().task.task, crate::tasks::Task::Reverse);
     }
 
     #[test]
@@ -404,6 +435,81 @@ mod tests {
             "{err}"
         );
         assert_eq!(run.changed_fields(&wider), vec!["model.d_model"]);
+    }
+
+    #[test]
+    fn resuming_with_other_epochs_keeps_the_schedule_it_can() {
+        // 400 steps: 40 of warmup, 360 of decay.
+        let run = TrainConfig {
+            epochs: 4,
+            ..TrainConfig::default()
+        };
+        assert_eq!(run.resumed(run.clone(), 2).unwrap(), run);
+        let epochs = |epochs| TrainConfig {
+            epochs,
+            ..run.clone()
+        };
+        // Extended: the warmup and the decay as they were, the extra steps at the floor.
+        let longer = run.resumed(epochs(6), 2).unwrap();
+        assert_eq!(
+            (longer.warmup_steps, longer.decay_steps),
+            (Some(40), Some(360))
+        );
+        assert_eq!(longer.total_steps(), 600);
+        // Shortened: the warmup as it was, the decay ending with the run.
+        let shorter = run.resumed(epochs(3), 2).unwrap();
+        assert_eq!(
+            (shorter.warmup_steps, shorter.decay_steps),
+            (Some(40), None)
+        );
+        assert_eq!(shorter.decay(), 260);
+        // Shortened below its warmup: one step of decay is left.
+        let quick = TrainConfig {
+            epochs: 2,
+            steps_per_epoch: 20,
+            warmup_steps: Some(30),
+            ..TrainConfig::default()
+        };
+        let cut = quick
+            .resumed(
+                TrainConfig {
+                    epochs: 1,
+                    ..quick.clone()
+                },
+                0,
+            )
+            .unwrap();
+        assert_eq!((cut.warmup(), cut.decay()), (19, 1));
+        // No fewer epochs than are done, and nothing that changes the run.
+        let err = run.resumed(epochs(2), 2).unwrap_err().to_string();
+        assert_eq!(err, "--epochs 2: the run has done 2 epochs already");
+        let mut wider = epochs(6);
+        wider.model.d_model = 128;
+        let err = run.resumed(wider, 2).unwrap_err().to_string();
+        assert!(
+            err.starts_with("--d-model 128 would change the run"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_field_table_has_every_field_of_the_file() {
+        fn leaves(value: &Value, path: &str, out: &mut Vec<String>) {
+            match value {
+                Value::Object(map) => map.iter().for_each(|(k, v)| leaves(v, &join(path, k), out)),
+                _ => out.push(path.to_string()),
+            }
+        }
+        let mut paths = Vec::new();
+        leaves(
+            &serde_json::to_value(TrainConfig::default()).unwrap(),
+            "",
+            &mut paths,
+        );
+        let mut table: Vec<&str> = fields::FIELDS.iter().map(|f| f.path).collect();
+        paths.sort();
+        table.sort();
+        assert_eq!(paths, table);
     }
 
     #[test]

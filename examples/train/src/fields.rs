@@ -1,6 +1,8 @@
 //! Which command-line flag sets which field of a run's configuration, what else users
 //! call it, and whether `--resume` may change it: the one table that error messages,
 //! the help's defaults, the check of config files and the check of `--resume` read.
+//! Code names a field by its constant ([`D_MODEL`]), so a misspelt field is a compile
+//! error; only paths read from JSON are looked up ([`at`]).
 
 /// A field of `config.json`.
 #[derive(Clone, Copy, Debug)]
@@ -30,54 +32,114 @@ const fn field(
     }
 }
 
+// Messages name a field by one of these constants, so a misspelt field does not compile.
+
+/// `task.task`.
+pub const TASK: Field = field("task.task", Some("--task"), &[], false);
+/// `task.min_len`.
+pub const MIN_LEN: Field = field("task.min_len", Some("--min-len"), &["min_length"], false);
+/// `task.max_len`.
+pub const MAX_LEN: Field = field("task.max_len", Some("--max-len"), &["max_length"], false);
+/// `task.n_symbols`.
+pub const N_SYMBOLS: Field = field(
+    "task.n_symbols",
+    Some("--symbols"),
+    &["symbols", "vocab"],
+    false,
+);
+/// `model.kind`.
+pub const MODEL_KIND: Field = field("model.kind", Some("--model"), &["model"], false);
+/// `model.d_model`.
+pub const D_MODEL: Field = field("model.d_model", Some("--d-model"), &["width", "dim"], false);
+/// `model.n_layers`.
+pub const N_LAYERS: Field = field(
+    "model.n_layers",
+    Some("--layers"),
+    &["layers", "blocks"],
+    false,
+);
+/// `model.n_heads`.
+pub const N_HEADS: Field = field("model.n_heads", Some("--heads"), &["heads"], false);
+/// `model.dropout`.
+pub const DROPOUT: Field = field("model.dropout", Some("--dropout"), &[], false);
+/// `model.positions`.
+pub const POSITIONS: Field = field("model.positions", Some("--positions"), &["position"], false);
+/// `batch_size`.
+pub const BATCH_SIZE: Field = field("batch_size", Some("--batch-size"), &["batch"], false);
+/// `lr`.
+pub const LR: Field = field(
+    "lr",
+    Some("--lr"),
+    &["learning_rate", "learning-rate"],
+    false,
+);
+/// `warmup_steps`.
+pub const WARMUP_STEPS: Field = field("warmup_steps", Some("--warmup"), &["warmup"], false);
+/// `decay_steps`.
+pub const DECAY_STEPS: Field = field("decay_steps", None, &[], false);
+/// `weight_decay`.
+pub const WEIGHT_DECAY: Field = field("weight_decay", None, &[], false);
+/// `grad_clip`.
+pub const GRAD_CLIP: Field = field("grad_clip", None, &["clip"], false);
+/// `steps_per_epoch`.
+pub const STEPS_PER_EPOCH: Field = field(
+    "steps_per_epoch",
+    Some("--steps-per-epoch"),
+    &["steps"],
+    false,
+);
+/// `epochs`.
+pub const EPOCHS: Field = field("epochs", Some("--epochs"), &[], true);
+/// `valid_examples`.
+pub const VALID_EXAMPLES: Field = field("valid_examples", None, &[], false);
+/// `eval_examples`.
+pub const EVAL_EXAMPLES: Field = field("eval_examples", Some("--eval-examples"), &[], true);
+/// `seed`.
+pub const SEED: Field = field("seed", Some("--seed"), &[], false);
+/// `pack`.
+pub const PACK: Field = field("pack", Some("--pack"), &["packing", "packed"], false);
+/// `fixed_shapes`.
+pub const FIXED_SHAPES: Field = field("fixed_shapes", Some("--fixed-shapes"), &[], true);
+
 /// Every field of `config.json`.
 pub const FIELDS: &[Field] = &[
-    field("task.task", Some("--task"), &[], false),
-    field("task.min_len", Some("--min-len"), &["min_length"], false),
-    field("task.max_len", Some("--max-len"), &["max_length"], false),
-    field(
-        "task.n_symbols",
-        Some("--symbols"),
-        &["symbols", "vocab"],
-        false,
-    ),
-    field("model.kind", Some("--model"), &["model"], false),
-    field("model.d_model", Some("--d-model"), &["width", "dim"], false),
-    field(
-        "model.n_layers",
-        Some("--layers"),
-        &["layers", "blocks"],
-        false,
-    ),
-    field("model.n_heads", Some("--heads"), &["heads"], false),
-    field("model.dropout", Some("--dropout"), &[], false),
-    field("model.positions", Some("--positions"), &["position"], false),
-    field("batch_size", Some("--batch-size"), &["batch"], false),
-    field(
-        "lr",
-        Some("--lr"),
-        &["learning_rate", "learning-rate"],
-        false,
-    ),
-    field("warmup_steps", Some("--warmup"), &["warmup"], false),
-    field("decay_steps", None, &[], false),
-    field("weight_decay", None, &[], false),
-    field("grad_clip", None, &["clip"], false),
-    field(
-        "steps_per_epoch",
-        Some("--steps-per-epoch"),
-        &["steps"],
-        false,
-    ),
-    field("epochs", Some("--epochs"), &[], true),
-    field("valid_examples", None, &[], false),
-    field("eval_examples", Some("--eval-examples"), &[], true),
-    field("seed", Some("--seed"), &[], false),
-    field("pack", Some("--pack"), &["packing", "packed"], false),
-    field("fixed_shapes", Some("--fixed-shapes"), &[], true),
+    TASK,
+    MIN_LEN,
+    MAX_LEN,
+    N_SYMBOLS,
+    MODEL_KIND,
+    D_MODEL,
+    N_LAYERS,
+    N_HEADS,
+    DROPOUT,
+    POSITIONS,
+    BATCH_SIZE,
+    LR,
+    WARMUP_STEPS,
+    DECAY_STEPS,
+    WEIGHT_DECAY,
+    GRAD_CLIP,
+    STEPS_PER_EPOCH,
+    EPOCHS,
+    VALID_EXAMPLES,
+    EVAL_EXAMPLES,
+    SEED,
+    PACK,
+    FIXED_SHAPES,
 ];
 
-/// The field at `path`.
+impl Field {
+    /// How messages name the field: its flag and its path, e.g. "`--warmup`
+    /// (`warmup_steps`)", or its path alone when no flag sets it.
+    pub fn name(&self) -> String {
+        match self.flag {
+            Some(flag) => format!("`{flag}` (`{}`)", self.path),
+            None => format!("`{}`", self.path),
+        }
+    }
+}
+
+/// The field at `path` (a dotted path read from a configuration's JSON).
 ///
 /// # Panics
 /// If no field has that path (a bug in the table).
@@ -86,15 +148,6 @@ pub fn at(path: &str) -> Field {
         .iter()
         .find(|f| f.path == path)
         .unwrap_or_else(|| panic!("no field {path}"))
-}
-
-/// How messages name a field: its flag and its path, e.g. "`--warmup` (`warmup_steps`)",
-/// or its path alone when no flag sets it.
-pub fn name(path: &str) -> String {
-    match at(path).flag {
-        Some(flag) => format!("`{flag}` (`{path}`)"),
-        None => format!("`{path}`"),
-    }
 }
 
 /// The known field nearest to `key` (found at `path`, dotted, in a config file): the one
@@ -172,7 +225,7 @@ mod tests {
         assert_eq!(nearest("warmup").map(|f| f.path), Some("warmup_steps"));
         assert_eq!(nearest("d-model").map(|f| f.path), Some("model.d_model"));
         assert_eq!(nearest("zzzzzzzz").map(|f| f.path), None);
-        assert_eq!(name("task.min_len"), "`--min-len` (`task.min_len`)");
-        assert_eq!(name("valid_examples"), "`valid_examples`");
+        assert_eq!(MIN_LEN.name(), "`--min-len` (`task.min_len`)");
+        assert_eq!(VALID_EXAMPLES.name(), "`valid_examples`");
     }
 }

@@ -10,15 +10,15 @@ use anyhow::Context;
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::tensor::Device;
-use mha::analysis::maps::AttentionMap;
 use mha::analysis::{HeadImportance, HeadReport, Inspect, PrunePlan};
 use serde::Serialize;
 
+use crate::batch::SeqBatcher;
 use crate::config::TrainConfig;
-use crate::data::{EOS, Example, SEP, SeqBatcher, Split};
-use crate::model::{Model, ModelKind};
+use crate::model::Model;
 use crate::run_dir::{RunDir, load_model, write_atomically};
-use crate::training;
+use crate::tasks::{Example, Split};
+use crate::{plots, training};
 
 /// Which importance pruning follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -84,7 +84,7 @@ pub fn inspect(
     prune: &[usize],
     by: By,
     device: &Device,
-    fixed: Option<crate::data::FixedShape>,
+    fixed: Option<crate::batch::FixedShape>,
 ) -> anyhow::Result<Findings> {
     let dir = run.0.join("inspect");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -148,57 +148,12 @@ fn draw_maps(
     dir: &Path,
     device: &Device,
 ) -> anyhow::Result<Vec<PathBuf>> {
-    let batcher = SeqBatcher {
-        fixed: None,
-        pack: None,
-    };
-    let (_, weights) = model.forward_inspect(
-        batcher.batch(vec![example.clone()], device),
-        &Inspect::new().weights(),
-    );
-    let label =
-        |ts: &[usize]| -> Vec<String> { ts.iter().map(|&t| config.task.token_label(t)).collect() };
-    let joined: Vec<usize> = example
-        .input
-        .iter()
-        .copied()
-        .chain([SEP])
-        .chain(example.output.iter().copied())
-        .chain([EOS])
-        .collect();
-    let decoder: Vec<usize> = [SEP]
-        .into_iter()
-        .chain(example.output.iter().copied())
-        .collect();
-    let mut paths = Vec::new();
-    for (i, (w, name)) in weights
-        .into_iter()
-        .zip(model.attention_layer_names())
-        .enumerate()
-    {
-        let (rows, cols) = match config.model.kind {
-            ModelKind::DecoderOnly => (label(&joined), label(&joined)),
-            ModelKind::EncoderDecoder if name.starts_with("encoder") => {
-                (label(&example.input), label(&example.input))
-            }
-            ModelKind::EncoderDecoder if name.ends_with("self") => {
-                (label(&decoder), label(&decoder))
-            }
-            ModelKind::EncoderDecoder => (label(&decoder), label(&example.input)),
-        };
-        let title = format!(
-            "{name}: {} of {}",
-            config.task.task.name(),
-            config.task.format_output(&example.input)
-        );
-        let map = AttentionMap::layer(w.squeeze_dim(0), &rows, &cols).titled(title);
-        for extension in ["png", "svg"] {
-            let path = dir.join(format!("attention-{i}.{extension}"));
-            map.save(&path)?;
-            paths.push(path);
-        }
-    }
-    Ok(paths)
+    let layers = model.every_attention_map(example, device);
+    plots::attention_maps(&config.task, &example.input, layers, |i| {
+        ["png", "svg"]
+            .map(|extension| dir.join(format!("attention-{i}.{extension}")))
+            .to_vec()
+    })
 }
 
 /// Removes the `k` least important heads by `importance`, writes the pruned model and its
@@ -213,7 +168,7 @@ fn prune_and_compare(
     chunks: &[Vec<Example>],
     dir: &Path,
     device: &Device,
-    fixed: Option<crate::data::FixedShape>,
+    fixed: Option<crate::batch::FixedShape>,
 ) -> anyhow::Result<PruneResult> {
     let plan = importance.prune_least(k);
     let total: usize = model.head_counts().iter().sum();

@@ -2,8 +2,10 @@
 //! Burn's learner: the library behind the `train` binary (and the trainer benchmark).
 //! Read top to bottom:
 //!
-//! - [`data`]: the tasks, their held-out split, their input grammar, batches;
-//! - [`model`]: decoder-only and encoder-decoder transformers;
+//! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
+//! - [`batch`]: examples padded or packed into batches;
+//! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
+//!   looking inside them;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
 //! - [`fields`]: which flag sets which field;
 //! - [`backend`]: the backends a build has;
@@ -11,16 +13,18 @@
 //! - [`progress`]: the lines a run prints;
 //! - [`interrupt`]: what Ctrl-C does;
 //! - [`training`]: Burn's learner, greedy evaluation, the summary;
-//! - [`plots`]: the loss curve and attention heatmaps;
+//! - [`plots`]: the loss curve, and every attention map drawn;
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
-//! - [`cli`]: the command line;
+//! - [`commands`]: what `train`, `generate` and `inspect` do, one function each;
+//! - [`cli`]: the command line (clap);
 //! - [`alloc`]: the allocator's settings.
 
 pub mod alloc;
 pub mod backend;
+pub mod batch;
 pub mod cli;
+pub mod commands;
 pub mod config;
-pub mod data;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;
@@ -28,4 +32,5 @@ pub mod model;
 pub mod plots;
 pub mod progress;
 pub mod run_dir;
+pub mod tasks;
 pub mod training;

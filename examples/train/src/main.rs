@@ -9,7 +9,7 @@
 //! cargo run --release -p train -- generate "3 1 4 1 5 9 2 6"
 //! ```
 //!
-//! This file parses the command line and calls the library (`src/lib.rs`).
+//! This file parses the command line and runs its command (`src/lib.rs` is the library).
 
 use std::process::ExitCode;
 
@@ -23,5 +23,5 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     train::alloc::keep_freed_memory();
-    train::cli::Cli::parse_with_defaults().run()
+    train::commands::run(train::cli::Cli::parse_with_defaults())
 }

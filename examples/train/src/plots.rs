@@ -1,17 +1,19 @@
-//! The run's pictures: `loss.png` (training and validation loss per step) and one
-//! attention heatmap per layer (mha's [`AttentionMap`]), every head a labelled grid with
-//! tokens on the axes.
+//! The pictures: a run's `loss.png` (training and validation loss per step), and the
+//! attention maps (mha's [`AttentionMap`]: every head a labelled grid with tokens on the
+//! axes) of a finished run and of `inspect`, all drawn by [`attention_maps`].
 
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
+use burn::train::metric::store::Split as MetricSplit;
 use mha::analysis::maps::{self, AttentionMap, FONT_FAMILY};
 use plotters::prelude::*;
 
 use crate::config::TrainConfig;
-use crate::data::Split;
-use crate::model::ModelKind;
+use crate::model::inspect::LayerWeights;
 use crate::run_dir::{RunDir, load_model};
+use crate::tasks::{Split, TaskConfig};
+use crate::training;
 
 const FAMILY: &str = FONT_FAMILY;
 
@@ -24,6 +26,29 @@ fn err<E: std::fmt::Debug>(what: &Path) -> impl FnOnce(E) -> anyhow::Error + '_ 
     move |e| anyhow::anyhow!("cannot draw {}: {e:?}", what.display())
 }
 
+/// A finished run's pictures: its loss curve, from the learner's logs, and its attention
+/// heatmaps; returns the heatmaps' files.
+pub fn draw_run(
+    config: &TrainConfig,
+    run: &RunDir,
+    device: &Device,
+) -> anyhow::Result<Vec<PathBuf>> {
+    register_font()?;
+    let losses = |split| training::epoch_losses(&run.0, config.epochs, split);
+    let title = format!(
+        "{}, {}: loss per step",
+        config.task.task.name(),
+        config.model.kind.name()
+    );
+    loss_curve(
+        &run.loss_curve(),
+        &losses(&MetricSplit::Train),
+        &losses(&MetricSplit::Valid),
+        &title,
+    )?;
+    attention_heatmaps(config, run, device)
+}
+
 /// Training loss per step (a point per step) and validation loss per epoch (at the
 /// epoch's last step).
 pub fn loss_curve(
@@ -33,24 +58,25 @@ pub fn loss_curve(
     title: &str,
 ) -> anyhow::Result<()> {
     let steps_per_epoch = train.first().map(Vec::len).unwrap_or(1).max(1);
-    let train_points: Vec<(f64, f64)> = train
+    // Steps on an integer axis: whole ticks, labelled `100`, not `100.0`.
+    let train_points: Vec<(usize, f64)> = train
         .iter()
         .flatten()
         .enumerate()
-        .map(|(i, &l)| ((i + 1) as f64, l))
+        .map(|(i, &l)| (i + 1, l))
         .collect();
-    let valid_points: Vec<(f64, f64)> = valid
+    let valid_points: Vec<(usize, f64)> = valid
         .iter()
         .enumerate()
         .filter(|(_, v)| !v.is_empty())
         .map(|(e, v)| {
             (
-                ((e + 1) * steps_per_epoch) as f64,
+                (e + 1) * steps_per_epoch,
                 v.iter().sum::<f64>() / v.len() as f64,
             )
         })
         .collect();
-    let max_step = train_points.len().max(1) as f64;
+    let max_step = train_points.len().max(1);
     let max_loss = train_points
         .iter()
         .chain(&valid_points)
@@ -65,7 +91,7 @@ pub fn loss_curve(
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(60)
-        .build_cartesian_2d(0.0..max_step, 0.0..max_loss)
+        .build_cartesian_2d(0..max_step, 0.0..max_loss)
         .map_err(err(path))?;
     chart
         .configure_mesh()
@@ -103,9 +129,9 @@ pub fn loss_curve(
     Ok(())
 }
 
-/// The heatmaps of the first held-out example, one PNG per layer, from the run's model:
-/// self-attention for the decoder-only model, the decoder's cross-attention for the
-/// encoder-decoder.
+/// The heatmaps of the first held-out example, one PNG per layer, from the run's model
+/// ([`Model::attention_maps`](crate::model::Model::attention_maps)): self-attention for
+/// the decoder-only model, the decoder's cross-attention for the encoder-decoder.
 pub fn attention_heatmaps(
     config: &TrainConfig,
     run: &RunDir,
@@ -113,29 +139,34 @@ pub fn attention_heatmaps(
 ) -> anyhow::Result<Vec<PathBuf>> {
     let model = load_model(config, &run.model(), device)?;
     let ex = config.task.example(config.seed, Split::Valid, 0);
-    let (layers, rows, cols) = model.attention_maps(&ex.input, &ex.output, device);
-    let label = |ts: &[usize]| {
-        ts.iter()
-            .map(|&t| config.task.token_label(t))
-            .collect::<Vec<_>>()
-    };
-    let (rows, cols) = (label(&rows), label(&cols));
-    let what = match config.model.kind {
-        ModelKind::DecoderOnly => "self-attention",
-        ModelKind::EncoderDecoder => "decoder cross-attention",
-    };
-    let mut paths = Vec::new();
-    for (i, w) in layers.into_iter().enumerate() {
-        let path = run.heatmap(i);
+    let layers = model.attention_maps(&ex.input, &ex.output, device);
+    attention_maps(&config.task, &ex.input, layers, |i| vec![run.heatmap(i)])
+}
+
+/// Draws the map of each of `layers` (every head a labelled grid, the tokens of `task` on
+/// the axes), titled `<layer>: <task> of <input>`, into the files `paths(i)` of layer `i`
+/// (PNG or SVG by their extension); returns every file.
+pub fn attention_maps(
+    task: &TaskConfig,
+    input: &[usize],
+    layers: Vec<LayerWeights>,
+    paths: impl Fn(usize) -> Vec<PathBuf>,
+) -> anyhow::Result<Vec<PathBuf>> {
+    let label = |ts: &[usize]| -> Vec<String> { ts.iter().map(|&t| task.token_label(t)).collect() };
+    let mut written = Vec::new();
+    for (i, layer) in layers.into_iter().enumerate() {
         let title = format!(
-            "layer {i} {what}: {} of {}",
-            config.task.task.name(),
-            config.task.format_output(&ex.input)
+            "{}: {} of {}",
+            layer.name,
+            task.task.name(),
+            task.format_output(input)
         );
-        AttentionMap::layer(w, &rows, &cols)
-            .titled(title)
-            .save(&path)?;
-        paths.push(path);
+        let map = AttentionMap::layer(layer.weights, &label(&layer.rows), &label(&layer.cols))
+            .titled(title);
+        for path in paths(i) {
+            map.save(&path)?;
+            written.push(path);
+        }
     }
-    Ok(paths)
+    Ok(written)
 }

@@ -26,12 +26,13 @@ use burn::train::{Interrupter, Learner, SupervisedTraining};
 use serde::Serialize;
 
 use crate::backend::Backend;
+use crate::batch::{FixedShape, SeqBatcher};
 use crate::config::TrainConfig;
-use crate::data::{FixedShape, PAD, SeqBatcher, Split, Task, TaskConfig, TaskDataset};
 use crate::interrupt;
 use crate::model::{Model, ModelKind, PositionKind};
 use crate::progress::{Plan, Progress, Reached};
 use crate::run_dir::{RunDir, write_atomically};
+use crate::tasks::{Example, PAD, Split, Task, TaskConfig, TaskDataset};
 
 /// How a run ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -134,7 +135,7 @@ pub fn train(
         .batch_size(config.batch_size)
         .build(valid_set);
 
-    let tokens_per_step = config.batch_size as f64 * mean_tokens(&config.task);
+    let tokens_per_step = config.batch_size as f64 * config.task.mean_tokens();
     let plan = Plan {
         epochs: config.epochs,
         steps_per_epoch: config.steps_per_epoch,
@@ -256,16 +257,6 @@ pub fn write_summary(run: &RunDir, summary: &Summary) -> anyhow::Result<()> {
     write_atomically(&run.summary(), json.as_bytes())
 }
 
-/// Mean tokens per sequence a model processes (`input SEP output EOS`), for throughput.
-fn mean_tokens(task: &TaskConfig) -> f64 {
-    let mean_len = (task.min_len + task.max_len) as f64 / 2.0;
-    let (input, output) = match task.task {
-        crate::data::Task::Add => (2.0 * mean_len + 1.0, mean_len + 1.0),
-        _ => (mean_len, mean_len),
-    };
-    input + output + 2.0
-}
-
 /// Greedy decoding of `eval_examples` held-out sequences of `task` (the run's, or
 /// [`TrainConfig::longer_task`]): (exact, token) accuracy, or `None` when a Ctrl-C stops
 /// it. Without a fixed shape, inputs of one length are decoded
@@ -283,11 +274,10 @@ pub fn evaluate(
         .map(|i| task.example(config.seed, Split::Valid, i))
         .collect();
     let rows = config.batch_size.max(64);
-    let groups: Vec<Vec<&crate::data::Example>> = match fixed {
+    let groups: Vec<Vec<&Example>> = match fixed {
         Some(_) => examples.chunks(rows).map(|c| c.iter().collect()).collect(),
         None => {
-            let mut by_len: std::collections::BTreeMap<usize, Vec<&crate::data::Example>> =
-                Default::default();
+            let mut by_len: std::collections::BTreeMap<usize, Vec<&Example>> = Default::default();
             for ex in &examples {
                 by_len.entry(ex.input.len()).or_default().push(ex);
             }

@@ -1,0 +1,57 @@
+//! What each command does, one function each: [`train`](train::train) a new run or
+//! resume one, [`generate`](generate::generate) an answer to one input,
+//! [`inspect`](inspect::inspect) a trained run's heads. [`run`] calls the one the command
+//! line asks for and turns its result into the exit code.
+
+pub mod generate;
+pub mod inspect;
+pub mod train;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use crate::backend::Backend;
+use crate::cli::{Cli, Command};
+use crate::config::TrainConfig;
+use crate::run_dir::RunDir;
+use crate::tasks::Task;
+
+/// Runs the command: exit code 0 when it did what it was asked, 130 when a Ctrl-C
+/// stopped it, 1 (after a one-line error) otherwise.
+pub fn run(cli: Cli) -> ExitCode {
+    let result = match cli.command {
+        Some(Command::Generate(args)) => generate::generate(&args, cli.backend).map(|()| true),
+        Some(Command::Inspect(args)) => inspect::inspect(&args, cli.backend).map(|()| true),
+        None => train::train(&cli.train, cli.backend),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(130),
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The run directory a command reads or writes: `out`, or by default `runs/<task>`.
+fn run_dir(out: &Option<PathBuf>, task: Option<Task>) -> RunDir {
+    RunDir(out.clone().unwrap_or_else(|| {
+        let task = task.unwrap_or(TrainConfig::default().task.task);
+        PathBuf::from("runs").join(task.name())
+    }))
+}
+
+/// Warns when a GPU backend runs on a software adapter.
+fn warn_if_software(backend: Backend, device: &burn::tensor::Device) {
+    if let Some(adapter) = backend.software_adapter(device) {
+        let flex = match Backend::compiled().contains(&Backend::Flex) {
+            true => "--backend flex",
+            false => "a build with the flex feature (the default)",
+        };
+        eprintln!(
+            "warning: {backend} found no GPU and runs on {adapter:?}, a software adapter that \
+             emulates one on the CPU: training will be many times slower than with {flex}"
+        );
+    }
+}
