@@ -6,11 +6,12 @@
 //! of it in fresh pages).
 //!
 //! A second matrix engine beside the tiles' kernel (`super::gemm`), each where it is the
-//! faster one: a linear layer's products are large (thousands of rows by hundreds), where
-//! the crate's packing of both operands and its threads pay; the tiles' are 64 x 64 by a
-//! head's width and strided, fused with the softmax between them, where one call of the
-//! crate (its dispatch and packing) costs more than the product. The `engines` test below
-//! times both at both sizes; docs/benchmarks.md has its numbers.
+//! faster one, on one thread: a linear layer's products are large (thousands of rows by
+//! hundreds), where the crate's packing of both operands pays, and the crate splits them
+//! over the threads itself (the tiles' kernel leaves threads to its callers); a tile's
+//! are 64 x 64 by a head's width, fused with the softmax between them, where the crate's
+//! packing at every call costs more than it saves. The `engines` test below times both
+//! at both sizes; docs/benchmarks.md ("Matrix engines") has its numbers.
 
 use burn::backend::tensor::FloatTensor;
 
