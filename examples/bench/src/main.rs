@@ -48,8 +48,8 @@ use train::tasks::Split;
 
 /// mimalloc keeps freed memory for the next allocation (and, told so by
 /// `keep_freed_memory`, never gives it back); the system allocator (glibc) unmaps tensors
-/// of a few MB when they are freed, and every step faults them in again (see the README's
-/// benchmarks: `--no-default-features` builds without it).
+/// of a few MB when they are freed, and every step faults them in again (see
+/// docs/benchmarks.md, "The system allocator": `--no-default-features` builds without it).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -131,7 +131,7 @@ pub struct ModelConfig {
     /// Dropout in the blocks. Default: 0.
     pub dropout: f64,
     /// How the model knows where tokens are. Default: sinusoidal (the best of the six on
-    /// the default task, see the README).
+    /// the default task: docs/benchmarks.md, "Positions on the default task").
     pub positions: PositionKind,
 }
 
