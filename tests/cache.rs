@@ -9,8 +9,8 @@ use burn::module::Param;
 use burn::tensor::{Device, Tensor};
 use mha::{
     AttentionMask, CacheError, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
-    EncoderConfig, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, Positions,
-    RopeLayout, StackInput,
+    EncoderConfig, HeadMask, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    Positions, RopeLayout, StackInput,
 };
 
 use crate::util::{assert_close, backends, randn};
@@ -192,6 +192,45 @@ fn a_decoder_only_stack_decodes_with_one_cache_per_layer() {
             assert_eq!(cache.layers().len(), 2);
             assert_close(&what, got, want, be.forward_tol());
         }
+    }
+}
+
+#[test]
+fn decoding_returns_the_weights_and_takes_a_head_mask_as_the_whole_forward_does() {
+    for be in backends() {
+        let what = format!("[{}] decoder-only, cached weights", be.name);
+        let stack = EncoderConfig::new(encoder_block(Positions::rope()), 2).init(&be.device);
+        let x = randn([2, 11, D_MODEL], 62, &be.device);
+        // Head 1 of the first layer dropped, head 2 of the second halved.
+        let head_mask = HeadMask::from_rows(
+            vec![vec![1.0, 0.0, 1.0, 1.0], vec![1.0, 1.0, 0.5, 1.0]],
+            &be.device,
+        );
+        let input = StackInput::new(x.clone()).head_mask(head_mask.clone());
+        let whole = stack.forward(input.weights()).unwrap();
+        let mut cache = stack.cache(KvCache::new(11));
+        let mut first = 0;
+        for calls in CALLS {
+            let input = StackInput::new(x.clone().narrow(1, calls.start, calls.len()))
+                .head_mask(head_mask.clone())
+                .weights()
+                .cache(&mut cache);
+            let out = stack.forward(input).unwrap();
+            let rows = calls.len();
+            let want = whole.output.clone().narrow(1, calls.start, rows);
+            assert_close(&what, out.output, want, be.forward_tol());
+            // The rows of this call, over the keys seen so far: `[B, H, rows, end]`.
+            for (got, all) in out.weights.into_iter().zip(&whole.weights) {
+                assert_eq!(got.dims(), [2, HEADS, rows, calls.end]);
+                let want = all
+                    .clone()
+                    .narrow(2, calls.start, rows)
+                    .narrow(3, 0, calls.end);
+                assert_close(&format!("{what} weights"), got, want, be.forward_tol());
+            }
+            first += rows;
+        }
+        assert_eq!(first, 11);
     }
 }
 

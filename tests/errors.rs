@@ -2,8 +2,8 @@
 
 use burn::tensor::Device;
 use mha::{
-    DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError, LoadPyTorch, MhaInput,
-    MultiHeadAttentionConfig, Positions, PyTorchWeights,
+    BlockInput, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError, LoadPyTorch,
+    MhaInput, MultiHeadAttentionConfig, Positions, PyTorchWeights,
 };
 
 use crate::util::{Fixture, randn};
@@ -190,6 +190,25 @@ fn mask_of_the_wrong_size_panics_naming_the_shapes() {
         &d,
     );
     m.self_attention(randn([2, 5, 16], 1, &d), mha::AttentionMask::blocking(mask));
+}
+
+#[test]
+#[should_panic(
+    expected = "EncoderBlock: the input has a memory, and an encoder block has no cross-attention (DecoderBlock has)"
+)]
+fn an_encoder_block_refuses_a_memory() {
+    let block = EncoderBlockConfig::new(16, 4).init(&dev());
+    let x = randn([2, 5, 16], 1, &dev());
+    let _ = block.forward(BlockInput::new(x.clone()).memory(x));
+}
+
+#[test]
+#[should_panic(
+    expected = "DecoderBlock: the input has no memory for the cross-attention (BlockInput::memory or BlockInput::memory_kv)"
+)]
+fn a_decoder_block_asks_for_its_memory() {
+    let block = DecoderBlockConfig::new(16, 4).init(&dev());
+    let _ = block.forward(BlockInput::new(randn([2, 5, 16], 1, &dev())));
 }
 
 /// Runs `f` and returns its panic's message.
