@@ -45,6 +45,14 @@ pub fn watch(learner: &Interrupter) {
     }
 }
 
+/// Stops the learner being watched, for `reason` (not a Ctrl-C: [`requested`] stays
+/// false).
+pub fn stop_learner(reason: &str) {
+    if let Some(learner) = LEARNER.lock().expect("not poisoned").as_ref() {
+        learner.stop(Some(reason));
+    }
+}
+
 /// Stops sending stop requests to the learner.
 pub fn unwatch() {
     *LEARNER.lock().expect("not poisoned") = None;

@@ -45,6 +45,8 @@ pub struct Reached {
     pub first_loss: Option<f64>,
     /// The mean training loss of the last epoch that ended.
     pub epoch_loss: Option<f64>,
+    /// The first step whose training loss was not finite: the run stops there.
+    pub diverged: Option<usize>,
 }
 
 /// A running mean of per-batch values, each with its weight.
@@ -305,6 +307,10 @@ impl TrainingProgressLogger for Progress {
             reached.step = step;
             if reached.first_loss.is_none() {
                 reached.first_loss = self.loss;
+            }
+            if reached.diverged.is_none() && self.loss.is_some_and(|l| !l.is_finite()) {
+                reached.diverged = Some(step);
+                crate::interrupt::stop_learner("the training loss is not finite");
             }
         }
         if step.is_multiple_of(self.plan.log_every.max(1)) || step == self.total_steps() {

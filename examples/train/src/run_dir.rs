@@ -31,7 +31,8 @@ pub struct RunDir(pub PathBuf);
 /// What a checkpoint of an epoch holds, one file each.
 const PARTS: [&str; 3] = ["model", "optim", "scheduler"];
 
-/// The entries a run writes at the top of its directory (what `--overwrite` removes).
+/// The entries a run writes at the top of its directory (with the pictures, `inspect/` and
+/// files being written: what `--overwrite` removes).
 const ENTRIES: &[&str] = &[
     "config.json",
     "checkpoints",
@@ -42,7 +43,35 @@ const ENTRIES: &[&str] = &[
     "model.bpk",
     "summary.json",
     "loss.png",
+    "inspect",
 ];
+
+/// The lock file of a run directory, while a command uses it.
+const LOCK: &str = ".lock";
+
+/// Whether the trainer writes an entry of this name at the top of a run directory.
+fn is_trainers(name: &str) -> bool {
+    ENTRIES.contains(&name)
+        || name.ends_with(".partial")
+        || name
+            .strip_prefix("attention-layer")
+            .and_then(|rest| rest.strip_suffix(".png"))
+            .is_some_and(|n| n.parse::<usize>().is_ok())
+}
+
+/// `a, b, c`, or the first few and how many more.
+fn list(names: &[String]) -> String {
+    const SHOWN: usize = 5;
+    let shown: Vec<String> = names
+        .iter()
+        .take(SHOWN)
+        .map(|n| format!("{n:?}").trim_matches('"').to_string())
+        .collect();
+    match names.len() > SHOWN {
+        true => format!("{} and {} more", shown.join(", "), names.len() - SHOWN),
+        false => shown.join(", "),
+    }
+}
 
 impl RunDir {
     /// `config.json`.
@@ -90,14 +119,149 @@ impl RunDir {
         self.config().exists()
     }
 
-    /// Makes the directory ready for a new run: absent or empty, or (with `overwrite`)
-    /// holding a run, whose files are removed. Call it once every setting is checked.
+    /// Locks the directory for this process (making it if absent) until the lock is
+    /// dropped: a second command on the same run is refused while the first runs. A lock
+    /// left by a process that no longer runs (killed) is taken over, with a note.
     ///
     /// # Errors
-    /// When it holds a run and `overwrite` is off (naming `--resume` and `--overwrite`),
-    /// or holds files that are not a run's (never removed).
+    /// When `--out` is a file, when the directory cannot be made, or when a running
+    /// process holds the lock (naming it).
+    pub fn lock(&self) -> anyhow::Result<RunLock> {
+        let dir = self.0.display();
+        anyhow::ensure!(
+            !self.0.exists() || self.0.is_dir(),
+            "--out {dir} is a file, not a directory: name a directory for the run"
+        );
+        std::fs::create_dir_all(&self.0).with_context(|| format!("cannot create {dir}"))?;
+        let path = self.0.join(LOCK);
+        let me = std::process::id();
+        for _ in 0..3 {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut file) => {
+                    use std::io::Write;
+                    writeln!(file, "{me}")
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    return Ok(RunLock { path, pid: me });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("cannot create {}", path.display()));
+                }
+            }
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let pid = holder.trim().parse::<u32>().ok();
+            match pid {
+                Some(pid) if pid != me && process_runs(pid) => anyhow::bail!(
+                    "{dir} is in use by another command of the trainer (process {pid}): wait \
+                     for it to end, or stop it; if no such process runs, delete {}",
+                    path.display()
+                ),
+                // Being written by a process that has just made it: look again.
+                None if holder.is_empty() => {
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    if std::fs::read_to_string(&path)
+                        .unwrap_or_default()
+                        .is_empty()
+                    {
+                        remove(&path)?;
+                    }
+                }
+                _ => {
+                    eprintln!(
+                        "note: {dir} was locked by process {}, which no longer runs (it was \
+                         killed or crashed): taking the lock over",
+                        holder.trim()
+                    );
+                    remove(&path)?;
+                }
+            }
+        }
+        anyhow::bail!("cannot lock {dir}: {} keeps changing", path.display())
+    }
+
+    /// Checks that the metric logs of epochs `1..=epochs` read back, as the learner reads
+    /// them at the end of a run.
+    ///
+    /// # Errors
+    /// Naming the file, the line and what it holds, and what to do.
+    pub fn check_metric_logs(&self, epochs: usize) -> anyhow::Result<()> {
+        use burn::train::metric::NumericEntry;
+        for split in ["train", "valid"] {
+            for epoch in 1..=epochs {
+                let folder = self.0.join(split).join(format!("epoch-{epoch}"));
+                let Ok(entries) = std::fs::read_dir(&folder) else {
+                    continue;
+                };
+                for entry in entries.filter_map(Result::ok) {
+                    let path = entry.path();
+                    if path.extension().is_none_or(|e| e != "log") {
+                        continue;
+                    }
+                    let text = std::fs::read(&path)
+                        .with_context(|| format!("cannot read {}", path.display()))?;
+                    let text = String::from_utf8_lossy(&text);
+                    for (n, line) in text.split('\n').enumerate() {
+                        if !line.is_empty() && NumericEntry::deserialize(line).is_err() {
+                            anyhow::bail!(
+                                "{} line {} is damaged ({}): the learner cannot read the \
+                                 epoch's metrics back; delete that line (or the file) and \
+                                 --resume again",
+                                path.display(),
+                                n + 1,
+                                excerpt(line),
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The newest complete checkpoint that loads whole and holds finite weights, with a
+    /// warning for each newer one passed over; `None` when there is none.
+    pub fn newest_usable_checkpoint(
+        &self,
+        config: &TrainConfig,
+        device: &burn::tensor::Device,
+    ) -> Option<usize> {
+        let mut epochs = self.complete_epochs();
+        epochs.sort_unstable_by(|a, b| b.cmp(a));
+        for epoch in epochs {
+            let usable = self
+                .check_checkpoint(config, epoch, device)
+                .and_then(|model| {
+                    anyhow::ensure!(
+                        is_finite(&model),
+                        "{}: its weights are not finite (the loss had become NaN or infinite)",
+                        self.checkpoint(epoch).display()
+                    );
+                    Ok(())
+                });
+            match usable {
+                Ok(()) => return Some(epoch),
+                Err(e) => eprintln!("warning: passing over the checkpoint of epoch {epoch}: {e:#}"),
+            }
+        }
+        None
+    }
+
+    /// Makes the directory ready for a new run: absent or empty, or (with `overwrite`)
+    /// holding a run, whose files (the trainer's own: the run's, `inspect/` and the
+    /// pictures) are removed, while any other file stays where it is. Everything is
+    /// decided before anything is removed. Call it once every setting is checked, with the
+    /// directory's lock held.
+    ///
+    /// # Errors
+    /// When `--out` is a file; when it holds a run and `overwrite` is off (naming
+    /// `--resume` and `--overwrite`); when it holds no run but other files (never removed).
     pub fn prepare_new(&self, overwrite: bool) -> anyhow::Result<()> {
         let dir = self.0.display();
+        let (ours, others) = self.entries()?;
         if self.holds_run() {
             anyhow::ensure!(
                 overwrite,
@@ -105,29 +269,41 @@ impl RunDir {
                  with --overwrite (which deletes it) or with another --out",
                 self.describe()
             );
-            for entry in ENTRIES {
-                remove(&self.0.join(entry))?;
+            if !others.is_empty() {
+                eprintln!(
+                    "note: --overwrite removes the run in {dir} and keeps what the trainer did \
+                     not write: {}",
+                    list(&others)
+                );
             }
-            for layer in 0.. {
-                let path = self.heatmap(layer);
-                if !path.exists() {
-                    break;
-                }
-                remove(&path)?;
+            for name in ours {
+                remove(&self.0.join(name))?;
             }
+            return Ok(());
         }
-        let others: Vec<String> = match std::fs::read_dir(&self.0) {
-            Ok(entries) => entries
-                .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+        let all: Vec<String> = ours.into_iter().chain(others).collect();
         anyhow::ensure!(
-            others.is_empty(),
+            all.is_empty(),
             "{dir} is not empty ({}) and holds no run: choose an empty or new --out",
-            others.join(", ")
+            list(&all)
         );
-        std::fs::create_dir_all(&self.0).with_context(|| format!("cannot create {dir}"))
+        Ok(())
+    }
+
+    /// The names at the top of the directory: (the trainer's own, the others), each
+    /// sorted. The lock and the files being written are neither.
+    fn entries(&self) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+        let entries = match std::fs::read_dir(&self.0) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Default::default()),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", self.0.display())),
+        };
+        let mut names: Vec<String> = entries
+            .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+            .filter(|name| name != LOCK)
+            .collect();
+        names.sort();
+        Ok(names.into_iter().partition(|name| is_trainers(name)))
     }
 
     /// " (task reverse, 8 epochs, 3 complete)", what the run in the directory is.
@@ -181,7 +357,14 @@ impl RunDir {
 
     /// The newest epoch whose checkpoint is complete (all its parts written), if any.
     pub fn last_complete_epoch(&self) -> Option<usize> {
-        let entries = std::fs::read_dir(self.0.join("checkpoints")).ok()?;
+        self.complete_epochs().into_iter().max()
+    }
+
+    /// The epochs whose checkpoints are complete (all their parts written).
+    fn complete_epochs(&self) -> Vec<usize> {
+        let Ok(entries) = std::fs::read_dir(self.0.join("checkpoints")) else {
+            return Vec::new();
+        };
         entries
             .filter_map(|e| {
                 let name = e.ok()?.file_name().into_string().ok()?;
@@ -192,18 +375,18 @@ impl RunDir {
                     .iter()
                     .all(|part| self.epoch(epoch).join(format!("{part}.bpk")).exists())
             })
-            .max()
+            .collect()
     }
 
     /// Checks that the parts of epoch `epoch`'s checkpoint load, naming the first that
-    /// does not.
+    /// does not; the model it holds.
     pub fn check_checkpoint(
         &self,
         config: &TrainConfig,
         epoch: usize,
         device: &burn::tensor::Device,
-    ) -> anyhow::Result<()> {
-        load_model(config, &self.checkpoint(epoch), device)?;
+    ) -> anyhow::Result<Model> {
+        let model = load_model(config, &self.checkpoint(epoch), device)?;
         use burn::optim::OptimizerRecord;
         use burn::optim::lr_scheduler::LrSchedulerRecord;
         let optim = self.epoch(epoch).join("optim.bpk");
@@ -217,7 +400,7 @@ impl RunDir {
                 scheduler.display()
             )
         })?;
-        Ok(())
+        Ok(model)
     }
 }
 
@@ -234,6 +417,56 @@ pub fn load_model(
         .init_model(device)?
         .try_load_file(path)
         .map_err(|e| anyhow::anyhow!("{}: cannot load the model ({e})", path.display()))
+}
+
+/// A damaged line as an error shows it: escaped, and cut after 60 characters.
+fn excerpt(line: &str) -> String {
+    let mut shown: String = line.chars().take(60).flat_map(char::escape_debug).collect();
+    if line.chars().count() > 60 {
+        shown.push('…');
+    }
+    format!("\"{shown}\"")
+}
+
+/// Whether every weight of `model` is finite.
+pub fn is_finite(model: &Model) -> bool {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::Tensor;
+    struct Finite(bool);
+    impl ModuleVisitor for Finite {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0 {
+                self.0 = param.val().is_finite().all().into_scalar::<bool>();
+            }
+        }
+    }
+    let mut finite = Finite(true);
+    model.visit(&mut finite);
+    finite.0
+}
+
+/// Whether a process `pid` runs (on systems without `/proc`, every process is taken to
+/// run: a stale lock is then removed by hand, as its error says).
+fn process_runs(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    !proc.is_dir() || proc.join(pid.to_string()).exists()
+}
+
+/// The lock of a run directory (see [`RunDir::lock`]); dropping it unlocks.
+#[derive(Debug)]
+pub struct RunLock {
+    path: PathBuf,
+    pid: u32,
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let ours = std::fs::read_to_string(&self.path)
+            .is_ok_and(|holder| holder.trim() == self.pid.to_string());
+        if ours {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder, renamed over

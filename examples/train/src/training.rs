@@ -7,8 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
-use burn::data::dataloader::DataLoaderBuilder;
-use burn::data::dataset::transform::{SamplerDataset, SamplerDatasetOptions};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder, DataLoaderIterator};
+use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::optim::grad_clipping::GradientClippingConfig;
@@ -23,10 +25,10 @@ use burn::train::logger::FileMetricLogger;
 use burn::train::metric::store::Split as MetricSplit;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, NumericEntry};
 use burn::train::{Interrupter, Learner, SupervisedTraining};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
-use crate::batch::{FixedShape, SeqBatcher};
+use crate::batch::{FixedShape, SeqBatch, SeqBatcher};
 use crate::config::TrainConfig;
 use crate::interrupt;
 use crate::model::{Model, ModelKind, PositionKind};
@@ -35,17 +37,21 @@ use crate::run_dir::{RunDir, write_atomically};
 use crate::tasks::{Example, PAD, Split, Task, TaskConfig, TaskDataset};
 
 /// How a run ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Status {
     /// Every epoch trained and the held-out split decoded.
     Finished,
-    /// Stopped early (Ctrl-C): the last complete checkpoint stays, `--resume` continues.
+    /// Stopped early (Ctrl-C): the last complete checkpoint stays, `--resume` continues
+    /// (after the last epoch, it finishes the evaluation).
     Interrupted,
+    /// Stopped at the first step whose training loss was not finite (NaN or infinite);
+    /// `last_checkpoint_epoch` is the newest checkpoint with finite weights.
+    Diverged,
 }
 
 /// What a run did, written as `summary.json`.
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Deserialize, Debug)]
 pub struct Summary {
     /// Finished, or interrupted (then the accuracies are absent).
     pub status: Status,
@@ -60,8 +66,12 @@ pub struct Summary {
     pub steps_done: usize,
     /// The optimizer steps of the whole run.
     pub steps_total: usize,
-    /// The newest complete checkpoint, if any.
+    /// The newest complete checkpoint, if any (for a diverged run, the newest with finite
+    /// weights).
     pub last_checkpoint_epoch: Option<usize>,
+    /// The step whose training loss was not finite, when the run diverged.
+    #[serde(default)]
+    pub diverged_at_step: Option<usize>,
     /// Training loss of the first step of this invocation (after a resume: of the first
     /// resumed step).
     pub first_loss: Option<f64>,
@@ -111,26 +121,32 @@ pub fn train(
         .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip)))
         .init();
 
-    // Fresh examples every epoch: a sampler over a practically endless training split.
-    let train_set = SamplerDataset::new(
-        TaskDataset::new(config.task.clone(), config.seed, Split::Train, 1 << 40),
-        SamplerDatasetOptions::default()
-            .with_replacement()
-            .with_fixed_size(config.steps_per_epoch * config.batch_size)
-            .with_seed(config.seed + start_epoch as u64),
-    );
+    // Fresh examples every epoch, each epoch's a function of the seed and its number
+    // alone: a resumed run trains on the batches the uninterrupted one would have.
+    let epoch = Arc::new(AtomicUsize::new(start_epoch));
+    let train_set = TrainStream {
+        task: config.task.clone(),
+        seed: config.seed,
+        len: config.steps_per_epoch * config.batch_size,
+        epoch: epoch.clone(),
+    };
     let valid_set = TaskDataset::new(
         config.task.clone(),
         config.seed,
         Split::Valid,
         config.valid_examples,
     );
-    let loader_train = DataLoaderBuilder::new(SeqBatcher {
-        fixed,
-        pack: config.pack_width(),
-    })
-    .batch_size(config.batch_size)
-    .build(train_set);
+    let loader_train: Arc<dyn DataLoader<SeqBatch>> = Arc::new(EpochLoader {
+        inner: DataLoaderBuilder::new(SeqBatcher {
+            fixed,
+            pack: config.pack_width(),
+        })
+        .batch_size(config.batch_size)
+        .build(train_set),
+        epoch,
+        seed: config.seed,
+        device: train_device.clone(),
+    });
     let loader_valid = DataLoaderBuilder::new(SeqBatcher { fixed, pack: None })
         .batch_size(config.batch_size)
         .build(valid_set);
@@ -189,6 +205,7 @@ pub fn train(
         steps_done: reached.step,
         steps_total: config.total_steps(),
         last_checkpoint_epoch: run.last_complete_epoch(),
+        diverged_at_step: None,
         first_loss: reached.first_loss,
         final_loss: reached.epoch_loss,
         exact_accuracy: None,
@@ -201,33 +218,99 @@ pub fn train(
         wall_seconds: wall,
         tokens_per_second: steps as f64 * tokens_per_step / wall.max(1e-9),
     };
+    if let Some(step) = reached.diverged {
+        summary.status = Status::Diverged;
+        summary.diverged_at_step = Some(step);
+        summary.last_checkpoint_epoch = run.newest_usable_checkpoint(config, device);
+        return Ok(summary);
+    }
     if result.interrupted.is_some() || interrupt::requested() {
         return Ok(summary);
     }
-    let model = result.model;
+    save_model(&result.model, run)?;
+    finish(&result.model, config, fixed, device, &mut summary);
+    Ok(summary)
+}
+
+/// Writes the trained model to `model.bpk`.
+///
+/// # Errors
+/// When the file cannot be written.
+pub fn save_model(model: &Model, run: &RunDir) -> anyhow::Result<()> {
     let partial = run.0.join("model.bpk.partial");
     model
         .clone()
         .save_file(&partial)
         .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", partial.display()))?;
     std::fs::rename(&partial, run.model())
-        .with_context(|| format!("cannot write {}", run.model().display()))?;
-    let Some((exact, token)) = evaluate(&model, config, &config.task, fixed, device) else {
-        return Ok(summary);
+        .with_context(|| format!("cannot write {}", run.model().display()))
+}
+
+/// The final evaluation of a trained model: the held-out accuracies at the training
+/// lengths and (when the model reads them) longer ones, into `summary`, whose status
+/// becomes finished unless a Ctrl-C stops it first.
+pub fn finish(
+    model: &Model,
+    config: &TrainConfig,
+    fixed: Option<FixedShape>,
+    device: &Device,
+    summary: &mut Summary,
+) {
+    summary.status = Status::Interrupted;
+    let Some((exact, token)) = evaluate(model, config, &config.task, fixed, device) else {
+        return;
     };
     summary.exact_accuracy = Some(exact);
     summary.token_accuracy = Some(token);
     if let Some(longer) = config.longer_task() {
         let fixed = fixed.map(|_| FixedShape::of(&longer));
-        let Some((exact, token)) = evaluate(&model, config, &longer, fixed, device) else {
-            return Ok(summary);
+        let Some((exact, token)) = evaluate(model, config, &longer, fixed, device) else {
+            return;
         };
         summary.longer_lengths = Some([longer.min_len, longer.max_len]);
         summary.longer_exact_accuracy = Some(exact);
         summary.longer_token_accuracy = Some(token);
     }
     summary.status = Status::Finished;
-    Ok(summary)
+}
+
+/// The summary of a run whose epochs are all trained: the one it wrote, or when it wrote
+/// none (killed during the final evaluation), one from its metric logs.
+pub fn trained_summary(config: &TrainConfig, run: &RunDir, backend: Backend) -> Summary {
+    let written = std::fs::read_to_string(run.summary())
+        .ok()
+        .and_then(|text| serde_json::from_str::<Summary>(&text).ok());
+    if let Some(summary) = written {
+        return Summary {
+            backend,
+            eval_examples: config.eval_examples,
+            last_checkpoint_epoch: run.last_complete_epoch(),
+            ..summary
+        };
+    }
+    let losses = epoch_losses(&run.0, config.epochs, &MetricSplit::Train);
+    let mean = |steps: &Vec<f64>| steps.iter().sum::<f64>() / steps.len() as f64;
+    Summary {
+        status: Status::Interrupted,
+        task: config.task.task,
+        model: config.model.kind,
+        backend,
+        steps_done: config.total_steps(),
+        steps_total: config.total_steps(),
+        last_checkpoint_epoch: run.last_complete_epoch(),
+        diverged_at_step: None,
+        first_loss: losses.first().and_then(|steps| steps.first().copied()),
+        final_loss: losses.last().map(mean),
+        exact_accuracy: None,
+        token_accuracy: None,
+        eval_examples: config.eval_examples,
+        positions: config.model.positions,
+        longer_lengths: None,
+        longer_exact_accuracy: None,
+        longer_token_accuracy: None,
+        wall_seconds: 0.0,
+        tokens_per_second: 0.0,
+    }
 }
 
 /// The learning-rate schedule: a linear warmup from lr/100 to lr, a cosine decay back to
@@ -288,10 +371,26 @@ pub fn evaluate(
         }
     };
     let (mut exact, mut right, mut total) = (0usize, 0usize, 0usize);
+    println!(
+        "evaluating {} held-out sequences (inputs of {}..={}), greedy decoding",
+        examples.len(),
+        task.min_len,
+        task.max_len
+    );
+    let (started, mut shown, mut done) = (Instant::now(), Instant::now(), 0);
     for chunk in groups {
         if interrupt::requested() {
             return None;
         }
+        if shown.elapsed().as_secs_f64() >= 2.0 {
+            println!(
+                "evaluated {done} of {} ({:.0} s)",
+                examples.len(),
+                started.elapsed().as_secs_f64()
+            );
+            shown = Instant::now();
+        }
+        done += chunk.len();
         let mut inputs: Vec<Vec<usize>> = chunk.iter().map(|e| e.input.clone()).collect();
         if fixed.is_some() {
             inputs.resize(rows, inputs[0].clone());
@@ -307,6 +406,71 @@ pub fn evaluate(
         exact as f64 / examples.len() as f64,
         right as f64 / total.max(1) as f64,
     ))
+}
+
+/// The training examples of the epoch `epoch` holds: example `i` of epoch `e` (from 1) is
+/// the task's training example number `(e - 1) * len + i`, a function of the seed, the
+/// epoch and `i` alone.
+struct TrainStream {
+    task: TaskConfig,
+    seed: u64,
+    len: usize,
+    /// The epoch being trained, set by [`EpochLoader`].
+    epoch: Arc<AtomicUsize>,
+}
+
+impl Dataset<Example> for TrainStream {
+    fn get(&self, index: usize) -> Result<Example, DatasetError> {
+        let epoch = self.epoch.load(Ordering::SeqCst).max(1) - 1;
+        Ok(self
+            .task
+            .example(self.seed, Split::Train, epoch * self.len + index))
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The training loader: each pass over it (one per epoch, in order) trains the next
+/// epoch, whose number it gives [`TrainStream`]; it seeds the device's random numbers
+/// (dropout) from the seed and the epoch, so a resumed epoch draws what it drew before.
+struct EpochLoader {
+    inner: Arc<dyn DataLoader<SeqBatch>>,
+    epoch: Arc<AtomicUsize>,
+    seed: u64,
+    device: Device,
+}
+
+impl DataLoader<SeqBatch> for EpochLoader {
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<SeqBatch> + 'a> {
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        self.device
+            .seed(self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        self.inner.iter()
+    }
+
+    fn num_items(&self) -> usize {
+        self.inner.num_items()
+    }
+
+    fn to_device(&self, device: &Device) -> Arc<dyn DataLoader<SeqBatch>> {
+        Arc::new(Self {
+            inner: self.inner.to_device(device),
+            epoch: self.epoch.clone(),
+            seed: self.seed,
+            device: device.clone(),
+        })
+    }
+
+    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<SeqBatch>> {
+        Arc::new(Self {
+            inner: self.inner.slice(start, end),
+            epoch: self.epoch.clone(),
+            seed: self.seed,
+            device: self.device.clone(),
+        })
+    }
 }
 
 /// Per-step values of the `Loss` metric of each epoch `1..=epochs`, from the learner's logs.

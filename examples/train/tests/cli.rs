@@ -33,6 +33,16 @@ const TINY: &[&str] = &[
     "64",
 ];
 
+/// The tiny configuration with some of its values replaced.
+fn tiny<'a>(replaced: &[(&str, &'a str)]) -> Vec<&'a str> {
+    let mut args: Vec<&str> = TINY.to_vec();
+    for (flag, value) in replaced {
+        let at = args.iter().position(|a| a == flag).expect("a flag of TINY");
+        args[at + 1] = value;
+    }
+    args
+}
+
 fn trainer() -> Command {
     Command::new(env!("CARGO_BIN_EXE_train"))
 }
@@ -215,7 +225,7 @@ fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
     let dir = scratch("short").join("run");
     let out = run(trainer()
         .args(TINY)
-        .args(["--epochs", "3", "--steps-per-epoch", "40", "--out"])
+        .args(["--epochs", "3", "--steps-per-epoch", "50", "--out"])
         .arg(&dir));
     assert!(out.status.success());
     let s = summary(&dir);
@@ -229,7 +239,7 @@ fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
     assert!(s["token_accuracy"].as_f64().unwrap() > 0.6, "{s}");
     assert_eq!(
         (s["steps_done"].clone(), s["steps_total"].clone()),
-        (120.into(), 120.into())
+        (150.into(), 150.into())
     );
     for file in [
         "config.json",
@@ -590,15 +600,252 @@ fn a_killed_run_resumes_and_a_corrupt_checkpoint_is_named() {
     assert!(out.status.success());
     assert_eq!(summary(&dir)["steps_done"], 240);
 
-    // A truncated checkpoint: one line naming the file, a failure, nothing written.
+    // A truncated newest checkpoint: passed over, naming the file, for the one before.
     let model = dir.join("checkpoints/epoch-4/model.bpk");
     let bytes = std::fs::read(&model).unwrap();
     std::fs::write(&model, &bytes[..bytes.len() / 3]).unwrap();
     std::fs::remove_file(dir.join("summary.json")).unwrap();
+    let out = run(on_flex(&["--resume", "--epochs", "5", "--out"]).arg(&dir));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains(&model.display().to_string()), "{err}");
+    assert!(
+        err.contains("resuming from the checkpoint of epoch 3"),
+        "{err}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("resuming after epoch 3"), "{stdout}");
+    let s = summary(&dir);
+    assert_eq!(
+        (s["status"].clone(), s["steps_done"].clone()),
+        ("finished".into(), 300.into())
+    );
+    // Every checkpoint unusable: training starts over, saying so.
+    for epoch in [4, 5] {
+        let model = dir.join(format!("checkpoints/epoch-{epoch}/model.bpk"));
+        std::fs::write(&model, b"not a model").unwrap();
+    }
+    std::fs::remove_file(dir.join("summary.json")).unwrap();
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert!(out.status.success());
+    assert!(
+        stderr(&out).contains("no checkpoint of"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(summary(&dir)["steps_done"], 300);
+}
+
+/// Starts the tiny configuration on flex into `dir` for `epochs` of `steps` steps, its
+/// stdout piped.
+fn spawn_tiny(dir: &Path, epochs: &str, steps: &str) -> std::process::Child {
+    on_flex(TINY)
+        .args(["--epochs", epochs, "--steps-per-epoch", steps, "--out"])
+        .arg(dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn overwrite_decides_before_deleting_and_keeps_what_the_trainer_did_not_write() {
+    let dir = scratch("overwrite").join("run");
+    let quick = ["--epochs", "1", "--steps-per-epoch", "5", "--out"];
+    let out = run(on_flex(TINY).args(quick).arg(&dir));
+    assert!(out.status.success());
+    std::fs::write(dir.join("my-notes.txt"), "n\n").unwrap();
+    // What inspect writes is the run's too.
+    std::fs::create_dir_all(dir.join("inspect/pruned-1")).unwrap();
+    std::fs::write(dir.join("inspect/heads.json"), "{}").unwrap();
+    let out = run(on_flex(&tiny(&[("--task", "reverse")]))
+        .args(quick)
+        .arg(&dir)
+        .arg("--overwrite"));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("keeps what the trainer did not write: my-notes.txt"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("my-notes.txt")).unwrap(),
+        "n\n"
+    );
+    assert!(!dir.join("inspect").exists());
+    let s = summary(&dir);
+    assert_eq!(
+        (s["task"].clone(), s["status"].clone()),
+        ("reverse".into(), "finished".into())
+    );
+    assert!(dir.join("model.bpk").exists() && dir.join("loss.png").exists());
+    assert!(!dir.join(".lock").exists(), "the lock outlived the run");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_run_directory_is_locked_and_a_damaged_metric_log_is_named() {
+    let dir = scratch("lock").join("run");
+    let mut first = spawn_tiny(&dir, "3", "400");
+    wait_for(&dir.join("checkpoints/epoch-1/scheduler.bpk"), &mut first);
+    // A second command on the run is refused while the first trains, naming it.
+    let before = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let pid = first.id().to_string();
+    for args in [&["--resume", "--out"][..], &["--overwrite", "--out"]] {
+        let out = run(on_flex(TINY).args(args).arg(&dir));
+        assert_error(&out, &["is in use by another command", &pid]);
+    }
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        before
+    );
+    // Killed, it leaves its lock, which the next command takes over.
+    first.kill().unwrap();
+    first.wait().unwrap();
+    assert!(dir.join(".lock").exists());
+    // A damaged line in a metric log: named with its file, nothing changed.
+    let log = dir.join("train/epoch-1/Loss.log");
+    let mut text = std::fs::read_to_string(&log).unwrap();
+    text.push_str("garbage\n");
+    std::fs::write(&log, &text).unwrap();
     let before = checksums(&dir);
-    let out = run(on_flex(&["--resume", "--epochs", "6", "--out"]).arg(&dir));
-    assert_error(&out, &[&model.display().to_string()]);
-    assert_eq!(checksums(&dir), before);
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("locked by process {pid}, which no longer runs")),
+        "{err}"
+    );
+    let error = err.lines().find(|l| l.starts_with("error: ")).unwrap();
+    for wanted in [
+        &log.display().to_string(),
+        "line 402 is damaged (\"garbage\")",
+    ] {
+        assert!(error.contains(wanted), "{wanted:?} missing from: {err}");
+    }
+    let mut after = checksums(&dir);
+    after.remove(&dir.join(".lock"));
+    let mut before = before;
+    before.remove(&dir.join(".lock"));
+    assert_eq!(after, before);
+    // Repaired, the run finishes.
+    std::fs::write(&log, text.replace("garbage\n", "")).unwrap();
+    let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(summary(&dir)["status"], "finished");
+    assert!(!dir.join(".lock").exists());
+}
+
+#[cfg(unix)]
+#[test]
+fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
+    use std::io::BufRead;
+    let dir = scratch("eval-interrupt").join("run");
+    let mut child = on_flex(&tiny(&[("--eval-examples", "100000")]))
+        .args(["--epochs", "1", "--steps-per-epoch", "20", "--out"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    for line in stdout.lines() {
+        if line.unwrap().starts_with("evaluating ") {
+            break;
+        }
+    }
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    assert!(kill.unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(130), "{err}");
+    assert!(
+        err.contains("every epoch is trained, and --resume finishes the evaluation"),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["status"], "interrupted");
+    assert!(s["exact_accuracy"].is_null() && !dir.join("loss.png").exists());
+    let checkpoints = checksums(&dir.join("checkpoints"));
+    // --resume evaluates, without training.
+    let out = run(on_flex(&["--resume", "--eval-examples", "64", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("finishing the evaluation"), "{stdout}");
+    assert!(!stdout.lines().any(|l| l.starts_with("step ")), "{stdout}");
+    assert_eq!(checksums(&dir.join("checkpoints")), checkpoints);
+    let s = summary(&dir);
+    assert_eq!(s["status"], "finished");
+    assert!(
+        s["exact_accuracy"].as_f64().is_some() && s["longer_exact_accuracy"].as_f64().is_some(),
+        "{s}"
+    );
+    assert_eq!(s["steps_done"], 20);
+    assert!(s["final_loss"].as_f64().is_some(), "{s}");
+    assert!(dir.join("loss.png").exists() && dir.join("attention-layer0.png").exists());
+    // Finished, it is finished.
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert_error(&out, &["already finished"]);
+}
+
+#[test]
+fn a_non_finite_loss_stops_the_run_at_its_step() {
+    let root = scratch("diverge");
+    let config = root.join("diverge.json");
+    std::fs::write(&config, r#"{"weight_decay": 1e30}"#).unwrap();
+    let dir = root.join("run");
+    let out = run(on_flex(TINY)
+        .args(["--epochs", "2", "--steps-per-epoch", "5", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(&dir));
+    assert_error(
+        &out,
+        &[
+            "loss became NaN or infinite at step ",
+            "of 10: training stopped",
+        ],
+    );
+    let s = summary(&dir);
+    assert_eq!(s["status"], "diverged", "{s}");
+    let step = s["diverged_at_step"].as_u64().unwrap();
+    assert!((1..=5).contains(&step), "{s}");
+    assert!(s["last_checkpoint_epoch"].is_null(), "{s}");
+    assert!(!dir.join("model.bpk").exists());
+}
+
+#[test]
+fn a_resumed_run_retraces_the_uninterrupted_one() {
+    let root = scratch("retrace");
+    let [whole, resumed] = [root.join("whole"), root.join("resumed")];
+    for dir in [&whole, &resumed] {
+        tiny_run(dir, "3");
+    }
+    // As if killed after epoch 2's checkpoint.
+    for path in ["checkpoints/epoch-3", "model.bpk", "summary.json"] {
+        let path = resumed.join(path);
+        match path.is_dir() {
+            true => std::fs::remove_dir_all(path).unwrap(),
+            false => std::fs::remove_file(path).unwrap(),
+        }
+    }
+    let out = run(on_flex(&["--resume", "--out"]).arg(&resumed));
+    assert!(out.status.success());
+    for log in [
+        "train/epoch-3/Loss.log",
+        "train/epoch-3/Learning_Rate.log",
+        "valid/epoch-3/Loss.log",
+    ] {
+        let [a, b] = [&whole, &resumed].map(|dir| std::fs::read_to_string(dir.join(log)).unwrap());
+        assert!(a.lines().count() >= 5, "{log}: {a}");
+        assert_eq!(a, b, "{log}");
+    }
+    assert_eq!(
+        summary(&whole)["exact_accuracy"],
+        summary(&resumed)["exact_accuracy"]
+    );
 }
 
 #[test]

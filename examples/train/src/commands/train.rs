@@ -8,20 +8,33 @@ use super::{run_dir, warn_if_software};
 use crate::backend::Backend;
 use crate::cli::TrainArgs;
 use crate::config::TrainConfig;
-use crate::run_dir::RunDir;
+use crate::run_dir::{RunDir, RunLock, load_model};
 use crate::training::{self, Status, Summary};
 use crate::{interrupt, plots};
+
+/// Where a command on a run starts.
+enum Start {
+    /// Training, after the checkpoint of this epoch (0: from scratch).
+    Train(usize),
+    /// Every epoch is trained but the final evaluation did not finish: it alone runs.
+    Evaluate,
+}
 
 /// Trains a new run or resumes one; `false` when a Ctrl-C stopped it.
 pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     let backend = Backend::or_best(backend)?;
     let run = run_dir(&args.out, args.task);
     let dir = run.0.display();
-    let (config, start_epoch, device) = match args.resume {
+    let (config, start, device, _lock) = match args.resume {
         true => prepare_resume(args, &run, backend)?,
         false => prepare_new(args, &run, backend)?,
     };
     warn_if_software(backend, &device);
+    interrupt::install()?;
+    let start_epoch = match start {
+        Start::Train(epoch) => epoch,
+        Start::Evaluate => return evaluate_trained(&config, &run, backend, &device),
+    };
     if let Some(width) = config.pack_width() {
         let [padded, packed] =
             crate::batch::padding_shares(&config.task, config.seed, config.batch_size, width, 20);
@@ -41,7 +54,6 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
              little"
         );
     }
-    interrupt::install()?;
     println!(
         "{} on {backend}: task {} (lengths {}..={}, {} symbols), model {} (d_model {}, {} \
          layers, {} heads, {} positions), {} epochs of {} steps, in {dir}",
@@ -67,13 +79,13 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
     Ok(summary.status == Status::Finished)
 }
 
-/// Checks every setting of a new run, then makes its directory and writes its
-/// configuration: `(config, 0, device)`.
+/// Checks every setting of a new run, then locks and makes its directory and writes its
+/// configuration.
 fn prepare_new(
     args: &TrainArgs,
     run: &RunDir,
     backend: Backend,
-) -> anyhow::Result<(TrainConfig, usize, Device)> {
+) -> anyhow::Result<(TrainConfig, Start, Device, RunLock)> {
     let base = match &args.config {
         Some(path) => TrainConfig::read(path)?,
         None => TrainConfig::default(),
@@ -81,42 +93,97 @@ fn prepare_new(
     let config = args.apply(base);
     config.validate()?;
     let device = backend.device()?;
+    let lock = run.lock()?;
     run.prepare_new(args.overwrite)?;
     run.write_config(&config)?;
-    Ok((config, 0, device))
+    Ok((config, Start::Train(0), device, lock))
 }
 
-/// Checks the run in `run` and what the flags change of it, then records the change:
-/// `(config, last complete epoch, device)`.
+/// Locks the run in `run` and checks it and what the flags change of it (its metric logs,
+/// the newest usable checkpoint), then records the change and removes what later epochs
+/// left.
 fn prepare_resume(
     args: &TrainArgs,
     run: &RunDir,
     backend: Backend,
-) -> anyhow::Result<(TrainConfig, usize, Device)> {
+) -> anyhow::Result<(TrainConfig, Start, Device, RunLock)> {
     let dir = run.0.display();
     anyhow::ensure!(
         run.holds_run(),
         "{dir}: no run to resume (no config.json); start one without --resume"
     );
+    let lock = run.lock()?;
     let stored = TrainConfig::load(&run.config())?;
-    let done = run.last_complete_epoch().unwrap_or(0);
-    let config = stored.resumed(args.apply(stored.clone()), done)?;
-    anyhow::ensure!(
-        done < config.epochs,
-        "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \
-         (N above {})",
-        config.epochs,
-        config.epochs
-    );
     let device = backend.device()?;
-    if done > 0 {
-        run.check_checkpoint(&config, done, &device)?;
+    let complete = run.last_complete_epoch();
+    let done = run.newest_usable_checkpoint(&stored, &device).unwrap_or(0);
+    if complete.is_some_and(|epoch| epoch > done) {
+        match done {
+            0 => eprintln!("warning: no checkpoint of {dir} can be used: training starts over"),
+            epoch => eprintln!(
+                "warning: resuming from the checkpoint of epoch {epoch}, the newest that can be used"
+            ),
+        }
+    }
+    let config = stored.resumed(args.apply(stored.clone()), done)?;
+    run.check_metric_logs(done)?;
+    if done == config.epochs {
+        let summary = training::trained_summary(&config, run, backend);
+        anyhow::ensure!(
+            summary.status != Status::Finished,
+            "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \
+             (N above {})",
+            config.epochs,
+            config.epochs
+        );
+        if config != stored {
+            run.write_config(&config)?;
+        }
+        return Ok((config, Start::Evaluate, device, lock));
     }
     run.forget_after(done)?;
     if config != stored {
         run.write_config(&config)?;
     }
-    Ok((config, done, device))
+    Ok((config, Start::Train(done), device, lock))
+}
+
+/// Finishes the final evaluation of a run whose epochs are all trained (a Ctrl-C or a
+/// kill stopped the evaluation), without training: its model, its summary and its
+/// pictures.
+fn evaluate_trained(
+    config: &TrainConfig,
+    run: &RunDir,
+    backend: Backend,
+    device: &Device,
+) -> anyhow::Result<bool> {
+    println!(
+        "finishing the evaluation of the run in {}: its {} epochs are trained",
+        run.0.display(),
+        config.epochs
+    );
+    let model = match load_model(config, &run.model(), device) {
+        Ok(model) => model,
+        Err(e) => {
+            if run.model().exists() {
+                eprintln!("warning: {e:#}; evaluating the checkpoint of the last epoch");
+            }
+            let model = load_model(config, &run.checkpoint(config.epochs), device)?;
+            training::save_model(&model, run)?;
+            model
+        }
+    };
+    let mut summary = training::trained_summary(config, run, backend);
+    training::finish(
+        &model,
+        config,
+        config.fixed_shape(backend),
+        device,
+        &mut summary,
+    );
+    training::write_summary(run, &summary)?;
+    report(config, run, &summary, device)?;
+    Ok(summary.status == Status::Finished)
 }
 
 /// Prints how the run ended and where its files are; draws the pictures of a finished run.
@@ -127,8 +194,25 @@ fn report(
     device: &Device,
 ) -> anyhow::Result<()> {
     let dir = run.0.display();
+    if summary.status == Status::Diverged {
+        let from = match summary.last_checkpoint_epoch {
+            Some(epoch) => format!("the newest checkpoint with finite weights is epoch {epoch}"),
+            None => "no checkpoint has finite weights".into(),
+        };
+        anyhow::bail!(
+            "the training loss became NaN or infinite at step {} of {}: training stopped \
+             ({from}; summary: {}); the settings diverge, so start a new run with a lower --lr \
+             or weight_decay",
+            summary.diverged_at_step.unwrap_or(summary.steps_done),
+            summary.steps_total,
+            run.summary().display()
+        );
+    }
     if summary.status == Status::Interrupted {
         let resume = match summary.last_checkpoint_epoch {
+            _ if summary.steps_done == summary.steps_total => {
+                "every epoch is trained, and --resume finishes the evaluation".into()
+            }
             Some(epoch) => format!("the last complete checkpoint is epoch {epoch}"),
             None => "no epoch was complete, so it starts over".into(),
         };
