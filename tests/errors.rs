@@ -2,8 +2,8 @@
 
 use burn::tensor::Device;
 use mha::{
-    BlockInput, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError, LoadPyTorch,
-    MhaInput, MultiHeadAttentionConfig, Positions, PyTorchWeights,
+    AttentionMask, BlockInput, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError,
+    LoadPyTorch, MhaInput, MultiHeadAttentionConfig, Positions, PyTorchWeights,
 };
 
 use crate::util::{Fixture, randn};
@@ -357,4 +357,80 @@ fn unreadable_files_name_the_file() {
             .starts_with("half.safetensors is not a safetensors file: "),
         "{err}"
     );
+}
+
+/// Positions belong to self-attention: a module with positions refuses every call that
+/// attends to another sequence, naming the positions and the call, instead of ignoring
+/// them; the same module's self-attention runs.
+#[test]
+fn positions_refuse_cross_attention_naming_the_kind_and_the_call() {
+    let kinds = [
+        (
+            Positions::rope(),
+            "Rope { theta: 10000.0, layout: HalfSplit }",
+        ),
+        (Positions::Alibi, "Alibi"),
+        (
+            Positions::Relative { max_distance: 4 },
+            "Relative { max_distance: 4 }",
+        ),
+        (
+            Positions::t5(true),
+            "T5 { num_buckets: 32, max_distance: 128, bidirectional: true }",
+        ),
+    ];
+    for b in crate::util::backends() {
+        let d = b.device.clone();
+        let x = randn([2, 5, 16], 1, &d);
+        let context = randn([2, 7, 16], 2, &d);
+        for (positions, kind) in &kinds {
+            let m = MultiHeadAttentionConfig::new(16, 4)
+                .with_positions(positions.clone())
+                .init(&d);
+            let calls: [(&str, Box<dyn Fn()>); 4] = [
+                (
+                    "MhaInput::cross(x, context)",
+                    Box::new(|| {
+                        m.forward(MhaInput::cross(x.clone(), context.clone()));
+                    }),
+                ),
+                (
+                    "MhaInput::new(query, key, value)",
+                    Box::new(|| {
+                        m.forward(MhaInput::new(x.clone(), x.clone(), x.clone()));
+                    }),
+                ),
+                (
+                    "MultiHeadAttention::cross_attention(x, context, mask)",
+                    Box::new(|| {
+                        m.cross_attention(x.clone(), context.clone(), AttentionMask::none());
+                    }),
+                ),
+                (
+                    "MultiHeadAttention::memory_kv(memory)",
+                    Box::new(|| {
+                        m.memory_kv(context.clone());
+                    }),
+                ),
+            ];
+            for (call, run) in calls {
+                let message = panic_message(std::panic::AssertUnwindSafe(run));
+                println!("[{}] {message}", b.name);
+                for part in [
+                    call,
+                    kind,
+                    "apply to self-attention only",
+                    "Positions::None",
+                ] {
+                    assert!(
+                        message.contains(part),
+                        "[{}] {message:?} lacks {part:?}",
+                        b.name
+                    );
+                }
+            }
+            // Self-attention with the same module runs.
+            assert_eq!(m.causal_self_attention(x.clone()).dims(), [2, 5, 16]);
+        }
+    }
 }

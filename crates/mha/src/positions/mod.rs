@@ -8,7 +8,10 @@
 //! - a bias on the scores by distance ([`bias`]: ALiBi, learned relative biases with
 //!   clipped offsets or T5's buckets), which the CPU tiles compute per score.
 //!
-//! Positions apply to self-attention; cross-attention reads the memory as it is.
+//! Positions apply to self-attention; cross-attention reads the memory as it is, and a
+//! [`MultiHeadAttention`](crate::MultiHeadAttention) with positions refuses to attend to
+//! another sequence rather than ignore them (see
+//! [`MultiHeadAttentionConfig::positions`](crate::MultiHeadAttentionConfig::positions)).
 
 pub mod absolute;
 pub mod bias;
