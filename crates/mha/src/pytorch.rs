@@ -14,6 +14,12 @@
 //! linear weight as `[out, in]`; Burn as `[in, out]`: the import transposes. A missing
 //! key, a key the module has no place for (such as `bias_k` of `add_bias_kv=True`), or a
 //! shape that differs is an [`ImportError`] naming the key and both shapes.
+//!
+//! Dtypes: [`PyTorchWeights`] keeps each tensor as it is stored (f32, f64, f16 or bf16),
+//! and the import gives every parameter the dtype the module's parameter already has, as
+//! PyTorch's `load_state_dict` copies into the module's dtype. A module cast to bf16
+//! ([`ModuleDType::to_dtype`](crate::ModuleDType::to_dtype)) loads a bf16 file bit for
+//! bit; an f32 module loads it into f32 exactly (every bf16 value is an f32 value).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -74,6 +80,15 @@ pub enum ImportError {
         /// The stored type.
         dtype: String,
     },
+    /// A tensor was asked for in a dtype its device does not compute in.
+    DeviceDtype {
+        /// The full key.
+        key: String,
+        /// The dtype asked for (the stored one, for [`PyTorchWeights::tensor`]).
+        dtype: DType,
+        /// The device, as `Debug` prints it.
+        device: String,
+    },
 }
 
 impl fmt::Display for ImportError {
@@ -96,6 +111,12 @@ impl fmt::Display for ImportError {
             Self::Dtype { key, dtype } => {
                 write!(f, "key `{key}`: expected a float tensor, found {dtype}")
             }
+            Self::DeviceDtype { key, dtype, device } => write!(
+                f,
+                "key `{key}`: {}, which the device {device} does not compute in (ask for \
+                 another dtype with PyTorchWeights::tensor_as)",
+                dtype.name()
+            ),
         }
     }
 }
@@ -109,7 +130,7 @@ impl std::error::Error for ImportError {
     }
 }
 
-/// The tensors of a PyTorch `state_dict`, as `f32`, by key.
+/// The tensors of a PyTorch `state_dict`, by key, each in the float dtype it is stored in.
 #[derive(Clone, Debug)]
 pub struct PyTorchWeights {
     tensors: HashMap<String, TensorData>,
@@ -157,7 +178,7 @@ impl PyTorchWeights {
             };
             let bytes = view.data().to_vec();
             let data = TensorData::from_bytes_vec(bytes, view.shape().to_vec(), dtype);
-            tensors.insert(key, data.convert::<f32>());
+            tensors.insert(key, data);
         }
         Ok(Self { tensors, others })
     }
@@ -175,16 +196,55 @@ impl PyTorchWeights {
         self.tensors.contains_key(key) || self.others.contains_key(key)
     }
 
-    /// The tensor under `key`, checked to have shape `expected`.
+    /// The float dtype `key` is stored in; `None` when the key is absent or not a float.
+    pub fn dtype(&self, key: &str) -> Option<DType> {
+        self.tensors.get(key).map(TensorData::dtype)
+    }
+
+    /// The tensor under `key` in the dtype it is stored in, checked to have shape
+    /// `expected`.
     ///
     /// # Errors
-    /// [`ImportError::MissingKey`], [`ImportError::Dtype`] or [`ImportError::Shape`].
+    /// [`ImportError::MissingKey`], [`ImportError::Dtype`], [`ImportError::Shape`], or
+    /// [`ImportError::DeviceDtype`] when `device` does not compute in the stored dtype
+    /// (bf16 on ndarray, say).
     pub fn tensor<const D: usize>(
         &self,
         key: &str,
         expected: [usize; D],
         device: &Device,
     ) -> Result<Tensor<D>, ImportError> {
+        let dtype = self.data(key, &expected)?.dtype();
+        self.tensor_as(key, expected, dtype, device)
+    }
+
+    /// The tensor under `key` converted to `dtype` (on the host, before it reaches the
+    /// device), checked to have shape `expected`.
+    ///
+    /// # Errors
+    /// As [`tensor`](Self::tensor), [`ImportError::DeviceDtype`] when `device` does not
+    /// compute in `dtype`.
+    pub fn tensor_as<const D: usize>(
+        &self,
+        key: &str,
+        expected: [usize; D],
+        dtype: impl Into<DType>,
+        device: &Device,
+    ) -> Result<Tensor<D>, ImportError> {
+        let data = self.data(key, &expected)?;
+        let dtype = dtype.into();
+        if !(dtype.is_float() && device.supports_dtype(dtype)) {
+            return Err(ImportError::DeviceDtype {
+                key: key.to_string(),
+                dtype,
+                device: format!("{device:?}"),
+            });
+        }
+        Ok(Tensor::from_data(data.clone(), (device, dtype)))
+    }
+
+    /// The data under `key`, checked to be a float tensor of shape `expected`.
+    fn data(&self, key: &str, expected: &[usize]) -> Result<&TensorData, ImportError> {
         if let Some(dtype) = self.others.get(key) {
             return Err(ImportError::Dtype {
                 key: key.to_string(),
@@ -205,7 +265,7 @@ impl PyTorchWeights {
                 found,
             });
         }
-        Ok(Tensor::from_data(data.clone(), device))
+        Ok(data)
     }
 
     /// Fails with [`ImportError::UnexpectedKey`] if `key` is present.
@@ -233,6 +293,33 @@ fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> Param<Tenso
     param.map(|old| value.set_require_grad(old.is_require_grad()))
 }
 
+/// Where a parameter lives: the device and dtype a loaded value takes, as PyTorch's
+/// `load_state_dict` copies into the parameter's own dtype.
+struct Place {
+    device: Device,
+    dtype: DType,
+}
+
+impl Place {
+    fn of<const D: usize>(param: &Param<Tensor<D>>) -> Self {
+        let value = param.val();
+        Self {
+            device: value.device(),
+            dtype: value.dtype(),
+        }
+    }
+
+    /// The tensor under `key`, of shape `shape`, in this place's dtype.
+    fn load<const D: usize>(
+        &self,
+        weights: &PyTorchWeights,
+        key: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ImportError> {
+        weights.tensor_as(key, shape, self.dtype, &self.device)
+    }
+}
+
 /// Where a linear parameter is stored: the key, and for packed tensors (PyTorch's
 /// `in_proj_*`) the total rows and the first row of this linear's block.
 struct Stored<'a> {
@@ -258,14 +345,12 @@ impl<'a> Stored<'a> {
         weights: &PyTorchWeights,
         len: usize,
         rest: [usize; D],
-        device: &Device,
+        place: &Place,
     ) -> Result<Tensor<D>, ImportError> {
         let (total, start) = self.packed.unwrap_or((len, 0));
         let mut shape = rest;
         shape[0] = total;
-        Ok(weights
-            .tensor(self.key, shape, device)?
-            .narrow(0, start, len))
+        Ok(place.load(weights, self.key, shape)?.narrow(0, start, len))
     }
 }
 
@@ -278,12 +363,14 @@ fn load_linear_from(
     bias_at: Stored,
 ) -> Result<Linear, ImportError> {
     let [d_in, d_out] = linear.weight.shape().dims::<2>();
-    let device = linear.weight.val().device();
     let Linear { weight, bias } = linear;
-    let w = weight_at.load(weights, d_out, [0, d_in], &device)?;
+    let w = weight_at.load(weights, d_out, [0, d_in], &Place::of(&weight))?;
     let weight = set(weight, w.transpose());
     let bias = match bias {
-        Some(bias) => Some(set(bias, bias_at.load(weights, d_out, [0], &device)?)),
+        Some(bias) => {
+            let b = bias_at.load(weights, d_out, [0], &Place::of(&bias))?;
+            Some(set(bias, b))
+        }
         None => {
             weights.reject(
                 bias_at.key.to_string(),
@@ -314,17 +401,14 @@ impl LoadPyTorch for LayerNorm {
     /// none).
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         let [d] = self.gamma.shape().dims::<1>();
-        let device = self.gamma.val().device();
         let mut norm = self;
-        norm.gamma = set(
-            norm.gamma,
-            weights.tensor(&format!("{prefix}weight"), [d], &device)?,
-        );
+        let gamma = Place::of(&norm.gamma).load(weights, &format!("{prefix}weight"), [d])?;
+        norm.gamma = set(norm.gamma, gamma);
         norm.beta = match norm.beta {
-            Some(beta) => Some(set(
-                beta,
-                weights.tensor(&format!("{prefix}bias"), [d], &device)?,
-            )),
+            Some(beta) => {
+                let value = Place::of(&beta).load(weights, &format!("{prefix}bias"), [d])?;
+                Some(set(beta, value))
+            }
             None => {
                 weights.reject(
                     format!("{prefix}bias"),
