@@ -255,7 +255,9 @@ def rope_interleaved(x, theta):
 def positioned_attention(name, kind, seed, **kw):
     """Causal self-attention with the weights of an nn.MultiheadAttention (so that mha's
     import loads them) and positions applied in plain torch: RoPE on the queries and keys
-    after the projection, or a bias by distance j - i on the scores."""
+    after the projection, or a bias by distance j - i on the scores. A learned table is a
+    parameter of the module, `position_table` `[H, buckets]` indexed by the bucket of
+    key - query: the key and layout mha's import reads."""
     torch.manual_seed(seed)
     B, T, E, H = 2, 12, 24, 6
     Dh = E // H
@@ -277,21 +279,48 @@ def positioned_attention(name, kind, seed, **kw):
         bias = -torch.tensor(alibi_slopes(H))[:, None, None] * distance.abs()
     elif kind == "clipped":
         m = kw["max"]
-        table = (torch.randn(H, 2 * m + 1) * 0.5).requires_grad_(True)
+        table = nn.Parameter(torch.randn(H, 2 * m + 1) * 0.5)
         bias = table[:, distance.clamp(-m, m) + m]
     elif kind == "t5":
         buckets = t5_bucket(distance, kw["bidirectional"], kw["num_buckets"], kw["max_distance"])
-        table = (torch.randn(H, kw["num_buckets"]) * 0.5).requires_grad_(True)
+        table = nn.Parameter(torch.randn(H, kw["num_buckets"]) * 0.5)
         bias = table[:, buckets]
+    if table is not None:
+        mha.register_parameter("position_table", table)
     causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(Dh) + bias
     weights = torch.softmax(scores.masked_fill(causal, -math.inf), dim=-1)
     context = (weights @ v).transpose(1, 2).reshape(B, T, E)
     out = F.linear(context, mha.out_proj.weight, mha.out_proj.bias)
-    inputs = {"x": x}
-    if table is not None:
-        inputs["table"] = table
-    save(name, mha, inputs, out)
+    save(name, mha, {"x": x}, out)
+
+
+def hf_t5_attention(name, is_decoder, seed):
+    """Hugging Face's T5Attention (transformers) with its relative bias, tiny and random:
+    the encoder's (bidirectional buckets, key padding) or the decoder's self-attention
+    (causal buckets, a causal mask). Its state_dict as transformers names it (`q.weight`,
+    `k.weight`, `v.weight`, `o.weight`, `relative_attention_bias.weight` [buckets, heads]),
+    its output and the gradients of the input and every parameter. T5 has no biases and
+    does not scale its scores; masks are additive, as transformers builds them."""
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    torch.manual_seed(seed)
+    B, T, E, H = 2, 12, 24, 6
+    config = T5Config(d_model=E, d_kv=E // H, num_heads=H, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=20, dropout_rate=0.0,
+                      is_decoder=is_decoder, attn_implementation="eager")
+    attention = T5Attention(config, has_relative_attention_bias=True, layer_idx=0,
+                            is_causal=is_decoder).eval()
+    x = leaf(B, T, E)
+    blocked = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    if is_decoder:
+        blocked |= torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    else:
+        blocked[1, :, :, 9:] = True  # batch row 1: keys 9.. are padding
+    mask = torch.zeros(B, 1, T, T).masked_fill(blocked, torch.finfo(torch.float32).min)
+    out = attention(x, mask=mask)[0]
+    save(name, attention, {"x": x}, out, extra={"key_padding": blocked[:, 0, 0, :]})
 
 
 def gelu():
@@ -410,6 +439,8 @@ FIXTURES = {
     "gelu": gelu,
     "layer_norm": layer_norm,  # and layer_norm_no_bias
     "cross_entropy": cross_entropy,
+    "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
+    "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),
     "mha_bf16": lambda: half_precision("mha_bf16", torch.bfloat16, 31),
     "mha_f16": lambda: half_precision("mha_f16", torch.float16, 32),
 }

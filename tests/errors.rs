@@ -434,3 +434,111 @@ fn positions_refuse_cross_attention_naming_the_kind_and_the_call() {
         }
     }
 }
+
+/// What a T5 or position-table import cannot match is an error saying what to configure,
+/// never numbers that silently differ: biases, the scale, heads of another width, a table
+/// the module has no place for or of another kind, a table the module needs and the
+/// weights lack.
+#[test]
+fn t5_and_position_table_imports_name_what_cannot_match() {
+    let d = dev();
+    let t5 = Fixture::load("mha_t5_hf_encoder");
+    let positions = Positions::T5 {
+        num_buckets: 8,
+        max_distance: 20,
+        bidirectional: true,
+    };
+    let load = |config: MultiHeadAttentionConfig, f: &Fixture| {
+        config
+            .init(&d)
+            .load_pytorch(&f.weights, "model.")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let cases = [
+        (
+            load(MultiHeadAttentionConfig::new(24, 6), &t5),
+            "key `model.q.weight`: Hugging Face's T5Attention has no biases in q, k, v and o; \
+             configure the module with_bias(false)",
+        ),
+        (
+            load(MultiHeadAttentionConfig::new(24, 6).with_bias(false), &t5),
+            "configure the module with_scale(Some(1.0)), it has 0.5",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(24, 6)
+                    .with_bias(false)
+                    .with_scale(Some(1.0)),
+                &t5,
+            ),
+            "unexpected key `model.relative_attention_bias.weight`: Hugging Face's T5 relative \
+             bias needs Positions::T5",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(24, 6)
+                    .with_bias(false)
+                    .with_scale(Some(1.0))
+                    .with_positions(Positions::Relative { max_distance: 4 }),
+                &t5,
+            ),
+            "key `model.relative_attention_bias.weight`: Hugging Face's T5 table indexes T5's \
+             buckets; the module's positions are Relative { max_distance: 4 } (configure \
+             Positions::T5)",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(16, 4).with_positions(positions.clone()),
+                &Fixture::load("mha_causal_self"),
+            ),
+            "key `model.position_table`: the module's T5 { num_buckets: 8, max_distance: 20, \
+             bidirectional: true } positions have a learned table of [heads, buckets] = [4, 8], \
+             which the weights lack",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(24, 6),
+                &Fixture::load("mha_relative_clipped"),
+            ),
+            "unexpected key `model.position_table`: the module has no learned position table",
+        ),
+    ];
+    for (message, expected) in cases {
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+
+    // T5 with num_heads · d_kv != d_model: q is [48, 24] for d_model 24.
+    let zeros = |shape: &[usize]| vec![0u8; 4 * shape.iter().product::<usize>()];
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = [
+        ("q.weight", vec![48, 24]),
+        ("k.weight", vec![48, 24]),
+        ("v.weight", vec![48, 24]),
+        ("o.weight", vec![24, 48]),
+    ]
+    .into_iter()
+    .map(|(k, s)| (k.to_string(), s.clone(), zeros(&s)))
+    .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(k, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (k.clone(), view.unwrap())
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    let weights = PyTorchWeights::from_bytes(&bytes, "t5-wide-heads").unwrap();
+    let err = MultiHeadAttentionConfig::new(24, 6)
+        .with_bias(false)
+        .with_scale(Some(1.0))
+        .init(&d)
+        .load_pytorch(&weights, "")
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "key `q.weight`: T5's heads are 48 / 6 = d_kv wide (48 = num_heads · d_kv), \
+         MultiHeadAttention's d_model / n_heads = 24 / 6 = 4: T5 with num_heads · d_kv != \
+         d_model has no counterpart"
+    );
+}

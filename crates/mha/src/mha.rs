@@ -117,7 +117,11 @@ pub struct MultiHeadAttention {
     #[module(skip)]
     pub positions: Positions,
     /// The learned relative bias of each head and bucket, `[H, buckets]`, for
-    /// [`Positions::Relative`] and [`Positions::T5`].
+    /// [`Positions::Relative`] and [`Positions::T5`]: the score of query `i` and key `j`
+    /// of head `h` gets `position_table[h, bucket(j - i)]` (see
+    /// [`Buckets`](crate::Buckets): a table indexed by `i - j` is this one flipped).
+    /// Hugging Face's T5 stores it transposed, `[buckets, H]`;
+    /// [`LoadPyTorch`](crate::LoadPyTorch) reads either.
     pub position_table: Option<Param<Tensor<2>>>,
     /// For a module made by [`Heads::prune`](crate::analysis::Heads::prune), where its
     /// heads came from; `None` otherwise.
