@@ -359,6 +359,9 @@ fn unreadable_files_name_the_file() {
     );
 }
 
+/// A call of attention, for its panic's message.
+type Call<'a> = Box<dyn Fn() + 'a>;
+
 /// Positions belong to self-attention: a module with positions refuses every call that
 /// attends to another sequence, naming the positions and the call, instead of ignoring
 /// them; the same module's self-attention runs.
@@ -387,7 +390,7 @@ fn positions_refuse_cross_attention_naming_the_kind_and_the_call() {
             let m = MultiHeadAttentionConfig::new(16, 4)
                 .with_positions(positions.clone())
                 .init(&d);
-            let calls: [(&str, Box<dyn Fn()>); 4] = [
+            let calls: [(&str, Call); 4] = [
                 (
                     "MhaInput::cross(x, context)",
                     Box::new(|| {

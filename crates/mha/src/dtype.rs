@@ -26,11 +26,16 @@ use crate::error::DTypeError;
 /// use mha::{EncoderBlockConfig, ModuleDType};
 ///
 /// let device = Device::default();
-/// let block = EncoderBlockConfig::new(64, 4).init(&device).try_to_dtype(FloatDType::BF16)?;
-/// assert_eq!(block.float_dtypes(), [FloatDType::BF16.into()]);
+/// // bf16 where the device computes in it (flex, CUDA), else f16 (most Vulkan devices).
+/// let dtype = match device.supports_dtype(FloatDType::BF16) {
+///     true => FloatDType::BF16,
+///     false => FloatDType::F16,
+/// };
+/// let block = EncoderBlockConfig::new(64, 4).init(&device).try_to_dtype(dtype)?;
+/// assert_eq!(block.float_dtypes(), [dtype.into()]);
 /// let x = Tensor::<3>::random([2, 10, 64], Distribution::Default, &device);
-/// let y = block.forward(mha::BlockInput::new(x.cast(FloatDType::BF16))).unwrap().output;
-/// assert_eq!(y.dtype(), FloatDType::BF16.into());
+/// let y = block.forward(mha::BlockInput::new(x.cast(dtype))).unwrap().output;
+/// assert_eq!(y.dtype(), dtype.into());
 /// # Ok::<(), mha::DTypeError>(())
 /// ```
 pub trait ModuleDType: Module + Sized {
