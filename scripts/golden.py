@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Writes the PyTorch reference fixtures the tests compare against.
 
-    python3 -m pip install torch safetensors
-    python3 scripts/golden.py            # writes tests/fixtures/*.safetensors
+    python3 -m pip install torch safetensors transformers
+    python3 scripts/golden.py                    # writes tests/fixtures/*.safetensors
+    python3 scripts/golden.py mha_bf16 mha_t5    # only the fixtures named (see FIXTURES)
 
 Each fixture is one safetensors file holding
 - `model.*`: the PyTorch module's state_dict, exactly as a user would save it (the tests
@@ -18,6 +19,7 @@ The loss whose gradients are stored is `(out * grad_out).sum()`. Models run in e
 
 import math
 import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -253,7 +255,9 @@ def rope_interleaved(x, theta):
 def positioned_attention(name, kind, seed, **kw):
     """Causal self-attention with the weights of an nn.MultiheadAttention (so that mha's
     import loads them) and positions applied in plain torch: RoPE on the queries and keys
-    after the projection, or a bias by distance j - i on the scores."""
+    after the projection, or a bias by distance j - i on the scores. A learned table is a
+    parameter of the module, `position_table` `[H, buckets]` indexed by the bucket of
+    key - query: the key and layout mha's import reads."""
     torch.manual_seed(seed)
     B, T, E, H = 2, 12, 24, 6
     Dh = E // H
@@ -275,21 +279,48 @@ def positioned_attention(name, kind, seed, **kw):
         bias = -torch.tensor(alibi_slopes(H))[:, None, None] * distance.abs()
     elif kind == "clipped":
         m = kw["max"]
-        table = (torch.randn(H, 2 * m + 1) * 0.5).requires_grad_(True)
+        table = nn.Parameter(torch.randn(H, 2 * m + 1) * 0.5)
         bias = table[:, distance.clamp(-m, m) + m]
     elif kind == "t5":
         buckets = t5_bucket(distance, kw["bidirectional"], kw["num_buckets"], kw["max_distance"])
-        table = (torch.randn(H, kw["num_buckets"]) * 0.5).requires_grad_(True)
+        table = nn.Parameter(torch.randn(H, kw["num_buckets"]) * 0.5)
         bias = table[:, buckets]
+    if table is not None:
+        mha.register_parameter("position_table", table)
     causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(Dh) + bias
     weights = torch.softmax(scores.masked_fill(causal, -math.inf), dim=-1)
     context = (weights @ v).transpose(1, 2).reshape(B, T, E)
     out = F.linear(context, mha.out_proj.weight, mha.out_proj.bias)
-    inputs = {"x": x}
-    if table is not None:
-        inputs["table"] = table
-    save(name, mha, inputs, out)
+    save(name, mha, {"x": x}, out)
+
+
+def hf_t5_attention(name, is_decoder, seed):
+    """Hugging Face's T5Attention (transformers) with its relative bias, tiny and random:
+    the encoder's (bidirectional buckets, key padding) or the decoder's self-attention
+    (causal buckets, a causal mask). Its state_dict as transformers names it (`q.weight`,
+    `k.weight`, `v.weight`, `o.weight`, `relative_attention_bias.weight` [buckets, heads]),
+    its output and the gradients of the input and every parameter. T5 has no biases and
+    does not scale its scores; masks are additive, as transformers builds them."""
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    torch.manual_seed(seed)
+    B, T, E, H = 2, 12, 24, 6
+    config = T5Config(d_model=E, d_kv=E // H, num_heads=H, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=20, dropout_rate=0.0,
+                      is_decoder=is_decoder, attn_implementation="eager")
+    attention = T5Attention(config, has_relative_attention_bias=True, layer_idx=0,
+                            is_causal=is_decoder).eval()
+    x = leaf(B, T, E)
+    blocked = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    if is_decoder:
+        blocked |= torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    else:
+        blocked[1, :, :, 9:] = True  # batch row 1: keys 9.. are padding
+    mask = torch.zeros(B, 1, T, T).masked_fill(blocked, torch.finfo(torch.float32).min)
+    out = attention(x, mask=mask)[0]
+    save(name, attention, {"x": x}, out, extra={"key_padding": blocked[:, 0, 0, :]})
 
 
 def gelu():
@@ -355,24 +386,72 @@ def position_tables():
     print(f"{path}: {len(tensors)} tensors")
 
 
+def half_precision(name, dtype, seed):
+    """nn.MultiheadAttention run in half precision as a user runs it: the module cast with
+    `.to(dtype)`, its state_dict stored in that dtype, the input rounded to it, causal
+    self-attention computed by PyTorch's CPU kernels in it (`io.out`, in the dtype). Beside
+    it `io.exact`: the same rounded weights and input computed in f64 (stored as f32), to
+    tell PyTorch's own rounding from ours."""
+    torch.manual_seed(seed)
+    B, T, E, H = 2, 12, 32, 4
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_(0.0, 0.1)
+        mha.out_proj.bias.normal_(0.0, 0.1)
+    mha = mha.to(dtype)
+    x = torch.randn(B, T, E).to(dtype)
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    with torch.no_grad():
+        out, _ = mha(x, x, x, attn_mask=causal, need_weights=False)
+        exact, _ = mha.double()(x.double(), x.double(), x.double(), attn_mask=causal,
+                                need_weights=False)
+    tensors = {f"model.{k}": v.to(dtype).contiguous() for k, v in mha.state_dict().items()}
+    tensors["io.x"] = x.contiguous()
+    tensors["io.out"] = out.contiguous()
+    tensors["io.exact"] = exact.float().contiguous()
+    assert all(v.dtype == dtype for k, v in tensors.items() if k != "io.exact")
+    path = os.path.join(OUT, f"{name}.safetensors")
+    save_file(tensors, path)
+    print(f"{path}: {len(tensors)} tensors")
+
+
+# Every fixture by name; `python3 scripts/golden.py NAME...` writes only those named.
+FIXTURES = {
+    "mha_causal_self": causal_self_attention,
+    "mha_cross_kdim_vdim": cross_attention_kdim_vdim,
+    "encoder_layer_pre_gelu": lambda: encoder_layer("encoder_layer_pre_gelu", True, "gelu", 2),
+    "encoder_layer_post_relu": lambda: encoder_layer("encoder_layer_post_relu", False, "relu", 6),
+    "decoder_layer_pre_gelu": decoder_layer,
+    "encoder_stack_pre_gelu": encoder_stack,
+    "sdpa_gqa_bias_scale": sdpa_gqa_bias_scale,
+    "sdpa_fully_blocked_row": sdpa_fully_blocked_row,
+    "mha_rope_half_split": lambda: positioned_attention(
+        "mha_rope_half_split", "rope_half_split", 11, theta=10000.0),
+    "mha_rope_interleaved": lambda: positioned_attention(
+        "mha_rope_interleaved", "rope_interleaved", 12, theta=500.0),
+    "mha_alibi": lambda: positioned_attention("mha_alibi", "alibi", 13),
+    "mha_relative_clipped": lambda: positioned_attention("mha_relative_clipped", "clipped", 14, max=4),
+    "mha_t5_bidirectional": lambda: positioned_attention(
+        "mha_t5_bidirectional", "t5", 15, bidirectional=True, num_buckets=8, max_distance=20),
+    "mha_t5_causal": lambda: positioned_attention(
+        "mha_t5_causal", "t5", 16, bidirectional=False, num_buckets=8, max_distance=20),
+    "position_tables": position_tables,
+    "gelu": gelu,
+    "layer_norm": layer_norm,  # and layer_norm_no_bias
+    "cross_entropy": cross_entropy,
+    "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
+    "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),
+    "mha_bf16": lambda: half_precision("mha_bf16", torch.bfloat16, 31),
+    "mha_f16": lambda: half_precision("mha_f16", torch.float16, 32),
+}
+
+
 if __name__ == "__main__":
     os.makedirs(OUT, exist_ok=True)
     torch.use_deterministic_algorithms(True)
-    causal_self_attention()
-    cross_attention_kdim_vdim()
-    encoder_layer("encoder_layer_pre_gelu", True, "gelu", 2)
-    encoder_layer("encoder_layer_post_relu", False, "relu", 6)
-    decoder_layer()
-    encoder_stack()
-    sdpa_gqa_bias_scale()
-    sdpa_fully_blocked_row()
-    positioned_attention("mha_rope_half_split", "rope_half_split", 11, theta=10000.0)
-    positioned_attention("mha_rope_interleaved", "rope_interleaved", 12, theta=500.0)
-    positioned_attention("mha_alibi", "alibi", 13)
-    positioned_attention("mha_relative_clipped", "clipped", 14, max=4)
-    positioned_attention("mha_t5_bidirectional", "t5", 15, bidirectional=True, num_buckets=8, max_distance=20)
-    positioned_attention("mha_t5_causal", "t5", 16, bidirectional=False, num_buckets=8, max_distance=20)
-    position_tables()
-    gelu()
-    layer_norm()
-    cross_entropy()
+    names = sys.argv[1:] or list(FIXTURES)
+    unknown = [n for n in names if n not in FIXTURES]
+    if unknown:
+        sys.exit(f"unknown fixtures {unknown}; known: {', '.join(FIXTURES)}")
+    for name in names:
+        FIXTURES[name]()

@@ -2,8 +2,8 @@
 
 use burn::tensor::Device;
 use mha::{
-    BlockInput, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError, LoadPyTorch,
-    MhaInput, MultiHeadAttentionConfig, Positions, PyTorchWeights,
+    AttentionMask, BlockInput, DecoderBlockConfig, EncoderBlockConfig, EncoderConfig, ImportError,
+    LoadPyTorch, MhaInput, MultiHeadAttentionConfig, Positions, PyTorchWeights,
 };
 
 use crate::util::{Fixture, randn};
@@ -356,5 +356,192 @@ fn unreadable_files_name_the_file() {
         err.to_string()
             .starts_with("half.safetensors is not a safetensors file: "),
         "{err}"
+    );
+}
+
+/// A call of attention, for its panic's message.
+type Call<'a> = Box<dyn Fn() + 'a>;
+
+/// Positions belong to self-attention: a module with positions refuses every call that
+/// attends to another sequence, naming the positions and the call, instead of ignoring
+/// them; the same module's self-attention runs.
+#[test]
+fn positions_refuse_cross_attention_naming_the_kind_and_the_call() {
+    let kinds = [
+        (
+            Positions::rope(),
+            "Rope { theta: 10000.0, layout: HalfSplit }",
+        ),
+        (Positions::Alibi, "Alibi"),
+        (
+            Positions::Relative { max_distance: 4 },
+            "Relative { max_distance: 4 }",
+        ),
+        (
+            Positions::t5(true),
+            "T5 { num_buckets: 32, max_distance: 128, bidirectional: true }",
+        ),
+    ];
+    for b in crate::util::backends() {
+        let d = b.device.clone();
+        let x = randn([2, 5, 16], 1, &d);
+        let context = randn([2, 7, 16], 2, &d);
+        for (positions, kind) in &kinds {
+            let m = MultiHeadAttentionConfig::new(16, 4)
+                .with_positions(positions.clone())
+                .init(&d);
+            let calls: [(&str, Call); 4] = [
+                (
+                    "MhaInput::cross(x, context)",
+                    Box::new(|| {
+                        m.forward(MhaInput::cross(x.clone(), context.clone()));
+                    }),
+                ),
+                (
+                    "MhaInput::new(query, key, value)",
+                    Box::new(|| {
+                        m.forward(MhaInput::new(x.clone(), x.clone(), x.clone()));
+                    }),
+                ),
+                (
+                    "MultiHeadAttention::cross_attention(x, context, mask)",
+                    Box::new(|| {
+                        m.cross_attention(x.clone(), context.clone(), AttentionMask::none());
+                    }),
+                ),
+                (
+                    "MultiHeadAttention::memory_kv(memory)",
+                    Box::new(|| {
+                        m.memory_kv(context.clone());
+                    }),
+                ),
+            ];
+            for (call, run) in calls {
+                let message = panic_message(std::panic::AssertUnwindSafe(run));
+                println!("[{}] {message}", b.name);
+                for part in [
+                    call,
+                    kind,
+                    "apply to self-attention only",
+                    "Positions::None",
+                ] {
+                    assert!(
+                        message.contains(part),
+                        "[{}] {message:?} lacks {part:?}",
+                        b.name
+                    );
+                }
+            }
+            // Self-attention with the same module runs.
+            assert_eq!(m.causal_self_attention(x.clone()).dims(), [2, 5, 16]);
+        }
+    }
+}
+
+/// What a T5 or position-table import cannot match is an error saying what to configure,
+/// never numbers that silently differ: biases, the scale, heads of another width, a table
+/// the module has no place for or of another kind, a table the module needs and the
+/// weights lack.
+#[test]
+fn t5_and_position_table_imports_name_what_cannot_match() {
+    let d = dev();
+    let t5 = Fixture::load("mha_t5_hf_encoder");
+    let positions = Positions::T5 {
+        num_buckets: 8,
+        max_distance: 20,
+        bidirectional: true,
+    };
+    let load = |config: MultiHeadAttentionConfig, f: &Fixture| {
+        config
+            .init(&d)
+            .load_pytorch(&f.weights, "model.")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let cases = [
+        (
+            load(MultiHeadAttentionConfig::new(24, 6), &t5),
+            "key `model.q.weight`: Hugging Face's T5Attention has no biases in q, k, v and o; \
+             configure the module with_bias(false)",
+        ),
+        (
+            load(MultiHeadAttentionConfig::new(24, 6).with_bias(false), &t5),
+            "configure the module with_scale(Some(1.0)), it has 0.5",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(24, 6)
+                    .with_bias(false)
+                    .with_scale(Some(1.0)),
+                &t5,
+            ),
+            "unexpected key `model.relative_attention_bias.weight`: Hugging Face's T5 relative \
+             bias needs Positions::T5",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(24, 6)
+                    .with_bias(false)
+                    .with_scale(Some(1.0))
+                    .with_positions(Positions::Relative { max_distance: 4 }),
+                &t5,
+            ),
+            "key `model.relative_attention_bias.weight`: Hugging Face's T5 table indexes T5's \
+             buckets; the module's positions are Relative { max_distance: 4 } (configure \
+             Positions::T5)",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(16, 4).with_positions(positions.clone()),
+                &Fixture::load("mha_causal_self"),
+            ),
+            "key `model.position_table`: the module's T5 { num_buckets: 8, max_distance: 20, \
+             bidirectional: true } positions have a learned table of [heads, buckets] = [4, 8], \
+             which the weights lack",
+        ),
+        (
+            load(
+                MultiHeadAttentionConfig::new(24, 6),
+                &Fixture::load("mha_relative_clipped"),
+            ),
+            "unexpected key `model.position_table`: the module has no learned position table",
+        ),
+    ];
+    for (message, expected) in cases {
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+
+    // T5 with num_heads · d_kv != d_model: q is [48, 24] for d_model 24.
+    let zeros = |shape: &[usize]| vec![0u8; 4 * shape.iter().product::<usize>()];
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = [
+        ("q.weight", vec![48, 24]),
+        ("k.weight", vec![48, 24]),
+        ("v.weight", vec![48, 24]),
+        ("o.weight", vec![24, 48]),
+    ]
+    .into_iter()
+    .map(|(k, s)| (k.to_string(), s.clone(), zeros(&s)))
+    .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(k, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (k.clone(), view.unwrap())
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    let weights = PyTorchWeights::from_bytes(&bytes, "t5-wide-heads").unwrap();
+    let err = MultiHeadAttentionConfig::new(24, 6)
+        .with_bias(false)
+        .with_scale(Some(1.0))
+        .init(&d)
+        .load_pytorch(&weights, "")
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "key `q.weight`: T5's heads are 48 / 6 = d_kv wide (48 = num_heads · d_kv), \
+         MultiHeadAttention's d_model / n_heads = 24 / 6 = 4: T5 with num_heads · d_kv != \
+         d_model has no counterpart"
     );
 }

@@ -319,51 +319,36 @@ fn sdpa_fully_blocked_row_gives_zeros_and_finite_gradients() {
 }
 
 /// Causal self-attention with `positions` against the plain torch code of golden.py:
-/// output, the input's gradient, and every parameter's (a learned table's included).
-fn check_positioned(fixture: &'static str, positions: Positions, table: Option<usize>) {
+/// output, the input's gradient, and every parameter's (a learned table's included, which
+/// the import reads from `position_table`).
+fn check_positioned(fixture: &'static str, positions: Positions) {
     let f = Fixture::load(fixture);
     for b in backends() {
         let dev = b.autodiff();
         let config = MultiHeadAttentionConfig::new(24, 6).with_positions(positions.clone());
-        let mut mha = config
+        let mha = config
             .init(&dev)
             .load_pytorch(&f.weights, "model.")
             .unwrap();
-        // The fixture's table, and its gradient in a module to compare with.
-        let mut fresh = config.init(&dev);
-        if let Some(buckets) = table {
-            let values = f.io("table", [6, buckets], &dev);
-            mha.position_table = Some(Param::from_tensor(values));
-            let grad = f.io("grad.table", [6, buckets], &dev);
-            fresh.position_table = Some(Param::from_tensor(grad));
-        }
         let x = f.io("x", [2, 12, 24], &dev).require_grad();
         let out = mha.causal_self_attention(x.clone());
         check_forward(&b, &f, "out", out.clone(), "out");
         let grads = backward(&f, &out, &dev);
         check_input_grad(&b, &f, "x", &x, &grads);
-        check_param_grads(&b, &f, &mha, fresh, &grads);
+        check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
     }
 }
 
 #[test]
 fn rope_in_both_layouts_matches_pytorch() {
     let rope = |theta, layout| Positions::Rope { theta, layout };
-    check_positioned(
-        "mha_rope_half_split",
-        rope(10_000.0, RopeLayout::HalfSplit),
-        None,
-    );
-    check_positioned(
-        "mha_rope_interleaved",
-        rope(500.0, RopeLayout::Interleaved),
-        None,
-    );
+    check_positioned("mha_rope_half_split", rope(10_000.0, RopeLayout::HalfSplit));
+    check_positioned("mha_rope_interleaved", rope(500.0, RopeLayout::Interleaved));
 }
 
 #[test]
 fn alibi_with_six_heads_matches_pytorch() {
-    check_positioned("mha_alibi", Positions::Alibi, None);
+    check_positioned("mha_alibi", Positions::Alibi);
 }
 
 #[test]
@@ -371,7 +356,6 @@ fn learned_relative_biases_match_pytorch() {
     check_positioned(
         "mha_relative_clipped",
         Positions::Relative { max_distance: 4 },
-        Some(9),
     );
     for (fixture, bidirectional) in [("mha_t5_bidirectional", true), ("mha_t5_causal", false)] {
         let t5 = Positions::T5 {
@@ -379,7 +363,52 @@ fn learned_relative_biases_match_pytorch() {
             max_distance: 20,
             bidirectional,
         };
-        check_positioned(fixture, t5, Some(8));
+        check_positioned(fixture, t5);
+    }
+}
+
+/// Hugging Face's `T5Attention` (transformers) with its relative bias, loaded by its own
+/// names and layout (`q/k/v/o.weight`, `relative_attention_bias.weight` `[buckets,
+/// heads]`) into a module configured as T5 computes (no biases, scale 1, T5's buckets):
+/// the encoder's self-attention with key padding, the decoder's causal one. Output and
+/// the gradients of the input and of every parameter, the table's included.
+#[test]
+fn hugging_face_t5_attention_matches_transformers() {
+    for (fixture, decoder) in [("mha_t5_hf_encoder", false), ("mha_t5_hf_decoder", true)] {
+        let f = Fixture::load(fixture);
+        let config = MultiHeadAttentionConfig::new(24, 6)
+            .with_bias(false)
+            .with_scale(Some(1.0))
+            .with_positions(Positions::T5 {
+                num_buckets: 8,
+                max_distance: 20,
+                bidirectional: !decoder,
+            });
+        for b in backends() {
+            let dev = b.autodiff();
+            let mha = config
+                .init(&dev)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap_or_else(|e| panic!("{e}"));
+            let x = f.io("x", [2, 12, 24], &dev).require_grad();
+            let mask = match decoder {
+                true => AttentionMask::causal(),
+                false => AttentionMask::key_padding(f.io_mask("key_padding", [2, 12], &dev)),
+            };
+            let out = mha.self_attention(x.clone(), mask);
+            check_forward(&b, &f, "out", out.clone(), "out");
+            let grads = backward(&f, &out, &dev);
+            check_input_grad(&b, &f, "x", &x, &grads);
+            check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
+            let table = mha.position_table.as_ref().expect("a table").val();
+            let hf = f.io("grad.model.relative_attention_bias.weight", [8, 6], &dev);
+            assert_close(
+                &format!("{fixture} [{}] grad of the table, [heads, buckets]", b.name),
+                table.grad(&grads).expect("the table has a gradient"),
+                hf.transpose(),
+                b.grad_tol(),
+            );
+        }
     }
 }
 

@@ -17,5 +17,7 @@ mod paths;
 mod cache;
 // Bad configurations, shapes and weight files give errors naming what is wrong.
 mod errors;
+// Whole modules in other dtypes: the cast, half-precision weights, bf16 and f16 against PyTorch.
+mod dtypes;
 // Head statistics, head masks, importance, pruning, attention maps.
 mod analysis;

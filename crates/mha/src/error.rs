@@ -1,4 +1,5 @@
-//! Errors a user can cause: through a configuration, a decode cache or a pruning plan.
+//! Errors a user can cause: through a configuration, a decode cache, a pruning plan or a
+//! dtype.
 
 use core::fmt;
 
@@ -245,3 +246,26 @@ impl fmt::Display for PruneError {
 }
 
 impl std::error::Error for PruneError {}
+
+/// A module or a tensor was asked for a float dtype its device does not compute in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DTypeError {
+    /// The dtype asked for.
+    pub dtype: burn::tensor::DType,
+    /// The device, as `Debug` prints it.
+    pub device: String,
+}
+
+impl fmt::Display for DTypeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dtype {}: the device {} does not compute in it (Device::supports_dtype is false; \
+             ndarray has no f16 or bf16, a Vulkan device often no bf16 arithmetic)",
+            self.dtype.name(),
+            self.device
+        )
+    }
+}
+
+impl std::error::Error for DTypeError {}

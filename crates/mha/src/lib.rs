@@ -26,7 +26,8 @@
 //! | [`stack`] | [`Encoder`], [`Decoder`]: N blocks and a final norm |
 //! | [`pytorch`] | loading PyTorch `state_dict`s saved as safetensors |
 //! | [`analysis`] | looking inside: head statistics ([`HeadReport`]), importance ([`HeadImportance`]), pruning ([`Heads`], [`PrunePlan`]), maps of the weights (feature `plot`) |
-//! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`] |
+//! | [`dtype`] | [`ModuleDType`]: the float dtype of a whole module, and one cast for every module |
+//! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`], [`DTypeError`] |
 //!
 //! Dependencies flow one way, down this list read from the bottom: `analysis` and
 //! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
@@ -47,6 +48,7 @@ pub mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
 mod dispatch;
+pub mod dtype;
 pub mod error;
 pub mod inspect;
 pub mod loss;
@@ -67,7 +69,8 @@ pub use block::{
     FeedForward, FeedForwardActivation, StackInput,
 };
 pub use cache::{KvCache, MemoryKv, StackCache};
-pub use error::{CacheError, ConfigError, PruneError};
+pub use dtype::ModuleDType;
+pub use error::{CacheError, ConfigError, DTypeError, PruneError};
 pub use inspect::{HeadMask, Inspect};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};

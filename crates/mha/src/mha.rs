@@ -48,6 +48,14 @@ pub struct MultiHeadAttentionConfig {
     pub softcap: Option<f64>,
     /// How self-attention knows where tokens are: RoPE, ALiBi or a learned relative bias
     /// (absolute positions are added to the input, by a stack or the model). Default: none.
+    ///
+    /// Positions belong to self-attention: a module with positions refuses to attend to
+    /// another sequence ([`MhaInput::cross`], [`MhaInput::new`], [`memory_kv`]), as
+    /// Hugging Face's encoder-decoders have no positions in their cross-attention (T5's has
+    /// no relative bias, Moonshine's no RoPE). Configure a cross-attention with
+    /// `Positions::None`, as [`DecoderBlock`](crate::DecoderBlock) does.
+    ///
+    /// [`memory_kv`]: MultiHeadAttention::memory_kv
     #[config(default = "Positions::None")]
     pub positions: Positions,
 }
@@ -104,11 +112,16 @@ pub struct MultiHeadAttention {
     pub scale: f64,
     /// Soft cap of the scores, if any.
     pub softcap: Option<f64>,
-    /// How self-attention knows where tokens are.
+    /// How self-attention knows where tokens are (cross-attention refuses a module with
+    /// positions, see [`MultiHeadAttentionConfig::positions`]).
     #[module(skip)]
     pub positions: Positions,
     /// The learned relative bias of each head and bucket, `[H, buckets]`, for
-    /// [`Positions::Relative`] and [`Positions::T5`].
+    /// [`Positions::Relative`] and [`Positions::T5`]: the score of query `i` and key `j`
+    /// of head `h` gets `position_table[h, bucket(j - i)]` (see
+    /// [`Buckets`](crate::Buckets): a table indexed by `i - j` is this one flipped).
+    /// Hugging Face's T5 stores it transposed, `[buckets, H]`;
+    /// [`LoadPyTorch`](crate::LoadPyTorch) reads either.
     pub position_table: Option<Param<Tensor<2>>>,
     /// For a module made by [`Heads::prune`](crate::analysis::Heads::prune), where its
     /// heads came from; `None` otherwise.
@@ -168,7 +181,8 @@ impl MhaInput {
     }
 
     /// Cross-attention: queries from `x` `[B, Tq, d_model]`, keys and values from
-    /// `context` `[B, Tk, kdim]` (requires `kdim == vdim`).
+    /// `context` `[B, Tk, kdim]` (requires `kdim == vdim`). A module with positions
+    /// refuses it (see [`MultiHeadAttentionConfig::positions`]).
     pub fn cross(x: Tensor<3>, context: Tensor<3>) -> Self {
         Self {
             source: Source::Context(context),
@@ -177,7 +191,10 @@ impl MhaInput {
     }
 
     /// PyTorch's call `mha(query, key, value)`: `[B, Tq, d_model]`, `[B, Tk, kdim]`,
-    /// `[B, Tk, vdim]`.
+    /// `[B, Tk, vdim]`. Keys and values may come from another sequence than the queries,
+    /// so a module with positions refuses it: PyTorch's self-attention `mha(x, x, x)` is
+    /// [`MhaInput::self_attn(x)`](Self::self_attn) (see
+    /// [`MultiHeadAttentionConfig::positions`]).
     pub fn new(query: Tensor<3>, key: Tensor<3>, value: Tensor<3>) -> Self {
         Self {
             source: Source::KeyValue(key, value),
@@ -340,7 +357,9 @@ impl MultiHeadAttention {
     ///
     /// # Panics
     /// If an input has the wrong width or batch size, naming the expected and actual
-    /// shapes, or if the mask does not broadcast to the scores.
+    /// shapes, or if the mask does not broadcast to the scores; if the module has
+    /// positions and `input` attends to another sequence ([`MhaInput::cross`],
+    /// [`MhaInput::new`]), naming the positions and the call.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
         let MhaInput {
             query,
@@ -349,6 +368,11 @@ impl MultiHeadAttention {
             weights,
             head_mask,
         } = input;
+        match source {
+            Source::SelfAttention => {}
+            Source::Context(_) => self.refuse_positions("MhaInput::cross(x, context)"),
+            Source::KeyValue(..) => self.refuse_positions("MhaInput::new(query, key, value)"),
+        }
         let self_attention = matches!(source, Source::SelfAttention);
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
@@ -424,8 +448,10 @@ impl MultiHeadAttention {
     /// [`cross_attention_cached`](Self::cross_attention_cached).
     ///
     /// # Panics
-    /// If `memory` is not `kdim` wide (and `vdim`).
+    /// If `memory` is not `kdim` wide (and `vdim`), or if the module has positions (see
+    /// [`MultiHeadAttentionConfig::positions`]).
     pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
+        self.refuse_positions("MultiHeadAttention::memory_kv(memory)");
         let batch = memory.dims()[0];
         let (k, v) = self.project_kv(memory, batch);
         MemoryKv {
@@ -440,7 +466,8 @@ impl MultiHeadAttention {
     /// projecting the memory again. Dropout does not act.
     ///
     /// # Panics
-    /// If `x` has the wrong width or another batch than the memory.
+    /// If `x` has the wrong width or another batch than the memory, or if the module has
+    /// positions (see [`MultiHeadAttentionConfig::positions`]).
     pub fn cross_attention_cached(
         &self,
         x: Tensor<3>,
@@ -461,6 +488,7 @@ impl MultiHeadAttention {
         weights: AttentionWeights,
         head_mask: Option<Tensor<1>>,
     ) -> MhaOutput {
+        self.refuse_positions("MultiHeadAttention::cross_attention_cached(x, memory, mask)");
         let [batch, _, _] = x.dims();
         let memory_batch = memory.keys.dims()[0];
         assert_eq!(
@@ -529,12 +557,16 @@ impl MultiHeadAttention {
 
     /// Cross-attention from `x` `[B, Tq, d_model]` to `context` `[B, Tk, kdim]` under
     /// `mask`; returns `[B, Tq, d_model]`.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward); a module with positions refuses it.
     pub fn cross_attention(
         &self,
         x: Tensor<3>,
         context: Tensor<3>,
         mask: AttentionMask,
     ) -> Tensor<3> {
+        self.refuse_positions("MultiHeadAttention::cross_attention(x, context, mask)");
         self.forward(MhaInput::cross(x, context).mask(mask)).context
     }
 
@@ -666,6 +698,22 @@ impl MultiHeadAttention {
                 }
                 _ => (q, k, mask),
             },
+        }
+    }
+
+    /// Panics, naming the positions and `call`, when the module has positions: `call`
+    /// attends to another sequence, where they have no meaning of their own.
+    fn refuse_positions(&self, call: &str) {
+        if self.positions != Positions::None {
+            panic!(
+                "MultiHeadAttention: {call} attends to another sequence, and this module's \
+                 positions ({:?}) apply to self-attention only. For self-attention call \
+                 MhaInput::self_attn(x) or MhaInput::causal(x) (PyTorch's mha(x, x, x)); for \
+                 cross-attention configure the module with Positions::None, as DecoderBlock \
+                 does (Hugging Face's cross-attention has none: T5's no relative bias, \
+                 Moonshine's no RoPE)",
+                self.positions
+            );
         }
     }
 

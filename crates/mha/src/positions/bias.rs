@@ -30,10 +30,27 @@ pub fn alibi_slopes(heads: usize) -> Vec<f32> {
 }
 
 /// How a learned relative-position table buckets the distance `key - query`.
+///
+/// The sign is T5's (`memory_position - context_position`) and tensor2tensor's: keys
+/// after the query have positive distances. Much code indexes its table by
+/// `query - key` instead; such a table is this one read backwards:
+///
+/// | a table of `2·max + 1` columns indexed by | in mha's layout `[H, 2·max + 1]` |
+/// |---|---|
+/// | `clamp(key - query) + max`, `[H, 2·max + 1]` | as it is |
+/// | `clamp(query - key) + max`, `[H, 2·max + 1]` | `table.flip(-1)` |
+/// | `clamp(query - key) + max`, an `nn.Embedding(2·max + 1, H)` | `emb.weight.T.flip(-1)` |
+///
+/// T5's buckets are indexed by T5's own rule ([`Buckets::T5`], the same as `transformers`'
+/// `_relative_position_bucket`); Hugging Face stores T5's table as an
+/// `nn.Embedding(num_buckets, num_heads)`, `[buckets, H]`, the transpose of mha's, which
+/// the import transposes ([`crate::pytorch`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Buckets {
-    /// One bucket per distance in `-max..=max` (Shaw et al.); farther distances share the
-    /// edge buckets: `2·max + 1` buckets.
+    /// One bucket per distance `key - query` in `-max..=max` (Shaw et al.): bucket
+    /// `clamp(key - query, -max, max) + max`, so that column 0 is the farthest key
+    /// *before* the query; farther distances share the edge buckets: `2·max + 1` buckets.
+    /// A table indexed by `query - key` is this one flipped (see [`Buckets`]).
     Clipped {
         /// The largest distance with a bucket of its own.
         max: usize,
@@ -106,14 +123,14 @@ impl Buckets {
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum PositionBias {
-    /// ALiBi: `-slopes[h] · |d|`.
+    /// ALiBi: `-slopes[h] · |d|`, symmetric (see [`Positions::Alibi`](crate::Positions::Alibi)).
     Alibi {
         /// One slope per query head (see [`alibi_slopes`]).
         slopes: Vec<f32>,
     },
     /// A learned table: `table[h, buckets.of(d)]`, its gradient trained.
     Learned {
-        /// `[H, buckets.len()]`.
+        /// `[H, buckets.len()]` (Hugging Face's T5 stores the transpose).
         table: Tensor<2>,
         /// How distances map to the table's columns.
         buckets: Buckets,

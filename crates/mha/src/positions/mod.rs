@@ -8,7 +8,10 @@
 //! - a bias on the scores by distance ([`bias`]: ALiBi, learned relative biases with
 //!   clipped offsets or T5's buckets), which the CPU tiles compute per score.
 //!
-//! Positions apply to self-attention; cross-attention reads the memory as it is.
+//! Positions apply to self-attention; cross-attention reads the memory as it is, and a
+//! [`MultiHeadAttention`](crate::MultiHeadAttention) with positions refuses to attend to
+//! another sequence rather than ignore them (see
+//! [`MultiHeadAttentionConfig::positions`](crate::MultiHeadAttentionConfig::positions)).
 
 pub mod absolute;
 pub mod bias;
@@ -42,21 +45,39 @@ pub enum Positions {
         /// Which features rotate together.
         layout: RopeLayout,
     },
-    /// ALiBi: `-slope_h · |distance|`, no parameters.
+    /// ALiBi: `-slope_h · |key - query|`, no parameters, the slopes of
+    /// [`alibi_slopes`].
+    ///
+    /// Symmetric: keys after the query are penalised as those before it. The paper (a
+    /// causal language model) biases by `-slope_h · (query - key)` and BLOOM by
+    /// `slope_h · key` (a shift per query row, which the softmax cancels); under a causal
+    /// mask, where every key is at or before the query, all three give the same weights.
+    /// Without one they differ: the paper's and BLOOM's would favour the keys farthest
+    /// after the query, mha's ALiBi penalises distance both ways.
     Alibi,
-    /// A learned bias per head and distance, distances beyond `max_distance` clipped.
+    /// A learned bias per head and distance `key - query`, distances beyond
+    /// `max_distance` clipped (Shaw et al.): the table is
+    /// [`MultiHeadAttention::position_table`](crate::MultiHeadAttention::position_table)
+    /// `[H, 2·max_distance + 1]`, column `clamp(key - query) + max_distance`. Code that
+    /// indexes by `query - key` has the table flipped (see [`Buckets`]).
     Relative {
         /// The largest distance with a bias of its own.
         max_distance: usize,
     },
-    /// T5's learned bias per head and log-spaced bucket of the distance.
+    /// T5's learned bias per head and log-spaced bucket of the distance `key - query`,
+    /// bucketed as `transformers`' `T5Attention._relative_position_bucket` does. The table
+    /// is [`MultiHeadAttention::position_table`](crate::MultiHeadAttention::position_table)
+    /// `[H, num_buckets]`; Hugging Face's `relative_attention_bias.weight` is its transpose
+    /// `[num_buckets, H]`, which [`LoadPyTorch`](crate::LoadPyTorch) transposes. T5's
+    /// attention does not scale its scores: configure `with_scale(Some(1.0))` (see
+    /// [`crate::pytorch`]).
     T5 {
         /// Buckets in all (T5: 32).
         num_buckets: usize,
         /// The distance from which all share the last bucket (T5: 128).
         max_distance: usize,
         /// Keys after the query get buckets of their own (T5's encoder; its decoder is
-        /// causal and has none).
+        /// causal and has none): Hugging Face's `not config.is_decoder`.
         bidirectional: bool,
     },
 }

@@ -1,0 +1,195 @@
+//! Whole modules in another float dtype: one cast reaches every parameter of attention,
+//! blocks and stacks; half-precision PyTorch weights load as they are stored; a bf16 and an
+//! f16 `nn.MultiheadAttention` give PyTorch's numbers.
+
+use burn::module::Module;
+use burn::tensor::{DType, FloatDType, Tensor};
+use mha::{
+    DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig, LoadPyTorch, ModuleDType,
+    MultiHeadAttentionConfig, Positions, StackInput,
+};
+
+use crate::util::{
+    Backend, Fixture, assert_close, backends, max_abs_diff, param_grads, param_values, randn,
+};
+
+/// The distance from `x` (in `[1, 2)`) to the next value of `dtype`: its unit in the last
+/// place at magnitude 1 (bf16 keeps 8 significant bits, f16 11).
+fn ulp_at_one(dtype: FloatDType) -> f32 {
+    match dtype {
+        FloatDType::BF16 => 2f32.powi(-7),
+        FloatDType::F16 => 2f32.powi(-10),
+        other => panic!("no half precision: {other:?}"),
+    }
+}
+
+/// `nn.MultiheadAttention(32, 4)` cast to bf16 and to f16 in PyTorch (scripts/golden.py,
+/// `half_precision`): its weights stored in that dtype load into a module cast to it, bit
+/// for bit, and causal self-attention of the stored (rounded) input gives PyTorch's output.
+///
+/// Tolerance: 2 units in the last place of the dtype at the output's largest magnitude
+/// (about 1.35 here: 2 · 2^-7 · 1.35 = 0.021 for bf16, 2 · 2^-10 · 1.35 = 0.0026 for f16).
+/// Each result lies within one ulp of the f64 result of the same rounded weights and input
+/// (`io.exact`; measured on flex, bf16: ours 0.8 ulp, PyTorch's 0.55; f16 both 0.5), so
+/// the two lie within 2 of each other, however each rounds: PyTorch's CPU kernels
+/// accumulate in f32 and round each operation's result once, ours round the projections,
+/// the scores, the weights and the context.
+///
+/// Backends that do not compute in a dtype (ndarray: no f16 nor bf16; wgpu on lavapipe:
+/// no bf16) refuse the cast with an error naming the dtype; there, and everywhere, a module left in
+/// f32 loads the half-precision weights exactly and matches the f64 result of those
+/// weights to f32's tolerance.
+#[test]
+fn half_precision_attention_loads_as_stored_and_matches_pytorch() {
+    for (name, dtype) in [("mha_bf16", FloatDType::BF16), ("mha_f16", FloatDType::F16)] {
+        let f = Fixture::load(name);
+        let stored = DType::from(dtype);
+        assert_eq!(f.weights.dtype("model.in_proj_weight"), Some(stored));
+        let config = MultiHeadAttentionConfig::new(32, 4);
+        for b in backends() {
+            let d = b.device.clone();
+            let label = format!("{name} [{}]", b.name);
+            // Either path is checked: PyTorch's numbers where the device computes in the
+            // dtype, the refusal where it does not. The CPU backends are known (flex
+            // computes in both, ndarray in neither); a GPU says (lavapipe: f16, no bf16).
+            let computes = d.supports_dtype(dtype);
+            if matches!(b.name, "flex" | "ndarray") {
+                assert_eq!(b.other_float_dtypes().contains(&dtype), computes, "{label}");
+            }
+            println!("{label}: the device computes in {dtype:?}: {computes}");
+
+            // In f32: the stored values exactly, and the f64 result of those weights.
+            let f32_module = config.init(&d).load_pytorch(&f.weights, "model.").unwrap();
+            assert_eq!(f32_module.float_dtypes(), [DType::F32], "{label}");
+            let w = f32_module.out_proj.weight.val().transpose();
+            let stored_w = f
+                .weights
+                .tensor_as("model.out_proj.weight", [32, 32], FloatDType::F32, &d)
+                .unwrap();
+            assert_eq!(max_abs_diff(w, stored_w), 0.0, "{label}: loaded into f32");
+            let x = f
+                .weights
+                .tensor_as("io.x", [2, 12, 32], FloatDType::F32, &d)
+                .unwrap();
+            let exact = f.io("exact", [2, 12, 32], &d);
+            assert_close(
+                &format!("{label} f32 module, half weights, against f64"),
+                f32_module.causal_self_attention(x),
+                exact.clone(),
+                b.forward_tol(),
+            );
+
+            if !computes {
+                let err = config.init(&d).try_to_dtype(dtype).unwrap_err();
+                println!("{label}: {err}");
+                assert_eq!(err.dtype, stored);
+                assert!(
+                    err.to_string()
+                        .starts_with(&format!("dtype {}: the device", stored.name()))
+                );
+                let err = f.weights.tensor::<3>("io.x", [2, 12, 32], &d).unwrap_err();
+                assert!(err.to_string().contains("does not compute in"), "{err}");
+                continue;
+            }
+
+            let module = config
+                .init(&d)
+                .to_dtype(dtype)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap();
+            assert_eq!(module.float_dtypes(), [stored], "{label}");
+            // Bit for bit: the loaded weight is the stored one.
+            let w = module.out_proj.weight.val().transpose();
+            assert_eq!(w.dtype(), stored);
+            let stored_w = f
+                .weights
+                .tensor::<2>("model.out_proj.weight", [32, 32], &d)
+                .unwrap();
+            assert_eq!(stored_w.dtype(), stored);
+            assert_eq!(max_abs_diff(w, stored_w), 0.0, "{label}: loaded as stored");
+
+            let x = f.weights.tensor::<3>("io.x", [2, 12, 32], &d).unwrap();
+            let out = module.causal_self_attention(x);
+            assert_eq!(out.dtype(), stored, "{label}: the output's dtype");
+            let expected = f.weights.tensor::<3>("io.out", [2, 12, 32], &d).unwrap();
+            let magnitude = crate::util::to_vec(exact.clone().abs().max()).remove(0);
+            let tol = 2.0 * ulp_at_one(dtype) * magnitude.max(1.0);
+            let ours_exact = max_abs_diff(out.clone(), exact.clone());
+            let torch_exact = max_abs_diff(expected.clone(), exact);
+            println!("{label}: against f64, ours {ours_exact:.2e}, PyTorch's {torch_exact:.2e}");
+            assert_close(&format!("{label} against PyTorch"), out, expected, tol);
+        }
+    }
+}
+
+/// One cast for any module: a decoder stack with T5 relative biases and an encoder stack
+/// with learned absolute positions, cast to each other dtype a backend computes in, have
+/// every parameter in it (tables and embeddings included), keep each parameter trained,
+/// and give the f32 stack's output to 4 times that dtype's absolute tolerance (util's,
+/// for one attention against f64: a stack is two blocks of attention, feed-forward and
+/// norms).
+#[test]
+fn one_cast_reaches_every_parameter_of_a_stack() {
+    let t5 = Positions::T5 {
+        num_buckets: 8,
+        max_distance: 20,
+        bidirectional: false,
+    };
+    let decoder = DecoderConfig::new(
+        DecoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(32))
+            .with_dropout(0.0)
+            .with_positions(t5),
+        2,
+    );
+    let encoder = EncoderConfig::new(
+        EncoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(32))
+            .with_dropout(0.0)
+            .with_causal(true)
+            .with_positions(Positions::Learned { max_len: 16 }),
+        2,
+    );
+    for b in backends() {
+        let dev = b.autodiff();
+        let x = randn([2, 6, 16], 1, &dev);
+        let memory = randn([2, 5, 16], 2, &dev);
+        check_cast(&b, "decoder", decoder.init(&dev), |stack, dtype| {
+            let input = StackInput::new(x.clone().cast(dtype)).memory(memory.clone().cast(dtype));
+            stack.forward(input).unwrap().output
+        });
+        check_cast(&b, "encoder", encoder.init(&dev), |stack, dtype| {
+            stack
+                .forward(StackInput::new(x.clone().cast(dtype)))
+                .unwrap()
+                .output
+        });
+    }
+}
+
+fn check_cast<M: Module>(
+    b: &Backend,
+    name: &str,
+    module: M,
+    forward: impl Fn(&M, FloatDType) -> Tensor<3>,
+) {
+    let reference = forward(&module, FloatDType::F32);
+    let params = param_values(&module).len();
+    for dtype in b.other_float_dtypes() {
+        let label = format!("{name} [{}] {dtype:?}", b.name);
+        let cast = module.clone().to_dtype(dtype);
+        assert_eq!(cast.float_dtypes(), [DType::from(dtype)], "{label}");
+        let out = forward(&cast, dtype);
+        assert_eq!(out.dtype(), DType::from(dtype), "{label}");
+        let [[atol, _], _] = b.tolerances(dtype);
+        assert_close(
+            &format!("{label} against f32"),
+            out.clone().cast(FloatDType::F32),
+            reference.clone(),
+            4.0 * atol as f32,
+        );
+        // Every parameter is still trained: each has a gradient.
+        let grads = out.sum().backward();
+        assert_eq!(param_grads(&cast, &grads).len(), params, "{label}");
+    }
+}
