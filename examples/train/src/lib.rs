@@ -17,6 +17,7 @@
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
 //! - [`commands`]: what `train`, `generate` and `inspect` do, one function each;
 //! - [`cli`]: the command line (clap);
+//! - [`text`]: how messages count things and echo what a user typed;
 //! - [`alloc`]: the allocator's settings.
 
 pub mod alloc;
@@ -33,4 +34,5 @@ pub mod plots;
 pub mod progress;
 pub mod run_dir;
 pub mod tasks;
+pub mod text;
 pub mod training;

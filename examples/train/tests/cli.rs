@@ -396,7 +396,7 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
     let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
     assert_error(
         &out,
-        &["already finished its 1 epochs", "--resume --epochs N"],
+        &["already finished its 1 epoch;", "--resume --epochs N"],
     );
     assert_eq!(checksums(&dir), before);
     // --epochs extends it; the extra steps train at the schedule's floor.

@@ -9,6 +9,7 @@ use crate::backend::Backend;
 use crate::cli::TrainArgs;
 use crate::config::TrainConfig;
 use crate::run_dir::RunDir;
+use crate::text::plural;
 use crate::training::{self, Status, Summary};
 use crate::{interrupt, plots};
 
@@ -43,8 +44,8 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
     }
     interrupt::install()?;
     println!(
-        "{} on {backend}: task {} (lengths {}..={}, {} symbols), model {} (d_model {}, {} \
-         layers, {} heads, {} positions), {} epochs of {} steps, in {dir}",
+        "{} on {backend}: task {} (lengths {}..={}, {}), model {} (d_model {}, {}, {}, {} \
+         positions), {} of {}, in {dir}",
         match start_epoch {
             0 => "training".to_string(),
             e => format!("resuming after epoch {e}"),
@@ -52,14 +53,14 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
         config.task.task.name(),
         config.task.min_len,
         config.task.max_len,
-        config.task.n_symbols,
+        plural(config.task.n_symbols, "symbol"),
         config.model.kind.name(),
         config.model.d_model,
-        config.model.n_layers,
-        config.model.n_heads,
+        plural(config.model.n_layers, "layer"),
+        plural(config.model.n_heads, "head"),
         config.model.positions.name(),
-        config.epochs,
-        config.steps_per_epoch,
+        plural(config.epochs, "epoch"),
+        plural(config.steps_per_epoch, "step"),
     );
     let summary = training::train(&config, &run, start_epoch, &device, backend, args.log_every)?;
     training::write_summary(&run, &summary)?;
@@ -103,9 +104,9 @@ fn prepare_resume(
     let config = stored.resumed(args.apply(stored.clone()), done)?;
     anyhow::ensure!(
         done < config.epochs,
-        "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \
-         (N above {})",
-        config.epochs,
+        "{dir}: the run already finished its {}; extend it with --resume --epochs N (N \
+         above {})",
+        plural(config.epochs, "epoch"),
         config.epochs
     );
     let device = backend.device()?;
