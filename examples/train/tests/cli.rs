@@ -336,8 +336,9 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
         ),
         (
             r#"{"batch_size": "64"}"#,
-            "invalid type: string \"64\", expected usize",
+            "`batch_size` must be a whole number, 0 or more, got a string (\"64\")",
         ),
+        ("[]", "a configuration must be a JSON object of fields"),
     ] {
         std::fs::write(&file, text).unwrap();
         let out = run(on_flex(&["--out"])
@@ -353,7 +354,7 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
     // Any subset of the fields, spelt as on the command line; flags override it.
     std::fs::write(
         &file,
-        r#"{"task": {"task": "sort", "max_len": 5}, "model": {"kind": "encoder-decoder"}}"#,
+        r#"{"task": {"task": "sort", "max_len": 5}, "model": "encoder-decoder"}"#,
     )
     .unwrap();
     let dir = root.join("run");
@@ -786,4 +787,32 @@ fn inspect_reports_ranks_draws_and_prunes_both_models() {
         }
     }
     let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn config_files_are_objects_and_may_name_the_task_and_the_model() {
+    let root = scratch("config-shorthand");
+    let file = root.join("config.json");
+    std::fs::write(&file, "[]").unwrap();
+    let out = run(on_flex(&["--out"])
+        .arg(root.join("empty"))
+        .arg("--config")
+        .arg(&file));
+    assert_error(&out, &["must be a JSON object of fields", "got an array"]);
+    std::fs::write(&file, r#"{"task": "sort", "model": "encoder-decoder"}"#).unwrap();
+    let dir = root.join("run");
+    let out = run(
+        on_flex(&["--min-len", "2", "--max-len", "3", "--symbols", "5"])
+            .args(["--d-model", "32", "--layers", "1", "--epochs", "1"])
+            .args(["--steps-per-epoch", "5", "--eval-examples", "8", "--out"])
+            .arg(&dir)
+            .arg("--config")
+            .arg(&file),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s = summary(&dir);
+    assert_eq!(
+        (s["task"].clone(), s["model"].clone()),
+        ("sort".into(), "encoder-decoder".into())
+    );
 }
