@@ -816,3 +816,37 @@ fn config_files_are_objects_and_may_name_the_task_and_the_model() {
         ("sort".into(), "encoder-decoder".into())
     );
 }
+
+/// Reads the trainer's first line of stdout, then closes the pipe while it still prints.
+#[cfg(unix)]
+#[test]
+fn a_closed_pipe_ends_the_trainer_quietly() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = scratch("pipe").join("run");
+    let mut child = on_flex(TINY)
+        .args([
+            "--epochs",
+            "2",
+            "--steps-per-epoch",
+            "200",
+            "--log-every",
+            "1",
+        ])
+        .arg("--out")
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("training on flex"), "{first}");
+    // The reader is dropped: the pipe is closed.
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE: {err}");
+}
