@@ -850,3 +850,46 @@ fn a_closed_pipe_ends_the_trainer_quietly() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE: {err}");
 }
+
+#[test]
+fn flags_before_a_subcommand_are_its_own_or_refused_with_the_right_order() {
+    let root = scratch("order");
+    let dir = root.join("run");
+    tiny_run(&dir, "1");
+    // --out (and --backend) before the subcommand are the subcommand's.
+    let out = run(on_flex(&["--out"]).arg(&dir).args(["generate", "1 2 3 4"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out =
+        run(on_flex(&["--out"])
+            .arg(&dir)
+            .args(["--task", "copy", "inspect", "--examples", "8"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(dir.join("inspect").join("heads.json").exists());
+    // Given on both sides, with the same value: one; with others: refused.
+    let out = run(on_flex(&["--out"])
+        .arg(&dir)
+        .args(["generate", "--out"])
+        .arg(&dir)
+        .arg("1 2 3 4"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(&mut on_flex(&[
+        "--task", "sort", "generate", "--task", "copy", "1 2",
+    ]));
+    assert_error(
+        &out,
+        &["`--task sort` before `generate` and `--task copy` after it differ"],
+    );
+    // A flag of training before a subcommand: refused, naming it and the right order.
+    let out = run(on_flex(&["--epochs", "3", "--out"])
+        .arg(&dir)
+        .args(["generate", "1 2 3 4"]));
+    assert_error(
+        &out,
+        &[
+            "`--epochs 3` is a flag of training, which `generate` does not take",
+            "train generate [OPTIONS] <INPUT>",
+        ],
+    );
+    let out = run(on_flex(&["--resume", "inspect", "--out"]).arg(&dir));
+    assert_error(&out, &["`--resume` is a flag of training", "train inspect"]);
+}
