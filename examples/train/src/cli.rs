@@ -56,9 +56,10 @@ pub struct InspectArgs {
     /// The task whose default run directory to read, when --out is not given.
     #[arg(long, value_enum)]
     pub task: Option<Task>,
-    /// Held-out examples the statistics and the importance are measured on.
-    #[arg(long, default_value_t = 256)]
-    pub examples: usize,
+    /// Held-out examples the statistics and the importance are measured on, at most the
+    /// held-out split's distinct inputs [default: 256, or all of them if fewer].
+    #[arg(long)]
+    pub examples: Option<usize>,
     /// Remove the K least important heads (at least one left per layer), write the
     /// pruned model, and measure its held-out accuracy and speed against the full
     /// model's; several K separated by commas.

@@ -7,6 +7,7 @@
 //! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
 //!   looking inside them;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
+//! - [`memory`]: the memory a run or an inspection will take, checked before it starts;
 //! - [`fields`]: which flag sets which field;
 //! - [`backend`]: the backends a build has;
 //! - [`run_dir`]: a run directory, its layout and its checkpoints;
@@ -29,6 +30,7 @@ pub mod config;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;
+pub mod memory;
 pub mod model;
 pub mod plots;
 pub mod progress;

@@ -9,7 +9,7 @@ use crate::run_dir::load_model;
 
 /// Answers one input with the run's model.
 pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result<()> {
-    let run = run_dir(&args.out, args.task);
+    let run = run_dir(&args.out, args.task)?;
     let dir = run.0.display();
     anyhow::ensure!(
         run.holds_run(),

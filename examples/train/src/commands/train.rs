@@ -16,7 +16,7 @@ use crate::{interrupt, plots};
 /// Trains a new run or resumes one; `false` when a Ctrl-C stopped it.
 pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     let backend = Backend::or_best(backend)?;
-    let run = run_dir(&args.out, args.task);
+    let run = run_dir(&args.out, args.task)?;
     let dir = run.0.display();
     let (config, start_epoch, device) = match args.resume {
         true => prepare_resume(args, &run, backend)?,
@@ -81,6 +81,7 @@ fn prepare_new(
     };
     let config = args.apply(base);
     config.validate()?;
+    crate::memory::training(&config).check(backend)?;
     let device = backend.device()?;
     run.prepare_new(args.overwrite)?;
     run.write_config(&config)?;
