@@ -54,7 +54,7 @@ pub struct Part {
 pub struct Estimate {
     /// What needs it: "this run", "inspect --examples 100000".
     pub doing: String,
-    /// The terms, besides the process's own [`BASE`].
+    /// The terms, besides the process's own memory.
     pub parts: Vec<Part>,
 }
 
