@@ -3,17 +3,22 @@
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-/// A backend compiled into this build.
+/// A backend the trainer knows; the help lists those compiled into this build (asking
+/// for another is an error naming the feature to build with).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Backend {
     /// Burn's pure-Rust CPU backend.
+    #[value(hide = !cfg!(feature = "flex"))]
     Flex,
     /// The ndarray CPU backend.
+    #[value(hide = !cfg!(feature = "ndarray"))]
     Ndarray,
     /// wgpu: Vulkan, Metal or DX12 (lavapipe without a GPU).
+    #[value(hide = !cfg!(feature = "wgpu"))]
     Wgpu,
     /// CUDA.
+    #[value(hide = !cfg!(feature = "cuda"))]
     Cuda,
 }
 
@@ -81,12 +86,13 @@ impl Backend {
             _ => {}
         }
         anyhow::bail!(
-            "--backend {}: this build has {:?}; build with `--features {}`",
+            "--backend {}: this build has {}; build with `--features {}`",
             self.name(),
             Backend::compiled()
                 .iter()
                 .map(|b| b.name())
-                .collect::<Vec<_>>(),
+                .collect::<Vec<_>>()
+                .join(", "),
             self.name()
         )
     }

@@ -1,14 +1,17 @@
 //! The command line, parsed by clap: train a new run, continue one (`--resume`), answer
 //! an input with a trained run's model (`generate`), or look inside it (`inspect`). The
 //! defaults `--help` shows are read from the configuration types, the one place they are
-//! set. What each command does is in [`commands`](crate::commands).
+//! set. Flags may come before a subcommand or after it (`--out DIR generate`, `generate
+//! --out DIR`); a flag of training before `generate` or `inspect` is refused. What each
+//! command does is in [`commands`](crate::commands).
 
 // The doc comments below are clap's help text, where `<task>` is a placeholder, not HTML.
 #![allow(rustdoc::invalid_html_tags)]
 
 use std::path::PathBuf;
 
-use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::backend::Backend;
 use crate::config::TrainConfig;
@@ -16,10 +19,11 @@ use crate::fields::FIELDS;
 use crate::model::{ModelKind, PositionKind};
 use crate::progress::LOG_EVERY;
 use crate::tasks::Task;
+use crate::text::echo;
 
 /// Train a transformer built from mha modules on a synthetic sequence task.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(version, about, allow_negative_numbers = true)]
 pub struct Cli {
     // What to do: a subcommand, or without one, train.
     #[command(subcommand)]
@@ -52,9 +56,10 @@ pub struct InspectArgs {
     /// The task whose default run directory to read, when --out is not given.
     #[arg(long, value_enum)]
     pub task: Option<Task>,
-    /// Held-out examples the statistics and the importance are measured on.
-    #[arg(long, default_value_t = 256)]
-    pub examples: usize,
+    /// Held-out examples the statistics and the importance are measured on, at most the
+    /// held-out split's distinct inputs [default: 256, or all of them if fewer].
+    #[arg(long)]
+    pub examples: Option<usize>,
     /// Remove the K least important heads (at least one left per layer), write the
     /// pruned model, and measure its held-out accuracy and speed against the full
     /// model's; several K separated by commas.
@@ -186,7 +191,9 @@ impl TrainArgs {
 }
 
 impl Cli {
-    /// Parses the command line, its help showing the defaults of the configuration.
+    /// Parses the command line, its help showing the defaults of the configuration. Exits
+    /// as clap does on a malformed command line (code 2), and with a one-line error (code
+    /// 1) on a flag before a subcommand that the subcommand does not take.
     pub fn parse_with_defaults() -> Self {
         let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
         let mut command = Cli::command();
@@ -217,6 +224,89 @@ impl Cli {
             arg.help(format!("{help} [default: {best}]"))
         });
         let matches = command.get_matches();
-        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+        let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        cli.with_flags_before_the_subcommand(&matches)
+            .unwrap_or_else(|err| {
+                eprintln!("error: {err:#}");
+                std::process::exit(1)
+            })
+    }
+
+    /// The command line with the flags typed before a subcommand (which clap gives to
+    /// training, the command without one) given to the subcommand: `--out` and `--task`,
+    /// which `generate` and `inspect` take too. `--backend` is every command's.
+    ///
+    /// # Errors
+    /// On `--out` or `--task` given both before and after the subcommand with different
+    /// values, and on a flag only training takes, naming it and the right order.
+    pub fn with_flags_before_the_subcommand(
+        mut self,
+        matches: &ArgMatches,
+    ) -> anyhow::Result<Self> {
+        let Some((name, _)) = matches.subcommand() else {
+            return Ok(self);
+        };
+        let (out, task) = match &mut self.command {
+            Some(Command::Generate(args)) => (&mut args.out, &mut args.task),
+            Some(Command::Inspect(args)) => (&mut args.out, &mut args.task),
+            None => return Ok(self),
+        };
+        let mut command = Cli::command();
+        let usage = command
+            .find_subcommand_mut(name)
+            .map(|c| c.render_usage().to_string())
+            .unwrap_or_default();
+        let usage = format!("train {}", usage.trim_start_matches("Usage: ").trim());
+        let sub = matches
+            .subcommand_matches(name)
+            .expect("the subcommand's matches");
+        for arg in command.get_arguments() {
+            let id = arg.get_id().as_str();
+            if matches.value_source(id) != Some(ValueSource::CommandLine) || id == "backend" {
+                continue;
+            }
+            let flag = format!("--{}", arg.get_long().unwrap_or(id));
+            let takes_values = arg.get_action().takes_values();
+            let typed = |m: &ArgMatches| -> Option<String> {
+                let values = m.try_get_raw(id).ok()??.filter(|_| takes_values);
+                let values: Vec<String> = values.map(|v| echo(&v.to_string_lossy())).collect();
+                Some(
+                    [flag.clone()]
+                        .into_iter()
+                        .chain(values)
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                )
+            };
+            let before = typed(matches).unwrap_or_else(|| flag.clone());
+            let clash = || match typed(sub) {
+                Some(after) => anyhow::anyhow!(
+                    "`{before}` before `{name}` and `{after}` after it differ: give {flag} once"
+                ),
+                None => anyhow::anyhow!("{flag} differs before and after `{name}`: give it once"),
+            };
+            match id {
+                "out" => moved(out, self.train.out.take()).map_err(|()| clash())?,
+                "task" => moved(task, self.train.task.take()).map_err(|()| clash())?,
+                _ => anyhow::bail!(
+                    "`{before}` is a flag of training, which `{name}` does not take; the flags \
+                     of `{name}` come after it: `{usage}`"
+                ),
+            }
+        }
+        Ok(self)
+    }
+}
+
+/// Gives the subcommand's flag (`after`) the value typed before the subcommand; `Err`
+/// when it has another.
+fn moved<T: PartialEq>(after: &mut Option<T>, before: Option<T>) -> Result<(), ()> {
+    match (after.as_ref(), before) {
+        (Some(a), Some(b)) if *a != b => Err(()),
+        (None, before) => {
+            *after = before;
+            Ok(())
+        }
+        _ => Ok(()),
     }
 }

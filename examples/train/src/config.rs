@@ -1,8 +1,11 @@
 //! The configuration of a run, as its `config.json` holds it: the task, the model and
 //! the training. Every field has a default, so a file may give any subset of them; a
 //! field a file gives that the trainer does not know is an error naming the nearest known
-//! one, never silently ignored. The task and the model are spelt as on the command line
-//! (`reverse`, `decoder-only`).
+//! one, never silently ignored, and a value of the wrong JSON type is an error naming the
+//! field and the type it takes. The task and the model are spelt as on the command line
+//! (`reverse`, `decoder-only`), and each may stand for its object: `"task": "sort"` is
+//! `"task": {"task": "sort"}`, `"model": "encoder-decoder"` is `"model": {"kind":
+//! "encoder-decoder"}`.
 
 use std::path::Path;
 
@@ -19,6 +22,7 @@ use crate::fields::{
 };
 use crate::model::{Model, ModelConfig};
 use crate::tasks::TaskConfig;
+use crate::text::{echo, plural};
 
 /// Every hyperparameter of a run.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -216,16 +220,44 @@ impl TrainConfig {
     /// checked once the command line's flags are applied to them).
     ///
     /// # Errors
-    /// Naming the file and the field: an unknown one (with the nearest known field), or a
-    /// value of the wrong type.
+    /// Naming the file, and as [`from_json`](Self::from_json).
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let what = path.display();
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {what}"))?;
-        let given: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{what} is not JSON (a training configuration)"))?;
-        let known = serde_json::to_value(Self::default()).expect("a config serialises");
-        check_fields(&given, &known, "").with_context(|| format!("{what}"))?;
-        serde_json::from_str(&text).with_context(|| format!("{what}"))
+        Self::from_json(&text).with_context(|| format!("{what}"))
+    }
+
+    /// Parses a configuration: a JSON object with any subset of the fields, the task and
+    /// the model given as objects or by name.
+    ///
+    /// # Errors
+    /// When it is not JSON or not an object; naming the field: an unknown one (with the
+    /// nearest known field), or a value of the wrong type (with the type it takes).
+    pub fn from_json(text: &str) -> anyhow::Result<Self> {
+        let mut given: Value =
+            serde_json::from_str(text).context("not JSON (a training configuration)")?;
+        if let Value::Object(fields) = &mut given {
+            for (key, inner) in [("task", "task"), ("model", "kind")] {
+                if let Some(name @ Value::String(_)) = fields.get_mut(key) {
+                    let object = Value::Object(Map::from_iter([(inner.into(), name.take())]));
+                    *name = object;
+                }
+            }
+        }
+        check_fields(&given, &Self::shape(), "")?;
+        serde_json::from_value(given).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    /// The configuration as JSON with every optional field given, so that each field's
+    /// JSON type can be read off it.
+    fn shape() -> Value {
+        let config = Self {
+            warmup_steps: Some(1),
+            decay_steps: Some(1),
+            fixed_shapes: Some(false),
+            ..Self::default()
+        };
+        serde_json::to_value(config).expect("a config serialises")
     }
 
     /// The configuration as `config.json` holds it.
@@ -256,8 +288,9 @@ impl TrainConfig {
         if requested.epochs != self.epochs {
             anyhow::ensure!(
                 requested.epochs > done,
-                "--epochs {}: the run has done {done} epochs already",
-                requested.epochs
+                "--epochs {}: the run has done {} already",
+                requested.epochs,
+                plural(done, "epoch")
             );
             requested.warmup_steps = Some(self.warmup().min(requested.total_steps() - 1));
             if requested.epochs > self.epochs {
@@ -301,17 +334,28 @@ impl TrainConfig {
     }
 }
 
-/// Checks that every key of `given` is a key of `known` (at the same place), recursively.
+/// Checks that `given` is an object whose every key is a key of `known` (at the same
+/// place), recursively, with a value of the JSON type of `known`'s.
 fn check_fields(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
-    let (Value::Object(given), Value::Object(known)) = (given, known) else {
-        return Ok(());
+    let Value::Object(known) = known else {
+        return check_type(given, known, path);
+    };
+    let Value::Object(given) = given else {
+        match path.is_empty() {
+            true => anyhow::bail!(
+                "a configuration must be a JSON object of fields (`{{\"lr\": 0.001}}`), got {}",
+                json_type(given)
+            ),
+            false => anyhow::bail!("`{path}` must be an object, got {}", json_type(given)),
+        }
     };
     for (key, value) in given {
         let full = join(path, key);
         match known.get(key) {
             Some(inner) => check_fields(value, inner, &full)?,
             None => anyhow::bail!(
-                "unknown field `{full}`{}",
+                "unknown field `{}`{}",
+                echo(&full),
                 match fields::nearest(key) {
                     Some(field) => format!(" (did you mean `{}`?)", field.path),
                     None => format!("; the fields here are {}", names(known, path)),
@@ -320,6 +364,42 @@ fn check_fields(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> 
         }
     }
     Ok(())
+}
+
+/// Checks that the value of the field at `path` has the JSON type of `known` (an example
+/// value); `null` is taken where the default is `null`.
+fn check_type(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
+    let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
+    let optional = lookup(&defaults, path).is_some_and(Value::is_null);
+    let (fits, wanted) = match known {
+        Value::Bool(_) => (given.is_boolean(), "true or false"),
+        Value::Number(n) if n.is_u64() => (given.is_u64(), "a whole number, 0 or more"),
+        Value::Number(_) => (given.is_number(), "a number"),
+        Value::String(_) => (given.is_string(), "a string"),
+        _ => (true, ""),
+    };
+    anyhow::ensure!(
+        fits || (optional && given.is_null()),
+        "`{path}` must be {wanted}{}, got {}",
+        match optional {
+            true => " or null",
+            false => "",
+        },
+        json_type(given)
+    );
+    Ok(())
+}
+
+/// A JSON value as a message names it: "a string (\"64\")", "an array".
+fn json_type(value: &Value) -> String {
+    match value {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("{b}"),
+        Value::Number(n) => format!("the number {}", echo(&n.to_string())),
+        Value::String(text) => format!("a string (\"{}\")", echo(text)),
+        Value::Array(_) => "an array".into(),
+        Value::Object(_) => "an object".into(),
+    }
 }
 
 /// The dotted names of the keys of `object` under `path`.
@@ -406,6 +486,84 @@ mod tests {
         // The files of earlier versions spelt the task and model capitalised.
         let old = load(r#"{"task": {"task": "Reverse"}, "model": {"kind": "DecoderOnly"}}"#);
         assert_eq!(old.unwrap().task.task, crate::tasks::Task::Reverse);
+    }
+
+    #[test]
+    fn the_task_and_the_model_may_be_named_and_anything_else_has_its_type() {
+        let config = TrainConfig::from_json(
+            r#"{"task": "sort", "model": "encoder-decoder", "warmup_steps": null}"#,
+        )
+        .unwrap();
+        assert_eq!(config.task.task, crate::tasks::Task::Sort);
+        assert_eq!(config.model.kind, crate::model::ModelKind::EncoderDecoder);
+        for (text, wanted) in [
+            (
+                "[]",
+                "a configuration must be a JSON object of fields (`{\"lr\": 0.001}`), got an \
+                 array",
+            ),
+            (
+                "3",
+                "must be a JSON object of fields (`{\"lr\": 0.001}`), got the number 3",
+            ),
+            (r#"{"task": [1]}"#, "`task` must be an object, got an array"),
+            (
+                r#"{"lr": "0.01"}"#,
+                "`lr` must be a number, got a string (\"0.01\")",
+            ),
+            (
+                r#"{"batch_size": 64.5}"#,
+                "`batch_size` must be a whole number, 0 or more, got the number 64.5",
+            ),
+            (
+                r#"{"seed": -1}"#,
+                "`seed` must be a whole number, 0 or more, got the number -1",
+            ),
+            (
+                r#"{"pack": 1}"#,
+                "`pack` must be true or false, got the number 1",
+            ),
+            (
+                r#"{"fixed_shapes": "yes"}"#,
+                "`fixed_shapes` must be true or false or null, got a string (\"yes\")",
+            ),
+            (
+                r#"{"model": {"kind": 2}}"#,
+                "`model.kind` must be a string, got the number 2",
+            ),
+        ] {
+            let err = format!("{:#}", TrainConfig::from_json(text).unwrap_err());
+            assert!(err.contains(wanted), "{text}: {err}");
+            for internal in ["struct", "usize", "TaskConfig", "f64", "Option"] {
+                assert!(!err.contains(internal), "{text}: {err}");
+            }
+        }
+        // What a file gives is echoed short and escaped.
+        let long = format!(r#"{{"task": "{}\u001b[31m"}}"#, "x".repeat(100_000));
+        let err = format!("{:#}", TrainConfig::from_json(&long).unwrap_err());
+        assert!(err.len() < 300 && !err.contains('\x1b'), "{err}");
+    }
+
+    #[test]
+    fn every_configuration_the_readme_shows_is_read() {
+        let readme = include_str!("../../../README.md");
+        let start = readme
+            .find("## The trainer")
+            .expect("the trainer's section");
+        let section = &readme[start..];
+        let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
+        let examples: Vec<&str> = section
+            .split("```json\n")
+            .skip(1)
+            .map(|block| &block[..block.find("```").expect("a closed block")])
+            .collect();
+        assert!(examples.len() >= 2, "{section}");
+        for text in examples {
+            let config = TrainConfig::from_json(text).unwrap_or_else(|e| panic!("{text}: {e:#}"));
+            config
+                .validate()
+                .unwrap_or_else(|e| panic!("{text}: {e:#}"));
+        }
     }
 
     #[test]

@@ -189,7 +189,8 @@ where
         .ok_or_else(|| {
             let (last, rest) = names.split_last().expect("an enum has values");
             D::Error::custom(format!(
-                "unknown {what} `{text}`: expected {} or {last}",
+                "unknown {what} `{}`: expected {} or {last}",
+                crate::text::echo(&text),
                 rest.join(", ")
             ))
         })

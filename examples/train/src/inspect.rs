@@ -4,7 +4,7 @@
 //! full model's. Everything lands in `<run>/inspect/`.
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use burn::data::dataloader::batcher::Batcher;
@@ -18,6 +18,7 @@ use crate::config::TrainConfig;
 use crate::model::Model;
 use crate::run_dir::{RunDir, load_model, write_atomically};
 use crate::tasks::{Example, Split};
+use crate::text::plural;
 use crate::{plots, training};
 
 /// Which importance pruning follows.
@@ -28,6 +29,16 @@ pub enum By {
     Ablation,
     /// The head mask's gradient, normalised per layer (Michel et al.).
     Gradient,
+}
+
+impl By {
+    /// Its name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            By::Ablation => "ablation",
+            By::Gradient => "gradient",
+        }
+    }
 }
 
 /// Held-out examples per batch of the importance passes.
@@ -74,7 +85,12 @@ pub struct PruneResult {
 }
 
 /// Inspects the model in `run` on `examples` held-out examples; prunes `prune[i]` heads
-/// for each entry of `prune`, the least important `by` one measure.
+/// for each entry of `prune`, the least important `by` one measure. Each phase says on
+/// stderr how long it took, and while it takes more than a second, how far it is.
+///
+/// # Errors
+/// On a `--prune` K of 0, or above the heads that can go with one left per layer
+/// (before anything is written); when the model cannot be loaded or a file written.
 #[allow(clippy::too_many_arguments)]
 pub fn inspect(
     config: &TrainConfig,
@@ -86,9 +102,11 @@ pub fn inspect(
     device: &Device,
     fixed: Option<crate::batch::FixedShape>,
 ) -> anyhow::Result<Findings> {
+    let model = load_model(config, model_path, device)?.valid();
+    let counts = model.head_counts();
+    check_prune(&counts, prune)?;
     let dir = run.0.join("inspect");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let model = load_model(config, model_path, device)?.valid();
     let held_out: Vec<Example> = (0..examples.max(1))
         .map(|i| config.task.example(config.seed, Split::Valid, i))
         .collect();
@@ -98,23 +116,37 @@ pub fn inspect(
         pack: None,
     };
 
+    let what = plural(held_out.len(), "held-out example");
+    let phase = Phase::new(format!("head statistics on {what}"), 1);
     let report =
         HeadReport::new(model.head_stats(batcher.batch(held_out.clone(), device), &held_out));
-    let counts = model.head_counts();
+    phase.end();
+    let heads: usize = counts.iter().sum();
+    let mut phase = Phase::new(
+        format!("importance by ablation ({heads} heads masked in turn)"),
+        chunks.len() * (heads + 1),
+    );
     let ablation = HeadImportance::by_ablation(&counts, device, chunks.len(), |mask, i| {
+        phase.step();
         let inspect = Inspect::new().head_mask(mask.clone());
         let (out, _) = model.forward_inspect(batcher.batch(chunks[i].clone(), device), &inspect);
         out.loss.into_scalar::<f64>()
     });
+    phase.end();
     let autodiff = device.clone().autodiff();
     // Frozen: no parameter gradients, no dropout; the head mask's gradient still flows.
     let tracked = load_model(config, model_path, &autodiff)?.freeze();
+    let mut phase = Phase::new("importance by gradient".into(), chunks.len());
     let gradient = HeadImportance::by_gradient(&counts, &autodiff, chunks.len(), |mask, i| {
+        phase.step();
         let inspect = Inspect::new().head_mask(mask.clone());
         let batch = batcher.batch(chunks[i].clone(), &autodiff);
         tracked.forward_inspect(batch, &inspect).0.loss
     });
+    phase.end();
+    let phase = Phase::new("attention maps".into(), 1);
     draw_maps(config, &model, &held_out[0], &dir, device)?;
+    phase.end();
 
     let importance = match by {
         By::Gradient => &gradient,
@@ -122,9 +154,11 @@ pub fn inspect(
     };
     let mut pruned = Vec::new();
     for &k in prune {
+        let phase = Phase::new(format!("pruning {} and measuring", plural(k, "head")), 1);
         pruned.push(prune_and_compare(
             config, &model, model_path, importance, k, &chunks, &dir, device, fixed,
         )?);
+        phase.end();
     }
     let findings = Findings {
         report,
@@ -137,6 +171,95 @@ pub fn inspect(
     let json = serde_json::to_string_pretty(&findings).context("the findings serialise")?;
     write_atomically(&dir.join("heads.json"), json.as_bytes())?;
     Ok(findings)
+}
+
+/// Refuses a `--prune` K of 0, or above the heads that can be removed with one left in
+/// each attention layer (`counts`: the heads of each).
+fn check_prune(counts: &[usize], prune: &[usize]) -> anyhow::Result<()> {
+    let heads: usize = counts.iter().sum();
+    let most = heads - counts.len();
+    for &k in prune {
+        anyhow::ensure!(
+            k >= 1,
+            "--prune 0: K is how many heads to remove; give at least 1"
+        );
+        anyhow::ensure!(
+            k <= most,
+            "--prune {k}: at most {most} of the model's {heads} heads can be removed (one is left \
+             in each of its {})",
+            plural(counts.len(), "attention layer")
+        );
+    }
+    Ok(())
+}
+
+/// One phase of `inspect`, on stderr: once it has run a second, how far it is (in place
+/// in a terminal, else a line every ten seconds), and at its end how long it took.
+struct Phase {
+    what: String,
+    total: usize,
+    done: usize,
+    started: Instant,
+    shown: Option<Instant>,
+    interactive: bool,
+}
+
+impl Phase {
+    /// A phase of `total` steps; in a terminal, its name shows while it runs.
+    fn new(what: String, total: usize) -> Self {
+        use std::io::IsTerminal;
+        let interactive = std::io::stderr().is_terminal();
+        if interactive {
+            eprint!("\r\x1b[2K{what}…");
+        }
+        Self {
+            what,
+            total,
+            done: 0,
+            started: Instant::now(),
+            shown: None,
+            interactive,
+        }
+    }
+
+    /// One of its `total` steps is starting.
+    fn step(&mut self) {
+        self.done += 1;
+        let every = match self.interactive {
+            true => Duration::from_millis(100),
+            false => Duration::from_secs(10),
+        };
+        let due = self.shown.map_or(Duration::from_secs(1), |_| every);
+        let since = self.shown.unwrap_or(self.started);
+        if since.elapsed() < due {
+            return;
+        }
+        let line = format!(
+            "{}: {} of {} ({:.0} s)",
+            self.what,
+            self.done,
+            self.total,
+            self.started.elapsed().as_secs_f64()
+        );
+        match self.interactive {
+            true => eprint!("\r\x1b[2K{line}"),
+            false => eprintln!("{line}"),
+        }
+        self.shown = Some(Instant::now());
+    }
+
+    /// Says how long it took.
+    fn end(self) {
+        let clear = match self.interactive {
+            true => "\r\x1b[2K",
+            false => "",
+        };
+        eprintln!(
+            "{clear}{}: {:.1} s",
+            self.what,
+            self.started.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// A map of every attention layer on `example`: `inspect/attention-<layer>.png` and
@@ -257,8 +380,8 @@ pub fn print(findings: &Findings) {
     println!();
     println!(
         "heads by importance (ablation: the loss increase when the head is masked; gradient: \
-         of the loss by the head's mask, normalised per layer), ranked by {:?}:",
-        findings.pruned_by
+         of the loss by the head's mask, normalised per layer), ranked by {}:",
+        findings.pruned_by.name()
     );
     let (ablation, gradient) = (&findings.ablation.scores, &findings.gradient.scores);
     let ranking = match findings.pruned_by {
@@ -277,12 +400,12 @@ pub fn print(findings: &Findings) {
     for p in &findings.pruned {
         println!();
         println!(
-            "pruned {} of {} heads by {:?} ({}): held-out exact accuracy {:.2}% (full model {:.2}%); \
+            "pruned {} of {} heads by {} ({}): held-out exact accuracy {:.2}% (full model {:.2}%); \
              teacher-forced forward {:.1} ms against {:.1} ms ({:.2}x); greedy decoding {:.2} s \
              against {:.2} s ({:.2}x); model in {}",
             p.removed,
             p.heads[1],
-            findings.pruned_by,
+            findings.pruned_by.name(),
             describe(&p.plan, &findings.layers),
             100.0 * p.exact_accuracy,
             100.0 * p.full_exact_accuracy,

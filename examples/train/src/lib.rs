@@ -7,6 +7,7 @@
 //! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
 //!   looking inside them;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
+//! - [`memory`]: the memory a run or an inspection will take, checked before it starts;
 //! - [`fields`]: which flag sets which field;
 //! - [`backend`]: the backends a build has;
 //! - [`run_dir`]: a run directory, its layout and its checkpoints;
@@ -17,6 +18,7 @@
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
 //! - [`commands`]: what `train`, `generate` and `inspect` do, one function each;
 //! - [`cli`]: the command line (clap);
+//! - [`text`]: how messages count things and echo what a user typed;
 //! - [`alloc`]: the allocator's settings.
 
 pub mod alloc;
@@ -28,9 +30,11 @@ pub mod config;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;
+pub mod memory;
 pub mod model;
 pub mod plots;
 pub mod progress;
 pub mod run_dir;
 pub mod tasks;
+pub mod text;
 pub mod training;

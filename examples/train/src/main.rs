@@ -22,6 +22,20 @@ use std::process::ExitCode;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    end_quietly_on_a_closed_pipe();
     train::alloc::keep_freed_memory();
     train::commands::run(train::cli::Cli::parse_with_defaults())
+}
+
+/// Restores SIGPIPE's default action, which Rust sets to "ignore": a write to a closed pipe
+/// (`train | head -1`) then ends the process quietly, as it ends `cat`, instead of making
+/// every `println!` panic. A run ended so is left as a kill leaves it: `--resume` continues
+/// it from its last complete checkpoint.
+fn end_quietly_on_a_closed_pipe() {
+    // SAFETY: called first in `main`, before any other thread exists; SIG_DFL is a valid
+    // action for SIGPIPE, and no handler of ours is replaced.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
 }

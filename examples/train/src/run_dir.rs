@@ -65,7 +65,7 @@ fn list(names: &[String]) -> String {
     let shown: Vec<String> = names
         .iter()
         .take(SHOWN)
-        .map(|n| format!("{n:?}").trim_matches('"').to_string())
+        .map(|n| crate::text::echo(n))
         .collect();
     match names.len() > SHOWN {
         true => format!("{} and {} more", shown.join(", "), names.len() - SHOWN),
@@ -124,14 +124,10 @@ impl RunDir {
     /// left by a process that no longer runs (killed) is taken over, with a note.
     ///
     /// # Errors
-    /// When `--out` is a file, when the directory cannot be made, or when a running
-    /// process holds the lock (naming it).
+    /// When the directory cannot be made, or when a running process holds the lock
+    /// (naming it).
     pub fn lock(&self) -> anyhow::Result<RunLock> {
         let dir = self.0.display();
-        anyhow::ensure!(
-            !self.0.exists() || self.0.is_dir(),
-            "--out {dir} is a file, not a directory: name a directory for the run"
-        );
         std::fs::create_dir_all(&self.0).with_context(|| format!("cannot create {dir}"))?;
         let path = self.0.join(LOCK);
         let me = std::process::id();
@@ -207,12 +203,12 @@ impl RunDir {
                     for (n, line) in text.split('\n').enumerate() {
                         if !line.is_empty() && NumericEntry::deserialize(line).is_err() {
                             anyhow::bail!(
-                                "{} line {} is damaged ({}): the learner cannot read the \
+                                "{} line {} is damaged (\"{}\"): the learner cannot read the \
                                  epoch's metrics back; delete that line (or the file) and \
                                  --resume again",
                                 path.display(),
                                 n + 1,
-                                excerpt(line),
+                                crate::text::echo(line),
                             );
                         }
                     }
@@ -313,10 +309,10 @@ impl RunDir {
         };
         let done = self.last_complete_epoch().unwrap_or(0);
         format!(
-            " (task {}, {} of {} epochs complete)",
+            " (task {}, {} of {} complete)",
             config.task.task.name(),
             done,
-            config.epochs
+            crate::text::plural(config.epochs, "epoch")
         )
     }
 
@@ -417,15 +413,6 @@ pub fn load_model(
         .init_model(device)?
         .try_load_file(path)
         .map_err(|e| anyhow::anyhow!("{}: cannot load the model ({e})", path.display()))
-}
-
-/// A damaged line as an error shows it: escaped, and cut after 60 characters.
-fn excerpt(line: &str) -> String {
-    let mut shown: String = line.chars().take(60).flat_map(char::escape_debug).collect();
-    if line.chars().count() > 60 {
-        shown.push('…');
-    }
-    format!("\"{shown}\"")
 }
 
 /// Whether every weight of `model` is finite.

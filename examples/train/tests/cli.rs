@@ -346,8 +346,9 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
         ),
         (
             r#"{"batch_size": "64"}"#,
-            "invalid type: string \"64\", expected usize",
+            "`batch_size` must be a whole number, 0 or more, got a string (\"64\")",
         ),
+        ("[]", "a configuration must be a JSON object of fields"),
     ] {
         std::fs::write(&file, text).unwrap();
         let out = run(on_flex(&["--out"])
@@ -363,7 +364,7 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
     // Any subset of the fields, spelt as on the command line; flags override it.
     std::fs::write(
         &file,
-        r#"{"task": {"task": "sort", "max_len": 5}, "model": {"kind": "encoder-decoder"}}"#,
+        r#"{"task": {"task": "sort", "max_len": 5}, "model": "encoder-decoder"}"#,
     )
     .unwrap();
     let dir = root.join("run");
@@ -406,7 +407,7 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
     let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
     assert_error(
         &out,
-        &["already finished its 1 epochs", "--resume --epochs N"],
+        &["already finished its 1 epoch;", "--resume --epochs N"],
     );
     assert_eq!(checksums(&dir), before);
     // --epochs extends it; the extra steps train at the schedule's floor.
@@ -814,6 +815,9 @@ fn a_non_finite_loss_stops_the_run_at_its_step() {
     assert!((1..=5).contains(&step), "{s}");
     assert!(s["last_checkpoint_epoch"].is_null(), "{s}");
     assert!(!dir.join("model.bpk").exists());
+    // No answer from weights that are not finite.
+    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
+    assert_error(&out, &["no model or usable checkpoint"]);
 }
 
 #[test]
@@ -956,7 +960,7 @@ fn a_software_gpu_is_named() {
 fn inspect_reports_ranks_draws_and_prunes_both_models() {
     let root = scratch("inspect");
     let missing = run(on_flex(&["inspect", "--out"]).arg(root.join("nothing")));
-    assert_error(&missing, &["no finished run here"]);
+    assert_error(&missing, &["no run here (no config.json)"]);
     for model in ["decoder-only", "encoder-decoder"] {
         let dir = root.join(model);
         let out = run(on_flex(TINY)
@@ -971,16 +975,16 @@ fn inspect_reports_ranks_draws_and_prunes_both_models() {
             ])
             .arg(&dir));
         assert!(out.status.success());
+        // One layer of two heads; the encoder-decoder has its encoder's, its decoder's
+        // self- and cross-attention. Each keeps a head per layer.
+        let (layers, heads, prune) = match model {
+            "decoder-only" => (1, 2, "1"),
+            _ => (3, 6, "1,2"),
+        };
         let out =
-            run(on_flex(&["inspect", "--examples", "40", "--prune", "1,2", "--out"]).arg(&dir));
+            run(on_flex(&["inspect", "--examples", "40", "--prune", prune, "--out"]).arg(&dir));
         assert!(out.status.success(), "{}", stderr(&out));
         let text = String::from_utf8_lossy(&out.stdout);
-        // One layer of two heads; the encoder-decoder has its encoder's, its decoder's
-        // self- and cross-attention.
-        let (layers, heads) = match model {
-            "decoder-only" => (1, 2),
-            _ => (3, 6),
-        };
         let header = text
             .lines()
             .position(|l| l.starts_with("layer "))
@@ -1011,11 +1015,9 @@ fn inspect_reports_ranks_draws_and_prunes_both_models() {
         let scores = findings["gradient"]["scores"].as_array().unwrap();
         assert_eq!(scores.len(), layers);
         let pruned = findings["pruned"].as_array().unwrap();
-        assert_eq!(pruned.len(), 2);
-        // Every layer keeps a head: the decoder-only model's one layer of two keeps one
-        // even when asked for two.
+        assert_eq!(pruned.len(), prune.split(',').count());
         for (p, k) in pruned.iter().zip([1, 2]) {
-            assert_eq!(p["removed"], k.min(heads - layers), "{p}");
+            assert_eq!(p["removed"], k, "{p}");
             let accuracy = p["exact_accuracy"].as_f64().unwrap();
             assert!((0.0..=1.0).contains(&accuracy), "{p}");
             let plan = inspect.join(format!("pruned-{k}"));
@@ -1033,4 +1035,250 @@ fn inspect_reports_ranks_draws_and_prunes_both_models() {
         }
     }
     let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn flags_before_a_subcommand_are_its_own_or_refused_with_the_right_order() {
+    let root = scratch("order");
+    let dir = root.join("run");
+    tiny_run(&dir, "1");
+    // --out (and --backend) before the subcommand are the subcommand's.
+    let out = run(on_flex(&["--out"]).arg(&dir).args(["generate", "1 2 3 4"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out =
+        run(on_flex(&["--out"])
+            .arg(&dir)
+            .args(["--task", "copy", "inspect", "--examples", "8"]));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(dir.join("inspect").join("heads.json").exists());
+    // Given on both sides, with the same value: one; with others: refused.
+    let out = run(on_flex(&["--out"])
+        .arg(&dir)
+        .args(["generate", "--out"])
+        .arg(&dir)
+        .arg("1 2 3 4"));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = run(&mut on_flex(&[
+        "--task", "sort", "generate", "--task", "copy", "1 2",
+    ]));
+    assert_error(
+        &out,
+        &["`--task sort` before `generate` and `--task copy` after it differ"],
+    );
+    // A flag of training before a subcommand: refused, naming it and the right order.
+    let out = run(on_flex(&["--epochs", "3", "--out"])
+        .arg(&dir)
+        .args(["generate", "1 2 3 4"]));
+    assert_error(
+        &out,
+        &[
+            "`--epochs 3` is a flag of training, which `generate` does not take",
+            "train generate [OPTIONS] <INPUT>",
+        ],
+    );
+    let out = run(on_flex(&["--resume", "inspect", "--out"]).arg(&dir));
+    assert_error(&out, &["`--resume` is a flag of training", "train inspect"]);
+}
+
+/// Reads the trainer's first line of stdout, then closes the pipe while it still prints.
+#[cfg(unix)]
+#[test]
+fn a_closed_pipe_ends_the_trainer_quietly() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = scratch("pipe").join("run");
+    let mut child = on_flex(TINY)
+        .args([
+            "--epochs",
+            "2",
+            "--steps-per-epoch",
+            "200",
+            "--log-every",
+            "1",
+        ])
+        .arg("--out")
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("training on flex"), "{first}");
+    // The reader is dropped: the pipe is closed.
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.signal(), Some(13), "ended by SIGPIPE: {err}");
+}
+
+#[test]
+fn what_would_not_fit_in_memory_is_refused_before_it_starts() {
+    let root = scratch("memory");
+    // A vocabulary of 100 million: the logits of one step alone are 2.6 TB.
+    let big = root.join("big");
+    let started = Instant::now();
+    let out = run(on_flex(&["--symbols", "100000000", "--out"]).arg(&big));
+    assert_error(
+        &out,
+        &[
+            "this run needs about",
+            "logits [64, 34, 100000003]",
+            "this machine has available: lower --symbols, --batch-size, --max-len",
+        ],
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert!(!big.exists(), "a refused run writes nothing");
+    // inspect: --examples within the held-out split (about a tenth of 6^4 inputs), and
+    // not 0; its phases and the whole command say how long they took.
+    let dir = root.join("run");
+    tiny_run(&dir, "1");
+    let out = run(on_flex(&["inspect", "--examples", "5000", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &[
+            "--examples 5000: the run's held-out split has only",
+            "ask for at most",
+        ],
+    );
+    let out = run(on_flex(&["inspect", "--examples", "0", "--out"]).arg(&dir));
+    assert_error(&out, &["--examples must be at least 1, got 0"]);
+    let out = run(on_flex(&["inspect", "--examples", "16", "--out"]).arg(&dir));
+    assert!(out.status.success());
+    let err = stderr(&out);
+    for phase in [
+        "head statistics on 16 held-out examples: ",
+        "importance by ablation (2 heads masked in turn): ",
+        "importance by gradient: ",
+        "attention maps: ",
+    ] {
+        assert!(err.contains(phase), "{phase:?} missing from: {err}");
+    }
+    assert!(
+        err.trim_end()
+            .lines()
+            .last()
+            .unwrap()
+            .starts_with("inspect took "),
+        "{err}"
+    );
+    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
+    assert!(
+        stderr(&out).starts_with("generate took "),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn config_files_are_objects_and_may_name_the_task_and_the_model() {
+    let root = scratch("config-shorthand");
+    let file = root.join("config.json");
+    std::fs::write(&file, "[]").unwrap();
+    let out = run(on_flex(&["--out"])
+        .arg(root.join("empty"))
+        .arg("--config")
+        .arg(&file));
+    assert_error(&out, &["must be a JSON object of fields", "got an array"]);
+    std::fs::write(&file, r#"{"task": "sort", "model": "encoder-decoder"}"#).unwrap();
+    let dir = root.join("run");
+    let out = run(
+        on_flex(&["--min-len", "2", "--max-len", "3", "--symbols", "5"])
+            .args(["--d-model", "32", "--layers", "1", "--epochs", "1"])
+            .args(["--steps-per-epoch", "5", "--eval-examples", "8", "--out"])
+            .arg(&dir)
+            .arg("--config")
+            .arg(&file),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s = summary(&dir);
+    assert_eq!(
+        (s["task"].clone(), s["model"].clone()),
+        ("sort".into(), "encoder-decoder".into())
+    );
+}
+
+#[test]
+fn messages_say_what_is_wrong_and_show_input_short() {
+    let root = scratch("messages");
+    let dir = root.join("run");
+    tiny_run(&dir, "1");
+    // A symbol out of range: the range of the symbols.
+    assert_rejected(
+        &dir,
+        &[(
+            "100",
+            "input token 1 `100` is not a symbol of task copy: its symbols are 0 to 5",
+        )],
+    );
+    // Input echoed short, its control characters escaped.
+    let long = format!("\x1b[31m{}", "7".repeat(120_000));
+    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg(&long));
+    assert_error(&out, &["`\\u{1b}[31m777", "(119945 more characters)"]);
+    assert!(stderr(&out).len() < 400 && !stderr(&out).contains('\x1b'));
+    // A negative number is a value, which validation names.
+    let out = run(on_flex(&["--lr", "-0.01", "--out"]).arg(root.join("lr")));
+    assert_error(&out, &["`--lr` (`lr`) must be in (0, 1], got -0.01"]);
+    // A file where a directory should be.
+    let file = root.join("afile.txt");
+    std::fs::write(&file, "notes").unwrap();
+    let out = run(on_flex(&["--out"]).arg(&file));
+    assert_error(&out, &["afile.txt: a file, not a directory"]);
+    // --prune: at least 1, at most what leaves a head per layer; named readably.
+    let out = run(on_flex(&["inspect", "--prune", "100", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &[
+            "--prune 100: at most 1 of the model's 2 heads can be removed (one is left in each of its 1 attention layer)",
+        ],
+    );
+    let out = run(on_flex(&["inspect", "--prune", "0", "--out"]).arg(&dir));
+    assert_error(&out, &["--prune 0", "at least 1"]);
+    assert!(
+        !dir.join("inspect").exists(),
+        "a refused inspect writes nothing"
+    );
+    let out = run(on_flex(&["inspect", "--examples", "8", "--prune", "1", "--out"]).arg(&dir));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ranked by ablation:"), "{text}");
+    assert!(
+        text.contains("pruned 1 of 2 heads by ablation (layer 0: "),
+        "{text}"
+    );
+    // One epoch, one layer: no "1 epochs".
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert_error(&out, &["already finished its 1 epoch;"]);
+    // An unfinished run: what is missing, and how to finish it.
+    std::fs::remove_file(dir.join("model.bpk")).unwrap();
+    let out = run(on_flex(&["inspect", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &[
+            "the run did not finish (no model.bpk; its last complete checkpoint is epoch 1 of 1)",
+            "--resume --out",
+        ],
+    );
+    // The help lists the backends of this build, and only those.
+    let help = run(trainer().arg("--help"));
+    let help = String::from_utf8_lossy(&help.stdout);
+    let listed: Vec<&str> = help
+        .split("--backend <BACKEND>")
+        .nth(1)
+        .and_then(|h| h.split("Possible values:").nth(1))
+        .map(|h| h.split("\n\n").next().unwrap())
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- ")?.split(':').next())
+        .collect();
+    let compiled: Vec<&str> = train::backend::Backend::compiled()
+        .iter()
+        .map(|b| b.name())
+        .collect();
+    let mut sorted = compiled.clone();
+    sorted.sort();
+    let mut listed_sorted = listed.clone();
+    listed_sorted.sort();
+    assert_eq!(listed_sorted, sorted, "{help}");
 }

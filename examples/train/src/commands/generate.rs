@@ -9,7 +9,7 @@ use crate::run_dir::load_model;
 
 /// Answers one input with the run's model.
 pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result<()> {
-    let run = run_dir(&args.out, args.task);
+    let run = run_dir(&args.out, args.task)?;
     let dir = run.0.display();
     anyhow::ensure!(
         run.holds_run(),
@@ -27,8 +27,10 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
         true => run.model(),
         false => {
             let epoch = run
-                .last_complete_epoch()
-                .ok_or_else(|| anyhow::anyhow!("{dir}: the run has no model or checkpoint yet"))?;
+                .newest_usable_checkpoint(&config, &device)
+                .ok_or_else(|| {
+                    anyhow::anyhow!("{dir}: the run has no model or usable checkpoint yet")
+                })?;
             eprintln!(
                 "warning: the run did not finish; answering with the model of epoch {epoch} of {}",
                 config.epochs

@@ -1,7 +1,7 @@
 //! What each command does, one function each: [`train`](train::train) a new run or
 //! resume one, [`generate`](generate::generate) an answer to one input,
 //! [`inspect`](inspect::inspect) a trained run's heads. [`run`] calls the one the command
-//! line asks for and turns its result into the exit code.
+//! line asks for, says how long it took, and turns its result into the exit code.
 
 pub mod generate;
 pub mod inspect;
@@ -9,6 +9,7 @@ pub mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Instant;
 
 use crate::backend::Backend;
 use crate::cli::{Cli, Command};
@@ -17,16 +18,31 @@ use crate::run_dir::RunDir;
 use crate::tasks::Task;
 
 /// Runs the command: exit code 0 when it did what it was asked, 130 when a Ctrl-C
-/// stopped it, 1 (after a one-line error) otherwise.
+/// stopped it (each after a last line on stderr with the command's wall time), 1 (after
+/// a one-line error) otherwise.
 pub fn run(cli: Cli) -> ExitCode {
-    let result = match cli.command {
-        Some(Command::Generate(args)) => generate::generate(&args, cli.backend).map(|()| true),
-        Some(Command::Inspect(args)) => inspect::inspect(&args, cli.backend).map(|()| true),
-        None => train::train(&cli.train, cli.backend),
+    let started = Instant::now();
+    let (name, result) = match cli.command {
+        Some(Command::Generate(args)) => (
+            "generate",
+            generate::generate(&args, cli.backend).map(|()| true),
+        ),
+        Some(Command::Inspect(args)) => (
+            "inspect",
+            inspect::inspect(&args, cli.backend).map(|()| true),
+        ),
+        None => ("train", train::train(&cli.train, cli.backend)),
     };
+    let seconds = started.elapsed().as_secs_f64();
     match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(130),
+        Ok(true) => {
+            eprintln!("{name} took {seconds:.1} s");
+            ExitCode::SUCCESS
+        }
+        Ok(false) => {
+            eprintln!("{name} stopped after {seconds:.1} s");
+            ExitCode::from(130)
+        }
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE
@@ -35,11 +51,21 @@ pub fn run(cli: Cli) -> ExitCode {
 }
 
 /// The run directory a command reads or writes: `out`, or by default `runs/<task>`.
-fn run_dir(out: &Option<PathBuf>, task: Option<Task>) -> RunDir {
-    RunDir(out.clone().unwrap_or_else(|| {
+///
+/// # Errors
+/// When a file (not a directory) is in its place.
+fn run_dir(out: &Option<PathBuf>, task: Option<Task>) -> anyhow::Result<RunDir> {
+    let dir = out.clone().unwrap_or_else(|| {
         let task = task.unwrap_or(TrainConfig::default().task.task);
         PathBuf::from("runs").join(task.name())
-    }))
+    });
+    anyhow::ensure!(
+        !dir.exists() || dir.is_dir(),
+        "--out {}: a file, not a directory; --out names a run's directory (a new or empty \
+         one for a new run)",
+        dir.display()
+    );
+    Ok(RunDir(dir))
 }
 
 /// Warns when a GPU backend runs on a software adapter.

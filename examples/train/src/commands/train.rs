@@ -9,6 +9,7 @@ use crate::backend::Backend;
 use crate::cli::TrainArgs;
 use crate::config::TrainConfig;
 use crate::run_dir::{RunDir, RunLock, load_model};
+use crate::text::plural;
 use crate::training::{self, Status, Summary};
 use crate::{interrupt, plots};
 
@@ -23,7 +24,7 @@ enum Start {
 /// Trains a new run or resumes one; `false` when a Ctrl-C stopped it.
 pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     let backend = Backend::or_best(backend)?;
-    let run = run_dir(&args.out, args.task);
+    let run = run_dir(&args.out, args.task)?;
     let dir = run.0.display();
     let (config, start, device, _lock) = match args.resume {
         true => prepare_resume(args, &run, backend)?,
@@ -55,8 +56,8 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
         );
     }
     println!(
-        "{} on {backend}: task {} (lengths {}..={}, {} symbols), model {} (d_model {}, {} \
-         layers, {} heads, {} positions), {} epochs of {} steps, in {dir}",
+        "{} on {backend}: task {} (lengths {}..={}, {}), model {} (d_model {}, {}, {}, {} \
+         positions), {} of {}, in {dir}",
         match start_epoch {
             0 => "training".to_string(),
             e => format!("resuming after epoch {e}"),
@@ -64,14 +65,14 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
         config.task.task.name(),
         config.task.min_len,
         config.task.max_len,
-        config.task.n_symbols,
+        plural(config.task.n_symbols, "symbol"),
         config.model.kind.name(),
         config.model.d_model,
-        config.model.n_layers,
-        config.model.n_heads,
+        plural(config.model.n_layers, "layer"),
+        plural(config.model.n_heads, "head"),
         config.model.positions.name(),
-        config.epochs,
-        config.steps_per_epoch,
+        plural(config.epochs, "epoch"),
+        plural(config.steps_per_epoch, "step"),
     );
     let summary = training::train(&config, &run, start_epoch, &device, backend, args.log_every)?;
     training::write_summary(&run, &summary)?;
@@ -92,6 +93,7 @@ fn prepare_new(
     };
     let config = args.apply(base);
     config.validate()?;
+    crate::memory::training(&config).check(backend)?;
     let device = backend.device()?;
     let lock = run.lock()?;
     run.prepare_new(args.overwrite)?;
@@ -131,9 +133,9 @@ fn prepare_resume(
         let summary = training::trained_summary(&config, run, backend);
         anyhow::ensure!(
             summary.status != Status::Finished,
-            "{dir}: the run already finished its {} epochs; extend it with --resume --epochs N \
-             (N above {})",
-            config.epochs,
+            "{dir}: the run already finished its {}; extend it with --resume --epochs N (N \
+             above {})",
+            plural(config.epochs, "epoch"),
             config.epochs
         );
         if config != stored {

@@ -81,7 +81,10 @@ impl TaskRules for AddTask {
                 },
                 '+' => parts.push(Part::Plus(at)),
                 c if c.is_whitespace() => {}
-                c => anyhow::bail!("character {at} `{c}` is neither a digit nor `+`"),
+                c => anyhow::bail!(
+                    "character {at} `{}` is neither a digit nor `+`",
+                    crate::text::echo(&c.to_string())
+                ),
             }
         }
         let (a, b) = match parts.as_slice() {
@@ -122,8 +125,8 @@ impl TaskRules for AddTask {
         tokens.len() / 2
     }
 
-    fn unit(&self) -> &'static str {
-        "digits per operand"
+    fn count(&self, len: usize) -> String {
+        format!("{} per operand", crate::text::plural(len, "digit"))
     }
 }
 

@@ -16,6 +16,7 @@ use burn::data::dataset::{Dataset, DatasetError};
 use serde::{Deserialize, Serialize};
 
 use crate::fields::{MAX_LEN, MIN_LEN, N_SYMBOLS};
+use crate::text::{echo, plural};
 
 /// Padding: ignored by the loss and the metrics.
 pub const PAD: usize = 0;
@@ -123,9 +124,9 @@ pub trait TaskRules: Sync {
         tokens.len()
     }
 
-    /// What [`length_of`](Self::length_of) counts, for messages.
-    fn unit(&self) -> &'static str {
-        "symbols"
+    /// A length as [`length_of`](Self::length_of) counts it, for messages: "3 symbols".
+    fn count(&self, len: usize) -> String {
+        plural(len, "symbol")
     }
 }
 
@@ -158,6 +159,9 @@ impl Default for TaskConfig {
         }
     }
 }
+
+/// The labels of the symbols of a task with at most 62 of them, one character each.
+const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
 
 /// Inputs up to this many are enumerated to check that both splits have some.
 const ENUMERABLE: u128 = 1 << 20;
@@ -288,7 +292,6 @@ impl TaskConfig {
     /// symbols, else as its number (so that every label can be typed back into
     /// [`parse`](Self::parse)); the task's own tokens (`+`), and the special tokens.
     pub fn token_label(&self, token: usize) -> String {
-        const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ";
         match token {
             PAD => "·".into(),
             SEP => "|".into(),
@@ -321,8 +324,8 @@ impl TaskConfig {
         let len = rules.length_of(&tokens);
         anyhow::ensure!(
             len <= self.max_len,
-            "the input has {len} {}; this run was trained on at most {}",
-            rules.unit(),
+            "the input has {}; this run was trained on at most {}",
+            rules.count(len),
             self.max_len
         );
         Ok(tokens)
@@ -334,13 +337,32 @@ impl TaskConfig {
         let len = rules.length_of(tokens);
         (len < self.min_len).then(|| {
             format!(
-                "the input has {len} {}; this run was trained on {} to {}, so the answer is a guess \
+                "the input has {}; this run was trained on {} to {}, so the answer is a guess \
                  outside what it learned",
-                rules.unit(),
+                rules.count(len),
                 self.min_len,
                 self.max_len
             )
         })
+    }
+
+    /// The labels of the symbols, as runs: "0 to 9 and a to f", "0 to 69".
+    pub fn symbol_range(&self) -> String {
+        let label = |s: usize| self.token_label(FIRST + s);
+        let run = |first: usize, last: usize| match first == last {
+            true => label(first),
+            false => format!("{} to {}", label(first), label(last)),
+        };
+        let last = self.n_symbols - 1;
+        let runs: Vec<String> = match self.n_symbols {
+            n if n <= 10 || n > 62 => vec![run(0, last)],
+            n if n <= 36 => vec![run(0, 9), run(10, last)],
+            _ => vec![run(0, 9), run(10, 35), run(36, last)],
+        };
+        match runs.split_last() {
+            Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+            _ => runs.concat(),
+        }
     }
 
     /// Symbols separated by spaces, each as [`token_label`](Self::token_label) writes it.
@@ -356,18 +378,22 @@ impl TaskConfig {
             .map(|(i, word)| match labels.iter().position(|l| l == word) {
                 Some(s) => Ok(FIRST + s),
                 None => {
-                    let spelt_out = word.chars().all(|c| labels.contains(&c.to_string()));
-                    let hint = match spelt_out && word.chars().count() > 1 {
+                    // Several one-character symbols written together (`314`).
+                    let spelt_out = self.n_symbols <= ALPHABET.len()
+                        && word.chars().all(|c| labels.contains(&c.to_string()));
+                    let spaced = match spelt_out && word.chars().count() > 1 {
                         true => {
                             let spaced: Vec<String> = word.chars().map(String::from).collect();
-                            format!(" (separate symbols by spaces: `{}`)", spaced.join(" "))
+                            format!(" (separate symbols by spaces: `{}`)", echo(&spaced.join(" ")))
                         }
-                        false => format!("; its symbols are {}", labels.join(" ")),
+                        false => String::new(),
                     };
                     Err(anyhow::anyhow!(
-                        "input token {} `{word}` is not a symbol of task {}{hint}",
+                        "input token {} `{}` is not a symbol of task {}: its symbols are {}{spaced}",
                         i + 1,
-                        self.task.name()
+                        echo(word),
+                        self.task.name(),
+                        self.symbol_range(),
                     ))
                 }
             })
@@ -538,6 +564,7 @@ mod tests {
         assert_eq!(rev.parse("3 1  4").unwrap(), vec![6, 4, 7]);
         let err = rev.parse("99 12").unwrap_err().to_string();
         assert!(err.starts_with("input token 1 `99`"), "{err}");
+        assert!(err.contains("its symbols are 0 to 9"), "{err}");
         assert!(err.contains("`9 9`"), "{err}");
         let err = rev.parse("3 x").unwrap_err().to_string();
         assert!(err.starts_with("input token 2 `x`"), "{err}");
@@ -559,5 +586,16 @@ mod tests {
         let text = wide.format_output(&tokens);
         assert_eq!(text, "0 61 62 69");
         assert_eq!(wide.parse(&text).unwrap(), tokens);
+        assert_eq!(wide.symbol_range(), "0 to 69");
+        let err = wide.parse("70").unwrap_err().to_string();
+        assert!(err.ends_with("its symbols are 0 to 69"), "{err}");
+        assert_eq!(
+            task(Task::Copy, [1, 4, 16]).symbol_range(),
+            "0 to 9 and a to f"
+        );
+        assert_eq!(
+            task(Task::Copy, [1, 4, 40]).symbol_range(),
+            "0 to 9, a to z and A to D"
+        );
     }
 }
