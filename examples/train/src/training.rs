@@ -198,25 +198,12 @@ pub fn train(
         .step
         .saturating_sub(start_epoch * config.steps_per_epoch);
     let mut summary = Summary {
-        status: Status::Interrupted,
-        task: config.task.task,
-        model: config.model.kind,
-        backend,
         steps_done: reached.step,
-        steps_total: config.total_steps(),
-        last_checkpoint_epoch: run.last_complete_epoch(),
-        diverged_at_step: None,
         first_loss: reached.first_loss,
         final_loss: reached.epoch_loss,
-        exact_accuracy: None,
-        token_accuracy: None,
-        eval_examples: config.eval_examples,
-        positions: config.model.positions,
-        longer_lengths: None,
-        longer_exact_accuracy: None,
-        longer_token_accuracy: None,
         wall_seconds: wall,
         tokens_per_second: steps as f64 * tokens_per_step / wall.max(1e-9),
+        ..Summary::unfinished(config, run, backend)
     };
     if let Some(step) = reached.diverged {
         summary.status = Status::Diverged;
@@ -291,25 +278,38 @@ pub fn trained_summary(config: &TrainConfig, run: &RunDir, backend: Backend) -> 
     let losses = epoch_losses(&run.0, config.epochs, &MetricSplit::Train);
     let mean = |steps: &Vec<f64>| steps.iter().sum::<f64>() / steps.len() as f64;
     Summary {
-        status: Status::Interrupted,
-        task: config.task.task,
-        model: config.model.kind,
-        backend,
         steps_done: config.total_steps(),
-        steps_total: config.total_steps(),
-        last_checkpoint_epoch: run.last_complete_epoch(),
-        diverged_at_step: None,
         first_loss: losses.first().and_then(|steps| steps.first().copied()),
         final_loss: losses.last().map(mean),
-        exact_accuracy: None,
-        token_accuracy: None,
-        eval_examples: config.eval_examples,
-        positions: config.model.positions,
-        longer_lengths: None,
-        longer_exact_accuracy: None,
-        longer_token_accuracy: None,
-        wall_seconds: 0.0,
-        tokens_per_second: 0.0,
+        ..Summary::unfinished(config, run, backend)
+    }
+}
+
+impl Summary {
+    /// The summary of a run of `config` in `run` that has not finished: interrupted,
+    /// nothing done or measured yet.
+    fn unfinished(config: &TrainConfig, run: &RunDir, backend: Backend) -> Self {
+        Self {
+            status: Status::Interrupted,
+            task: config.task.task,
+            model: config.model.kind,
+            backend,
+            steps_done: 0,
+            steps_total: config.total_steps(),
+            last_checkpoint_epoch: run.last_complete_epoch(),
+            diverged_at_step: None,
+            first_loss: None,
+            final_loss: None,
+            exact_accuracy: None,
+            token_accuracy: None,
+            eval_examples: config.eval_examples,
+            positions: config.model.positions,
+            longer_lengths: None,
+            longer_exact_accuracy: None,
+            longer_token_accuracy: None,
+            wall_seconds: 0.0,
+            tokens_per_second: 0.0,
+        }
     }
 }
 
