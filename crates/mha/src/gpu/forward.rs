@@ -6,7 +6,9 @@
 //!
 //! Per tile a unit loops over the keys of its own interval twice (scores, then weights
 //! into the output): its loop iterations grow with the keys it sees, about two per key,
-//! and not with the head dims, whose loops are unrolled.
+//! and not with the head dims, whose loops are unrolled. Under lavapipe's cap of 65,535
+//! loop iterations per invocation, a row may therefore see about 32,000 keys; a caller
+//! with longer rows splits the keys (not done yet).
 
 use cubecl::client::Client;
 use cubecl::prelude::*;
