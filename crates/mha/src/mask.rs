@@ -499,6 +499,27 @@ impl Visibility {
         self.causal || self.window.is_some() || self.packed.is_some()
     }
 
+    /// The rule as a band around each query's own position, for kernels that compute
+    /// [`keys_of`](Self::keys_of) themselves: query `i` sees keys `i + offset - before
+    /// ..= i + offset + after`, cut to `0..Tk` (`None`: no bound on that side). `None`
+    /// for packed sequences, which no band describes.
+    #[allow(dead_code)] // Read by the GPU kernels, which nothing routes to yet.
+    pub(crate) fn band(&self) -> Option<Band> {
+        if self.packed.is_some() {
+            return None;
+        }
+        // The causal part sees nothing after the own position, whatever the window.
+        let after = match self.causal {
+            true => Some(0),
+            false => self.window.map(|w| w.after),
+        };
+        Some(Band {
+            offset: self.offset,
+            before: self.window.map(|w| w.before),
+            after,
+        })
+    }
+
     /// The keys query `query` of batch row `b` sees.
     pub(crate) fn keys_of(&self, b: usize, query: usize) -> Range<usize> {
         let own = query as i64 + self.offset;
@@ -626,6 +647,19 @@ impl Visibility {
     }
 }
 
+/// Which keys each query sees, as a band around its own position (see
+/// [`Visibility::band`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[allow(dead_code)] // Read by the GPU kernels, which nothing routes to yet.
+pub(crate) struct Band {
+    /// The key at query 0's own position.
+    pub(crate) offset: i64,
+    /// Keys seen before the own position; `None`: every one.
+    pub(crate) before: Option<usize>,
+    /// Keys seen after the own position; `None`: every one.
+    pub(crate) after: Option<usize>,
+}
+
 /// The sequence holding position `t` of a row packed as `cumulative` lengths; `None` for
 /// padding past the row's last boundary.
 fn sequence(cumulative: &[usize], t: usize) -> Option<Range<usize>> {
@@ -704,4 +738,61 @@ fn check_broadcast(what: &str, dims: [usize; 4], target: [usize; 4]) {
         fits,
         "attention mask: the {what} of shape {dims:?} does not broadcast to the scores [B, H, Tq, Tk] = {target:?}"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The keys of query `i` by `band`, as a kernel computes them.
+    fn band_keys(band: Band, keys: usize, i: usize) -> Range<usize> {
+        let own = i as i64 + band.offset;
+        let lo = band.before.map_or(0, |n| (own - n as i64).max(0));
+        let hi = band
+            .after
+            .map_or(keys as i64, |n| (own + n as i64 + 1).min(keys as i64));
+        match lo < hi {
+            true => lo as usize..hi as usize,
+            false => 0..0,
+        }
+    }
+
+    #[test]
+    fn the_band_gives_the_keys_of_every_query() {
+        let alignments = [
+            CausalAlignment::BottomRight,
+            CausalAlignment::TopLeft,
+            CausalAlignment::Offset(-3),
+            CausalAlignment::Offset(7),
+        ];
+        let masks = [
+            AttentionMask::none(),
+            AttentionMask::causal(),
+            AttentionMask::sliding_window(1),
+            AttentionMask::sliding_window(4),
+            AttentionMask::local(0),
+            AttentionMask::local(3),
+            AttentionMask::local(2).and(AttentionMask::causal()),
+            AttentionMask::sliding_window(6).and(AttentionMask::local(2)),
+        ];
+        for mask in masks {
+            for alignment in alignments {
+                let mask = mask.clone().aligned(alignment);
+                for (queries, keys) in [(9, 9), (4, 13), (13, 4), (1, 1)] {
+                    let visibility = mask.visibility(queries, keys);
+                    let band = visibility.band().expect("no packed sequences");
+                    for i in 0..queries {
+                        assert_eq!(
+                            band_keys(band, keys, i),
+                            visibility.keys_of(0, i),
+                            "{:?} {alignment:?}, query {i} of [{queries}, {keys}]",
+                            mask.rule()
+                        );
+                    }
+                }
+            }
+        }
+        let packed = AttentionMask::packed(&[vec![0, 3, 5]]);
+        assert_eq!(packed.visibility(5, 5).band(), None);
+    }
 }
