@@ -395,7 +395,7 @@ fn tensor(values: &[f32], dims: [usize; 4], device: &Device, dtype: FloatDType) 
 }
 
 /// Asserts `|got - want| <= atol + rtol·|want|` everywhere, printing the worst error.
-fn close(what: &str, got: Tensor<4>, want: &[f64], [atol, rtol]: [f64; 2]) {
+fn close<const D: usize>(what: &str, got: Tensor<D>, want: &[f64], [atol, rtol]: [f64; 2]) {
     let got = to_vec(got.cast(FloatDType::F32));
     assert_eq!(got.len(), want.len(), "{what}: sizes differ");
     let mut worst = (0.0f64, 0);
@@ -494,7 +494,7 @@ fn check(
         // long cases): beside the gradients' atol, an rtol of f32's accumulated rounding.
         let [atol, rtol] = grad_tol;
         let tol = [atol, rtol.max(1e-5)];
-        close(&format!("{what}: dtable"), got.unsqueeze::<4>(), want, tol);
+        close(&format!("{what}: dtable"), got, want, tol);
     }
 }
 
@@ -581,4 +581,104 @@ fn other_dtypes_match_f64_attention_at_their_precision() {
             }
         }
     }
+}
+
+/// Every mask kind at sizes `[B, H, Hkv, Tq, Tk, Dk, Dv]`, any of which may be 0.
+fn mask_kinds(dims: [usize; 7]) -> Vec<Case> {
+    let [batch, heads, _, queries, keys, ..] = dims;
+    let case = |kind: &str, mask| Case {
+        name: format!("{kind} at {dims:?}"),
+        sizes: sizes(dims),
+        mask,
+    };
+    let part = |dims: [usize; 4], seed| Part {
+        values: normal(dims.iter().product(), seed),
+        dims,
+    };
+    let lengths: Vec<usize> = (0..batch).map(|b| keys.saturating_sub(b)).collect();
+    let rule = |rule, top_left| MaskSpec {
+        rule,
+        top_left,
+        ..MaskSpec::default()
+    };
+    vec![
+        case("none", MaskSpec::default()),
+        case("causal", MaskSpec::causal()),
+        case("causal top-left", rule(Rule::Causal, true)),
+        case("sliding window 2", rule(Rule::Sliding(2), false)),
+        case("local window 1", rule(Rule::Local(1), false)),
+        case(
+            "padding",
+            MaskSpec {
+                blocked: Some(padding(&lengths, keys)),
+                ..MaskSpec::default()
+            },
+        ),
+        case(
+            "boolean",
+            MaskSpec {
+                blocked: Some(Part {
+                    values: pattern(queries * keys, 0.5, 7),
+                    dims: [1, 1, queries, keys],
+                }),
+                ..MaskSpec::default()
+            },
+        ),
+        case(
+            "bias",
+            MaskSpec {
+                bias: Some(part([1, heads, queries, keys], 9)),
+                ..MaskSpec::default()
+            },
+        ),
+        case(
+            "ALiBi",
+            MaskSpec {
+                position: Some(Position::Alibi(alibi_slopes(heads))),
+                ..MaskSpec::causal()
+            },
+        ),
+        case(
+            "T5 table",
+            MaskSpec {
+                position: Some(table(heads, t5(true), 11)),
+                ..MaskSpec::default()
+            },
+        ),
+    ]
+    .into_iter()
+    .chain((queries == keys).then(|| {
+        // Self-attention only; no sequence when there is no token.
+        let cu = match keys {
+            0 => vec![0],
+            _ => vec![0, keys],
+        };
+        case(
+            "packed",
+            MaskSpec {
+                packed: Some(vec![cu; batch]),
+                ..MaskSpec::causal()
+            },
+        )
+    }))
+    .collect()
+}
+
+#[test]
+fn zero_and_one_sized_calls_match_f64_attention() {
+    let mut cases = Vec::new();
+    for dims in [
+        [0, 2, 2, 3, 3, 4, 4],
+        [2, 0, 0, 3, 3, 4, 4],
+        [2, 2, 2, 0, 3, 4, 4],
+        [2, 2, 2, 3, 0, 4, 4],
+        [2, 2, 2, 0, 0, 4, 4],
+        [1, 1, 1, 1, 1, 1, 1],
+        [2, 2, 1, 1, 3, 1, 1],
+        [1, 1, 1, 3, 1, 4, 4],
+        [2, 2, 2, 3, 3, 4, 0],
+    ] {
+        cases.extend(mask_kinds(dims));
+    }
+    check_cases(cases);
 }

@@ -242,7 +242,7 @@ fn row(data: &[f64], at: usize, len: usize) -> &[f64] {
 /// Attention over `q`, `k`, `v` (row-major f32) under `mask`, and the gradients of
 /// `sum(output * grad)`.
 pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Reference {
-    let group = s.heads / s.kv_heads;
+    let group = s.heads / s.kv_heads.max(1);
     let mut r = Reference {
         output: vec![0.0; s.output().iter().product()],
         weights: vec![0.0; s.batch * s.heads * s.queries * s.keys],

@@ -21,3 +21,5 @@ mod errors;
 mod dtypes;
 // Head statistics, head masks, importance, pruning, attention maps.
 mod analysis;
+// Zero-sized inputs through every public forward, on every backend.
+mod empty;

@@ -161,6 +161,15 @@ impl KvCache {
         ordered: bool,
     ) -> Result<Seen, CacheError> {
         let tokens = keys.dims()[2];
+        if tokens == 0 {
+            // Nothing to write; no query to see anything (`crate::dispatch` gives queries
+            // without keys or keys without queries their empty result).
+            return Ok(Seen {
+                keys,
+                values,
+                mask: AttentionMask::none(),
+            });
+        }
         if !self.ring && self.len + tokens > self.slots {
             return Err(CacheError::Full {
                 capacity: self.slots,
@@ -211,8 +220,8 @@ impl KvCache {
             return (store, seen);
         }
         let seen = Seen {
-            keys: store.keys.clone().narrow(2, 0, self.len + tokens),
-            values: store.values.clone().narrow(2, 0, self.len + tokens),
+            keys: crate::empty::narrow(store.keys.clone(), 2, 0, self.len + tokens),
+            values: crate::empty::narrow(store.values.clone(), 2, 0, self.len + tokens),
             mask: bottom_right(AttentionMask::causal()),
         };
         (store, seen)

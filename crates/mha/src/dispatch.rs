@@ -93,6 +93,11 @@ pub(crate) enum AttentionPath {
     /// The explicit path in one pass, keeping the weights: they are returned, or dropout
     /// acts on them (whatever the backend: only this path has the weights).
     Weights,
+    /// Nothing to compute, on every backend and whatever else the call asks: no key
+    /// (`Tk = 0`, every row fully blocked: zeros) or no output element (`B`, `H`, `Tq` or
+    /// `Dv` is 0). Zeros without a Burn operation on an empty tensor (see
+    /// `attention::empty`), the weights where they exist.
+    Empty,
 }
 
 /// What the path of an attention call depends on.
@@ -103,6 +108,8 @@ pub(crate) struct AttentionCall {
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
     f32_bytes: bool,
     queries: usize,
+    /// No key, or no output element.
+    empty: bool,
     /// The mask blocks by position.
     by_position: bool,
     /// The weights are returned or dropout acts on them.
@@ -130,6 +137,11 @@ impl AttentionCall {
             autodiff: device.is_autodiff(),
             f32_bytes: bool_bytes && floats.into_iter().all(|t| t.dtype() == DType::F32),
             queries: query.dims()[2],
+            empty: {
+                let [batch, heads, queries, _] = query.dims();
+                let [_, _, keys, d_v] = value.dims();
+                keys == 0 || [batch, heads, queries, d_v].contains(&0)
+            },
             by_position: !mask.rule().is_none(),
             weights,
         }
@@ -138,6 +150,9 @@ impl AttentionCall {
 
 /// The path of an attention call.
 pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
+    if call.empty {
+        return AttentionPath::Empty;
+    }
     if call.weights {
         return AttentionPath::Weights;
     }
@@ -176,6 +191,10 @@ pub(crate) enum RowPath {
     Burn,
     /// Burn's operations in f32, the result cast back to the input's dtype.
     BurnInF32,
+    /// The input has no element, on every backend: the output (empty, or for
+    /// cross-entropy over no row, 0) without a Burn operation on an empty tensor (see
+    /// `crate::empty`).
+    Empty,
 }
 
 /// What the path of a row operation depends on.
@@ -184,6 +203,8 @@ pub(crate) struct RowCall {
     op: RowOp,
     backend: Backend,
     dtype: DType,
+    /// The input has no element.
+    empty: bool,
 }
 
 impl RowCall {
@@ -193,12 +214,16 @@ impl RowCall {
             op,
             backend: Backend::of(&x.device()),
             dtype: x.dtype(),
+            empty: x.dims().contains(&0),
         }
     }
 }
 
 /// The path of a row operation.
 pub(crate) fn row(call: RowCall) -> RowPath {
+    if call.empty {
+        return RowPath::Empty;
+    }
     #[cfg(any(feature = "flex", feature = "ndarray"))]
     if call.backend.has_cpu_kernels() && call.dtype == DType::F32 {
         return RowPath::Fused;
@@ -220,8 +245,30 @@ mod tests {
             autodiff,
             f32_bytes: true,
             queries,
+            empty: false,
             by_position,
             weights: false,
+        }
+    }
+
+    #[test]
+    fn calls_without_a_key_or_an_output_element_take_the_empty_path_everywhere() {
+        let mut backends = vec![Backend::Other];
+        #[cfg(feature = "flex")]
+        backends.push(Backend::Flex);
+        #[cfg(feature = "ndarray")]
+        backends.push(Backend::NdArray);
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        backends.push(Backend::Gpu);
+        for backend in backends {
+            for (autodiff, weights) in [(false, false), (true, false), (true, true)] {
+                let call = AttentionCall {
+                    empty: true,
+                    weights,
+                    ..call(backend, autodiff, 300, true)
+                };
+                assert_eq!(attention(call), AttentionPath::Empty);
+            }
         }
     }
 
@@ -294,7 +341,21 @@ mod tests {
                 RowOp::Gelu,
                 RowOp::CrossEntropy,
             ] {
-                let row_of = |dtype| row(RowCall { op, backend, dtype });
+                let row_of = |dtype| {
+                    row(RowCall {
+                        op,
+                        backend,
+                        dtype,
+                        empty: false,
+                    })
+                };
+                let empty = RowCall {
+                    op,
+                    backend,
+                    dtype: DType::F32,
+                    empty: true,
+                };
+                assert_eq!(row(empty), RowPath::Empty);
                 assert_eq!(row_of(DType::F32), RowPath::Fused);
                 assert_eq!(row_of(DType::F64), RowPath::Burn);
             }
@@ -314,6 +375,7 @@ mod tests {
                     op,
                     backend: Backend::Other,
                     dtype,
+                    empty: false,
                 })
             };
             assert_eq!(row_of(DType::F32), RowPath::Burn);

@@ -38,7 +38,13 @@
 //!
 //! Conventions: shapes are batch-first (`[B, T, d_model]`); masks are `true = blocked`
 //! unless the constructor says otherwise; configurations have `try_init` (a `Result`)
-//! and `init` (panics with the same message).
+//! and `init` (panics with the same message). Zero-sized inputs are ordinary input on
+//! every backend: an empty batch or sequence gives an empty output of its shape, a
+//! cross-attention over an empty memory (no key) gives zeros before its output
+//! projection, cached decoding of an empty prompt changes nothing, cross-entropy over
+//! no row is 0; under autodiff each input and parameter gets a gradient of its shape
+//! (0 where the loss does not depend on it). `dispatch` decides this once, for
+//! attention and for the row operations.
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
@@ -50,6 +56,7 @@ pub mod cache;
 mod cpu;
 mod dispatch;
 pub mod dtype;
+mod empty;
 pub mod error;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod gpu;

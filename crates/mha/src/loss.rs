@@ -39,6 +39,10 @@ pub fn cross_entropy(
         rows == n,
         "cross_entropy: targets has {rows} rows, logits {n} (shape [{n}, {classes}])"
     );
+    assert!(
+        classes > 0 || n == 0,
+        "cross_entropy: logits has rows but no class (shape [{n}, {classes}])"
+    );
     let values: Vec<i64> = targets
         .to_data()
         .convert::<i64>()

@@ -636,8 +636,8 @@ impl MultiHeadAttention {
                 let q_width = self.n_heads * self.head_dim;
                 let kv = linear_columns(proj, context, q_width, 2 * kv_width); // [B, Tk, 2·Hkv·Dh]
                 (
-                    kv.clone().narrow(2, 0, kv_width),
-                    kv.narrow(2, kv_width, kv_width),
+                    crate::empty::narrow(kv.clone(), 2, 0, kv_width),
+                    crate::empty::narrow(kv, 2, kv_width, kv_width),
                 )
             }
             InputProjection::Separate(proj) => {

@@ -32,7 +32,12 @@ pub fn attention_weights(
 }
 
 /// [`attention_weights`] with the scale resolved.
-fn weights(query: Tensor<4>, key: Tensor<4>, mask: &AttentionMask, scores: Scores) -> Tensor<4> {
+pub(super) fn weights(
+    query: Tensor<4>,
+    key: Tensor<4>,
+    mask: &AttentionMask,
+    scores: Scores,
+) -> Tensor<4> {
     let queries = query.dims()[2];
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();

@@ -13,10 +13,15 @@
 //!   only the keys it can see, forward and backward) or the device does not differentiate
 //!   (no more than one chunk's scores exist at a time).
 //!
+//! - **empty** (`empty`): no key (`Tk = 0`) or an output without elements (`B`, `H`,
+//!   `Tq` or `Dv` is 0): zeros (a row without a key is a fully blocked row), with zero
+//!   gradients of every input's shape under autodiff, on every backend.
+//!
 //! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
 //! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. Both
 //! paths read the shared head where it lies instead of copying it per query head.
 
+mod empty;
 mod explicit;
 
 use burn::tensor::Tensor;
@@ -101,6 +106,13 @@ pub struct AttentionOutput {
 /// - `mask`: broadcastable to `[B, H, Tq, Tk]` (see [`AttentionMask`])
 /// - output context: `[B, H, Tq, Dv]`
 ///
+/// # Zero-sized inputs
+/// Any of `B`, `H` (with `Hkv = 0` too), `Tq`, `Tk` and `Dv` may be 0, on every backend:
+/// an output without elements is an empty tensor of its shape; with no key (`Tk = 0`)
+/// every row is a fully blocked row and gives 0; weights, when asked for, are zeros of
+/// their shape where they have no key or no element. Under autodiff every input (and
+/// the mask's bias and position table) gets a gradient of its own shape, 0.
+///
 /// # Panics
 /// If the shapes disagree (naming the tensors and their shapes), if `H` is not a multiple
 /// of `Hkv`, if the dropout is outside `[0, 1)` or the scale or the soft cap is not
@@ -141,6 +153,10 @@ pub fn scaled_dot_product_attention(
     let call = AttentionCall::of([&query, &key, &value], mask, keeps_weights);
     let inputs = [query, key, value];
     let (context, weights) = match dispatch::attention(call) {
+        AttentionPath::Empty => {
+            let (context, weights) = empty::attention(inputs, mask, scores, options.weights);
+            return AttentionOutput { context, weights };
+        }
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         AttentionPath::Tiles => (crate::ops::attention::attention(inputs, mask, scores), None),
         AttentionPath::Explicit { chunk } => (explicit::context(inputs, mask, scores, chunk), None),
@@ -164,7 +180,7 @@ fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {
         "scaled_dot_product_attention: batch sizes differ: {shapes}"
     );
     assert!(
-        k[1] == v[1] && k[1] > 0 && q[1].is_multiple_of(k[1]),
+        k[1] == v[1] && (k[1] > 0 || q[1] == 0) && q[1].is_multiple_of(k[1].max(1)),
         "scaled_dot_product_attention: expected key and value heads Hkv to divide query heads H \
          ([B, H, Tq, Dk], [B, Hkv, Tk, Dk], [B, Hkv, Tk, Dv]), got {shapes}"
     );

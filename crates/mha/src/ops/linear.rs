@@ -7,6 +7,7 @@ use burn::nn::Linear;
 use burn::tensor::Tensor;
 
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
+use crate::empty::zero_of;
 
 /// `linear`'s output for `x` `[.., d_in]`.
 ///
@@ -66,6 +67,13 @@ pub(crate) fn columns<const D: usize>(
                 None => (weight, bias),
             };
             burn::tensor::module::linear(x, weight, bias)
+        }
+        RowPath::Empty => {
+            let mut dims = x.dims();
+            dims[D - 1] = columns.map_or(d_all, |[_, len]| len);
+            let device = x.device();
+            let inputs = [zero_of(x), zero_of(weight)].into_iter();
+            crate::empty::zeros(dims, &device, inputs.chain(bias.map(zero_of)))
         }
     }
 }

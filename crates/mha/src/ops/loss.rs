@@ -46,6 +46,11 @@ pub(crate) fn cross_entropy(
             let count = kept.float().sum().clamp_min(1.0);
             picked.sum().neg() / count
         }
+        // No row (the public function refuses rows without classes): every row ignored.
+        RowPath::Empty => {
+            let device = logits.device();
+            crate::empty::zeros([1], &device, [crate::empty::zero_of(logits)])
+        }
     }
 }
 

@@ -6,6 +6,7 @@
 use burn::tensor::{DType, Tensor};
 
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
+use crate::empty::zero_of;
 
 /// `(x - mean) / √(var + ε) · γ + β` over the last axis of `x` `[.., d]`, with `gamma`
 /// and `beta` `[d]`.
@@ -27,6 +28,11 @@ pub(crate) fn layer_norm<const D: usize>(
             super::run(op, vec![super::rows(x), gamma, beta], None).reshape(dims)
         }
         RowPath::Burn => burn::tensor::module::layer_norm(x, gamma, beta, epsilon),
+        RowPath::Empty => {
+            let (dims, device) = (x.dims(), x.device());
+            let inputs = [zero_of(x), zero_of(gamma)].into_iter();
+            crate::empty::zeros(dims, &device, inputs.chain(beta.map(zero_of)))
+        }
         RowPath::BurnInF32 => {
             let dtype = x.dtype();
             let [gamma, beta] = [Some(gamma), beta].map(|p| p.map(|p| p.cast(DType::F32)));

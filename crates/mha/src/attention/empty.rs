@@ -1,0 +1,51 @@
+//! Attention where there is nothing to compute: no key (`Tk = 0`: every row is a fully
+//! blocked row, whose output is 0), or an output without elements (`B`, `H`, `Tq` or `Dv`
+//! is 0): zeros of the output's shape through `crate::empty`, with a zero gradient into
+//! the query, key, value, bias and position table.
+
+use burn::tensor::Tensor;
+
+use crate::empty::zero_of;
+
+use super::AttentionWeights;
+use crate::mask::AttentionMask;
+use crate::ops::attention::Scores;
+use crate::positions::PositionBias;
+
+/// The output `[B, H, Tq, Dv]` of attention over `query`, `key`, `value` under `mask`
+/// when there is no key or no output element, and the weights `weights` asks for: `[B,
+/// H, Tq, Tk]`, or averaged over the heads `[B, 1, Tq, Tk]` (zeros when there is no head
+/// to average).
+pub(super) fn attention(
+    [query, key, value]: [Tensor<4>; 3],
+    mask: &AttentionMask,
+    scores: Scores,
+    weights: AttentionWeights,
+) -> (Tensor<4>, Option<Tensor<4>>) {
+    let [batch, heads, queries, _] = query.dims();
+    let [_, _, keys, d_v] = value.dims();
+    let device = query.device();
+    let shape = [batch, heads, queries, d_v];
+    let full = [batch, heads, queries, keys];
+    let weights = match weights {
+        AttentionWeights::None => None,
+        // Only the values are empty (Dv = 0): the weights exist.
+        _ if !full.contains(&0) => {
+            let per_head = super::explicit::weights(query.clone(), key.clone(), mask, scores);
+            Some(match weights {
+                AttentionWeights::Averaged => per_head.mean_dim(1),
+                _ => per_head,
+            })
+        }
+        AttentionWeights::PerHead => Some(Tensor::zeros(full, &device)),
+        AttentionWeights::Averaged => Some(Tensor::zeros([batch, 1, queries, keys], &device)),
+    };
+    let bias = mask.additive_bias().cloned().map(zero_of);
+    let table = match mask.position() {
+        Some(PositionBias::Learned { table, .. }) => Some(zero_of(table.clone())),
+        _ => None,
+    };
+    let inputs = [query, key, value].map(zero_of);
+    let inputs = inputs.into_iter().chain(bias).chain(table);
+    (crate::empty::zeros(shape, &device, inputs), weights)
+}

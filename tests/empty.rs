@@ -1,0 +1,219 @@
+//! Zero-sized inputs through every public forward, on every backend: an empty output of
+//! the right shape where the output has no element, zeros where no key exists (so a
+//! cross-attention over an empty memory gives its output projection's bias), and under
+//! autodiff a gradient of every input's and every parameter's shape, zero where the loss
+//! does not depend on it. (The attention function's sweep over sizes and mask kinds, with
+//! values against f64, is `paths::zero_and_one_sized_calls_match_f64_attention`.)
+
+use burn::module::Param;
+use burn::tensor::{Int, Tensor};
+use mha::{
+    AttentionMask, AttentionWeights, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
+    EncoderConfig, KvCache, LayerNorm, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    Positions, StackCache, StackInput,
+};
+
+use crate::util::{Backend, backends, param_grads, randn, to_vec};
+
+/// `[B, T, M]`: batch, sequence and memory lengths, at least one of them 0 (and one
+/// ordinary case beside them).
+const SHAPES: [[usize; 3]; 6] = [
+    [2, 0, 3],
+    [0, 3, 3],
+    [2, 3, 0],
+    [2, 0, 0],
+    [0, 0, 0],
+    [1, 1, 1],
+];
+
+fn finite(t: Tensor<3>) -> Vec<f32> {
+    let v = to_vec(t);
+    assert!(v.iter().all(|x| x.is_finite()), "{v:?}");
+    v
+}
+
+/// Every parameter of `module` has a gradient, finite; zero when `zero`.
+fn check_params<M: burn::module::Module>(
+    what: &str,
+    module: &M,
+    grads: &burn::tensor::Gradients,
+    zero: bool,
+) {
+    for g in param_grads(module, grads) {
+        let g = to_vec(g);
+        assert!(g.iter().all(|x| x.is_finite()), "{what}: {g:?}");
+        if zero {
+            assert!(g.iter().all(|&x| x == 0.0), "{what}: not zero: {g:?}");
+        }
+    }
+}
+
+fn attention(be: &Backend, positions: Positions) -> MultiHeadAttention {
+    let mut m = MultiHeadAttentionConfig::new(16, 2)
+        .with_positions(positions)
+        .init(&be.autodiff());
+    // A bias that is not zero: what the output is where no key exists.
+    m.out_proj.bias = Some(Param::from_tensor(randn([16], 7, &be.autodiff())));
+    m
+}
+
+#[test]
+fn attention_modules_take_zero_sized_batches_sequences_and_memories() {
+    for be in backends() {
+        let ad = be.autodiff();
+        for [b, t, m] in SHAPES {
+            let what = format!("{} [B {b}, T {t}, M {m}]", be.name);
+            for positions in [
+                Positions::None,
+                Positions::rope(),
+                Positions::Alibi,
+                Positions::t5(true),
+            ] {
+                let what = format!("{what} self-attention with {positions:?}");
+                let module = attention(&be, positions);
+                let x = randn([b, t, 16], 1, &ad).require_grad();
+                let input = MhaInput::causal(x.clone()).weights(AttentionWeights::PerHead);
+                let out = module.forward(input);
+                assert_eq!(out.context.dims(), [b, t, 16], "{what}");
+                assert_eq!(out.weights.unwrap().dims(), [b, 2, t, t], "{what}");
+                finite(out.context.clone());
+                let grads = out.context.sum().backward();
+                assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+                check_params(&what, &module, &grads, b * t == 0);
+            }
+            // Cross-attention: no key gives zeros before the output projection.
+            let what = format!("{what} cross-attention");
+            let module = attention(&be, Positions::None);
+            let x = randn([b, t, 16], 1, &ad).require_grad();
+            let memory = randn([b, m, 16], 2, &ad).require_grad();
+            let out = module.forward(MhaInput::cross(x.clone(), memory.clone()));
+            assert_eq!(out.context.dims(), [b, t, 16], "{what}");
+            let got = finite(out.context.clone());
+            if m == 0 {
+                let bias = to_vec(module.out_proj.bias.as_ref().unwrap().val());
+                for (i, g) in got.iter().enumerate() {
+                    assert_eq!(*g, bias[i % 16], "{what}: element {i}");
+                }
+            }
+            let grads = out.context.sum().backward();
+            assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+            let dm = memory.grad(&grads).expect("dmemory");
+            assert_eq!(dm.dims(), [b, m, 16], "{what}");
+            assert!(
+                m == 0 || t > 0 || to_vec(dm).iter().all(|&g| g == 0.0),
+                "{what}"
+            );
+        }
+    }
+}
+
+#[test]
+fn stacks_and_cached_decoding_take_zero_sized_inputs() {
+    for be in backends() {
+        let ad = be.autodiff();
+        for [b, t, m] in SHAPES {
+            let what = format!("{} [B {b}, T {t}, M {m}]", be.name);
+            let block = EncoderBlockConfig::new(16, 2).with_dropout(0.0);
+            let encoder = EncoderConfig::new(block, 2).init(&ad);
+            let block = DecoderBlockConfig::new(16, 2).with_dropout(0.0);
+            let decoder = DecoderConfig::new(block, 2).init(&ad);
+            let source = randn([b, m, 16], 1, &ad).require_grad();
+            let x = randn([b, t, 16], 2, &ad).require_grad();
+            let memory = encoder
+                .forward(StackInput::new(source.clone()))
+                .unwrap()
+                .output;
+            assert_eq!(memory.dims(), [b, m, 16], "{what}");
+            let input = StackInput::new(x.clone())
+                .mask(AttentionMask::causal())
+                .memory(memory);
+            let out = decoder.forward(input).unwrap().output;
+            assert_eq!(out.dims(), [b, t, 16], "{what}");
+            finite(out.clone());
+            let grads = out.sum().backward();
+            assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+            let ds = source.grad(&grads).expect("dsource");
+            assert_eq!(ds.dims(), [b, m, 16], "{what}");
+            check_params(&what, &encoder, &grads, b * m == 0 || t == 0);
+            check_params(&what, &decoder, &grads, b * t == 0);
+
+            // Decoding: an empty prompt, then a token, with a cache by position and a
+            // sliding one: the empty prompt changes nothing (the token decodes as with a
+            // fresh cache).
+            let device = &be.device;
+            let rows = b.max(1);
+            let module = MultiHeadAttentionConfig::new(16, 2)
+                .with_positions(Positions::rope())
+                .init(device);
+            let token = randn([rows, 1, 16], 3, device);
+            for fresh in [KvCache::new(8), KvCache::sliding(4)] {
+                let mut cache = fresh.clone();
+                let prompt = randn([rows, t, 16], 1, device);
+                let out = module.forward_cached(prompt, &mut cache, AttentionMask::causal());
+                assert_eq!(out.unwrap().dims(), [rows, t, 16], "{what}");
+                assert_eq!(cache.len(), t, "{what}");
+                if t == 0 {
+                    let step = |cache: &mut KvCache| {
+                        let mask = AttentionMask::causal();
+                        module.forward_cached(token.clone(), cache, mask).unwrap()
+                    };
+                    let want = step(&mut fresh.clone());
+                    crate::util::assert_close(&what, step(&mut cache), want, 0.0);
+                }
+            }
+            let block = DecoderBlockConfig::new(16, 2)
+                .with_dropout(0.0)
+                .with_positions(Positions::rope());
+            let decoder = DecoderConfig::new(block, 2).init(device);
+            let mut cache = StackCache::new(2, KvCache::new(8));
+            let input = StackInput::new(randn([rows, t, 16], 1, device))
+                .memory(randn([rows, m, 16], 2, device))
+                .cache(&mut cache);
+            let out = decoder.forward(input).unwrap().output;
+            assert_eq!(out.dims(), [rows, t, 16], "{what}");
+            finite(out);
+        }
+    }
+}
+
+#[test]
+fn layer_norm_and_cross_entropy_take_no_rows() {
+    for be in backends() {
+        let ad = be.autodiff();
+        for [b, t, _] in SHAPES {
+            let what = format!("{} [B {b}, T {t}]", be.name);
+            let norm = LayerNorm::new(&burn::nn::LayerNormConfig::new(16), &ad);
+            let x = randn([b, t, 16], 1, &ad).require_grad();
+            let y = norm.forward(x.clone());
+            assert_eq!(y.dims(), [b, t, 16], "{what}");
+            let grads = y.sum().backward();
+            assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+            check_params(&what, &norm, &grads, b * t == 0);
+            if b * t > 0 {
+                continue;
+            }
+            // No row: a loss of 0, as when every row is ignored, and a gradient of no row.
+            let logits = randn([0, 5], 1, &ad).require_grad();
+            let targets = Tensor::<1, Int>::zeros([0], &ad);
+            let loss = mha::loss::cross_entropy(logits.clone(), targets, None);
+            assert_eq!(to_vec(loss.clone()), vec![0.0], "{what}");
+            let grads = loss.backward();
+            assert_eq!(
+                logits.grad(&grads).expect("dlogits").dims(),
+                [0, 5],
+                "{what}"
+            );
+        }
+        // Rows without classes have no meaning: refused, naming the shape.
+        let refused = std::panic::catch_unwind(|| {
+            let logits = Tensor::<2>::zeros([3, 0], &be.device);
+            mha::loss::cross_entropy(logits, Tensor::<1, Int>::zeros([3], &be.device), None)
+        });
+        let err = refused.expect_err("refused");
+        let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(
+            msg.contains("logits has rows but no class (shape [3, 0])"),
+            "{msg}"
+        );
+    }
+}
