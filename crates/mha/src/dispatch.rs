@@ -251,8 +251,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn calls_without_a_key_or_an_output_element_take_the_empty_path_everywhere() {
+    /// Every backend kind compiled in.
+    fn every_backend() -> Vec<Backend> {
         let mut backends = vec![Backend::Other];
         #[cfg(feature = "flex")]
         backends.push(Backend::Flex);
@@ -260,7 +260,12 @@ mod tests {
         backends.push(Backend::NdArray);
         #[cfg(any(feature = "wgpu", feature = "cuda"))]
         backends.push(Backend::Gpu);
-        for backend in backends {
+        backends
+    }
+
+    #[test]
+    fn calls_without_a_key_or_an_output_element_take_the_empty_path_everywhere() {
+        for backend in every_backend() {
             for (autodiff, weights) in [(false, false), (true, false), (true, true)] {
                 let call = AttentionCall {
                     empty: true,
@@ -294,14 +299,7 @@ mod tests {
 
     #[test]
     fn weights_and_dropout_take_the_weights_path_on_every_backend() {
-        let mut backends = vec![Backend::Other];
-        #[cfg(feature = "flex")]
-        backends.push(Backend::Flex);
-        #[cfg(feature = "ndarray")]
-        backends.push(Backend::NdArray);
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
-        backends.push(Backend::Gpu);
-        for backend in backends {
+        for backend in every_backend() {
             for queries in [1, 4096] {
                 let call = AttentionCall {
                     weights: true,
