@@ -103,8 +103,22 @@ fn attention_modules_take_zero_sized_batches_sequences_and_memories() {
                 m == 0 || t > 0 || to_vec(dm).iter().all(|&g| g == 0.0),
                 "{what}"
             );
+            // PyTorch's call form, and the memory projected once for decoding: the same.
+            let want = out_context(&module, &x, &memory);
+            let form = module.forward(MhaInput::new(x.clone(), memory.clone(), memory.clone()));
+            crate::util::assert_close(&what, form.context, want.clone(), be.forward_tol());
+            let kv = module.memory_kv(memory.clone());
+            let cached = module.cross_attention_cached(x.clone(), &kv, AttentionMask::none());
+            crate::util::assert_close(&what, cached, want, be.forward_tol());
         }
     }
+}
+
+/// The cross-attention of `x` to `memory`.
+fn out_context(module: &MultiHeadAttention, x: &Tensor<3>, memory: &Tensor<3>) -> Tensor<3> {
+    module
+        .forward(MhaInput::cross(x.clone(), memory.clone()))
+        .context
 }
 
 #[test]
