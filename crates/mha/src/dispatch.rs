@@ -251,6 +251,16 @@ mod tests {
         }
     }
 
+    /// `op` over a non-empty input of `dtype` on `backend`.
+    fn row_call(op: RowOp, backend: Backend, dtype: DType) -> RowCall {
+        RowCall {
+            op,
+            backend,
+            dtype,
+            empty: false,
+        }
+    }
+
     /// Every backend kind compiled in.
     fn every_backend() -> Vec<Backend> {
         let mut backends = vec![Backend::Other];
@@ -339,23 +349,13 @@ mod tests {
                 RowOp::Gelu,
                 RowOp::CrossEntropy,
             ] {
-                let row_of = |dtype| {
-                    row(RowCall {
-                        op,
-                        backend,
-                        dtype,
-                        empty: false,
-                    })
-                };
                 let empty = RowCall {
-                    op,
-                    backend,
-                    dtype: DType::F32,
                     empty: true,
+                    ..row_call(op, backend, DType::F32)
                 };
                 assert_eq!(row(empty), RowPath::Empty);
-                assert_eq!(row_of(DType::F32), RowPath::Fused);
-                assert_eq!(row_of(DType::F64), RowPath::Burn);
+                assert_eq!(row(row_call(op, backend, DType::F32)), RowPath::Fused);
+                assert_eq!(row(row_call(op, backend, DType::F64)), RowPath::Burn);
             }
         }
     }
@@ -368,14 +368,7 @@ mod tests {
             RowOp::Gelu,
             RowOp::CrossEntropy,
         ] {
-            let row_of = |dtype| {
-                row(RowCall {
-                    op,
-                    backend: Backend::Other,
-                    dtype,
-                    empty: false,
-                })
-            };
+            let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);
             assert_eq!(row_of(DType::BF16), RowPath::Burn);
             let f16 = match op {

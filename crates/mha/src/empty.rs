@@ -23,7 +23,8 @@ pub(crate) fn zero_of<const D: usize>(x: Tensor<D>) -> Tensor<1> {
 }
 
 /// Zeros of `shape` on `device`; under autodiff, depending on each of `inputs` with a
-/// zero gradient.
+/// zero gradient (`inputs` is read only under autodiff: pass a lazy iterator of
+/// [`zero_of`] calls, so that no link is computed for nothing).
 pub(crate) fn zeros<const D: usize>(
     shape: [usize; D],
     device: &Device,
@@ -58,7 +59,7 @@ pub(crate) fn narrow<const D: usize>(
             let mut dims = x.dims();
             dims[dim] = len;
             let device = x.device();
-            zeros(dims, &device, [zero_of(x)])
+            zeros(dims, &device, core::iter::once_with(|| zero_of(x)))
         }
     }
 }

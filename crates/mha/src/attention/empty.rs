@@ -40,12 +40,15 @@ pub(super) fn attention(
         AttentionWeights::PerHead => Some(Tensor::zeros(full, &device)),
         AttentionWeights::Averaged => Some(Tensor::zeros([batch, 1, queries, keys], &device)),
     };
-    let bias = mask.additive_bias().cloned().map(zero_of);
     let table = match mask.position() {
-        Some(PositionBias::Learned { table, .. }) => Some(zero_of(table.clone())),
+        Some(PositionBias::Learned { table, .. }) => Some(table.clone()),
         _ => None,
     };
-    let inputs = [query, key, value].map(zero_of);
-    let inputs = inputs.into_iter().chain(bias).chain(table);
+    // Lazy: the links are made only under autodiff.
+    let inputs = [query, key, value]
+        .into_iter()
+        .chain(mask.additive_bias().cloned())
+        .map(zero_of)
+        .chain(table.into_iter().map(zero_of));
     (crate::empty::zeros(shape, &device, inputs), weights)
 }

@@ -24,7 +24,11 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         }
         RowPath::Empty => {
             let (dims, device) = (x.dims(), x.device());
-            crate::empty::zeros(dims, &device, [crate::empty::zero_of(x)])
+            crate::empty::zeros(
+                dims,
+                &device,
+                core::iter::once_with(|| crate::empty::zero_of(x)),
+            )
         }
     }
 }

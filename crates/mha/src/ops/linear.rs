@@ -3,6 +3,8 @@
 //! crate; elsewhere Burn's `linear`. Burn's `nn::Linear` keeps its parameters and record:
 //! only the computation is ours.
 
+use core::iter::once_with;
+
 use burn::nn::Linear;
 use burn::tensor::Tensor;
 
@@ -72,8 +74,10 @@ pub(crate) fn columns<const D: usize>(
             let mut dims = x.dims();
             dims[D - 1] = columns.map_or(d_all, |[_, len]| len);
             let device = x.device();
-            let inputs = [zero_of(x), zero_of(weight)].into_iter();
-            crate::empty::zeros(dims, &device, inputs.chain(bias.map(zero_of)))
+            let inputs = once_with(|| zero_of(x))
+                .chain(once_with(|| zero_of(weight)))
+                .chain(bias.into_iter().map(zero_of));
+            crate::empty::zeros(dims, &device, inputs)
         }
     }
 }

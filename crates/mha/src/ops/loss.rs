@@ -49,7 +49,11 @@ pub(crate) fn cross_entropy(
         // No row (the public function refuses rows without classes): every row ignored.
         RowPath::Empty => {
             let device = logits.device();
-            crate::empty::zeros([1], &device, [crate::empty::zero_of(logits)])
+            crate::empty::zeros(
+                [1],
+                &device,
+                core::iter::once_with(|| crate::empty::zero_of(logits)),
+            )
         }
     }
 }

@@ -3,6 +3,8 @@
 //! operations autodiff would otherwise record and walk back; elsewhere Burn's
 //! `layer_norm`.
 
+use core::iter::once_with;
+
 use burn::tensor::{DType, Tensor};
 
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
@@ -30,8 +32,10 @@ pub(crate) fn layer_norm<const D: usize>(
         RowPath::Burn => burn::tensor::module::layer_norm(x, gamma, beta, epsilon),
         RowPath::Empty => {
             let (dims, device) = (x.dims(), x.device());
-            let inputs = [zero_of(x), zero_of(gamma)].into_iter();
-            crate::empty::zeros(dims, &device, inputs.chain(beta.map(zero_of)))
+            let inputs = once_with(|| zero_of(x))
+                .chain(once_with(|| zero_of(gamma)))
+                .chain(beta.into_iter().map(zero_of));
+            crate::empty::zeros(dims, &device, inputs)
         }
         RowPath::BurnInF32 => {
             let dtype = x.dtype();

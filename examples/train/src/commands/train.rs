@@ -17,8 +17,9 @@ use crate::{interrupt, plots};
 enum Start {
     /// Training, after the checkpoint of this epoch (0: from scratch).
     Train(usize),
-    /// Every epoch is trained but the final evaluation did not finish: it alone runs.
-    Evaluate,
+    /// Every epoch is trained but the final evaluation did not finish: it alone runs,
+    /// completing this summary.
+    Evaluate(Box<Summary>),
 }
 
 /// Trains a new run or resumes one; `false` when a Ctrl-C stopped it.
@@ -34,7 +35,9 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
     interrupt::install()?;
     let start_epoch = match start {
         Start::Train(epoch) => epoch,
-        Start::Evaluate => return evaluate_trained(&config, &run, backend, &device),
+        Start::Evaluate(summary) => {
+            return evaluate_trained(&config, &run, *summary, backend, &device);
+        }
     };
     if let Some(width) = config.pack_width() {
         let [padded, packed] =
@@ -141,7 +144,7 @@ fn prepare_resume(
         if config != stored {
             run.write_config(&config)?;
         }
-        return Ok((config, Start::Evaluate, device, lock));
+        return Ok((config, Start::Evaluate(Box::new(summary)), device, lock));
     }
     run.forget_after(done)?;
     if config != stored {
@@ -156,6 +159,7 @@ fn prepare_resume(
 fn evaluate_trained(
     config: &TrainConfig,
     run: &RunDir,
+    mut summary: Summary,
     backend: Backend,
     device: &Device,
 ) -> anyhow::Result<bool> {
@@ -175,7 +179,6 @@ fn evaluate_trained(
             model
         }
     };
-    let mut summary = training::trained_summary(config, run, backend);
     training::finish(
         &model,
         config,
