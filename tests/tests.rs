@@ -23,3 +23,6 @@ mod dtypes;
 mod analysis;
 // Zero-sized inputs through every public forward, on every backend.
 mod empty;
+// The GPU kernels' launches and memory, each in a process of its own (wgpu).
+#[cfg(feature = "wgpu")]
+mod gpu;

@@ -5,7 +5,8 @@
 //! benchmarks give the numbers.
 //!
 //! - Attention ([`attention`]): the tiles of our own on flex and ndarray in f32
-//!   (`ops::attention` over `cpu::attention`), else the explicit path (matmul, mask,
+//!   (`ops::attention` over `cpu::attention`), the kernels of our own on the GPU backends
+//!   (`gpu`), else the explicit path (matmul, mask,
 //!   softmax, matmul) in query chunks, or in one pass keeping the weights when they are
 //!   returned or dropout acts on them.
 //! - The row operations ([`row`]: linear, layer norm, GELU, cross-entropy): one operation
@@ -13,8 +14,9 @@
 //!   in f32 where the input's half precision would lose too much (layer norm in f16, as
 //!   Burn's own module does).
 //!
-//! GPU kernels of our own enter as one more [`AttentionPath`] variant, chosen here for
-//! [`Backend::Gpu`] devices; until then GPU devices run Burn's operations.
+//! On the CubeCL devices (wgpu, cuda) attention takes the GPU kernels of our own
+//! (`gpu`) where they cover the call (f32, a band of positions, no position bias, an
+//! untracked bias), else the explicit path.
 
 use burn::backend::DispatchDevice;
 use burn::tensor::{BoolStore, DType, Device, Tensor};
@@ -90,6 +92,12 @@ pub(crate) enum AttentionPath {
     /// exist; under autodiff every chunk's are kept for the backward pass, so chunking
     /// would only add launches).
     Explicit { chunk: usize },
+    /// The GPU kernels of our own (`gpu`): a CubeCL device (wgpu, cuda), every float
+    /// tensor f32, a mask that blocks by a band of positions (causal, windows; not packed
+    /// sequences) without a position bias, and an additive bias, if any, that is not
+    /// tracked; with autodiff or not, the backward pass recomputing the weights.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    Gpu,
     /// The explicit path in one pass, keeping the weights: they are returned, or dropout
     /// acts on them (whatever the backend: only this path has the weights).
     Weights,
@@ -107,6 +115,10 @@ pub(crate) struct AttentionCall {
     autodiff: bool,
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
     f32_bytes: bool,
+    /// Every float tensor is f32, the head dims are not 0, and the mask is a band of
+    /// positions without a position bias whose additive bias is not tracked: what the GPU
+    /// kernels take.
+    gpu_kernels: bool,
     queries: usize,
     /// No key, or no output element.
     empty: bool,
@@ -126,6 +138,12 @@ impl AttentionCall {
     ) -> Self {
         let device = query.device();
         let floats = [query, key, value].into_iter().chain(mask.additive_bias());
+        let f32 = floats.clone().all(|t| t.dtype() == DType::F32);
+        let [_, _, queries, d_k] = query.dims();
+        let [_, _, keys, d_v] = value.dims();
+        let band = mask.position().is_none()
+            && mask.rule().visibility(queries, keys).band().is_some()
+            && mask.additive_bias().is_none_or(|bias| !bias.is_tracked());
         let bool_bytes = mask.blocked().is_none_or(|blocked| {
             matches!(
                 blocked.dtype(),
@@ -135,7 +153,8 @@ impl AttentionCall {
         Self {
             backend: Backend::of(&device),
             autodiff: device.is_autodiff(),
-            f32_bytes: bool_bytes && floats.into_iter().all(|t| t.dtype() == DType::F32),
+            f32_bytes: bool_bytes && f32,
+            gpu_kernels: f32 && band && d_k > 0 && d_v > 0,
             queries: query.dims()[2],
             empty: {
                 let [batch, heads, queries, _] = query.dims();
@@ -159,6 +178,10 @@ pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
     #[cfg(any(feature = "flex", feature = "ndarray"))]
     if call.backend.has_cpu_kernels() && call.f32_bytes {
         return AttentionPath::Tiles;
+    }
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if call.backend == Backend::Gpu && call.gpu_kernels {
+        return AttentionPath::Gpu;
     }
     let long = call.queries >= 2 * MIN_CHUNK;
     let chunk = match long && (call.by_position || !call.autodiff) {
@@ -244,6 +267,7 @@ mod tests {
             backend,
             autodiff,
             f32_bytes: true,
+            gpu_kernels: true,
             queries,
             empty: false,
             by_position,
@@ -414,13 +438,39 @@ mod tests {
 
     #[cfg(feature = "wgpu")]
     #[test]
-    fn wgpu_devices_are_gpus_and_take_the_explicit_path() {
+    fn wgpu_devices_take_the_gpu_kernels_for_bands_in_f32() {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
         for device in [device.clone(), device.autodiff()] {
             assert_eq!(Backend::of(&device), Backend::Gpu);
             let x = Tensor::<4>::zeros([1, 1, 3, 4], &device);
-            let call = AttentionCall::of([&x, &x, &x], &AttentionMask::causal(), false);
-            assert_eq!(attention(call), AttentionPath::Explicit { chunk: 3 });
+            let path = |mask: &AttentionMask, x: &Tensor<4>| {
+                attention(AttentionCall::of([x, x, x], mask, false))
+            };
+            let causal = AttentionMask::causal();
+            assert_eq!(path(&causal, &x), AttentionPath::Gpu);
+            assert_eq!(
+                path(&AttentionMask::sliding_window(2), &x),
+                AttentionPath::Gpu
+            );
+            let bias = AttentionMask::bias(Tensor::<4>::zeros([1, 1, 3, 3], &device));
+            assert_eq!(
+                path(&bias.clone().and(causal.clone()), &x),
+                AttentionPath::Gpu
+            );
+            // What the kernels do not take yet: other dtypes, packed sequences, position
+            // biases, a tracked bias (its gradient).
+            let half = x.clone().cast(DType::F16);
+            assert_eq!(path(&causal, &half), AttentionPath::Explicit { chunk: 3 });
+            let packed = AttentionMask::packed(&[vec![0, 2, 3]]);
+            assert_eq!(path(&packed, &x), AttentionPath::Explicit { chunk: 3 });
+            let alibi =
+                AttentionMask::position_bias(crate::PositionBias::Alibi { slopes: vec![0.5] });
+            assert_eq!(path(&alibi, &x), AttentionPath::Explicit { chunk: 3 });
+            if device.is_autodiff() {
+                let tracked = Tensor::<4>::zeros([1, 1, 3, 3], &device).require_grad();
+                let tracked = AttentionMask::bias(tracked);
+                assert_eq!(path(&tracked, &x), AttentionPath::Explicit { chunk: 3 });
+            }
             assert_eq!(row(RowCall::of(RowOp::Gelu, &x)), RowPath::Burn);
         }
     }

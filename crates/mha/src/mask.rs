@@ -503,7 +503,7 @@ impl Visibility {
     /// [`keys_of`](Self::keys_of) themselves: query `i` sees keys `i + offset - before
     /// ..= i + offset + after`, cut to `0..Tk` (`None`: no bound on that side). `None`
     /// for packed sequences, which no band describes.
-    #[allow(dead_code)] // Read by the GPU kernels, which nothing routes to yet.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
     pub(crate) fn band(&self) -> Option<Band> {
         if self.packed.is_some() {
             return None;
@@ -650,7 +650,7 @@ impl Visibility {
 /// Which keys each query sees, as a band around its own position (see
 /// [`Visibility::band`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[allow(dead_code)] // Read by the GPU kernels, which nothing routes to yet.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
 pub(crate) struct Band {
     /// The key at query 0's own position.
     pub(crate) offset: i64,

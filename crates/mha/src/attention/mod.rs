@@ -7,8 +7,14 @@
 //!   autodiff or not, attention is one operation of the backend whose backward pass
 //!   recomputes the weights from each row's log-sum-exp instead of keeping them; both
 //!   passes run in cache-sized tiles (FlashAttention's scheme on the CPU);
+//! - **gpu** (`crate::gpu`): on the CubeCL backends (wgpu, cuda) in f32, the same scheme
+//!   in kernels of our own: a forward pass that keeps each row's log-sum-exp and a backward
+//!   pass that recomputes the weights, for masks that block by a band of positions
+//!   (causal in both alignments, windows, key padding, boolean masks, an untracked
+//!   additive bias, soft cap, GQA);
 //! - **explicit** (`explicit`): matmul, mask, softmax, matmul: when the weights are
-//!   wanted or dropout is on, on the CubeCL backends (wgpu, cuda) and for other dtypes.
+//!   wanted or dropout is on, for GPU calls the kernels do not cover yet and for other
+//!   dtypes.
 //!   From 256 queries on it runs in query chunks when the mask is causal (a chunk reads
 //!   only the keys it can see, forward and backward) or the device does not differentiate
 //!   (no more than one chunk's scores exist at a time).
@@ -159,6 +165,8 @@ pub fn scaled_dot_product_attention(
         }
         #[cfg(any(feature = "flex", feature = "ndarray"))]
         AttentionPath::Tiles => (crate::ops::attention::attention(inputs, mask, scores), None),
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        AttentionPath::Gpu => (crate::gpu::attention(inputs, mask, scores), None),
         AttentionPath::Explicit { chunk } => (explicit::context(inputs, mask, scores, chunk), None),
         AttentionPath::Weights => {
             let (context, weights) = explicit::with_weights(inputs, mask, scores, options.dropout);

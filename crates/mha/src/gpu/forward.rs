@@ -1,77 +1,24 @@
-//! The portable forward pass: a cube of [`QT`] units owns [`QT`] query rows of one head,
-//! one row per unit; it walks the key/value tiles its rows see between them, each tile
-//! staged in shared memory by every unit of the cube, and each unit keeps its row's
+//! The portable forward pass: a cube of [`UNITS`] units owns as many query rows of one
+//! head, one row per unit; it walks the key/value tiles its rows see between them, each
+//! tile staged in shared memory by every unit of the cube, and each unit keeps its row's
 //! running maximum, sum and output in registers (online softmax, f32). It writes the
 //! output `[B, H, Tq, Dv]` and the log-sum-exp `[B, H, Tq]` of every row.
 //!
 //! Per tile a unit loops over the keys of its own interval twice (scores, then weights
 //! into the output): its loop iterations grow with the keys it sees, about two per key,
 //! and not with the head dims, whose loops are unrolled. Under lavapipe's cap of 65,535
-//! loop iterations per invocation, a row may therefore see about 32,000 keys; a caller
-//! with longer rows splits the keys (not done yet).
+//! loop iterations per invocation, a row may therefore see about 32,000 keys.
 
 use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
-use crate::mask::{BLOCKED, Band, DEAD_LSE, DEAD_ROW};
+use super::launch::{Inputs, Scoring, Sizes, UNITS, Variant, alloc, contiguous, optional, within};
+use super::scores::{capped, masked, stage};
+use crate::mask::{DEAD_LSE, DEAD_ROW};
 
-/// Query rows per cube, one per unit.
-pub(crate) const QT: usize = 32;
-/// Shared memory a cube stages its key and value tiles in, in f32s (16 KiB: half of what
-/// the smallest devices give).
-const STAGE: usize = 4096;
 /// Below every score, blocked ones included: the running maximum before any key.
 const NO_MAX: f32 = -3.0e38;
-/// Beyond this `|s / cap|`, `tanh` is 1 in f32; the bound keeps its exponentials finite.
-const TANH_BOUND: f32 = 15.0;
-
-/// How the scores are made from `Q Kᵀ`, and which keys each query sees.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Scoring {
-    /// Multiplies the queries.
-    pub(crate) scale: f32,
-    /// `cap · tanh(s / cap)` on the scaled scores, before the bias.
-    pub(crate) softcap: Option<f32>,
-    /// The keys of each query.
-    pub(crate) band: Band,
-}
-
-/// The tensors of one call, as bindings: `[query, key, value]` (`[B, H, Tq, Dk]`, `[B, Hkv,
-/// Tk, Dk]`, `[B, Hkv, Tk, Dv]`), an additive f32 `bias` and a u32 `mask` (nonzero =
-/// blocked), each of rank 4 and broadcastable to `[B, H, Tq, Tk]` (an axis of size 1 is
-/// read with stride 0).
-pub(crate) struct Inputs {
-    pub(crate) qkv: [TensorBinding; 3],
-    pub(crate) bias: Option<TensorBinding>,
-    pub(crate) mask: Option<TensorBinding>,
-}
-
-/// The compile-time shape of a kernel: each distinct value compiles once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Variant {
-    pub(crate) d_k: usize,
-    pub(crate) d_v: usize,
-    /// Keys per tile.
-    pub(crate) kt: usize,
-    pub(crate) bias: bool,
-    pub(crate) mask: bool,
-}
-
-impl Variant {
-    /// The variant for head dims `d_k`, `d_v`: as many keys per tile as fit [`STAGE`], at
-    /// most [`QT`] and at least one.
-    pub(crate) fn new(d_k: usize, d_v: usize, bias: bool, mask: bool) -> Self {
-        let kt = (STAGE / (d_k + d_v).max(1)).clamp(1, QT);
-        Self {
-            d_k,
-            d_v,
-            kt,
-            bias,
-            mask,
-        }
-    }
-}
 
 /// The output `[B, H, Tq, Dv]` and the log-sum-exp `[B, H, Tq]` (f32, contiguous) of
 /// attention over `inputs` under `scoring`; query head `h` reads key/value head `h / (H /
@@ -80,110 +27,50 @@ impl Variant {
 ///
 /// # Panics
 /// If the shapes disagree or the sizes pass `i32`.
-pub(crate) fn forward(client: &Client, inputs: Inputs, scoring: Scoring) -> (Handle, Handle) {
-    let Inputs { qkv, bias, mask } = inputs;
-    let [q, k, v] = qkv;
-    let [batch, heads, queries, d_k] = dims(&q);
-    let [_, kv_heads, keys, _] = dims(&k);
-    let d_v = dims(&v)[3];
-    assert!(
-        kv_heads > 0 && heads.is_multiple_of(kv_heads) && dims(&k)[3] == d_k,
-        "gpu attention: query {:?}, key {:?}, value {:?}",
-        q.shape,
-        k.shape,
-        v.shape
-    );
-    let within = |n: usize| i32::try_from(n).expect("gpu attention: a size past i32");
-    // "Every key" on a side of the band: more than any distance of the problem.
-    let far = within(queries + keys + 1);
-    let band = scoring.band;
-    let side = |n: Option<usize>| n.map_or(far, |n| within(n.min(queries + keys + 1)));
-    let offset = i32::try_from(band.offset.clamp(-(far as i64), far as i64)).expect("clamped");
-
-    let variant = Variant::new(d_k, d_v, bias.is_some(), mask.is_some());
-    let out = client.empty(batch * heads * queries * d_v * size_of::<f32>());
-    let lse = client.empty(batch * heads * queries * size_of::<f32>());
-    let contiguous = |shape: [usize; 4], handle: &Handle| {
-        let strides = [
-            shape[1] * shape[2] * shape[3],
-            shape[2] * shape[3],
-            shape[3],
-            1,
-        ];
-        // SAFETY: `handle` was allocated for `shape`'s elements, laid out contiguously.
-        unsafe {
-            TensorArg::from_raw_parts(
-                handle.clone(),
-                strides.to_vec().into(),
-                shape.to_vec().into(),
-            )
-        }
-    };
-    let placeholder = || {
-        let handle = client.create_from_slice(u32::as_bytes(&[0]));
-        contiguous([1, 1, 1, 1], &handle)
-    };
-    let extra =
-        |t: Option<TensorBinding>| t.map_or_else(placeholder, |t| broadcast(t).into_tensor_arg());
-
+pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Handle, Handle) {
+    let [q, k, v] = &inputs.qkv;
+    let n = Sizes::of([q, k, v]);
+    let [offset, before, after] = n.band(scoring.band);
+    let variant = Variant::new(n.d_k, n.d_v, inputs.bias.is_some(), inputs.mask.is_some());
+    let out_shape = [n.batch, n.heads, n.queries, n.d_v];
+    let lse_shape = [n.batch, n.heads, n.queries, 1];
+    let (out, lse) = (alloc(client, out_shape), alloc(client, lse_shape));
     let cube_count = CubeCount::Static(
-        within(queries.div_ceil(QT)) as u32,
-        within(batch * heads) as u32,
+        within(n.queries.div_ceil(UNITS)) as u32,
+        within(n.batch * n.heads) as u32,
         1,
     );
     forward_kernel::launch(
         client,
         cube_count,
-        CubeDim::new_1d(QT as u32),
-        q.into_tensor_arg(),
-        k.into_tensor_arg(),
-        v.into_tensor_arg(),
-        extra(bias),
-        extra(mask),
-        contiguous([batch, heads, queries, d_v], &out),
-        contiguous([batch, heads, queries, 1], &lse),
+        CubeDim::new_1d(UNITS as u32),
+        q.clone().into_tensor_arg(),
+        k.clone().into_tensor_arg(),
+        v.clone().into_tensor_arg(),
+        optional(client, inputs.bias.as_ref()),
+        optional(client, inputs.mask.as_ref()),
+        contiguous(out_shape, &out),
+        contiguous(lse_shape, &lse),
         offset,
-        side(band.before),
-        side(band.after),
-        (heads / kv_heads) as u32,
+        before,
+        after,
+        n.group(),
         scoring.scale,
         scoring.softcap.unwrap_or(0.0),
         variant.d_k,
         variant.d_v,
-        variant.kt,
+        variant.tile,
         variant.bias,
         variant.mask,
     );
     (out, lse)
 }
 
-fn dims(t: &TensorBinding) -> [usize; 4] {
-    assert!(
-        t.shape.len() == 4,
-        "gpu attention: a tensor of shape {:?}",
-        t.shape
-    );
-    std::array::from_fn(|axis| t.shape[axis])
-}
-
-/// `t` with stride 0 along its axes of size 1, so that the kernel reads it as broadcast.
-fn broadcast(mut t: TensorBinding) -> TensorBinding {
-    let shape = dims(&t);
-    let strides: Vec<usize> = (0..4)
-        .map(|axis| if shape[axis] == 1 { 0 } else { t.strides[axis] })
-        .collect();
-    t.strides = strides.into();
-    t
-}
-
-/// One cube: query rows `CUBE_POS_X · QT ..` of head `CUBE_POS_Y` (`b · H + h`), one per
-/// unit. `offset`, `before`, `after`: the band of [`Band`], with every key as a bound
-/// larger than the problem; `group`: `H / Hkv`; `softcap`: 0 for none.
+/// One cube: query rows `CUBE_POS_X · UNITS ..` of head `CUBE_POS_Y` (`b · H + h`), one
+/// per unit. `offset`, `before`, `after`: the band of [`Band`](crate::mask::Band), with
+/// every key as a bound larger than the problem; `group`: `H / Hkv`; `softcap`: 0 for none.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-// `if flag { if read { .. } }`: the flag is known at compile time, and the read of a
-// tensor the call does not have must not be emitted.
-#[allow(clippy::collapsible_if)]
 fn forward_kernel(
     q: &Tensor<f32>,
     k: &Tensor<f32>,
@@ -212,10 +99,10 @@ fn forward_kernel(
     let h = bh % heads;
     let hk = h / group as usize;
     let unit = UNIT_POS_X as usize;
-    let q0 = CUBE_POS_X as usize * QT;
+    let q0 = CUBE_POS_X as usize * UNITS;
     let row = q0 + unit;
     let live = row < queries;
-    let last = min(q0 + QT, queries) - 1;
+    let last = min(q0 + UNITS, queries) - 1;
 
     // The keys the cube's rows see between them (each row's interval moves forward with
     // the row), and this row's own.
@@ -252,31 +139,8 @@ fn forward_kernel(
 
     let mut t0 = lo_cube;
     while t0 < hi_cube {
-        // Stage keys t0..t0 + kt (zeros past the cube's keys), every unit a share.
-        #[unroll]
-        for i in 0..(kt * d_k).div_ceil(QT) {
-            let e = i * QT + unit;
-            if e < kt * d_k {
-                let key = t0 + (e / d_k) as i32;
-                let mut x = 0.0f32;
-                if key < hi_cube {
-                    x = k[k_at + key as usize * k.stride(2) + (e % d_k) * k.stride(3)];
-                }
-                k_tile[e] = x;
-            }
-        }
-        #[unroll]
-        for i in 0..(kt * d_v).div_ceil(QT) {
-            let e = i * QT + unit;
-            if e < kt * d_v {
-                let key = t0 + (e / d_v) as i32;
-                let mut x = 0.0f32;
-                if key < hi_cube {
-                    x = v[v_at + key as usize * v.stride(2) + (e % d_v) * v.stride(3)];
-                }
-                v_tile[e] = x;
-            }
-        }
+        stage(k, k_at, t0, hi_cube, 1.0f32, &mut k_tile, kt, d_k);
+        stage(v, v_at, t0, hi_cube, 1.0f32, &mut v_tile, kt, d_v);
         sync_cube();
 
         let start = max(lo, t0);
@@ -290,19 +154,16 @@ fn forward_kernel(
                 for d in 0..d_k {
                     s += query[d] * k_tile[j * d_k + d];
                 }
-                if softcap > 0.0f32 {
-                    let x = max(min(s / softcap, TANH_BOUND), -TANH_BOUND);
-                    s = softcap * x.tanh();
-                }
-                if has_bias {
-                    let add = bias[bias_at + key as usize * bias.stride(3)];
-                    s += max(add, BLOCKED);
-                }
-                if has_mask {
-                    if mask[mask_at + key as usize * mask.stride(3)] != 0u32 {
-                        s = BLOCKED;
-                    }
-                }
+                let s = masked(
+                    capped(s, softcap),
+                    key as usize,
+                    bias,
+                    bias_at,
+                    mask,
+                    mask_at,
+                    has_bias,
+                    has_mask,
+                );
                 scores[j] = s;
                 tile_max = max(tile_max, s);
             }

@@ -11,7 +11,8 @@ use burn::tensor::{Device, DeviceKind};
 use cubecl::client::Client;
 use cubecl::prelude::*;
 
-use super::forward::{Inputs, Scoring, Variant, forward};
+use super::forward::forward;
+use super::launch::{Inputs, Scoring, Variant};
 use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW, Visibility};
 
 /// The variants the tests compiled, to count them.
@@ -292,7 +293,7 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> (V
         "{}: variant {variant:?}, {compiled} variants so far",
         case.name
     );
-    let (out, lse) = forward(client, inputs, scoring);
+    let (out, lse) = forward(client, &inputs, scoring);
     let out = f32::from_bytes(&client.read_one(out).expect("output")).to_vec();
     let lse = f32::from_bytes(&client.read_one(lse).expect("lse")).to_vec();
     (out, lse)

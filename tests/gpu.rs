@@ -1,0 +1,165 @@
+//! The GPU kernels' launches and memory, on the wgpu device (Mesa's lavapipe where there
+//! is no GPU), each measured in a process of its own: the launch observer and the memory
+//! pool's report are process-wide, and the report never resets.
+//!
+//! The outer tests run the `#[ignore]`d inner ones in a child process of this binary.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use burn::cubecl::logging::{LaunchObservation, LaunchObserver};
+use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
+use mha::{AttentionMask, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+
+/// Runs the ignored test `name` of this binary in a process of its own and fails with its
+/// output if it fails.
+fn in_own_process(name: &str) {
+    let out = Command::new(std::env::current_exe().expect("the test binary"))
+        .args([
+            name,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .output()
+        .expect("the test binary runs");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(out.status.success(), "{name} failed in its own process");
+    assert!(text.contains("1 passed"), "{name} did not run: {text}");
+}
+
+/// Counts every kernel launched while installed, by name.
+#[derive(Default)]
+struct Launches(Mutex<BTreeMap<&'static str, usize>>);
+
+impl LaunchObserver for Launches {
+    fn launched(&self, kernel: &'static str) {
+        *self.0.lock().unwrap().entry(kernel).or_default() += 1;
+    }
+}
+
+fn wgpu() -> Device {
+    Device::wgpu(DeviceKind::DefaultDevice)
+}
+
+/// A self-attention module of width 64 in 4 heads.
+fn module(device: &Device) -> MultiHeadAttention {
+    MultiHeadAttentionConfig::new(64, 4).init(device)
+}
+
+/// The launches of `pass`, by kernel, after one run of it to warm up (compilation and
+/// autotuning launch kernels of their own).
+fn launches(device: &Device, pass: impl Fn()) -> BTreeMap<&'static str, usize> {
+    pass();
+    device.sync().expect("sync");
+    let counts = Arc::new(Launches::default());
+    let watching = LaunchObservation::new(counts.clone());
+    pass();
+    device.sync().expect("sync");
+    drop(watching);
+    counts.0.lock().unwrap().clone()
+}
+
+/// How many launches of kernels whose name holds `part`.
+fn of(counts: &BTreeMap<&'static str, usize>, part: &str) -> usize {
+    counts
+        .iter()
+        .filter(|(name, _)| name.contains(part))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+#[test]
+fn a_module_launches_the_same_kernels_at_every_length() {
+    in_own_process("gpu::launches_at_two_lengths");
+}
+
+#[test]
+#[ignore = "run in a process of its own by a_module_launches_the_same_kernels_at_every_length"]
+fn launches_at_two_lengths() {
+    let device = wgpu().autodiff();
+    let m = module(&device);
+    let mut seen = Vec::new();
+    for length in [96, 640] {
+        let x = Tensor::<3>::random([2, length, 64], Distribution::Default, &device);
+        let forward = || {
+            let input = MhaInput::self_attn(x.clone()).mask(AttentionMask::causal());
+            drop(m.forward(input).context.into_data());
+        };
+        let backward = || {
+            let x = x.clone().require_grad();
+            let input = MhaInput::self_attn(x.clone()).mask(AttentionMask::causal());
+            let grads = m.forward(input).context.sum().backward();
+            drop(x.grad(&grads).expect("a gradient").into_data());
+        };
+        let (f, fb) = (launches(&device, forward), launches(&device, backward));
+        for (what, counts) in [("forward", &f), ("forward and backward", &fb)] {
+            let total: usize = counts.values().sum();
+            println!("length {length}, {what}: {total} launches");
+            for (name, n) in counts {
+                // The kernel's own name, without its path and type parameters.
+                let short = name.split('<').next().unwrap_or(name);
+                println!("  {n} x {}", short.rsplit("::").next().unwrap_or(short));
+            }
+        }
+        // One launch of each of our kernels, whatever the length: no chunk loop.
+        assert_eq!(of(&f, "forward_kernel"), 1, "{f:?}");
+        for kernel in ["forward_kernel", "delta_kernel", "dq_kernel", "dkv_kernel"] {
+            assert_eq!(of(&fb, kernel), 1, "{kernel}: {fb:?}");
+        }
+        seen.push((f, fb));
+    }
+    let totals = |i: usize| {
+        let (f, fb) = &seen[i];
+        [f.values().sum::<usize>(), fb.values().sum::<usize>()]
+    };
+    assert_eq!(
+        totals(0),
+        totals(1),
+        "launches at 96 and 640 tokens: {seen:?}"
+    );
+}
+
+#[test]
+fn forward_and_backward_allocate_no_score_matrix() {
+    in_own_process("gpu::largest_allocation_at_a_long_length");
+}
+
+#[test]
+#[ignore = "run in a process of its own by forward_and_backward_allocate_no_score_matrix"]
+fn largest_allocation_at_a_long_length() {
+    let device = wgpu().autodiff();
+    let m = module(&device);
+    // [1, 4, 1024, 1024] scores in f32 would be 16 MiB; every activation is [1024, 64]
+    // (256 KiB) or [1, 4, 1024, 16], the weights 64 x 64.
+    let (batch, heads, length) = (1, 4, 1024);
+    let scores = (batch * heads * length * length * 4) as u64;
+    let x = Tensor::<3>::random([batch, length, 64], Distribution::Default, &device).require_grad();
+    // No mask: every query sees every key, so nothing would be skipped or chunked.
+    let grads = m
+        .forward(MhaInput::self_attn(x.clone()))
+        .context
+        .sum()
+        .backward();
+    drop(x.grad(&grads).expect("a gradient").into_data());
+    device.sync().expect("sync");
+    let report = device.memory_pool_report().expect("wgpu reports its pools");
+    let largest = report
+        .iter()
+        .map(|pool| pool.largest_alloc)
+        .max()
+        .unwrap_or(0);
+    let usage = device.memory_pool_usage().expect("wgpu reports its usage");
+    println!("largest allocation {largest} bytes, a score matrix {scores} bytes; {usage:?}");
+    assert!(
+        largest < scores / 4,
+        "an allocation of {largest} bytes: a score matrix is {scores}"
+    );
+}
