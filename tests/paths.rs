@@ -386,6 +386,31 @@ fn long_cases() -> Vec<Case> {
             },
         });
     }
+    // Rows of 2048 keys at head dim 128: past the 65,535 loop iterations after which
+    // lavapipe silently stops a kernel that walks every key and head dim in one
+    // invocation; a bias per key with its gradient.
+    cases.push(Case {
+        name: "2048 keys at head dim 128, causal, padding, bias per key".into(),
+        sizes: sizes([2, 2, 1, 24, 2048, 128, 128]),
+        mask: MaskSpec {
+            blocked: Some(padding(&[2048, 1900], 2048)),
+            bias: Some(Part {
+                values: normal(2 * 2048, 9).iter().map(|x| x * 0.5).collect(),
+                dims: [1, 2, 1, 2048],
+            }),
+            ..MaskSpec::causal()
+        },
+    });
+    // A learned table whose buckets each sum more scores than one unit of the GPU's
+    // gradient sums takes (2 x 1100 rows per distance): the sums split and reduced.
+    cases.push(Case {
+        name: "causal T5 buckets, T 1100".into(),
+        sizes: sizes([2, 2, 2, 1100, 1100, 8, 8]),
+        mask: MaskSpec {
+            position: Some(table(2, t5(false), 45)),
+            ..MaskSpec::causal()
+        },
+    });
     cases
 }
 

@@ -15,8 +15,7 @@
 //!   Burn's own module does).
 //!
 //! On the CubeCL devices (wgpu, cuda) attention takes the GPU kernels of our own
-//! (`gpu`) where they cover the call (f32, a band of positions, no position bias, an
-//! untracked bias), else the explicit path.
+//! (`gpu`) in f32, else the explicit path.
 
 use burn::backend::DispatchDevice;
 use burn::tensor::{BoolStore, DType, Device, Tensor};
@@ -93,9 +92,8 @@ pub(crate) enum AttentionPath {
     /// would only add launches).
     Explicit { chunk: usize },
     /// The GPU kernels of our own (`gpu`): a CubeCL device (wgpu, cuda), every float
-    /// tensor f32, a mask that blocks by a band of positions (causal, windows; not packed
-    /// sequences) without a position bias, and an additive bias, if any, that is not
-    /// tracked; with autodiff or not, the backward pass recomputing the weights.
+    /// tensor f32, every mask kind; with autodiff or not, the backward pass recomputing
+    /// the weights.
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     Gpu,
     /// The explicit path in one pass, keeping the weights: they are returned, or dropout
@@ -115,9 +113,8 @@ pub(crate) struct AttentionCall {
     autodiff: bool,
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
     f32_bytes: bool,
-    /// Every float tensor is f32, the head dims are not 0, and the mask is a band of
-    /// positions without a position bias whose additive bias is not tracked: what the GPU
-    /// kernels take.
+    /// Every float tensor is f32 (a learned position table too) and the head dims are not
+    /// 0: what the GPU kernels take.
     gpu_kernels: bool,
     queries: usize,
     /// No key, or no output element.
@@ -139,11 +136,11 @@ impl AttentionCall {
         let device = query.device();
         let floats = [query, key, value].into_iter().chain(mask.additive_bias());
         let f32 = floats.clone().all(|t| t.dtype() == DType::F32);
-        let [_, _, queries, d_k] = query.dims();
-        let [_, _, keys, d_v] = value.dims();
-        let band = mask.position().is_none()
-            && mask.rule().visibility(queries, keys).band().is_some()
-            && mask.additive_bias().is_none_or(|bias| !bias.is_tracked());
+        let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
+        let table_f32 = match mask.position() {
+            Some(crate::PositionBias::Learned { table, .. }) => table.dtype() == DType::F32,
+            _ => true,
+        };
         let bool_bytes = mask.blocked().is_none_or(|blocked| {
             matches!(
                 blocked.dtype(),
@@ -154,7 +151,7 @@ impl AttentionCall {
             backend: Backend::of(&device),
             autodiff: device.is_autodiff(),
             f32_bytes: bool_bytes && f32,
-            gpu_kernels: f32 && band && d_k > 0 && d_v > 0,
+            gpu_kernels: f32 && table_f32 && d_k > 0 && d_v > 0,
             queries: query.dims()[2],
             empty: {
                 let [batch, heads, queries, _] = query.dims();
@@ -457,20 +454,18 @@ mod tests {
                 path(&bias.clone().and(causal.clone()), &x),
                 AttentionPath::Gpu
             );
-            // What the kernels do not take yet: other dtypes, packed sequences, position
-            // biases, a tracked bias (its gradient).
-            let half = x.clone().cast(DType::F16);
-            assert_eq!(path(&causal, &half), AttentionPath::Explicit { chunk: 3 });
             let packed = AttentionMask::packed(&[vec![0, 2, 3]]);
-            assert_eq!(path(&packed, &x), AttentionPath::Explicit { chunk: 3 });
+            assert_eq!(path(&packed, &x), AttentionPath::Gpu);
             let alibi =
                 AttentionMask::position_bias(crate::PositionBias::Alibi { slopes: vec![0.5] });
-            assert_eq!(path(&alibi, &x), AttentionPath::Explicit { chunk: 3 });
+            assert_eq!(path(&alibi, &x), AttentionPath::Gpu);
             if device.is_autodiff() {
                 let tracked = Tensor::<4>::zeros([1, 1, 3, 3], &device).require_grad();
-                let tracked = AttentionMask::bias(tracked);
-                assert_eq!(path(&tracked, &x), AttentionPath::Explicit { chunk: 3 });
+                assert_eq!(path(&AttentionMask::bias(tracked), &x), AttentionPath::Gpu);
             }
+            // Other dtypes take the explicit path.
+            let half = x.clone().cast(DType::F16);
+            assert_eq!(path(&causal, &half), AttentionPath::Explicit { chunk: 3 });
             assert_eq!(row(RowCall::of(RowOp::Gelu, &x)), RowPath::Burn);
         }
     }

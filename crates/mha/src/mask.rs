@@ -501,23 +501,43 @@ impl Visibility {
 
     /// The rule as a band around each query's own position, for kernels that compute
     /// [`keys_of`](Self::keys_of) themselves: query `i` sees keys `i + offset - before
-    /// ..= i + offset + after`, cut to `0..Tk` (`None`: no bound on that side). `None`
-    /// for packed sequences, which no band describes.
+    /// ..= i + offset + after`, cut to `0..Tk` (`None`: no bound on that side), and, with
+    /// packed sequences, cut further to its sequence's ([`sequences`](Self::sequences)).
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
-    pub(crate) fn band(&self) -> Option<Band> {
-        if self.packed.is_some() {
-            return None;
-        }
+    pub(crate) fn band(&self) -> Band {
         // The causal part sees nothing after the own position, whatever the window.
         let after = match self.causal {
             true => Some(0),
             false => self.window.map(|w| w.after),
         };
-        Some(Band {
+        Band {
             offset: self.offset,
             before: self.window.map(|w| w.before),
             after,
-        })
+        }
+    }
+
+    /// With packed sequences, the positions of each position's sequence, `[lo, hi]` for
+    /// every position `t` of every batch row `b` at `2 · (b · T + t)` (`T = Tq = Tk`):
+    /// padding past a row's last sequence has the empty `[T, T]`. Both bounds never
+    /// decrease along a row, so the positions that rows `i0 ..= i1` see between them lie
+    /// in `lo[i0] .. hi[i1]`. `None` without packed sequences.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
+    pub(crate) fn sequences(&self) -> Option<Vec<i32>> {
+        let packed = self.packed.as_ref()?;
+        let len = self.queries;
+        let bound = |n: usize| i32::try_from(n).expect("a sequence length past i32");
+        Some(
+            packed
+                .iter()
+                .flat_map(|row| {
+                    (0..len).flat_map(move |t| match sequence(row, t) {
+                        Some(seq) => [bound(seq.start), bound(seq.end)],
+                        None => [bound(len), bound(len)],
+                    })
+                })
+                .collect(),
+        )
     }
 
     /// The keys query `query` of batch row `b` sees.
@@ -780,7 +800,7 @@ mod tests {
                 let mask = mask.clone().aligned(alignment);
                 for (queries, keys) in [(9, 9), (4, 13), (13, 4), (1, 1)] {
                     let visibility = mask.visibility(queries, keys);
-                    let band = visibility.band().expect("no packed sequences");
+                    let band = visibility.band();
                     for i in 0..queries {
                         assert_eq!(
                             band_keys(band, keys, i),
@@ -792,7 +812,33 @@ mod tests {
                 }
             }
         }
-        let packed = AttentionMask::packed(&[vec![0, 3, 5]]);
-        assert_eq!(packed.visibility(5, 5).band(), None);
+        // Packed sequences: the band cut to each position's sequence.
+        let rows = [vec![0, 3, 5, 6], vec![0, 2, 7]];
+        for mask in [
+            AttentionMask::none(),
+            AttentionMask::causal(),
+            AttentionMask::local(1),
+        ] {
+            let packed = mask.and(AttentionMask::packed(&rows));
+            let visibility = packed.visibility(8, 8);
+            let band = visibility.band();
+            let sequences = visibility.sequences().expect("packed");
+            for b in 0..2 {
+                for i in 0..8 {
+                    let at = 2 * (b * 8 + i);
+                    let (lo, hi) = (sequences[at] as usize, sequences[at + 1] as usize);
+                    let keys = band_keys(band, 8, i);
+                    let cut = keys.start.max(lo)..keys.end.min(hi);
+                    let want = visibility.keys_of(b, i);
+                    assert_eq!(
+                        if cut.is_empty() { 0..0 } else { cut },
+                        want,
+                        "{:?}, row {b}, query {i}",
+                        packed.rule()
+                    );
+                }
+            }
+        }
+        assert_eq!(AttentionMask::causal().visibility(4, 4).sequences(), None);
     }
 }

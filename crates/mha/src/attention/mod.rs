@@ -9,12 +9,10 @@
 //!   passes run in cache-sized tiles (FlashAttention's scheme on the CPU);
 //! - **gpu** (`crate::gpu`): on the CubeCL backends (wgpu, cuda) in f32, the same scheme
 //!   in kernels of our own: a forward pass that keeps each row's log-sum-exp and a backward
-//!   pass that recomputes the weights, for masks that block by a band of positions
-//!   (causal in both alignments, windows, key padding, boolean masks, an untracked
-//!   additive bias, soft cap, GQA);
+//!   pass that recomputes the weights, for every mask kind (bias and position-table
+//!   gradients included), soft cap and GQA;
 //! - **explicit** (`explicit`): matmul, mask, softmax, matmul: when the weights are
-//!   wanted or dropout is on, for GPU calls the kernels do not cover yet and for other
-//!   dtypes.
+//!   wanted or dropout is on, and for other dtypes.
 //!   From 256 queries on it runs in query chunks when the mask is causal (a chunk reads
 //!   only the keys it can see, forward and backward) or the device does not differentiate
 //!   (no more than one chunk's scores exist at a time).

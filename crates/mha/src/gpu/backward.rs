@@ -23,9 +23,10 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::launch::{
-    Inputs, Scoring, Sizes, UNITS, Variant, alloc, assert_contiguous, contiguous, optional, within,
+    Inputs, Scoring, Sizes, UNITS, Variant, alloc, assert_contiguous, contiguous, dims, optional,
+    within,
 };
-use super::scores::{cap_slope, capped, masked, stage, stage_rows};
+use super::scores::{cap_slope, capped, intervals, masked, pd_start, stage, stage_rows};
 
 /// The gradients `[dQ, dK, dV]` (f32, contiguous, of the query's, key's and value's
 /// shapes) of attention over `inputs` under `scoring`, from its output `out` and
@@ -40,7 +41,8 @@ pub(crate) fn backward(
     scoring: Scoring,
     [out, lse]: [&TensorBinding; 2],
     grad: &TensorBinding,
-) -> [Handle; 3] {
+    [bias_grad, pd_grad]: [bool; 2],
+) -> Grads {
     let [q, k, v] = &inputs.qkv;
     let n = Sizes::of([q, k, v]);
     let out_shape = [n.batch, n.heads, n.queries, n.d_v];
@@ -48,7 +50,7 @@ pub(crate) fn backward(
     assert_contiguous("output", out, out_shape);
     assert_contiguous("log-sum-exp", lse, row_shape);
     let [offset, before, after] = n.band(scoring.band);
-    let variant = Variant::new(n.d_k, n.d_v, inputs.bias.is_some(), inputs.mask.is_some());
+    let variant = Variant::of(&n, inputs);
     let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
     let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
     let dv_shape = [n.batch, n.kv_heads, n.keys, n.d_v];
@@ -85,7 +87,9 @@ pub(crate) fn backward(
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
         optional(client, inputs.bias.as_ref()),
+        optional(client, inputs.pd.as_ref()),
         optional(client, inputs.mask.as_ref()),
+        optional(client, inputs.seq.as_ref()),
         grad.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         contiguous(row_shape, &delta),
@@ -100,7 +104,9 @@ pub(crate) fn backward(
         variant.d_v,
         variant.tile,
         variant.bias,
+        variant.pd,
         variant.mask,
+        variant.seq,
     );
     dkv_kernel::launch(
         client,
@@ -110,7 +116,9 @@ pub(crate) fn backward(
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
         optional(client, inputs.bias.as_ref()),
+        optional(client, inputs.pd.as_ref()),
         optional(client, inputs.mask.as_ref()),
+        optional(client, inputs.seq.as_ref()),
         grad.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
         contiguous(row_shape, &delta),
@@ -126,9 +134,116 @@ pub(crate) fn backward(
         variant.d_v,
         variant.tile,
         variant.bias,
+        variant.pd,
         variant.mask,
+        variant.seq,
     );
-    [dq, dk, dv]
+    // The bias's and the bias by distance's gradients: sums of dS over the scores each
+    // of their elements adds to.
+    let sums = |mode: u32, target: &TensorBinding| {
+        let (elements, reduced) = match mode {
+            BIAS => {
+                let shape = dims(target);
+                let full = [n.batch, n.heads, n.queries, n.keys];
+                let reduced = (0..4).filter(|&a| shape[a] == 1).map(|a| full[a]).product();
+                (shape.iter().product::<usize>(), reduced)
+            }
+            _ => (n.heads * (n.queries + n.keys - 1), n.batch * n.queries),
+        };
+        let splits = reduced.div_ceil(CHUNK).max(1);
+        let chunk = reduced.div_ceil(splits).max(1);
+        let partial = alloc(client, [1, 1, splits, elements]);
+        let [x, y] = grid(elements);
+        dsum_kernel::launch(
+            client,
+            CubeCount::Static(x, y, within(splits) as u32),
+            cube_dim,
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            optional(client, inputs.bias.as_ref()),
+            optional(client, inputs.pd.as_ref()),
+            optional(client, inputs.mask.as_ref()),
+            optional(client, inputs.seq.as_ref()),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            contiguous(row_shape, &delta),
+            contiguous([1, 1, splits, elements], &partial),
+            offset,
+            before,
+            after,
+            n.group(),
+            scale,
+            softcap,
+            within(elements) as u32,
+            within(chunk) as u32,
+            within(reduced) as u32,
+            mode,
+            variant.d_k,
+            variant.d_v,
+            variant.bias,
+            variant.pd,
+            variant.mask,
+            variant.seq,
+        );
+        if splits == 1 {
+            return partial;
+        }
+        let sum = alloc(client, [1, 1, 1, elements]);
+        reduce_kernel::launch(
+            client,
+            CubeCount::Static(x, y, 1),
+            cube_dim,
+            contiguous([1, 1, splits, elements], &partial),
+            contiguous([1, 1, 1, elements], &sum),
+        );
+        sum
+    };
+    let dbias = inputs
+        .bias
+        .as_ref()
+        .filter(|_| bias_grad)
+        .map(|b| sums(BIAS, b));
+    let dpd = inputs
+        .pd
+        .as_ref()
+        .filter(|_| pd_grad)
+        .map(|pd| sums(DISTANCE, pd));
+    Grads {
+        dq,
+        dk,
+        dv,
+        dbias,
+        dpd,
+    }
+}
+
+/// The gradients of one call (f32, contiguous): of the query, key and value, and, when
+/// asked for, of the bias (of its own shape, summed over the axes it broadcasts along)
+/// and of the bias by distance (`[1, 1, H, Tq + Tk - 1]`).
+pub(crate) struct Grads {
+    pub(crate) dq: Handle,
+    pub(crate) dk: Handle,
+    pub(crate) dv: Handle,
+    pub(crate) dbias: Option<Handle>,
+    pub(crate) dpd: Option<Handle>,
+}
+
+/// Scores one unit of [`dsum_kernel`] sums at most, so that no invocation nears a
+/// driver's cap on loop iterations; longer sums are split over cubes along `z` and
+/// reduced by [`reduce_kernel`].
+const CHUNK: usize = 2048;
+/// [`dsum_kernel`]'s mode: the bias's gradient.
+const BIAS: u32 = 0;
+/// [`dsum_kernel`]'s mode: the bias by distance's gradient.
+const DISTANCE: u32 = 1;
+
+/// Cubes along `x` and `y` for `elements` units, [`UNITS`] per cube (a grid's `x` is
+/// bounded on some devices).
+fn grid(elements: usize) -> [u32; 2] {
+    let cubes = elements.div_ceil(UNITS).max(1);
+    let x = cubes.min(32_768);
+    [within(x) as u32, within(cubes.div_ceil(x)) as u32]
 }
 
 /// `delta[row] = Σ_d grad[row, d] · out[row, d]`: one unit per query row, query rows
@@ -167,7 +282,9 @@ fn dq_kernel(
     k: &Tensor<f32>,
     v: &Tensor<f32>,
     bias: &Tensor<f32>,
+    pd: &Tensor<f32>,
     mask: &Tensor<u32>,
+    seq: &Tensor<i32>,
     grad: &Tensor<f32>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -182,7 +299,9 @@ fn dq_kernel(
     #[comptime] d_v: usize,
     #[comptime] kt: usize,
     #[comptime] has_bias: bool,
+    #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
+    #[comptime] has_seq: bool,
 ) {
     let heads = q.shape(1);
     let queries = q.shape(2);
@@ -197,16 +316,13 @@ fn dq_kernel(
     let live = row < queries;
     let last = min(q0 + UNITS, queries) - 1;
 
-    let tk = keys as i32;
-    let lo_cube = max(q0 as i32 + offset - before, 0i32);
-    let hi_cube = min(last as i32 + offset + after + 1, tk);
-    let own = row as i32 + offset;
-    let lo = max(own - before, 0i32);
-    let hi = min(own + after + 1, tk);
-
     // The row's scaled query, output gradient, log-sum-exp and D (a dead unit reads the
-    // last row and writes nothing).
+    // last row and writes nothing), and the keys of the cube and of the row.
     let q_row = min(row, queries - 1);
+    let seen = intervals(
+        seq, b, q0, last, q_row, keys, offset, before, after, has_seq,
+    );
+    let (lo_cube, hi_cube, lo, hi) = (seen.lo_cube, seen.hi_cube, seen.lo, seen.hi);
     let q_at = b * q.stride(0) + h * q.stride(1) + q_row * q.stride(2);
     let g_at = b * grad.stride(0) + h * grad.stride(1) + q_row * grad.stride(2);
     let mut query = Array::<f32>::new(d_k);
@@ -229,6 +345,7 @@ fn dq_kernel(
     let k_at = b * k.stride(0) + hk * k.stride(1);
     let v_at = b * v.stride(0) + hk * v.stride(1);
     let bias_at = b * bias.stride(0) + h * bias.stride(1) + q_row * bias.stride(2);
+    let pd_at = pd_start(pd, h, q_row, queries);
     let mask_at = b * mask.stride(0) + h * mask.stride(1) + q_row * mask.stride(2);
 
     let mut t0 = lo_cube;
@@ -253,9 +370,12 @@ fn dq_kernel(
                     key as usize,
                     bias,
                     bias_at,
+                    pd,
+                    pd_at,
                     mask,
                     mask_at,
                     has_bias,
+                    has_pd,
                     has_mask,
                 );
                 let p = (s - row_lse).exp();
@@ -294,7 +414,9 @@ fn dkv_kernel(
     k: &Tensor<f32>,
     v: &Tensor<f32>,
     bias: &Tensor<f32>,
+    pd: &Tensor<f32>,
     mask: &Tensor<u32>,
+    seq: &Tensor<i32>,
     grad: &Tensor<f32>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
@@ -310,7 +432,9 @@ fn dkv_kernel(
     #[comptime] d_v: usize,
     #[comptime] qt: usize,
     #[comptime] has_bias: bool,
+    #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
+    #[comptime] has_seq: bool,
 ) {
     let heads = q.shape(1);
     let queries = q.shape(2);
@@ -325,16 +449,15 @@ fn dkv_kernel(
     let live = key < keys;
     let last = min(k0 + UNITS, keys) - 1;
 
-    // The queries that see the cube's keys between them, and this key's own: query `i`
-    // sees key `j` when `i + offset - before <= j <= i + offset + after`.
-    let tq = queries as i32;
-    let lo_cube = max(k0 as i32 - offset - after, 0i32);
-    let hi_cube = min(last as i32 - offset + before + 1, tq);
-    let lo = max(key as i32 - offset - after, 0i32);
-    let hi = min(key as i32 - offset + before + 1, tq);
-
-    // The key's own key and value rows (a dead unit reads the last key and writes nothing).
+    // The key's own key and value rows (a dead unit reads the last key and writes
+    // nothing); the queries that see the cube's keys between them, and this key's own:
+    // query `i` sees key `j` when `i + offset - before <= j <= i + offset + after`, the
+    // band mirrored (packed sequences are self-attention: one position's sequence).
     let k_row = min(key, keys - 1);
+    let seen = intervals(
+        seq, b, k0, last, k_row, queries, -offset, after, before, has_seq,
+    );
+    let (lo_cube, hi_cube, lo, hi) = (seen.lo_cube, seen.hi_cube, seen.lo, seen.hi);
     let k_at = b * k.stride(0) + hk * k.stride(1) + k_row * k.stride(2);
     let v_at = b * v.stride(0) + hk * v.stride(1) + k_row * v.stride(2);
     let mut own_k = Array::<f32>::new(d_k);
@@ -388,9 +511,12 @@ fn dkv_kernel(
                         k_row,
                         bias,
                         bias_head + i as usize * bias.stride(2),
+                        pd,
+                        pd_start(pd, h, i as usize, queries),
                         mask,
                         mask_head + i as usize * mask.stride(2),
                         has_bias,
+                        has_pd,
                         has_mask,
                     );
                     let p = (s - lse_tile[r]).exp();
@@ -424,5 +550,194 @@ fn dkv_kernel(
         for d in 0..d_v {
             dv[v_out + d] = acc_v[d];
         }
+    }
+}
+
+/// dS at one score `(b, h, i, j)`, recomputed from scratch (0 where query `i` does not see
+/// key `j`): `P (dO_i · v_j - D_i)` with `P = exp(S - lse_i)`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn ds_at(
+    q: &Tensor<f32>,
+    k: &Tensor<f32>,
+    v: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    pd: &Tensor<f32>,
+    mask: &Tensor<u32>,
+    seq: &Tensor<i32>,
+    grad: &Tensor<f32>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    b: usize,
+    h: usize,
+    i: usize,
+    j: usize,
+    offset: i32,
+    before: i32,
+    after: i32,
+    group: u32,
+    scale: f32,
+    softcap: f32,
+    #[comptime] d_k: usize,
+    #[comptime] d_v: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] has_pd: bool,
+    #[comptime] has_mask: bool,
+    #[comptime] has_seq: bool,
+) -> f32 {
+    let heads = q.shape(1);
+    let queries = q.shape(2);
+    let own = i as i32 + offset;
+    let key = j as i32;
+    let mut visible = key >= own - before && key <= own + after;
+    if has_seq {
+        let at = b * seq.stride(0) + i * seq.stride(2);
+        visible = visible && key >= seq[at] && key < seq[at + seq.stride(3)];
+    }
+    let mut ds = 0.0f32;
+    if visible {
+        let hk = h / group as usize;
+        let q_at = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        let k_at = b * k.stride(0) + hk * k.stride(1) + j * k.stride(2);
+        let mut s = 0.0f32;
+        #[unroll]
+        for d in 0..d_k {
+            s += q[q_at + d * q.stride(3)] * scale * k[k_at + d * k.stride(3)];
+        }
+        let s = masked(
+            capped(s, softcap),
+            j,
+            bias,
+            b * bias.stride(0) + h * bias.stride(1) + i * bias.stride(2),
+            pd,
+            pd_start(pd, h, i, queries),
+            mask,
+            b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2),
+            has_bias,
+            has_pd,
+            has_mask,
+        );
+        let row = (b * heads + h) * queries + i;
+        let p = (s - lse[row]).exp();
+        let g_at = b * grad.stride(0) + h * grad.stride(1) + i * grad.stride(2);
+        let v_at = b * v.stride(0) + hk * v.stride(1) + j * v.stride(2);
+        let mut dp = 0.0f32;
+        #[unroll]
+        for d in 0..d_v {
+            dp += grad[g_at + d * grad.stride(3)] * v[v_at + d * v.stride(3)];
+        }
+        ds = p * (dp - delta[row]);
+    }
+    ds
+}
+
+/// Sums of dS per element of the bias (`mode` [`BIAS`]: over the axes it broadcasts
+/// along) or of the bias by distance ([`DISTANCE`]: element `(h, c)` over every query `i`
+/// of every batch row with key `i + c - (Tq - 1)`): unit `e` of the grid's `x`, `y` sums
+/// the `chunk` scores `CUBE_POS_Z · chunk ..` of its `reduced` into `partial[z, e]`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn dsum_kernel(
+    q: &Tensor<f32>,
+    k: &Tensor<f32>,
+    v: &Tensor<f32>,
+    bias: &Tensor<f32>,
+    pd: &Tensor<f32>,
+    mask: &Tensor<u32>,
+    seq: &Tensor<i32>,
+    grad: &Tensor<f32>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    partial: &mut Tensor<f32>,
+    offset: i32,
+    before: i32,
+    after: i32,
+    group: u32,
+    scale: f32,
+    softcap: f32,
+    elements: u32,
+    chunk: u32,
+    reduced: u32,
+    #[comptime] mode: u32,
+    #[comptime] d_k: usize,
+    #[comptime] d_v: usize,
+    #[comptime] has_bias: bool,
+    #[comptime] has_pd: bool,
+    #[comptime] has_mask: bool,
+    #[comptime] has_seq: bool,
+) {
+    let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * UNITS as u32 + UNIT_POS_X) as usize;
+    if e < elements as usize {
+        let (batch, heads, queries, keys) = (q.shape(0), q.shape(1), q.shape(2), k.shape(2));
+        let start = CUBE_POS_Z * chunk;
+        let end = min(start + chunk, reduced);
+        let mut sum = 0.0f32;
+        if mode == BIAS {
+            // The element's index along each axis of the bias, and the sizes of the axes
+            // it broadcasts along (1 elsewhere).
+            let (sb, sh, sq, sk) = (bias.shape(0), bias.shape(1), bias.shape(2), bias.shape(3));
+            let j0 = e % sk;
+            let i0 = (e / sk) % sq;
+            let h0 = (e / (sk * sq)) % sh;
+            let b0 = e / (sk * sq * sh);
+            let mut ob = 1usize;
+            let mut oh = 1usize;
+            let mut oq = 1usize;
+            let mut ok = 1usize;
+            if sb == 1 {
+                ob = batch;
+            }
+            if sh == 1 {
+                oh = heads;
+            }
+            if sq == 1 {
+                oq = queries;
+            }
+            if sk == 1 {
+                ok = keys;
+            }
+            for r in start..end {
+                let r = r as usize;
+                let j = j0 + r % ok;
+                let i = i0 + (r / ok) % oq;
+                let h = h0 + (r / (ok * oq)) % oh;
+                let b = b0 + (r / (ok * oq * oh)) % ob;
+                sum += ds_at(
+                    q, k, v, bias, pd, mask, seq, grad, lse, delta, b, h, i, j, offset, before,
+                    after, group, scale, softcap, d_k, d_v, has_bias, has_pd, has_mask, has_seq,
+                );
+            }
+        } else {
+            let columns = queries + keys - 1;
+            let h = e / columns;
+            let c = (e % columns) as i32;
+            for r in start..end {
+                let b = r as usize / queries;
+                let i = r as usize % queries;
+                let j = i as i32 + c - (queries as i32 - 1);
+                if j >= 0 && j < keys as i32 {
+                    sum += ds_at(
+                        q, k, v, bias, pd, mask, seq, grad, lse, delta, b, h, i, j as usize,
+                        offset, before, after, group, scale, softcap, d_k, d_v, has_bias, has_pd,
+                        has_mask, has_seq,
+                    );
+                }
+            }
+        }
+        partial[CUBE_POS_Z as usize * elements as usize + e] = sum;
+    }
+}
+
+/// `sum[e] = Σ_s partial[s, e]`, in order: unit `e` of the grid's `x`, `y`.
+#[cube(launch)]
+fn reduce_kernel(partial: &Tensor<f32>, sum: &mut Tensor<f32>) {
+    let elements = sum.shape(3);
+    let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * UNITS as u32 + UNIT_POS_X) as usize;
+    if e < elements {
+        let mut total = 0.0f32;
+        for s in 0..partial.shape(2) {
+            total += partial[s * elements + e];
+        }
+        sum[e] = total;
     }
 }

@@ -14,7 +14,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::launch::{Inputs, Scoring, Sizes, UNITS, Variant, alloc, contiguous, optional, within};
-use super::scores::{capped, masked, stage};
+use super::scores::{capped, intervals, masked, pd_start, stage};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
 /// Below every score, blocked ones included: the running maximum before any key.
@@ -31,7 +31,7 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
     let [q, k, v] = &inputs.qkv;
     let n = Sizes::of([q, k, v]);
     let [offset, before, after] = n.band(scoring.band);
-    let variant = Variant::new(n.d_k, n.d_v, inputs.bias.is_some(), inputs.mask.is_some());
+    let variant = Variant::of(&n, inputs);
     let out_shape = [n.batch, n.heads, n.queries, n.d_v];
     let lse_shape = [n.batch, n.heads, n.queries, 1];
     let (out, lse) = (alloc(client, out_shape), alloc(client, lse_shape));
@@ -48,7 +48,9 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
         k.clone().into_tensor_arg(),
         v.clone().into_tensor_arg(),
         optional(client, inputs.bias.as_ref()),
+        optional(client, inputs.pd.as_ref()),
         optional(client, inputs.mask.as_ref()),
+        optional(client, inputs.seq.as_ref()),
         contiguous(out_shape, &out),
         contiguous(lse_shape, &lse),
         offset,
@@ -61,7 +63,9 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
         variant.d_v,
         variant.tile,
         variant.bias,
+        variant.pd,
         variant.mask,
+        variant.seq,
     );
     (out, lse)
 }
@@ -76,7 +80,9 @@ fn forward_kernel(
     k: &Tensor<f32>,
     v: &Tensor<f32>,
     bias: &Tensor<f32>,
+    pd: &Tensor<f32>,
     mask: &Tensor<u32>,
+    seq: &Tensor<i32>,
     out: &mut Tensor<f32>,
     lse: &mut Tensor<f32>,
     offset: i32,
@@ -89,7 +95,9 @@ fn forward_kernel(
     #[comptime] d_v: usize,
     #[comptime] kt: usize,
     #[comptime] has_bias: bool,
+    #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
+    #[comptime] has_seq: bool,
 ) {
     let heads = q.shape(1);
     let queries = q.shape(2);
@@ -104,17 +112,14 @@ fn forward_kernel(
     let live = row < queries;
     let last = min(q0 + UNITS, queries) - 1;
 
-    // The keys the cube's rows see between them (each row's interval moves forward with
-    // the row), and this row's own.
-    let tk = keys as i32;
-    let lo_cube = max(q0 as i32 + offset - before, 0i32);
-    let hi_cube = min(last as i32 + offset + after + 1, tk);
-    let own = row as i32 + offset;
-    let lo = max(own - before, 0i32);
-    let hi = min(own + after + 1, tk);
-
     // The row's scaled query (a dead unit reads the last row and writes nothing).
     let q_row = min(row, queries - 1);
+    // The keys the cube's rows see between them (each row's interval moves forward with
+    // the row), and this row's own.
+    let seen = intervals(
+        seq, b, q0, last, q_row, keys, offset, before, after, has_seq,
+    );
+    let (lo_cube, hi_cube, lo, hi) = (seen.lo_cube, seen.hi_cube, seen.lo, seen.hi);
     let q_at = b * q.stride(0) + h * q.stride(1) + q_row * q.stride(2);
     let mut query = Array::<f32>::new(d_k);
     #[unroll]
@@ -135,6 +140,7 @@ fn forward_kernel(
     let k_at = b * k.stride(0) + hk * k.stride(1);
     let v_at = b * v.stride(0) + hk * v.stride(1);
     let bias_at = b * bias.stride(0) + h * bias.stride(1) + q_row * bias.stride(2);
+    let pd_at = pd_start(pd, h, q_row, queries);
     let mask_at = b * mask.stride(0) + h * mask.stride(1) + q_row * mask.stride(2);
 
     let mut t0 = lo_cube;
@@ -159,9 +165,12 @@ fn forward_kernel(
                     key as usize,
                     bias,
                     bias_at,
+                    pd,
+                    pd_at,
                     mask,
                     mask_at,
                     has_bias,
+                    has_pd,
                     has_mask,
                 );
                 scores[j] = s;

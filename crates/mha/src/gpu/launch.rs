@@ -27,11 +27,15 @@ pub(crate) struct Scoring {
 /// The tensors of one call, as bindings: `[query, key, value]` (`[B, H, Tq, Dk]`, `[B, Hkv,
 /// Tk, Dk]`, `[B, Hkv, Tk, Dv]`), an additive f32 `bias` and a u32 `mask` (nonzero =
 /// blocked), each of rank 4 and broadcastable to `[B, H, Tq, Tk]` (an axis of size 1 is
-/// read with stride 0).
+/// read with stride 0); a bias by distance `pd` (f32 `[1, 1, H, Tq + Tk - 1]`, column `c`
+/// for the distance `c - (Tq - 1)` from a query's row to a key's) and packed sequences'
+/// bounds `seq` (i32 `[B, 1, T, 2]`, see `Visibility::sequences`).
 pub(crate) struct Inputs {
     pub(crate) qkv: [TensorBinding; 3],
     pub(crate) bias: Option<TensorBinding>,
+    pub(crate) pd: Option<TensorBinding>,
     pub(crate) mask: Option<TensorBinding>,
+    pub(crate) seq: Option<TensorBinding>,
 }
 
 /// The compile-time shape of a kernel: each distinct value compiles once.
@@ -42,20 +46,24 @@ pub(crate) struct Variant {
     /// Rows per staged tile (keys in the forward pass and `dQ`, queries in `dK`/`dV`).
     pub(crate) tile: usize,
     pub(crate) bias: bool,
+    pub(crate) pd: bool,
     pub(crate) mask: bool,
+    pub(crate) seq: bool,
 }
 
 impl Variant {
-    /// The variant for head dims `d_k`, `d_v`: as many rows per tile as fit [`STAGE`], at
-    /// most [`UNITS`] and at least one.
-    pub(crate) fn new(d_k: usize, d_v: usize, bias: bool, mask: bool) -> Self {
-        let tile = (STAGE / (d_k + d_v).max(1)).clamp(1, UNITS);
+    /// The variant of a call of sizes `n` over `inputs`: as many rows per tile as fit
+    /// [`STAGE`], at most [`UNITS`] and at least one.
+    pub(crate) fn of(n: &Sizes, inputs: &Inputs) -> Self {
+        let tile = (STAGE / (n.d_k + n.d_v).max(1)).clamp(1, UNITS);
         Self {
-            d_k,
-            d_v,
+            d_k: n.d_k,
+            d_v: n.d_v,
             tile,
-            bias,
-            mask,
+            bias: inputs.bias.is_some(),
+            pd: inputs.pd.is_some(),
+            mask: inputs.mask.is_some(),
+            seq: inputs.seq.is_some(),
         }
     }
 }

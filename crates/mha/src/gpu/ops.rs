@@ -9,10 +9,10 @@ use burn::backend::autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::{
     AutodiffBackend, Backend, Dispatch, ExtensionType, backend_extension,
-    tensor::{BoolTensor, FloatTensor},
+    tensor::{BoolTensor, FloatTensor, IntTensor},
 };
-use burn::tensor::{BoolStore, DType, IntDType, Shape, Tensor};
-use burn_cubecl::kernel::{bool_cast, untile};
+use burn::tensor::{BoolStore, DType, Int, IntDType, Shape, Tensor, TensorData};
+use burn_cubecl::kernel::{bool_cast, cast, untile};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use cubecl::prelude::TensorBinding;
 
@@ -41,12 +41,34 @@ impl Spec {
     }
 }
 
-/// An additive bias the call reads but does not differentiate, if it has one.
+/// A float tensor a call may have: an additive bias, a bias by distance, a gradient.
 #[derive(ExtensionType)]
 #[extension_type(fusion)]
-pub(crate) enum Bias<B: Backend> {
+pub(crate) enum Extra<B: Backend> {
     None,
     Some(FloatTensor<B>),
+}
+
+impl<B: Backend> Extra<B> {
+    fn of(t: Option<FloatTensor<B>>) -> Self {
+        t.map_or(Extra::None, Extra::Some)
+    }
+
+    fn into_option(self) -> Option<FloatTensor<B>> {
+        match self {
+            Extra::None => None,
+            Extra::Some(t) => Some(t),
+        }
+    }
+}
+
+/// Packed sequences' bounds (i32 `[B, 1, T, 2]`, see `Visibility::sequences`), if the
+/// call has them.
+#[derive(ExtensionType)]
+#[extension_type(fusion)]
+pub(crate) enum Sequences<B: Backend> {
+    None,
+    Some(IntTensor<B>),
 }
 
 /// A boolean mask (`true` = blocked), if the call has one.
@@ -58,7 +80,8 @@ pub(crate) enum Blocked<B: Backend> {
 }
 
 /// The tensors of a call: `q` `[B, H, Tq, Dk]`, `k` `[B, Hkv, Tk, Dk]`, `v` `[B, Hkv, Tk,
-/// Dv]`, the bias and the mask, each broadcastable to `[B, H, Tq, Tk]`.
+/// Dv]`, the bias and the mask, each broadcastable to `[B, H, Tq, Tk]`, the bias by
+/// distance (`[1, 1, H, Tq + Tk - 1]`) and packed sequences' bounds.
 #[derive(ExtensionType)]
 #[extension_type(fusion)]
 pub(crate) struct Inputs<B: Backend> {
@@ -66,9 +89,13 @@ pub(crate) struct Inputs<B: Backend> {
     k: FloatTensor<B>,
     v: FloatTensor<B>,
     #[extension_type]
-    bias: Bias<B>,
+    bias: Extra<B>,
+    #[extension_type]
+    pd: Extra<B>,
     #[extension_type]
     mask: Blocked<B>,
+    #[extension_type]
+    seq: Sequences<B>,
 }
 
 /// The output `[B, H, Tq, Dv]` and the log-sum-exp of every row `[B, H, Tq, 1]`.
@@ -79,13 +106,18 @@ pub(crate) struct Forward<B: Backend> {
     lse: FloatTensor<B>,
 }
 
-/// The gradients of the query, key and value.
+/// The gradients of the query, key and value, and of the bias and the bias by distance
+/// when asked for (of their own shapes).
 #[derive(ExtensionType)]
 #[extension_type(fusion)]
 pub(crate) struct Grads<B: Backend> {
     dq: FloatTensor<B>,
     dk: FloatTensor<B>,
     dv: FloatTensor<B>,
+    #[extension_type]
+    dbias: Extra<B>,
+    #[extension_type]
+    dpd: Extra<B>,
 }
 
 /// The output's metadata: `[B, H, Tq, Dv]` in the query's dtype.
@@ -108,11 +140,19 @@ fn backward_meta(
     _out: &TensorSpec,
     _lse: &TensorSpec,
     _grad: &TensorSpec,
+    bias_grad: &bool,
+    pd_grad: &bool,
 ) -> GradsMetadata {
+    let extra = |t: &ExtraMetadata, wanted: bool| match t {
+        ExtraMetadata::Some(spec) if wanted => ExtraMetadata::Some(spec.clone()),
+        _ => ExtraMetadata::None,
+    };
     GradsMetadata {
         dq: inputs.q.clone(),
         dk: inputs.k.clone(),
         dv: inputs.v.clone(),
+        dbias: extra(&inputs.bias, *bias_grad),
+        dpd: extra(&inputs.pd, *pd_grad),
     }
 }
 
@@ -127,15 +167,19 @@ pub(crate) trait GpuAttention: Backend {
     #[fusion(meta = forward_meta)]
     fn gpu_attention_forward(spec: Spec, #[extension_type] inputs: Inputs<Self>) -> Forward<Self>;
 
-    /// The gradients of the query, key and value from the output `out`, the log-sum-exp
-    /// `lse` and the output's gradient `grad`.
+    /// The gradients of the query, key and value, and of the bias and the bias by distance
+    /// where `bias_grad` and `pd_grad` ask for them, from the output `out`, the
+    /// log-sum-exp `lse` and the output's gradient `grad`.
     #[fusion(meta = backward_meta)]
+    #[allow(clippy::too_many_arguments)]
     fn gpu_attention_backward(
         spec: Spec,
         #[extension_type] inputs: Inputs<Self>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        bias_grad: bool,
+        pd_grad: bool,
     ) -> Grads<Self>;
 }
 
@@ -146,14 +190,16 @@ fn binding(t: CubeTensor) -> TensorBinding {
 }
 
 /// The call's tensors as bindings, the mask as u32 (a boolean tensor is stored as u8 or u32
-/// depending on the device).
+/// depending on the device) and the sequences' bounds as i32.
 fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
     let Inputs {
         q,
         k,
         v,
         bias,
+        pd,
         mask,
+        seq,
     } = inputs;
     let mask = match mask {
         Blocked::None => None,
@@ -162,13 +208,19 @@ fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
             _ => bool_cast(mask, IntDType::U32.into()),
         }),
     };
+    let seq = match seq {
+        Sequences::None => None,
+        Sequences::Some(seq) => Some(match seq.dtype {
+            DType::I32 => seq,
+            _ => cast(seq, DType::I32),
+        }),
+    };
     launch::Inputs {
         qkv: [q, k, v].map(binding),
-        bias: match bias {
-            Bias::None => None,
-            Bias::Some(bias) => Some(binding(bias)),
-        },
+        bias: bias.into_option().map(binding),
+        pd: pd.into_option().map(binding),
         mask: mask.map(binding),
+        seq: seq.map(binding),
     }
 }
 
@@ -205,20 +257,30 @@ impl GpuAttention for CubeBackend {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        bias_grad: bool,
+        pd_grad: bool,
     ) -> Grads<Self> {
         let like = inputs.q.clone();
         let shapes = [&inputs.q, &inputs.k, &inputs.v].map(dims);
-        let [dq, dk, dv] = backward::backward(
+        let extra_shape = |t: &Extra<Self>| match t {
+            Extra::Some(t) => dims(t),
+            Extra::None => [0; 4],
+        };
+        let [bias_shape, pd_shape] = [extra_shape(&inputs.bias), extra_shape(&inputs.pd)];
+        let grads = backward::backward(
             &like.client,
             &bindings(inputs),
             spec.scoring(),
             [&binding(out), &binding(lse)],
             &binding(grad),
+            [bias_grad, pd_grad],
         );
         Grads {
-            dq: tensor_of(&like, shapes[0], dq),
-            dk: tensor_of(&like, shapes[1], dk),
-            dv: tensor_of(&like, shapes[2], dv),
+            dq: tensor_of(&like, shapes[0], grads.dq),
+            dk: tensor_of(&like, shapes[1], grads.dk),
+            dv: tensor_of(&like, shapes[2], grads.dv),
+            dbias: Extra::of(grads.dbias.map(|h| tensor_of(&like, bias_shape, h))),
+            dpd: Extra::of(grads.dpd.map(|h| tensor_of(&like, pd_shape, h))),
         }
     }
 }
@@ -228,9 +290,10 @@ fn dims(t: &CubeTensor) -> [usize; 4] {
     std::array::from_fn(|axis| shape[axis])
 }
 
-/// Under autodiff, attention is one node whose backward pass is the kernels'; the bias and
-/// the mask are constants of the node (the dispatcher sends a call whose bias is tracked
-/// elsewhere). The forward and backward calls themselves are not differentiated.
+/// Under autodiff, attention is one node whose backward pass is the kernels': its inputs
+/// are the query, key and value, then the bias and the bias by distance where the call has
+/// them (each gets a gradient when tracked); the mask and the sequences are constants. The
+/// forward and backward calls themselves are not differentiated.
 impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
     fn gpu_attention(spec: Spec, inputs: Inputs<Self>) -> FloatTensor<Self> {
         let Inputs {
@@ -238,20 +301,26 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
             k,
             v,
             bias,
+            pd,
             mask,
+            seq,
         } = inputs;
+        let (bias, pd) = (bias.into_option(), pd.into_option());
         let op = AttentionOp::<B> {
             spec,
-            bias: match bias {
-                Bias::None => None,
-                Bias::Some(bias) => Some(Self::inner(bias)),
-            },
+            bias: bias.is_some(),
+            pd: pd.is_some(),
             mask: match mask {
                 Blocked::None => None,
                 Blocked::Some(mask) => Some(mask),
             },
+            seq: match seq {
+                Sequences::None => None,
+                Sequences::Some(seq) => Some(seq),
+            },
         };
-        op::autodiff::<B, C, _>(op, vec![q, k, v])
+        let floats = [q, k, v].into_iter().chain(bias).chain(pd).collect();
+        op::autodiff::<B, C, _>(op, floats)
     }
 
     fn gpu_attention_forward(spec: Spec, inputs: Inputs<Self>) -> Forward<Self> {
@@ -268,13 +337,19 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        bias_grad: bool,
+        pd_grad: bool,
     ) -> Grads<Self> {
         let [out, lse, grad] = [out, lse, grad].map(Self::inner);
-        let Grads { dq, dk, dv } = B::gpu_attention_backward(spec, inner(inputs), out, lse, grad);
+        let grads =
+            B::gpu_attention_backward(spec, inner(inputs), out, lse, grad, bias_grad, pd_grad);
+        let outer = |t: Extra<B>| Extra::of(t.into_option().map(Self::from_inner));
         Grads {
-            dq: Self::from_inner(dq),
-            dk: Self::from_inner(dk),
-            dv: Self::from_inner(dv),
+            dq: Self::from_inner(grads.dq),
+            dk: Self::from_inner(grads.dk),
+            dv: Self::from_inner(grads.dv),
+            dbias: outer(grads.dbias),
+            dpd: outer(grads.dpd),
         }
     }
 }
@@ -286,65 +361,93 @@ fn inner<B: Backend, C: CheckpointStrategy>(inputs: Inputs<Autodiff<B, C>>) -> I
         k,
         v,
         bias,
+        pd,
         mask,
+        seq,
     } = inputs;
+    let inner = |t: Extra<Autodiff<B, C>>| Extra::of(t.into_option().map(Autodiff::<B, C>::inner));
     Inputs {
         q: Autodiff::<B, C>::inner(q),
         k: Autodiff::<B, C>::inner(k),
         v: Autodiff::<B, C>::inner(v),
-        bias: match bias {
-            Bias::None => Bias::None,
-            Bias::Some(bias) => Bias::Some(Autodiff::<B, C>::inner(bias)),
-        },
+        bias: inner(bias),
+        pd: inner(pd),
         mask: match mask {
             Blocked::None => Blocked::None,
             Blocked::Some(mask) => Blocked::Some(mask),
         },
+        seq: match seq {
+            Sequences::None => Sequences::None,
+            Sequences::Some(seq) => Sequences::Some(seq),
+        },
     }
 }
 
-/// Attention over `[query, key, value]`, with the bias and the mask as constants.
+/// Attention over `[query, key, value, bias?, pd?]`, with the mask and the sequences as
+/// constants.
 #[derive(Debug)]
 struct AttentionOp<B: Backend> {
     spec: Spec,
-    bias: Option<FloatTensor<B>>,
+    /// The inputs hold a bias after the value.
+    bias: bool,
+    /// The inputs hold a bias by distance last.
+    pd: bool,
     mask: Option<BoolTensor<B>>,
+    seq: Option<IntTensor<B>>,
 }
 
-impl<B: Backend> AttentionOp<B> {
-    fn inputs(&self, [q, k, v]: [FloatTensor<B>; 3]) -> Inputs<B> {
-        Inputs {
-            q,
-            k,
-            v,
-            bias: self.bias.clone().map_or(Bias::None, Bias::Some),
-            mask: self.mask.clone().map_or(Blocked::None, Blocked::Some),
-        }
-    }
-}
-
-/// What the backward pass keeps: the call, the inputs, the output and the log-sum-exp.
+/// What the backward pass keeps: the call, its inputs, the output and the log-sum-exp.
 #[derive(Clone, Debug)]
 struct Saved<B: Backend> {
     spec: Spec,
-    bias: Option<FloatTensor<B>>,
+    floats: Vec<FloatTensor<B>>,
+    bias: bool,
+    pd: bool,
     mask: Option<BoolTensor<B>>,
-    qkv: [FloatTensor<B>; 3],
+    seq: Option<IntTensor<B>>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
+}
+
+/// `[query, key, value, bias?, pd?]` and the constants as the kernels' inputs.
+fn inputs_of<B: Backend>(
+    floats: Vec<FloatTensor<B>>,
+    [bias, pd]: [bool; 2],
+    mask: Option<BoolTensor<B>>,
+    seq: Option<IntTensor<B>>,
+) -> Inputs<B> {
+    let mut floats = floats.into_iter();
+    let mut next = || floats.next().expect("attention's inputs");
+    let (q, k, v) = (next(), next(), next());
+    Inputs {
+        q,
+        k,
+        v,
+        bias: Extra::of(bias.then(&mut next)),
+        pd: Extra::of(pd.then(&mut next)),
+        mask: mask.map_or(Blocked::None, Blocked::Some),
+        seq: seq.map_or(Sequences::None, Sequences::Some),
+    }
 }
 
 impl<B: GpuAttention> Op<B> for AttentionOp<B> {
     type Saved = Saved<B>;
 
     fn forward(self, floats: Vec<FloatTensor<B>>) -> (FloatTensor<B>, Saved<B>) {
-        let qkv: [FloatTensor<B>; 3] = op::inputs(floats);
-        let Forward { out, lse } = B::gpu_attention_forward(self.spec, self.inputs(qkv.clone()));
+        let inputs = inputs_of(
+            floats.clone(),
+            [self.bias, self.pd],
+            self.mask.clone(),
+            self.seq.clone(),
+        );
+        let Forward { out, lse } = B::gpu_attention_forward(self.spec, inputs);
         let saved = Saved {
             spec: self.spec,
+            floats,
             bias: self.bias,
+            pd: self.pd,
             mask: self.mask,
-            qkv,
+            seq: self.seq,
             out: out.clone(),
             lse,
         };
@@ -358,59 +461,85 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
     ) -> Vec<Option<FloatTensor<B>>> {
         let Saved {
             spec,
+            floats,
             bias,
+            pd,
             mask,
-            qkv,
+            seq,
             out,
             lse,
         } = saved;
-        let op = AttentionOp::<B> { spec, bias, mask };
-        let Grads { dq, dk, dv } = B::gpu_attention_backward(spec, op.inputs(qkv), out, lse, grad);
-        [dq, dk, dv]
+        // The inputs after the query, key and value: the bias, then the bias by distance.
+        let bias_grad = bias && wanted[3];
+        let pd_grad = pd && wanted[3 + usize::from(bias)];
+        let inputs = inputs_of(floats, [bias, pd], mask, seq);
+        let grads = B::gpu_attention_backward(spec, inputs, out, lse, grad, bias_grad, pd_grad);
+        let mut in_order = vec![Some(grads.dq), Some(grads.dk), Some(grads.dv)];
+        if bias {
+            in_order.push(grads.dbias.into_option());
+        }
+        if pd {
+            in_order.push(grads.dpd.into_option());
+        }
+        in_order
             .into_iter()
             .zip(wanted)
-            .map(|(grad, &wanted)| wanted.then_some(grad))
+            .map(|(grad, &wanted)| grad.filter(|_| wanted))
             .collect()
     }
 }
 
-/// Attention through the GPU kernels: `mask` blocks by a band of positions (not packed
-/// sequences), has no position bias and its additive bias, if any, is not tracked; every
-/// float tensor is f32 (see `crate::dispatch`).
+/// Attention through the GPU kernels, every float tensor f32 (see `crate::dispatch`): the
+/// band of positions and packed sequences of the mask's rule, its boolean and additive
+/// parts and its position bias (ALiBi, a learned table: given to the kernels as one value
+/// per query head and distance, through which a learned table's gradient flows).
 ///
 /// # Shapes
 /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]`, `value`: `[B, Hkv, Tk, Dv]`
 /// - result: `[B, H, Tq, Dv]`
-///
-/// # Panics
-/// If the mask is not a band of positions.
 pub(crate) fn attention(
     [query, key, value]: [Tensor<4>; 3],
     mask: &AttentionMask,
     scores: Scores,
 ) -> Tensor<4> {
+    let device = query.device();
     let (queries, keys) = (query.dims()[2], key.dims()[2]);
-    let band = mask
-        .rule()
-        .visibility(queries, keys)
-        .band()
-        .expect("the dispatcher sends only bands of positions to the GPU kernels");
+    let visibility = mask.rule().visibility(queries, keys);
     let spec = Spec {
         scale: scores.scale as f32,
         softcap: scores.softcap.map(|cap| cap as f32),
-        band,
+        band: visibility.band(),
     };
+    // Column `c` of the bias by distance: the distance `c - (Tq - 1)` from a query's own
+    // position (`i + offset`) to a key, `j - i - offset`.
+    let pd = mask.position().map(|position| {
+        let first = -(queries as i64 - 1) - visibility.offset;
+        let per_distance = position.per_distance(first, queries + keys - 1, &device);
+        let [heads, columns] = per_distance.dims();
+        per_distance.reshape([1, 1, heads, columns])
+    });
+    let seq = visibility.sequences().map(|bounds| {
+        // One row of bounds per row of sequences: the batch's, or one for every row.
+        let rows = bounds.len() / (2 * queries);
+        let data = TensorData::new(bounds, [rows, 1, queries, 2]);
+        Tensor::<4, Int>::from_data(data, &device)
+    });
     let inputs = Inputs {
         q: query.into_dispatch(),
         k: key.into_dispatch(),
         v: value.into_dispatch(),
-        bias: match mask.additive_bias() {
-            Some(bias) => Bias::Some(bias.clone().into_dispatch()),
-            None => Bias::None,
-        },
+        bias: Extra::of(
+            mask.additive_bias()
+                .map(|bias| bias.clone().into_dispatch()),
+        ),
+        pd: Extra::of(pd.map(Tensor::into_dispatch)),
         mask: match mask.blocked() {
             Some(blocked) => Blocked::Some(blocked.clone().into_dispatch()),
             None => Blocked::None,
+        },
+        seq: match seq {
+            Some(seq) => Sequences::Some(seq.into_dispatch()),
+            None => Sequences::None,
         },
     };
     Tensor::from_dispatch(<Dispatch as GpuAttention>::gpu_attention(spec, inputs))

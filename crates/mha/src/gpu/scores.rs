@@ -84,26 +84,34 @@ pub(crate) fn cap_slope(capped: f32, softcap: f32) -> f32 {
     slope
 }
 
-/// The capped score `s` of key `key` with the bias added (clamped at [`BLOCKED`]) and the
-/// boolean mask applied (a blocked key scores [`BLOCKED`]); `bias_at`, `mask_at`: the
-/// row's start in each (read only when the kernel is compiled with them).
+/// The capped score `s` of key `key` with the bias added (clamped at [`BLOCKED`]), the
+/// bias by distance added (`pd`, `[1, 1, H, Tq + Tk - 1]`: column `key - i + Tq - 1` of the
+/// query head's row) and the boolean mask applied (a blocked key scores [`BLOCKED`]);
+/// `*_at`: the query row's start in each (`pd_at`: the head's row, `Tq - 1 - i` columns
+/// in), read only when the kernel is compiled with that tensor.
 #[cube]
 // `if flag { if read { .. } }`: the flag is known at compile time, and the read of a
 // tensor the call does not have must not be emitted.
-#[allow(clippy::collapsible_if)]
+#[allow(clippy::collapsible_if, clippy::too_many_arguments)]
 pub(crate) fn masked(
     s: f32,
     key: usize,
     bias: &Tensor<f32>,
     bias_at: usize,
+    pd: &Tensor<f32>,
+    pd_at: usize,
     mask: &Tensor<u32>,
     mask_at: usize,
     #[comptime] has_bias: bool,
+    #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
 ) -> f32 {
     let mut out = s;
     if has_bias {
         out += max(bias[bias_at + key * bias.stride(3)], BLOCKED);
+    }
+    if has_pd {
+        out += pd[pd_at + key * pd.stride(3)];
     }
     if has_mask {
         if mask[mask_at + key * mask.stride(3)] != 0u32 {
@@ -111,4 +119,62 @@ pub(crate) fn masked(
         }
     }
     out
+}
+
+/// Where the bias by distance of query head `h`, query row `i` starts (see [`masked`]).
+#[cube]
+pub(crate) fn pd_start(pd: &Tensor<f32>, h: usize, i: usize, queries: usize) -> usize {
+    h * pd.stride(2) + (queries - 1 - i) * pd.stride(3)
+}
+
+/// The key intervals of a cube of query rows `first ..= last` of batch row `b` (or, by
+/// symmetry, the query intervals of a cube of keys, with the band mirrored): what the
+/// rows see between them and what row `own_row` sees, the
+/// band `own + offset - before ..= own + offset + after` cut to `0..len` and, with packed
+/// sequences (`seq`, `[B, 1, T, 2]`), to the row's sequence. Both bounds of a row's
+/// interval never decrease along the rows, so the cube's lies in the first row's lower
+/// and the last row's upper bound.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn intervals(
+    seq: &Tensor<i32>,
+    b: usize,
+    first: usize,
+    last: usize,
+    own_row: usize,
+    len: usize,
+    offset: i32,
+    before: i32,
+    after: i32,
+    #[comptime] has_seq: bool,
+) -> Intervals {
+    let end = len as i32;
+    let mut lo_cube = max(first as i32 + offset - before, 0i32);
+    let mut hi_cube = min(last as i32 + offset + after + 1, end);
+    let own = own_row as i32 + offset;
+    let mut lo = max(own - before, 0i32);
+    let mut hi = min(own + after + 1, end);
+    if has_seq {
+        let at = b * seq.stride(0);
+        let (rows, sides) = (seq.stride(2), seq.stride(3));
+        lo_cube = max(lo_cube, seq[at + first * rows]);
+        hi_cube = min(hi_cube, seq[at + last * rows + sides]);
+        lo = max(lo, seq[at + own_row * rows]);
+        hi = min(hi, seq[at + own_row * rows + sides]);
+    }
+    Intervals {
+        lo_cube,
+        hi_cube,
+        lo,
+        hi,
+    }
+}
+
+/// What [`intervals`] gives: the cube's interval and the unit's own.
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct Intervals {
+    pub(crate) lo_cube: i32,
+    pub(crate) hi_cube: i32,
+    pub(crate) lo: i32,
+    pub(crate) hi: i32,
 }

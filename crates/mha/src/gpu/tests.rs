@@ -12,7 +12,7 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 
 use super::forward::forward;
-use super::launch::{Inputs, Scoring, Variant};
+use super::launch::{Inputs, Scoring, Sizes, Variant};
 use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW, Visibility};
 
 /// The variants the tests compiled, to count them.
@@ -266,23 +266,21 @@ fn reference(case: &Case, data: &Data, visibility: &Visibility) -> (Vec<f64>, Ve
 
 /// The kernel's output and log-sum-exp for `case`.
 fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> (Vec<f32>, Vec<f32>) {
-    let band = visibility.band().expect("a band");
+    let band = visibility.band();
     let inputs = Inputs {
         qkv: [&data.q, &data.k, &data.v].map(|t| t.upload(client)),
         bias: data.bias.as_ref().map(|t| t.upload(client)),
+        pd: None,
         mask: data.blocked.as_ref().map(|t| t.upload(client)),
+        seq: None,
     };
     let scoring = Scoring {
         scale: case.scale,
         softcap: case.softcap,
         band,
     };
-    let variant = Variant::new(
-        case.d_k,
-        case.d_v,
-        data.bias.is_some(),
-        data.blocked.is_some(),
-    );
+    let sizes = Sizes::of([&inputs.qkv[0], &inputs.qkv[1], &inputs.qkv[2]]);
+    let variant = Variant::of(&sizes, &inputs);
     VARIANTS
         .lock()
         .unwrap()

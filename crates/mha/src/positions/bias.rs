@@ -165,11 +165,21 @@ impl PositionBias {
         }
         // Column `c` holds the distance `first + c`: the last row's first key at `c = 0`.
         let first = keys.start as i64 - (rows.end as i64 - 1 + offset);
-        let distances = (0..(r + k - 1) as i64).map(|c| first + c);
-        let per_distance = match self {
+        let per_distance = self.per_distance(first, r + k - 1, device);
+        diagonals(per_distance, r, k).unsqueeze()
+    }
+
+    /// The bias of each query head at the `count` distances `first ..` (key minus the
+    /// query's own position), `[H, count]`: a learned table's gradient flows through a
+    /// select of those columns.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
+    pub(crate) fn per_distance(&self, first: i64, count: usize, device: &Device) -> Tensor<2> {
+        let h = self.heads();
+        let distances = (0..count as i64).map(|c| first + c);
+        match self {
             PositionBias::Alibi { slopes } => {
                 let far: Vec<f32> = distances.map(|d| -(d.abs() as f32)).collect();
-                let far = Tensor::<2>::from_data(TensorData::new(far, [1, r + k - 1]), device);
+                let far = Tensor::<2>::from_data(TensorData::new(far, [1, count]), device);
                 let slopes =
                     Tensor::<2>::from_data(TensorData::new(slopes.clone(), [h, 1]), device);
                 slopes * far
@@ -178,8 +188,7 @@ impl PositionBias {
                 let index: Vec<i64> = distances.map(|d| buckets.of(d) as i64).collect();
                 select_columns(table.clone(), &index, device)
             }
-        };
-        diagonals(per_distance, r, k).unsqueeze()
+        }
     }
 }
 
