@@ -70,18 +70,22 @@ def timed(runs, device, f):
     return statistics.median(samples), runs
 
 
-def bench(shape_name, device, runs):
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def bench(shape_name, device, runs, dtype="f32"):
     b, t, d, h = SHAPES[shape_name]
     torch.manual_seed(0)
-    mha = torch.nn.MultiheadAttention(d, h, dropout=0.0, batch_first=True).to(device)
+    dt = DTYPES[dtype]
+    mha = torch.nn.MultiheadAttention(d, h, dropout=0.0, batch_first=True).to(device, dt)
     mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=device, dtype=torch.bool)
-    x = torch.randn(b, t, d, device=device)
+    x = torch.randn(b, t, d, device=device, dtype=dt)
     records = []
 
     def record(subject, pass_, result, flops):
         ms, n = result
         records.append(
-            dict(shape=shape_name, subject=subject, pass_=pass_, median_ms=ms, runs=n,
+            dict(shape=shape_name, dtype=dtype, subject=subject, pass_=pass_, median_ms=ms, runs=n,
                  gflops=flops / ms / 1e6)
         )
 
@@ -99,7 +103,7 @@ def bench(shape_name, device, runs):
     record("pytorch", "forward", timed(runs, device, forward), fwd)
     record("pytorch", "forward+backward", timed(runs, device, forward_backward), 3 * fwd)
 
-    q, k, v = (torch.randn(b, h, t, d // h, device=device) for _ in range(3))
+    q, k, v = (torch.randn(b, h, t, d // h, device=device, dtype=dt) for _ in range(3))
 
     def core_forward():
         with torch.inference_mode():
@@ -114,6 +118,24 @@ def bench(shape_name, device, runs):
     record("pytorch-core", "forward", timed(runs, device, core_forward), core)
     record("pytorch-core", "forward+backward", timed(runs, device, core_forward_backward), 3 * core)
     return records
+
+
+def bench_long_core(seq, device, runs, dtype):
+    """The causal core alone at `seq` positions (batch 1, 8 heads of 64), forward+backward,
+    with the peak memory CUDA allocated."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 8, seq, 64, device=device, dtype=DTYPES[dtype], requires_grad=True) for _ in range(3))
+
+    def forward_backward():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ms, n = timed(min(runs, 3), device, forward_backward)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    flops = 3 * core_flops(1, seq, 512)
+    return dict(shape="long-core", dtype=dtype, subject="pytorch-core", pass_="forward+backward",
+                context=seq, median_ms=ms, runs=n, gflops=flops / ms / 1e6, peak_mib=peak)
 
 
 # The trainer's vocabulary: PAD, SEP, EOS, then the symbols.
@@ -219,6 +241,8 @@ def main():
     parser.add_argument("--json", help="also write every measurement to this file")
     parser.add_argument("--trainer", action="store_true", help="time whole training steps instead (see above)")
     parser.add_argument("--train-steps", type=int, default=20, help="training steps timed per size")
+    parser.add_argument("--dtype", default="f32", help="comma-separated float dtypes: f32, f16, bf16")
+    parser.add_argument("--long-core", type=int, help="also time the causal core alone at this many positions, with peak memory")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -241,24 +265,41 @@ def main():
             print(f"| {size} | {r['median_ms']:.1f} | {r['tokens_per_second']:.0f} |", flush=True)
         write_json(records)
         return
-    shapes = args.shapes.split(",")
+    shapes = [s for s in args.shapes.split(",") if s != "none"]
     for s in shapes:
         if s not in SHAPES:
-            parser.error(f"--shapes: unknown shape {s!r} ({', '.join(SHAPES)})")
-    print(f"## PyTorch {torch.__version__} on {args.device} ({where}): causal self-attention, median ms (GFLOP/s)\n")
-    print("| shape (B, T, D, H) | fwd | fwd+bwd | core fwd | core fwd+bwd |")
-    print("|---|---|---|---|---|")
+            parser.error(f"--shapes: unknown shape {s!r} ({', '.join(SHAPES)}, none)")
+    dtypes = args.dtype.split(",")
+    for dt in dtypes:
+        if dt not in DTYPES:
+            parser.error(f"--dtype: unknown dtype {dt!r} ({', '.join(DTYPES)})")
     records = []
-    for s in shapes:
-        rs = bench(s, device, args.runs)
-        records.extend(rs)
-        cell = {(r["subject"], r["pass_"]): f"{r['median_ms']:.1f} ({r['gflops']:.0f})" for r in rs}
-        b, t, d, h = SHAPES[s]
-        print(
-            f"| {s} ({b}, {t}, {d}, {h}) | {cell['pytorch', 'forward']} | {cell['pytorch', 'forward+backward']} "
-            f"| {cell['pytorch-core', 'forward']} | {cell['pytorch-core', 'forward+backward']} |",
-            flush=True,
-        )
+    for dt in dtypes:
+        if not shapes:
+            break
+        print(f"## PyTorch {torch.__version__} on {args.device} ({where}), {dt}: causal self-attention, median ms (GFLOP/s)\n")
+        print("| shape (B, T, D, H) | fwd | fwd+bwd | core fwd | core fwd+bwd |")
+        print("|---|---|---|---|---|")
+        for s in shapes:
+            rs = bench(s, device, args.runs, dt)
+            records.extend(rs)
+            cell = {(r["subject"], r["pass_"]): f"{r['median_ms']:.1f} ({r['gflops']:.0f})" for r in rs}
+            b, t, d, h = SHAPES[s]
+            print(
+                f"| {s} ({b}, {t}, {d}, {h}) | {cell['pytorch', 'forward']} | {cell['pytorch', 'forward+backward']} "
+                f"| {cell['pytorch-core', 'forward']} | {cell['pytorch-core', 'forward+backward']} |",
+                flush=True,
+            )
+        print()
+    if args.long_core:
+        print(f"## PyTorch {torch.__version__} on {args.device} ({where}): causal core alone, batch 1, 8 heads of 64, forward+backward\n")
+        print("| positions | dtype | median ms | GFLOP/s | peak memory (MiB) |")
+        print("|---|---|---|---|---|")
+        for dt in dtypes:
+            r = bench_long_core(args.long_core, device, args.runs, dt)
+            records.append(r)
+            peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+            print(f"| {args.long_core} | {dt} | {r['median_ms']:.1f} | {r['gflops']:.0f} | {peak} |", flush=True)
     write_json(records)
 
 

@@ -15,7 +15,7 @@
 //!   Burn's own module does).
 //!
 //! On the CubeCL devices (wgpu, cuda) attention takes the GPU kernels of our own
-//! (`gpu`) in f32, else the explicit path.
+//! (`gpu`) in f32, f16 and bf16, else the explicit path.
 
 use burn::backend::DispatchDevice;
 use burn::tensor::{BoolStore, DType, Device, Tensor};
@@ -92,7 +92,7 @@ pub(crate) enum AttentionPath {
     /// would only add launches).
     Explicit { chunk: usize },
     /// The GPU kernels of our own (`gpu`): a CubeCL device (wgpu, cuda), every float
-    /// tensor f32, every mask kind; with autodiff or not, the backward pass recomputing
+    /// tensor of one dtype, f32, f16 or bf16 (computing in f32), every mask kind; with autodiff or not, the backward pass recomputing
     /// the weights.
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     Gpu,
@@ -113,8 +113,8 @@ pub(crate) struct AttentionCall {
     autodiff: bool,
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
     f32_bytes: bool,
-    /// Every float tensor is f32 (a learned position table too) and the head dims are not
-    /// 0: what the GPU kernels take.
+    /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
+    /// bf16, and the head dims are not 0: what the GPU kernels take.
     gpu_kernels: bool,
     queries: usize,
     /// No key, or no output element.
@@ -136,9 +136,13 @@ impl AttentionCall {
         let device = query.device();
         let floats = [query, key, value].into_iter().chain(mask.additive_bias());
         let f32 = floats.clone().all(|t| t.dtype() == DType::F32);
+        // The GPU kernels read one float dtype, f32, f16 or bf16, and compute in f32.
+        let dtype = query.dtype();
+        let one_float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+            && floats.clone().all(|t| t.dtype() == dtype);
         let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
-        let table_f32 = match mask.position() {
-            Some(crate::PositionBias::Learned { table, .. }) => table.dtype() == DType::F32,
+        let table_too = match mask.position() {
+            Some(crate::PositionBias::Learned { table, .. }) => table.dtype() == dtype,
             _ => true,
         };
         let bool_bytes = mask.blocked().is_none_or(|blocked| {
@@ -151,7 +155,7 @@ impl AttentionCall {
             backend: Backend::of(&device),
             autodiff: device.is_autodiff(),
             f32_bytes: bool_bytes && f32,
-            gpu_kernels: f32 && table_f32 && d_k > 0 && d_v > 0,
+            gpu_kernels: one_float && table_too && d_k > 0 && d_v > 0,
             queries: query.dims()[2],
             empty: {
                 let [batch, heads, queries, _] = query.dims();
@@ -435,7 +439,7 @@ mod tests {
 
     #[cfg(feature = "wgpu")]
     #[test]
-    fn wgpu_devices_take_the_gpu_kernels_for_bands_in_f32() {
+    fn wgpu_devices_take_the_gpu_kernels_in_one_float_dtype() {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
         for device in [device.clone(), device.autodiff()] {
             assert_eq!(Backend::of(&device), Backend::Gpu);
@@ -463,9 +467,12 @@ mod tests {
                 let tracked = Tensor::<4>::zeros([1, 1, 3, 3], &device).require_grad();
                 assert_eq!(path(&AttentionMask::bias(tracked), &x), AttentionPath::Gpu);
             }
-            // Other dtypes take the explicit path.
+            // f16 too (wgpu has no bf16 arithmetic), but not mixed dtypes.
             let half = x.clone().cast(DType::F16);
-            assert_eq!(path(&causal, &half), AttentionPath::Explicit { chunk: 3 });
+            let call = AttentionCall::of([&half, &half, &half], &causal, false);
+            assert_eq!(attention(call), AttentionPath::Gpu);
+            let call = AttentionCall::of([&half, &x, &half], &causal, false);
+            assert_eq!(attention(call), AttentionPath::Explicit { chunk: 3 });
             assert_eq!(row(RowCall::of(RowOp::Gelu, &x)), RowPath::Burn);
         }
     }

@@ -40,6 +40,7 @@ fn record(
         context: Some(context),
         peak_mib,
         heads: None,
+        dtype: None,
     }
 }
 

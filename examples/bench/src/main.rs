@@ -37,9 +37,9 @@ use burn::nn::attention::{
 };
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, Distribution, Tensor};
+use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
 use clap::Parser;
-use mha::{AttentionMask, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
+use mha::{AttentionMask, MhaInput, ModuleDType, MultiHeadAttentionConfig, SdpaOptions};
 use serde::Serialize;
 use train::backend::Backend;
 use train::batch::SeqBatcher;
@@ -90,9 +90,77 @@ struct Cli {
     /// at the base shape.
     #[arg(long)]
     prune: bool,
+    /// Float dtypes of the attention measurements, comma-separated: f32, f16, bf16 (a
+    /// backend that does not compute in one is skipped for it, saying so).
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    dtype: Vec<String>,
+    /// Also time the causal attention core alone, forward+backward, at this many
+    /// positions (batch 1, 8 heads of 64), in each dtype, with the device's peak memory
+    /// (GPU backends: the memory pool's peak since the process started).
+    #[arg(long)]
+    long_core: Option<usize>,
     /// Also write every measurement to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
+}
+
+/// The name of `dtype` in the tables and the JSON.
+fn dtype_name(dtype: FloatDType) -> &'static str {
+    match dtype {
+        FloatDType::F64 => "f64",
+        FloatDType::F16 => "f16",
+        FloatDType::BF16 => "bf16",
+        _ => "f32",
+    }
+}
+
+/// The causal attention core alone at `seq` positions (batch 1, 8 heads of 64),
+/// forward+backward in `dtype`, with the device's peak memory where it reports one.
+fn bench_long_core(
+    cli: &Cli,
+    backend: Backend,
+    device: &Device,
+    (seq, dtype): (usize, FloatDType),
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let ad = device.clone().autodiff();
+    let dims = [1, 8, seq, 64];
+    let grad = || randn(dims, &ad).cast(dtype).require_grad();
+    let (q, k, v) = (grad(), grad(), grad());
+    let causal = AttentionMask::causal();
+    let options = SdpaOptions::default();
+    let (ms, runs) = time(cli.runs.min(3), device, || {
+        let out =
+            mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
+        drop(out.context.sum().backward());
+    })?;
+    let peak_mib = device.memory_pool_report().map(|pools| {
+        let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
+        bytes as f64 / (1 << 20) as f64
+    });
+    let shape = Shape {
+        name: "long-core",
+        batch: 1,
+        seq,
+        d_model: 512,
+        heads: 8,
+    };
+    out.push(Record {
+        backend: backend.name(),
+        shape: Some(shape),
+        subject: "mha-core",
+        pass: "forward+backward",
+        median_ms: ms,
+        runs,
+        gflops: Some(3.0 * shape.core_flops() / ms / 1e6),
+        tokens_per_second: None,
+        batch: Some(1),
+        context: Some(seq),
+        peak_mib,
+        heads: Some(8),
+        dtype: Some(dtype_name(dtype)),
+    });
+    Ok(())
 }
 
 /// An attention shape: batch, sequence length, model width, heads.
@@ -175,6 +243,9 @@ struct Record {
     /// Heads kept, in the pruning measurements.
     #[serde(skip_serializing_if = "Option::is_none")]
     heads: Option<usize>,
+    /// The float dtype of the attention measurements (`f32`, `f16`, `bf16`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dtype: Option<&'static str>,
 }
 
 /// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device.
@@ -201,12 +272,17 @@ fn randn<const D: usize>(dims: [usize; D], device: &Device) -> Tensor<D> {
     Tensor::random(dims, Distribution::Normal(0.0, 1.0), device)
 }
 
+/// [`randn`] in `dtype`.
+fn randn_as<const D: usize>(dtype: FloatDType, dims: [usize; D], device: &Device) -> Tensor<D> {
+    randn(dims, device).cast(dtype)
+}
+
 /// mha's and Burn's multi-head attention, forward and forward+backward, at one shape.
 fn bench_mha(
     cli: &Cli,
     backend: Backend,
     device: &Device,
-    shape: Shape,
+    (shape, dtype): (Shape, FloatDType),
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
     let Shape {
@@ -231,19 +307,20 @@ fn bench_mha(
             context: None,
             peak_mib: None,
             heads: None,
+            dtype: Some(dtype_name(dtype)),
         });
     };
     let fwd = shape.mha_flops();
 
     let config = MultiHeadAttentionConfig::new(d, h);
-    let ours = config.init(device);
-    let x = randn([b, t, d], device);
+    let ours = config.init(device).to_dtype(dtype);
+    let x = randn_as(dtype, [b, t, d], device);
     let ms = time(cli.runs, device, || {
         drop(ours.forward(MhaInput::causal(x.clone())).context);
     })?;
     record("mha", "forward", ms, fwd);
-    let ours = config.init(&ad);
-    let x = randn([b, t, d], &ad).require_grad();
+    let ours = config.init(&ad).to_dtype(dtype);
+    let x = randn_as(dtype, [b, t, d], &ad).require_grad();
     let ms = time(cli.runs, device, || {
         drop(
             ours.forward(MhaInput::causal(x.clone()))
@@ -256,16 +333,16 @@ fn bench_mha(
 
     if !cli.no_builtin {
         let config = BurnMhaConfig::new(d, h).with_dropout(0.0);
-        let theirs = config.init(device);
-        let x = randn([b, t, d], device);
+        let theirs = config.init(device).to_dtype(dtype);
+        let x = randn_as(dtype, [b, t, d], device);
         let mask = generate_autoregressive_mask(b, t, device);
         let ms = time(cli.runs, device, || {
             let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
             drop(theirs.forward(input).context);
         })?;
         record("burn", "forward", ms, fwd);
-        let theirs = config.init(&ad);
-        let x = randn([b, t, d], &ad).require_grad();
+        let theirs = config.init(&ad).to_dtype(dtype);
+        let x = randn_as(dtype, [b, t, d], &ad).require_grad();
         let mask = generate_autoregressive_mask(b, t, &ad);
         let ms = time(cli.runs, device, || {
             let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
@@ -282,13 +359,13 @@ fn bench_mha(
         mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options).context
     };
     let (q, k, v) = (
-        randn(dims, device),
-        randn(dims, device),
-        randn(dims, device),
+        randn_as(dtype, dims, device),
+        randn_as(dtype, dims, device),
+        randn_as(dtype, dims, device),
     );
     let ms = time(cli.runs, device, || drop(sdpa(&q, &k, &v)))?;
     record("mha-core", "forward", ms, core);
-    let grad = || randn(dims, &ad).require_grad();
+    let grad = || randn_as(dtype, dims, &ad).require_grad();
     let (q, k, v) = (grad(), grad(), grad());
     let ms = time(cli.runs, device, || drop(sdpa(&q, &k, &v).sum().backward()))?;
     record("mha-core", "forward+backward", ms, 3.0 * core);
@@ -320,6 +397,7 @@ fn bench_matmul(
         context: None,
         peak_mib: None,
         heads: None,
+        dtype: None,
     });
     Ok(())
 }
@@ -435,21 +513,51 @@ fn bench_trainer(
         context: None,
         peak_mib: None,
         heads: None,
+        dtype: None,
     });
     Ok(())
 }
 
-fn find<'a>(records: &'a [Record], shape: &str, subject: &str, pass: &str) -> Option<&'a Record> {
-    records.iter().find(|r| {
-        r.shape.is_some_and(|s| s.name == shape) && r.subject == subject && r.pass == pass
-    })
+fn find<'a>(records: &[&'a Record], shape: &str, subject: &str, pass: &str) -> Option<&'a Record> {
+    records
+        .iter()
+        .find(|r| {
+            r.shape.is_some_and(|s| s.name == shape) && r.subject == subject && r.pass == pass
+        })
+        .copied()
 }
 
-fn print_table(backend: Backend, records: &[Record], shapes: &[Shape]) {
+/// The causal core's lines at a long length, if it was measured.
+fn print_long_core(backend: Backend, records: &[Record]) {
+    let long: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.shape.is_some_and(|s| s.name == "long-core"))
+        .collect();
+    if long.is_empty() {
+        return;
+    }
+    println!(
+        "\n## {backend}: causal attention core alone, batch 1, 8 heads of 64, forward+backward\n"
+    );
+    println!("| positions | dtype | median ms | GFLOP/s | peak memory (MiB) |");
+    println!("|---|---|---|---|---|");
+    for r in long {
+        println!(
+            "| {} | {} | {:.1} | {:.0} | {} |",
+            r.context.unwrap_or(0),
+            r.dtype.unwrap_or("f32"),
+            r.median_ms,
+            r.gflops.unwrap_or(0.0),
+            r.peak_mib.map_or("—".into(), |m| format!("{m:.0}"))
+        );
+    }
+}
+
+fn print_table(backend: Backend, dtype: &str, records: &[&Record], shapes: &[Shape]) {
     if shapes.is_empty() {
         return print_trainer(records);
     }
-    println!("\n## {backend}: causal self-attention, median ms (GFLOP/s)\n");
+    println!("\n## {backend}, {dtype}: causal self-attention, median ms (GFLOP/s)\n");
     println!(
         "| shape (B, T, D, H) | mha fwd | Burn fwd | Burn/mha | mha fwd+bwd | Burn fwd+bwd | Burn/mha | core fwd | core fwd+bwd |"
     );
@@ -497,7 +605,7 @@ fn print_table(backend: Backend, records: &[Record], shapes: &[Shape]) {
 }
 
 /// The trainer's lines, if it was measured.
-fn print_trainer(records: &[Record]) {
+fn print_trainer(records: &[&Record]) {
     let find = |subject: &str| records.iter().find(|r| r.subject == subject);
     if let Some(r) = find("trainer") {
         println!(
@@ -550,6 +658,16 @@ fn main() -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(cli.runs > 0, "--runs must be at least 1, got 0");
+    let dtypes: Vec<FloatDType> = cli
+        .dtype
+        .iter()
+        .map(|name| match name.as_str() {
+            "f32" => Ok(FloatDType::F32),
+            "f16" => Ok(FloatDType::F16),
+            "bf16" => Ok(FloatDType::BF16),
+            other => anyhow::bail!("--dtype: unknown dtype {other:?} (f32, f16, bf16)"),
+        })
+        .collect::<anyhow::Result<_>>()?;
     let backends = match cli.backend.is_empty() {
         true => Backend::compiled(),
         false => cli.backend.clone(),
@@ -562,9 +680,22 @@ fn main() -> anyhow::Result<()> {
         if !shapes.is_empty() {
             bench_matmul(&cli, backend, &device, &mut mine)?;
         }
-        for &shape in &shapes {
-            eprintln!("{backend}: {} ...", shape.name);
-            bench_mha(&cli, backend, &device, shape, &mut mine)?;
+        // The dtypes the device computes in; the others are named and skipped.
+        let mut computed = Vec::new();
+        for &dtype in &dtypes {
+            match device.supports_dtype(DType::from(dtype)) {
+                true => computed.push(dtype),
+                false => println!(
+                    "\n{backend} does not compute in {}: skipped for it",
+                    dtype_name(dtype)
+                ),
+            }
+        }
+        for &dtype in &computed {
+            for &shape in &shapes {
+                eprintln!("{backend}: {} in {} ...", shape.name, dtype_name(dtype));
+                bench_mha(&cli, backend, &device, (shape, dtype), &mut mine)?;
+            }
         }
         if !cli.no_train {
             for run in TRAINER_RUNS {
@@ -581,7 +712,31 @@ fn main() -> anyhow::Result<()> {
         if cli.prune {
             prune::bench_prune(cli.runs, backend, &device, &mut mine)?;
         }
-        print_table(backend, &mine, &shapes);
+        if let Some(seq) = cli.long_core {
+            for &dtype in &computed {
+                eprintln!(
+                    "{backend}: causal core at {seq} positions in {} ...",
+                    dtype_name(dtype)
+                );
+                bench_long_core(&cli, backend, &device, (seq, dtype), &mut mine)?;
+            }
+        }
+        for (n, &dtype) in computed.iter().enumerate() {
+            // The measurements without a dtype (matmul, trainer) once, after the first.
+            let name = dtype_name(dtype);
+            let these: Vec<&Record> = mine
+                .iter()
+                .filter(|r| match r.dtype {
+                    Some(d) => d == name && r.shape.is_none_or(|s| s.name != "long-core"),
+                    None => n == 0,
+                })
+                .collect();
+            print_table(backend, name, &these, &shapes);
+        }
+        if computed.is_empty() {
+            print_trainer(&mine.iter().collect::<Vec<_>>());
+        }
+        print_long_core(backend, &mine);
         if cli.decode {
             decode::print_decode(backend, &mine);
         }

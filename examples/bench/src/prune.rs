@@ -45,6 +45,7 @@ pub fn bench_prune(
                 context: Some(SEQ),
                 peak_mib: None,
                 heads: Some(kept),
+                dtype: None,
             });
         };
         let module = config.init(device).prune(&plan)?;

@@ -28,8 +28,7 @@ use super::launch::{
 };
 use super::scores::{cap_slope, capped, intervals, masked, pd_start, stage, stage_rows};
 
-/// The gradients `[dQ, dK, dV]` (f32, contiguous, of the query's, key's and value's
-/// shapes) of attention over `inputs` under `scoring`, from its output `out` and
+/// The gradients (in the inputs' dtype, contiguous, of the inputs' shapes) of attention over `inputs` under `scoring`, from its output `out` and
 /// log-sum-exp `lse` (contiguous, as [`forward`](super::forward::forward) writes them) and the output's
 /// gradient `grad` (`[B, H, Tq, Dv]`, any strides).
 ///
@@ -54,8 +53,9 @@ pub(crate) fn backward(
     let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
     let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
     let dv_shape = [n.batch, n.kv_heads, n.keys, n.d_v];
-    let delta = alloc(client, row_shape);
-    let [dq, dk, dv] = [dq_shape, dk_shape, dv_shape].map(|shape| alloc(client, shape));
+    let delta = alloc(client, row_shape, 4);
+    let [dq, dk, dv] =
+        [dq_shape, dk_shape, dv_shape].map(|shape| alloc(client, shape, inputs.size));
     let scale = scoring.scale;
     let softcap = scoring.softcap.unwrap_or(0.0);
     let query_cubes = CubeCount::Static(
@@ -78,6 +78,7 @@ pub(crate) fn backward(
         grad.clone().into_tensor_arg(),
         contiguous(row_shape, &delta),
         n.d_v,
+        inputs.elem,
     );
     dq_kernel::launch(
         client,
@@ -107,6 +108,7 @@ pub(crate) fn backward(
         variant.pd,
         variant.mask,
         variant.seq,
+        inputs.elem,
     );
     dkv_kernel::launch(
         client,
@@ -137,6 +139,7 @@ pub(crate) fn backward(
         variant.pd,
         variant.mask,
         variant.seq,
+        inputs.elem,
     );
     // The bias's and the bias by distance's gradients: sums of dS over the scores each
     // of their elements adds to.
@@ -152,7 +155,7 @@ pub(crate) fn backward(
         };
         let splits = reduced.div_ceil(CHUNK).max(1);
         let chunk = reduced.div_ceil(splits).max(1);
-        let partial = alloc(client, [1, 1, splits, elements]);
+        let partial = alloc(client, [1, 1, splits, elements], 4);
         let [x, y] = grid(elements);
         dsum_kernel::launch(
             client,
@@ -185,17 +188,16 @@ pub(crate) fn backward(
             variant.pd,
             variant.mask,
             variant.seq,
+            inputs.elem,
         );
-        if splits == 1 {
-            return partial;
-        }
-        let sum = alloc(client, [1, 1, 1, elements]);
+        let sum = alloc(client, [1, 1, 1, elements], inputs.size);
         reduce_kernel::launch(
             client,
             CubeCount::Static(x, y, 1),
             cube_dim,
             contiguous([1, 1, splits, elements], &partial),
             contiguous([1, 1, 1, elements], &sum),
+            inputs.elem,
         );
         sum
     };
@@ -218,7 +220,8 @@ pub(crate) fn backward(
     }
 }
 
-/// The gradients of one call (f32, contiguous): of the query, key and value, and, when
+/// The gradients of one call (in the inputs' dtype, contiguous): of the query, key and
+/// value, and, when
 /// asked for, of the bias (of its own shape, summed over the axes it broadcasts along)
 /// and of the bias by distance (`[1, 1, H, Tq + Tk - 1]`).
 pub(crate) struct Grads {
@@ -249,11 +252,12 @@ fn grid(elements: usize) -> [u32; 2] {
 /// `delta[row] = Σ_d grad[row, d] · out[row, d]`: one unit per query row, query rows
 /// `CUBE_POS_X · UNITS ..` of head `CUBE_POS_Y`.
 #[cube(launch)]
-fn delta_kernel(
-    out: &Tensor<f32>,
-    grad: &Tensor<f32>,
+fn delta_kernel<F: Float>(
+    out: &Tensor<F>,
+    grad: &Tensor<F>,
     delta: &mut Tensor<f32>,
     #[comptime] d_v: usize,
+    #[define(F)] _dtype: ElemType,
 ) {
     let heads = grad.shape(1);
     let queries = grad.shape(2);
@@ -266,7 +270,7 @@ fn delta_kernel(
         let mut sum = 0.0f32;
         #[unroll]
         for d in 0..d_v {
-            sum += grad[g_at + d * grad.stride(3)] * out[o_at + d];
+            sum += f32::cast_from(grad[g_at + d * grad.stride(3)]) * f32::cast_from(out[o_at + d]);
         }
         delta[bh * queries + row] = sum;
     }
@@ -277,18 +281,18 @@ fn delta_kernel(
 /// are the forward kernel's.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn dq_kernel(
-    q: &Tensor<f32>,
-    k: &Tensor<f32>,
-    v: &Tensor<f32>,
-    bias: &Tensor<f32>,
-    pd: &Tensor<f32>,
+fn dq_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    pd: &Tensor<F>,
     mask: &Tensor<u32>,
     seq: &Tensor<i32>,
-    grad: &Tensor<f32>,
+    grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    dq: &mut Tensor<f32>,
+    dq: &mut Tensor<F>,
     offset: i32,
     before: i32,
     after: i32,
@@ -302,6 +306,7 @@ fn dq_kernel(
     #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
     #[comptime] has_seq: bool,
+    #[define(F)] _dtype: ElemType,
 ) {
     let heads = q.shape(1);
     let queries = q.shape(2);
@@ -329,13 +334,13 @@ fn dq_kernel(
     let mut acc = Array::<f32>::new(d_k);
     #[unroll]
     for d in 0..d_k {
-        query[d] = q[q_at + d * q.stride(3)] * scale;
+        query[d] = f32::cast_from(q[q_at + d * q.stride(3)]) * scale;
         acc[d] = 0.0f32;
     }
     let mut d_out = Array::<f32>::new(d_v);
     #[unroll]
     for d in 0..d_v {
-        d_out[d] = grad[g_at + d * grad.stride(3)];
+        d_out[d] = f32::cast_from(grad[g_at + d * grad.stride(3)]);
     }
     let row_lse = lse[bh * queries + q_row];
     let row_delta = delta[bh * queries + q_row];
@@ -399,7 +404,7 @@ fn dq_kernel(
         let at = (bh * queries + row) * d_k;
         #[unroll]
         for d in 0..d_k {
-            dq[at + d] = acc[d] * scale;
+            dq[at + d] = F::cast_from(acc[d] * scale);
         }
     }
 }
@@ -409,19 +414,19 @@ fn dq_kernel(
 /// of the group in turn. The arguments after the tensors are the forward kernel's.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn dkv_kernel(
-    q: &Tensor<f32>,
-    k: &Tensor<f32>,
-    v: &Tensor<f32>,
-    bias: &Tensor<f32>,
-    pd: &Tensor<f32>,
+fn dkv_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    pd: &Tensor<F>,
     mask: &Tensor<u32>,
     seq: &Tensor<i32>,
-    grad: &Tensor<f32>,
+    grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    dk: &mut Tensor<f32>,
-    dv: &mut Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
     offset: i32,
     before: i32,
     after: i32,
@@ -435,6 +440,7 @@ fn dkv_kernel(
     #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
     #[comptime] has_seq: bool,
+    #[define(F)] _dtype: ElemType,
 ) {
     let heads = q.shape(1);
     let queries = q.shape(2);
@@ -464,14 +470,14 @@ fn dkv_kernel(
     let mut acc_k = Array::<f32>::new(d_k);
     #[unroll]
     for d in 0..d_k {
-        own_k[d] = k[k_at + d * k.stride(3)];
+        own_k[d] = f32::cast_from(k[k_at + d * k.stride(3)]);
         acc_k[d] = 0.0f32;
     }
     let mut own_v = Array::<f32>::new(d_v);
     let mut acc_v = Array::<f32>::new(d_v);
     #[unroll]
     for d in 0..d_v {
-        own_v[d] = v[v_at + d * v.stride(3)];
+        own_v[d] = f32::cast_from(v[v_at + d * v.stride(3)]);
         acc_v[d] = 0.0f32;
     }
 
@@ -543,12 +549,12 @@ fn dkv_kernel(
         let k_out = (bhk * keys + key) * d_k;
         #[unroll]
         for d in 0..d_k {
-            dk[k_out + d] = acc_k[d];
+            dk[k_out + d] = F::cast_from(acc_k[d]);
         }
         let v_out = (bhk * keys + key) * d_v;
         #[unroll]
         for d in 0..d_v {
-            dv[v_out + d] = acc_v[d];
+            dv[v_out + d] = F::cast_from(acc_v[d]);
         }
     }
 }
@@ -557,15 +563,15 @@ fn dkv_kernel(
 /// key `j`): `P (dO_i · v_j - D_i)` with `P = exp(S - lse_i)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn ds_at(
-    q: &Tensor<f32>,
-    k: &Tensor<f32>,
-    v: &Tensor<f32>,
-    bias: &Tensor<f32>,
-    pd: &Tensor<f32>,
+fn ds_at<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    pd: &Tensor<F>,
     mask: &Tensor<u32>,
     seq: &Tensor<i32>,
-    grad: &Tensor<f32>,
+    grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     b: usize,
@@ -602,7 +608,9 @@ fn ds_at(
         let mut s = 0.0f32;
         #[unroll]
         for d in 0..d_k {
-            s += q[q_at + d * q.stride(3)] * scale * k[k_at + d * k.stride(3)];
+            s += f32::cast_from(q[q_at + d * q.stride(3)])
+                * scale
+                * f32::cast_from(k[k_at + d * k.stride(3)]);
         }
         let s = masked(
             capped(s, softcap),
@@ -624,7 +632,8 @@ fn ds_at(
         let mut dp = 0.0f32;
         #[unroll]
         for d in 0..d_v {
-            dp += grad[g_at + d * grad.stride(3)] * v[v_at + d * v.stride(3)];
+            dp += f32::cast_from(grad[g_at + d * grad.stride(3)])
+                * f32::cast_from(v[v_at + d * v.stride(3)]);
         }
         ds = p * (dp - delta[row]);
     }
@@ -637,15 +646,15 @@ fn ds_at(
 /// the `chunk` scores `CUBE_POS_Z · chunk ..` of its `reduced` into `partial[z, e]`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn dsum_kernel(
-    q: &Tensor<f32>,
-    k: &Tensor<f32>,
-    v: &Tensor<f32>,
-    bias: &Tensor<f32>,
-    pd: &Tensor<f32>,
+fn dsum_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    pd: &Tensor<F>,
     mask: &Tensor<u32>,
     seq: &Tensor<i32>,
-    grad: &Tensor<f32>,
+    grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     partial: &mut Tensor<f32>,
@@ -665,6 +674,7 @@ fn dsum_kernel(
     #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
     #[comptime] has_seq: bool,
+    #[define(F)] _dtype: ElemType,
 ) {
     let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * UNITS as u32 + UNIT_POS_X) as usize;
     if e < elements as usize {
@@ -728,9 +738,14 @@ fn dsum_kernel(
     }
 }
 
-/// `sum[e] = Σ_s partial[s, e]`, in order: unit `e` of the grid's `x`, `y`.
+/// `sum[e] = Σ_s partial[s, e]`, in order, in the inputs' dtype: unit `e` of the grid's
+/// `x`, `y`.
 #[cube(launch)]
-fn reduce_kernel(partial: &Tensor<f32>, sum: &mut Tensor<f32>) {
+fn reduce_kernel<F: Float>(
+    partial: &Tensor<f32>,
+    sum: &mut Tensor<F>,
+    #[define(F)] _dtype: ElemType,
+) {
     let elements = sum.shape(3);
     let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * UNITS as u32 + UNIT_POS_X) as usize;
     if e < elements {
@@ -738,6 +753,6 @@ fn reduce_kernel(partial: &Tensor<f32>, sum: &mut Tensor<f32>) {
         for s in 0..partial.shape(2) {
             total += partial[s * elements + e];
         }
-        sum[e] = total;
+        sum[e] = F::cast_from(total);
     }
 }

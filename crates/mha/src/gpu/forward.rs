@@ -15,15 +15,16 @@ use cubecl::server::Handle;
 
 use super::launch::{Inputs, Scoring, Sizes, UNITS, Variant, alloc, contiguous, optional, within};
 use super::scores::{capped, intervals, masked, pd_start, stage};
-use crate::mask::{DEAD_LSE, DEAD_ROW};
+use crate::mask::DEAD_LSE;
 
 /// Below every score, blocked ones included: the running maximum before any key.
 const NO_MAX: f32 = -3.0e38;
 
-/// The output `[B, H, Tq, Dv]` and the log-sum-exp `[B, H, Tq]` (f32, contiguous) of
-/// attention over `inputs` under `scoring`; query head `h` reads key/value head `h / (H /
-/// Hkv)`. A row that sees no key, or only blocked ones, gets zeros and the log-sum-exp
-/// [`DEAD_LSE`].
+/// The output `[B, H, Tq, Dv]` (in the inputs' dtype) and the log-sum-exp `[B, H, Tq]`
+/// (f32), both contiguous, of attention over `inputs` under `scoring`; query head `h`
+/// reads key/value head `h / (H / Hkv)`. A row that sees no key, or only blocked ones
+/// (its largest score at or below the dtype's dead-row sentinel), gets zeros and the
+/// log-sum-exp [`DEAD_LSE`].
 ///
 /// # Panics
 /// If the shapes disagree or the sizes pass `i32`.
@@ -34,7 +35,10 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
     let variant = Variant::of(&n, inputs);
     let out_shape = [n.batch, n.heads, n.queries, n.d_v];
     let lse_shape = [n.batch, n.heads, n.queries, 1];
-    let (out, lse) = (alloc(client, out_shape), alloc(client, lse_shape));
+    let (out, lse) = (
+        alloc(client, out_shape, inputs.size),
+        alloc(client, lse_shape, 4),
+    );
     let cube_count = CubeCount::Static(
         within(n.queries.div_ceil(UNITS)) as u32,
         within(n.batch * n.heads) as u32,
@@ -59,6 +63,7 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
         n.group(),
         scoring.scale,
         scoring.softcap.unwrap_or(0.0),
+        inputs.dead_row,
         variant.d_k,
         variant.d_v,
         variant.tile,
@@ -66,6 +71,7 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
         variant.pd,
         variant.mask,
         variant.seq,
+        inputs.elem,
     );
     (out, lse)
 }
@@ -75,15 +81,15 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
 /// every key as a bound larger than the problem; `group`: `H / Hkv`; `softcap`: 0 for none.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn forward_kernel(
-    q: &Tensor<f32>,
-    k: &Tensor<f32>,
-    v: &Tensor<f32>,
-    bias: &Tensor<f32>,
-    pd: &Tensor<f32>,
+fn forward_kernel<F: Float>(
+    q: &Tensor<F>,
+    k: &Tensor<F>,
+    v: &Tensor<F>,
+    bias: &Tensor<F>,
+    pd: &Tensor<F>,
     mask: &Tensor<u32>,
     seq: &Tensor<i32>,
-    out: &mut Tensor<f32>,
+    out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     offset: i32,
     before: i32,
@@ -91,6 +97,7 @@ fn forward_kernel(
     group: u32,
     scale: f32,
     softcap: f32,
+    dead_row: f32,
     #[comptime] d_k: usize,
     #[comptime] d_v: usize,
     #[comptime] kt: usize,
@@ -98,6 +105,7 @@ fn forward_kernel(
     #[comptime] has_pd: bool,
     #[comptime] has_mask: bool,
     #[comptime] has_seq: bool,
+    #[define(F)] _dtype: ElemType,
 ) {
     let heads = q.shape(1);
     let queries = q.shape(2);
@@ -124,7 +132,7 @@ fn forward_kernel(
     let mut query = Array::<f32>::new(d_k);
     #[unroll]
     for d in 0..d_k {
-        query[d] = q[q_at + d * q.stride(3)] * scale;
+        query[d] = f32::cast_from(q[q_at + d * q.stride(3)]) * scale;
     }
     let mut acc = Array::<f32>::new(d_v);
     #[unroll]
@@ -201,17 +209,17 @@ fn forward_kernel(
 
     if live {
         let o_at = (bh * queries + row) * d_v;
-        if row_max <= DEAD_ROW || sum <= 0.0f32 {
+        if row_max <= dead_row || sum <= 0.0f32 {
             #[unroll]
             for d in 0..d_v {
-                out[o_at + d] = 0.0f32;
+                out[o_at + d] = F::cast_from(0.0f32);
             }
             lse[bh * queries + row] = DEAD_LSE;
         } else {
             let inv = 1.0f32 / sum;
             #[unroll]
             for d in 0..d_v {
-                out[o_at + d] = acc[d] * inv;
+                out[o_at + d] = F::cast_from(acc[d] * inv);
             }
             lse[bh * queries + row] = row_max + sum.ln();
         }

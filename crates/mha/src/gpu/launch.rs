@@ -31,6 +31,14 @@ pub(crate) struct Scoring {
 /// for the distance `c - (Tq - 1)` from a query's row to a key's) and packed sequences'
 /// bounds `seq` (i32 `[B, 1, T, 2]`, see `Visibility::sequences`).
 pub(crate) struct Inputs {
+    /// The float tensors' element type (f32, f16 or bf16): the kernels compute in f32 and
+    /// read and write this one.
+    pub(crate) elem: ElemType,
+    /// Its size in bytes.
+    pub(crate) size: usize,
+    /// A row whose largest score is at or below this has no visible key (the dtype's
+    /// sentinel, see `crate::mask::Sentinels`).
+    pub(crate) dead_row: f32,
     pub(crate) qkv: [TensorBinding; 3],
     pub(crate) bias: Option<TensorBinding>,
     pub(crate) pd: Option<TensorBinding>,
@@ -142,9 +150,26 @@ pub(crate) fn dims(t: &TensorBinding) -> [usize; 4] {
     std::array::from_fn(|axis| t.shape[axis])
 }
 
-/// A new f32 buffer of `shape`, laid out contiguously.
-pub(crate) fn alloc(client: &Client, shape: [usize; 4]) -> Handle {
-    client.empty(shape.iter().product::<usize>() * size_of::<f32>())
+/// A new buffer of `shape` in elements of `size` bytes, laid out contiguously.
+pub(crate) fn alloc(client: &Client, shape: [usize; 4], size: usize) -> Handle {
+    client.empty(shape.iter().product::<usize>() * size)
+}
+
+/// The element type, its size and its dead-row sentinel for the float tensors of a call
+/// in `dtype`.
+///
+/// # Panics
+/// Unless `dtype` is f32, f16 or bf16.
+pub(crate) fn element(dtype: burn::tensor::DType) -> (ElemType, usize, f32) {
+    use burn::tensor::DType;
+    let kind = match dtype {
+        DType::F32 => cubecl::ir::FloatKind::F32,
+        DType::F16 => cubecl::ir::FloatKind::F16,
+        DType::BF16 => cubecl::ir::FloatKind::BF16,
+        other => panic!("gpu attention: tensors of {other:?}"),
+    };
+    let dead_row = crate::mask::Sentinels::of(dtype).dead_row;
+    (ElemType::Float(kind), dtype.size(), dead_row)
 }
 
 /// `handle` as a contiguous tensor of `shape`.

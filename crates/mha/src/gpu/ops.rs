@@ -215,7 +215,11 @@ fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
             _ => cast(seq, DType::I32),
         }),
     };
+    let (elem, size, dead_row) = launch::element(q.dtype);
     launch::Inputs {
+        elem,
+        size,
+        dead_row,
         qkv: [q, k, v].map(binding),
         bias: bias.into_option().map(binding),
         pd: pd.into_option().map(binding),
@@ -224,14 +228,19 @@ fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
     }
 }
 
-/// A contiguous f32 tensor of `shape` over `handle`, on the device of `like`.
-fn tensor_of(like: &CubeTensor, shape: [usize; 4], handle: cubecl::server::Handle) -> CubeTensor {
+/// A contiguous tensor of `shape` in `dtype` over `handle`, on the device of `like`.
+fn tensor_of(
+    like: &CubeTensor,
+    shape: [usize; 4],
+    dtype: DType,
+    handle: cubecl::server::Handle,
+) -> CubeTensor {
     CubeTensor::new_contiguous(
         like.client.clone(),
         like.device.clone(),
         Shape::new(shape),
         handle,
-        DType::F32,
+        dtype,
     )
 }
 
@@ -246,8 +255,8 @@ impl GpuAttention for CubeBackend {
         let d_v = dims(&inputs.v)[3];
         let (out, lse) = forward::forward(&like.client, &bindings(inputs), spec.scoring());
         Forward {
-            out: tensor_of(&like, [b, h, tq, d_v], out),
-            lse: tensor_of(&like, [b, h, tq, 1], lse),
+            out: tensor_of(&like, [b, h, tq, d_v], like.dtype, out),
+            lse: tensor_of(&like, [b, h, tq, 1], DType::F32, lse),
         }
     }
 
@@ -276,11 +285,15 @@ impl GpuAttention for CubeBackend {
             [bias_grad, pd_grad],
         );
         Grads {
-            dq: tensor_of(&like, shapes[0], grads.dq),
-            dk: tensor_of(&like, shapes[1], grads.dk),
-            dv: tensor_of(&like, shapes[2], grads.dv),
-            dbias: Extra::of(grads.dbias.map(|h| tensor_of(&like, bias_shape, h))),
-            dpd: Extra::of(grads.dpd.map(|h| tensor_of(&like, pd_shape, h))),
+            dq: tensor_of(&like, shapes[0], like.dtype, grads.dq),
+            dk: tensor_of(&like, shapes[1], like.dtype, grads.dk),
+            dv: tensor_of(&like, shapes[2], like.dtype, grads.dv),
+            dbias: Extra::of(
+                grads
+                    .dbias
+                    .map(|h| tensor_of(&like, bias_shape, like.dtype, h)),
+            ),
+            dpd: Extra::of(grads.dpd.map(|h| tensor_of(&like, pd_shape, like.dtype, h))),
         }
     }
 }
@@ -489,7 +502,8 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
     }
 }
 
-/// Attention through the GPU kernels, every float tensor f32 (see `crate::dispatch`): the
+/// Attention through the GPU kernels, every float tensor of one dtype, f32, f16 or bf16
+/// (see `crate::dispatch`): the
 /// band of positions and packed sequences of the mask's rule, its boolean and additive
 /// parts and its position bias (ALiBi, a learned table: given to the kernels as one value
 /// per query head and distance, through which a learned table's gradient flows).

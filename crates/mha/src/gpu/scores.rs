@@ -14,8 +14,8 @@ const TANH_BOUND: f32 = 15.0;
 /// along axis 3), times `scale`, into `tile` (`rows × cols`, row-major), every unit of the
 /// cube a share; rows from `end` on are zeros. The caller synchronises the cube.
 #[cube]
-pub(crate) fn stage(
-    src: &Tensor<f32>,
+pub(crate) fn stage<F: Float>(
+    src: &Tensor<F>,
     at: usize,
     first: i32,
     end: i32,
@@ -32,7 +32,9 @@ pub(crate) fn stage(
             let row = first + (e / cols) as i32;
             let mut x = 0.0f32;
             if row < end {
-                x = src[at + row as usize * src.stride(2) + (e % cols) * src.stride(3)] * scale;
+                x = f32::cast_from(
+                    src[at + row as usize * src.stride(2) + (e % cols) * src.stride(3)],
+                ) * scale;
             }
             tile[e] = x;
         }
@@ -93,12 +95,12 @@ pub(crate) fn cap_slope(capped: f32, softcap: f32) -> f32 {
 // `if flag { if read { .. } }`: the flag is known at compile time, and the read of a
 // tensor the call does not have must not be emitted.
 #[allow(clippy::collapsible_if, clippy::too_many_arguments)]
-pub(crate) fn masked(
+pub(crate) fn masked<F: Float>(
     s: f32,
     key: usize,
-    bias: &Tensor<f32>,
+    bias: &Tensor<F>,
     bias_at: usize,
-    pd: &Tensor<f32>,
+    pd: &Tensor<F>,
     pd_at: usize,
     mask: &Tensor<u32>,
     mask_at: usize,
@@ -108,10 +110,13 @@ pub(crate) fn masked(
 ) -> f32 {
     let mut out = s;
     if has_bias {
-        out += max(bias[bias_at + key * bias.stride(3)], BLOCKED);
+        out += max(
+            f32::cast_from(bias[bias_at + key * bias.stride(3)]),
+            BLOCKED,
+        );
     }
     if has_pd {
-        out += pd[pd_at + key * pd.stride(3)];
+        out += f32::cast_from(pd[pd_at + key * pd.stride(3)]);
     }
     if has_mask {
         if mask[mask_at + key * mask.stride(3)] != 0u32 {
@@ -123,7 +128,7 @@ pub(crate) fn masked(
 
 /// Where the bias by distance of query head `h`, query row `i` starts (see [`masked`]).
 #[cube]
-pub(crate) fn pd_start(pd: &Tensor<f32>, h: usize, i: usize, queries: usize) -> usize {
+pub(crate) fn pd_start<F: Float>(pd: &Tensor<F>, h: usize, i: usize, queries: usize) -> usize {
     h * pd.stride(2) + (queries - 1 - i) * pd.stride(3)
 }
 

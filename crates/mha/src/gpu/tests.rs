@@ -267,7 +267,11 @@ fn reference(case: &Case, data: &Data, visibility: &Visibility) -> (Vec<f64>, Ve
 /// The kernel's output and log-sum-exp for `case`.
 fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> (Vec<f32>, Vec<f32>) {
     let band = visibility.band();
+    let (elem, size, dead_row) = super::launch::element(burn::tensor::DType::F32);
     let inputs = Inputs {
+        elem,
+        size,
+        dead_row,
         qkv: [&data.q, &data.k, &data.v].map(|t| t.upload(client)),
         bias: data.bias.as_ref().map(|t| t.upload(client)),
         pd: None,

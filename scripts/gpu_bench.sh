@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One command for a machine with a GPU: times mha's MultiHeadAttention, Burn's built-in
+# module and the attention core on every GPU backend this machine builds (wgpu always;
+# cuda where `nvidia-smi` finds a GPU), in f32, f16 and bf16 (a backend that does not
+# compute in a dtype is named and skipped), at the small, base and long shapes, plus the
+# causal core alone at 16384 positions forward+backward with its peak GPU memory; then
+# PyTorch's attention on CUDA at the same shapes (scripts/bench_pytorch.py --device cuda)
+# where a CUDA PyTorch is installed. Writes OUT/gpu_bench.json (every measurement) and
+# OUT/gpu_bench.md (every table).
+#
+#   scripts/gpu_bench.sh [OUT]            # release build, 7 runs per measurement
+#   scripts/gpu_bench.sh --smoke [OUT]    # tiny shape, one run, debug build (CI, lavapipe)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+smoke=0
+if [ "${1:-}" = "--smoke" ]; then
+    smoke=1
+    shift
+fi
+out="${1:-gpu-bench}"
+mkdir -p "$out"
+
+features=wgpu
+backends=(--backend wgpu)
+if [ "$smoke" -eq 0 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    features=wgpu,cuda
+    backends=(--backend wgpu --backend cuda)
+fi
+if [ "$smoke" -eq 1 ]; then
+    # The features CI's test suite builds, so that the smoke run adds no build of Burn.
+    features=ndarray,wgpu
+    profile=()
+    args=(--shapes tiny --runs 1 --long-core 256)
+else
+    profile=(--release)
+    args=(--shapes small,base,long --runs 7 --long-core 16384)
+fi
+dtypes=f32,f16,bf16
+
+echo "== mha and Burn on ${backends[*]} (features $features)" >&2
+cargo run "${profile[@]}" -q -p bench --features "$features" -- \
+    "${backends[@]}" "${args[@]}" --dtype "$dtypes" --no-train --json "$out/mha.json" \
+    | tee "$out/mha.md"
+
+pytorch=0
+if [ "$smoke" -eq 0 ] && python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "== PyTorch on CUDA" >&2
+    python3 scripts/bench_pytorch.py --device cuda --shapes small,base,long --runs 7 \
+        --dtype "$dtypes" --long-core 16384 --json "$out/pytorch.json" | tee "$out/pytorch.md"
+    pytorch=1
+else
+    echo "== no CUDA PyTorch here: PyTorch not timed" >&2
+    echo "No CUDA PyTorch on this machine: PyTorch not timed." > "$out/pytorch.md"
+fi
+
+# One JSON and one markdown file.
+python3 - "$out" "$pytorch" <<'PY'
+import json, sys
+out, pytorch = sys.argv[1], sys.argv[2] == "1"
+merged = {"mha": json.load(open(f"{out}/mha.json"))}
+if pytorch:
+    merged["pytorch"] = json.load(open(f"{out}/pytorch.json"))
+json.dump(merged, open(f"{out}/gpu_bench.json", "w"), indent=1)
+with open(f"{out}/gpu_bench.md", "w") as md:
+    for part in ("mha.md", "pytorch.md"):
+        md.write(open(f"{out}/{part}").read().strip() + "\n\n")
+PY
+echo "== wrote $out/gpu_bench.json and $out/gpu_bench.md" >&2
