@@ -115,6 +115,7 @@ pub(crate) struct AttentionCall {
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
     /// bf16, and the head dims are not 0: what the GPU kernels take.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     gpu_kernels: bool,
     queries: usize,
     /// No key, or no output element.
