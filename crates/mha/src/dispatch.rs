@@ -114,7 +114,8 @@ pub(crate) struct AttentionCall {
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
-    /// bf16, and the head dims are not 0: what the GPU kernels take.
+    /// bf16, the head dims are not 0, and every tensor is small enough for the kernels'
+    /// 32-bit indices: what the GPU kernels take.
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     gpu_kernels: bool,
     queries: usize,
@@ -146,6 +147,7 @@ impl AttentionCall {
             Some(crate::PositionBias::Learned { table, .. }) => table.dtype() == dtype,
             _ => true,
         };
+        let indexed = gpu_indexed([query.dims(), key.dims(), value.dims()], mask);
         let bool_bytes = mask.blocked().is_none_or(|blocked| {
             matches!(
                 blocked.dtype(),
@@ -156,7 +158,7 @@ impl AttentionCall {
             backend: Backend::of(&device),
             autodiff: device.is_autodiff(),
             f32_bytes: bool_bytes && f32,
-            gpu_kernels: one_float && table_too && d_k > 0 && d_v > 0,
+            gpu_kernels: one_float && table_too && indexed && d_k > 0 && d_v > 0,
             queries: query.dims()[2],
             empty: {
                 let [batch, heads, queries, _] = query.dims();
@@ -167,6 +169,26 @@ impl AttentionCall {
             weights,
         }
     }
+}
+
+/// Whether the GPU kernels' 32-bit indices reach every element of a call over `[query,
+/// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, and the bias's
+/// and boolean mask's own sizes): past `i32::MAX` elements a call takes the explicit path.
+fn gpu_indexed([q, k, v]: [[usize; 4]; 3], mask: &AttentionMask) -> bool {
+    let within = |n: Option<usize>| n.is_some_and(|n| n <= i32::MAX as usize);
+    let [batch, heads, queries, d_k] = q;
+    let [_, kv_heads, keys, _] = k;
+    let d_v = v[3];
+    let qkv = (batch * heads.max(kv_heads))
+        .checked_mul(queries + keys + 1)
+        .and_then(|n| n.checked_mul((d_k + d_v).max(1)));
+    let bias = mask.additive_bias().map(|t| t.dims());
+    let blocked = mask.blocked().map(|t| t.dims());
+    let parts = bias.into_iter().chain(blocked);
+    within(qkv)
+        && parts
+            .map(|dims| dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)))
+            .all(within)
 }
 
 /// The path of an attention call.
@@ -384,6 +406,16 @@ mod tests {
                 assert_eq!(row(row_call(op, backend, DType::F64)), RowPath::Burn);
             }
         }
+    }
+
+    #[test]
+    fn calls_past_the_gpu_kernels_32_bit_indices_are_not_theirs() {
+        let none = AttentionMask::none();
+        let small = [1, 8, 16384, 128];
+        assert!(gpu_indexed([small; 3], &none));
+        // 64 x 32 heads x 8193 positions x 256 values: past i32::MAX elements.
+        let large = [64, 32, 4096, 128];
+        assert!(!gpu_indexed([large; 3], &none));
     }
 
     #[test]
