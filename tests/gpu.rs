@@ -163,3 +163,61 @@ fn largest_allocation_at_a_long_length() {
         "an allocation of {largest} bytes: a score matrix is {scores}"
     );
 }
+
+/// Forward and backward through the kernels twice, GQA 4:2 with a bias whose gradient is
+/// asked for and a learned table: the same bits every time (no atomics, sums in a fixed
+/// order).
+#[test]
+fn the_kernels_give_the_same_bits_every_run() {
+    use burn::tensor::TensorData;
+    use mha::{Buckets, PositionBias, SdpaOptions, scaled_dot_product_attention};
+
+    let device = wgpu().autodiff();
+    let run = || {
+        device.seed(7);
+        let leaf = |dims: [usize; 4]| {
+            Tensor::<4>::random(dims, Distribution::Default, &device).require_grad()
+        };
+        let (q, k, v) = (
+            leaf([2, 4, 70, 32]),
+            leaf([2, 2, 90, 32]),
+            leaf([2, 2, 90, 32]),
+        );
+        let bias = leaf([1, 4, 1, 90]);
+        let table = Tensor::<2>::random([4, 7], Distribution::Default, &device).require_grad();
+        let buckets = Buckets::Clipped { max: 3 };
+        let mask = AttentionMask::causal()
+            .and(AttentionMask::bias(bias.clone()))
+            .and(AttentionMask::position_bias(PositionBias::Learned {
+                table: table.clone(),
+                buckets,
+            }));
+        let out = scaled_dot_product_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &mask,
+            SdpaOptions::default(),
+        );
+        let grads = (out.context.clone() * out.context.clone()).sum().backward();
+        let mut bits: Vec<TensorData> = vec![out.context.into_data()];
+        for x in [q, k, v, bias] {
+            bits.push(x.grad(&grads).expect("a gradient").into_data());
+        }
+        bits.push(
+            table
+                .grad(&grads)
+                .expect("the table's gradient")
+                .into_data(),
+        );
+        bits
+    };
+    let (first, second) = (run(), run());
+    for (n, (a, b)) in first.iter().zip(&second).enumerate() {
+        assert_eq!(
+            a.as_bytes(),
+            b.as_bytes(),
+            "tensor {n} differs between runs"
+        );
+    }
+}
