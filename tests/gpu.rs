@@ -116,15 +116,30 @@ fn launches_at_two_lengths() {
         }
         seen.push((f, fb));
     }
-    let totals = |i: usize| {
+    // Burn's autotuning picks a matrix product (split or not, with its own reductions) per
+    // shape, and may fill one buffer more or less: those launches may differ between the
+    // lengths. Everything else is the same kernels at 640 tokens as at 96, within that
+    // slack; the explicit path's query chunks (5 at 640 tokens, 1 at 96) would add four
+    // or more launches per extra chunk.
+    let others = |i: usize| -> [usize; 2] {
         let (f, fb) = &seen[i];
-        [f.values().sum::<usize>(), fb.values().sum::<usize>()]
+        [f, fb].map(|counts| {
+            counts
+                .iter()
+                .filter(|(name, _)| {
+                    !name.contains("cubek_matmul") && !name.contains("cubek_reduce")
+                })
+                .map(|(_, n)| n)
+                .sum()
+        })
     };
-    assert_eq!(
-        totals(0),
-        totals(1),
-        "launches at 96 and 640 tokens: {seen:?}"
-    );
+    let (short, long) = (others(0), others(1));
+    for pass in 0..2 {
+        assert!(
+            long[pass] <= short[pass] + 2,
+            "launches besides Burn's matrix products: {short:?} at 96 tokens, {long:?} at 640: {seen:?}"
+        );
+    }
 }
 
 #[test]
