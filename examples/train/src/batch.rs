@@ -6,6 +6,7 @@
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use crate::precision::Mixed;
 use crate::tasks::{EOS, Example, PAD, SEP, Split, TaskConfig};
 
 /// A batch, laid out for both model kinds.
@@ -26,6 +27,8 @@ pub struct SeqBatch {
     /// Decoder-only, packed ([`SeqBatcher::pack`]): where the sequences of each row of
     /// `joined` start and end, and each token's position in its sequence.
     pub packed: Option<Packed>,
+    /// How the step computes when not in f32 ([`SeqBatcher::mixed`]).
+    pub mixed: Option<Mixed>,
 }
 
 /// Several sequences per row: `joined` row `r` holds sequences
@@ -117,6 +120,8 @@ pub struct SeqBatcher {
     /// sequence: every row but the last holds two or more), with the rows' boundaries in
     /// [`SeqBatch::packed`]. With `fixed`, the batch has `ceil(B / 2)` rows.
     pub pack: Option<usize>,
+    /// The dtype (and loss scale) of the steps that read the batches, when not f32.
+    pub mixed: Option<Mixed>,
 }
 
 /// Right-pads `rows` with PAD to `width` (at least the longest row) and stacks them.
@@ -199,6 +204,7 @@ impl Batcher<Example, SeqBatch> for SeqBatcher {
             source_lengths: sources.iter().map(Vec::len).collect(),
             decoder_input: padded(&decoder_input, width(|s| s.output + 1), device),
             decoder_targets: padded(&decoder_targets, width(|s| s.output + 1), device),
+            mixed: self.mixed.clone(),
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::backend::Backend;
 use crate::config::TrainConfig;
 use crate::fields::FIELDS;
 use crate::model::{ModelKind, PositionKind};
+use crate::precision::Precision;
 use crate::progress::LOG_EVERY;
 use crate::tasks::Task;
 use crate::text::echo;
@@ -167,6 +168,10 @@ pub struct TrainArgs {
     /// within each) instead of padding them.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pack: Option<bool>,
+    /// The float dtype the steps compute in: f32, or f16 / bf16 with the weights, the
+    /// optimizer and the checkpoints kept in f32 (f16 with a dynamic loss scale).
+    #[arg(long, value_enum)]
+    pub dtype: Option<Precision>,
 }
 
 impl TrainArgs {
@@ -184,7 +189,7 @@ impl TrainArgs {
             positions => model.positions,
             batch_size => batch_size, lr => lr, warmup => warmup_steps, epochs => epochs,
             steps_per_epoch => steps_per_epoch, eval_examples => eval_examples, seed => seed,
-            fixed_shapes => fixed_shapes, pack => pack,
+            fixed_shapes => fixed_shapes, pack => pack, dtype => dtype,
         );
         c
     }

@@ -21,6 +21,7 @@ use crate::fields::{
     STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
 };
 use crate::model::{Model, ModelConfig};
+use crate::precision::Precision;
 use crate::tasks::TaskConfig;
 use crate::text::{echo, plural};
 
@@ -65,6 +66,9 @@ pub struct TrainConfig {
     /// longest sequence, attention kept within each sequence, instead of padding each to
     /// the longest of its batch. Default: off.
     pub pack: bool,
+    /// The float dtype the steps compute in: f32, or f16 / bf16 with the weights kept in
+    /// f32 (see [`crate::precision`]). Default: f32.
+    pub dtype: Precision,
 }
 
 impl Default for TrainConfig {
@@ -85,6 +89,7 @@ impl Default for TrainConfig {
             seed: 42,
             fixed_shapes: None,
             pack: false,
+            dtype: Precision::F32,
         }
     }
 }

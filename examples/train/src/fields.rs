@@ -98,6 +98,8 @@ pub const EVAL_EXAMPLES: Field = field("eval_examples", Some("--eval-examples"),
 pub const SEED: Field = field("seed", Some("--seed"), &[], false);
 /// `pack`.
 pub const PACK: Field = field("pack", Some("--pack"), &["packing", "packed"], false);
+/// `dtype`.
+pub const DTYPE: Field = field("dtype", Some("--dtype"), &["precision", "float"], false);
 /// `fixed_shapes`.
 pub const FIXED_SHAPES: Field = field("fixed_shapes", Some("--fixed-shapes"), &[], true);
 
@@ -125,6 +127,7 @@ pub const FIELDS: &[Field] = &[
     EVAL_EXAMPLES,
     SEED,
     PACK,
+    DTYPE,
     FIXED_SHAPES,
 ];
 

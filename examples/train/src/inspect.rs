@@ -111,10 +111,7 @@ pub fn inspect(
         .map(|i| config.task.example(config.seed, Split::Valid, i))
         .collect();
     let chunks: Vec<Vec<Example>> = held_out.chunks(BATCH).map(<[_]>::to_vec).collect();
-    let batcher = SeqBatcher {
-        fixed: None,
-        pack: None,
-    };
+    let batcher = SeqBatcher::default();
 
     let what = plural(held_out.len(), "held-out example");
     let phase = Phase::new(format!("head statistics on {what}"), 1);
@@ -308,10 +305,7 @@ fn prune_and_compare(
     let reloaded = load_pruned(config, model_path, &out, device)?;
 
     let forward = |m: &Model| {
-        let batcher = SeqBatcher {
-            fixed: None,
-            pack: None,
-        };
+        let batcher = SeqBatcher::default();
         let start = Instant::now();
         for chunk in chunks {
             let (out, _) = m.forward_inspect(batcher.batch(chunk.clone(), device), &Inspect::new());

@@ -4,6 +4,7 @@
 //!
 //! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
 //! - [`batch`]: examples padded or packed into batches;
+//! - [`precision`]: f32, or f16/bf16 steps with f32 weights (`--dtype`);
 //! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
 //!   looking inside them;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
@@ -33,6 +34,7 @@ pub mod interrupt;
 pub mod memory;
 pub mod model;
 pub mod plots;
+pub mod precision;
 pub mod progress;
 pub mod run_dir;
 pub mod tasks;

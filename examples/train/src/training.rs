@@ -32,6 +32,7 @@ use crate::batch::{FixedShape, SeqBatch, SeqBatcher};
 use crate::config::TrainConfig;
 use crate::interrupt;
 use crate::model::{Model, ModelKind, PositionKind};
+use crate::precision::{Mixed, Precision, compute_copy};
 use crate::progress::{Plan, Progress, Reached};
 use crate::run_dir::{RunDir, write_atomically};
 use crate::tasks::{Example, PAD, Split, Task, TaskConfig, TaskDataset};
@@ -85,6 +86,13 @@ pub struct Summary {
     pub eval_examples: usize,
     /// How the model knows where tokens are.
     pub positions: PositionKind,
+    /// The dtype the steps computed in (the weights are f32 whatever it is).
+    #[serde(default)]
+    pub dtype: Precision,
+    /// f16 only: the steps of this invocation skipped because their scaled gradients
+    /// overflowed (each halved the loss scale), and the scale at the end.
+    #[serde(default)]
+    pub loss_scale: Option<LossScale>,
     /// The input lengths of the length-generalisation test: longer than any trained on
     /// (absent for learned positions, which end at the longest training sequence).
     pub longer_lengths: Option<[usize; 2]>,
@@ -96,6 +104,15 @@ pub struct Summary {
     pub wall_seconds: f64,
     /// Non-padding tokens trained on per second in this invocation.
     pub tokens_per_second: f64,
+}
+
+/// What f16's dynamic loss scale did in a run.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub struct LossScale {
+    /// Steps skipped because their scaled gradients were not finite.
+    pub skipped_steps: usize,
+    /// The scale at the end.
+    pub final_scale: f32,
 }
 
 /// Trains `config` in `run` from the checkpoint of epoch `start_epoch` (0: from scratch),
@@ -114,6 +131,7 @@ pub fn train(
     log_every: usize,
 ) -> anyhow::Result<Summary> {
     let fixed = config.fixed_shape(backend);
+    let mixed = config.dtype.mixed();
     let train_device = device.clone().autodiff();
     let model = config.init_model(&train_device)?;
     let optim = AdamWConfig::new()
@@ -140,6 +158,7 @@ pub fn train(
         inner: DataLoaderBuilder::new(SeqBatcher {
             fixed,
             pack: config.pack_width(),
+            mixed: mixed.clone(),
         })
         .batch_size(config.batch_size)
         .build(train_set),
@@ -147,9 +166,13 @@ pub fn train(
         seed: config.seed,
         device: train_device.clone(),
     });
-    let loader_valid = DataLoaderBuilder::new(SeqBatcher { fixed, pack: None })
-        .batch_size(config.batch_size)
-        .build(valid_set);
+    let loader_valid = DataLoaderBuilder::new(SeqBatcher {
+        fixed,
+        pack: None,
+        mixed: mixed.as_ref().map(Mixed::inference),
+    })
+    .batch_size(config.batch_size)
+    .build(valid_set);
 
     let tokens_per_step = config.batch_size as f64 * config.task.mean_tokens();
     let plan = Plan {
@@ -203,6 +226,13 @@ pub fn train(
         final_loss: reached.epoch_loss,
         wall_seconds: wall,
         tokens_per_second: steps as f64 * tokens_per_step / wall.max(1e-9),
+        loss_scale: mixed.and_then(|m| m.scaler).map(|scaler| {
+            let scaler = scaler.lock().expect("not poisoned");
+            LossScale {
+                skipped_steps: scaler.skipped(),
+                final_scale: scaler.scale(),
+            }
+        }),
         ..Summary::unfinished(config, run, backend)
     };
     if let Some(step) = reached.diverged {
@@ -304,6 +334,8 @@ impl Summary {
             token_accuracy: None,
             eval_examples: config.eval_examples,
             positions: config.model.positions,
+            dtype: config.dtype,
+            loss_scale: None,
             longer_lengths: None,
             longer_exact_accuracy: None,
             longer_token_accuracy: None,
@@ -352,7 +384,7 @@ pub fn evaluate(
     fixed: Option<FixedShape>,
     device: &Device,
 ) -> Option<(f64, f64)> {
-    let model = model.valid().to_device(device);
+    let model = compute_copy(&model.valid().to_device(device), config.dtype.dtype());
     let examples: Vec<_> = (0..config.eval_examples)
         .map(|i| task.example(config.seed, Split::Valid, i))
         .collect();

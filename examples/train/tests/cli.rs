@@ -257,6 +257,89 @@ fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
     assert!(generated.status.success());
 }
 
+/// `--dtype f16` and `bf16` on every backend of the build that computes in them (flex
+/// everywhere; wgpu, through `mha`'s GPU kernels, in f16): the run learns as the f32 run
+/// of `a_short_run_on_the_best_backend_learns_and_writes_its_files` does and says how it
+/// computed; a backend without the dtype is refused before anything is written, and
+/// `--resume` does not change a run's dtype.
+#[test]
+fn half_precision_runs_learn_where_the_backend_computes_in_them() {
+    use train::backend::Backend;
+    use train::precision::Precision;
+    let root = scratch("dtype");
+    for backend in Backend::compiled() {
+        let device = backend.device().unwrap();
+        for precision in [Precision::F16, Precision::Bf16] {
+            let dir = root.join(format!("{backend}-{}", precision.name()));
+            let mut cmd = trainer();
+            cmd.args(["--backend", backend.name(), "--dtype", precision.name()])
+                .args(TINY)
+                .args(["--epochs", "3", "--steps-per-epoch", "50", "--out"])
+                .arg(&dir);
+            if !device.supports_dtype(precision.dtype()) {
+                let out = run(&mut cmd);
+                assert_error(
+                    &out,
+                    &[
+                        &format!("`--dtype` (`dtype`) = {}", precision.name()),
+                        &format!("the {backend} backend does not compute in"),
+                        "it has f32",
+                    ],
+                );
+                assert!(!dir.exists(), "a refused run writes nothing");
+                continue;
+            }
+            let out = run(&mut cmd);
+            assert!(out.status.success(), "{backend} {precision:?}");
+            let s = summary(&dir);
+            assert_eq!(s["status"], "finished");
+            assert_eq!(s["dtype"], precision.name());
+            let first = s["first_loss"].as_f64().unwrap();
+            let last = s["final_loss"].as_f64().unwrap();
+            assert!(
+                last < 0.5 * first,
+                "{backend} {precision:?}: {first} -> {last}"
+            );
+            assert!(s["token_accuracy"].as_f64().unwrap() > 0.6, "{s}");
+            match precision {
+                Precision::F16 => {
+                    let scale = s["loss_scale"]["final_scale"].as_f64().unwrap();
+                    let skipped = s["loss_scale"]["skipped_steps"].as_u64().unwrap();
+                    assert!(scale >= 1.0 && skipped < 10, "{s}");
+                    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+                    assert!(
+                        printed.contains("computing in f16 with f32 weights"),
+                        "{printed}"
+                    );
+                }
+                _ => assert!(s["loss_scale"].is_null(), "{s}"),
+            }
+            let resumed = run(trainer()
+                .args([
+                    "--backend",
+                    backend.name(),
+                    "--resume",
+                    "--dtype",
+                    "f32",
+                    "--out",
+                ])
+                .arg(&dir));
+            assert_error(
+                &resumed,
+                &[&format!(
+                    "--dtype \"f32\" would change the run, which was trained with \"{}\"",
+                    precision.name()
+                )],
+            );
+            let generated = run(trainer()
+                .args(["--backend", backend.name(), "generate", "--out"])
+                .arg(&dir)
+                .arg("1 2 3 4"));
+            assert!(generated.status.success(), "{backend} {precision:?}");
+        }
+    }
+}
+
 #[test]
 fn a_run_directory_belongs_to_one_run() {
     let root = scratch("owner");

@@ -5,7 +5,9 @@ use super::{run_dir, warn_if_software};
 use crate::backend::Backend;
 use crate::cli::GenerateArgs;
 use crate::config::TrainConfig;
+use crate::precision::compute_copy;
 use crate::run_dir::load_model;
+use burn::tensor::FloatDType;
 
 /// Answers one input with the run's model.
 pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result<()> {
@@ -38,7 +40,16 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
             run.checkpoint(epoch)
         }
     };
-    let model = load_model(&config, &path, &device)?;
+    // The run's weights are f32 whatever it computed in: a backend without its dtype
+    // answers in f32.
+    let dtype = match config.dtype.check(backend, &device) {
+        Ok(()) => config.dtype.dtype(),
+        Err(err) => {
+            eprintln!("warning: {err}; answering in f32");
+            FloatDType::F32
+        }
+    };
+    let model = compute_copy(&load_model(&config, &path, &device)?, dtype);
     let fixed = config.fixed_shape(backend);
     let output = model
         .generate(&[tokens], config.task.max_output(), fixed, &device)

@@ -8,6 +8,7 @@ use super::{run_dir, warn_if_software};
 use crate::backend::Backend;
 use crate::cli::TrainArgs;
 use crate::config::TrainConfig;
+use crate::precision::{LossScaler, Precision};
 use crate::run_dir::{RunDir, RunLock, load_model};
 use crate::text::plural;
 use crate::training::{self, Status, Summary};
@@ -77,6 +78,14 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
         plural(config.epochs, "epoch"),
         plural(config.steps_per_epoch, "step"),
     );
+    match config.dtype {
+        Precision::F32 => {}
+        Precision::F16 => println!(
+            "computing in f16 with f32 weights, the loss scaled (from {}) against underflow",
+            LossScaler::INITIAL
+        ),
+        Precision::Bf16 => println!("computing in bf16 with f32 weights"),
+    }
     let summary = training::train(&config, &run, start_epoch, &device, backend, args.log_every)?;
     training::write_summary(&run, &summary)?;
     report(&config, &run, &summary, &device)?;
@@ -98,6 +107,7 @@ fn prepare_new(
     config.validate()?;
     crate::memory::training(&config).check(backend)?;
     let device = backend.device()?;
+    config.dtype.check(backend, &device)?;
     let lock = run.lock()?;
     run.prepare_new(args.overwrite)?;
     run.write_config(&config)?;
@@ -131,6 +141,7 @@ fn prepare_resume(
         }
     }
     let config = stored.resumed(args.apply(stored.clone()), done)?;
+    config.dtype.check(backend, &device)?;
     run.check_metric_logs(done)?;
     if done == config.epochs {
         let summary = training::trained_summary(&config, run, backend);
@@ -246,6 +257,13 @@ fn report(
              accuracy {:.2}%)",
             100.0 * exact,
             100.0 * summary.longer_token_accuracy.unwrap_or(0.0),
+        );
+    }
+    if let Some(scale) = summary.loss_scale {
+        println!(
+            "f16 loss scale {} at the end; {} skipped (scaled gradients not finite)",
+            scale.final_scale,
+            plural(scale.skipped_steps, "step")
         );
     }
     println!("summary: {}", run.summary().display());

@@ -252,8 +252,11 @@ mod tests {
                 );
                 let loss = |fixed| {
                     use burn::data::dataloader::batcher::Batcher;
-                    let batch = crate::batch::SeqBatcher { fixed, pack: None }
-                        .batch(examples.clone(), &device);
+                    let batch = crate::batch::SeqBatcher {
+                        fixed,
+                        ..Default::default()
+                    }
+                    .batch(examples.clone(), &device);
                     let out = model.forward_loss(batch);
                     (out.loss.into_scalar::<f32>(), out.targets.dims())
                 };

@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::nn::Embedding;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use mha::positions::sinusoids;
 
 use super::PositionKind;
@@ -33,7 +33,11 @@ impl Embed {
                 tokens + learned.forward(at) // [B, T, D] + [1, T, D]
             }
             (None, PositionKind::Sinusoidal) => {
-                tokens + sinusoids(0, len, d_model, &device).unsqueeze::<3>()
+                let dtype = FloatDType::from(tokens.dtype());
+                tokens
+                    + sinusoids(0, len, d_model, &device)
+                        .cast(dtype)
+                        .unsqueeze::<3>()
             }
             (None, _) => tokens,
         }
@@ -53,7 +57,8 @@ impl Embed {
             (Some(learned), _) => tokens + learned.forward(index([batch, len])),
             (None, PositionKind::Sinusoidal) => {
                 let longest = at.iter().flatten().max().map_or(0, |&p| p + 1);
-                let table = sinusoids(0, longest, d_model, &device); // [P, D]
+                let dtype = FloatDType::from(tokens.dtype());
+                let table = sinusoids(0, longest, d_model, &device).cast(dtype); // [P, D]
                 let rows = table.select(0, index([1, batch * len]).reshape([batch * len]));
                 tokens + rows.reshape([batch, len, d_model])
             }

@@ -17,7 +17,8 @@ pub mod inspect;
 
 use burn::module::Module;
 use burn::nn::{EmbeddingConfig, LinearConfig};
-use burn::tensor::{Device, Int, Tensor};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
 use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
 use mha::{
     BlockOutput, CacheError, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig,
@@ -31,6 +32,7 @@ pub use encoder_decoder::EncoderDecoder;
 
 use crate::batch::SeqBatch;
 use crate::fields::{D_MODEL, DROPOUT, N_HEADS, N_LAYERS};
+use crate::precision::{compute_copy, unscale};
 use crate::tasks::PAD;
 
 /// Which model; spelt in `config.json` as on the command line.
@@ -249,8 +251,13 @@ fn uncached(out: Result<BlockOutput, CacheError>) -> BlockOutput {
 }
 
 /// The cross-entropy over the output tokens of logits `[B, T, V]` against `targets`
-/// `[B, T]` (PAD ignored).
+/// `[B, T]` (PAD ignored), in f32 whatever the logits' dtype (as PyTorch's autocast
+/// computes it).
 fn output_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> SequenceOutput {
+    let logits = match logits.dtype() == DType::F32 {
+        true => logits,
+        false => logits.cast(FloatDType::F32),
+    };
     let [b, t, v] = logits.dims();
     let loss = mha::loss::cross_entropy(
         logits.clone().reshape([b * t, v]),
@@ -264,9 +271,31 @@ impl TrainStep for Model {
     type Input = SeqBatch;
     type Output = SequenceOutput;
 
+    /// In f32, or with the parameters cast to the batch's [`Mixed`] dtype (the gradients
+    /// arriving at the f32 weights), the loss scaled and the gradients unscaled for f16;
+    /// a step whose scaled gradients overflow gives none (AdamW then leaves the weights
+    /// as they are) and halves the scale.
     fn step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
-        let output = self.forward_loss(batch);
-        TrainOutput::new(self, output.loss.backward(), output)
+        let Some(mixed) = batch.mixed.clone() else {
+            let output = self.forward_loss(batch);
+            return TrainOutput::new(self, output.loss.backward(), output);
+        };
+        let output = compute_copy(self, mixed.dtype).forward_loss(batch);
+        let Some(scaler) = mixed.scaler else {
+            return TrainOutput::new(self, output.loss.backward(), output);
+        };
+        let scale = scaler.lock().expect("not poisoned").scale();
+        let scaled = output.loss.clone() * scale;
+        let mut grads = GradientsParams::from_grads(scaled.backward(), self);
+        let finite = unscale(&mut grads, self, scale);
+        scaler.lock().expect("not poisoned").update(finite);
+        if !finite {
+            grads = GradientsParams::new();
+        }
+        TrainOutput {
+            grads,
+            item: output,
+        }
     }
 }
 
@@ -275,7 +304,10 @@ impl InferenceStep for Model {
     type Output = SequenceOutput;
 
     fn step(&self, batch: SeqBatch) -> SequenceOutput {
-        self.forward_loss(batch)
+        match batch.mixed.clone() {
+            Some(mixed) => compute_copy(self, mixed.dtype).forward_loss(batch),
+            None => self.forward_loss(batch),
+        }
     }
 }
 
@@ -321,6 +353,7 @@ mod tests {
                 let packed = crate::batch::SeqBatcher {
                     fixed: None,
                     pack: Some(width),
+                    mixed: None,
                 };
                 let (packed, rows) = loss(packed);
                 assert!(
