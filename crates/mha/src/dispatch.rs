@@ -118,6 +118,10 @@ pub(crate) struct AttentionCall {
     /// 32-bit indices: what the GPU kernels take.
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     gpu_kernels: bool,
+    /// The storage buffers the device binds to one kernel (0 off the CubeCL devices): the
+    /// GPU kernels need [`crate::gpu::MOST_BINDINGS`].
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    gpu_bindings: u32,
     queries: usize,
     /// No key, or no output element.
     empty: bool,
@@ -154,8 +158,14 @@ impl AttentionCall {
                 DType::Bool(BoolStore::Native | BoolStore::U8)
             )
         });
+        let backend = Backend::of(&device);
         Self {
-            backend: Backend::of(&device),
+            backend,
+            gpu_bindings: match backend {
+                #[cfg(any(feature = "wgpu", feature = "cuda"))]
+                Backend::Gpu => gpu_bindings(device.as_dispatch()),
+                _ => 0,
+            },
             autodiff: device.is_autodiff(),
             f32_bytes: bool_bytes && f32,
             gpu_kernels: one_float && table_too && indexed && d_k > 0 && d_v > 0,
@@ -168,6 +178,17 @@ impl AttentionCall {
             by_position: !mask.rule().is_none(),
             weights,
         }
+    }
+}
+
+/// The storage buffers a CubeCL device binds to one kernel.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn gpu_bindings(device: &DispatchDevice) -> u32 {
+    #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
+    match device {
+        DispatchDevice::Autodiff(inner) => gpu_bindings(inner),
+        DispatchDevice::Cube(cube) => crate::gpu::max_bindings(cube),
+        _ => 0,
     }
 }
 
@@ -204,7 +225,10 @@ pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
         return AttentionPath::Tiles;
     }
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    if call.backend == Backend::Gpu && call.gpu_kernels {
+    if call.backend == Backend::Gpu
+        && call.gpu_kernels
+        && call.gpu_bindings >= crate::gpu::MOST_BINDINGS
+    {
         return AttentionPath::Gpu;
     }
     let long = call.queries >= 2 * MIN_CHUNK;
@@ -292,6 +316,7 @@ mod tests {
             autodiff,
             f32_bytes: true,
             gpu_kernels: true,
+            gpu_bindings: 31,
             queries,
             empty: false,
             by_position,
@@ -470,12 +495,33 @@ mod tests {
         }
     }
 
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    #[test]
+    fn devices_binding_too_few_buffers_for_the_gpu_kernels_take_the_explicit_path() {
+        let fits = call(Backend::Gpu, true, 100, true);
+        assert_eq!(attention(fits), AttentionPath::Gpu);
+        let enough = AttentionCall {
+            gpu_bindings: crate::gpu::MOST_BINDINGS,
+            ..fits
+        };
+        assert_eq!(attention(enough), AttentionPath::Gpu);
+        // A browser's WebGPU: 8 storage buffers per stage, 7 of them CubeCL's.
+        let browser = AttentionCall {
+            gpu_bindings: 7,
+            ..fits
+        };
+        assert_eq!(attention(browser), AttentionPath::Explicit { chunk: 100 });
+    }
+
     #[cfg(feature = "wgpu")]
     #[test]
     fn wgpu_devices_take_the_gpu_kernels_in_one_float_dtype() {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
         for device in [device.clone(), device.autodiff()] {
             assert_eq!(Backend::of(&device), Backend::Gpu);
+            // Read from the device: lavapipe binds 31.
+            let bindings = gpu_bindings(device.as_dispatch());
+            assert!(bindings >= crate::gpu::MOST_BINDINGS, "{bindings}");
             let x = Tensor::<4>::zeros([1, 1, 3, 4], &device);
             let path = |mask: &AttentionMask, x: &Tensor<4>| {
                 attention(AttentionCall::of([x, x, x], mask, false))

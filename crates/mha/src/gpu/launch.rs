@@ -7,6 +7,12 @@ use cubecl::server::Handle;
 
 use crate::mask::Band;
 
+/// The most storage buffers one launch binds: `dkv_kernel`'s twelve tensors (an absent
+/// optional tensor is bound as a placeholder) and the buffer CubeCL passes the sizes and
+/// scalars in. A device that binds fewer to a kernel (a browser's WebGPU binds 8 per
+/// stage, of which CubeCL offers 7) takes the explicit path instead (`dispatch`).
+pub(crate) const MOST_BINDINGS: u32 = 13;
+
 /// Units per cube: query rows of the forward pass and of `dQ`, key rows of `dK`/`dV`.
 pub(crate) const UNITS: usize = 32;
 /// Shared memory a cube stages its tiles in, in f32s (16 KiB: half of what the smallest

@@ -29,4 +29,11 @@ mod scores;
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;
 
+pub(crate) use launch::MOST_BINDINGS;
 pub(crate) use ops::attention;
+
+/// The storage buffers `device` binds to one kernel, as CubeCL reads them from the device's
+/// limits (lavapipe: 31; a browser's WebGPU: 7).
+pub(crate) fn max_bindings(device: &cubecl::Device) -> u32 {
+    device.client().properties().hardware.max_bindings
+}
