@@ -12,6 +12,26 @@ use burn::cubecl::logging::{LaunchObservation, LaunchObserver};
 use burn::tensor::{Device, DeviceKind, Distribution, Tensor};
 use mha::{AttentionMask, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 
+/// Which compiler the wgpu device's kernels (Burn's and `mha`'s) go through: SPIR-V on a
+/// Vulkan adapter in a build with the `vulkan` feature (CubeCL's SPIR-V compiler takes a
+/// driver with the Vulkan features it needs, as lavapipe), WGSL in a build without it.
+/// Every wgpu test of this binary then runs the kernels through that compiler.
+#[test]
+fn the_kernels_compile_to_spirv_exactly_in_a_vulkan_build() {
+    let burn::backend::DispatchDevice::Cube(device) = Device::wgpu(DeviceKind::DefaultDevice)
+        .as_dispatch()
+        .clone()
+    else {
+        panic!("the wgpu device is not a CubeCL device");
+    };
+    let name = device.client().name();
+    println!("the wgpu device runs {name}");
+    match cfg!(feature = "vulkan") {
+        true => assert_eq!(name, "wgpu<spirv>"),
+        false => assert_eq!(name, "wgpu<wgsl>"),
+    }
+}
+
 /// Runs the ignored test `name` of this binary in a process of its own and fails with its
 /// output if it fails.
 fn in_own_process(name: &str) {
