@@ -3,6 +3,8 @@
 //! Read top to bottom:
 //!
 //! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
+//! - [`corpus`]: a text as characters, its vocabulary, split and windows (Shakespeare's
+//!   plays in the repository);
 //! - [`batch`]: examples padded or packed into batches;
 //! - [`precision`]: f32, or f16/bf16 steps with f32 weights (`--dtype`);
 //! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
@@ -28,6 +30,7 @@ pub mod batch;
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod corpus;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;

@@ -1,0 +1,259 @@
+//! A text corpus for character-level language modelling: the characters are the tokens
+//! (the vocabulary is the corpus's distinct characters, sorted), the first 90% of the
+//! characters train and the last 10% validate, and a window of a split is `block + 1`
+//! consecutive characters (the model reads the first `block`, and each position predicts
+//! the next character), wholly inside its split.
+//!
+//! The corpus in the repository, [`SHAKESPEARE`], is seven of Shakespeare's plays from
+//! Project Gutenberg (public domain), about 1.07 MB of ASCII: `data/README.md` says which
+//! and how they were cut, and `scripts/make_corpus.py` makes it again from its source.
+
+use std::path::Path;
+
+use anyhow::Context;
+
+use crate::text::{echo, plural};
+
+/// Seven of Shakespeare's plays (Hamlet, Richard III, Coriolanus, Othello, King Lear,
+/// Macbeth, Romeo and Juliet), as `data/README.md` describes.
+pub const SHAKESPEARE: &str = include_str!("../data/shakespeare.txt");
+
+/// The share of the characters that trains: the rest, at the end, validates.
+pub const TRAIN_SHARE: f64 = 0.9;
+
+/// Training or validation characters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TextSplit {
+    /// The first 90%.
+    Train,
+    /// The last 10%.
+    Valid,
+}
+
+/// A text as token ids, its vocabulary and its split.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Corpus {
+    /// The distinct characters, sorted: token `i` is `vocab[i]`.
+    pub vocab: Vec<char>,
+    /// The text, one id per character.
+    pub ids: Vec<u32>,
+    /// The first validation character: `ids[..split]` train, `ids[split..]` validate.
+    pub split: usize,
+}
+
+impl Corpus {
+    /// The corpus of `text` (named `what` in errors), for windows of `block + 1`
+    /// characters.
+    ///
+    /// # Errors
+    /// When the text is empty, or a split is too short to hold one window; the error
+    /// names `what`, the length and the block size.
+    pub fn new(text: &str, what: &str, block: usize) -> anyhow::Result<Self> {
+        let chars: Vec<char> = text.chars().collect();
+        anyhow::ensure!(
+            !chars.is_empty(),
+            "{what} is empty: the text task needs text"
+        );
+        let mut vocab = chars.clone();
+        vocab.sort_unstable();
+        vocab.dedup();
+        let ids = chars
+            .iter()
+            .map(|c| vocab.binary_search(c).expect("a character of the text") as u32)
+            .collect();
+        let split = (chars.len() as f64 * TRAIN_SHARE).round() as usize;
+        anyhow::ensure!(
+            split.min(chars.len() - split) > block,
+            "{what} has {}: too short for a block size of {block}, whose windows of {} \
+             must fit in the validation split (the last 10%) as in the training split; give \
+             at least {} or a smaller --block-size",
+            plural(chars.len(), "character"),
+            block + 1,
+            plural(Self::shortest_text(block), "character"),
+        );
+        Ok(Self { vocab, ids, split })
+    }
+
+    /// The corpus of the UTF-8 file at `path`.
+    ///
+    /// # Errors
+    /// When the file cannot be read or is not UTF-8 (naming the byte offset of the first
+    /// bad byte), and as [`new`](Self::new).
+    pub fn read(path: &Path, block: usize) -> anyhow::Result<Self> {
+        let what = path.display().to_string();
+        let bytes = std::fs::read(path).with_context(|| format!("cannot read {what}"))?;
+        let text = std::str::from_utf8(&bytes).map_err(|err| {
+            let at = err.valid_up_to();
+            anyhow::anyhow!(
+                "{what} is not UTF-8 text: the byte at offset {at} (0x{:02x}) does not belong \
+                 to a character",
+                bytes[at]
+            )
+        })?;
+        Self::new(text, &what, block)
+    }
+
+    /// The shortest text that holds one window of `block + 1` characters in each split.
+    pub fn shortest_text(block: usize) -> usize {
+        // Both splits of n characters hold block + 1: n - round(0.9 n) >= block + 1.
+        (1..)
+            .map(|n| block + 1 + n)
+            .find(|&n| {
+                let split = (n as f64 * TRAIN_SHARE).round() as usize;
+                split.min(n - split) > block
+            })
+            .expect("some length fits")
+    }
+
+    /// The characters of `split`, as ids.
+    pub fn part(&self, split: TextSplit) -> &[u32] {
+        match split {
+            TextSplit::Train => &self.ids[..self.split],
+            TextSplit::Valid => &self.ids[self.split..],
+        }
+    }
+
+    /// How many windows of `block + 1` characters start in `split` (each start from 0 to
+    /// the last one that ends inside it).
+    pub fn windows(&self, split: TextSplit, block: usize) -> usize {
+        (self.part(split).len() + 1).saturating_sub(block + 1)
+    }
+
+    /// The window of `block + 1` characters of `split` starting at `start` (below
+    /// [`windows`](Self::windows)).
+    pub fn window(&self, split: TextSplit, start: usize, block: usize) -> &[u32] {
+        &self.part(split)[start..start + block + 1]
+    }
+
+    /// `text` as ids.
+    ///
+    /// # Errors
+    /// Naming every character of `text` outside the vocabulary.
+    pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let mut unknown: Vec<char> = text
+            .chars()
+            .filter(|c| self.vocab.binary_search(c).is_err())
+            .collect();
+        unknown.sort_unstable();
+        unknown.dedup();
+        if !unknown.is_empty() {
+            let shown: Vec<String> = unknown.iter().map(|c| format!("{c:?}")).collect();
+            anyhow::bail!(
+                "{} of \"{}\" not in the run's vocabulary of {}: {}",
+                match unknown.len() {
+                    1 => "a character".to_string(),
+                    n => format!("{n} characters"),
+                },
+                echo(text),
+                plural(self.vocab.len(), "character"),
+                echo(&shown.join(", "))
+            );
+        }
+        Ok(text
+            .chars()
+            .map(|c| self.vocab.binary_search(&c).expect("checked") as u32)
+            .collect())
+    }
+
+    /// The text of `ids`.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        ids.iter().map(|&i| self.vocab[i as usize]).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vocabulary_is_the_sorted_characters_and_ids_round_trip() {
+        let corpus = Corpus::new("to be, or not to be: that is the question.", "t", 3).unwrap();
+        assert_eq!(corpus.vocab.iter().collect::<String>(), " ,.:abehinoqrstu");
+        assert_eq!(
+            corpus.decode(&corpus.ids),
+            "to be, or not to be: that is the question."
+        );
+        assert_eq!(
+            corpus.encode("be it").unwrap(),
+            corpus.encode("be it").unwrap()
+        );
+        assert_eq!(corpus.decode(&corpus.encode("be it").unwrap()), "be it");
+        let err = corpus.encode("Be quiet!").unwrap_err().to_string();
+        assert!(err.contains("2 characters"), "{err}");
+        assert!(err.contains("'!', 'B'"), "{err}");
+    }
+
+    #[test]
+    fn windows_stay_inside_their_split() {
+        let text: String = (0..1000)
+            .map(|i| char::from(b'a' + (i % 26) as u8))
+            .collect();
+        for block in [1, 8, 64, 99] {
+            let corpus = Corpus::new(&text, "t", block).unwrap();
+            assert_eq!(corpus.split, 900);
+            assert_eq!(corpus.part(TextSplit::Train).len(), 900);
+            assert_eq!(corpus.part(TextSplit::Valid).len(), 100);
+            for split in [TextSplit::Train, TextSplit::Valid] {
+                let n = corpus.windows(split, block);
+                assert_eq!(n, corpus.part(split).len() - block);
+                let last = corpus.window(split, n - 1, block);
+                assert_eq!(last.len(), block + 1);
+                assert_eq!(
+                    last.last(),
+                    corpus.part(split).last(),
+                    "the last window ends the split"
+                );
+            }
+            // The last training window ends before the first validation character.
+            let train_end = corpus.windows(TextSplit::Train, block) - 1 + block + 1;
+            assert_eq!(train_end, corpus.split);
+        }
+        assert!(
+            Corpus::new(&text, "t", 100).is_err(),
+            "100 + 1 do not fit in 100"
+        );
+    }
+
+    #[test]
+    fn empty_short_and_non_utf8_texts_are_named() {
+        let err = Corpus::new("", "empty.txt", 8).unwrap_err().to_string();
+        assert_eq!(err, "empty.txt is empty: the text task needs text");
+        let err = Corpus::new("short text", "short.txt", 8)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("short.txt has 10 characters: too short for a block size of 8"),
+            "{err}"
+        );
+        let shortest = Corpus::shortest_text(8);
+        assert!(
+            err.contains(&format!("at least {shortest} characters")),
+            "{err}"
+        );
+        let text = "x".repeat(shortest);
+        assert!(Corpus::new(&text, "t", 8).is_ok());
+        assert!(Corpus::new(&text[1..], "t", 8).is_err());
+
+        let dir = std::env::temp_dir().join(format!("mha-corpus-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("latin1.txt");
+        std::fs::write(&path, b"caf\xe9 au lait").unwrap();
+        let err = Corpus::read(&path, 1).unwrap_err().to_string();
+        assert!(
+            err.ends_with(
+                "is not UTF-8 text: the byte at offset 3 (0xe9) does not belong to a character"
+            ),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_shakespeare_corpus_is_the_documented_one() {
+        let corpus = Corpus::new(SHAKESPEARE, "shakespeare", 256).unwrap();
+        assert_eq!(SHAKESPEARE.len(), 1_066_204);
+        assert_eq!(corpus.vocab.len(), 73);
+        assert!(SHAKESPEARE.starts_with("HAMLET, PRINCE OF DENMARK"));
+        assert!(SHAKESPEARE.is_ascii() && !SHAKESPEARE.contains('\r'));
+    }
+}
