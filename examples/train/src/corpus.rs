@@ -161,6 +161,35 @@ impl Corpus {
     }
 }
 
+/// SplitMix64's output for state `x` (Steele, Lea and Flood's generator, as Java's
+/// `SplittableRandom` mixes).
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Where row `row` of training step `step`'s batch starts, among `windows` starts: a
+/// function of the seed, the step and the row alone (a resumed run draws the batches of
+/// the uninterrupted one), and the same in `scripts/train_pytorch_text.py`, so that both
+/// train on the same batches.
+pub fn batch_start(seed: u64, step: u64, row: u64, windows: usize) -> usize {
+    let h = splitmix64(splitmix64(splitmix64(seed) ^ step) ^ row);
+    (h % windows as u64) as usize
+}
+
+/// `count` window starts spread evenly over `windows`, the first and the last included:
+/// the fixed validation windows (as in `scripts/train_pytorch_text.py`).
+pub fn valid_starts(count: usize, windows: usize) -> Vec<usize> {
+    if count <= 1 || windows <= 1 {
+        return vec![0; count.min(windows)];
+    }
+    (0..count)
+        .map(|i| i * (windows - 1) / (count - 1))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,6 +275,31 @@ mod tests {
             "{err}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn batches_and_validation_windows_are_those_of_the_pytorch_reference() {
+        // SplitMix64's first output from state 0, as published with the generator.
+        assert_eq!(splitmix64(0), 0xE220_A839_7B1D_CDAF);
+        // Printed by scripts/train_pytorch_text.py's batch_start and valid_starts (steps
+        // 0, 1 and 1999, rows 0, 1 and 11, the training windows of the Shakespeare corpus
+        // at block 64).
+        let starts: Vec<usize> = [0, 1, 1999]
+            .into_iter()
+            .flat_map(|step| [0, 1, 11].map(|row| batch_start(42, step, row, 959_520)))
+            .collect();
+        assert_eq!(
+            starts,
+            [
+                880550, 94078, 488779, 70604, 86658, 346038, 297214, 421580, 535257
+            ]
+        );
+        assert_eq!(valid_starts(5, 106_556), [0, 26638, 53277, 79916, 106555]);
+        assert_eq!(valid_starts(1, 10), [0]);
+        assert_eq!(valid_starts(3, 1), [0]);
+        let corpus = Corpus::new(SHAKESPEARE, "shakespeare", 64).unwrap();
+        assert_eq!(corpus.windows(TextSplit::Train, 64), 959_520);
+        assert_eq!(corpus.windows(TextSplit::Valid, 64), 106_556);
     }
 
     #[test]
