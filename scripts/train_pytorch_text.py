@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""The PyTorch reference of the trainer's text task: nanoGPT's character-level model and
-recipe on the same corpus, split, batches and validation windows, for comparing quality
-and wall time with `cargo run --release -p train -- --task text` on the same machine.
+"""The PyTorch reference for character-level language modelling: nanoGPT's model and
+recipe on the corpus, split, batches and validation windows of the trainer's
+`examples/train/src/corpus.rs`, for comparing quality and wall time with the trainer's
+text task on the same machine (that task is not built yet).
 
 The model is nanoGPT's GPT: token and learned position embeddings, pre-norm blocks
-(LayerNorm with bias, causal self-attention with a fused QKV projection, a GELU MLP of 4x
-width, biases everywhere), a final LayerNorm and a head tied to the token embedding;
+(LayerNorm, causal self-attention with a fused QKV projection, a GELU MLP of 4x width),
+a final LayerNorm and a head tied to the token embedding, with biases in the linear
+layers and norms (nanoGPT's model default, `bias=True`; its train.py turns them off);
 weights N(0, 0.02), the residual projections N(0, 0.02 / sqrt(2 layers)), biases 0. The
 recipe: AdamW (betas 0.9/0.99, weight decay 0.1 on the matrices and embeddings, none on
 biases and norms), a linear warmup of 100 steps to the learning rate, a cosine decay to a
-tenth of it at the last step, gradient clipping at norm 1.
+tenth of it after the last step (nanoGPT's), gradient clipping at norm 1.
 
 The data are the trainer's (examples/train/src/corpus.rs): the vocabulary is the corpus's
-distinct characters, sorted; the first round(0.9 n) characters train, the rest validate;
+distinct characters, sorted; the first (9 n + 5) // 10 characters train, the rest validate;
 a step's batch is the windows of block + 1 characters starting at `batch_start(seed,
 step, row)` (SplitMix64, below); validation is the mean loss over a fixed set of
 windows spread evenly over the validation split, every --eval-every steps and at the end.
@@ -40,7 +42,6 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 CORPUS = os.path.join(HERE, "..", "examples", "train", "data", "shakespeare.txt")
 MASK = (1 << 64) - 1
-TRAIN_SHARE = 0.9
 
 # (layers, heads, width, block, batch, steps, lr, dropout): nanoGPT's shakespeare_char
 # recipes, the CPU one from its README, the GPU one from config/train_shakespeare_char.py.
@@ -152,11 +153,14 @@ def main():
 
     layers, heads, width, block, batch, steps, lr, dropout = PRESETS[args.preset]
     steps = args.steps or steps
-    text = open(args.data, encoding="utf-8").read()
+    if args.eval_every < 1 or args.valid_windows < 1:
+        parser.error("--eval-every and --valid-windows must be at least 1")
+    with open(args.data, encoding="utf-8", newline="") as f:  # no newline translation
+        text = f.read()
     vocab = sorted(set(text))
     index = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
-    split = round(len(ids) * TRAIN_SHARE)
+    split = (9 * len(ids) + 5) // 10
     train, valid = ids[:split], ids[split:]
     train_windows, valid_windows = len(train) - block, len(valid) - block
     assert train_windows > 0 and valid_windows > 0, "the text is too short for the block size"
@@ -193,7 +197,7 @@ def main():
         f"{args.threads} threads on {args.device}"
     )
     started = time.perf_counter()
-    curve, recent = [], []
+    curve, recent, validating = [], [], 0.0
     for step in range(steps):
         rows = [batch_start(args.seed, step, r, train_windows) for r in range(batch)]
         windows = torch.stack([train[s : s + block + 1] for s in rows]).to(device)
@@ -207,7 +211,9 @@ def main():
         recent.append(loss.item())
         done = step + 1
         if done % args.eval_every == 0 or done == steps:
+            valid_started = time.perf_counter()
             valid_loss = validate()
+            validating += time.perf_counter() - valid_started
             train_loss = sum(recent) / len(recent)
             recent = []
             curve.append({"step": done, "train_loss": train_loss, "valid_loss": valid_loss})
@@ -227,15 +233,17 @@ def main():
         "final_valid_loss": final,
         "final_valid_bits_per_char": final / math.log(2),
         "wall_seconds": wall,
-        "ms_per_step": 1e3 * wall / steps,
-        "tokens_per_second": steps * batch * block / wall,
+        "validation_seconds": validating,
+        "ms_per_step": 1e3 * (wall - validating) / steps,
+        "tokens_per_second": steps * batch * block / (wall - validating),
         "curve": curve,
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
     }
     print(
         f"final valid loss {final:.4f} nats/char ({final / math.log(2):.3f} bits/char); "
-        f"{wall:.1f} s ({summary['ms_per_step']:.1f} ms/step, {summary['tokens_per_second']:.0f} tokens/s)"
+        f"{wall:.1f} s with {validating:.1f} s of validation; training {summary['ms_per_step']:.1f} "
+        f"ms/step, {summary['tokens_per_second']:.0f} tokens/s"
     )
     if args.json:
         with open(args.json, "w") as f:

@@ -7,6 +7,11 @@
 //! The corpus in the repository, [`SHAKESPEARE`], is seven of Shakespeare's plays from
 //! Project Gutenberg (public domain), about 1.07 MB of ASCII: `data/README.md` says which
 //! and how they were cut, and `scripts/make_corpus.py` makes it again from its source.
+//!
+//! The trainer does not train on it yet: the text task that will read it is not built.
+//! `scripts/train_pytorch_text.py`, the PyTorch reference it is to be compared with,
+//! draws its batches and validation windows with the functions here
+//! ([`batch_start`], [`valid_starts`], [`train_len`]).
 
 use std::path::Path;
 
@@ -18,8 +23,11 @@ use crate::text::{echo, plural};
 /// Macbeth, Romeo and Juliet), as `data/README.md` describes.
 pub const SHAKESPEARE: &str = include_str!("../data/shakespeare.txt");
 
-/// The share of the characters that trains: the rest, at the end, validates.
-pub const TRAIN_SHARE: f64 = 0.9;
+/// The training characters of a text of `n`: 90% of them, rounded half up, in integers
+/// (the same in `scripts/train_pytorch_text.py`); the rest, at the end, validate.
+pub fn train_len(n: usize) -> usize {
+    (9 * n + 5) / 10
+}
 
 /// Training or validation characters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,12 +69,12 @@ impl Corpus {
             .iter()
             .map(|c| vocab.binary_search(c).expect("a character of the text") as u32)
             .collect();
-        let split = (chars.len() as f64 * TRAIN_SHARE).round() as usize;
+        let split = train_len(chars.len());
         anyhow::ensure!(
             split.min(chars.len() - split) > block,
             "{what} has {}: too short for a block size of {block}, whose windows of {} \
              must fit in the validation split (the last 10%) as in the training split; give \
-             at least {} or a smaller --block-size",
+             at least {} or a smaller block size",
             plural(chars.len(), "character"),
             block + 1,
             plural(Self::shortest_text(block), "character"),
@@ -95,11 +103,11 @@ impl Corpus {
 
     /// The shortest text that holds one window of `block + 1` characters in each split.
     pub fn shortest_text(block: usize) -> usize {
-        // Both splits of n characters hold block + 1: n - round(0.9 n) >= block + 1.
+        // Both splits of n characters hold block + 1.
         (1..)
             .map(|n| block + 1 + n)
             .find(|&n| {
-                let split = (n as f64 * TRAIN_SHARE).round() as usize;
+                let split = train_len(n);
                 split.min(n - split) > block
             })
             .expect("some length fits")

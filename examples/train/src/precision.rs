@@ -1,22 +1,26 @@
-//! The precision a run computes in (`--dtype`): f32, or f16 / bf16 the way PyTorch's
-//! automatic mixed precision does it.
+//! The precision a run computes in (`--dtype`): f32, or f16 / bf16 with f32 master
+//! weights.
 //!
 //! - The weights, the optimizer's moments and the checkpoints stay in f32 (the "master
-//!   weights"): an update of 1e-4 to a weight of 0.1 is lost in f16 and bf16, whose steps
-//!   there are 6e-5 and 5e-4.
-//! - Each step computes in the chosen dtype: the model's parameters are cast to it
+//!   weights"): an update of 1e-5 to a weight of 0.1 is lost in f16 (whose step there is
+//!   6e-5), one of 1e-4 in bf16 (5e-4).
+//! - Each step computes in the chosen dtype: the whole model's parameters are cast to it
 //!   ([`compute_copy`]), and that cast is part of the autodiff graph, so the gradients
-//!   arrive at the f32 weights in f32. Activations, attention and its gradients run in
-//!   the dtype (on a GPU, `mha`'s kernels in f16/bf16 with f32 accumulation).
-//! - The logits are cast to f32 before the loss, as autocast runs its cross-entropy in
-//!   f32.
+//!   arrive at the f32 weights in f32. Embeddings, the residual stream, attention and
+//!   their gradients run in the dtype (on a GPU, `mha`'s kernels in f16/bf16 with f32
+//!   accumulation). This is not PyTorch's autocast, which keeps embeddings, residual
+//!   additions and softmax in f32: here only the loss (the logits are cast to f32 before
+//!   it) and the layer norms' statistics are computed in f32.
 //! - f16's range ends at 65,504 and its smallest normal number is 6e-5, so small
 //!   gradients would flush to zero: f16 runs scale the loss before the backward pass and
 //!   unscale the gradients after it ([`LossScaler`], PyTorch's `GradScaler` with its
-//!   defaults). A step whose gradients overflow is skipped and the scale halved. bf16 has
-//!   f32's range and needs no scaling.
-//! - Validation, the final greedy evaluation and `generate` run the model cast to the
-//!   dtype; `inspect` reads the weights in f32.
+//!   defaults). A step whose gradients overflow is skipped and the scale halved. A
+//!   forward pass that overflows (a non-finite loss) stops the run as diverged, as in f32,
+//!   where `GradScaler` would skip the step. bf16 has f32's range and needs no scaling.
+//! - Validation, the final greedy evaluation, `generate` and the decoding accuracy of
+//!   `inspect --prune` run the model cast to the dtype ([`Precision::for_inference`]: in
+//!   f32 on a backend without it, saying so); `inspect`'s attention maps, head scores and
+//!   forward timings read the weights in f32.
 
 use std::sync::{Arc, Mutex};
 
@@ -87,6 +91,20 @@ impl Precision {
             self.name(),
             has.join(", ")
         )
+    }
+
+    /// The dtype to run a trained model in on `device`: the run's, or f32 (the weights'
+    /// own dtype) with a warning on stderr where the device does not compute in it.
+    pub fn for_inference(self, device: &Device) -> FloatDType {
+        if device.supports_dtype(self.dtype()) {
+            return self.dtype();
+        }
+        eprintln!(
+            "warning: the run computed in {}, which this device does not; running its f32 \
+             weights in f32",
+            self.name()
+        );
+        FloatDType::F32
     }
 
     /// How a training step computes: `None` for f32.

@@ -384,7 +384,8 @@ pub fn evaluate(
     fixed: Option<FixedShape>,
     device: &Device,
 ) -> Option<(f64, f64)> {
-    let model = compute_copy(&model.valid().to_device(device), config.dtype.dtype());
+    let dtype = config.dtype.for_inference(device);
+    let model = compute_copy(&model.valid().to_device(device), dtype);
     let examples: Vec<_> = (0..config.eval_examples)
         .map(|i| task.example(config.seed, Split::Valid, i))
         .collect();

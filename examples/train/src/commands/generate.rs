@@ -7,7 +7,6 @@ use crate::cli::GenerateArgs;
 use crate::config::TrainConfig;
 use crate::precision::compute_copy;
 use crate::run_dir::load_model;
-use burn::tensor::FloatDType;
 
 /// Answers one input with the run's model.
 pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result<()> {
@@ -41,14 +40,8 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
         }
     };
     // The run's weights are f32 whatever it computed in: a backend without its dtype
-    // answers in f32.
-    let dtype = match config.dtype.check(backend, &device) {
-        Ok(()) => config.dtype.dtype(),
-        Err(err) => {
-            eprintln!("warning: {err}; answering in f32");
-            FloatDType::F32
-        }
-    };
+    // answers in f32, saying so.
+    let dtype = config.dtype.for_inference(&device);
     let model = compute_copy(&load_model(&config, &path, &device)?, dtype);
     let fixed = config.fixed_shape(backend);
     let output = model

@@ -141,7 +141,28 @@ fn prepare_resume(
         }
     }
     let config = stored.resumed(args.apply(stored.clone()), done)?;
-    config.dtype.check(backend, &device)?;
+    config.dtype.check(backend, &device).map_err(|err| {
+        let others: Vec<&str> = Backend::compiled()
+            .into_iter()
+            .filter(|b| *b != backend)
+            .filter(|b| {
+                b.device()
+                    .is_ok_and(|d| d.supports_dtype(config.dtype.dtype()))
+            })
+            .map(Backend::name)
+            .collect();
+        match others.is_empty() {
+            true => err.context(format!(
+                "{dir}: the run computes in {}",
+                config.dtype.name()
+            )),
+            false => anyhow::anyhow!(
+                "{err}; the run computes in {}: resume it with --backend {}",
+                config.dtype.name(),
+                others.join(" or --backend ")
+            ),
+        }
+    })?;
     run.check_metric_logs(done)?;
     if done == config.epochs {
         let summary = training::trained_summary(&config, run, backend);

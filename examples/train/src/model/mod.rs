@@ -271,7 +271,8 @@ impl TrainStep for Model {
     type Input = SeqBatch;
     type Output = SequenceOutput;
 
-    /// In f32, or with the parameters cast to the batch's [`Mixed`] dtype (the gradients
+    /// In f32, or with the parameters cast to the batch's
+    /// [`Mixed`](crate::precision::Mixed) dtype (the gradients
     /// arriving at the f32 weights), the loss scaled and the gradients unscaled for f16;
     /// a step whose scaled gradients overflow gives none (AdamW then leaves the weights
     /// as they are) and halves the scale.
