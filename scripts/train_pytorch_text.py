@@ -2,7 +2,7 @@
 """The PyTorch reference for character-level language modelling: nanoGPT's model and
 recipe on the corpus, split, batches and validation windows of the trainer's
 `examples/train/src/corpus.rs`, for comparing quality and wall time with the trainer's
-text task on the same machine (that task is not built yet).
+text task (`train --task text`) on the same machine.
 
 The model is nanoGPT's GPT: token and learned position embeddings, pre-norm blocks
 (LayerNorm, causal self-attention with a fused QKV projection, a GELU MLP of 4x width),

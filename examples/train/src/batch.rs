@@ -29,6 +29,13 @@ pub struct SeqBatch {
     pub packed: Option<Packed>,
     /// How the step computes when not in f32 ([`SeqBatcher::mixed`]).
     pub mixed: Option<Mixed>,
+    /// The target the loss leaves out: PAD for the synthetic tasks; none for the text
+    /// task, whose every position predicts a character.
+    pub ignore: Option<usize>,
+    /// The global norm the training step clips all the gradients at together (PyTorch's
+    /// `clip_grad_norm_`), when the run's `clip_global` is on (else the optimizer clips
+    /// each parameter's gradient).
+    pub clip: Option<f32>,
 }
 
 /// Several sequences per row: `joined` row `r` holds sequences
@@ -122,6 +129,8 @@ pub struct SeqBatcher {
     pub pack: Option<usize>,
     /// The dtype (and loss scale) of the steps that read the batches, when not f32.
     pub mixed: Option<Mixed>,
+    /// The global norm the steps clip the gradients at, if they do ([`SeqBatch::clip`]).
+    pub clip: Option<f32>,
 }
 
 /// Right-pads `rows` with PAD to `width` (at least the longest row) and stacks them.
@@ -205,6 +214,8 @@ impl Batcher<Example, SeqBatch> for SeqBatcher {
             decoder_input: padded(&decoder_input, width(|s| s.output + 1), device),
             decoder_targets: padded(&decoder_targets, width(|s| s.output + 1), device),
             mixed: self.mixed.clone(),
+            ignore: Some(PAD),
+            clip: self.clip,
         }
     }
 }

@@ -22,7 +22,7 @@ use crate::progress::LOG_EVERY;
 use crate::tasks::Task;
 use crate::text::echo;
 
-/// Train a transformer built from mha modules on a synthetic sequence task.
+/// Train a transformer built from mha modules on a synthetic sequence task or on text.
 #[derive(Parser, Debug)]
 #[command(version, about, allow_negative_numbers = true)]
 pub struct Cli {
@@ -40,7 +40,8 @@ pub struct Cli {
 /// The commands besides training.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Answer one input with a trained run's model (greedy decoding).
+    /// Answer one input with a trained run's model (greedy decoding); continue a prompt
+    /// with a text run's model (sampling).
     Generate(GenerateArgs),
     /// What a trained run's heads learned: their statistics on held-out examples, their
     /// importance, a map of every attention layer, and with --prune, smaller models
@@ -82,8 +83,24 @@ pub struct GenerateArgs {
     #[arg(long, value_enum)]
     pub task: Option<Task>,
     /// The input in the run's grammar: symbols separated by spaces ("3 1 4 1 5"), or for
-    /// add two operands of as many digits ("123+456").
-    pub input: String,
+    /// add two operands of as many digits ("123+456"); for a text run, the prompt.
+    pub input: Option<String>,
+    /// Text runs: the text the model continues [default: a newline].
+    #[arg(long, conflicts_with = "input")]
+    pub prompt: Option<String>,
+    /// Text runs: characters to write after the prompt.
+    #[arg(long, default_value_t = 500)]
+    pub tokens: usize,
+    /// Text runs: the logits are divided by it before the softmax; 0 is greedy (the most
+    /// likely character every time).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f64,
+    /// Text runs: draw among the K most likely characters only [default: all].
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Text runs: the seed of the draws (the same seed, the same text).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
 }
 
 /// The flags of a training run. Each setting overrides `--config`'s value (or the
@@ -108,7 +125,9 @@ pub struct TrainArgs {
     /// Steps between two progress lines.
     #[arg(long, default_value_t = LOG_EVERY)]
     pub log_every: usize,
-    /// Task.
+    /// Task: a synthetic one, or text (language modelling, with its own defaults:
+    /// nanoGPT's character-level Shakespeare recipe, 4 layers of width 128, block 64,
+    /// batch 12, 2000 steps).
     #[arg(long, value_enum)]
     pub task: Option<Task>,
     /// Shortest input (digits per operand for add).
@@ -120,6 +139,13 @@ pub struct TrainArgs {
     /// Number of symbols (10 for add).
     #[arg(long)]
     pub symbols: Option<usize>,
+    /// Text task: characters the model reads at once (its context).
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Text task: a UTF-8 file to train on [default: the Shakespeare corpus in the
+    /// repository].
+    #[arg(long)]
+    pub data: Option<PathBuf>,
     /// Model.
     #[arg(long, value_enum)]
     pub model: Option<ModelKind>,
@@ -184,7 +210,8 @@ impl TrainArgs {
         }
         set!(
             task => task.task, min_len => task.min_len, max_len => task.max_len,
-            symbols => task.n_symbols, model => model.kind, d_model => model.d_model,
+            symbols => task.n_symbols, block_size => task.block_size, data => task.data,
+            model => model.kind, d_model => model.d_model,
             layers => model.n_layers, heads => model.n_heads, dropout => model.dropout,
             positions => model.positions,
             batch_size => batch_size, lr => lr, warmup => warmup_steps, epochs => epochs,

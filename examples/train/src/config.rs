@@ -17,12 +17,12 @@ use serde_json::{Map, Value};
 use crate::backend::Backend;
 use crate::batch::FixedShape;
 use crate::fields::{
-    self, BATCH_SIZE, DECAY_STEPS, EPOCHS, EVAL_EXAMPLES, GRAD_CLIP, LR, MODEL_KIND, PACK,
-    STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
+    self, ADAM_BETA2, ADAM_EPSILON, BATCH_SIZE, DECAY_STEPS, EPOCHS, EVAL_EXAMPLES, GRAD_CLIP, LR,
+    MIN_LR_RATIO, MODEL_KIND, PACK, STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
 };
-use crate::model::{Model, ModelConfig};
+use crate::model::{Model, ModelConfig, ModelKind, PositionKind};
 use crate::precision::Precision;
-use crate::tasks::TaskConfig;
+use crate::tasks::{Task, TaskConfig};
 use crate::text::{echo, plural};
 
 /// Every hyperparameter of a run.
@@ -38,16 +38,32 @@ pub struct TrainConfig {
     /// Peak learning rate of AdamW. Default: 0.003.
     pub lr: f64,
     /// Steps of linear warmup from lr/100 to lr. Default (`None`): a tenth of the run, at
-    /// most 50 steps.
+    /// most 50 steps (100 for the text task).
     pub warmup_steps: Option<usize>,
     /// Steps of the cosine decay from lr to lr/100 that follows the warmup. Default
     /// (`None`): the rest of the run. Extending a run (`--resume --epochs`) sets it to the
     /// decay the run had, so that the extra steps train at lr/100.
     pub decay_steps: Option<usize>,
+    /// Where the cosine decay ends, as a fraction of lr (the warmup starts at lr/100
+    /// whatever it is). Default: 0.01; the text task's: 0.1 (nanoGPT's).
+    pub min_lr_ratio: f64,
+    /// AdamW's second-moment decay. Default: 0.999 (PyTorch's); the text task's: 0.99
+    /// (nanoGPT's).
+    pub adam_beta2: f32,
+    /// AdamW's epsilon. Default: 1e-5 (Burn's); the text task's: 1e-8 (PyTorch's).
+    pub adam_epsilon: f32,
     /// AdamW weight decay. Default: 0.01.
     pub weight_decay: f32,
-    /// Gradient clipping by global norm. Default: 1.
+    /// Whether the weight decay applies to every parameter (true) or only to the weight
+    /// matrices and embeddings, not to biases and norms (false, nanoGPT's). Default: true;
+    /// the text task's: false.
+    pub decay_vectors: bool,
+    /// Gradient clipping: the most a gradient's norm may be. Default: 1.
     pub grad_clip: f32,
+    /// Whether `grad_clip` bounds the norm of all the gradients together (true, PyTorch's
+    /// `clip_grad_norm_`) or of each parameter's gradient (false, Burn's
+    /// `GradientClipping::Norm`). Default: false; the text task's: true.
+    pub clip_global: bool,
     /// Steps per epoch (a checkpoint is written after each epoch). Default: 100.
     pub steps_per_epoch: usize,
     /// Epochs. Default: 10.
@@ -80,8 +96,13 @@ impl Default for TrainConfig {
             lr: 3e-3,
             warmup_steps: None,
             decay_steps: None,
+            min_lr_ratio: 0.01,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-5,
             weight_decay: 0.01,
+            decay_vectors: true,
             grad_clip: 1.0,
+            clip_global: false,
             steps_per_epoch: 100,
             epochs: 10,
             valid_examples: 256,
@@ -95,11 +116,91 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// The defaults of `task`: [`Default`]'s for the synthetic tasks; for the text task,
+    /// nanoGPT's CPU recipe for its character-level Shakespeare (4 layers, 4 heads, width
+    /// 128, learned positions, block 64, batch 12, 2000 steps (8 epochs of 250, the
+    /// validation after each), lr 1e-3 with 100 steps of warmup (a tenth of a shorter
+    /// run) and a cosine decay to
+    /// lr/10, AdamW betas 0.9/0.99 and epsilon 1e-8, weight decay 0.1 on the matrices and
+    /// embeddings, the gradients' global norm clipped at 1, no dropout),
+    /// validated on 1024 fixed windows.
+    pub fn defaults(task: Task) -> Self {
+        let default = Self::default();
+        if !task.is_text() {
+            return Self {
+                task: TaskConfig {
+                    task,
+                    ..default.task
+                },
+                ..default
+            };
+        }
+        Self {
+            task: TaskConfig {
+                task,
+                ..default.task
+            },
+            model: ModelConfig {
+                d_model: 128,
+                n_layers: 4,
+                n_heads: 4,
+                dropout: 0.0,
+                positions: PositionKind::Learned,
+                ..default.model
+            },
+            batch_size: 12,
+            lr: 1e-3,
+            min_lr_ratio: 0.1,
+            adam_beta2: 0.99,
+            adam_epsilon: 1e-8,
+            weight_decay: 0.1,
+            decay_vectors: false,
+            grad_clip: 1.0,
+            clip_global: true,
+            steps_per_epoch: 250,
+            epochs: 8,
+            valid_examples: 1024,
+            ..default
+        }
+    }
+
     /// Checks every value, the task's and the model's included, before anything is built
     /// or written; the error names the flag and the field.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.task.validate()?;
         self.model.validate()?;
+        if self.task.task.is_text() {
+            anyhow::ensure!(
+                self.model.kind == ModelKind::DecoderOnly,
+                "{} = {}: the text task trains the decoder-only model (a language model)",
+                MODEL_KIND.name(),
+                self.model.kind.name()
+            );
+            anyhow::ensure!(
+                !self.pack,
+                "{}: the text task's windows are all --block-size long; there is nothing to \
+                 pack",
+                PACK.name()
+            );
+        }
+        anyhow::ensure!(
+            self.min_lr_ratio > 0.0 && self.min_lr_ratio <= 1.0,
+            "{} must be in (0, 1], got {}",
+            MIN_LR_RATIO.name(),
+            self.min_lr_ratio
+        );
+        anyhow::ensure!(
+            self.adam_epsilon > 0.0,
+            "{} must be positive, got {}",
+            ADAM_EPSILON.name(),
+            self.adam_epsilon
+        );
+        anyhow::ensure!(
+            self.adam_beta2 > 0.0 && self.adam_beta2 < 1.0,
+            "{} must be in (0, 1), got {}",
+            ADAM_BETA2.name(),
+            self.adam_beta2
+        );
         for (field, value) in [
             (BATCH_SIZE, self.batch_size),
             (STEPS_PER_EPOCH, self.steps_per_epoch),
@@ -139,7 +240,7 @@ impl TrainConfig {
             );
         }
         anyhow::ensure!(
-            !self.pack || self.model.kind == crate::model::ModelKind::DecoderOnly,
+            !self.pack || self.model.kind == ModelKind::DecoderOnly,
             "{} packs the decoder-only model's sequences; the encoder-decoder ({}) trains on \
              padded batches",
             PACK.name(),
@@ -156,10 +257,15 @@ impl TrainConfig {
         self.epochs * self.steps_per_epoch
     }
 
-    /// Steps of warmup: as set, or a tenth of the run, at most 50.
+    /// Steps of warmup: as set, or a tenth of the run, at most 50 (at most 100 for the
+    /// text task, nanoGPT's).
     pub fn warmup(&self) -> usize {
+        let most = match self.task.task.is_text() {
+            true => 100,
+            false => 50,
+        };
         self.warmup_steps
-            .unwrap_or((self.total_steps() / 10).min(50))
+            .unwrap_or((self.total_steps() / 10).min(most))
             .max(1)
     }
 
@@ -170,15 +276,22 @@ impl TrainConfig {
             .max(1)
     }
 
-    /// Longest sequence a model reads: `input SEP output EOS`.
+    /// Longest sequence a model reads: `input SEP output EOS`; for the text task, the
+    /// block.
     pub fn max_len(&self) -> usize {
-        self.task.max_input() + self.task.max_output() + 2
+        match self.task.task.is_text() {
+            true => self.task.block_size,
+            false => self.task.max_input() + self.task.max_output() + 2,
+        }
     }
 
     /// The task at longer inputs than any trained on, for the length-generalisation test:
     /// lengths `max_len + 1 ..= max_len * 3 / 2` (17..=24 for 8..=16); `None` for a model
     /// that cannot read them (learned absolute positions).
     pub fn longer_task(&self) -> Option<TaskConfig> {
+        if self.task.task.is_text() {
+            return None;
+        }
         let max = self.task.max_len;
         self.model
             .positions
@@ -196,17 +309,34 @@ impl TrainConfig {
     }
 
     /// The fixed batch shape on `backend`, if any (see `fixed_shapes`).
+    /// The text task's windows all have one shape: none.
     pub fn fixed_shape(&self, backend: Backend) -> Option<FixedShape> {
+        if self.task.task.is_text() {
+            return None;
+        }
         self.fixed_shapes
             .unwrap_or(backend.is_gpu())
             .then(|| FixedShape::of(&self.task))
     }
 
     /// The model, initialised from the seed.
+    /// For the text task: nanoGPT's language model (the head tied to the token
+    /// embedding, its initialisation) over the run's vocabulary.
     pub fn init_model(&self, device: &Device) -> anyhow::Result<Model> {
         device.seed(self.seed);
-        self.model
-            .init(self.task.vocab_size(), self.max_len(), device)
+        match self.task.task.is_text() {
+            true => {
+                anyhow::ensure!(
+                    self.task.vocab_size() > 0,
+                    "the text task's model needs the run's vocabulary (`task.vocab`)"
+                );
+                self.model
+                    .init_language_model(self.task.vocab_size(), self.max_len(), device)
+            }
+            false => self
+                .model
+                .init(self.task.vocab_size(), self.max_len(), device),
+        }
     }
 
     /// Reads a run's configuration file and checks it.
@@ -227,9 +357,19 @@ impl TrainConfig {
     /// # Errors
     /// Naming the file, and as [`from_json`](Self::from_json).
     pub fn read(path: &Path) -> anyhow::Result<Self> {
+        Self::read_as(path, None)
+    }
+
+    /// As [`read`](Self::read), the fields the file leaves out taking the defaults of its
+    /// task, or when it names none, of `task` (the `--task` flag), else the synthetic
+    /// defaults.
+    ///
+    /// # Errors
+    /// As [`read`](Self::read).
+    pub fn read_as(path: &Path, task: Option<Task>) -> anyhow::Result<Self> {
         let what = path.display();
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {what}"))?;
-        Self::from_json(&text).with_context(|| format!("{what}"))
+        Self::from_json_as(&text, task).with_context(|| format!("{what}"))
     }
 
     /// Parses a configuration: a JSON object with any subset of the fields, the task and
@@ -239,6 +379,15 @@ impl TrainConfig {
     /// When it is not JSON or not an object; naming the field: an unknown one (with the
     /// nearest known field), or a value of the wrong type (with the type it takes).
     pub fn from_json(text: &str) -> anyhow::Result<Self> {
+        Self::from_json_as(text, None)
+    }
+
+    /// As [`from_json`](Self::from_json), the fields left out taking the defaults of the
+    /// task the text names, or else of `task` ([`defaults`](Self::defaults)).
+    ///
+    /// # Errors
+    /// As [`from_json`](Self::from_json).
+    pub fn from_json_as(text: &str, task: Option<Task>) -> anyhow::Result<Self> {
         let mut given: Value =
             serde_json::from_str(text).context("not JSON (a training configuration)")?;
         if let Value::Object(fields) = &mut given {
@@ -250,13 +399,28 @@ impl TrainConfig {
             }
         }
         check_fields(&given, &Self::shape(), "")?;
-        serde_json::from_value(given).map_err(|e| anyhow::anyhow!("{e}"))
+        let named = lookup(&given, "task.task")
+            .cloned()
+            .map(serde_json::from_value::<Task>)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let Some(task) = named.or(task) else {
+            return serde_json::from_value(given).map_err(|e| anyhow::anyhow!("{e}"));
+        };
+        let mut full = serde_json::to_value(Self::defaults(task)).expect("a config serialises");
+        overlay(&mut full, given);
+        serde_json::from_value(full).map_err(|e| anyhow::anyhow!("{e}"))
     }
 
     /// The configuration as JSON with every optional field given, so that each field's
     /// JSON type can be read off it.
     fn shape() -> Value {
         let config = Self {
+            task: TaskConfig {
+                data: Some("corpus.txt".into()),
+                vocab: Some("ab".into()),
+                ..TaskConfig::default()
+            },
             warmup_steps: Some(1),
             decay_steps: Some(1),
             fixed_shapes: Some(false),
@@ -423,6 +587,23 @@ fn join(path: &str, key: &str) -> String {
     }
 }
 
+/// Writes the fields of `given` over those of `base`, object by object.
+fn overlay(base: &mut Value, given: Value) {
+    match (base, given) {
+        (Value::Object(base), Value::Object(given)) => {
+            for (key, value) in given {
+                match base.get_mut(&key) {
+                    Some(inner) => overlay(inner, value),
+                    None => {
+                        base.insert(key, value);
+                    }
+                }
+            }
+        }
+        (base, given) => *base = given,
+    }
+}
+
 /// The value at a dotted `path`.
 fn lookup<'a>(value: &'a Value, path: &str) -> Option<&'a Value> {
     path.split('.').try_fold(value, |v, key| v.get(key))
@@ -486,7 +667,7 @@ mod tests {
             "{:#}",
             load(r#"{"task": {"task": "Palindrome"}}"#).unwrap_err()
         );
-        let wanted = "unknown task `Palindrome`: expected copy, reverse, sort or add";
+        let wanted = "unknown task `Palindrome`: expected copy, reverse, sort, add or text";
         assert!(err.contains(wanted), "{err}");
         // The files of earlier versions spelt the task and model capitalised.
         let old = load(r#"{"task": {"task": "Reverse"}, "model": {"kind": "DecoderOnly"}}"#);
@@ -569,6 +750,43 @@ mod tests {
                 .validate()
                 .unwrap_or_else(|e| panic!("{text}: {e:#}"));
         }
+    }
+
+    #[test]
+    fn the_text_task_takes_its_own_defaults_and_the_larger_preset_reads() {
+        // A file that names the text task starts from its defaults, as `--task text` does.
+        let file = TrainConfig::from_json(r#"{"task": "text", "lr": 0.002}"#).unwrap();
+        let flag = TrainConfig::from_json_as(r#"{"lr": 0.002}"#, Some(Task::Text)).unwrap();
+        let defaults = TrainConfig::defaults(Task::Text);
+        assert_eq!(file, flag);
+        assert_eq!(
+            file,
+            TrainConfig {
+                lr: 0.002,
+                ..defaults.clone()
+            }
+        );
+        // nanoGPT's CPU recipe.
+        let m = &defaults.model;
+        assert_eq!((m.n_layers, m.n_heads, m.d_model), (4, 4, 128));
+        assert_eq!((defaults.task.block_size, defaults.batch_size), (64, 12));
+        assert_eq!((defaults.total_steps(), defaults.warmup()), (2000, 100));
+        assert_eq!((defaults.adam_beta2, defaults.weight_decay), (0.99, 0.1));
+        assert!(!defaults.decay_vectors && defaults.clip_global);
+        defaults.validate().unwrap();
+        // A synthetic task keeps the synthetic defaults.
+        assert_eq!(TrainConfig::defaults(Task::Reverse), TrainConfig::default());
+        // The larger preset, nanoGPT's GPU recipe.
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/text-gpu.json");
+        let gpu = TrainConfig::load(&path).unwrap();
+        let m = &gpu.model;
+        assert_eq!(
+            (m.n_layers, m.n_heads, m.d_model, m.dropout),
+            (6, 6, 384, 0.2)
+        );
+        assert_eq!((gpu.task.block_size, gpu.batch_size), (256, 64));
+        assert_eq!((gpu.total_steps(), gpu.warmup(), gpu.lr), (5000, 100, 1e-3));
+        assert_eq!(gpu.min_lr_ratio, 0.1);
     }
 
     #[test]

@@ -8,9 +8,9 @@
 //! Project Gutenberg (public domain), about 1.07 MB of ASCII: `data/README.md` says which
 //! and how they were cut, and `scripts/make_corpus.py` makes it again from its source.
 //!
-//! The trainer does not train on it yet: the text task that will read it is not built.
-//! `scripts/train_pytorch_text.py`, the PyTorch reference it is to be compared with,
-//! draws its batches and validation windows with the functions here
+//! The text task ([`crate::lm`], `--task text`) trains on it, or on a user's `--data`
+//! file read the same way. `scripts/train_pytorch_text.py`, the PyTorch reference it is
+//! compared with, draws its batches and validation windows with the functions here
 //! ([`batch_start`], [`valid_starts`], [`train_len`]).
 
 use std::path::Path;
@@ -171,7 +171,7 @@ impl Corpus {
 
 /// SplitMix64's output for state `x` (Steele, Lea and Flood's generator, as Java's
 /// `SplittableRandom` mixes).
-fn splitmix64(x: u64) -> u64 {
+pub(crate) fn splitmix64(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

@@ -47,6 +47,22 @@ pub const N_SYMBOLS: Field = field(
     &["symbols", "vocab"],
     false,
 );
+/// `task.block_size`.
+pub const BLOCK_SIZE: Field = field(
+    "task.block_size",
+    Some("--block-size"),
+    &["block", "context", "context_length"],
+    false,
+);
+/// `task.data`.
+pub const DATA: Field = field(
+    "task.data",
+    Some("--data"),
+    &["text", "corpus", "file"],
+    false,
+);
+/// `task.vocab`.
+pub const VOCAB: Field = field("task.vocab", None, &["vocabulary"], false);
 /// `model.kind`.
 pub const MODEL_KIND: Field = field("model.kind", Some("--model"), &["model"], false);
 /// `model.d_model`.
@@ -77,6 +93,16 @@ pub const LR: Field = field(
 pub const WARMUP_STEPS: Field = field("warmup_steps", Some("--warmup"), &["warmup"], false);
 /// `decay_steps`.
 pub const DECAY_STEPS: Field = field("decay_steps", None, &[], false);
+/// `min_lr_ratio`.
+pub const MIN_LR_RATIO: Field = field("min_lr_ratio", None, &["min_lr", "lr_floor"], false);
+/// `adam_beta2`.
+pub const ADAM_BETA2: Field = field("adam_beta2", None, &["beta2", "betas"], false);
+/// `adam_epsilon`.
+pub const ADAM_EPSILON: Field = field("adam_epsilon", None, &["epsilon", "eps"], false);
+/// `decay_vectors`.
+pub const DECAY_VECTORS: Field = field("decay_vectors", None, &[], false);
+/// `clip_global`.
+pub const CLIP_GLOBAL: Field = field("clip_global", None, &["global_clip"], false);
 /// `weight_decay`.
 pub const WEIGHT_DECAY: Field = field("weight_decay", None, &[], false);
 /// `grad_clip`.
@@ -109,6 +135,9 @@ pub const FIELDS: &[Field] = &[
     MIN_LEN,
     MAX_LEN,
     N_SYMBOLS,
+    BLOCK_SIZE,
+    DATA,
+    VOCAB,
     MODEL_KIND,
     D_MODEL,
     N_LAYERS,
@@ -119,8 +148,13 @@ pub const FIELDS: &[Field] = &[
     LR,
     WARMUP_STEPS,
     DECAY_STEPS,
+    MIN_LR_RATIO,
+    ADAM_BETA2,
+    ADAM_EPSILON,
     WEIGHT_DECAY,
+    DECAY_VECTORS,
     GRAD_CLIP,
+    CLIP_GLOBAL,
     STEPS_PER_EPOCH,
     EPOCHS,
     VALID_EXAMPLES,

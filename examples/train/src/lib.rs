@@ -1,14 +1,18 @@
-//! Small transformers built from `mha` modules, trained on synthetic sequence tasks with
-//! Burn's learner: the library behind the `train` binary (and the trainer benchmark).
+//! Small transformers built from `mha` modules, trained on synthetic sequence tasks or
+//! on text (a character-level language model) with Burn's learner: the library behind
+//! the `train` binary (and the trainer benchmark).
 //! Read top to bottom:
 //!
 //! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
 //! - [`corpus`]: a text as characters, its vocabulary, split and windows (Shakespeare's
 //!   plays in the repository);
+//! - [`lm`]: the text task: its training stream and validation windows, its batches,
+//!   sampling the next character;
 //! - [`batch`]: examples padded or packed into batches;
 //! - [`precision`]: f32, or f16/bf16 steps with f32 weights (`--dtype`);
-//! - [`model`]: decoder-only and encoder-decoder transformers, their greedy decoding,
-//!   looking inside them;
+//! - [`model`]: decoder-only and encoder-decoder transformers (and the text task's
+//!   language model, the decoder-only one with a tied head), their decoding, looking
+//!   inside them;
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
 //! - [`memory`]: the memory a run or an inspection will take, checked before it starts;
 //! - [`fields`]: which flag sets which field;
@@ -34,6 +38,7 @@ pub mod corpus;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;
+pub mod lm;
 pub mod memory;
 pub mod model;
 pub mod plots;

@@ -1,5 +1,6 @@
 //! Trains a small transformer built from `mha` modules on a synthetic sequence task, then
-//! decodes the held-out split greedily and draws what it learned.
+//! decodes the held-out split greedily and draws what it learned; or trains a
+//! character-level language model on text and samples from it.
 //!
 //! ```sh
 //! cargo run --release -p train                      # reverse, decoder-only, on flex
@@ -7,6 +8,8 @@
 //! cargo run --release -p train -- --task add --model encoder-decoder
 //! cargo run --release -p train -- --resume --out runs/add
 //! cargo run --release -p train -- generate "3 1 4 1 5 9 2 6"
+//! cargo run --release -p train -- --task text       # a character-level Shakespeare
+//! cargo run --release -p train -- generate --out runs/text --prompt "ROMEO:"
 //! ```
 //!
 //! This file parses the command line and runs its command (`src/lib.rs` is the library).

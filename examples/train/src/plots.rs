@@ -26,8 +26,8 @@ fn err<E: std::fmt::Debug>(what: &Path) -> impl FnOnce(E) -> anyhow::Error + '_ 
     move |e| anyhow::anyhow!("cannot draw {}: {e:?}", what.display())
 }
 
-/// A finished run's pictures: its loss curve, from the learner's logs, and its attention
-/// heatmaps; returns the heatmaps' files.
+/// A finished run's pictures: its loss curve, from the learner's logs, and (synthetic
+/// tasks) its attention heatmaps; returns the heatmaps' files.
 pub fn draw_run(
     config: &TrainConfig,
     run: &RunDir,
@@ -35,6 +35,25 @@ pub fn draw_run(
 ) -> anyhow::Result<Vec<PathBuf>> {
     register_font()?;
     let losses = |split| training::epoch_losses(&run.0, config.epochs, split);
+    if config.task.task.is_text() {
+        // The validation loss of each epoch, over its fixed windows.
+        let valid: Vec<Vec<f64>> =
+            training::epoch_finals(&run.0, config.epochs, &MetricSplit::Valid)
+                .into_iter()
+                .map(|loss| vec![loss])
+                .collect();
+        let title = format!(
+            "text, {} characters: loss per step (nats per character)",
+            config.task.block_size
+        );
+        loss_curve(
+            &run.loss_curve(),
+            &losses(&MetricSplit::Train),
+            &valid,
+            &title,
+        )?;
+        return Ok(Vec::new());
+    }
     let title = format!(
         "{}, {}: loss per step",
         config.task.task.name(),

@@ -271,6 +271,10 @@ impl TrainingProgressLogger for Progress {
         let (train, valid) = (self.train, self.valid);
         let part = |m: SplitMeans| match (m.loss.get(), m.accuracy.get()) {
             (Some(loss), Some(acc)) => format!("loss {loss:.4} acc {acc:.2}%"),
+            // The text task: nats and bits per character.
+            (Some(loss), None) => {
+                format!("loss {loss:.4} ({:.3} bits)", loss / std::f64::consts::LN_2)
+            }
             _ => "—".into(),
         };
         self.print(&format!(

@@ -12,13 +12,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder, DataLoaderIterator};
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
-use burn::optim::AdamWConfig;
+use burn::module::ParamGroup;
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::LrSchedulerConfig;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::sequential::SequentialLrSchedulerConfig;
+use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::Device;
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::logger::FileMetricLogger;
@@ -84,6 +85,13 @@ pub struct Summary {
     pub token_accuracy: Option<f64>,
     /// Held-out sequences decoded (at the training lengths, and as many longer ones).
     pub eval_examples: usize,
+    /// Text task: the validation loss after the last epoch, in nats per character (the
+    /// mean over the fixed validation windows).
+    #[serde(default)]
+    pub valid_loss: Option<f64>,
+    /// Text task: the same in bits per character.
+    #[serde(default)]
+    pub valid_bits_per_char: Option<f64>,
     /// How the model knows where tokens are.
     pub positions: PositionKind,
     /// The dtype the steps computed in (the weights are f32 whatever it is).
@@ -134,47 +142,80 @@ pub fn train(
     let mixed = config.dtype.mixed();
     let train_device = device.clone().autodiff();
     let model = config.init_model(&train_device)?;
-    let optim = AdamWConfig::new()
-        .with_weight_decay(config.weight_decay)
-        .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip)))
-        .init();
+    let optim = optimizer(config);
 
     // Fresh examples every epoch, each epoch's a function of the seed and its number
     // alone: a resumed run trains on the batches the uninterrupted one would have.
     let epoch = Arc::new(AtomicUsize::new(start_epoch));
-    let train_set = TrainStream {
-        task: config.task.clone(),
-        seed: config.seed,
-        len: config.steps_per_epoch * config.batch_size,
-        epoch: epoch.clone(),
+    let text = config.task.task.is_text();
+    let clip = config.clip_global.then_some(config.grad_clip);
+    let (train_batches, loader_valid, tokens_per_step) = match text {
+        true => {
+            let corpus = Arc::new(crate::lm::corpus(config)?);
+            let block = config.task.block_size;
+            let stream = crate::lm::TextStream {
+                corpus: corpus.clone(),
+                block,
+                seed: config.seed,
+                batch: config.batch_size,
+                steps_per_epoch: config.steps_per_epoch,
+                epoch: epoch.clone(),
+            };
+            let valid = crate::lm::ValidWindows::new(corpus, block, config.valid_examples);
+            let batcher = |mixed| crate::lm::TextBatcher { mixed, clip };
+            (
+                DataLoaderBuilder::new(batcher(mixed.clone()))
+                    .batch_size(config.batch_size)
+                    .build(stream),
+                // Validation batches of 64 whatever the training's: the loss is the mean
+                // over the windows either way, and larger batches cost less per window.
+                DataLoaderBuilder::new(batcher(mixed.as_ref().map(Mixed::inference)))
+                    .batch_size(64)
+                    .build(valid),
+                (config.batch_size * block) as f64,
+            )
+        }
+        false => {
+            let train_set = TrainStream {
+                task: config.task.clone(),
+                seed: config.seed,
+                len: config.steps_per_epoch * config.batch_size,
+                epoch: epoch.clone(),
+            };
+            let valid_set = TaskDataset::new(
+                config.task.clone(),
+                config.seed,
+                Split::Valid,
+                config.valid_examples,
+            );
+            (
+                DataLoaderBuilder::new(SeqBatcher {
+                    fixed,
+                    pack: config.pack_width(),
+                    mixed: mixed.clone(),
+                    clip,
+                })
+                .batch_size(config.batch_size)
+                .build(train_set),
+                DataLoaderBuilder::new(SeqBatcher {
+                    fixed,
+                    pack: None,
+                    mixed: mixed.as_ref().map(Mixed::inference),
+                    clip: None,
+                })
+                .batch_size(config.batch_size)
+                .build(valid_set),
+                config.batch_size as f64 * config.task.mean_tokens(),
+            )
+        }
     };
-    let valid_set = TaskDataset::new(
-        config.task.clone(),
-        config.seed,
-        Split::Valid,
-        config.valid_examples,
-    );
     let loader_train: Arc<dyn DataLoader<SeqBatch>> = Arc::new(EpochLoader {
-        inner: DataLoaderBuilder::new(SeqBatcher {
-            fixed,
-            pack: config.pack_width(),
-            mixed: mixed.clone(),
-        })
-        .batch_size(config.batch_size)
-        .build(train_set),
+        inner: train_batches,
         epoch,
         seed: config.seed,
         device: train_device.clone(),
     });
-    let loader_valid = DataLoaderBuilder::new(SeqBatcher {
-        fixed,
-        pack: None,
-        mixed: mixed.as_ref().map(Mixed::inference),
-    })
-    .batch_size(config.batch_size)
-    .build(valid_set);
 
-    let tokens_per_step = config.batch_size as f64 * config.task.mean_tokens();
     let plan = Plan {
         epochs: config.epochs,
         steps_per_epoch: config.steps_per_epoch,
@@ -191,9 +232,14 @@ pub fn train(
     let mut training = SupervisedTraining::new(&run.0, loader_train, loader_valid)
         .num_epochs(config.epochs)
         .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
-        .metric_train_numeric(AccuracyMetric::new().with_pad_token(PAD))
-        .metric_valid_numeric(AccuracyMetric::new().with_pad_token(PAD))
+        .metric_valid_numeric(LossMetric::new());
+    // Token accuracy on the synthetic tasks' outputs (the text task's loss says it all).
+    if !text {
+        training = training
+            .metric_train_numeric(AccuracyMetric::new().with_pad_token(PAD))
+            .metric_valid_numeric(AccuracyMetric::new().with_pad_token(PAD));
+    }
+    let mut training = training
         .metric_train_numeric(LearningRateMetric::new())
         .with_custom_checkpointers(
             run.checkpointer("model"),
@@ -245,8 +291,21 @@ pub fn train(
         return Ok(summary);
     }
     save_model(&result.model, run)?;
-    finish(&result.model, config, fixed, device, &mut summary);
+    match text {
+        true => finish_text(config, run, &mut summary),
+        false => finish(&result.model, config, fixed, device, &mut summary),
+    }
     Ok(summary)
+}
+
+/// The end of a text run, all of whose epochs are trained: the validation loss of its
+/// last epoch (on the fixed windows, with the final weights) into `summary`, which is
+/// then finished.
+pub fn finish_text(config: &TrainConfig, run: &RunDir, summary: &mut Summary) {
+    let valid = epoch_finals(&run.0, config.epochs, &MetricSplit::Valid);
+    summary.valid_loss = valid.last().copied();
+    summary.valid_bits_per_char = summary.valid_loss.map(|l| l / std::f64::consts::LN_2);
+    summary.status = Status::Finished;
 }
 
 /// Writes the trained model to `model.bpk`.
@@ -333,6 +392,8 @@ impl Summary {
             exact_accuracy: None,
             token_accuracy: None,
             eval_examples: config.eval_examples,
+            valid_loss: None,
+            valid_bits_per_char: None,
             positions: config.model.positions,
             dtype: config.dtype,
             loss_scale: None,
@@ -345,13 +406,38 @@ impl Summary {
     }
 }
 
-/// The learning-rate schedule: a linear warmup from lr/100 to lr, a cosine decay back to
-/// lr/100, and lr/100 for any steps after it (those of an extended run).
+/// AdamW as the configuration sets it: its second moment's decay and epsilon, the weight
+/// decay on every parameter or (`decay_vectors` off) on the matrices and embeddings only
+/// (the biases and the norms' gains and shifts in a group without it), and each
+/// parameter's gradient clipped, unless the step clips them all together (`clip_global`,
+/// [`SeqBatch::clip`]).
+fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
+    let clipping = (!config.clip_global).then_some(GradientClippingConfig::Norm(config.grad_clip));
+    let adam = |decay| {
+        AdamWConfig::new()
+            .with_beta_2(config.adam_beta2)
+            .with_epsilon(config.adam_epsilon)
+            .with_weight_decay(decay)
+            .with_grad_clipping(clipping.clone())
+    };
+    let optim = adam(config.weight_decay).init();
+    match config.decay_vectors {
+        true => optim,
+        false => optim.with_group(
+            ParamGroup::from_any_predicates(vec![".bias", ".gamma", ".beta"]),
+            adam(0.0).build(),
+            clipping.as_ref().map(GradientClippingConfig::init),
+        ),
+    }
+}
+
+/// The learning-rate schedule: a linear warmup from lr/100 to lr, a cosine decay to
+/// lr x `min_lr_ratio`, and that for any steps after it (those of an extended run).
 fn schedule(config: &TrainConfig) -> anyhow::Result<ModuleLrScheduler> {
-    let floor = config.lr / 100.0;
+    let (start, floor) = (config.lr / 100.0, config.lr * config.min_lr_ratio);
     let (warmup, decay) = (config.warmup(), config.decay());
     let mut schedulers = vec![
-        LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(floor, config.lr, warmup)),
+        LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(start, config.lr, warmup)),
         LrSchedulerConfig::Cosine(
             CosineAnnealingLrSchedulerConfig::new(config.lr, decay).with_min_lr(floor),
         ),
@@ -504,6 +590,22 @@ impl DataLoader<SeqBatch> for EpochLoader {
             device: self.device.clone(),
         })
     }
+}
+
+/// The `Loss` metric of each epoch `1..=epochs` that has one, as the learner logged it at
+/// the epoch's end (over the whole split, each batch weighted by its size).
+pub fn epoch_finals(dir: &Path, epochs: usize, split: &MetricSplit) -> Vec<f64> {
+    use burn::train::logger::MetricLogger;
+    let mut logger = FileMetricLogger::new(dir);
+    (1..=epochs)
+        .map_while(|epoch| {
+            let entries = logger.read_numeric("Loss", epoch, split).ok()?;
+            entries.iter().find_map(|e| match e {
+                NumericEntry::Final(v) => Some(*v),
+                _ => None,
+            })
+        })
+        .collect()
 }
 
 /// Per-step values of the `Loss` metric of each epoch `1..=epochs`, from the learner's logs.

@@ -1,12 +1,21 @@
 //! `generate`: one input, parsed in the task's grammar, answered by greedy decoding with
-//! the run's model (or, while the run is unfinished, its last checkpoint's).
+//! the run's model (or, while the run is unfinished, its last checkpoint's); for a text
+//! run, a prompt continued by sampling, each character written as it comes.
+
+use std::io::Write;
+
+use burn::tensor::Device;
 
 use super::{run_dir, warn_if_software};
 use crate::backend::Backend;
 use crate::cli::GenerateArgs;
 use crate::config::TrainConfig;
+use crate::corpus::Corpus;
+use crate::lm::Sampler;
+use crate::model::Model;
+use crate::model::text::TextDecoder;
 use crate::precision::compute_copy;
-use crate::run_dir::load_model;
+use crate::run_dir::{RunDir, load_model};
 
 /// Answers one input with the run's model.
 pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result<()> {
@@ -17,18 +26,48 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
         "{dir}: no run here (no config.json); train one, or name its directory with --out"
     );
     let config = TrainConfig::load(&run.config())?;
-    let tokens = config.task.parse(&args.input)?;
+    if config.task.task.is_text() {
+        return sample(args, backend, &run, &config);
+    }
+    let input = args.input.as_deref().ok_or_else(|| {
+        anyhow::anyhow!(
+            "generate: give the input to answer, in the run's grammar (`generate \"3 1 4 1 \
+             5\"`)"
+        )
+    })?;
+    anyhow::ensure!(
+        args.prompt.is_none(),
+        "--prompt is for text runs; {dir} is a {} run: give its input as `generate \"...\"`",
+        config.task.task.name()
+    );
+    let tokens = config.task.parse(input)?;
     if let Some(warning) = config.task.length_warning(&tokens) {
         eprintln!("warning: {warning}");
     }
     let backend = Backend::or_best(backend)?;
     let device = backend.device()?;
     warn_if_software(backend, &device);
+    let model = load(&run, &config, &device)?;
+    let fixed = config.fixed_shape(backend);
+    let output = model
+        .generate(&[tokens], config.task.max_output(), fixed, &device)
+        .remove(0);
+    match output.is_empty() {
+        true => println!("(nothing: the model ended its answer at once)"),
+        false => println!("{}", config.task.format_output(&output)),
+    }
+    Ok(())
+}
+
+/// The run's model (or while it is unfinished, its newest usable checkpoint's, with a
+/// warning), in the dtype it computed in where the device has it.
+fn load(run: &RunDir, config: &TrainConfig, device: &Device) -> anyhow::Result<Model> {
+    let dir = run.0.display();
     let path = match run.model().exists() {
         true => run.model(),
         false => {
             let epoch = run
-                .newest_usable_checkpoint(&config, &device)
+                .newest_usable_checkpoint(config, device)
                 .ok_or_else(|| {
                     anyhow::anyhow!("{dir}: the run has no model or usable checkpoint yet")
                 })?;
@@ -41,15 +80,56 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
     };
     // The run's weights are f32 whatever it computed in: a backend without its dtype
     // answers in f32, saying so.
-    let dtype = config.dtype.for_inference(&device);
-    let model = compute_copy(&load_model(&config, &path, &device)?, dtype);
-    let fixed = config.fixed_shape(backend);
-    let output = model
-        .generate(&[tokens], config.task.max_output(), fixed, &device)
-        .remove(0);
-    match output.is_empty() {
-        true => println!("(nothing: the model ended its answer at once)"),
-        false => println!("{}", config.task.format_output(&output)),
+    let dtype = config.dtype.for_inference(device);
+    Ok(compute_copy(&load_model(config, &path, device)?, dtype))
+}
+
+/// Continues a prompt with a text run's model: `--tokens` characters, each drawn by the
+/// sampler from the logits of the cached decoder and written as it is drawn.
+fn sample(
+    args: &GenerateArgs,
+    backend: Option<Backend>,
+    run: &RunDir,
+    config: &TrainConfig,
+) -> anyhow::Result<()> {
+    let vocab: Vec<char> = config.task.vocab.as_deref().unwrap_or("").chars().collect();
+    let corpus = Corpus {
+        vocab,
+        ids: Vec::new(),
+        split: 0,
+    };
+    let prompt = args
+        .prompt
+        .as_deref()
+        .or(args.input.as_deref())
+        .unwrap_or("\n");
+    anyhow::ensure!(
+        !prompt.is_empty(),
+        "--prompt is empty: give the model at least one character to continue"
+    );
+    let ids: Vec<usize> = corpus
+        .encode(prompt)
+        .map_err(|e| anyhow::anyhow!("--prompt: {e}"))?
+        .into_iter()
+        .map(|id| id as usize)
+        .collect();
+    let mut sampler = Sampler::new(args.temperature, args.top_k, args.seed)?;
+    let backend = Backend::or_best(backend)?;
+    let device = backend.device()?;
+    warn_if_software(backend, &device);
+    let model = load(run, config, &device)?;
+    let mut decoder = TextDecoder::new(&model, config.task.block_size, &device);
+    let mut out = std::io::stdout().lock();
+    write!(out, "{prompt}")?;
+    let mut logits = decoder.feed(&ids);
+    for written in 0..args.tokens {
+        let next = sampler.pick(&logits);
+        write!(out, "{}", corpus.vocab[next])?;
+        out.flush()?;
+        if written + 1 < args.tokens {
+            logits = decoder.feed(&[next]);
+        }
     }
+    writeln!(out)?;
     Ok(())
 }

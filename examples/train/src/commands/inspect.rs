@@ -16,6 +16,11 @@ pub fn inspect(args: &InspectArgs, backend: Option<Backend>) -> anyhow::Result<(
         "{dir}: no run here (no config.json); train one, or name its directory with --out"
     );
     let config = TrainConfig::load(&run.config())?;
+    anyhow::ensure!(
+        !config.task.task.is_text(),
+        "{dir}: a text run; inspect measures heads on a synthetic task's held-out examples \
+         and does not read text runs (sample this one with `generate --prompt`)"
+    );
     if !run.model().exists() {
         let checkpoint = match run.last_complete_epoch() {
             Some(epoch) => format!(

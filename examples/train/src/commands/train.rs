@@ -51,7 +51,8 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
             100.0 * padded
         );
     }
-    if let Some([_, valid]) = config.task.split_sizes()
+    if !config.task.task.is_text()
+        && let Some([_, valid]) = config.task.split_sizes()
         && valid < 20
     {
         eprintln!(
@@ -59,25 +60,48 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
              little"
         );
     }
-    println!(
-        "{} on {backend}: task {} (lengths {}..={}, {}), model {} (d_model {}, {}, {}, {} \
-         positions), {} of {}, in {dir}",
-        match start_epoch {
-            0 => "training".to_string(),
-            e => format!("resuming after epoch {e}"),
-        },
-        config.task.task.name(),
-        config.task.min_len,
-        config.task.max_len,
-        plural(config.task.n_symbols, "symbol"),
+    let start = match start_epoch {
+        0 => "training".to_string(),
+        e => format!("resuming after epoch {e}"),
+    };
+    let model = format!(
+        "model {} (d_model {}, {}, {}, {} positions{})",
         config.model.kind.name(),
         config.model.d_model,
         plural(config.model.n_layers, "layer"),
         plural(config.model.n_heads, "head"),
         config.model.positions.name(),
-        plural(config.epochs, "epoch"),
-        plural(config.steps_per_epoch, "step"),
+        match config.task.task.is_text() {
+            true => ", head tied to the embedding",
+            false => "",
+        }
     );
+    match config.task.task.is_text() {
+        true => println!(
+            "{start} on {backend}: task text ({}, a vocabulary of {}, windows of {}), {model}, \
+             {} of {} ({} each), validating on {} after each, in {dir}",
+            config
+                .task
+                .data
+                .as_ref()
+                .map_or("the Shakespeare corpus".into(), |p| p.display().to_string()),
+            plural(config.task.vocab_size(), "character"),
+            plural(config.task.block_size, "character"),
+            plural(config.epochs, "epoch"),
+            plural(config.steps_per_epoch, "step"),
+            plural(config.batch_size, "window"),
+            plural(config.valid_examples, "fixed window"),
+        ),
+        false => println!(
+            "{start} on {backend}: task {} (lengths {}..={}, {}), {model}, {} of {}, in {dir}",
+            config.task.task.name(),
+            config.task.min_len,
+            config.task.max_len,
+            plural(config.task.n_symbols, "symbol"),
+            plural(config.epochs, "epoch"),
+            plural(config.steps_per_epoch, "step"),
+        ),
+    }
     match config.dtype {
         Precision::F32 => {}
         Precision::F16 => println!(
@@ -100,11 +124,14 @@ fn prepare_new(
     backend: Backend,
 ) -> anyhow::Result<(TrainConfig, Start, Device, RunLock)> {
     let base = match &args.config {
-        Some(path) => TrainConfig::read(path)?,
-        None => TrainConfig::default(),
+        Some(path) => TrainConfig::read_as(path, args.task)?,
+        None => TrainConfig::defaults(args.task.unwrap_or(TrainConfig::default().task.task)),
     };
-    let config = args.apply(base);
+    let mut config = args.apply(base);
     config.validate()?;
+    if config.task.task.is_text() {
+        crate::lm::load_vocab(&mut config)?;
+    }
     crate::memory::training(&config).check(backend)?;
     let device = backend.device()?;
     config.dtype.check(backend, &device)?;
@@ -140,7 +167,10 @@ fn prepare_resume(
             ),
         }
     }
-    let config = stored.resumed(args.apply(stored.clone()), done)?;
+    let mut config = stored.resumed(args.apply(stored.clone()), done)?;
+    if config.task.task.is_text() {
+        crate::lm::load_vocab(&mut config)?;
+    }
     config.dtype.check(backend, &device).map_err(|err| {
         let others: Vec<&str> = Backend::compiled()
             .into_iter()
@@ -211,13 +241,16 @@ fn evaluate_trained(
             model
         }
     };
-    training::finish(
-        &model,
-        config,
-        config.fixed_shape(backend),
-        device,
-        &mut summary,
-    );
+    match config.task.task.is_text() {
+        true => training::finish_text(config, run, &mut summary),
+        false => training::finish(
+            &model,
+            config,
+            config.fixed_shape(backend),
+            device,
+            &mut summary,
+        ),
+    }
     training::write_summary(run, &summary)?;
     report(config, run, &summary, device)?;
     Ok(summary.status == Status::Finished)
@@ -260,17 +293,34 @@ fn report(
         return Ok(());
     }
     let heatmaps = plots::draw_run(config, run, device)?;
-    println!(
-        "held-out exact accuracy {:.2}% (token accuracy {:.2}%) on {} sequences; final loss {:.4}; \
+    if let Some(loss) = summary.valid_loss {
+        println!(
+            "validation loss {loss:.4} nats per character ({:.3} bits) on {}; final training \
+             loss {:.4}; {:.1} s, {:.0} characters/s on {}",
+            loss / std::f64::consts::LN_2,
+            plural(config.valid_examples, "window"),
+            summary.final_loss.unwrap_or(f64::NAN),
+            summary.wall_seconds,
+            summary.tokens_per_second,
+            summary.backend,
+        );
+        println!(
+            "sample it: train generate --out {} --prompt \"ROMEO:\" --tokens 500",
+            run.0.display()
+        );
+    } else {
+        println!(
+            "held-out exact accuracy {:.2}% (token accuracy {:.2}%) on {} sequences; final loss {:.4}; \
          {:.1} s, {:.0} tokens/s on {}",
-        100.0 * summary.exact_accuracy.unwrap_or(0.0),
-        100.0 * summary.token_accuracy.unwrap_or(0.0),
-        summary.eval_examples,
-        summary.final_loss.unwrap_or(f64::NAN),
-        summary.wall_seconds,
-        summary.tokens_per_second,
-        summary.backend,
-    );
+            100.0 * summary.exact_accuracy.unwrap_or(0.0),
+            100.0 * summary.token_accuracy.unwrap_or(0.0),
+            summary.eval_examples,
+            summary.final_loss.unwrap_or(f64::NAN),
+            summary.wall_seconds,
+            summary.tokens_per_second,
+            summary.backend,
+        );
+    }
     if let (Some([min, max]), Some(exact)) = (summary.longer_lengths, summary.longer_exact_accuracy)
     {
         println!(

@@ -1,9 +1,10 @@
 //! The decoder-only transformer: token and position embeddings, N causal blocks, a
-//! final norm and the LM head, reading `input SEP output`; and how it decodes: the
-//! prompts `input SEP` once, then one token per step.
+//! final norm and the LM head, reading `input SEP output` (or, for the text task, a
+//! window of characters, the head tied to the token embedding as in GPT-2); and how it
+//! decodes: the prompts `input SEP` once, then one token per step.
 
 use burn::module::Module;
-use burn::nn::Linear;
+use burn::nn::{DropoutConfig, Linear};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use mha::{AttentionMask, Encoder, StackCache, StackInput};
 
@@ -19,8 +20,12 @@ pub struct DecoderOnly {
     pub(super) embed: Embed,
     /// Causal blocks and the final norm.
     pub(super) blocks: Encoder,
-    /// The LM head: a logit per token of the vocabulary.
-    pub(super) head: Linear,
+    /// The LM head: a logit per token of the vocabulary; `None` when it is tied to the
+    /// token embedding (logits `h · E^T`, the text task's language model).
+    pub(super) head: Option<Linear>,
+    /// Dropout on the embeddings, in training (the text task's, as nanoGPT's).
+    #[module(skip)]
+    pub(super) embed_dropout: f64,
 }
 
 impl DecoderOnly {
@@ -35,9 +40,32 @@ impl DecoderOnly {
                 AttentionMask::packed(&packed.cu_seqlens),
             ),
         };
-        let input = StackInput::new(x).mask(mask);
-        self.head
-            .forward(uncached(self.blocks.forward(input)).output)
+        let input = StackInput::new(self.drop(x)).mask(mask);
+        self.head(uncached(self.blocks.forward(input)).output)
+    }
+
+    /// The embeddings with their dropout (in training, when the model has one).
+    pub(super) fn drop(&self, x: Tensor<3>) -> Tensor<3> {
+        match self.embed_dropout > 0.0 {
+            true => DropoutConfig::new(self.embed_dropout).init().forward(x),
+            false => x,
+        }
+    }
+
+    /// The logits `[B, T, V]` of the final hidden states `[B, T, D]`: the head's, or
+    /// with a tied head, `h · E^T` against the token embedding `E` `[V, D]`.
+    pub(super) fn head(&self, h: Tensor<3>) -> Tensor<3> {
+        match &self.head {
+            Some(head) => head.forward(h),
+            None => {
+                let [b, t, d] = h.dims();
+                let table = self.embed.tokens.weight.val(); // [V, D]
+                let v = table.dims()[0];
+                h.reshape([b * t, d])
+                    .matmul(table.transpose())
+                    .reshape([b, t, v])
+            }
+        }
     }
 }
 
@@ -116,7 +144,7 @@ impl Decode for DecoderOnly {
         let mask = cache.padding(cache.layers.layers()[0].keys_seen(width));
         let input = StackInput::new(x).mask(mask).cache(&mut cache.layers);
         let h = self.blocks.forward(input).expect(ROOM).output;
-        let logits = self.head.forward(h.narrow(1, width - 1, 1));
+        let logits = self.head(h.narrow(1, width - 1, 1));
         (cache, logits)
     }
 
@@ -129,7 +157,6 @@ impl Decode for DecoderOnly {
             .forward_at(padded(&rows, None, &cache.device), &positions);
         let mask = cache.padding(cache.layers.layers()[0].keys_seen(1));
         let input = StackInput::new(x).mask(mask).cache(&mut cache.layers);
-        self.head
-            .forward(self.blocks.forward(input).expect(ROOM).output)
+        self.head(self.blocks.forward(input).expect(ROOM).output)
     }
 }

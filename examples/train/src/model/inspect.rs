@@ -165,7 +165,7 @@ impl Model {
                 let input = StackInput::new(x).inspect(inspect.clone());
                 let out = uncached(m.blocks.forward(input));
                 (
-                    output_loss(m.head.forward(out.output), batch.joined_targets),
+                    output_loss(m.head(out.output), batch.joined_targets, batch.ignore),
                     out.weights,
                 )
             }
@@ -190,7 +190,11 @@ impl Model {
                 let mut weights = encoded.weights;
                 weights.extend(decoded.weights);
                 (
-                    output_loss(m.head.forward(decoded.output), batch.decoder_targets),
+                    output_loss(
+                        m.head.forward(decoded.output),
+                        batch.decoder_targets,
+                        batch.ignore,
+                    ),
                     weights,
                 )
             }

@@ -6,14 +6,20 @@
 //!
 //! The loss counts only output tokens (and the closing EOS).
 //!
+//! The text task's language model is the decoder-only one with its head tied to the
+//! token embedding ([`ModelConfig::init_language_model`]); every position predicts the
+//! next character.
+//!
 //! Each kind in its own file ([`decoder_only`], [`encoder_decoder`]) with its
-//! embeddings ([`embed`]); greedy decoding in [`decode`], looking inside in [`inspect`].
+//! embeddings ([`embed`]); greedy decoding in [`decode`], the text task's decoding in
+//! [`text`], looking inside in [`inspect`].
 
 pub mod decode;
 pub mod decoder_only;
 pub mod embed;
 pub mod encoder_decoder;
 pub mod inspect;
+pub mod text;
 
 use burn::module::Module;
 use burn::nn::{EmbeddingConfig, LinearConfig};
@@ -33,7 +39,6 @@ pub use encoder_decoder::EncoderDecoder;
 use crate::batch::SeqBatch;
 use crate::fields::{D_MODEL, DROPOUT, N_HEADS, N_LAYERS};
 use crate::precision::{compute_copy, unscale};
-use crate::tasks::PAD;
 
 /// Which model; spelt in `config.json` as on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -197,7 +202,8 @@ impl ModelConfig {
                 embed,
                 blocks: EncoderConfig::new(block(false).with_causal(true), self.n_layers)
                     .try_init(device)?,
-                head,
+                head: Some(head),
+                embed_dropout: 0.0,
             }),
             ModelKind::EncoderDecoder => {
                 let dec = DecoderBlockConfig::new(self.d_model, self.n_heads)
@@ -211,6 +217,92 @@ impl ModelConfig {
                 })
             }
         })
+    }
+}
+
+impl ModelConfig {
+    /// The text task's language model, nanoGPT's GPT built from `mha`'s modules, for a
+    /// vocabulary of `vocab` characters and windows of `block`: token and position
+    /// embeddings (learned by default) with dropout, causal pre-norm blocks (GELU
+    /// feed-forward of 4x width, biases), a final norm, and the head tied to the token
+    /// embedding. Initialised as nanoGPT's: every weight matrix and embedding N(0, 0.02),
+    /// the projections into the residual stream (attention output, second feed-forward
+    /// layer) N(0, 0.02 / sqrt(2 · layers)), biases 0, norms 1 and 0.
+    ///
+    /// # Errors
+    /// When `mha` rejects the blocks' configuration.
+    pub fn init_language_model(
+        &self,
+        vocab: usize,
+        block: usize,
+        device: &Device,
+    ) -> anyhow::Result<Model> {
+        let embed = Embed {
+            tokens: EmbeddingConfig::new(vocab, self.d_model).init(device),
+            positions: (self.positions == PositionKind::Learned)
+                .then(|| EmbeddingConfig::new(block, self.d_model).init(device)),
+            kind: self.positions,
+        };
+        let block = EncoderBlockConfig::new(self.d_model, self.n_heads)
+            .with_dropout(self.dropout)
+            .with_positions(self.positions.attention(false))
+            .with_causal(true);
+        let model = DecoderOnly {
+            embed,
+            blocks: EncoderConfig::new(block, self.n_layers).try_init(device)?,
+            head: None,
+            embed_dropout: self.dropout,
+        };
+        let mut init = GptInit {
+            path: Vec::new(),
+            residual_std: 0.02 / (2.0 * self.n_layers as f64).sqrt(),
+        };
+        Ok(Model::DecoderOnly(model.map(&mut init)))
+    }
+}
+
+/// nanoGPT's initialisation (see [`ModelConfig::init_language_model`]), by the names of
+/// the parameters and of the modules holding them.
+struct GptInit {
+    /// The names of the modules entered, then the parameter's.
+    path: Vec<String>,
+    /// The deviation of the projections into the residual stream.
+    residual_std: f64,
+}
+
+impl burn::module::ModuleMapper for GptInit {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        use burn::tensor::Distribution;
+        let last = |i: usize| self.path.iter().rev().nth(i).map(String::as_str);
+        let in_norm = self.path.iter().any(|p| p.starts_with("norm"));
+        let std = match (last(0), last(1)) {
+            _ if in_norm => return param,
+            (Some("weight"), Some("out_proj" | "linear2")) => self.residual_std,
+            (Some("weight"), _) => 0.02,
+            (Some("bias"), _) => 0.0,
+            _ => return param,
+        };
+        let (id, tensor, mapper) = param.consume();
+        let device = tensor.device();
+        let shape = tensor.shape();
+        let fresh = match std == 0.0 {
+            true => Tensor::zeros(shape, &device),
+            false => Tensor::random(shape, Distribution::Normal(0.0, std), &device),
+        };
+        // A new tensor: tracked by autodiff as the one it replaces was.
+        let fresh = fresh.set_require_grad(tensor.is_require_grad());
+        burn::module::Param::from_mapped_value(id, fresh, mapper)
     }
 }
 
@@ -228,6 +320,7 @@ pub enum Model {
 impl Model {
     /// Loss and logits of a batch, with the targets the loss compares against.
     pub fn forward_loss(&self, batch: SeqBatch) -> SequenceOutput {
+        let ignore = batch.ignore;
         let (logits, targets) = match self {
             Model::DecoderOnly(m) => (
                 m.logits(batch.joined, batch.packed.as_ref()),
@@ -241,7 +334,7 @@ impl Model {
                 )
             }
         };
-        output_loss(logits, targets)
+        output_loss(logits, targets, ignore)
     }
 }
 
@@ -251,9 +344,13 @@ fn uncached(out: Result<BlockOutput, CacheError>) -> BlockOutput {
 }
 
 /// The cross-entropy over the output tokens of logits `[B, T, V]` against `targets`
-/// `[B, T]` (PAD ignored), in f32 whatever the logits' dtype (as PyTorch's autocast
-/// computes it).
-fn output_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> SequenceOutput {
+/// `[B, T]` (the `ignore` token left out: PAD for the synthetic tasks, none for text), in
+/// f32 whatever the logits' dtype (as PyTorch's autocast computes it).
+fn output_loss(
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    ignore: Option<usize>,
+) -> SequenceOutput {
     let logits = match logits.dtype() == DType::F32 {
         true => logits,
         false => logits.cast(FloatDType::F32),
@@ -262,7 +359,7 @@ fn output_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> SequenceOutput {
     let loss = mha::loss::cross_entropy(
         logits.clone().reshape([b * t, v]),
         targets.clone().reshape([b * t]),
-        Some(PAD),
+        ignore,
     );
     SequenceOutput::new(loss, logits, None, targets)
 }
@@ -277,27 +374,96 @@ impl TrainStep for Model {
     /// a step whose scaled gradients overflow gives none (AdamW then leaves the weights
     /// as they are) and halves the scale.
     fn step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
-        let Some(mixed) = batch.mixed.clone() else {
-            let output = self.forward_loss(batch);
-            return TrainOutput::new(self, output.loss.backward(), output);
+        let clip = batch.clip;
+        let (output, mut grads) = match batch.mixed.clone() {
+            None => {
+                let output = self.forward_loss(batch);
+                let grads = GradientsParams::from_grads(output.loss.backward(), self);
+                (output, grads)
+            }
+            Some(mixed) => {
+                let output = compute_copy(self, mixed.dtype).forward_loss(batch);
+                match mixed.scaler {
+                    None => {
+                        let grads = GradientsParams::from_grads(output.loss.backward(), self);
+                        (output, grads)
+                    }
+                    Some(scaler) => {
+                        let scale = scaler.lock().expect("not poisoned").scale();
+                        let scaled = output.loss.clone() * scale;
+                        let mut grads = GradientsParams::from_grads(scaled.backward(), self);
+                        let finite = unscale(&mut grads, self, scale);
+                        scaler.lock().expect("not poisoned").update(finite);
+                        if !finite {
+                            grads = GradientsParams::new();
+                        }
+                        (output, grads)
+                    }
+                }
+            }
         };
-        let output = compute_copy(self, mixed.dtype).forward_loss(batch);
-        let Some(scaler) = mixed.scaler else {
-            return TrainOutput::new(self, output.loss.backward(), output);
-        };
-        let scale = scaler.lock().expect("not poisoned").scale();
-        let scaled = output.loss.clone() * scale;
-        let mut grads = GradientsParams::from_grads(scaled.backward(), self);
-        let finite = unscale(&mut grads, self, scale);
-        scaler.lock().expect("not poisoned").update(finite);
-        if !finite {
-            grads = GradientsParams::new();
+        if let Some(max) = clip {
+            clip_global_norm(&mut grads, self, max);
         }
         TrainOutput {
             grads,
             item: output,
         }
     }
+}
+
+/// Scales every gradient of `module`'s parameters in `grads` by `max / norm` when the
+/// norm of all of them together exceeds `max` (PyTorch's `clip_grad_norm_`), on the
+/// device, without reading the norm back.
+pub fn clip_global_norm<M: Module>(grads: &mut GradientsParams, module: &M, max: f32) {
+    use burn::module::{ModuleVisitor, Param};
+    struct SquaredNorm<'a> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<1>>,
+    }
+    impl ModuleVisitor for SquaredNorm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.grads.get::<D>(param.id) else {
+                return;
+            };
+            let sum = grad.cast(FloatDType::F32).square().sum();
+            self.total = Some(match self.total.take() {
+                Some(total) => total + sum,
+                None => sum,
+            });
+        }
+    }
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: Tensor<1>,
+    }
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.grads.remove::<D>(param.id) else {
+                return;
+            };
+            let factor = self
+                .factor
+                .clone()
+                .cast(FloatDType::from(grad.dtype()))
+                .reshape([1; D]);
+            self.grads.register(param.id, grad * factor);
+        }
+    }
+    let mut norm = SquaredNorm {
+        grads: &*grads,
+        total: None,
+    };
+    module.visit(&mut norm);
+    let Some(total) = norm.total else {
+        return;
+    };
+    // PyTorch's: max / (norm + 1e-6), at most 1.
+    let factor = (total.sqrt().add_scalar(1e-6))
+        .recip()
+        .mul_scalar(max)
+        .clamp_max(1.0);
+    module.visit(&mut Scale { grads, factor });
 }
 
 impl InferenceStep for Model {
@@ -317,6 +483,98 @@ mod tests {
     use super::*;
     use crate::backend::Backend;
     use crate::tasks::{Split, TaskConfig};
+
+    #[test]
+    fn the_language_model_is_nanogpts_and_every_weight_learns() {
+        use burn::data::dataloader::batcher::Batcher;
+        let (vocab, block, d, layers) = (17, 8, 64, 2);
+        for backend in Backend::compiled() {
+            let device = backend.device().unwrap().autodiff();
+            device.seed(1);
+            let config = ModelConfig {
+                d_model: d,
+                n_layers: layers,
+                n_heads: 4,
+                positions: PositionKind::Learned,
+                ..ModelConfig::default()
+            };
+            let model = config.init_language_model(vocab, block, &device).unwrap();
+            // nanoGPT's parameters: embeddings, 12 d^2 + 13 d per block, the final norm;
+            // no head of its own (tied).
+            let per_block = 12 * d * d + 13 * d;
+            assert_eq!(
+                model.num_params(),
+                vocab * d + block * d + layers * per_block + 2 * d,
+                "{backend}"
+            );
+            let Model::DecoderOnly(m) = &model else {
+                unreachable!()
+            };
+            assert!(m.head.is_none(), "{backend}: the head is the embedding");
+            let std = |t: Tensor<2>| {
+                let n = t.dims().iter().product::<usize>();
+                let v: Vec<f32> = t.into_data().convert::<f32>().try_to_vec().unwrap();
+                let mean = v.iter().sum::<f32>() / n as f32;
+                (v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / n as f32).sqrt()
+            };
+            let near = |got: f32, want: f32, what: &str| {
+                assert!(
+                    (got - want).abs() < 0.1 * want,
+                    "{backend}: {what}: std {got}, wanted {want}"
+                )
+            };
+            let layer = &m.blocks.layers[0];
+            near(std(m.embed.tokens.weight.val()), 0.02, "token embedding");
+            near(
+                std(layer.feed_forward.linear1.weight.val()),
+                0.02,
+                "linear1",
+            );
+            let residual = 0.02 / (2.0 * layers as f32).sqrt();
+            near(
+                std(layer.feed_forward.linear2.weight.val()),
+                residual,
+                "linear2",
+            );
+            near(
+                std(layer.self_attn.out_proj.weight.val()),
+                residual,
+                "out_proj",
+            );
+            let bias = layer.feed_forward.linear1.bias.as_ref().unwrap().val();
+            assert_eq!(
+                bias.abs().max().into_scalar::<f32>(),
+                0.0,
+                "{backend}: bias"
+            );
+            let gamma = layer.norm1.gamma.val();
+            assert_eq!(
+                gamma.sum().into_scalar::<f32>(),
+                d as f32,
+                "{backend}: gamma"
+            );
+            // One step's gradient reaches every parameter.
+            let windows: Vec<Vec<u32>> = (0..3)
+                .map(|r| {
+                    (0..=block as u32)
+                        .map(|i| (i * 5 + r) % vocab as u32)
+                        .collect()
+                })
+                .collect();
+            let batch = crate::lm::TextBatcher::default().batch(windows, &device);
+            let out = model.forward_loss(batch);
+            let loss = out.loss.clone().into_scalar::<f32>();
+            // Small logits (h · E^T with E of deviation 0.02): about the uniform guess's
+            // loss, ln V; Burn's N(0, 1) embedding would give several times that.
+            assert!(
+                (loss - (vocab as f32).ln()).abs() < 0.5,
+                "{backend}: the first loss {loss} is about ln {vocab}"
+            );
+            let grads = GradientsParams::from_grads(out.loss.backward(), &model);
+            let params = burn::module::list_param_ids(&model).len();
+            assert_eq!(grads.len(), params, "{backend}: parameters with a gradient");
+        }
+    }
 
     #[test]
     fn packed_batches_give_the_padded_batches_loss() {
@@ -352,9 +610,8 @@ mod tests {
                 };
                 let (padded, _) = loss(crate::batch::SeqBatcher::default());
                 let packed = crate::batch::SeqBatcher {
-                    fixed: None,
                     pack: Some(width),
-                    mixed: None,
+                    ..Default::default()
                 };
                 let (packed, rows) = loss(packed);
                 assert!(

@@ -156,6 +156,7 @@ mod tests {
             min_len: 2,
             max_len: 4,
             n_symbols: 10,
+            ..TaskConfig::default()
         };
         let sum = add.parse("12 + 34").unwrap();
         assert_eq!(sum, add.parse("12+34").unwrap());

@@ -15,7 +15,7 @@ pub mod sort;
 use burn::data::dataset::{Dataset, DatasetError};
 use serde::{Deserialize, Serialize};
 
-use crate::fields::{MAX_LEN, MIN_LEN, N_SYMBOLS};
+use crate::fields::{BLOCK_SIZE, MAX_LEN, MIN_LEN, N_SYMBOLS, VOCAB};
 use crate::text::{echo, plural};
 
 /// Padding: ignored by the loss and the metrics.
@@ -39,6 +39,10 @@ pub enum Task {
     Sort,
     /// The input is `a + b` with `len` decimal digits each, the output is the sum's digits.
     Add,
+    /// Language modelling on a text, one character a token: each position predicts the
+    /// next character (the Shakespeare corpus, or `--data`; see [`crate::corpus`]). It
+    /// has no synthetic rules: the trainer takes its own path for it ([`crate::lm`]).
+    Text,
 }
 
 impl<'de> Deserialize<'de> for Task {
@@ -49,18 +53,31 @@ impl<'de> Deserialize<'de> for Task {
 
 impl Task {
     /// What the task is: its examples, and how its inputs and outputs are written.
+    ///
+    /// # Panics
+    /// For [`Task::Text`], which is not drawn from rules: every command checks
+    /// [`is_text`](Self::is_text) before it reads a synthetic task.
     pub fn rules(self) -> &'static dyn TaskRules {
         match self {
             Task::Copy => &copy::CopyTask,
             Task::Reverse => &reverse::ReverseTask,
             Task::Sort => &sort::SortTask,
             Task::Add => &add::AddTask,
+            Task::Text => panic!("the text task has no synthetic rules"),
         }
     }
 
     /// Its name, as on the command line.
     pub fn name(self) -> &'static str {
-        self.rules().name()
+        match self {
+            Task::Text => "text",
+            task => task.rules().name(),
+        }
+    }
+
+    /// Whether it is the text task (language modelling) rather than a synthetic one.
+    pub fn is_text(self) -> bool {
+        self == Task::Text
     }
 }
 
@@ -147,6 +164,16 @@ pub struct TaskConfig {
     pub max_len: usize,
     /// Number of symbols (10 for `add`, whose symbols are the digits). Default: 10.
     pub n_symbols: usize,
+    /// Text task: characters a model reads at once (the windows are one longer: each
+    /// position predicts the next character). Default: 64.
+    pub block_size: usize,
+    /// Text task: the UTF-8 file to train on. Default (`None`): the Shakespeare corpus in
+    /// the repository ([`crate::corpus::SHAKESPEARE`]).
+    pub data: Option<std::path::PathBuf>,
+    /// Text task: the vocabulary, the text's distinct characters in order (token `i` is
+    /// its `i`-th character), written by the trainer when the run starts; a configuration
+    /// that gives it must give the text's own.
+    pub vocab: Option<String>,
 }
 
 impl Default for TaskConfig {
@@ -156,6 +183,9 @@ impl Default for TaskConfig {
             min_len: 8,
             max_len: 16,
             n_symbols: 10,
+            block_size: 64,
+            data: None,
+            vocab: None,
         }
     }
 }
@@ -170,6 +200,9 @@ impl TaskConfig {
     /// Checks the values, and that both splits have inputs; the error names the flag and
     /// the field.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if self.task.is_text() {
+            return self.validate_text();
+        }
         anyhow::ensure!(
             self.min_len >= 1,
             "{} must be at least 1, got 0",
@@ -238,8 +271,32 @@ impl TaskConfig {
         Some(sizes)
     }
 
-    /// Tokens in the vocabulary: PAD, SEP, EOS, the symbols and the task's own.
+    /// The text task's values: a block of at least one character, and a vocabulary (when
+    /// given) of distinct characters in order.
+    fn validate_text(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.block_size >= 1,
+            "{} must be at least 1, got 0",
+            BLOCK_SIZE.name()
+        );
+        if let Some(vocab) = &self.vocab {
+            let chars: Vec<char> = vocab.chars().collect();
+            anyhow::ensure!(
+                !chars.is_empty() && chars.windows(2).all(|w| w[0] < w[1]),
+                "{} must be distinct characters in order (the text's, as the trainer writes                  them), got \"{}\"",
+                VOCAB.name(),
+                echo(vocab)
+            );
+        }
+        Ok(())
+    }
+
+    /// Tokens in the vocabulary: PAD, SEP, EOS, the symbols and the task's own; for the
+    /// text task, its characters (0 until the run's vocabulary is set).
     pub fn vocab_size(&self) -> usize {
+        if self.task.is_text() {
+            return self.vocab.as_ref().map_or(0, |v| v.chars().count());
+        }
         FIRST + self.n_symbols + self.task.rules().own_tokens().len()
     }
 
@@ -501,6 +558,7 @@ mod tests {
             min_len,
             max_len,
             n_symbols,
+            ..TaskConfig::default()
         }
     }
 

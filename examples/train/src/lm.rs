@@ -1,0 +1,352 @@
+//! The text task (`--task text`): character-level language modelling with the
+//! decoder-only model, nanoGPT's Shakespeare recipe by default
+//! ([`TrainConfig::defaults`](crate::config::TrainConfig::defaults)).
+//!
+//! - the data: a training stream whose batch of step `s` is the windows starting at
+//!   [`batch_start`]`(seed, s, row)` (the PyTorch reference's, so both train on the same
+//!   batches, and a resumed run on those the uninterrupted one would have had), and a
+//!   fixed set of validation windows spread evenly over the last 10% ([`valid_starts`]);
+//! - [`TextBatcher`]: windows of `block + 1` characters into the batches the model reads
+//!   (each position's target is the next character, and every position counts);
+//! - [`Sampler`]: the next character from the logits: greedy at temperature 0, else drawn
+//!   from the softmax of the logits over the temperature, among the `top_k` best.
+//!
+//! Decoding itself (a prompt, then one character at a time against a key/value cache) is
+//! [`TextDecoder`](crate::model::text::TextDecoder).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::{Dataset, DatasetError};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+
+use crate::batch::SeqBatch;
+use crate::config::TrainConfig;
+use crate::corpus::{Corpus, TextSplit, batch_start, splitmix64, valid_starts};
+use crate::precision::Mixed;
+
+/// A window of `block + 1` characters, as ids.
+pub type Window = Vec<u32>;
+
+/// The training windows of the epoch `epoch` holds: item `i` of epoch `e` (from 1) is row
+/// `i % batch` of step `(e - 1) · steps_per_epoch + i / batch`, as the loader batches
+/// the items in order.
+pub struct TextStream {
+    /// The corpus.
+    pub corpus: Arc<Corpus>,
+    /// Characters a model reads.
+    pub block: usize,
+    /// The run's seed.
+    pub seed: u64,
+    /// Windows per step.
+    pub batch: usize,
+    /// Steps per epoch.
+    pub steps_per_epoch: usize,
+    /// The epoch being trained, set by the training loader.
+    pub epoch: Arc<AtomicUsize>,
+}
+
+impl Dataset<Window> for TextStream {
+    fn get(&self, index: usize) -> Result<Window, DatasetError> {
+        let epoch = self.epoch.load(Ordering::SeqCst).max(1) - 1;
+        let step = epoch * self.steps_per_epoch + index / self.batch;
+        let windows = self.corpus.windows(TextSplit::Train, self.block);
+        let start = batch_start(self.seed, step as u64, (index % self.batch) as u64, windows);
+        Ok(self
+            .corpus
+            .window(TextSplit::Train, start, self.block)
+            .to_vec())
+    }
+
+    fn len(&self) -> usize {
+        self.steps_per_epoch * self.batch
+    }
+}
+
+/// The fixed validation windows: `count` starts spread evenly over the validation split.
+pub struct ValidWindows {
+    corpus: Arc<Corpus>,
+    block: usize,
+    starts: Vec<usize>,
+}
+
+impl ValidWindows {
+    /// `count` windows of the validation split (as many as it has, if fewer).
+    pub fn new(corpus: Arc<Corpus>, block: usize, count: usize) -> Self {
+        let windows = corpus.windows(TextSplit::Valid, block);
+        let starts = valid_starts(count.min(windows), windows);
+        Self {
+            corpus,
+            block,
+            starts,
+        }
+    }
+}
+
+impl Dataset<Window> for ValidWindows {
+    fn get(&self, index: usize) -> Result<Window, DatasetError> {
+        let start = self.starts[index];
+        Ok(self
+            .corpus
+            .window(TextSplit::Valid, start, self.block)
+            .to_vec())
+    }
+
+    fn len(&self) -> usize {
+        self.starts.len()
+    }
+}
+
+/// Stacks windows into the decoder-only model's batch: `joined` is each window but its
+/// last character, `joined_targets` each but its first (the next character of every
+/// position), no target ignored. The encoder-decoder's fields are placeholders of one
+/// PAD each, which the decoder-only model does not read.
+#[derive(Clone, Debug, Default)]
+pub struct TextBatcher {
+    /// The dtype (and loss scale) of the steps that read the batches, when not f32.
+    pub mixed: Option<Mixed>,
+    /// The global norm the steps clip the gradients at, if they do ([`SeqBatch::clip`]).
+    pub clip: Option<f32>,
+}
+
+impl Batcher<Window, SeqBatch> for TextBatcher {
+    fn batch(&self, items: Vec<Window>, device: &Device) -> SeqBatch {
+        let rows = items.len();
+        let block = items.first().map_or(0, |w| w.len().saturating_sub(1));
+        let (mut inputs, mut targets) = (
+            Vec::with_capacity(rows * block),
+            Vec::with_capacity(rows * block),
+        );
+        for window in &items {
+            inputs.extend(window[..block].iter().map(|&c| i64::from(c)));
+            targets.extend(window[1..].iter().map(|&c| i64::from(c)));
+        }
+        let ids = |data: Vec<i64>| {
+            Tensor::<2, Int>::from_data(TensorData::new(data, [rows, block]), device)
+        };
+        let placeholder = || Tensor::<2, Int>::zeros([rows, 1], device);
+        SeqBatch {
+            joined: ids(inputs),
+            joined_targets: ids(targets),
+            source: placeholder(),
+            source_lengths: vec![1; rows],
+            decoder_input: placeholder(),
+            decoder_targets: placeholder(),
+            packed: None,
+            mixed: self.mixed.clone(),
+            ignore: None,
+            clip: self.clip,
+        }
+    }
+}
+
+/// The corpus a text run reads: its `--data` file, or the Shakespeare corpus.
+///
+/// # Errors
+/// As [`Corpus::read`] and [`Corpus::new`].
+pub fn corpus(config: &TrainConfig) -> anyhow::Result<Corpus> {
+    let block = config.task.block_size;
+    match &config.task.data {
+        Some(path) => Corpus::read(path, block),
+        None => Corpus::new(crate::corpus::SHAKESPEARE, "the Shakespeare corpus", block),
+    }
+}
+
+/// Reads the corpus of a text run and sets the run's vocabulary to its characters; a
+/// vocabulary the configuration gives already (a resumed run's) must be the corpus's.
+/// The corpus.
+///
+/// # Errors
+/// As [`corpus`], and when the text's characters are not the run's vocabulary.
+pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<Corpus> {
+    let corpus = corpus(config)?;
+    let vocab: String = corpus.vocab.iter().collect();
+    match &config.task.vocab {
+        Some(given) if *given != vocab => {
+            let given: Vec<char> = given.chars().collect();
+            let missing: String = corpus.vocab.iter().filter(|c| !given.contains(c)).collect();
+            let extra: String = given.iter().filter(|c| !corpus.vocab.contains(c)).collect();
+            anyhow::bail!(
+                "{}: its characters are not the run's vocabulary (`task.vocab`, {} characters): \
+                 {}{}; the text changed since the run started, or the configuration gives \
+                 another text's vocabulary",
+                config
+                    .task
+                    .data
+                    .as_ref()
+                    .map_or("the Shakespeare corpus".into(), |p| p.display().to_string()),
+                given.len(),
+                match missing.is_empty() {
+                    true => String::new(),
+                    false => format!(
+                        "new in the text: {}",
+                        crate::text::echo(&format!("{missing:?}"))
+                    ),
+                },
+                match extra.is_empty() {
+                    true => String::new(),
+                    false => format!(
+                        "{}gone from the text: {}",
+                        if missing.is_empty() { "" } else { "; " },
+                        crate::text::echo(&format!("{extra:?}"))
+                    ),
+                },
+            );
+        }
+        Some(_) => {}
+        None => config.task.vocab = Some(vocab),
+    }
+    Ok(corpus)
+}
+
+/// Chooses the next character from a position's logits.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    /// 0: the most likely character (greedy); else the logits are divided by it.
+    pub temperature: f64,
+    /// Draw among the `k` most likely characters only (and any tied with the `k`-th).
+    pub top_k: Option<usize>,
+    /// SplitMix64's state.
+    state: u64,
+}
+
+impl Sampler {
+    /// A sampler whose draws are a function of `seed` alone.
+    ///
+    /// # Errors
+    /// When the temperature is negative or not finite, or `top_k` is 0.
+    pub fn new(temperature: f64, top_k: Option<usize>, seed: u64) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            temperature.is_finite() && temperature >= 0.0,
+            "--temperature must be 0 (greedy) or positive, got {temperature}"
+        );
+        anyhow::ensure!(top_k != Some(0), "--top-k must be at least 1, got 0");
+        Ok(Self {
+            temperature,
+            top_k,
+            state: splitmix64(seed),
+        })
+    }
+
+    /// A number in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        (splitmix64(self.state) >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The next character's id from its logits (one per character of the vocabulary).
+    ///
+    /// # Panics
+    /// If `logits` is empty.
+    pub fn pick(&mut self, logits: &[f32]) -> usize {
+        let best = argmax(logits);
+        if self.temperature == 0.0 {
+            return best;
+        }
+        let floor = match self.top_k {
+            Some(k) if k < logits.len() => {
+                let mut sorted = logits.to_vec();
+                sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+                sorted[k - 1]
+            }
+            _ => f32::NEG_INFINITY,
+        };
+        let top = f64::from(logits[best]);
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&l| match l >= floor {
+                true => ((f64::from(l) - top) / self.temperature).exp(),
+                false => 0.0,
+            })
+            .collect();
+        let mut left = self.uniform() * weights.iter().sum::<f64>();
+        for (i, &w) in weights.iter().enumerate() {
+            if w > 0.0 && left < w {
+                return i;
+            }
+            left -= w;
+        }
+        // Rounding left a sliver past the last weight: the last one that can be drawn.
+        weights.iter().rposition(|&w| w > 0.0).unwrap_or(best)
+    }
+}
+
+/// The index of the largest logit, the first of equals (as Burn's `argmax`).
+pub fn argmax(logits: &[f32]) -> usize {
+    assert!(!logits.is_empty(), "no logits to choose from");
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn temperature_zero_is_the_argmax_and_top_k_keeps_to_the_best() {
+        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.9, -3.0];
+        let mut greedy = Sampler::new(0.0, None, 1).unwrap();
+        assert_eq!(greedy.pick(&logits), 1, "the first of two equal maxima");
+        // Top 3: characters 1, 3 and 4; over many draws each appears, nothing else does.
+        let mut sampler = Sampler::new(1.0, Some(3), 7).unwrap();
+        let mut seen = [0usize; 6];
+        for _ in 0..3000 {
+            seen[sampler.pick(&logits)] += 1;
+        }
+        assert_eq!([seen[0], seen[2], seen[5]], [0, 0, 0], "{seen:?}");
+        assert!(seen[1] > 700 && seen[3] > 700 && seen[4] > 600, "{seen:?}");
+        // Without top-k, at a high temperature, every character is drawn.
+        let mut hot = Sampler::new(5.0, None, 7).unwrap();
+        let mut seen = [0usize; 6];
+        for _ in 0..3000 {
+            seen[hot.pick(&logits)] += 1;
+        }
+        assert!(seen.iter().all(|&n| n > 100), "{seen:?}");
+        // Top-1 is greedy whatever the temperature.
+        let mut one = Sampler::new(3.0, Some(1), 9).unwrap();
+        assert!((0..200).all(|_| one.pick(&[0.0, 0.1, 5.0, 4.9]) == 2));
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_and_the_seed() {
+        // Two characters, logits 0 and ln 3: probabilities 1/4 and 3/4.
+        let logits = [0.0f32, 3f32.ln()];
+        let mut sampler = Sampler::new(1.0, None, 11).unwrap();
+        let n = 20_000;
+        let second = (0..n).filter(|_| sampler.pick(&logits) == 1).count();
+        let share = second as f64 / n as f64;
+        assert!((share - 0.75).abs() < 0.015, "{share}");
+        // At temperature 2: 1 and sqrt(3), a share of sqrt(3) / (1 + sqrt(3)).
+        let mut warm = Sampler::new(2.0, None, 11).unwrap();
+        let second = (0..n).filter(|_| warm.pick(&logits) == 1).count();
+        let wanted = 3f64.sqrt() / (1.0 + 3f64.sqrt());
+        assert!((second as f64 / n as f64 - wanted).abs() < 0.015);
+        let draws = |seed| {
+            let mut s = Sampler::new(0.8, Some(2), seed).unwrap();
+            (0..50)
+                .map(|_| s.pick(&[0.1, 0.3, 0.2]))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draws(5), draws(5));
+        assert_ne!(draws(5), draws(6));
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let err = Sampler::new(-0.5, None, 1).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "--temperature must be 0 (greedy) or positive, got -0.5"
+        );
+        let err = Sampler::new(f64::NAN, None, 1).unwrap_err().to_string();
+        assert!(err.starts_with("--temperature must be"), "{err}");
+        let err = Sampler::new(1.0, Some(0), 1).unwrap_err().to_string();
+        assert_eq!(err, "--top-k must be at least 1, got 0");
+    }
+}
