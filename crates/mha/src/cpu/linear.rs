@@ -76,6 +76,22 @@ unsafe fn product(
     }
 }
 
+/// A buffer of `len` floats that `write` fills whole through the pointer it is given (a
+/// [`product`] without `add` writes every element of its `m x n` result and reads none),
+/// not zeroed first: zeroing it would be a pass over memory only to be overwritten. A
+/// product over `k = 0` writes nothing (its result is zeros): that buffer is zeroed.
+fn written_whole(len: usize, k: usize, write: impl FnOnce(*mut f32)) -> Vec<f32> {
+    if k == 0 {
+        return vec![0.0f32; len];
+    }
+    let mut out = Vec::with_capacity(len);
+    write(out.as_mut_ptr());
+    // SAFETY: `write` initialised all `len` elements (the contract above); the capacity
+    // is `len`.
+    unsafe { out.set_len(len) };
+    out
+}
+
 /// `x W + b` for `x` `[1, 1, rows, d_in]`, `weight` `[1, 1, d_in, d_out]` and `bias`
 /// `[1, 1, 1, d_out]`, each read through its strides (unit along the last axis).
 pub(crate) fn linear_forward<B: CpuTensors>(
@@ -86,26 +102,34 @@ pub(crate) fn linear_forward<B: CpuTensors>(
     let (x, weight) = (B::readable(x), B::readable(weight));
     let [_, _, rows, d_in] = dims_of::<B>(&x);
     let d_out = dims_of::<B>(&weight)[3];
-    let mut out = vec![0.0f32; rows * d_out];
-    if let Some(bias) = bias {
-        let bias = B::readable(bias);
-        let bias = B::floats(&bias).contiguous([1, 1, 1, d_out]);
-        for row in out.chunks_exact_mut(d_out.max(1)) {
-            row.copy_from_slice(&bias);
-        }
-    }
     let xm = Matrix::of(&B::floats(&x), [rows, d_in]);
     let wm = Matrix::of(&B::floats(&weight), [d_in, d_out]);
-    // SAFETY: the grids bound both operands; `out` holds rows x d_out.
-    unsafe {
-        product(
-            [rows, d_out, d_in],
-            out.as_mut_ptr(),
-            bias.is_some(),
-            (xm.ptr, xm.row_stride, 1),
-            (wm.ptr, wm.row_stride, 1),
-        );
-    }
+    let run = |out: *mut f32, add: bool| {
+        // SAFETY: the grids bound both operands; `out` holds rows x d_out.
+        unsafe {
+            product(
+                [rows, d_out, d_in],
+                out,
+                add,
+                (xm.ptr, xm.row_stride, 1),
+                (wm.ptr, wm.row_stride, 1),
+            );
+        }
+    };
+    let out = match bias {
+        // Every row starts as the bias, and the product adds to it.
+        Some(bias) => {
+            let bias = B::readable(bias);
+            let bias = B::floats(&bias).contiguous([1, 1, 1, d_out]);
+            let mut out = Vec::with_capacity(rows * d_out);
+            for _ in 0..rows {
+                out.extend_from_slice(&bias);
+            }
+            run(out.as_mut_ptr(), true);
+            out
+        }
+        None => written_whole(rows * d_out, d_in, |out| run(out, false)),
+    };
     B::from_rows(out, [1, 1, rows, d_out])
 }
 
@@ -125,33 +149,35 @@ pub(crate) fn linear_backward<B: CpuTensors>(
     let wm = Matrix::of(&B::floats(&weight), [d_in, d_out]);
     let dy = Matrix::of(&B::floats(&grad), [rows, d_out]);
     let dx = want_x.then(|| {
-        let mut dx = vec![0.0f32; rows * d_in];
         // dx = dy Wᵀ: Wᵀ[p, j] = W[j, p].
-        // SAFETY: the grids bound the operands; `dx` holds rows x d_in.
-        unsafe {
-            product(
-                [rows, d_in, d_out],
-                dx.as_mut_ptr(),
-                false,
-                (dy.ptr, dy.row_stride, 1),
-                (wm.ptr, 1, wm.row_stride),
-            );
-        }
+        let dx = written_whole(rows * d_in, d_out, |dx| {
+            // SAFETY: the grids bound the operands; `dx` holds rows x d_in.
+            unsafe {
+                product(
+                    [rows, d_in, d_out],
+                    dx,
+                    false,
+                    (dy.ptr, dy.row_stride, 1),
+                    (wm.ptr, 1, wm.row_stride),
+                );
+            }
+        });
         B::from_rows(dx, [1, 1, rows, d_in])
     });
     let dw = want_weight.then(|| {
-        let mut dw = vec![0.0f32; d_in * d_out];
         // dW = xᵀ dy: xᵀ[i, p] = x[p, i].
-        // SAFETY: as above; `dw` holds d_in x d_out.
-        unsafe {
-            product(
-                [d_in, d_out, rows],
-                dw.as_mut_ptr(),
-                false,
-                (xm.ptr, 1, xm.row_stride),
-                (dy.ptr, dy.row_stride, 1),
-            );
-        }
+        let dw = written_whole(d_in * d_out, rows, |dw| {
+            // SAFETY: as above; `dw` holds d_in x d_out.
+            unsafe {
+                product(
+                    [d_in, d_out, rows],
+                    dw,
+                    false,
+                    (xm.ptr, 1, xm.row_stride),
+                    (dy.ptr, dy.row_stride, 1),
+                );
+            }
+        });
         B::from_rows(dw, [1, 1, d_in, d_out])
     });
     let db = want_bias.then(|| {
