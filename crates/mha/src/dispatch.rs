@@ -65,7 +65,7 @@ impl Backend {
     }
 
     /// Whether our CPU kernels (tiles and fused row operations) run on it.
-    fn has_cpu_kernels(self) -> bool {
+    pub(crate) fn has_cpu_kernels(self) -> bool {
         match self {
             #[cfg(feature = "flex")]
             Backend::Flex => true,

@@ -18,6 +18,7 @@
 //! | `op` (private) | the pattern of an operation of our own, written once: forward, what it keeps, backward, its autodiff node |
 //! | `ops` (private) | the operations: attention (backward recomputing the weights), linear, layer norm, GELU, cross-entropy; one backend extension carries them all |
 //! | [`attention`] | [`scaled_dot_product_attention`]: options, output; the explicit path (matmul, mask, softmax, matmul: weights, dropout, query chunks) |
+//! | [`dropout`] | Burn's `Dropout` with the mask drawn in parallel on the CPU backends |
 //! | [`norm`] | [`LayerNorm`]: Burn's parameters and record, our operation |
 //! | [`loss`] | [`loss::cross_entropy`]: PyTorch's, with no NaN when every target is ignored |
 //! | [`inspect`] | [`HeadMask`], [`Inspect`]: what a forward can be asked beyond its output |
@@ -55,6 +56,7 @@ pub mod cache;
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu;
 mod dispatch;
+pub mod dropout;
 pub mod dtype;
 mod empty;
 pub mod error;

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Distribution, Tensor, activation::softmax};
+use burn::tensor::{Tensor, activation::softmax};
 
 use super::SdpaOptions;
 use crate::mask::{AttentionMask, Sentinels};
@@ -87,10 +87,7 @@ pub(super) fn with_weights(
     let kv_heads = key.dims()[1];
     let weights = weights(query, key, mask, scores); // [B, H, Tq, Tk]
     let dropped = match dropout > 0.0 {
-        true => {
-            let keep = 1.0 - dropout;
-            weights.clone() * weights.random_like(Distribution::Bernoulli(keep)) / keep
-        }
+        true => crate::dropout::apply(weights.clone(), dropout),
         false => weights.clone(),
     };
     (grouped_matmul(dropped, value, kv_heads), weights)

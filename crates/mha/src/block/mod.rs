@@ -68,7 +68,10 @@ impl FeedForward {
         let hidden = self
             .activation
             .forward(crate::ops::linear::forward(&self.linear1, x)); // [B, T, d_ff]
-        crate::ops::linear::forward(&self.linear2, self.dropout.forward(hidden))
+        crate::ops::linear::forward(
+            &self.linear2,
+            crate::dropout::forward(&self.dropout, hidden),
+        )
     }
 }
 
@@ -82,8 +85,8 @@ fn residual(
     f: impl FnOnce(Tensor<3>) -> Result<Tensor<3>, CacheError>,
 ) -> Result<Tensor<3>, CacheError> {
     Ok(match norm_first {
-        true => x.clone() + dropout.forward(f(norm.forward(x))?),
-        false => norm.forward(x.clone() + dropout.forward(f(x)?)),
+        true => x.clone() + crate::dropout::forward(dropout, f(norm.forward(x))?),
+        false => norm.forward(x.clone() + crate::dropout::forward(dropout, f(x)?)),
     })
 }
 

@@ -47,7 +47,7 @@ impl DecoderOnly {
     /// The embeddings with their dropout (in training, when the model has one).
     pub(super) fn drop(&self, x: Tensor<3>) -> Tensor<3> {
         match self.embed_dropout > 0.0 {
-            true => DropoutConfig::new(self.embed_dropout).init().forward(x),
+            true => mha::dropout::forward(&DropoutConfig::new(self.embed_dropout).init(), x),
             false => x,
         }
     }

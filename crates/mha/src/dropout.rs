@@ -1,0 +1,148 @@
+//! Dropout as Burn's [`Dropout`] does it (in training only: on a device with autodiff, for
+//! a layer whose training flag is on; each element kept with probability `1 - p` and
+//! scaled by `1 / (1 - p)`, the others zeroed), with the mask drawn faster on the CPU
+//! backends.
+//!
+//! Burn draws a dropout mask one element at a time from a ChaCha generator, which on the
+//! CPU costs more than the layer it masks (a fifth of a training step of nanoGPT's GPU
+//! recipe, whose attention weights alone are 25 million elements a layer). On flex and
+//! ndarray the mask here is SplitMix64 of each element's index from a seed drawn from the
+//! device's generator: every thread writes its part, and a seeded device draws the same
+//! masks every run. Elsewhere (wgpu, cuda, whose generators run on the device) it is
+//! Burn's.
+
+use burn::nn::Dropout;
+use burn::tensor::{Distribution, Tensor};
+
+/// `layer` applied to `x`: `x` as it is outside training or at probability 0, else
+/// [`apply`].
+pub fn forward<const D: usize>(layer: &Dropout, x: Tensor<D>) -> Tensor<D> {
+    if !layer.training.is_enabled() || !x.device().is_autodiff() || layer.prob == 0.0 {
+        return x;
+    }
+    apply(x, layer.prob)
+}
+
+/// `x` with each element kept with probability `1 - prob` and scaled by `1 / (1 - prob)`,
+/// the others zeroed (whatever the device; [`forward`] decides when to).
+///
+/// # Panics
+/// If `prob` is not in `[0, 1)`.
+pub fn apply<const D: usize>(x: Tensor<D>, prob: f64) -> Tensor<D> {
+    assert!(
+        (0.0..1.0).contains(&prob),
+        "dropout: the probability must be in [0, 1), got {prob}"
+    );
+    let keep = 1.0 - prob;
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    if crate::dispatch::Backend::of(&x.device()).has_cpu_kernels() {
+        return cpu::apply(x, keep);
+    }
+    let mask = x.random_like(Distribution::Bernoulli(keep));
+    x * mask / keep
+}
+
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod cpu {
+    use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
+    use rayon::prelude::*;
+
+    /// Elements per parallel task.
+    const CHUNK: usize = 1 << 14;
+
+    /// SplitMix64's output for state `x`.
+    fn splitmix64(x: u64) -> u64 {
+        let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// `x` times a mask of `0` and `1 / keep`, element `i` kept when the top 32 bits of
+    /// SplitMix64 of `seed + i` fall below `keep · 2^32`.
+    pub(super) fn apply<const D: usize>(x: Tensor<D>, keep: f64) -> Tensor<D> {
+        let device = x.device();
+        let dims = x.dims();
+        let n: usize = dims.iter().product();
+        // A seed from the device's generator: seeding the device repeats the masks.
+        let drawn: Vec<f32> = Tensor::<1>::random([2], Distribution::Default, &device)
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec()
+            .expect("f32 values");
+        let seed = (u64::from(drawn[0].to_bits()) << 32) ^ u64::from(drawn[1].to_bits());
+        let seed = splitmix64(seed);
+        let threshold = (keep * 4_294_967_296.0).round() as u64;
+        let scale = (1.0 / keep) as f32;
+        let mut mask = Vec::with_capacity(n);
+        mask.par_extend((0..n).into_par_iter().with_min_len(CHUNK).map(|i| {
+            match splitmix64(seed.wrapping_add(i as u64)) >> 32 < threshold {
+                true => scale,
+                false => 0.0f32,
+            }
+        }));
+        let mask = Tensor::<D>::from_data(TensorData::new(mask, dims), &device);
+        let dtype = FloatDType::from(x.dtype());
+        let mask = match mask.dtype() == x.dtype() {
+            true => mask,
+            false => mask.cast(dtype),
+        };
+        x * mask
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    /// Every device compiled in, with autodiff.
+    #[allow(deprecated, clippy::vec_init_then_push)] // Burn 0.22 deprecates ndarray.
+    fn devices() -> Vec<Device> {
+        let mut all = Vec::new();
+        #[cfg(feature = "flex")]
+        all.push(Device::flex());
+        #[cfg(feature = "ndarray")]
+        all.push(Device::ndarray());
+        #[cfg(feature = "wgpu")]
+        all.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
+        all.into_iter().map(Device::autodiff).collect()
+    }
+
+    #[test]
+    fn dropout_keeps_its_share_scaled_and_repeats_with_the_seed() {
+        for device in devices() {
+            let n = 1 << 16;
+            let x = Tensor::<2>::ones([4, n / 4], &device);
+            for prob in [0.1, 0.5, 0.8] {
+                device.seed(3);
+                let y = apply(x.clone(), prob);
+                let values: Vec<f32> = y.into_data().convert::<f32>().try_into_vec().unwrap();
+                let scale = (1.0 / (1.0 - prob)) as f32;
+                let kept = values.iter().filter(|&&v| v != 0.0).count();
+                assert!(
+                    values.iter().all(|&v| v == 0.0 || (v - scale).abs() < 1e-5),
+                    "{device:?} {prob}: values are 0 or 1/keep"
+                );
+                let share = kept as f64 / n as f64;
+                assert!(
+                    (share - (1.0 - prob)).abs() < 0.01,
+                    "{device:?} {prob}: kept {share}"
+                );
+                device.seed(3);
+                let again: Vec<f32> = apply(x.clone(), prob)
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec()
+                    .unwrap();
+                assert_eq!(values, again, "{device:?} {prob}: a seed repeats the mask");
+                let next: Vec<f32> = apply(x.clone(), prob)
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec()
+                    .unwrap();
+                assert_ne!(values, next, "{device:?} {prob}: each call draws anew");
+            }
+        }
+    }
+}
