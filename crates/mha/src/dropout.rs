@@ -94,20 +94,7 @@ mod cpu {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::Device;
-
-    /// Every device compiled in, with autodiff.
-    #[allow(deprecated, clippy::vec_init_then_push)] // Burn 0.22 deprecates ndarray.
-    fn devices() -> Vec<Device> {
-        let mut all = Vec::new();
-        #[cfg(feature = "flex")]
-        all.push(Device::flex());
-        #[cfg(feature = "ndarray")]
-        all.push(Device::ndarray());
-        #[cfg(feature = "wgpu")]
-        all.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
-        all.into_iter().map(Device::autodiff).collect()
-    }
+    use crate::testing::devices;
 
     #[test]
     fn dropout_keeps_its_share_scaled_and_repeats_with_the_seed() {

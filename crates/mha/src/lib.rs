@@ -90,3 +90,22 @@ pub use norm::LayerNorm;
 pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};
 pub use pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
 pub use stack::{Decoder, DecoderConfig, Encoder, EncoderConfig};
+
+/// What the unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use burn::tensor::Device;
+
+    /// Every device compiled in, with autodiff.
+    #[allow(deprecated, clippy::vec_init_then_push)] // Burn 0.22 deprecates ndarray.
+    pub(crate) fn devices() -> Vec<Device> {
+        let mut all = Vec::new();
+        #[cfg(feature = "flex")]
+        all.push(Device::flex());
+        #[cfg(feature = "ndarray")]
+        all.push(Device::ndarray());
+        #[cfg(feature = "wgpu")]
+        all.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
+        all.into_iter().map(Device::autodiff).collect()
+    }
+}

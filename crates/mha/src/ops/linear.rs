@@ -128,22 +128,11 @@ mod cpu {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::{Device, Tensor, TensorData};
+    use burn::tensor::{Tensor, TensorData};
 
     use super::columns;
 
-    /// Every device compiled in, with autodiff.
-    #[allow(deprecated, clippy::vec_init_then_push)] // Burn 0.22 deprecates ndarray.
-    fn devices() -> Vec<Device> {
-        let mut all = Vec::new();
-        #[cfg(feature = "flex")]
-        all.push(Device::flex());
-        #[cfg(feature = "ndarray")]
-        all.push(Device::ndarray());
-        #[cfg(feature = "wgpu")]
-        all.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
-        all.into_iter().map(Device::autodiff).collect()
-    }
+    use crate::testing::devices;
 
     /// Seeded values in `[-1, 1)`.
     fn values(len: usize, seed: u64) -> Vec<f32> {
