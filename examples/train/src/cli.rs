@@ -115,7 +115,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue the run in --out from its last complete checkpoint, with its own
-    /// configuration. --epochs may extend it (the extra epochs train at lr/100) or shorten
+    /// configuration. --epochs may extend it (the extra epochs train at the schedule's floor,
+    /// lr/100 for the synthetic tasks, lr/10 for text) or shorten
     /// it (its decay then ends with it); --eval-examples and --fixed-shapes may change too.
     #[arg(long, conflicts_with_all = ["config", "overwrite"])]
     pub resume: bool,

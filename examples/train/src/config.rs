@@ -40,9 +40,9 @@ pub struct TrainConfig {
     /// Steps of linear warmup from lr/100 to lr. Default (`None`): a tenth of the run, at
     /// most 50 steps (100 for the text task).
     pub warmup_steps: Option<usize>,
-    /// Steps of the cosine decay from lr to lr/100 that follows the warmup. Default
-    /// (`None`): the rest of the run. Extending a run (`--resume --epochs`) sets it to the
-    /// decay the run had, so that the extra steps train at lr/100.
+    /// Steps of the cosine decay from lr to lr x `min_lr_ratio` that follows the warmup.
+    /// Default (`None`): the rest of the run. Extending a run (`--resume --epochs`) sets it
+    /// to the decay the run had, so that the extra steps train at lr x `min_lr_ratio`.
     pub decay_steps: Option<usize>,
     /// Where the cosine decay ends, as a fraction of lr (the warmup starts at lr/100
     /// whatever it is). Default: 0.01; the text task's: 0.1 (nanoGPT's).
@@ -446,8 +446,8 @@ impl TrainConfig {
     /// configuration (`self`) with the flags of the `--resume` applied, checked against the
     /// run, which has done `done` epochs. Only what [`check_resume`](Self::check_resume)
     /// allows may change. A changed `--epochs` keeps the run's warmup (within the new
-    /// length); an extended run keeps its decay too, so that its extra steps train at
-    /// lr/100, and a shortened one decays to the floor by its end.
+    /// length); an extended run keeps its decay too, so that its extra steps train at the
+    /// floor (lr x `min_lr_ratio`), and a shortened one decays to the floor by its end.
     ///
     /// # Errors
     /// As [`check_resume`](Self::check_resume); when `--epochs` asks for no more epochs

@@ -141,6 +141,16 @@ impl Batcher<Window, SeqBatch> for TextBatcher {
     }
 }
 
+/// The validation windows of a text run: `valid_examples`, or as many as its validation
+/// part has if fewer (0 when its text cannot be read).
+pub fn valid_windows(config: &TrainConfig) -> usize {
+    corpus(config).map_or(0, |c| {
+        config
+            .valid_examples
+            .min(c.windows(TextSplit::Valid, config.task.block_size))
+    })
+}
+
 /// The corpus a text run reads: its `--data` file, or the Shakespeare corpus.
 ///
 /// # Errors

@@ -98,9 +98,27 @@ impl Shape {
             h: m.n_heads as f64,
             attention_layers,
             blocks,
-            // Token embeddings and the LM head, then the blocks (and learned positions).
-            parameters: 2.0 * v * d + v + blocks * per_block + t * d,
+            // Token embeddings and the LM head (the text task's is the embedding), then
+            // the blocks (and learned positions).
+            parameters: match config.task.task.is_text() {
+                true => v * d,
+                false => 2.0 * v * d + v,
+            } + blocks * per_block
+                + t * d,
         }
+    }
+}
+
+/// The flags that drive a part of an estimate: a synthetic task's, or the text task's
+/// (whose vocabulary is its text's and whose length is `--block-size`).
+fn by_task(
+    config: &TrainConfig,
+    synthetic: &'static [&'static str],
+    text: &'static [&'static str],
+) -> &'static [&'static str] {
+    match config.task.task.is_text() {
+        true => text,
+        false => synthetic,
     }
 }
 
@@ -118,7 +136,11 @@ pub fn training(config: &TrainConfig) -> Estimate {
                     s.parameters / 1e6
                 ),
                 bytes: s.parameters * F32 * PARAMETER_COPIES,
-                flags: &["--symbols", "--d-model", "--layers"],
+                flags: by_task(
+                    config,
+                    &["--symbols", "--d-model", "--layers"],
+                    &["--d-model", "--layers"],
+                ),
             },
             Part {
                 what: format!(
@@ -128,7 +150,11 @@ pub fn training(config: &TrainConfig) -> Estimate {
                     config.task.vocab_size()
                 ),
                 bytes: tokens * s.v * F32 * LOGIT_COPIES,
-                flags: &["--symbols", "--batch-size", "--max-len"],
+                flags: by_task(
+                    config,
+                    &["--symbols", "--batch-size", "--max-len"],
+                    &["--batch-size", "--block-size"],
+                ),
             },
             Part {
                 what: format!(
@@ -140,12 +166,20 @@ pub fn training(config: &TrainConfig) -> Estimate {
                     s.attention_layers
                 ),
                 bytes: s.attention_layers * b * s.h * s.t * s.t * F32 * ATTENTION_COPIES,
-                flags: &["--batch-size", "--max-len", "--heads", "--layers"],
+                flags: by_task(
+                    config,
+                    &["--batch-size", "--max-len", "--heads", "--layers"],
+                    &["--batch-size", "--block-size", "--heads", "--layers"],
+                ),
             },
             Part {
                 what: "the blocks' activations".into(),
                 bytes: s.blocks * tokens * s.d * F32 * BLOCK_ACTIVATIONS,
-                flags: &["--batch-size", "--max-len", "--d-model", "--layers"],
+                flags: by_task(
+                    config,
+                    &["--batch-size", "--max-len", "--d-model", "--layers"],
+                    &["--batch-size", "--block-size", "--d-model", "--layers"],
+                ),
             },
         ],
     }

@@ -80,7 +80,10 @@ unsafe fn product(
 /// [`product`] without `add` writes every element of its `m x n` result and reads none),
 /// not zeroed first: zeroing it would be a pass over memory only to be overwritten. A
 /// product over `k = 0` writes nothing (its result is zeros): that buffer is zeroed.
-fn written_whole(len: usize, k: usize, write: impl FnOnce(*mut f32)) -> Vec<f32> {
+///
+/// # Safety
+/// Unless `k` is 0, `write` initialises all `len` elements behind the pointer.
+unsafe fn written_whole(len: usize, k: usize, write: impl FnOnce(*mut f32)) -> Vec<f32> {
     if k == 0 {
         return vec![0.0f32; len];
     }
@@ -128,7 +131,8 @@ pub(crate) fn linear_forward<B: CpuTensors>(
             run(out.as_mut_ptr(), true);
             out
         }
-        None => written_whole(rows * d_out, d_in, |out| run(out, false)),
+        // SAFETY: a product without `add` writes its whole rows x d_out result.
+        None => unsafe { written_whole(rows * d_out, d_in, |out| run(out, false)) },
     };
     B::from_rows(out, [1, 1, rows, d_out])
 }
@@ -150,7 +154,7 @@ pub(crate) fn linear_backward<B: CpuTensors>(
     let dy = Matrix::of(&B::floats(&grad), [rows, d_out]);
     let dx = want_x.then(|| {
         // dx = dy Wᵀ: Wᵀ[p, j] = W[j, p].
-        let dx = written_whole(rows * d_in, d_out, |dx| {
+        let write = |dx| {
             // SAFETY: the grids bound the operands; `dx` holds rows x d_in.
             unsafe {
                 product(
@@ -161,12 +165,14 @@ pub(crate) fn linear_backward<B: CpuTensors>(
                     (wm.ptr, 1, wm.row_stride),
                 );
             }
-        });
+        };
+        // SAFETY: a product without `add` writes its whole result.
+        let dx = unsafe { written_whole(rows * d_in, d_out, write) };
         B::from_rows(dx, [1, 1, rows, d_in])
     });
     let dw = want_weight.then(|| {
         // dW = xᵀ dy: xᵀ[i, p] = x[p, i].
-        let dw = written_whole(d_in * d_out, rows, |dw| {
+        let write = |dw| {
             // SAFETY: as above; `dw` holds d_in x d_out.
             unsafe {
                 product(
@@ -177,7 +183,9 @@ pub(crate) fn linear_backward<B: CpuTensors>(
                     (dy.ptr, dy.row_stride, 1),
                 );
             }
-        });
+        };
+        // SAFETY: a product without `add` writes its whole result.
+        let dw = unsafe { written_whole(d_in * d_out, rows, write) };
         B::from_rows(dw, [1, 1, d_in, d_out])
     });
     let db = want_bias.then(|| {

@@ -29,17 +29,17 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
     if config.task.task.is_text() {
         return sample(args, backend, &run, &config);
     }
+    anyhow::ensure!(
+        args.prompt.is_none(),
+        "--prompt is for text runs; {dir} is a {} run: give its input as `generate \"...\"`",
+        config.task.task.name()
+    );
     let input = args.input.as_deref().ok_or_else(|| {
         anyhow::anyhow!(
             "generate: give the input to answer, in the run's grammar (`generate \"3 1 4 1 \
              5\"`)"
         )
     })?;
-    anyhow::ensure!(
-        args.prompt.is_none(),
-        "--prompt is for text runs; {dir} is a {} run: give its input as `generate \"...\"`",
-        config.task.task.name()
-    );
     let tokens = config.task.parse(input)?;
     if let Some(warning) = config.task.length_warning(&tokens) {
         eprintln!("warning: {warning}");
@@ -98,11 +98,21 @@ fn sample(
         ids: Vec::new(),
         split: 0,
     };
+    // Without a prompt: a newline where the text has one (a new line of verse), else its
+    // first character.
+    let default = match corpus.vocab.contains(&'\n') {
+        true => "\n".to_string(),
+        false => corpus
+            .vocab
+            .first()
+            .map(char::to_string)
+            .unwrap_or_default(),
+    };
     let prompt = args
         .prompt
         .as_deref()
         .or(args.input.as_deref())
-        .unwrap_or("\n");
+        .unwrap_or(&default);
     anyhow::ensure!(
         !prompt.is_empty(),
         "--prompt is empty: give the model at least one character to continue"

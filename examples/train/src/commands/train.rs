@@ -90,7 +90,7 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
             plural(config.epochs, "epoch"),
             plural(config.steps_per_epoch, "step"),
             plural(config.batch_size, "window"),
-            plural(config.valid_examples, "fixed window"),
+            plural(crate::lm::valid_windows(&config), "fixed window"),
         ),
         false => println!(
             "{start} on {backend}: task {} (lengths {}..={}, {}), {model}, {} of {}, in {dir}",
@@ -293,20 +293,25 @@ fn report(
         return Ok(());
     }
     let heatmaps = plots::draw_run(config, run, device)?;
-    if let Some(loss) = summary.valid_loss {
+    if config.task.task.is_text() {
+        let loss = summary.valid_loss.unwrap_or(f64::NAN);
         println!(
             "validation loss {loss:.4} nats per character ({:.3} bits) on {}; final training \
              loss {:.4}; {:.1} s, {:.0} characters/s on {}",
             loss / std::f64::consts::LN_2,
-            plural(config.valid_examples, "window"),
+            plural(crate::lm::valid_windows(config), "window"),
             summary.final_loss.unwrap_or(f64::NAN),
             summary.wall_seconds,
             summary.tokens_per_second,
             summary.backend,
         );
         println!(
-            "sample it: train generate --out {} --prompt \"ROMEO:\" --tokens 500",
-            run.0.display()
+            "sample it: train generate --out {}{} --tokens 500",
+            run.0.display(),
+            match config.task.data {
+                None => " --prompt \"ROMEO:\"",
+                Some(_) => "",
+            }
         );
     } else {
         println!(

@@ -283,7 +283,7 @@ impl TaskConfig {
             let chars: Vec<char> = vocab.chars().collect();
             anyhow::ensure!(
                 !chars.is_empty() && chars.windows(2).all(|w| w[0] < w[1]),
-                "{} must be distinct characters in order (the text's, as the trainer writes                  them), got \"{}\"",
+                "{} must be distinct characters in order (the text's, as the trainer writes them), got \"{}\"",
                 VOCAB.name(),
                 echo(vocab)
             );
