@@ -1601,6 +1601,23 @@ fn text_from_a_file_is_checked_before_anything_is_written() {
         assert!(a.lines().count() >= 3, "{log}: {a}");
         assert_eq!(a, b, "{log}");
     }
+    // A config file naming the text task starts from the text task's defaults, and its
+    // run goes to runs/text (the default directory follows the file's task).
+    let config = write(
+        "text.json",
+        br#"{"task": {"task": "text", "block_size": 16}, "model": {"d_model": 32, "n_layers": 1, "n_heads": 2}, "batch_size": 16, "epochs": 1, "steps_per_epoch": 2, "valid_examples": 16}"#,
+    );
+    let out = run(on_flex(&["--config"]).arg(&config).current_dir(&root));
+    assert!(out.status.success());
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(root.join("runs/text/config.json")).unwrap())
+            .unwrap();
+    assert_eq!(written["task"]["task"], "text");
+    assert_eq!(
+        written["model"]["positions"], "learned",
+        "the text task's default"
+    );
+    assert_eq!(written["adam_beta2"], 0.99, "the text task's default");
     // The text changed under the run: its characters are no longer the vocabulary.
     std::fs::write(&own, text.replace('z', "Z")).unwrap();
     let before = checksums(&whole);

@@ -26,7 +26,12 @@ enum Start {
 /// Trains a new run or resumes one; `false` when a Ctrl-C stopped it.
 pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
     let backend = Backend::or_best(backend)?;
-    let run = run_dir(&args.out, args.task)?;
+    // The default directory is the task's: the flag's, else the config file's.
+    let task = args.task.or_else(|| {
+        let path = args.config.as_ref()?;
+        Some(TrainConfig::read(path).ok()?.task.task)
+    });
+    let run = run_dir(&args.out, task)?;
     let dir = run.0.display();
     let (config, start, device, _lock) = match args.resume {
         true => prepare_resume(args, &run, backend)?,
