@@ -13,10 +13,11 @@
 //! ([`KvCache::sliding`]): each position attends to the last `block` positions, itself
 //! included, whatever the length, and nothing is read twice.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 use mha::{AttentionMask, KvCache, StackCache, StackInput};
 
 use super::{DecoderOnly, Model, uncached};
+use crate::batch::padded;
 
 /// Where the model's context starts once `len` characters are read, `fed` of them in the
 /// last call, when it started at `start`: the same start while the context holds at most
@@ -96,11 +97,10 @@ impl<'a> TextDecoder<'a> {
         }
         let read = &self.text[first..];
         let positions: Vec<usize> = (first - self.start..len - self.start).collect();
-        let ids = Tensor::<2, Int>::from_data(
-            TensorData::new(read.iter().map(|&t| t as i64).collect(), [1, read.len()]),
-            &self.device,
-        );
-        let x = self.model.embed.forward_at(ids, &[positions]);
+        let x = self
+            .model
+            .embed
+            .forward_at(padded(&[read.to_vec()], None, &self.device), &[positions]);
         let input = StackInput::new(x).cache(&mut self.cache);
         let h = self
             .model
@@ -108,13 +108,19 @@ impl<'a> TextDecoder<'a> {
             .forward(input)
             .expect("the context never outgrows the cache")
             .output;
-        let logits = self.model.head(h.narrow(1, read.len() - 1, 1));
-        logits
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .expect("f32 logits")
+        last_logits(self.model, h)
     }
+}
+
+/// The logits of the last position of the hidden states `h` `[1, T, D]`, on the host.
+fn last_logits(model: &DecoderOnly, h: Tensor<3>) -> Vec<f32> {
+    let len = h.dims()[1];
+    model
+        .head(h.narrow(1, len - 1, 1))
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32 logits")
 }
 
 /// The logits [`TextDecoder::feed`] gives after each call of `calls` (each a list of ids
@@ -139,23 +145,15 @@ pub fn recomputed_logits(
             if !sliding {
                 start = context_start(start, text.len(), ids.len(), block);
             }
-            let read = &text[start..];
-            let ids = Tensor::<2, Int>::from_data(
-                TensorData::new(read.iter().map(|&t| t as i64).collect(), [1, read.len()]),
-                device,
-            );
-            let x = model.embed.forward(ids);
+            let x = model
+                .embed
+                .forward(padded(&[text[start..].to_vec()], None, device));
             let mask = match sliding {
                 true => AttentionMask::sliding_window(block),
                 false => AttentionMask::none(),
             };
             let h = uncached(model.blocks.forward(StackInput::new(x).mask(mask))).output;
-            model
-                .head(h.narrow(1, read.len() - 1, 1))
-                .into_data()
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .expect("f32 logits")
+            last_logits(model, h)
         })
         .collect()
 }
