@@ -473,7 +473,7 @@ fn bench_trainer(
         fixed: config.fixed_shape(backend),
         pack: config.pack_width(),
         mixed: None,
-        clip: None,
+        shares: 1,
     };
     let mut next = 0;
     // One step on a fresh batch: the model after it and the batch's real tokens.

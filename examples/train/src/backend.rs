@@ -3,6 +3,8 @@
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
+use crate::fields::DEVICES;
+
 /// A backend the trainer knows; the help lists those compiled into this build (asking
 /// for another is an error naming the feature to build with).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -97,6 +99,106 @@ impl Backend {
         )
     }
 
+    /// The devices a run of `devices` trains on, the first its main one (where the
+    /// optimizer steps and the validation runs). One device is [`device`](Self::device)'s.
+    /// Several: on a GPU backend, the devices Burn lists for it on this machine
+    /// (`Device::enumerate`), by their place in that list; on flex and ndarray, which have
+    /// one device (the CPU), that device as many times: as many workers, sharing its cores.
+    ///
+    /// # Errors
+    /// When the build does not have the backend, and naming the backend and what it has
+    /// when it lists fewer devices than asked for or an index past its list.
+    pub fn devices(self, devices: &Devices) -> anyhow::Result<Vec<Device>> {
+        let one = self.device()?;
+        if *devices == Devices::Count(1) {
+            return Ok(vec![one]);
+        }
+        let listed = match self.is_gpu() {
+            true => self.listed(),
+            false => vec![one.clone()],
+        };
+        let indices = devices.indices();
+        let names = || match self.is_gpu() {
+            true => {
+                let names: Vec<String> = listed
+                    .iter()
+                    .enumerate()
+                    .map(|(i, d)| format!("{i}: {}", device_name(d)))
+                    .collect();
+                format!(
+                    "{} lists {} on this machine{}",
+                    self.name(),
+                    crate::text::plural(listed.len(), "device"),
+                    match names.is_empty() {
+                        true => String::new(),
+                        false => format!(" ({})", names.join(", ")),
+                    }
+                )
+            }
+            false => format!(
+                "{} has one device, the CPU (index 0), which several workers may share",
+                self.name()
+            ),
+        };
+        if let Devices::Count(n) = devices
+            && self.is_gpu()
+        {
+            anyhow::ensure!(
+                *n <= listed.len(),
+                "{} {n}: {}; train on at most {}",
+                DEVICES.flag.unwrap_or(DEVICES.path),
+                names(),
+                listed.len()
+            );
+        }
+        if let Devices::List(list) = devices {
+            for &i in list {
+                anyhow::ensure!(
+                    i < listed.len(),
+                    "{} {}: no device {i}: {}",
+                    DEVICES.flag.unwrap_or(DEVICES.path),
+                    devices,
+                    names()
+                );
+            }
+            if self.is_gpu() {
+                let mut seen = list.clone();
+                seen.sort_unstable();
+                seen.dedup();
+                anyhow::ensure!(
+                    seen.len() == list.len(),
+                    "{} {}: a device named twice; each GPU device trains once",
+                    DEVICES.flag.unwrap_or(DEVICES.path),
+                    devices
+                );
+            }
+        }
+        Ok(indices
+            .into_iter()
+            .map(|i| match self.is_gpu() {
+                true => listed[i].clone(),
+                false => one.clone(),
+            })
+            .collect())
+    }
+
+    /// The devices Burn lists for this GPU backend on this machine.
+    #[allow(unreachable_code)]
+    fn listed(self) -> Vec<Device> {
+        match self {
+            #[cfg(feature = "wgpu")]
+            Backend::Wgpu => {
+                return Device::enumerate(burn::tensor::DeviceType::Wgpu).into_vec();
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda => {
+                return Device::enumerate(burn::tensor::DeviceType::Cuda).into_vec();
+            }
+            _ => {}
+        }
+        Vec::new()
+    }
+
     /// The adapter's name when `device` is a GPU backend's device running on a software or
     /// CPU adapter (Mesa's lavapipe or llvmpipe, WARP, SwiftShader): no card behind it.
     pub fn software_adapter(self, device: &Device) -> Option<String> {
@@ -109,5 +211,142 @@ impl Backend {
         }
         let _ = device;
         None
+    }
+}
+
+/// A device as messages name it: its adapter's name on a GPU backend, else Burn's name
+/// for it.
+pub fn device_name(device: &Device) -> String {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    if let Some(identity) = device.as_dispatch().identity() {
+        return identity.name;
+    }
+    format!("{device:?}")
+}
+
+/// The devices a run trains on, as `config.json` and `--devices` give them: how many (the
+/// first N the backend lists, a JSON number, `--devices 2`) or which (their places in
+/// that list, a JSON array, `--devices 0,2`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Devices {
+    /// The first N.
+    Count(usize),
+    /// These, by their index in the backend's list.
+    List(Vec<usize>),
+}
+
+impl Default for Devices {
+    fn default() -> Self {
+        Devices::Count(1)
+    }
+}
+
+impl Devices {
+    /// How many devices train.
+    pub fn count(&self) -> usize {
+        match self {
+            Devices::Count(n) => *n,
+            Devices::List(list) => list.len(),
+        }
+    }
+
+    /// Their indices in the backend's list.
+    pub fn indices(&self) -> Vec<usize> {
+        match self {
+            Devices::Count(n) => (0..*n).collect(),
+            Devices::List(list) => list.clone(),
+        }
+    }
+}
+
+impl std::fmt::Display for Devices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Devices::Count(n) => write!(f, "{n}"),
+            Devices::List(list) => {
+                let list: Vec<String> = list.iter().map(usize::to_string).collect();
+                f.write_str(&list.join(","))
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for Devices {
+    type Err = String;
+
+    /// `2` (the first two devices) or `0,2` (devices 0 and 2).
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let number = |part: &str| {
+            part.trim().parse::<usize>().map_err(|_| {
+                format!(
+                    "`{}`: a number of devices (`2`) or their indices separated by commas \
+                     (`0,2`)",
+                    crate::text::echo(text)
+                )
+            })
+        };
+        match text.contains(',') {
+            false => number(text).map(Devices::Count),
+            true => text
+                .split(',')
+                .map(number)
+                .collect::<Result<_, _>>()
+                .map(Devices::List),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::plural;
+
+    #[test]
+    fn devices_read_as_written_and_print_back() {
+        assert_eq!("2".parse(), Ok(Devices::Count(2)));
+        assert_eq!("0, 2".parse(), Ok(Devices::List(vec![0, 2])));
+        assert!("two".parse::<Devices>().unwrap_err().contains("`two`"));
+        assert!("0,x".parse::<Devices>().is_err());
+        for devices in [Devices::Count(3), Devices::List(vec![1, 0])] {
+            assert_eq!(devices.to_string().parse(), Ok(devices.clone()));
+            let json = serde_json::to_string(&devices).unwrap();
+            assert_eq!(serde_json::from_str::<Devices>(&json).unwrap(), devices);
+        }
+        assert_eq!(Devices::List(vec![2, 0]).indices(), [2, 0]);
+        assert_eq!(Devices::Count(2).count(), 2);
+    }
+
+    #[test]
+    fn devices_are_those_the_backend_has_or_refused_naming_it() {
+        for backend in Backend::compiled() {
+            let one = backend.device().unwrap();
+            assert_eq!(
+                backend.devices(&Devices::Count(1)).unwrap(),
+                std::slice::from_ref(&one)
+            );
+            if !backend.is_gpu() {
+                // The one CPU device, as many times as asked.
+                let three = backend.devices(&Devices::Count(3)).unwrap();
+                assert_eq!(three, vec![one; 3], "{backend}");
+                let err = backend.devices(&Devices::List(vec![0, 1])).unwrap_err();
+                let err = err.to_string();
+                assert!(err.contains("no device 1"), "{err}");
+                assert!(err.contains(&format!("{backend} has one device")), "{err}");
+                continue;
+            }
+            let listed = backend.listed();
+            let err = backend.devices(&Devices::Count(listed.len() + 1));
+            let err = err.unwrap_err().to_string();
+            let lists = format!("{backend} lists {}", plural(listed.len(), "device"));
+            assert!(err.contains(&lists), "{err}");
+            if !listed.is_empty() {
+                // By index, the list's devices (one device by count is the default one).
+                let all = backend.devices(&Devices::List((0..listed.len()).collect()));
+                assert_eq!(all.unwrap(), listed, "{backend}");
+                let err = backend.devices(&Devices::List(vec![0, 0])).unwrap_err();
+                assert!(err.to_string().contains("a device named twice"), "{err}");
+            }
+        }
     }
 }

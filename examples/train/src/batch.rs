@@ -32,10 +32,9 @@ pub struct SeqBatch {
     /// The target the loss leaves out: PAD for the synthetic tasks; none for the text
     /// task, whose every position predicts a character.
     pub ignore: Option<usize>,
-    /// The global norm the training step clips all the gradients at together (PyTorch's
-    /// `clip_grad_norm_`), when the run's `clip_global` is on (else the optimizer clips
-    /// each parameter's gradient).
-    pub clip: Option<f32>,
+    /// What the step's gradients weigh the loss by: 1, or on several devices each
+    /// device's share of the step (1/N), so that the gradients Burn sums are the mean's.
+    pub loss_weight: f32,
 }
 
 /// Several sequences per row: `joined` row `r` holds sequences
@@ -119,7 +118,7 @@ impl FixedShape {
 
 /// Pads and stacks examples: to the longest of the batch, or to a [`FixedShape`]; or, for
 /// the decoder-only model, packs them several to a row.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SeqBatcher {
     /// Pads every batch to these widths when set.
     pub fixed: Option<FixedShape>,
@@ -129,8 +128,21 @@ pub struct SeqBatcher {
     pub pack: Option<usize>,
     /// The dtype (and loss scale) of the steps that read the batches, when not f32.
     pub mixed: Option<Mixed>,
-    /// The global norm the steps clip the gradients at, if they do ([`SeqBatch::clip`]).
-    pub clip: Option<f32>,
+    /// The devices a step's batch is shared among (each of its batches is one device's
+    /// share): 1 but on several devices ([`SeqBatch::loss_weight`]).
+    pub shares: usize,
+}
+
+impl Default for SeqBatcher {
+    /// Padded to the longest of each batch, not packed, in f32, on one device.
+    fn default() -> Self {
+        Self {
+            fixed: None,
+            pack: None,
+            mixed: None,
+            shares: 1,
+        }
+    }
 }
 
 /// Right-pads `rows` with PAD to `width` (at least the longest row) and stacks them.
@@ -215,7 +227,7 @@ impl Batcher<Example, SeqBatch> for SeqBatcher {
             decoder_targets: padded(&decoder_targets, width(|s| s.output + 1), device),
             mixed: self.mixed.clone(),
             ignore: Some(PAD),
-            clip: self.clip,
+            loss_weight: 1.0 / self.shares.max(1) as f32,
         }
     }
 }

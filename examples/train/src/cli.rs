@@ -199,6 +199,11 @@ pub struct TrainArgs {
     /// optimizer and the checkpoints kept in f32 (f16 with a dynamic loss scale).
     #[arg(long, value_enum)]
     pub dtype: Option<Precision>,
+    /// Devices of the backend to train on, each with its share of every batch (Burn's
+    /// multi-device strategy): how many (`2`: the first two the backend lists) or which
+    /// (`0,2`); on flex and ndarray, workers sharing the one CPU.
+    #[arg(long, value_name = "N")]
+    pub devices: Option<crate::backend::Devices>,
 }
 
 impl TrainArgs {
@@ -217,7 +222,7 @@ impl TrainArgs {
             positions => model.positions,
             batch_size => batch_size, lr => lr, warmup => warmup_steps, epochs => epochs,
             steps_per_epoch => steps_per_epoch, eval_examples => eval_examples, seed => seed,
-            fixed_shapes => fixed_shapes, pack => pack, dtype => dtype,
+            fixed_shapes => fixed_shapes, pack => pack, dtype => dtype, devices => devices,
         );
         c
     }

@@ -14,11 +14,12 @@ use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Devices};
 use crate::batch::FixedShape;
 use crate::fields::{
-    self, ADAM_BETA2, ADAM_EPSILON, BATCH_SIZE, DECAY_STEPS, EPOCHS, EVAL_EXAMPLES, GRAD_CLIP, LR,
-    MIN_LR_RATIO, MODEL_KIND, PACK, STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS, WEIGHT_DECAY,
+    self, ADAM_BETA2, ADAM_EPSILON, BATCH_SIZE, DECAY_STEPS, DEVICES, DTYPE, EPOCHS, EVAL_EXAMPLES,
+    GRAD_CLIP, LR, MIN_LR_RATIO, MODEL_KIND, PACK, STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS,
+    WEIGHT_DECAY,
 };
 use crate::model::{Model, ModelConfig, ModelKind, PositionKind};
 use crate::precision::Precision;
@@ -85,6 +86,13 @@ pub struct TrainConfig {
     /// The float dtype the steps compute in: f32, or f16 / bf16 with the weights kept in
     /// f32 (see [`crate::precision`]). Default: f32.
     pub dtype: Precision,
+    /// The devices of the chosen backend the steps run on (see [`Backend::devices`]):
+    /// each takes `batch_size / N` sequences of every step, and Burn sums the gradients
+    /// of their losses, each weighted 1/N, on the first, where the optimizer steps: the
+    /// gradient of the mean of the devices' mean losses (PyTorch DDP's convention), the
+    /// whole batch's mean loss when every device's share counts as many target tokens.
+    /// Default: 1.
+    pub devices: Devices,
 }
 
 impl Default for TrainConfig {
@@ -111,6 +119,7 @@ impl Default for TrainConfig {
             fixed_shapes: None,
             pack: false,
             dtype: Precision::F32,
+            devices: Devices::Count(1),
         }
     }
 }
@@ -248,6 +257,31 @@ impl TrainConfig {
         );
         if let Some(decay) = self.decay_steps {
             anyhow::ensure!(decay >= 1, "{} must be at least 1", DECAY_STEPS.name());
+        }
+        let n = self.devices.count();
+        anyhow::ensure!(
+            n >= 1,
+            "{} must name at least one device, got {}",
+            DEVICES.name(),
+            self.devices
+        );
+        if n > 1 {
+            anyhow::ensure!(
+                self.batch_size.is_multiple_of(n),
+                "{} = {}: the batch is shared among {} {}, which needs a multiple of {n}",
+                BATCH_SIZE.name(),
+                self.batch_size,
+                DEVICES.name(),
+                self.devices
+            );
+            anyhow::ensure!(
+                self.dtype != Precision::F16,
+                "{} f16 with {} {}: f16's loss scale is one for the whole step, and the \
+                 devices would each change it; use bf16 (no loss scale) or one device",
+                DTYPE.name(),
+                DEVICES.name(),
+                self.devices
+            );
         }
         Ok(())
     }
@@ -538,6 +572,15 @@ fn check_fields(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> 
 /// Checks that the value of the field at `path` has the JSON type of `known` (an example
 /// value); `null` is taken where the default is `null`.
 fn check_type(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
+    if path == DEVICES.path {
+        let index = |v: &Value| v.is_u64();
+        anyhow::ensure!(
+            index(given) || given.as_array().is_some_and(|list| list.iter().all(index)),
+            "`{path}` must be a whole number (how many) or an array of them (which), got {}",
+            json_type(given)
+        );
+        return Ok(());
+    }
     let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
     let optional = lookup(&defaults, path).is_some_and(Value::is_null);
     let (fits, wanted) = match known {

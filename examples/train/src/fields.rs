@@ -126,6 +126,8 @@ pub const SEED: Field = field("seed", Some("--seed"), &[], false);
 pub const PACK: Field = field("pack", Some("--pack"), &["packing", "packed"], false);
 /// `dtype`.
 pub const DTYPE: Field = field("dtype", Some("--dtype"), &["precision", "float"], false);
+/// `devices`.
+pub const DEVICES: Field = field("devices", Some("--devices"), &["device", "gpus"], false);
 /// `fixed_shapes`.
 pub const FIXED_SHAPES: Field = field("fixed_shapes", Some("--fixed-shapes"), &[], true);
 
@@ -162,6 +164,7 @@ pub const FIELDS: &[Field] = &[
     SEED,
     PACK,
     DTYPE,
+    DEVICES,
     FIXED_SHAPES,
 ];
 

@@ -16,11 +16,12 @@
 //! - [`config`]: a run's configuration (`config.json`), checked before anything runs;
 //! - [`memory`]: the memory a run or an inspection will take, checked before it starts;
 //! - [`fields`]: which flag sets which field;
-//! - [`backend`]: the backends a build has;
+//! - [`backend`]: the backends a build has, and the devices a run trains on;
 //! - [`run_dir`]: a run directory, its layout and its checkpoints;
 //! - [`progress`]: the lines a run prints;
 //! - [`interrupt`]: what Ctrl-C does;
-//! - [`training`]: Burn's learner, greedy evaluation, the summary;
+//! - [`training`]: Burn's learner (on one device or several), greedy evaluation, the
+//!   summary;
 //! - [`plots`]: the loss curve, and every attention map drawn;
 //! - [`inspect`]: what a trained run's heads learned; pruning them;
 //! - [`commands`]: what `train`, `generate` and `inspect` do, one function each;

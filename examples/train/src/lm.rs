@@ -29,9 +29,10 @@ use crate::precision::Mixed;
 /// A window of `block + 1` characters, as ids.
 pub type Window = Vec<u32>;
 
-/// The training windows of the epoch `epoch` holds: item `i` of epoch `e` (from 1) is row
-/// `i % batch` of step `(e - 1) · steps_per_epoch + i / batch`, as the loader batches
-/// the items in order.
+/// The training windows of the epoch `epoch` holds: item `i` of epoch `e` (from 1) is a
+/// row of a step of that epoch ([`crate::training::step_row`]: row `i % batch` of step
+/// `(e - 1) · steps_per_epoch + i / batch` on one device), as the loaders batch the items
+/// in order.
 pub struct TextStream {
     /// The corpus.
     pub corpus: Arc<Corpus>,
@@ -45,14 +46,18 @@ pub struct TextStream {
     pub steps_per_epoch: usize,
     /// The epoch being trained, set by the training loader.
     pub epoch: Arc<AtomicUsize>,
+    /// The devices each step's batch is shared among ([`crate::training::step_row`]).
+    pub shares: usize,
 }
 
 impl Dataset<Window> for TextStream {
     fn get(&self, index: usize) -> Result<Window, DatasetError> {
         let epoch = self.epoch.load(Ordering::SeqCst).max(1) - 1;
-        let step = epoch * self.steps_per_epoch + index / self.batch;
+        let (step, row) =
+            crate::training::step_row(index, self.steps_per_epoch, self.batch, self.shares);
+        let step = epoch * self.steps_per_epoch + step;
         let windows = self.corpus.windows(TextSplit::Train, self.block);
-        let start = batch_start(self.seed, step as u64, (index % self.batch) as u64, windows);
+        let start = batch_start(self.seed, step as u64, row as u64, windows);
         Ok(self
             .corpus
             .window(TextSplit::Train, start, self.block)
@@ -102,12 +107,22 @@ impl Dataset<Window> for ValidWindows {
 /// last character, `joined_targets` each but its first (the next character of every
 /// position), no target ignored. The encoder-decoder's fields are placeholders of one
 /// PAD each, which the decoder-only model does not read.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct TextBatcher {
     /// The dtype (and loss scale) of the steps that read the batches, when not f32.
     pub mixed: Option<Mixed>,
-    /// The global norm the steps clip the gradients at, if they do ([`SeqBatch::clip`]).
-    pub clip: Option<f32>,
+    /// The devices a step's batch is shared among ([`SeqBatch::loss_weight`]).
+    pub shares: usize,
+}
+
+impl Default for TextBatcher {
+    /// In f32, on one device.
+    fn default() -> Self {
+        Self {
+            mixed: None,
+            shares: 1,
+        }
+    }
 }
 
 impl Batcher<Window, SeqBatch> for TextBatcher {
@@ -136,7 +151,7 @@ impl Batcher<Window, SeqBatch> for TextBatcher {
             packed: None,
             mixed: self.mixed.clone(),
             ignore: None,
-            clip: self.clip,
+            loss_weight: 1.0 / self.shares.max(1) as f32,
         }
     }
 }

@@ -34,7 +34,13 @@ pub fn draw_run(
     device: &Device,
 ) -> anyhow::Result<Vec<PathBuf>> {
     register_font()?;
-    let losses = |split| training::epoch_losses(&run.0, config.epochs, split);
+    let losses = |split: &MetricSplit| {
+        let devices = match split {
+            MetricSplit::Train => config.devices.count(),
+            _ => 1,
+        };
+        training::epoch_losses(&run.0, config.epochs, split, devices)
+    };
     if config.task.task.is_text() {
         // The validation loss of each epoch, over its fixed windows.
         let valid: Vec<Vec<f64>> =

@@ -34,6 +34,9 @@ pub struct Plan {
     pub tokens_per_step: f64,
     /// Steps between two progress lines.
     pub log_every: usize,
+    /// The devices a step runs on: each reports its share of the step (its loss and
+    /// accuracy), and a step is done when all have.
+    pub shares: usize,
 }
 
 /// Where a run got to, shared with the trainer.
@@ -89,6 +92,10 @@ pub struct Progress {
     loss: Option<f64>,
     accuracy: Option<f64>,
     lr: Option<f64>,
+    /// The shares of the step under way reported so far: their count, and the mean of
+    /// their losses and accuracies.
+    shares_in: usize,
+    step_means: SplitMeans,
     train: SplitMeans,
     valid: SplitMeans,
     /// The first step of this invocation and when it ended; the epoch's start.
@@ -115,6 +122,8 @@ impl Progress {
             loss: None,
             accuracy: None,
             lr: None,
+            shares_in: 0,
+            step_means: SplitMeans::default(),
             train: SplitMeans::default(),
             valid: SplitMeans::default(),
             first: None,
@@ -212,8 +221,8 @@ impl Progress {
         }
         if self.training && !last {
             match name.as_str() {
-                "Loss" => self.loss = Some(value),
-                _ => self.accuracy = Some(value),
+                "Loss" => self.step_means.loss.add(value, 1.0),
+                _ => self.step_means.accuracy.add(value, 1.0),
             }
         }
     }
@@ -302,6 +311,16 @@ impl TrainingProgressLogger for Progress {
         if !self.training {
             return;
         }
+        // On several devices, each reports its share of the step: the step is done when
+        // all have, its loss and accuracy the mean of theirs.
+        self.shares_in += 1;
+        if self.shares_in < self.plan.shares.max(1) {
+            return;
+        }
+        self.shares_in = 0;
+        let step = std::mem::take(&mut self.step_means);
+        self.loss = step.loss.get();
+        self.accuracy = step.accuracy.get().or(self.accuracy);
         self.step_in_epoch = items_processed.div_ceil(self.plan.batch_size);
         let step = self.step();
         if self.first.is_none() {

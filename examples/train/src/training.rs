@@ -25,7 +25,7 @@ use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::logger::FileMetricLogger;
 use burn::train::metric::store::Split as MetricSplit;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, NumericEntry};
-use burn::train::{Interrupter, Learner, SupervisedTraining};
+use burn::train::{ExecutionStrategy, Interrupter, Learner, MultiDeviceOptim, SupervisedTraining};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
@@ -63,6 +63,9 @@ pub struct Summary {
     pub model: ModelKind,
     /// The backend.
     pub backend: Backend,
+    /// The devices of the backend the steps ran on.
+    #[serde(default = "one")]
+    pub devices: usize,
     /// The optimizer steps done, counted over the whole run (resumed runs included); an
     /// interrupted run restarts from `last_checkpoint_epoch`.
     pub steps_done: usize,
@@ -114,6 +117,10 @@ pub struct Summary {
     pub tokens_per_second: f64,
 }
 
+fn one() -> usize {
+    1
+}
+
 /// What f16's dynamic loss scale did in a run.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
 pub struct LossScale {
@@ -123,7 +130,8 @@ pub struct LossScale {
     pub final_scale: f32,
 }
 
-/// Trains `config` in `run` from the checkpoint of epoch `start_epoch` (0: from scratch),
+/// Trains `config` in `run` from the checkpoint of epoch `start_epoch` (0: from scratch)
+/// on `devices` (the first the main one: with several, Burn's multi-device strategy),
 /// printing a line every `log_every` steps, then saves the model and decodes the held-out
 /// split. A Ctrl-C stops after the step it comes in (or between evaluation batches): the
 /// summary then says where the run got to.
@@ -134,21 +142,28 @@ pub fn train(
     config: &TrainConfig,
     run: &RunDir,
     start_epoch: usize,
-    device: &Device,
+    devices: &[Device],
     backend: Backend,
     log_every: usize,
 ) -> anyhow::Result<Summary> {
+    let device = devices.first().context("no device to train on")?;
+    let shares = devices.len();
     let fixed = config.fixed_shape(backend);
     let mixed = config.dtype.mixed();
     let train_device = device.clone().autodiff();
-    let model = config.init_model(&train_device)?;
+    let clip = config.clip_global.then_some(config.grad_clip);
+    let model = config
+        .init_model(&train_device)?
+        .with_global_clip(clip)
+        .with_step_devices(shares);
     let optim = optimizer(config);
+    // Each device's loader batches its share of every step.
+    let share_batch = config.batch_size / shares;
 
     // Fresh examples every epoch, each epoch's a function of the seed and its number
     // alone: a resumed run trains on the batches the uninterrupted one would have.
     let epoch = Arc::new(AtomicUsize::new(start_epoch));
     let text = config.task.task.is_text();
-    let clip = config.clip_global.then_some(config.grad_clip);
     let (train_batches, loader_valid, tokens_per_step) = match text {
         true => {
             let corpus = Arc::new(crate::lm::corpus(config)?);
@@ -160,16 +175,17 @@ pub fn train(
                 batch: config.batch_size,
                 steps_per_epoch: config.steps_per_epoch,
                 epoch: epoch.clone(),
+                shares,
             };
             let valid = crate::lm::ValidWindows::new(corpus, block, config.valid_examples);
-            let batcher = |mixed| crate::lm::TextBatcher { mixed, clip };
+            let batcher = |mixed, shares| crate::lm::TextBatcher { mixed, shares };
             (
-                DataLoaderBuilder::new(batcher(mixed.clone()))
-                    .batch_size(config.batch_size)
+                DataLoaderBuilder::new(batcher(mixed.clone(), shares))
+                    .batch_size(share_batch)
                     .build(stream),
                 // Validation batches of 64 whatever the training's: the loss is the mean
                 // over the windows either way, and larger batches cost less per window.
-                DataLoaderBuilder::new(batcher(mixed.as_ref().map(Mixed::inference)))
+                DataLoaderBuilder::new(batcher(mixed.as_ref().map(Mixed::inference), 1))
                     .batch_size(64)
                     .build(valid),
                 (config.batch_size * block) as f64,
@@ -179,7 +195,9 @@ pub fn train(
             let train_set = TrainStream {
                 task: config.task.clone(),
                 seed: config.seed,
-                len: config.steps_per_epoch * config.batch_size,
+                steps: config.steps_per_epoch,
+                batch: config.batch_size,
+                shares,
                 epoch: epoch.clone(),
             };
             let valid_set = TaskDataset::new(
@@ -193,15 +211,15 @@ pub fn train(
                     fixed,
                     pack: config.pack_width(),
                     mixed: mixed.clone(),
-                    clip,
+                    shares,
                 })
-                .batch_size(config.batch_size)
+                .batch_size(share_batch)
                 .build(train_set),
                 DataLoaderBuilder::new(SeqBatcher {
                     fixed,
                     pack: None,
                     mixed: mixed.as_ref().map(Mixed::inference),
-                    clip: None,
+                    shares: 1,
                 })
                 .batch_size(config.batch_size)
                 .build(valid_set),
@@ -212,6 +230,7 @@ pub fn train(
     let loader_train: Arc<dyn DataLoader<SeqBatch>> = Arc::new(EpochLoader {
         inner: train_batches,
         epoch,
+        advances: true,
         seed: config.seed,
         device: train_device.clone(),
     });
@@ -222,6 +241,7 @@ pub fn train(
         batch_size: config.batch_size,
         tokens_per_step,
         log_every,
+        shares,
     };
     let reached = Arc::new(Mutex::new(Reached {
         step: start_epoch * config.steps_per_epoch,
@@ -252,6 +272,14 @@ pub fn train(
         .summary();
     if start_epoch > 0 {
         training = training.checkpoint(start_epoch);
+    }
+    if shares > 1 {
+        // Burn's data-parallel strategy: a worker per device steps on its share, and the
+        // gradients are summed on the first device, where the optimizer steps and the
+        // validation runs.
+        training = training.with_training_strategy(
+            ExecutionStrategy::multi(devices.to_vec(), MultiDeviceOptim::OptimMainDevice).into(),
+        );
     }
 
     interrupt::watch(&interrupter);
@@ -364,7 +392,12 @@ pub fn trained_summary(config: &TrainConfig, run: &RunDir, backend: Backend) -> 
             ..summary
         };
     }
-    let losses = epoch_losses(&run.0, config.epochs, &MetricSplit::Train);
+    let losses = epoch_losses(
+        &run.0,
+        config.epochs,
+        &MetricSplit::Train,
+        config.devices.count(),
+    );
     let mean = |steps: &Vec<f64>| steps.iter().sum::<f64>() / steps.len() as f64;
     Summary {
         steps_done: config.total_steps(),
@@ -383,6 +416,7 @@ impl Summary {
             task: config.task.task,
             model: config.model.kind,
             backend,
+            devices: config.devices.count(),
             steps_done: 0,
             steps_total: config.total_steps(),
             last_checkpoint_epoch: run.last_complete_epoch(),
@@ -527,13 +561,34 @@ pub fn evaluate(
     ))
 }
 
-/// The training examples of the epoch `epoch` holds: example `i` of epoch `e` (from 1) is
-/// the task's training example number `(e - 1) * len + i`, a function of the seed, the
-/// epoch and `i` alone.
+/// Where item `index` of an epoch's training items goes: `(step, row)` of the epoch's
+/// `steps` steps of `batch` rows. On one device, item `i` is row `i % batch` of step
+/// `i / batch`. On `shares` devices, Burn's multi-device strategy gives device `d` the
+/// items `d · len / shares ..` (`len = steps · batch`) in batches of `batch / shares`:
+/// its `k`-th item is row `d · batch / shares + k % (batch / shares)` of step
+/// `k / (batch / shares)`, so that the devices' batches of a step are together the one
+/// device's batch of that step.
+pub fn step_row(index: usize, steps: usize, batch: usize, shares: usize) -> (usize, usize) {
+    if shares <= 1 {
+        return (index / batch, index % batch);
+    }
+    let (per_device, share) = (steps * batch / shares, batch / shares);
+    let (device, k) = (index / per_device, index % per_device);
+    (k / share, device * share + k % share)
+}
+
+/// The training examples of the epoch `epoch` holds: example `(step, row)` of epoch `e`
+/// (from 1) is the task's training example number `((e - 1) · steps + step) · batch +
+/// row` ([`step_row`]), a function of the seed, the epoch and the item alone.
 struct TrainStream {
     task: TaskConfig,
     seed: u64,
-    len: usize,
+    /// Steps per epoch.
+    steps: usize,
+    /// Sequences per step.
+    batch: usize,
+    /// The devices each step's batch is shared among.
+    shares: usize,
     /// The epoch being trained, set by [`EpochLoader`].
     epoch: Arc<AtomicUsize>,
 }
@@ -541,29 +596,36 @@ struct TrainStream {
 impl Dataset<Example> for TrainStream {
     fn get(&self, index: usize) -> Result<Example, DatasetError> {
         let epoch = self.epoch.load(Ordering::SeqCst).max(1) - 1;
-        Ok(self
-            .task
-            .example(self.seed, Split::Train, epoch * self.len + index))
+        let (step, row) = step_row(index, self.steps, self.batch, self.shares);
+        let number = (epoch * self.steps + step) * self.batch + row;
+        Ok(self.task.example(self.seed, Split::Train, number))
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.steps * self.batch
     }
 }
 
 /// The training loader: each pass over it (one per epoch, in order) trains the next
 /// epoch, whose number it gives [`TrainStream`]; it seeds the device's random numbers
 /// (dropout) from the seed and the epoch, so a resumed epoch draws what it drew before.
+/// Burn's multi-device strategy slices it, a slice per device, and starts a pass over
+/// every slice each epoch: the first slice's pass advances the epoch, the others' read it.
 struct EpochLoader {
     inner: Arc<dyn DataLoader<SeqBatch>>,
     epoch: Arc<AtomicUsize>,
+    /// Whether a pass over it starts the next epoch (the whole loader, or the first slice).
+    advances: bool,
     seed: u64,
     device: Device,
 }
 
 impl DataLoader<SeqBatch> for EpochLoader {
     fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<SeqBatch> + 'a> {
-        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst) + 1;
+        let epoch = match self.advances {
+            true => self.epoch.fetch_add(1, Ordering::SeqCst) + 1,
+            false => self.epoch.load(Ordering::SeqCst),
+        };
         self.device
             .seed(self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         self.inner.iter()
@@ -577,6 +639,7 @@ impl DataLoader<SeqBatch> for EpochLoader {
         Arc::new(Self {
             inner: self.inner.to_device(device),
             epoch: self.epoch.clone(),
+            advances: self.advances,
             seed: self.seed,
             device: device.clone(),
         })
@@ -586,6 +649,7 @@ impl DataLoader<SeqBatch> for EpochLoader {
         Arc::new(Self {
             inner: self.inner.slice(start, end),
             epoch: self.epoch.clone(),
+            advances: self.advances && start == 0,
             seed: self.seed,
             device: self.device.clone(),
         })
@@ -608,20 +672,54 @@ pub fn epoch_finals(dir: &Path, epochs: usize, split: &MetricSplit) -> Vec<f64> 
         .collect()
 }
 
-/// Per-step values of the `Loss` metric of each epoch `1..=epochs`, from the learner's logs.
-pub fn epoch_losses(dir: &Path, epochs: usize, split: &MetricSplit) -> Vec<Vec<f64>> {
+/// Per-step values of the `Loss` metric of each epoch `1..=epochs`, from the learner's
+/// logs: on `devices` devices (training; 1 for validation), the mean of each step's
+/// entries, one per device's share.
+pub fn epoch_losses(
+    dir: &Path,
+    epochs: usize,
+    split: &MetricSplit,
+    devices: usize,
+) -> Vec<Vec<f64>> {
     let mut logger = FileMetricLogger::new(dir);
     (1..=epochs)
         .map_while(|epoch| {
             use burn::train::logger::MetricLogger;
             let entries = logger.read_numeric("Loss", epoch, split).ok()?;
             // Per-step entries; the epoch's closing aggregate is left out.
-            let steps: Vec<f64> = entries
+            let shares: Vec<f64> = entries
                 .iter()
                 .filter(|e| !matches!(e, NumericEntry::Final(_)))
                 .map(|e| e.current())
                 .collect();
+            let steps: Vec<f64> = shares
+                .chunks(devices.max(1))
+                .map(|step| step.iter().sum::<f64>() / step.len() as f64)
+                .collect();
             (!steps.is_empty()).then_some(steps)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_row_gives_each_device_its_rows_of_every_step() {
+        // One device: items in order.
+        assert_eq!(step_row(13, 3, 8, 1), (1, 5));
+        // Two devices, 3 steps of 8: device 0 has items 0..12, device 1 items 12..24,
+        // each in batches of 4.
+        let mut seen = vec![vec![false; 8]; 3];
+        for index in 0..24 {
+            let (step, row) = step_row(index, 3, 8, 2);
+            let device = index / 12;
+            assert_eq!(step, (index % 12) / 4, "item {index}");
+            assert_eq!(row / 4, device, "item {index}: device {device}'s rows");
+            assert!(!seen[step][row], "item {index}: ({step}, {row}) twice");
+            seen[step][row] = true;
+        }
+        assert!(seen.iter().flatten().all(|&s| s));
+    }
 }

@@ -432,6 +432,11 @@ fn config_files_and_resume_take_only_what_they_can_honour() {
             "`batch_size` must be a whole number, 0 or more, got a string (\"64\")",
         ),
         ("[]", "a configuration must be a JSON object of fields"),
+        (
+            r#"{"devices": "two"}"#,
+            "`devices` must be a whole number (how many) or an array of them (which), got a \
+             string (\"two\")",
+        ),
     ] {
         std::fs::write(&file, text).unwrap();
         let out = run(on_flex(&["--out"])
@@ -933,6 +938,111 @@ fn a_resumed_run_retraces_the_uninterrupted_one() {
         summary(&whole)["exact_accuracy"],
         summary(&resumed)["exact_accuracy"]
     );
+}
+
+#[test]
+fn several_devices_train_resume_and_refuse_what_they_cannot() {
+    let root = scratch("devices");
+    let [whole, resumed] = [root.join("whole"), root.join("resumed")];
+    let two = |dir: &Path| {
+        let out = run(on_flex(TINY)
+            .args(["--devices", "2", "--epochs", "3", "--steps-per-epoch", "40"])
+            .arg("--out")
+            .arg(dir));
+        assert!(out.status.success());
+        out
+    };
+    let out = two(&whole);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("on 2 workers sharing flex's one device (the CPU), 16 sequences each"),
+        "{stdout}"
+    );
+    assert_eq!(summary(&whole)["devices"], 2);
+    // Inputs of one length: two devices train as one does with the whole batch (to f32
+    // rounding; `tests/devices.rs` compares the weights).
+    let one = root.join("one");
+    tiny_run(&one, "3");
+    let [a, b] = [&one, &whole].map(|dir| summary(dir));
+    let (la, lb) = (
+        a["final_loss"].as_f64().unwrap(),
+        b["final_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (la - lb).abs() < 1e-4 * la,
+        "final loss: one device {la}, two {lb}"
+    );
+    assert_eq!(a["token_accuracy"], b["token_accuracy"]);
+    // A loss per device per step, and the epoch's.
+    let losses = std::fs::read_to_string(whole.join("train/epoch-1/Loss.log")).unwrap();
+    assert_eq!(losses.lines().count(), 2 * 40 + 1, "{losses}");
+    // Killed after epoch 2's checkpoint, resumed: the same third epoch.
+    two(&resumed);
+    for path in ["checkpoints/epoch-3", "model.bpk", "summary.json"] {
+        let path = resumed.join(path);
+        match path.is_dir() {
+            true => std::fs::remove_dir_all(path).unwrap(),
+            false => std::fs::remove_file(path).unwrap(),
+        }
+    }
+    let out = run(on_flex(&["--resume", "--out"]).arg(&resumed));
+    assert!(out.status.success());
+    // The devices' losses of a step are logged in the order the devices finish.
+    let steps = |dir: &PathBuf, log: &str, devices: usize| -> Vec<Vec<String>> {
+        let text = std::fs::read_to_string(dir.join(log)).unwrap();
+        let lines: Vec<String> = text.lines().map(str::to_string).collect();
+        lines
+            .chunks(devices)
+            .map(|step| {
+                let mut step = step.to_vec();
+                step.sort();
+                step
+            })
+            .collect()
+    };
+    for (log, devices) in [("train/epoch-3/Loss.log", 2), ("valid/epoch-3/Loss.log", 1)] {
+        let [a, b] = [&whole, &resumed].map(|dir| steps(dir, log, devices));
+        assert_eq!(a, b, "{log}");
+    }
+    // What cannot run is refused before anything is written.
+    let before = checksums(&whole);
+    for (flags, wanted) in [
+        (
+            &["--devices", "3"][..],
+            "`--batch-size` (`batch_size`) = 32: the batch is shared among `--devices` \
+             (`devices`) 3, which needs a multiple of 3",
+        ),
+        (
+            &["--devices", "0,1"][..],
+            "--devices 0,1: no device 1: flex has one device, the CPU (index 0)",
+        ),
+        (
+            &["--devices", "2", "--dtype", "f16"][..],
+            "`--dtype` (`dtype`) f16 with `--devices` (`devices`) 2: f16's loss scale",
+        ),
+        (
+            &["--devices", "0"][..],
+            "must name at least one device, got 0",
+        ),
+    ] {
+        let out = run(on_flex(TINY)
+            .args(flags)
+            .args(["--overwrite", "--out"])
+            .arg(&whole));
+        assert_error(&out, &[wanted]);
+        assert_eq!(checksums(&whole), before, "{flags:?} changed the run");
+    }
+    let out = run(on_flex(TINY)
+        .args(["--devices", "two", "--out"])
+        .arg(&whole));
+    assert_eq!(out.status.code(), Some(2), "clap's error");
+    assert!(stderr(&out).contains("a number of devices (`2`)"));
+    let out = run(on_flex(&["--resume", "--devices", "1", "--epochs", "4", "--out"]).arg(&whole));
+    assert_error(
+        &out,
+        &["--devices 1 would change the run, which was trained with 2"],
+    );
+    assert_eq!(checksums(&whole), before);
 }
 
 #[test]

@@ -33,10 +33,11 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
     });
     let run = run_dir(&args.out, task)?;
     let dir = run.0.display();
-    let (config, start, device, _lock) = match args.resume {
+    let (config, start, devices, _lock) = match args.resume {
         true => prepare_resume(args, &run, backend)?,
         false => prepare_new(args, &run, backend)?,
     };
+    let device = devices[0].clone();
     warn_if_software(backend, &device);
     interrupt::install()?;
     let start_epoch = match start {
@@ -115,7 +116,17 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
         ),
         Precision::Bf16 => println!("computing in bf16 with f32 weights"),
     }
-    let summary = training::train(&config, &run, start_epoch, &device, backend, args.log_every)?;
+    if devices.len() > 1 {
+        println!("{}", devices_line(backend, &devices, config.batch_size));
+    }
+    let summary = training::train(
+        &config,
+        &run,
+        start_epoch,
+        &devices,
+        backend,
+        args.log_every,
+    )?;
     training::write_summary(&run, &summary)?;
     report(&config, &run, &summary, &device)?;
     Ok(summary.status == Status::Finished)
@@ -127,7 +138,7 @@ fn prepare_new(
     args: &TrainArgs,
     run: &RunDir,
     backend: Backend,
-) -> anyhow::Result<(TrainConfig, Start, Device, RunLock)> {
+) -> anyhow::Result<(TrainConfig, Start, Vec<Device>, RunLock)> {
     let base = match &args.config {
         Some(path) => TrainConfig::read_as(path, args.task)?,
         None => TrainConfig::defaults(args.task.unwrap_or(TrainConfig::default().task.task)),
@@ -138,12 +149,12 @@ fn prepare_new(
         crate::lm::load_vocab(&mut config)?;
     }
     crate::memory::training(&config).check(backend)?;
-    let device = backend.device()?;
-    config.dtype.check(backend, &device)?;
+    let devices = backend.devices(&config.devices)?;
+    config.dtype.check(backend, &devices[0])?;
     let lock = run.lock()?;
     run.prepare_new(args.overwrite)?;
     run.write_config(&config)?;
-    Ok((config, Start::Train(0), device, lock))
+    Ok((config, Start::Train(0), devices, lock))
 }
 
 /// Locks the run in `run` and checks it and what the flags change of it (its metric logs,
@@ -153,7 +164,7 @@ fn prepare_resume(
     args: &TrainArgs,
     run: &RunDir,
     backend: Backend,
-) -> anyhow::Result<(TrainConfig, Start, Device, RunLock)> {
+) -> anyhow::Result<(TrainConfig, Start, Vec<Device>, RunLock)> {
     let dir = run.0.display();
     anyhow::ensure!(
         run.holds_run(),
@@ -173,6 +184,7 @@ fn prepare_resume(
         }
     }
     let mut config = stored.resumed(args.apply(stored.clone()), done)?;
+    let devices = backend.devices(&config.devices)?;
     if config.task.task.is_text() {
         crate::lm::load_vocab(&mut config)?;
     }
@@ -211,13 +223,38 @@ fn prepare_resume(
         if config != stored {
             run.write_config(&config)?;
         }
-        return Ok((config, Start::Evaluate(Box::new(summary)), device, lock));
+        return Ok((config, Start::Evaluate(Box::new(summary)), devices, lock));
     }
     run.forget_after(done)?;
     if config != stored {
         run.write_config(&config)?;
     }
-    Ok((config, Start::Train(done), device, lock))
+    Ok((config, Start::Train(done), devices, lock))
+}
+
+/// `on 2 devices of wgpu (0: NVIDIA H100, 1: NVIDIA H100), 32 sequences each per step`.
+fn devices_line(backend: Backend, devices: &[Device], batch: usize) -> String {
+    let share = batch / devices.len();
+    match backend.is_gpu() {
+        true => {
+            let names: Vec<String> = devices.iter().map(crate::backend::device_name).collect();
+            format!(
+                "on {} devices of {backend} ({}), {} each per step; Burn sums their \
+                 gradients (of the loss / {}) on the first",
+                devices.len(),
+                names.join(", "),
+                plural(share, "sequence"),
+                devices.len()
+            )
+        }
+        false => format!(
+            "on {} workers sharing {backend}'s one device (the CPU), {} each per step; Burn \
+             sums their gradients (of the loss / {}): the steps of one device, not faster",
+            devices.len(),
+            plural(share, "sequence"),
+            devices.len()
+        ),
+    }
 }
 
 /// Finishes the final evaluation of a run whose epochs are all trained (a Ctrl-C or a

@@ -23,7 +23,8 @@ pub mod text;
 
 use burn::module::Module;
 use burn::nn::{EmbeddingConfig, LinearConfig};
-use burn::optim::GradientsParams;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{DType, Device, FloatDType, Int, Tensor};
 use burn::train::{InferenceStep, SequenceOutput, TrainOutput, TrainStep};
 use mha::{
@@ -204,6 +205,8 @@ impl ModelConfig {
                     .try_init(device)?,
                 head: Some(head),
                 embed_dropout: 0.0,
+                global_clip: None,
+                step_devices: 1,
             }),
             ModelKind::EncoderDecoder => {
                 let dec = DecoderBlockConfig::new(self.d_model, self.n_heads)
@@ -214,6 +217,8 @@ impl ModelConfig {
                     encoder: EncoderConfig::new(block(true), self.n_layers).try_init(device)?,
                     decoder: DecoderConfig::new(dec, self.n_layers).try_init(device)?,
                     head,
+                    global_clip: None,
+                    step_devices: 1,
                 })
             }
         })
@@ -252,6 +257,8 @@ impl ModelConfig {
             blocks: EncoderConfig::new(block, self.n_layers).try_init(device)?,
             head: None,
             embed_dropout: self.dropout,
+            global_clip: None,
+            step_devices: 1,
         };
         let mut init = GptInit {
             path: Vec::new(),
@@ -318,6 +325,42 @@ pub enum Model {
 }
 
 impl Model {
+    /// The model with its optimizer steps clipping the norm of all the gradients together
+    /// at `max` (PyTorch's `clip_grad_norm_`), or not (`None`). The clip is in
+    /// [`TrainStep::optimize`], on the gradient the step applies: with several devices,
+    /// their sum, as with one device the whole batch's.
+    pub fn with_global_clip(mut self, max: Option<f32>) -> Self {
+        match &mut self {
+            Model::DecoderOnly(m) => m.global_clip = max,
+            Model::EncoderDecoder(m) => m.global_clip = max,
+        }
+        self
+    }
+
+    fn global_clip(&self) -> Option<f32> {
+        match self {
+            Model::DecoderOnly(m) => m.global_clip,
+            Model::EncoderDecoder(m) => m.global_clip,
+        }
+    }
+
+    /// The model trained on `devices` devices (1 unless Burn's multi-device strategy runs
+    /// it), whose optimizer steps then wait for their work (see [`TrainStep::optimize`]).
+    pub fn with_step_devices(mut self, devices: usize) -> Self {
+        match &mut self {
+            Model::DecoderOnly(m) => m.step_devices = devices,
+            Model::EncoderDecoder(m) => m.step_devices = devices,
+        }
+        self
+    }
+
+    fn step_devices(&self) -> usize {
+        match self {
+            Model::DecoderOnly(m) => m.step_devices,
+            Model::EncoderDecoder(m) => m.step_devices,
+        }
+    }
+
     /// Loss and logits of a batch, with the targets the loss compares against.
     pub fn forward_loss(&self, batch: SeqBatch) -> SequenceOutput {
         let ignore = batch.ignore;
@@ -372,25 +415,35 @@ impl TrainStep for Model {
     /// [`Mixed`](crate::precision::Mixed) dtype (the gradients
     /// arriving at the f32 weights), the loss scaled and the gradients unscaled for f16;
     /// a step whose scaled gradients overflow gives none (AdamW then leaves the weights
-    /// as they are) and halves the scale.
+    /// as they are) and halves the scale. The gradients are those of the loss times the
+    /// batch's [`loss_weight`](SeqBatch::loss_weight) (a device's share of a step on
+    /// several); the output keeps the loss itself.
     fn step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
-        let clip = batch.clip;
-        let (output, mut grads) = match batch.mixed.clone() {
+        let weight = batch.loss_weight;
+        let weighted = |loss: Tensor<1>| match weight == 1.0 {
+            true => loss,
+            false => loss * weight,
+        };
+        let (output, grads) = match batch.mixed.clone() {
             None => {
                 let output = self.forward_loss(batch);
-                let grads = GradientsParams::from_grads(output.loss.backward(), self);
+                let grads =
+                    GradientsParams::from_grads(weighted(output.loss.clone()).backward(), self);
                 (output, grads)
             }
             Some(mixed) => {
                 let output = compute_copy(self, mixed.dtype).forward_loss(batch);
                 match mixed.scaler {
                     None => {
-                        let grads = GradientsParams::from_grads(output.loss.backward(), self);
+                        let grads = GradientsParams::from_grads(
+                            weighted(output.loss.clone()).backward(),
+                            self,
+                        );
                         (output, grads)
                     }
                     Some(scaler) => {
                         let scale = scaler.lock().expect("not poisoned").scale();
-                        let scaled = output.loss.clone() * scale;
+                        let scaled = weighted(output.loss.clone()) * scale;
                         let mut grads = GradientsParams::from_grads(scaled.backward(), self);
                         let finite = unscale(&mut grads, self, scale);
                         scaler.lock().expect("not poisoned").update(finite);
@@ -402,13 +455,47 @@ impl TrainStep for Model {
                 }
             }
         };
-        if let Some(max) = clip {
-            clip_global_norm(&mut grads, self, max);
+        if weight != 1.0 {
+            // A share of a step on several devices: its gradients are complete before Burn
+            // moves them to the main device (see `optimize`).
+            if let Err(err) = output.loss.device().sync() {
+                panic!("the device of a share of the step failed: {err:?}");
+            }
         }
         TrainOutput {
             grads,
             item: output,
         }
+    }
+
+    /// The optimizer's step, the gradients first clipped together at the model's
+    /// [global clip](Model::with_global_clip) when it has one. Burn's multi-device
+    /// strategy calls it with the devices' gradients summed on the main device.
+    fn optimize(
+        self,
+        optim: &mut ModuleOptimizer,
+        lr_module: ModuleLearningRate,
+        mut grads: GradientsParams,
+    ) -> Self {
+        if let Some(max) = self.global_clip() {
+            clip_global_norm(&mut grads, &self, max);
+        }
+        let several = self.step_devices() > 1;
+        let model = optim.step(lr_module, self, grads);
+        if several {
+            // Burn 0.22.1 copies the weights to the other devices (and their gradients
+            // back) without waiting for the work queued on the device they come from:
+            // between two wgpu devices, a copy read weights the optimizer had not written
+            // yet, and two-device runs ended 1e-3 to 5e-3 away from one device's, a
+            // different distance every run. Waiting here and after each share's backward
+            // pass makes them match it to 1e-6.
+            for device in model.devices() {
+                if let Err(err) = device.sync() {
+                    panic!("the main device failed in the optimizer's step: {err:?}");
+                }
+            }
+        }
+        model
     }
 }
 
