@@ -484,11 +484,10 @@ impl TrainStep for Model {
         let model = optim.step(lr_module, self, grads);
         if several {
             // Burn 0.22.1 copies the weights to the other devices (and their gradients
-            // back) without waiting for the work queued on the device they come from:
-            // between two wgpu devices, a copy read weights the optimizer had not written
-            // yet, and two-device runs ended 1e-3 to 5e-3 away from one device's, a
-            // different distance every run. Waiting here and after each share's backward
-            // pass makes them match it to 1e-6.
+            // back) through the host. Between two wgpu devices, without a wait for the
+            // queued work here and after each share's backward pass, two-device runs
+            // ended 1e-3 to 5e-3 away from one device's, a different distance every run
+            // (a copy apparently read what was not written yet); with the waits, 5e-7.
             for device in model.devices() {
                 if let Err(err) = device.sync() {
                     panic!("the main device failed in the optimizer's step: {err:?}");
