@@ -908,6 +908,17 @@ fn a_non_finite_loss_stops_the_run_at_its_step() {
     assert_error(&out, &["no model or usable checkpoint"]);
 }
 
+/// Leaves the finished three-epoch run in `dir` as if killed after epoch 2's checkpoint.
+fn killed_after_epoch_2(dir: &Path) {
+    for path in ["checkpoints/epoch-3", "model.bpk", "summary.json"] {
+        let path = dir.join(path);
+        match path.is_dir() {
+            true => std::fs::remove_dir_all(path).unwrap(),
+            false => std::fs::remove_file(path).unwrap(),
+        }
+    }
+}
+
 #[test]
 fn a_resumed_run_retraces_the_uninterrupted_one() {
     let root = scratch("retrace");
@@ -915,14 +926,7 @@ fn a_resumed_run_retraces_the_uninterrupted_one() {
     for dir in [&whole, &resumed] {
         tiny_run(dir, "3");
     }
-    // As if killed after epoch 2's checkpoint.
-    for path in ["checkpoints/epoch-3", "model.bpk", "summary.json"] {
-        let path = resumed.join(path);
-        match path.is_dir() {
-            true => std::fs::remove_dir_all(path).unwrap(),
-            false => std::fs::remove_file(path).unwrap(),
-        }
-    }
+    killed_after_epoch_2(&resumed);
     let out = run(on_flex(&["--resume", "--out"]).arg(&resumed));
     assert!(out.status.success());
     for log in [
@@ -978,13 +982,7 @@ fn several_devices_train_resume_and_refuse_what_they_cannot() {
     assert_eq!(losses.lines().count(), 2 * 40 + 1, "{losses}");
     // Killed after epoch 2's checkpoint, resumed: the same third epoch.
     two(&resumed);
-    for path in ["checkpoints/epoch-3", "model.bpk", "summary.json"] {
-        let path = resumed.join(path);
-        match path.is_dir() {
-            true => std::fs::remove_dir_all(path).unwrap(),
-            false => std::fs::remove_file(path).unwrap(),
-        }
-    }
+    killed_after_epoch_2(&resumed);
     let out = run(on_flex(&["--resume", "--out"]).arg(&resumed));
     assert!(out.status.success());
     // The devices' losses of a step are logged in the order the devices finish.
