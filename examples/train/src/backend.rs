@@ -117,7 +117,7 @@ impl Backend {
             true => self.listed(),
             false => vec![one.clone()],
         };
-        let indices = devices.indices();
+        let flag = DEVICES.flag.unwrap_or(DEVICES.path);
         let names = || match self.is_gpu() {
             true => {
                 let names: Vec<String> = listed
@@ -145,8 +145,7 @@ impl Backend {
         {
             anyhow::ensure!(
                 *n <= listed.len(),
-                "{} {n}: {}; train on at most {}",
-                DEVICES.flag.unwrap_or(DEVICES.path),
+                "{flag} {n}: {}; train on at most {}",
                 names(),
                 listed.len()
             );
@@ -155,9 +154,7 @@ impl Backend {
             for &i in list {
                 anyhow::ensure!(
                     i < listed.len(),
-                    "{} {}: no device {i}: {}",
-                    DEVICES.flag.unwrap_or(DEVICES.path),
-                    devices,
+                    "{flag} {devices}: no device {i}: {}",
                     names()
                 );
             }
@@ -167,13 +164,12 @@ impl Backend {
                 seen.dedup();
                 anyhow::ensure!(
                     seen.len() == list.len(),
-                    "{} {}: a device named twice; each GPU device trains once",
-                    DEVICES.flag.unwrap_or(DEVICES.path),
-                    devices
+                    "{flag} {devices}: a device named twice; each GPU device trains once"
                 );
             }
         }
-        Ok(indices
+        Ok(devices
+            .indices()
             .into_iter()
             .map(|i| match self.is_gpu() {
                 true => listed[i].clone(),
