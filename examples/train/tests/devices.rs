@@ -191,7 +191,7 @@ fn two_devices_train_to_the_parameters_of_one_with_the_whole_batch() {
         // weights by a few 1e-2. Two devices sum the same gradients in another order:
         // f32 rounding, about 1e-7 of them, which AdamW's division by the root of the
         // second moment can enlarge for a weight whose gradients are near zero (measured:
-        // 1e-7 on flex, 5e-7 on wgpu). A step on other rows, clipped per device, or
+        // 2.6e-7 on flex, 4.5e-7 on wgpu). A step on other rows, clipped per device, or
         // reading weights not yet written (wgpu without the steps' waits: 1e-3 to 5e-3)
         // ends 1e-3 and more away.
         assert!(

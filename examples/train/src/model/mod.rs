@@ -487,7 +487,7 @@ impl TrainStep for Model {
             // back) through the host. Between two wgpu devices, without a wait for the
             // queued work here and after each share's backward pass, two-device runs
             // ended 1e-3 to 5e-3 away from one device's, a different distance every run
-            // (a copy apparently read what was not written yet); with the waits, 5e-7.
+            // (a copy apparently read what was not written yet); with the waits, 4.5e-7.
             for device in model.devices() {
                 if let Err(err) = device.sync() {
                     panic!("the main device failed in the optimizer's step: {err:?}");
