@@ -32,7 +32,7 @@ use crate::backend::Backend;
 use crate::batch::{FixedShape, SeqBatch, SeqBatcher};
 use crate::config::TrainConfig;
 use crate::interrupt;
-use crate::model::{Model, ModelKind, PositionKind};
+use crate::model::{Model, ModelKind, PositionKind, Stepping};
 use crate::precision::{Mixed, Precision, compute_copy};
 use crate::progress::{Plan, Progress, Reached};
 use crate::run_dir::{RunDir, write_atomically};
@@ -151,11 +151,10 @@ pub fn train(
     let fixed = config.fixed_shape(backend);
     let mixed = config.dtype.mixed();
     let train_device = device.clone().autodiff();
-    let clip = config.clip_global.then_some(config.grad_clip);
-    let model = config
-        .init_model(&train_device)?
-        .with_global_clip(clip)
-        .with_step_devices(shares);
+    let model = config.init_model(&train_device)?.with_stepping(Stepping {
+        global_clip: config.clip_global.then_some(config.grad_clip),
+        devices: shares,
+    });
     let optim = optimizer(config);
     // Each device's loader batches its share of every step.
     let share_batch = config.batch_size / shares;

@@ -232,29 +232,24 @@ fn prepare_resume(
     Ok((config, Start::Train(done), devices, lock))
 }
 
-/// `on 2 devices of wgpu (0: NVIDIA H100, 1: NVIDIA H100), 32 sequences each per step`.
+/// `on 2 devices of wgpu (NVIDIA H100, NVIDIA H100), 32 sequences each per step; ...`.
 fn devices_line(backend: Backend, devices: &[Device], batch: usize) -> String {
-    let share = batch / devices.len();
-    match backend.is_gpu() {
+    let n = devices.len();
+    let on = match backend.is_gpu() {
         true => {
             let names: Vec<String> = devices.iter().map(crate::backend::device_name).collect();
-            format!(
-                "on {} devices of {backend} ({}), {} each per step; Burn sums their \
-                 gradients (of the loss / {}) on the first",
-                devices.len(),
-                names.join(", "),
-                plural(share, "sequence"),
-                devices.len()
-            )
+            format!("on {n} devices of {backend} ({})", names.join(", "))
         }
-        false => format!(
-            "on {} workers sharing {backend}'s one device (the CPU), {} each per step; Burn \
-             sums their gradients (of the loss / {}): the steps of one device, not faster",
-            devices.len(),
-            plural(share, "sequence"),
-            devices.len()
-        ),
-    }
+        false => format!("on {n} workers sharing {backend}'s one device (the CPU)"),
+    };
+    let after = match backend.is_gpu() {
+        true => " on the first",
+        false => ": the steps of one device, not faster",
+    };
+    format!(
+        "{on}, {} each per step; Burn sums their gradients (of the loss / {n}){after}",
+        plural(batch / n, "sequence")
+    )
 }
 
 /// Finishes the final evaluation of a run whose epochs are all trained (a Ctrl-C or a

@@ -23,14 +23,9 @@ pub struct EncoderDecoder {
     pub(super) decoder: Decoder,
     /// The LM head: a logit per token of the vocabulary.
     pub(super) head: Linear,
-    /// The norm the optimizer step clips all the gradients at together, when the run
-    /// clips them so (see [`Model::with_global_clip`](super::Model::with_global_clip)).
+    /// How its optimizer steps run (see [`Model::with_stepping`](super::Model::with_stepping)).
     #[module(skip)]
-    pub(super) global_clip: Option<f32>,
-    /// The devices its steps run on (see
-    /// [`Model::with_step_devices`](super::Model::with_step_devices)).
-    #[module(skip)]
-    pub(super) step_devices: usize,
+    pub(super) stepping: super::Stepping,
 }
 
 impl EncoderDecoder {

@@ -205,8 +205,7 @@ impl ModelConfig {
                     .try_init(device)?,
                 head: Some(head),
                 embed_dropout: 0.0,
-                global_clip: None,
-                step_devices: 1,
+                stepping: Stepping::default(),
             }),
             ModelKind::EncoderDecoder => {
                 let dec = DecoderBlockConfig::new(self.d_model, self.n_heads)
@@ -217,8 +216,7 @@ impl ModelConfig {
                     encoder: EncoderConfig::new(block(true), self.n_layers).try_init(device)?,
                     decoder: DecoderConfig::new(dec, self.n_layers).try_init(device)?,
                     head,
-                    global_clip: None,
-                    step_devices: 1,
+                    stepping: Stepping::default(),
                 })
             }
         })
@@ -257,8 +255,7 @@ impl ModelConfig {
             blocks: EncoderConfig::new(block, self.n_layers).try_init(device)?,
             head: None,
             embed_dropout: self.dropout,
-            global_clip: None,
-            step_devices: 1,
+            stepping: Stepping::default(),
         };
         let mut init = GptInit {
             path: Vec::new(),
@@ -313,6 +310,29 @@ impl burn::module::ModuleMapper for GptInit {
     }
 }
 
+/// How a model's optimizer steps run ([`TrainStep::optimize`]): not part of its weights
+/// or its record.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stepping {
+    /// The norm all the gradients are clipped at together (PyTorch's `clip_grad_norm_`),
+    /// if they are: the gradient the step applies, with several devices their sum, as
+    /// with one device the whole batch's.
+    pub global_clip: Option<f32>,
+    /// The devices the steps run on (1 unless Burn's multi-device strategy runs them);
+    /// with several, the step waits for the devices' work.
+    pub devices: usize,
+}
+
+impl Default for Stepping {
+    /// No global clip, one device.
+    fn default() -> Self {
+        Self {
+            global_clip: None,
+            devices: 1,
+        }
+    }
+}
+
 /// Either model.
 // One per run: the size of the enum does not matter, and Burn's derive takes no Box.
 #[allow(clippy::large_enum_variant)]
@@ -325,39 +345,19 @@ pub enum Model {
 }
 
 impl Model {
-    /// The model with its optimizer steps clipping the norm of all the gradients together
-    /// at `max` (PyTorch's `clip_grad_norm_`), or not (`None`). The clip is in
-    /// [`TrainStep::optimize`], on the gradient the step applies: with several devices,
-    /// their sum, as with one device the whole batch's.
-    pub fn with_global_clip(mut self, max: Option<f32>) -> Self {
+    /// The model with its optimizer steps run as `stepping` says (see [`Stepping`]).
+    pub fn with_stepping(mut self, stepping: Stepping) -> Self {
         match &mut self {
-            Model::DecoderOnly(m) => m.global_clip = max,
-            Model::EncoderDecoder(m) => m.global_clip = max,
+            Model::DecoderOnly(m) => m.stepping = stepping,
+            Model::EncoderDecoder(m) => m.stepping = stepping,
         }
         self
     }
 
-    fn global_clip(&self) -> Option<f32> {
+    fn stepping(&self) -> Stepping {
         match self {
-            Model::DecoderOnly(m) => m.global_clip,
-            Model::EncoderDecoder(m) => m.global_clip,
-        }
-    }
-
-    /// The model trained on `devices` devices (1 unless Burn's multi-device strategy runs
-    /// it), whose optimizer steps then wait for their work (see [`TrainStep::optimize`]).
-    pub fn with_step_devices(mut self, devices: usize) -> Self {
-        match &mut self {
-            Model::DecoderOnly(m) => m.step_devices = devices,
-            Model::EncoderDecoder(m) => m.step_devices = devices,
-        }
-        self
-    }
-
-    fn step_devices(&self) -> usize {
-        match self {
-            Model::DecoderOnly(m) => m.step_devices,
-            Model::EncoderDecoder(m) => m.step_devices,
+            Model::DecoderOnly(m) => m.stepping,
+            Model::EncoderDecoder(m) => m.stepping,
         }
     }
 
@@ -469,7 +469,7 @@ impl TrainStep for Model {
     }
 
     /// The optimizer's step, the gradients first clipped together at the model's
-    /// [global clip](Model::with_global_clip) when it has one. Burn's multi-device
+    /// [global clip](Stepping::global_clip) when it has one. Burn's multi-device
     /// strategy calls it with the devices' gradients summed on the main device.
     fn optimize(
         self,
@@ -477,10 +477,11 @@ impl TrainStep for Model {
         lr_module: ModuleLearningRate,
         mut grads: GradientsParams,
     ) -> Self {
-        if let Some(max) = self.global_clip() {
+        let stepping = self.stepping();
+        if let Some(max) = stepping.global_clip {
             clip_global_norm(&mut grads, &self, max);
         }
-        let several = self.step_devices() > 1;
+        let several = stepping.devices > 1;
         let model = optim.step(lr_module, self, grads);
         if several {
             // Burn 0.22.1 copies the weights to the other devices (and their gradients
