@@ -14,11 +14,15 @@
 //! at both sizes; docs/benchmarks.md ("Matrix engines") has its numbers.
 
 use burn::backend::tensor::FloatTensor;
+use rayon::prelude::*;
 
 use super::{CpuTensors, Grid, dims_of};
 
 /// The product `m x n x k` above which the kernels run on every thread (flex's threshold).
 const PARALLEL: usize = 192 * 192 * 192;
+
+/// Elements of the output per parallel task of the bias's addition (whole rows).
+const BIAS_CHUNK: usize = 1 << 14;
 
 /// A matrix read through a [`Grid`] of shape `[1, 1, rows, cols]` with unit column stride:
 /// its first element and row stride.
@@ -78,8 +82,8 @@ unsafe fn product(
 
 /// A buffer of `len` floats that `write` fills whole through the pointer it is given (a
 /// [`product`] without `add` writes every element of its `m x n` result and reads none),
-/// not zeroed first: zeroing it would be a pass over memory only to be overwritten. A
-/// product over `k = 0` writes nothing (its result is zeros): that buffer is zeroed.
+/// not zeroed first ([`super::written`]). A product over `k = 0` writes nothing (its
+/// result is zeros): that buffer is zeroed.
 ///
 /// # Safety
 /// Unless `k` is 0, `write` initialises all `len` elements behind the pointer.
@@ -87,12 +91,8 @@ unsafe fn written_whole(len: usize, k: usize, write: impl FnOnce(*mut f32)) -> V
     if k == 0 {
         return vec![0.0f32; len];
     }
-    let mut out = Vec::with_capacity(len);
-    write(out.as_mut_ptr());
-    // SAFETY: `write` initialised all `len` elements (the contract above); the capacity
-    // is `len`.
-    unsafe { out.set_len(len) };
-    out
+    // SAFETY: the caller's contract.
+    unsafe { super::written(len, |out| write(out.as_mut_ptr().cast())) }
 }
 
 /// `x W + b` for `x` `[1, 1, rows, d_in]`, `weight` `[1, 1, d_in, d_out]` and `bias`
@@ -107,33 +107,33 @@ pub(crate) fn linear_forward<B: CpuTensors>(
     let d_out = dims_of::<B>(&weight)[3];
     let xm = Matrix::of(&B::floats(&x), [rows, d_in]);
     let wm = Matrix::of(&B::floats(&weight), [d_in, d_out]);
-    let run = |out: *mut f32, add: bool| {
+    let run = |out: *mut f32| {
         // SAFETY: the grids bound both operands; `out` holds rows x d_out.
         unsafe {
             product(
                 [rows, d_out, d_in],
                 out,
-                add,
+                false,
                 (xm.ptr, xm.row_stride, 1),
                 (wm.ptr, wm.row_stride, 1),
             );
         }
     };
-    let out = match bias {
-        // Every row starts as the bias, and the product adds to it.
-        Some(bias) => {
-            let bias = B::readable(bias);
-            let bias = B::floats(&bias).contiguous([1, 1, 1, d_out]);
-            let mut out = Vec::with_capacity(rows * d_out);
-            for _ in 0..rows {
-                out.extend_from_slice(&bias);
+    // SAFETY: a product without `add` writes its whole rows x d_out result.
+    let mut out = unsafe { written_whole(rows * d_out, d_in, run) };
+    if let Some(bias) = bias {
+        // Added to the product in parallel (the product written first, then the bias:
+        // filling every row with the bias for the product to add to was a pass over the
+        // output on one thread while the others waited).
+        let bias = B::readable(bias);
+        let bias = B::floats(&bias).contiguous([1, 1, 1, d_out]);
+        let per = (BIAS_CHUNK / d_out.max(1)).max(1) * d_out.max(1);
+        out.par_chunks_mut(per).for_each(|block| {
+            for row in block.chunks_exact_mut(d_out) {
+                row.iter_mut().zip(bias.iter()).for_each(|(o, b)| *o += b);
             }
-            run(out.as_mut_ptr(), true);
-            out
-        }
-        // SAFETY: a product without `add` writes its whole rows x d_out result.
-        None => unsafe { written_whole(rows * d_out, d_in, |out| run(out, false)) },
-    };
+        });
+    }
     B::from_rows(out, [1, 1, rows, d_out])
 }
 

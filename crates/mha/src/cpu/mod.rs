@@ -26,3 +26,20 @@ mod tensors;
 mod testing;
 
 pub(crate) use tensors::{CpuTensors, Grid, dims_of};
+
+use std::mem::MaybeUninit;
+
+/// A buffer of `len` floats that `write` fills whole, not zeroed first: an output the
+/// kernel writes every element of, where zeroing it would be one more pass over memory
+/// only to be overwritten.
+///
+/// # Safety
+/// `write` initialises every element of the slice it is given.
+pub(crate) unsafe fn written(len: usize, write: impl FnOnce(&mut [MaybeUninit<f32>])) -> Vec<f32> {
+    let mut out = Vec::with_capacity(len);
+    write(&mut out.spare_capacity_mut()[..len]);
+    // SAFETY: `write` initialised all `len` elements (the contract above); the capacity
+    // is at least `len`.
+    unsafe { out.set_len(len) };
+    out
+}

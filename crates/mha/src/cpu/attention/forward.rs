@@ -37,8 +37,11 @@ pub(super) fn forward_on(
         d_v,
         ..
     } = dims;
-    let mut output = vec![0.0f32; batch * queries * heads * d_v];
-    let mut lse = vec![0.0f32; batch * heads * queries];
+    // Not zeroed: the tasks below write every row of both (each query of each head
+    // belongs to one tile), through the pointers.
+    let (output_len, lse_len) = (batch * queries * heads * d_v, batch * heads * queries);
+    let mut output = Vec::<f32>::with_capacity(output_len);
+    let mut lse = Vec::<f32>::with_capacity(lse_len);
     let tiles = queries.div_ceil(QT);
     let out = Out(output.as_mut_ptr());
     let lse_out = Out(lse.as_mut_ptr());
@@ -69,6 +72,12 @@ pub(super) fn forward_on(
             }
         },
     );
+    // SAFETY: the tasks wrote all `output_len` and `lse_len` elements (above); the
+    // capacities are those.
+    unsafe {
+        output.set_len(output_len);
+        lse.set_len(lse_len);
+    }
     (output, lse)
 }
 

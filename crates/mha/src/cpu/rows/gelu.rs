@@ -12,7 +12,9 @@ use burn::backend::tensor::FloatTensor;
 
 use crate::cpu::isa::{Arch, Isa, Kernel};
 
-use crate::cpu::{CpuTensors, dims_of};
+use std::mem::MaybeUninit;
+
+use crate::cpu::{CpuTensors, dims_of, written};
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -22,12 +24,14 @@ pub(crate) fn gelu_forward<B: CpuTensors>(x: &FloatTensor<B>) -> FloatTensor<B> 
     let x = B::readable(x);
     let dims = dims_of::<B>(&x);
     let input = B::floats(&x).contiguous(dims);
-    let mut out = vec![0.0f32; input.len()];
     let isa = Isa::best();
-    out.par_chunks_mut(CHUNK)
-        .zip(input.par_chunks(CHUNK))
-        .for_each(|(out, x)| isa.run(Rows { x, grad: None, out }));
-    B::from_rows(out, dims)
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        out.par_chunks_mut(CHUNK)
+            .zip(input.par_chunks(CHUNK))
+            .for_each(|(out, x)| isa.run(Rows { x, grad: None, out }))
+    };
+    // SAFETY: the chunks cover `out`, and `Rows` writes each of its elements.
+    B::from_rows(unsafe { written(input.len(), fill) }, dims)
 }
 
 /// The gradient of GELU at `x` times `grad`, both rank 4 of one shape.
@@ -39,25 +43,28 @@ pub(crate) fn gelu_backward<B: CpuTensors>(
     let dims = dims_of::<B>(&x);
     let input = B::floats(&x).contiguous(dims);
     let upstream = B::floats(&grad).contiguous(dims);
-    let mut out = vec![0.0f32; input.len()];
     let isa = Isa::best();
-    out.par_chunks_mut(CHUNK)
-        .zip(input.par_chunks(CHUNK).zip(upstream.par_chunks(CHUNK)))
-        .for_each(|(out, (x, g))| {
-            isa.run(Rows {
-                x,
-                grad: Some(g),
-                out,
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        out.par_chunks_mut(CHUNK)
+            .zip(input.par_chunks(CHUNK).zip(upstream.par_chunks(CHUNK)))
+            .for_each(|(out, (x, g))| {
+                isa.run(Rows {
+                    x,
+                    grad: Some(g),
+                    out,
+                })
             })
-        });
-    B::from_rows(out, dims)
+    };
+    // SAFETY: the chunks cover `out`, and `Rows` writes each of its elements.
+    B::from_rows(unsafe { written(input.len(), fill) }, dims)
 }
 
-/// GELU of `x` into `out`, or with `grad`, its derivative times `grad`.
+/// GELU of `x` into `out` (every element written), or with `grad`, its derivative times
+/// `grad`.
 struct Rows<'a> {
     x: &'a [f32],
     grad: Option<&'a [f32]>,
-    out: &'a mut [f32],
+    out: &'a mut [MaybeUninit<f32>],
 }
 
 impl Kernel for Rows<'_> {
@@ -70,16 +77,16 @@ impl Kernel for Rows<'_> {
 }
 
 #[inline(always)]
-fn run_with<A: Arch>(x: &[f32], grad: Option<&[f32]>, out: &mut [f32]) {
+fn run_with<A: Arch>(x: &[f32], grad: Option<&[f32]>, out: &mut [MaybeUninit<f32>]) {
     match grad {
         None => {
             for (o, &x) in out.iter_mut().zip(x) {
-                *o = gelu_and_slope::<A>(x).0;
+                o.write(gelu_and_slope::<A>(x).0);
             }
         }
         Some(grad) => {
             for ((o, &x), &g) in out.iter_mut().zip(x).zip(grad) {
-                *o = gelu_and_slope::<A>(x).1 * g;
+                o.write(gelu_and_slope::<A>(x).1 * g);
             }
         }
     }
@@ -116,6 +123,8 @@ fn gelu_and_slope<A: Arch>(x: f32) -> (f32, f32) {
 
 #[cfg(test)]
 mod tests {
+    use std::mem::MaybeUninit;
+
     use super::{gelu_and_slope, run_with};
     #[cfg(target_arch = "x86_64")]
     use crate::cpu::isa::Avx2;
@@ -171,10 +180,11 @@ mod tests {
     fn every_tail_length_is_computed() {
         for len in [0, 1, 7, 8, 9, 33] {
             let x: Vec<f32> = (0..len).map(|i| i as f32 * 0.37 - 3.0).collect();
-            let mut out = vec![f32::NAN; len];
+            let mut out = vec![MaybeUninit::new(f32::NAN); len];
             run_with::<Portable>(&x, None, &mut out);
             for (o, &x) in out.iter().zip(&x) {
-                assert_eq!(*o, gelu_and_slope::<Portable>(x).0);
+                // SAFETY: initialised (NaN) before the call.
+                assert_eq!(unsafe { o.assume_init() }, gelu_and_slope::<Portable>(x).0);
             }
         }
     }

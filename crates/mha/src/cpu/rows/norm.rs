@@ -24,7 +24,9 @@ use rayon::prelude::*;
 use burn::backend::tensor::FloatTensor;
 
 use crate::cpu::isa::{Arch, Isa, Kernel};
-use crate::cpu::{CpuTensors, dims_of};
+use std::mem::MaybeUninit;
+
+use crate::cpu::{CpuTensors, dims_of, written};
 
 /// Elements per parallel task (whole rows).
 const CHUNK: usize = 1 << 14;
@@ -75,9 +77,11 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
     let gamma = vector::<B>(gamma, d);
     let beta = vector::<B>(beta, d);
     let rows = input.len().checked_div(d).unwrap_or(0);
-    let mut out = vec![0.0f32; input.len()];
     let (mut mean, mut rstd) = (vec![0.0f32; rows], vec![0.0f32; rows]);
-    if rows > 0 {
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        if rows == 0 {
+            return;
+        }
         let per = rows_per_task(d);
         let params = Params {
             gamma: &gamma,
@@ -97,7 +101,10 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
                     stats,
                 })
             });
-    }
+    };
+    // SAFETY: without rows the output has no element (`d` is 0, or the input is empty);
+    // otherwise the blocks cover it, and `Forward` writes every row of its block.
+    let out = unsafe { written(input.len(), fill) };
     let stats = RowStats {
         mean: mean.into(),
         rstd: rstd.into(),
@@ -120,12 +127,12 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
     let input = B::floats(&x).contiguous(dims);
     let upstream = B::floats(&grad).contiguous(dims);
     let gamma = vector::<B>(gamma, d);
-    let mut dx = vec![0.0f32; if want_x { input.len() } else { 0 }];
+    let mut dx = Vec::with_capacity(if want_x { input.len() } else { 0 });
     let (mut dgamma, mut dbeta) = (vec![0.0f32; d], vec![0.0f32; d]);
     if !stats.mean.is_empty() {
         let per = rows_per_task(d);
         let isa = Isa::best();
-        let task = |rows: Rows, dx: Option<&mut [f32]>| {
+        let task = |rows: Rows, dx: Option<&mut [MaybeUninit<f32>]>| {
             let mut part = vec![0.0f32; 2 * d];
             let (dg, db) = part.split_at_mut(d);
             isa.run(Backward {
@@ -142,7 +149,7 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
             .zip(stats.mean.par_chunks(per).zip(stats.rstd.par_chunks(per)));
         let parts: Vec<Vec<f32>> = if want_x {
             blocks
-                .zip(dx.par_chunks_mut(per * d))
+                .zip(dx.spare_capacity_mut()[..input.len()].par_chunks_mut(per * d))
                 .map(|(((x, dy), (mean, rstd)), dx)| task(Rows { x, dy, mean, rstd }, Some(dx)))
                 .collect()
         } else {
@@ -155,6 +162,14 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
             add(&mut dgamma, dg);
             add(&mut dbeta, db);
         }
+        if want_x {
+            // SAFETY: the blocks covered the input's length, and `Backward` wrote every
+            // row of its block.
+            unsafe { dx.set_len(input.len()) };
+        }
+    } else if want_x {
+        // No row: `d` is 0 or the input is empty, and so is `dx`.
+        debug_assert_eq!(input.len(), 0);
     }
     NormGrads {
         x: B::from_rows(dx, if want_x { dims } else { [0, 0, 0, 0] }),
@@ -188,7 +203,8 @@ struct Rows<'a> {
 struct Forward<'a> {
     p: &'a Params<'a>,
     x: &'a [f32],
-    y: &'a mut [f32],
+    /// Written whole.
+    y: &'a mut [MaybeUninit<f32>],
     stats: [&'a mut [f32]; 2],
 }
 
@@ -206,7 +222,8 @@ impl Kernel for Forward<'_> {
 struct Backward<'a> {
     rows: Rows<'a>,
     gamma: &'a [f32],
-    dx: Option<&'a mut [f32]>,
+    /// Written whole, when asked.
+    dx: Option<&'a mut [MaybeUninit<f32>]>,
     dp: [&'a mut [f32]; 2],
 }
 
@@ -244,7 +261,12 @@ fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
 }
 
 #[inline(always)]
-fn forward_with<A: Arch>(p: &Params, x: &[f32], y: &mut [f32], [means, rstds]: [&mut [f32]; 2]) {
+fn forward_with<A: Arch>(
+    p: &Params,
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    [means, rstds]: [&mut [f32]; 2],
+) {
     let d = p.gamma.len();
     // Divided, not multiplied by 1/d: a constant row's mean is then its value exactly, and
     // its normalised values are 0 rather than a rounding error times 1/√ε.
@@ -259,7 +281,7 @@ fn forward_with<A: Arch>(p: &Params, x: &[f32], y: &mut [f32], [means, rstds]: [
         let var = lane_sum(d, |i| (x[i] - mu) * (x[i] - mu)) / n;
         let r = 1.0 / (var + p.epsilon).sqrt();
         for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(p.gamma).zip(p.beta) {
-            *y = A::madd((x - mu) * r, g, b);
+            y.write(A::madd((x - mu) * r, g, b));
         }
         (*mean, *rstd) = (mu, r);
     }
@@ -269,7 +291,7 @@ fn forward_with<A: Arch>(p: &Params, x: &[f32], y: &mut [f32], [means, rstds]: [
 fn backward_with<A: Arch>(
     rows: Rows,
     gamma: &[f32],
-    mut dx: Option<&mut [f32]>,
+    mut dx: Option<&mut [MaybeUninit<f32>]>,
     [dgamma, dbeta]: [&mut [f32]; 2],
 ) {
     let d = gamma.len();
@@ -291,7 +313,7 @@ fn backward_with<A: Arch>(
         if let Some(dx) = dx.as_deref_mut() {
             let (a, b) = (sum_g * inv_d, sum_gx * inv_d);
             for (i, dx) in dx[r * d..(r + 1) * d].iter_mut().enumerate() {
-                *dx = s * (dy[i] * gamma[i] - a - xhat(i) * b);
+                dx.write(s * (dy[i] * gamma[i] - a - xhat(i) * b));
             }
         }
     }
@@ -299,10 +321,18 @@ fn backward_with<A: Arch>(
 
 #[cfg(test)]
 mod tests {
+    use std::mem::MaybeUninit;
+
     use super::{Params, Rows, backward_with, forward_with};
     #[cfg(target_arch = "x86_64")]
     use crate::cpu::isa::Avx2;
     use crate::cpu::isa::Portable;
+
+    /// The values of a buffer filled with NaN before a kernel wrote it.
+    fn read(values: &[MaybeUninit<f32>]) -> Vec<f32> {
+        // SAFETY: every element was initialised (NaN) before the kernel ran.
+        values.iter().map(|x| unsafe { x.assume_init() }).collect()
+    }
 
     /// Layer norm of one row and its gradients, in f64.
     fn reference(x: &[f32], dy: &[f32], g: &[f32], b: &[f32], eps: f64) -> [Vec<f64>; 4] {
@@ -342,8 +372,9 @@ mod tests {
                     beta: &b,
                     epsilon: 1e-5,
                 };
-                let (mut y, mut mean, mut rstd) = (vec![0.0; d], [0.0], [0.0]);
-                let (mut dx, mut dg, mut db) = (vec![0.0; d], vec![0.0; d], vec![0.0; d]);
+                let nan = MaybeUninit::new(f32::NAN);
+                let (mut y, mut mean, mut rstd) = (vec![nan; d], [0.0], [0.0]);
+                let (mut dx, mut dg, mut db) = (vec![nan; d], vec![0.0; d], vec![0.0; d]);
                 let stats = [&mut mean[..], &mut rstd[..]];
                 match fma {
                     false => forward_with::<Portable>(&p, &x, &mut y, stats),
@@ -366,6 +397,7 @@ mod tests {
                     #[cfg(not(target_arch = "x86_64"))]
                     true => continue,
                 }
+                let (y, dx) = (read(&y), read(&dx));
                 for (got, want) in [&y, &dx, &dg, &db].into_iter().zip(&want) {
                     for (i, (&got, &want)) in got.iter().zip(want).enumerate() {
                         let error = (got as f64 - want).abs() / want.abs().max(1.0);
