@@ -65,6 +65,7 @@ impl Backend {
     }
 
     /// Whether our CPU kernels (tiles and fused row operations) run on it.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub(crate) fn has_cpu_kernels(self) -> bool {
         match self {
             #[cfg(feature = "flex")]
@@ -109,9 +110,19 @@ pub(crate) enum AttentionPath {
 /// What the path of an attention call depends on.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct AttentionCall {
+    #[cfg_attr(
+        not(any(
+            feature = "flex",
+            feature = "ndarray",
+            feature = "wgpu",
+            feature = "cuda"
+        )),
+        allow(dead_code)
+    )]
     backend: Backend,
     autodiff: bool,
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
     /// bf16, the head dims are not 0, and every tensor is small enough for the kernels'
@@ -272,6 +283,7 @@ pub(crate) enum RowPath {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RowCall {
     op: RowOp,
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     backend: Backend,
     dtype: DType,
     /// The input has no element.

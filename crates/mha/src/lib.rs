@@ -67,7 +67,7 @@ pub mod loss;
 pub mod mask;
 pub mod mha;
 pub mod norm;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(any(feature = "flex", feature = "ndarray", feature = "wgpu", feature = "cuda"))]
 mod op;
 mod ops;
 pub mod positions;

@@ -555,6 +555,7 @@ impl Visibility {
     }
 
     /// The queries of batch row `b` that see key `key`.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub(crate) fn queries_of(&self, b: usize, key: usize) -> Range<usize> {
         let k = key as i64;
         let (mut lo, mut hi) = (0i64, self.queries as i64);
@@ -592,6 +593,7 @@ impl Visibility {
     }
 
     /// The queries that see the keys `keys` of batch row `b` between them.
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     pub(crate) fn queries_of_keys(&self, b: usize, keys: Range<usize>) -> Range<usize> {
         span(keys.map(|k| self.queries_of(b, k)))
     }
@@ -704,6 +706,7 @@ pub(crate) const BLOCKED: f32 = -1.0e30;
 /// See [`BLOCKED`].
 pub(crate) const DEAD_ROW: f32 = -5.0e29;
 /// See [`BLOCKED`].
+#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
 pub(crate) const DEAD_LSE: f32 = 1.0e30;
 
 /// The blocked-score sentinels of one float dtype: [`BLOCKED`] and [`DEAD_ROW`] where

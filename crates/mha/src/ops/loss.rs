@@ -10,6 +10,10 @@ use crate::dispatch::{self, RowCall, RowOp, RowPath};
 /// The mean cross-entropy of `logits` `[N, C]` against `targets` `[N]` (whose values,
 /// read once by the caller and checked, are `values`) over the rows whose target is not
 /// `ignore_index`, as a `[1]` tensor; 0 when every row is ignored.
+#[cfg_attr(
+    not(any(feature = "flex", feature = "ndarray")),
+    allow(unused_variables)
+)]
 pub(crate) fn cross_entropy(
     logits: Tensor<2>,
     targets: Tensor<1, Int>,
