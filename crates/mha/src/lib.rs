@@ -30,6 +30,7 @@
 //! | [`analysis`] | looking inside: head statistics ([`HeadReport`]), importance ([`HeadImportance`]), pruning ([`Heads`], [`PrunePlan`]), maps of the weights (feature `plot`) |
 //! | [`dtype`] | [`ModuleDType`]: the float dtype of a whole module, and one cast for every module |
 //! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`], [`DTypeError`] |
+//! | `workers` (private) | [`on_cpu_workers`]: a step run on the CPU backends' thread pool |
 //!
 //! Dependencies flow one way, down this list read from the bottom: `analysis` and
 //! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
@@ -67,12 +68,18 @@ pub mod loss;
 pub mod mask;
 pub mod mha;
 pub mod norm;
-#[cfg(any(feature = "flex", feature = "ndarray", feature = "wgpu", feature = "cuda"))]
+#[cfg(any(
+    feature = "flex",
+    feature = "ndarray",
+    feature = "wgpu",
+    feature = "cuda"
+))]
 mod op;
 mod ops;
 pub mod positions;
 pub mod pytorch;
 pub mod stack;
+mod workers;
 
 pub use analysis::{HeadImportance, HeadReport, Heads, PrunePlan};
 pub use attention::{AttentionOutput, AttentionWeights, SdpaOptions, scaled_dot_product_attention};
@@ -90,6 +97,7 @@ pub use norm::LayerNorm;
 pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};
 pub use pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
 pub use stack::{Decoder, DecoderConfig, Encoder, EncoderConfig};
+pub use workers::on_cpu_workers;
 
 /// What the unit tests share.
 #[cfg(test)]

@@ -417,8 +417,28 @@ impl TrainStep for Model {
     /// a step whose scaled gradients overflow gives none (AdamW then leaves the weights
     /// as they are) and halves the scale. The gradients are those of the loss times the
     /// batch's [`loss_weight`](SeqBatch::loss_weight) (a device's share of a step on
-    /// several); the output keeps the loss itself.
+    /// several); the output keeps the loss itself. On a worker of the CPU backends' pool
+    /// ([`mha::on_cpu_workers`]), as are the optimizer's step and validation's.
     fn step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
+        mha::on_cpu_workers(|| self.train_step(batch))
+    }
+
+    /// The optimizer's step, the gradients first clipped together at the model's
+    /// [global clip](Stepping::global_clip) when it has one. Burn's multi-device
+    /// strategy calls it with the devices' gradients summed on the main device.
+    fn optimize(
+        self,
+        optim: &mut ModuleOptimizer,
+        lr_module: ModuleLearningRate,
+        grads: GradientsParams,
+    ) -> Self {
+        mha::on_cpu_workers(|| self.optimizer_step(optim, lr_module, grads))
+    }
+}
+
+impl Model {
+    /// [`TrainStep::step`], on the thread it is called on.
+    fn train_step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
         let weight = batch.loss_weight;
         let weighted = |loss: Tensor<1>| match weight == 1.0 {
             true => loss,
@@ -468,10 +488,8 @@ impl TrainStep for Model {
         }
     }
 
-    /// The optimizer's step, the gradients first clipped together at the model's
-    /// [global clip](Stepping::global_clip) when it has one. Burn's multi-device
-    /// strategy calls it with the devices' gradients summed on the main device.
-    fn optimize(
+    /// [`TrainStep::optimize`], on the thread it is called on.
+    fn optimizer_step(
         self,
         optim: &mut ModuleOptimizer,
         lr_module: ModuleLearningRate,
@@ -558,10 +576,10 @@ impl InferenceStep for Model {
     type Output = SequenceOutput;
 
     fn step(&self, batch: SeqBatch) -> SequenceOutput {
-        match batch.mixed.clone() {
+        mha::on_cpu_workers(|| match batch.mixed.clone() {
             Some(mixed) => compute_copy(self, mixed.dtype).forward_loss(batch),
             None => self.forward_loss(batch),
-        }
+        })
     }
 }
 
