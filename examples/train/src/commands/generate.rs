@@ -49,9 +49,11 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
     warn_if_software(backend, &device);
     let model = load(&run, &config, &device)?;
     let fixed = config.fixed_shape(backend);
-    let output = model
-        .generate(&[tokens], config.task.max_output(), fixed, &device)
-        .remove(0);
+    // On a CPU backend's pool: a decoding step is many small operations.
+    let output = mha::on_cpu_workers(&device, || {
+        model.generate(&[tokens], config.task.max_output(), fixed, &device)
+    })
+    .remove(0);
     match output.is_empty() {
         true => println!("(nothing: the model ended its answer at once)"),
         false => println!("{}", config.task.format_output(&output)),
@@ -128,18 +130,21 @@ fn sample(
     let device = backend.device()?;
     warn_if_software(backend, &device);
     let model = load(run, config, &device)?;
-    let mut decoder = TextDecoder::new(&model, config.task.block_size, &device);
-    let mut out = std::io::stdout().lock();
-    write!(out, "{prompt}")?;
-    let mut logits = decoder.feed(&ids);
-    for written in 0..args.tokens {
-        let next = sampler.pick(&logits);
-        write!(out, "{}", corpus.vocab[next])?;
-        out.flush()?;
-        if written + 1 < args.tokens {
-            logits = decoder.feed(&[next]);
+    // On a CPU backend's pool: a decoding step is many small operations.
+    mha::on_cpu_workers(&device, || {
+        let mut decoder = TextDecoder::new(&model, config.task.block_size, &device);
+        let mut out = std::io::stdout().lock();
+        write!(out, "{prompt}")?;
+        let mut logits = decoder.feed(&ids);
+        for written in 0..args.tokens {
+            let next = sampler.pick(&logits);
+            write!(out, "{}", corpus.vocab[next])?;
+            out.flush()?;
+            if written + 1 < args.tokens {
+                logits = decoder.feed(&[next]);
+            }
         }
-    }
-    writeln!(out)?;
-    Ok(())
+        writeln!(out)?;
+        Ok(())
+    })
 }

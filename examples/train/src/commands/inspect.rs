@@ -42,16 +42,19 @@ pub fn inspect(args: &InspectArgs, backend: Option<Backend>) -> anyhow::Result<(
     let device = backend.device()?;
     warn_if_software(backend, &device);
     let fixed = config.fixed_shape(backend);
-    let findings = crate::inspect::inspect(
-        &config,
-        &run,
-        &run.model(),
-        examples,
-        &args.prune,
-        args.by,
-        &device,
-        fixed,
-    )?;
+    // On a CPU backend's pool: the ablations are many small forward passes.
+    let findings = mha::on_cpu_workers(&device, || {
+        crate::inspect::inspect(
+            &config,
+            &run,
+            &run.model(),
+            examples,
+            &args.prune,
+            args.by,
+            &device,
+            fixed,
+        )
+    })?;
     crate::inspect::print(&findings);
     println!();
     println!(

@@ -22,18 +22,14 @@ use crate::tasks::Task;
 /// a one-line error) otherwise.
 pub fn run(cli: Cli) -> ExitCode {
     let started = Instant::now();
-    // `generate` and `inspect` run on the CPU backends' pool (a decoding step or an
-    // ablation is many small operations); training enters it step by step, in
-    // `Model`'s `TrainStep`, around Burn's loop and its threads.
-    let backend = cli.backend;
     let (name, result) = match cli.command {
         Some(Command::Generate(args)) => (
             "generate",
-            mha::on_cpu_workers(|| generate::generate(&args, backend)).map(|()| true),
+            generate::generate(&args, cli.backend).map(|()| true),
         ),
         Some(Command::Inspect(args)) => (
             "inspect",
-            mha::on_cpu_workers(|| inspect::inspect(&args, backend)).map(|()| true),
+            inspect::inspect(&args, cli.backend).map(|()| true),
         ),
         None => ("train", train::train(&cli.train, cli.backend)),
     };

@@ -420,7 +420,8 @@ impl TrainStep for Model {
     /// several); the output keeps the loss itself. On a worker of the CPU backends' pool
     /// ([`mha::on_cpu_workers`]), as are the optimizer's step and validation's.
     fn step(&self, batch: SeqBatch) -> TrainOutput<SequenceOutput> {
-        mha::on_cpu_workers(|| self.train_step(batch))
+        let device = batch.joined.device();
+        mha::on_cpu_workers(&device, || self.train_step(batch))
     }
 
     /// The optimizer's step, the gradients first clipped together at the model's
@@ -432,7 +433,8 @@ impl TrainStep for Model {
         lr_module: ModuleLearningRate,
         grads: GradientsParams,
     ) -> Self {
-        mha::on_cpu_workers(|| self.optimizer_step(optim, lr_module, grads))
+        let device = self.devices().remove(0);
+        mha::on_cpu_workers(&device, || self.optimizer_step(optim, lr_module, grads))
     }
 }
 
@@ -576,7 +578,8 @@ impl InferenceStep for Model {
     type Output = SequenceOutput;
 
     fn step(&self, batch: SeqBatch) -> SequenceOutput {
-        mha::on_cpu_workers(|| match batch.mixed.clone() {
+        let device = batch.joined.device();
+        mha::on_cpu_workers(&device, || match batch.mixed.clone() {
             Some(mixed) => compute_copy(self, mixed.dtype).forward_loss(batch),
             None => self.forward_loss(batch),
         })
