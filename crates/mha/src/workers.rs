@@ -5,17 +5,23 @@ use burn::tensor::Device;
 
 /// On a flex or ndarray `device` (with autodiff or not), runs `f` on a worker thread of
 /// rayon's pool, the pool over which the CPU backends' kernels (`mha`'s, and flex's and
-/// ndarray's own) split their work, and returns what it returns; called on a worker
-/// already, it runs `f` there. On any other device it only calls `f`.
+/// ndarray's own) split their work, with the pool's other workers spinning for its work
+/// while it runs, and returns what it returns; called on a worker already, it runs `f`
+/// there. On any other device it only calls `f`.
 ///
 /// Each parallel operation called from outside the pool hands its work to the pool and
 /// sleeps until a worker has done it: a wake-up on each side, tens of microseconds, paid
 /// once per operation, and a step of a small model runs hundreds of them. Called from a
-/// worker, an operation starts on that worker at once and the others join in. The
-/// character-level model of the trainer's text task (4 layers of width 128, batch 12 of
-/// 64) took 46 ms a step called from the main thread and 32 ms inside this, with the same
-/// numbers (2 cores, flex). Wrap a whole step (forward, backward, optimizer), not each
-/// call: the hand-over is then paid once.
+/// worker, an operation starts on that worker at once and the others join in. And a
+/// worker with nothing to do goes to sleep, to be woken by the next operation's work,
+/// again a system call on each side, where a step's operations come microseconds apart:
+/// inside `f` the other workers instead wait for work by spinning, as OpenMP's threads
+/// (PyTorch's on the CPU) do. Each shortened the trainer's text steps on 2 cores, with the
+/// same numbers to the last digit (the README has the measurements). Wrap a whole step
+/// (forward, backward, optimizer), not each call: the hand-over is then paid once; and
+/// not a loop that waits on something else: the spinning workers keep their cores busy
+/// for as long as `f` runs. One call spins at a time: steps run at once from several
+/// threads (one per device, say) share the workers as they would without it.
 ///
 /// Inside `f`, do not wait for another thread that itself needs the pool (a data loader
 /// running tensor operations, say): with one worker (`RAYON_NUM_THREADS=1`) that wait
@@ -36,13 +42,83 @@ use burn::tensor::Device;
 pub fn on_cpu_workers<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
     #[cfg(any(feature = "flex", feature = "ndarray"))]
     if crate::dispatch::Backend::of(device).has_cpu_kernels() {
-        return rayon::scope(|_| f());
+        return pool::run(f);
     }
     f()
 }
 
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+mod pool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Whether a call keeps the pool's other workers looking for work (one at a time:
+    /// several devices' steps may run at once on the CPU).
+    static SPINNING: AtomicBool = AtomicBool::new(false);
+
+    /// `f` on a worker; while it runs, the pool's other workers look for its work without
+    /// going to sleep between two operations.
+    pub(super) fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        let done = AtomicBool::new(false);
+        rayon::scope(|scope| {
+            let spins = SPINNING
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok();
+            let step_thread = rayon::current_thread_index();
+            if spins {
+                for _ in 1..rayon::current_num_threads() {
+                    let done = &done;
+                    scope.spawn(move |_| spin(done, step_thread));
+                }
+            }
+            // Set when `f` returns or unwinds: the scope waits for the spinners.
+            let _stop = Stop { done: &done, spins };
+            f()
+        })
+    }
+
+    /// Ends the spinning of a [`run`] when dropped.
+    struct Stop<'a> {
+        done: &'a AtomicBool,
+        spins: bool,
+    }
+
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.done.store(true, Ordering::Release);
+            if self.spins {
+                SPINNING.store(false, Ordering::Release);
+            }
+        }
+    }
+
+    /// Runs the pool's pending work until `done`, waiting for it by spinning: a sleeping
+    /// worker is woken by each new operation, a system call on each side (tens of
+    /// microseconds), where a step's operations come a few microseconds apart. OpenMP's
+    /// threads, PyTorch's on the CPU, wait the same way. A spinner taken up by the thread
+    /// that runs the step itself (while it waits inside a `join` of its own) returns at
+    /// once: it would spin on what it stops.
+    fn spin(done: &AtomicBool, step_thread: Option<usize>) {
+        if rayon::current_thread_index() == step_thread {
+            return;
+        }
+        while !done.load(Ordering::Acquire) {
+            if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                std::hint::spin_loop();
+            }
+        }
+    }
+}
+
 #[cfg(all(test, any(feature = "flex", feature = "ndarray")))]
 mod tests {
+    use std::panic::AssertUnwindSafe;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc::{self, RecvTimeoutError};
+    use std::time::{Duration, Instant};
+
+    use burn::tensor::Tensor;
+    use rayon::prelude::*;
+
     use super::on_cpu_workers;
 
     #[test]
@@ -63,5 +139,91 @@ mod tests {
         assert!(outer.is_some());
         assert_eq!(outer, inner);
         assert_eq!(on_cpu_workers(&device, || 7), 7);
+    }
+
+    #[test]
+    fn the_other_workers_take_the_steps_work() {
+        if rayon::current_num_threads() < 2 {
+            eprintln!("one worker in the pool: nothing to take the step's work");
+            return;
+        }
+        let device = crate::testing::devices().remove(0);
+        let taken = within_a_minute("a join in a step", move || {
+            on_cpu_workers(&device, || {
+                let other = AtomicBool::new(false);
+                // The first half waits (10 s at most) for another worker to take up the
+                // second: workers that only spun, taking no work, would leave it queued.
+                rayon::join(
+                    || {
+                        let start = Instant::now();
+                        while !other.load(Ordering::Acquire) {
+                            if start.elapsed() > Duration::from_secs(10) {
+                                return false;
+                            }
+                            std::hint::spin_loop();
+                        }
+                        true
+                    },
+                    || other.store(true, Ordering::Release),
+                )
+                .0
+            })
+        });
+        assert!(taken, "no other worker took up half of a join within 10 s");
+    }
+
+    #[test]
+    fn a_panic_inside_reaches_the_caller_and_the_pool_goes_on() {
+        let device = crate::testing::devices().remove(0);
+        within_a_minute("a step that panics", move || {
+            let caught = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                on_cpu_workers(&device, || {
+                    let x = Tensor::<2>::ones([128, 128], &device);
+                    let _ = x.clone().matmul(x).into_data();
+                    panic!("a step that fails");
+                })
+            }));
+            assert!(caught.is_err(), "the panic did not reach the caller");
+            // The next call spins and runs as before.
+            let x = Tensor::<2>::ones([128, 128], &device);
+            let sum = on_cpu_workers(&device, || x.clone().matmul(x).sum());
+            assert_eq!(sum.into_scalar::<f32>(), 128.0f32.powi(3));
+        });
+    }
+
+    #[test]
+    fn steps_from_several_threads_at_once_all_finish() {
+        let device = crate::testing::devices().remove(0);
+        within_a_minute("steps on four threads", move || {
+            let threads: Vec<_> = (0..4)
+                .map(|t| {
+                    let device = device.clone();
+                    std::thread::spawn(move || {
+                        for i in 0..20 {
+                            let n = 1000 * (t + 1) + i;
+                            let sum = on_cpu_workers(&device, || {
+                                (0..n).into_par_iter().with_max_len(64).sum::<usize>()
+                            });
+                            assert_eq!(sum, n * (n - 1) / 2);
+                        }
+                    })
+                })
+                .collect();
+            for thread in threads {
+                thread.join().expect("a step's thread panicked");
+            }
+        });
+    }
+
+    /// `f` on a thread of its own, failing if it takes more than a minute: spinners that
+    /// never stop would otherwise hang the suite instead of failing it.
+    fn within_a_minute<R: Send + 'static>(what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+        let (send, receive) = mpsc::channel();
+        std::thread::spawn(move || send.send(f()));
+        match receive.recv_timeout(Duration::from_secs(60)) {
+            Ok(value) => value,
+            Err(RecvTimeoutError::Timeout) => panic!("{what}: still running after a minute"),
+            Err(RecvTimeoutError::Disconnected) => panic!("{what}: panicked"),
+        }
     }
 }
