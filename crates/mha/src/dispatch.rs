@@ -261,6 +261,8 @@ pub(crate) enum RowOp {
     Gelu,
     /// Cross-entropy over rows of logits.
     CrossEntropy,
+    /// AdamW's step over a parameter (an optimizer's, outside autodiff).
+    AdamW,
 }
 
 /// How a row operation runs.
@@ -433,6 +435,7 @@ mod tests {
                 RowOp::LayerNorm,
                 RowOp::Gelu,
                 RowOp::CrossEntropy,
+                RowOp::AdamW,
             ] {
                 let empty = RowCall {
                     empty: true,
@@ -462,6 +465,7 @@ mod tests {
             RowOp::LayerNorm,
             RowOp::Gelu,
             RowOp::CrossEntropy,
+            RowOp::AdamW,
         ] {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);

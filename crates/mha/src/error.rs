@@ -70,6 +70,14 @@ impl Check {
         Ok(())
     }
 
+    /// A finite value of 0 or more.
+    pub fn non_negative(&self, field: &'static str, value: f64) -> Result<(), ConfigError> {
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(self.err(field, format!("must be 0 or more and finite, got {value}")));
+        }
+        Ok(())
+    }
+
     /// A finite value above 0.
     pub fn positive(&self, field: &'static str, value: f64) -> Result<(), ConfigError> {
         if !(value.is_finite() && value > 0.0) {

@@ -13,10 +13,10 @@
 //! | [`mask`] | [`AttentionMask`]: what is blocked, in every convention; the causal rule and the blocked-score sentinels every path uses |
 //! | [`positions`] | [`Positions`]: absolute embeddings ([`positions::absolute`]), RoPE ([`positions::rotary`]), ALiBi and learned relative biases ([`positions::bias`]) |
 //! | `dispatch` (private) | the one place that decides how an operation runs: the path of attention, our row operations or Burn's, the dtype they run in |
-//! | `cpu` (private) | the CPU kernels, a file or folder per job: `isa` (instruction set), `tensors` (reading flex's and ndarray's tensors in place), `gemm` (the tiles' matrix kernel), `math`, `attention` (the tiles, forward and backward, tested against f64), `rows` (GELU, layer norm, cross-entropy), `linear` (the `gemm` crate) |
+//! | `cpu` (private) | the CPU kernels, a file or folder per job: `isa` (instruction set), `tensors` (reading flex's and ndarray's tensors in place), `gemm` (the tiles' matrix kernel), `math`, `attention` (the tiles, forward and backward, tested against f64), `rows` (GELU, layer norm, cross-entropy, AdamW's step), `linear` (the `gemm` crate) |
 //! | `gpu` (private) | the GPU kernels of our own in CubeCL (wgpu, cuda): `forward` (output and log-sum-exp), `backward` (recomputing, three launches), `ops` (the backend extension on `CubeBackend`, fusion and autodiff) |
 //! | `op` (private) | the pattern of an operation of our own, written once: forward, what it keeps, backward, its autodiff node |
-//! | `ops` (private) | the operations: attention (backward recomputing the weights), linear, layer norm, GELU, cross-entropy; one backend extension carries them all |
+//! | `ops` (private) | the operations: attention (backward recomputing the weights), linear, layer norm, GELU, cross-entropy, AdamW's step; one backend extension carries them all |
 //! | [`attention`] | [`scaled_dot_product_attention`]: options, output; the explicit path (matmul, mask, softmax, matmul: weights, dropout, query chunks) |
 //! | [`dropout`] | Burn's `Dropout` with the mask drawn in parallel on the CPU backends |
 //! | [`norm`] | [`LayerNorm`]: Burn's parameters and record, our operation |
@@ -30,7 +30,8 @@
 //! | [`analysis`] | looking inside: head statistics ([`HeadReport`]), importance ([`HeadImportance`]), pruning ([`Heads`], [`PrunePlan`]), maps of the weights (feature `plot`) |
 //! | [`dtype`] | [`ModuleDType`]: the float dtype of a whole module, and one cast for every module |
 //! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`], [`DTypeError`] |
-//! | `workers` (private) | [`on_cpu_workers`]: a step run on the CPU backends' thread pool |
+//! | `workers` (private) | [`on_cpu_workers`]: a step run on the CPU backends' thread pool, its other workers spinning for its work |
+//! | [`optim`] | [`optim::AdamW`]: Burn's AdamW, each parameter's step one parallel pass on the CPU backends |
 //!
 //! Dependencies flow one way, down this list read from the bottom: `analysis` and
 //! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
@@ -76,6 +77,7 @@ pub mod norm;
 ))]
 mod op;
 mod ops;
+pub mod optim;
 pub mod positions;
 pub mod pytorch;
 pub mod stack;

@@ -13,13 +13,13 @@ use burn::data::dataloader::{DataLoader, DataLoaderBuilder, DataLoaderIterator};
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
 use burn::module::ParamGroup;
+use burn::optim::ModuleOptimizer;
 use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::lr_scheduler::LrSchedulerConfig;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::lr_scheduler::sequential::SequentialLrSchedulerConfig;
-use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::Device;
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::logger::FileMetricLogger;
@@ -27,6 +27,8 @@ use burn::train::metric::store::Split as MetricSplit;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, NumericEntry};
 use burn::train::{ExecutionStrategy, Interrupter, Learner, MultiDeviceOptim, SupervisedTraining};
 use serde::{Deserialize, Serialize};
+
+use mha::optim::AdamWConfig;
 
 use crate::backend::Backend;
 use crate::batch::{FixedShape, SeqBatch, SeqBatcher};
@@ -439,11 +441,12 @@ impl Summary {
     }
 }
 
-/// AdamW as the configuration sets it: its second moment's decay and epsilon, the weight
-/// decay on every parameter or (`decay_vectors` off) on the matrices and embeddings only
-/// (the biases and the norms' gains and shifts in a group without it), and each
-/// parameter's gradient clipped, unless the step clips them all together (`clip_global`,
-/// [`SeqBatch::clip`]).
+/// AdamW as the configuration sets it (`mha`'s: Burn's numbers, each parameter's step one
+/// pass on the CPU backends): its second moment's decay and epsilon, the weight decay on
+/// every parameter or (`decay_vectors` off) on the matrices and embeddings only (the
+/// biases and the norms' gains and shifts in a group without it), and each parameter's
+/// gradient clipped, unless the step clips them all together (`clip_global`,
+/// [`SeqBatch::clip`]). The configuration's values were checked when it was read.
 fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
     let clipping = (!config.clip_global).then_some(GradientClippingConfig::Norm(config.grad_clip));
     let adam = |decay| {
@@ -451,9 +454,11 @@ fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
             .with_beta_2(config.adam_beta2)
             .with_epsilon(config.adam_epsilon)
             .with_weight_decay(decay)
-            .with_grad_clipping(clipping.clone())
     };
-    let optim = adam(config.weight_decay).init();
+    let mut optim = adam(config.weight_decay).init();
+    if let Some(clipping) = &clipping {
+        optim = optim.with_grad_clipping(clipping.init());
+    }
     match config.decay_vectors {
         true => optim,
         false => optim.with_group(

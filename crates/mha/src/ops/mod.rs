@@ -12,10 +12,12 @@
 //! | [`norm`] | the nine elementwise steps of Burn's `layer_norm` |
 //! | [`gelu`] | `erf` and four elementwise steps, each with a backward |
 //! | [`loss`] | `log_softmax`, a gather and a masked mean |
+//! | [`adamw`] | the fifteen elementwise steps of Burn's AdamW over a parameter |
 
 // Burn 0.22 deprecates ndarray; it is still one of our backends.
 #![allow(deprecated)]
 
+pub(crate) mod adamw;
 pub(crate) mod attention;
 pub(crate) mod gelu;
 pub(crate) mod linear;
@@ -37,7 +39,7 @@ mod fused {
     };
     use burn::tensor::{Bool, Tensor};
 
-    use super::{attention, gelu, linear, loss, norm};
+    use super::{adamw, attention, gelu, linear, loss, norm};
     use crate::cpu::CpuTensors;
     use crate::op;
 
@@ -54,6 +56,8 @@ mod fused {
         Gelu,
         /// [`loss::CrossEntropyOp`].
         CrossEntropy { targets: std::sync::Arc<[i64]> },
+        /// [`adamw::AdamWOp`].
+        AdamW(adamw::AdamWStep),
     }
 
     /// The tensors an operation differentiates, in its order: one to five (a backend
@@ -155,6 +159,7 @@ mod fused {
                 FusedOp::CrossEntropy { targets } => {
                     op::forward::<B, _>(loss::CrossEntropyOp { targets }, floats)
                 }
+                FusedOp::AdamW(step) => op::forward::<B, _>(adamw::AdamWOp(step), floats),
             }
         }
     }
@@ -175,6 +180,7 @@ mod fused {
                 FusedOp::CrossEntropy { targets } => {
                     op::autodiff::<B, C, _>(loss::CrossEntropyOp { targets }, floats)
                 }
+                FusedOp::AdamW(step) => op::autodiff::<B, C, _>(adamw::AdamWOp(step), floats),
             }
         }
     }

@@ -2,6 +2,7 @@
 //! rows once and works on it while it is in the cache, in the instruction set of
 //! `cpu::isa`.
 
+pub(crate) mod adamw;
 pub(crate) mod gelu;
 pub(crate) mod loss;
 pub(crate) mod norm;
