@@ -7,9 +7,10 @@
 //! of a training step that grows with the parameters, not with the batch. [`AdamW`]
 //! computes the same operations in the same order, so the same numbers to the last bit,
 //! in one pass over the parameter, its gradient and its moments, split over the cores, on
-//! flex and ndarray in f32. On every other backend and dtype its step is Burn's `AdamW`'s.
-//! Its state is Burn's [`AdamWState`]: a checkpoint written with either optimizer resumes
-//! with the other.
+//! flex and ndarray in f32. On every other backend and dtype its step is Burn's `AdamW`'s
+//! (a parameter without elements is left as it is, on any backend). Its state is Burn's
+//! [`AdamWState`]: a checkpoint written with either optimizer resumes with the other, given
+//! the same settings ([`AdamWConfig`]'s defaults are PyTorch's, not Burn's).
 //!
 //! ```
 //! use burn::module::Module;
@@ -104,7 +105,9 @@ impl AdamWConfig {
 
 /// AdamW (Loshchilov and Hutter, decoupled weight decay), built by [`AdamWConfig`]: Burn's
 /// `AdamW` step for step (without AMSGrad or cautious decay), in one pass per parameter
-/// on flex and ndarray in f32 (see [the module](self)).
+/// on flex and ndarray in f32 (see [the module](self)). A state that carries AMSGrad's
+/// maximum (saved by Burn's `AdamW` with `amsgrad`) is stepped by Burn's `AdamW` without
+/// AMSGrad, the maximum kept as it was.
 #[derive(Clone)]
 pub struct AdamW {
     beta_1: f32,
@@ -190,7 +193,7 @@ mod tests {
 
     /// The floats of `x`, as bits.
     fn bits<const D: usize>(x: &Tensor<D>) -> Vec<u32> {
-        let values: Vec<f32> = x.to_data().convert::<f32>().to_vec().unwrap();
+        let values: Vec<f32> = x.to_data().convert::<f32>().try_to_vec::<f32>().unwrap();
         values.iter().map(|v| v.to_bits()).collect()
     }
 
@@ -249,7 +252,11 @@ mod tests {
             let grad = Tensor::<1>::from_floats([0.3, -0.1, 0.0, 2.0], &device).inner();
             let (moved, state) = optim.step(0.01, param.clone(), grad, None);
             // First step: m̂ = g, v̂ = g², so each element moves by lr · g / (|g| + ε).
-            let moved: Vec<f32> = moved.into_data().convert::<f32>().to_vec().unwrap();
+            let moved: Vec<f32> = moved
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap();
             let expected = [1.0 - 0.01, -2.0 + 0.01, 0.5, 0.0 - 0.01];
             for (got, want) in moved.iter().zip(expected) {
                 assert!(

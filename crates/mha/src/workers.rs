@@ -20,8 +20,10 @@ use burn::tensor::Device;
 /// same numbers to the last digit (the README has the measurements). Wrap a whole step
 /// (forward, backward, optimizer), not each call: the hand-over is then paid once; and
 /// not a loop that waits on something else: the spinning workers keep their cores busy
-/// for as long as `f` runs. One call spins at a time: steps run at once from several
-/// threads (one per device, say) share the workers as they would without it.
+/// for as long as `f` runs. One call spins at a time. Steps run at once from several
+/// threads (one per CPU device, say) share the workers, and a spinning worker may take
+/// up another thread's whole step, so a step can wait for the end of another: do not
+/// hold a lock that another thread's step needs across tensor operations.
 ///
 /// Inside `f`, do not wait for another thread that itself needs the pool (a data loader
 /// running tensor operations, say): with one worker (`RAYON_NUM_THREADS=1`) that wait
@@ -65,10 +67,10 @@ mod pool {
                 .is_ok();
             let step_thread = rayon::current_thread_index();
             if spins {
-                for _ in 1..rayon::current_num_threads() {
-                    let done = &done;
-                    scope.spawn(move |_| spin(done, step_thread));
-                }
+                // One spinner on each worker's own queue (a spinner stolen by a worker
+                // that spins already would leave a third one asleep).
+                let done = &done;
+                scope.spawn_broadcast(move |_, _| spin(done, step_thread));
             }
             // Set when `f` returns or unwinds: the scope waits for the spinners.
             let _stop = Stop { done: &done, spins };
@@ -95,8 +97,8 @@ mod pool {
     /// worker is woken by each new operation, a system call on each side (tens of
     /// microseconds), where a step's operations come a few microseconds apart. OpenMP's
     /// threads, PyTorch's on the CPU, wait the same way. A spinner taken up by the thread
-    /// that runs the step itself (while it waits inside a `join` of its own) returns at
-    /// once: it would spin on what it stops.
+    /// that runs the step itself (when it waits inside a `join` of its own, or at the
+    /// scope's end) returns at once: it would spin on what it stops.
     fn spin(done: &AtomicBool, step_thread: Option<usize>) {
         if rayon::current_thread_index() == step_thread {
             return;

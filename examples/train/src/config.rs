@@ -199,8 +199,8 @@ impl TrainConfig {
             self.min_lr_ratio
         );
         anyhow::ensure!(
-            self.adam_epsilon > 0.0,
-            "{} must be positive, got {}",
+            self.adam_epsilon > 0.0 && self.adam_epsilon.is_finite(),
+            "{} must be positive and finite, got {}",
             ADAM_EPSILON.name(),
             self.adam_epsilon
         );
@@ -232,8 +232,8 @@ impl TrainConfig {
             self.grad_clip
         );
         anyhow::ensure!(
-            self.weight_decay >= 0.0,
-            "{} must not be negative, got {}",
+            self.weight_decay >= 0.0 && self.weight_decay.is_finite(),
+            "{} must be finite and not negative, got {}",
             WEIGHT_DECAY.name(),
             self.weight_decay
         );
