@@ -958,4 +958,21 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn the_optimizers_numbers_must_be_finite() {
+        // A file's 1e39 is an f32 infinity.
+        let infinite_epsilon = TrainConfig {
+            adam_epsilon: f32::INFINITY,
+            ..TrainConfig::default()
+        };
+        let err = infinite_epsilon.validate().unwrap_err().to_string();
+        assert!(err.contains("adam_epsilon") && err.ends_with("got inf"), "{err}");
+        let infinite_decay = TrainConfig {
+            weight_decay: f32::INFINITY,
+            ..TrainConfig::default()
+        };
+        let err = infinite_decay.validate().unwrap_err().to_string();
+        assert!(err.contains("weight_decay") && err.ends_with("got inf"), "{err}");
+    }
 }
