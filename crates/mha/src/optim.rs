@@ -245,6 +245,47 @@ mod tests {
     }
 
     #[test]
+    fn a_run_saved_with_burns_adamw_goes_on_with_ours() {
+        use burn::nn::{Linear, LinearConfig};
+        use burn::optim::GradientsParams;
+
+        for device in devices() {
+            let x = Tensor::<2>::random([16, 8], Distribution::Default, &device);
+            let grads = |model: &Linear| {
+                let loss = model.forward(x.clone()).powi_scalar(2).mean();
+                GradientsParams::from_grads(loss.backward(), model)
+            };
+            let burns = || {
+                burn::optim::AdamWConfig::new()
+                    .with_epsilon(1e-8)
+                    .with_weight_decay(0.01)
+                    .init()
+            };
+            let start = LinearConfig::new(8, 4).init(&device);
+            let mut first = burns();
+            let saved = first.step(1e-2, start.clone(), grads(&start));
+            // From the saved state, two more steps with Burn's AdamW and with ours.
+            let mut theirs = burns().load_record(first.to_record());
+            let mut ours = AdamWConfig::new().init().load_record(first.to_record());
+            let (mut a, mut b) = (saved.clone(), saved);
+            for _ in 0..2 {
+                a = theirs.step(1e-2, a.clone(), grads(&a));
+                b = ours.step(1e-2, b.clone(), grads(&b));
+            }
+            let (wa, wb) = (a.weight.val().inner(), b.weight.val().inner());
+            assert!(bits(&wa) == bits(&wb), "{device:?}: the weights differ");
+            let ba = a.bias.as_ref().unwrap().val().inner();
+            let bb = b.bias.as_ref().unwrap().val().inner();
+            assert!(bits(&ba) == bits(&bb), "{device:?}: the biases differ");
+            let moved = (wa - start.weight.val().inner()).abs().max();
+            assert!(
+                moved.into_scalar::<f32>() > 1e-3,
+                "{device:?}: nothing moved"
+            );
+        }
+    }
+
+    #[test]
     fn a_parameter_moves_against_its_gradient() {
         for device in devices() {
             let optim = AdamWConfig::new().with_weight_decay(0.0).build();
