@@ -34,7 +34,7 @@ pub(crate) fn adamw_step<B: CpuTensors>(
     inputs: &[FloatTensor<B>],
     step: AdamWStep,
 ) -> FloatTensor<B> {
-    let readable: Vec<_> = inputs.iter().map(|x| B::readable(x)).collect();
+    let readable: Vec<_> = inputs.iter().map(B::readable).collect();
     let dims = dims_of::<B>(&readable[0]);
     let n = dims.iter().product::<usize>();
     let floats: Vec<_> = readable
@@ -87,7 +87,8 @@ fn run(
         corrections: [c1, c2],
     } = step;
     let (f1, f2) = (1.0 - beta_1, 1.0 - beta_2);
-    for i in 0..param.len() {
+    let outs = p_out.iter_mut().zip(m_out.iter_mut().zip(v_out.iter_mut()));
+    for (i, (p_out, (m_out, v_out))) in outs.enumerate() {
         let g = grad[i];
         let (m, v) = match moments {
             Some((m, v)) => (m[i] * beta_1 + g * f1, v[i] * beta_2 + g * g * f2),
@@ -98,8 +99,8 @@ fn run(
             Some(keep) => param[i] * keep,
             None => param[i],
         };
-        p_out[i].write(p - delta * lr);
-        m_out[i].write(m);
-        v_out[i].write(v);
+        p_out.write(p - delta * lr);
+        m_out.write(m);
+        v_out.write(v);
     }
 }
