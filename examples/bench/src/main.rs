@@ -491,12 +491,12 @@ fn bench_trainer(
         (optim.step(config.lr, model, grads), tokens)
     };
     // Each step on a worker of the CPU backends' pool, as the trainer runs it.
-    model = mha::on_cpu_workers(&device, || step(model)).0; // warm-up
+    model = mha::on_cpu_workers(device, || step(model)).0; // warm-up
     device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let mut tokens = 0;
     let started = Instant::now();
     for _ in 0..cli.train_steps {
-        let (next_model, n) = mha::on_cpu_workers(&device, || step(model));
+        let (next_model, n) = mha::on_cpu_workers(device, || step(model));
         model = next_model;
         tokens += n;
     }

@@ -967,12 +967,18 @@ mod tests {
             ..TrainConfig::default()
         };
         let err = infinite_epsilon.validate().unwrap_err().to_string();
-        assert!(err.contains("adam_epsilon") && err.ends_with("got inf"), "{err}");
+        assert!(
+            err.contains("adam_epsilon") && err.ends_with("got inf"),
+            "{err}"
+        );
         let infinite_decay = TrainConfig {
             weight_decay: f32::INFINITY,
             ..TrainConfig::default()
         };
         let err = infinite_decay.validate().unwrap_err().to_string();
-        assert!(err.contains("weight_decay") && err.ends_with("got inf"), "{err}");
+        assert!(
+            err.contains("weight_decay") && err.ends_with("got inf"),
+            "{err}"
+        );
     }
 }
