@@ -962,23 +962,24 @@ mod tests {
     #[test]
     fn the_optimizers_numbers_must_be_finite() {
         // A file's 1e39 is an f32 infinity.
-        let infinite_epsilon = TrainConfig {
-            adam_epsilon: f32::INFINITY,
-            ..TrainConfig::default()
-        };
-        let err = infinite_epsilon.validate().unwrap_err().to_string();
-        assert!(
-            err.contains("adam_epsilon") && err.ends_with("got inf"),
-            "{err}"
-        );
-        let infinite_decay = TrainConfig {
-            weight_decay: f32::INFINITY,
-            ..TrainConfig::default()
-        };
-        let err = infinite_decay.validate().unwrap_err().to_string();
-        assert!(
-            err.contains("weight_decay") && err.ends_with("got inf"),
-            "{err}"
-        );
+        for (field, config) in [
+            (
+                "adam_epsilon",
+                TrainConfig {
+                    adam_epsilon: f32::INFINITY,
+                    ..TrainConfig::default()
+                },
+            ),
+            (
+                "weight_decay",
+                TrainConfig {
+                    weight_decay: f32::INFINITY,
+                    ..TrainConfig::default()
+                },
+            ),
+        ] {
+            let err = config.validate().unwrap_err().to_string();
+            assert!(err.contains(field) && err.ends_with("got inf"), "{err}");
+        }
     }
 }
