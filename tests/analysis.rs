@@ -328,7 +328,7 @@ fn a_pruned_attention_equals_the_masked_one_in_values_and_gradients() {
 
 #[test]
 fn gqa_pruning_removes_a_key_value_head_only_with_its_whole_group() {
-    let device = backends()[0].device.clone();
+    let device = crate::util::first_device();
     let m = attention(8, 2, Positions::None, &device);
     let kv = |remove: Vec<usize>| {
         m.prune(&PrunePlan {
@@ -646,7 +646,7 @@ fn the_head_mask_gradient_is_the_loss_slope() {
 
 #[test]
 fn bad_plans_and_masks_are_refused_by_name() {
-    let device = backends()[0].device.clone();
+    let device = crate::util::first_device();
     let m = attention(4, 2, Positions::None, &device);
     let err = m
         .prune(&PrunePlan {
@@ -729,14 +729,12 @@ mod maps {
     use burn::tensor::{Tensor, TensorData};
     use mha::analysis::maps::{AttentionMap, MapError};
 
-    use crate::util::backends;
-
     fn labels(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("t{i}")).collect()
     }
 
     fn map(values: Vec<f32>) -> AttentionMap {
-        let device = backends()[0].device.clone();
+        let device = crate::util::first_device();
         let weights = Tensor::<3>::from_data(TensorData::new(values, [2, 3, 4]), &device);
         AttentionMap::layer(weights, &labels(3), &labels(4)).titled("two heads")
     }

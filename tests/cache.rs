@@ -267,7 +267,7 @@ fn an_encoder_decoder_computes_the_memory_once_and_decodes() {
 
 #[test]
 fn bad_calls_are_refused_by_name_and_change_nothing() {
-    let device = backends()[0].device.clone();
+    let device = crate::util::first_device();
     let m = attention(Positions::rope(), 2, 80, &device);
     let mut cache = KvCache::new(6);
     let x = randn([1, 4, D_MODEL], 81, &device);

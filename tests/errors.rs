@@ -9,7 +9,7 @@ use mha::{
 use crate::util::{Fixture, randn};
 
 fn dev() -> Device {
-    crate::util::backends()[0].device.clone()
+    crate::util::first_device()
 }
 
 fn mha_error(config: MultiHeadAttentionConfig) -> String {

@@ -208,6 +208,7 @@ fn the_kernels_give_the_same_bits_every_run() {
     use burn::tensor::TensorData;
     use mha::{Buckets, PositionBias, SdpaOptions, scaled_dot_product_attention};
 
+    let _turn = crate::util::gpu_turn();
     let device = wgpu().autodiff();
     let run = || {
         device.seed(7);

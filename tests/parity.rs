@@ -415,7 +415,7 @@ fn hugging_face_t5_attention_matches_transformers() {
 #[test]
 fn buckets_sinusoids_and_slopes_are_pytorchs() {
     let f = Fixture::load("position_tables");
-    let dev = &backends()[0].device;
+    let dev = &crate::util::first_device();
     for bidirectional in [true, false] {
         for (num_buckets, max_distance) in [(32, 128), (8, 20)] {
             let key = format!(

@@ -1,17 +1,67 @@
 //! Devices, fixtures, comparisons and seeded random inputs shared by the tests.
 
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, FloatDType, Gradients, Tensor, TensorData};
 use mha::PyTorchWeights;
 
-/// A backend under test: its name and device.
+/// A backend under test: its name and device; a GPU backend holds the [`GpuTurn`] while
+/// it lives.
 #[derive(Clone, Debug)]
 pub struct Backend {
     pub name: &'static str,
     pub device: Device,
+    _turn: Option<Rc<GpuTurn>>,
+}
+
+/// The GPU to one test thread at a time. Burn's autotuner marks a kernel choice pending
+/// while one thread measures the candidates, and another thread asking for that choice
+/// meanwhile runs the first candidate instead of the winner: two runs of one computation
+/// on one thread could then take different kernels and round differently, and the tests
+/// that compare two runs bit for bit would fail by chance. A thread may take its turn
+/// again while it holds it.
+#[derive(Debug)]
+pub struct GpuTurn {
+    _guard: Option<MutexGuard<'static, ()>>,
+}
+
+static GPU: Mutex<()> = Mutex::new(());
+
+thread_local! {
+    /// The turns this thread holds.
+    static TURNS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Waits for the GPU's turn (at once if this thread holds it) and holds it until dropped.
+pub fn gpu_turn() -> GpuTurn {
+    let guard = (TURNS.get() == 0).then(|| GPU.lock().unwrap_or_else(PoisonError::into_inner));
+    TURNS.set(TURNS.get() + 1);
+    GpuTurn { _guard: guard }
+}
+
+impl Drop for GpuTurn {
+    fn drop(&mut self) {
+        TURNS.set(TURNS.get() - 1);
+    }
 }
 
 impl Backend {
+    /// The backend `name` on `device`, holding the [`GpuTurn`] if it is a GPU's.
+    fn new(name: &'static str, device: Device) -> Self {
+        let mut backend = Self {
+            name,
+            device,
+            _turn: None,
+        };
+        if backend.is_gpu() {
+            backend._turn = Some(Rc::new(gpu_turn()));
+        }
+        backend
+    }
+
     /// Max abs error allowed against PyTorch for forward values.
     pub fn forward_tol(&self) -> f32 {
         match self.is_gpu() {
@@ -77,32 +127,33 @@ impl Backend {
     }
 }
 
-/// Every backend compiled in: flex by default, ndarray, wgpu and cuda by feature.
+/// Every backend compiled in: flex by default, ndarray, wgpu and cuda by feature, each made
+/// when the iteration reaches it (a GPU backend waits for the [`GpuTurn`] then).
 #[allow(deprecated, clippy::vec_init_then_push)]
-pub fn backends() -> Vec<Backend> {
-    let mut all = Vec::new();
+pub fn backends() -> impl Iterator<Item = Backend> {
+    let mut all: Vec<Box<dyn FnOnce() -> Backend>> = Vec::new();
     #[cfg(feature = "flex")]
-    all.push(Backend {
-        name: "flex",
-        device: Device::flex(),
-    });
+    all.push(Box::new(|| Backend::new("flex", Device::flex())));
     #[cfg(feature = "ndarray")]
-    all.push(Backend {
-        name: "ndarray",
-        device: Device::ndarray(),
-    });
+    all.push(Box::new(|| Backend::new("ndarray", Device::ndarray())));
     #[cfg(feature = "wgpu")]
-    all.push(Backend {
-        name: "wgpu",
-        device: Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
-    });
+    all.push(Box::new(|| {
+        Backend::new(
+            "wgpu",
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+        )
+    }));
     #[cfg(feature = "cuda")]
-    all.push(Backend {
-        name: "cuda",
-        device: Device::cuda(0),
-    });
+    all.push(Box::new(|| Backend::new("cuda", Device::cuda(0))));
     assert!(!all.is_empty(), "no backend feature enabled");
-    all
+    all.into_iter().map(|make| make())
+}
+
+/// The first backend's device (flex in every build CI makes), for the tests that check
+/// what does not depend on the backend. It holds no [`GpuTurn`]: in a build without flex, a
+/// test comparing two GPU runs bit for bit on it could fail by chance.
+pub fn first_device() -> Device {
+    backends().next().expect("a backend").device
 }
 
 /// A PyTorch fixture written by scripts/golden.py.
