@@ -265,6 +265,10 @@ pub(crate) enum RowOp {
     /// the CPU kernels are built, since elsewhere every step is Burn's.
     #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     AdamW,
+    /// The sum of the squares of a gradient's elements (gradient clipping's norm, outside
+    /// autodiff); asked only where the CPU kernels are built, as [`RowOp::AdamW`].
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    SquareSum,
 }
 
 /// How a row operation runs.
@@ -438,6 +442,7 @@ mod tests {
                 RowOp::Gelu,
                 RowOp::CrossEntropy,
                 RowOp::AdamW,
+                RowOp::SquareSum,
             ] {
                 let empty = RowCall {
                     empty: true,
@@ -468,6 +473,7 @@ mod tests {
             RowOp::Gelu,
             RowOp::CrossEntropy,
             RowOp::AdamW,
+            RowOp::SquareSum,
         ] {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);

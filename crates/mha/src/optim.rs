@@ -1,5 +1,6 @@
 //! AdamW as one of Burn's optimizers ([`burn::optim::Optimizer`]), with Burn's numbers and
-//! state, whose step over a parameter is one parallel pass on the CPU backends.
+//! state, whose step over a parameter is one parallel pass on the CPU backends; and
+//! PyTorch's clipping of all the gradients together by their norm ([`clip_grad_norm`]).
 //!
 //! Burn's `AdamW` steps each parameter through about fifteen elementwise operations (the
 //! two moments, their bias corrections, the square root, the decay, the update), each a
@@ -30,11 +31,16 @@
 //! ```
 
 use burn::config::Config;
-use burn::optim::{AdamWState, AdaptiveMomentumState, LearningRate, ModuleOptimizer, Optimizer};
-use burn::tensor::{Device, Tensor};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{
+    AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate, ModuleOptimizer, Optimizer,
+};
+use burn::tensor::{Device, FloatDType, Tensor};
 
 use crate::error::{Check, ConfigError};
 use crate::ops::adamw;
+#[cfg(any(feature = "flex", feature = "ndarray"))]
+use crate::ops::squares;
 
 /// The numbers of an [`AdamW`]: the moments' decays, epsilon and the weight decay.
 /// Defaults are PyTorch's `torch.optim.AdamW`'s (Burn's `AdamWConfig` has epsilon 1e-5 and
@@ -180,6 +186,139 @@ impl Optimizer for AdamW {
 
     fn to_device<const D: usize>(state: AdamWState<D>, device: &Device) -> AdamWState<D> {
         <burn::optim::AdamW as Optimizer>::to_device(state, device)
+    }
+}
+
+/// Clips the gradients of `module`'s parameters in `grads` together, as PyTorch's
+/// `torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)`: the L2 norm of all of
+/// them as one vector, and when it exceeds `max_norm`, every gradient multiplied by
+/// `max_norm / (norm + 1e-6)`. Returns that norm (before clipping), `[1]` in f32, or `None`
+/// when no parameter has a gradient in `grads`. Gradients in half precision are squared
+/// in f32 and scaled in their own dtype.
+///
+/// On flex and ndarray in f32, each gradient's squares are summed in one parallel pass
+/// and the norm is read on the host, where the decision is made: a step whose norm is
+/// within `max_norm` touches no gradient. Elsewhere (a GPU, whose norm is not read back:
+/// that would wait for the step's work) the scale, 1 or less, is computed on the device
+/// and every gradient multiplied by it.
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::LinearConfig;
+/// use burn::optim::GradientsParams;
+/// use burn::tensor::{Device, Tensor};
+///
+/// let device = Device::default().autodiff();
+/// let model = LinearConfig::new(4, 1).with_bias(false).init(&device);
+/// let x = Tensor::<2>::ones([1, 4], &device) * 100.0;
+/// let mut grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
+/// // The weight's gradient is x: four hundreds, a norm of 200.
+/// let norm = mha::optim::clip_grad_norm(&mut grads, &model, 1.0).unwrap();
+/// assert_eq!(norm.into_scalar::<f32>(), 200.0);
+/// let clipped = grads.get::<2>(model.weight.id).unwrap();
+/// let norm_after = clipped.powi_scalar(2).sum().sqrt().into_scalar::<f32>();
+/// assert!((norm_after - 1.0).abs() < 1e-5);
+/// ```
+///
+/// # Panics
+/// If `max_norm` is not a finite number above 0 (the message gives it).
+pub fn clip_grad_norm<M: Module>(
+    grads: &mut GradientsParams,
+    module: &M,
+    max_norm: f32,
+) -> Option<Tensor<1>> {
+    assert!(
+        max_norm.is_finite() && max_norm > 0.0,
+        "clip_grad_norm: max_norm must be a finite number above 0, got {max_norm}"
+    );
+    let mut sum = SquareSums {
+        grads: &*grads,
+        host: 0.0,
+        device: None,
+        first: None,
+    };
+    module.visit(&mut sum);
+    let device = sum.first?;
+    let Some(squares) = sum.device else {
+        // Every gradient's squares on the host: the norm and the decision there.
+        let norm = sum.host.sqrt() as f32;
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            module.visit(&mut Scale {
+                grads,
+                factor: Factor::Host(coef),
+            });
+        }
+        return Some(Tensor::from_floats([norm], &device));
+    };
+    let norm = squares.add_scalar(sum.host).sqrt();
+    let bound = Tensor::<1>::from_floats([max_norm], &norm.device());
+    let coef = bound / norm.clone().add_scalar(1e-6);
+    module.visit(&mut Scale {
+        grads,
+        factor: Factor::Device(Box::new(coef.clamp_max(1.0))),
+    });
+    Some(norm)
+}
+
+/// The sum of the squares of every gradient: on the host where our kernel sums them (flex
+/// and ndarray in f32), else on the device.
+struct SquareSums<'a> {
+    grads: &'a GradientsParams,
+    host: f64,
+    device: Option<Tensor<1>>,
+    /// The device of the first gradient met.
+    first: Option<Device>,
+}
+
+impl ModuleVisitor for SquareSums<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(grad) = self.grads.get::<D>(param.id) else {
+            return;
+        };
+        self.first.get_or_insert_with(|| grad.device());
+        if grad.dims().contains(&0) {
+            return;
+        }
+        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        if squares::is_fused(&grad) {
+            self.host += f64::from(squares::square_sum(grad));
+            return;
+        }
+        let sum = grad.cast(FloatDType::F32).square().sum();
+        self.device = Some(match self.device.take() {
+            Some(total) => total + sum,
+            None => sum,
+        });
+    }
+}
+
+/// The factor the gradients are multiplied by.
+enum Factor {
+    Host(f32),
+    /// `[1]` in f32.
+    Device(Box<Tensor<1>>),
+}
+
+/// Multiplies every gradient by the factor.
+struct Scale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: Factor,
+}
+
+impl ModuleVisitor for Scale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(grad) = self.grads.remove::<D>(param.id) else {
+            return;
+        };
+        let scaled = match &self.factor {
+            Factor::Host(coef) => grad.mul_scalar(*coef),
+            Factor::Device(coef) => {
+                let coef = (**coef).clone().cast(FloatDType::from(grad.dtype()));
+                grad * coef.reshape([1; D])
+            }
+        };
+        self.grads.register(param.id, scaled);
     }
 }
 
@@ -340,5 +479,111 @@ mod tests {
             "AdamWConfig.weight_decay: must be 0 or more and finite, got NaN"
         );
         assert!(AdamWConfig::new().try_init().is_ok());
+    }
+
+    /// A linear layer of 300 x 200 (60,000 weights: three whole parallel chunks and a part)
+    /// and its bias, with the gradients of `scale` times a random loss.
+    fn layer_and_grads(
+        device: &burn::tensor::Device,
+        scale: f32,
+    ) -> (burn::nn::Linear, burn::optim::GradientsParams) {
+        use burn::nn::LinearConfig;
+        use burn::optim::GradientsParams;
+
+        device.seed(5);
+        let model = LinearConfig::new(300, 200).init(device);
+        let x = Tensor::<2>::random([4, 300], Distribution::Default, device);
+        let loss = model.forward(x).sum() * scale;
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        (model, grads)
+    }
+
+    /// The gradients of the layer's weight and bias, as f64 on the host.
+    fn grad_values(
+        model: &burn::nn::Linear,
+        grads: &burn::optim::GradientsParams,
+    ) -> [Vec<f64>; 2] {
+        let weight = grads.get::<2>(model.weight.id).unwrap();
+        let bias = grads.get::<1>(model.bias.as_ref().unwrap().id).unwrap();
+        let host = |v: Vec<f32>| v.into_iter().map(f64::from).collect();
+        [
+            host(
+                weight
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap(),
+            ),
+            host(
+                bias.into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap(),
+            ),
+        ]
+    }
+
+    fn l2(values: &[Vec<f64>; 2]) -> f64 {
+        values.iter().flatten().map(|v| v * v).sum::<f64>().sqrt()
+    }
+
+    #[test]
+    fn clipping_scales_every_gradient_to_the_global_norm_above_it_only() {
+        use super::clip_grad_norm;
+
+        for device in devices() {
+            // Norms of about 0.5 (left alone), 490 and 24,000.
+            for (scale, clips) in [(0.001, false), (1.0, true), (50.0, true)] {
+                let what = format!("{device:?}, loss x {scale}");
+                let (model, mut grads) = layer_and_grads(&device, scale);
+                let before = grad_values(&model, &grads);
+                let want = l2(&before);
+                let max_norm = 3.0;
+                let norm = clip_grad_norm(&mut grads, &model, max_norm).expect("gradients");
+                let norm = f64::from(norm.into_scalar::<f32>());
+                assert!(
+                    (norm - want).abs() <= want * 1e-6,
+                    "{what}: {norm} vs {want}"
+                );
+                let after = grad_values(&model, &grads);
+                // PyTorch's factor, clamped at 1: each gradient multiplied by it.
+                let coef = (f64::from(max_norm) / (want + 1e-6)).min(1.0);
+                assert_eq!(coef < 1.0, clips, "{what}: a norm of {want}");
+                for (a, b) in after.iter().flatten().zip(before.iter().flatten()) {
+                    assert!((a - b * coef).abs() <= (b * coef).abs() * 1e-6, "{what}");
+                }
+                match coef < 1.0 {
+                    true => assert!((l2(&after) - 3.0).abs() < 1e-5, "{what}: {}", l2(&after)),
+                    false => assert_eq!(after, before, "{what}: a gradient within it changed"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn clipping_without_gradients_or_with_a_bad_bound() {
+        use super::clip_grad_norm;
+        use burn::optim::GradientsParams;
+
+        for device in devices() {
+            let (model, _) = layer_and_grads(&device, 1.0);
+            let mut none = GradientsParams::new();
+            assert!(
+                clip_grad_norm(&mut none, &model, 1.0).is_none(),
+                "{device:?}"
+            );
+        }
+        let device = devices().remove(0);
+        let (model, mut grads) = layer_and_grads(&device, 1.0);
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                clip_grad_norm(&mut grads, &model, bad)
+            }));
+            let message = *out.expect_err("refused").downcast::<String>().unwrap();
+            assert!(
+                message.contains("max_norm") && message.contains(&format!("{bad}")),
+                "{message}"
+            );
+        }
     }
 }

@@ -13,6 +13,7 @@
 //! | [`gelu`] | `erf` and four elementwise steps, each with a backward |
 //! | [`loss`] | `log_softmax`, a gather and a masked mean |
 //! | [`adamw`] | the fifteen elementwise steps of Burn's AdamW over a parameter |
+//! | [`squares`] | a square and a sum, for the global norm of gradient clipping |
 
 // Burn 0.22 deprecates ndarray; it is still one of our backends.
 #![allow(deprecated)]
@@ -23,6 +24,7 @@ pub(crate) mod gelu;
 pub(crate) mod linear;
 pub(crate) mod loss;
 pub(crate) mod norm;
+pub(crate) mod squares;
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 use burn::tensor::Tensor;
@@ -39,7 +41,7 @@ mod fused {
     };
     use burn::tensor::{Bool, Tensor};
 
-    use super::{adamw, attention, gelu, linear, loss, norm};
+    use super::{adamw, attention, gelu, linear, loss, norm, squares};
     use crate::cpu::CpuTensors;
     use crate::op;
 
@@ -58,6 +60,8 @@ mod fused {
         CrossEntropy { targets: std::sync::Arc<[i64]> },
         /// [`adamw::AdamWOp`].
         AdamW(adamw::AdamWStep),
+        /// [`squares::SquareSumOp`].
+        SquareSum,
     }
 
     /// The tensors an operation differentiates, in its order: one to five (a backend
@@ -160,6 +164,7 @@ mod fused {
                     op::forward::<B, _>(loss::CrossEntropyOp { targets }, floats)
                 }
                 FusedOp::AdamW(step) => op::forward::<B, _>(adamw::AdamWOp(step), floats),
+                FusedOp::SquareSum => op::forward::<B, _>(squares::SquareSumOp, floats),
             }
         }
     }
@@ -181,6 +186,7 @@ mod fused {
                     op::autodiff::<B, C, _>(loss::CrossEntropyOp { targets }, floats)
                 }
                 FusedOp::AdamW(step) => op::autodiff::<B, C, _>(adamw::AdamWOp(step), floats),
+                FusedOp::SquareSum => op::autodiff::<B, C, _>(squares::SquareSumOp, floats),
             }
         }
     }

@@ -499,7 +499,7 @@ impl Model {
     ) -> Self {
         let stepping = self.stepping();
         if let Some(max) = stepping.global_clip {
-            clip_global_norm(&mut grads, &self, max);
+            mha::optim::clip_grad_norm(&mut grads, &self, max);
         }
         let several = stepping.devices > 1;
         let model = optim.step(lr_module, self, grads);
@@ -517,60 +517,6 @@ impl Model {
         }
         model
     }
-}
-
-/// Scales every gradient of `module`'s parameters in `grads` by `max / norm` when the
-/// norm of all of them together exceeds `max` (PyTorch's `clip_grad_norm_`), on the
-/// device, without reading the norm back.
-pub fn clip_global_norm<M: Module>(grads: &mut GradientsParams, module: &M, max: f32) {
-    use burn::module::{ModuleVisitor, Param};
-    struct SquaredNorm<'a> {
-        grads: &'a GradientsParams,
-        total: Option<Tensor<1>>,
-    }
-    impl ModuleVisitor for SquaredNorm<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(grad) = self.grads.get::<D>(param.id) else {
-                return;
-            };
-            let sum = grad.cast(FloatDType::F32).square().sum();
-            self.total = Some(match self.total.take() {
-                Some(total) => total + sum,
-                None => sum,
-            });
-        }
-    }
-    struct Scale<'a> {
-        grads: &'a mut GradientsParams,
-        factor: Tensor<1>,
-    }
-    impl ModuleVisitor for Scale<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(grad) = self.grads.remove::<D>(param.id) else {
-                return;
-            };
-            let factor = self
-                .factor
-                .clone()
-                .cast(FloatDType::from(grad.dtype()))
-                .reshape([1; D]);
-            self.grads.register(param.id, grad * factor);
-        }
-    }
-    let mut norm = SquaredNorm {
-        grads: &*grads,
-        total: None,
-    };
-    module.visit(&mut norm);
-    let Some(total) = norm.total else {
-        return;
-    };
-    // PyTorch's: max / (norm + 1e-6), at most 1.
-    let factor = (total.sqrt().add_scalar(1e-6))
-        .recip()
-        .mul_scalar(max)
-        .clamp_max(1.0);
-    module.visit(&mut Scale { grads, factor });
 }
 
 impl InferenceStep for Model {

@@ -6,3 +6,4 @@ pub(crate) mod adamw;
 pub(crate) mod gelu;
 pub(crate) mod loss;
 pub(crate) mod norm;
+pub(crate) mod squares;
