@@ -59,9 +59,20 @@ pub(super) fn backward_on(
         ..
     } = dims;
     let group = dims.group();
-    let mut dq = vec![0.0f32; batch * queries * heads * d_k];
-    let mut dk = vec![0.0f32; batch * keys * kv_heads * d_k];
-    let mut dv = vec![0.0f32; batch * keys * kv_heads * d_v];
+    // Not zeroed (a pass over each on this thread while the others wait): the tasks
+    // below write every row of dK and dV (each key of each key/value head belongs to one
+    // task), and every row of dQ, themselves or summed from their parts after them. Their
+    // lengths are set once they are written.
+    let lens = [
+        batch * queries * heads * d_k,
+        batch * keys * kv_heads * d_k,
+        batch * keys * kv_heads * d_v,
+    ];
+    assert!(
+        keys > 0 || lens[0] == 0,
+        "attention's backward pass over no key (the dispatcher gives it its empty result)"
+    );
+    let [mut dq, mut dk, mut dv] = lens.map(Vec::<f32>::with_capacity);
     let ranges = key_ranges(dims, &extra.scoring.visibility, threads);
     let split = ranges.len();
     let dq_out = Out(dq.as_mut_ptr());
@@ -152,7 +163,15 @@ pub(super) fn backward_on(
         }
         total
     });
+    // SAFETY: every task has returned, having written its keys' rows of dK and dV (the
+    // ranges cover every key of every key/value head).
+    unsafe {
+        dk.set_len(lens[1]);
+        dv.set_len(lens[2]);
+    }
     if split == 1 {
+        // SAFETY: each task wrote every row of its query heads' dQ.
+        unsafe { dq.set_len(lens[0]) };
         return Gradients {
             dq,
             dk,
@@ -162,21 +181,25 @@ pub(super) fn backward_on(
         };
     }
     // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
-    dq.par_chunks_mut(heads * d_k)
+    dq.spare_capacity_mut()[..lens[0]]
+        .par_chunks_mut(heads * d_k)
         .enumerate()
         .for_each(|(row, dq_row)| {
             let (b, i) = (row / queries, row % queries);
             for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
                 let bkv = b * kv_heads + h / group;
                 let at = ((h % group) * queries + i) * d_k;
-                for (part, _, _) in &partials[bkv * split..(bkv + 1) * split] {
-                    for (d, &p) in dq_head.iter_mut().zip(&part[at..at + d_k]) {
-                        *d += p;
-                    }
+                for (j, d) in dq_head.iter_mut().enumerate() {
+                    let parts = &partials[bkv * split..(bkv + 1) * split];
+                    let sum = parts
+                        .iter()
+                        .fold(0.0f32, |sum, (part, _, _)| sum + part[at + j]);
+                    d.write(sum * dims.scale);
                 }
-                dq_head.iter_mut().for_each(|d| *d *= dims.scale);
             }
         });
+    // SAFETY: the loop above wrote every element of every row.
+    unsafe { dq.set_len(lens[0]) };
     Gradients {
         dq,
         dk,
