@@ -31,7 +31,7 @@
 //! | [`dtype`] | [`ModuleDType`]: the float dtype of a whole module, and one cast for every module |
 //! | [`error`] | [`ConfigError`], [`CacheError`], [`PruneError`], [`DTypeError`] |
 //! | `workers` (private) | [`on_cpu_workers`]: a step run on the CPU backends' thread pool, its other workers spinning for its work |
-//! | [`optim`] | [`optim::AdamW`]: Burn's AdamW, each parameter's step one parallel pass on the CPU backends |
+//! | [`optim`] | [`optim::AdamW`]: Burn's AdamW, each parameter's step one parallel pass on the CPU backends; [`optim::clip_grad_norm`]: PyTorch's clipping by the global norm |
 //!
 //! Dependencies flow one way, down this list read from the bottom: `analysis` and
 //! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
