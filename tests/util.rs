@@ -51,15 +51,11 @@ impl Drop for GpuTurn {
 impl Backend {
     /// The backend `name` on `device`, holding the [`GpuTurn`] if it is a GPU's.
     fn new(name: &'static str, device: Device) -> Self {
-        let mut backend = Self {
+        Self {
             name,
             device,
-            _turn: None,
-        };
-        if backend.is_gpu() {
-            backend._turn = Some(Rc::new(gpu_turn()));
+            _turn: is_gpu(name).then(|| Rc::new(gpu_turn())),
         }
-        backend
     }
 
     /// Max abs error allowed against PyTorch for forward values.
@@ -118,7 +114,7 @@ impl Backend {
     }
 
     fn is_gpu(&self) -> bool {
-        matches!(self.name, "wgpu" | "cuda")
+        is_gpu(self.name)
     }
 
     /// The same device with autodiff.
@@ -127,26 +123,32 @@ impl Backend {
     }
 }
 
+/// Makes a backend's device.
+type MakeDevice = fn() -> Device;
+
+/// Whether the backend of this name runs on a GPU.
+fn is_gpu(name: &str) -> bool {
+    matches!(name, "wgpu" | "cuda")
+}
+
 /// Every backend compiled in: flex by default, ndarray, wgpu and cuda by feature, each made
 /// when the iteration reaches it (a GPU backend waits for the [`GpuTurn`] then).
 #[allow(deprecated, clippy::vec_init_then_push)]
 pub fn backends() -> impl Iterator<Item = Backend> {
-    let mut all: Vec<Box<dyn FnOnce() -> Backend>> = Vec::new();
+    let mut all: Vec<(&'static str, MakeDevice)> = Vec::new();
     #[cfg(feature = "flex")]
-    all.push(Box::new(|| Backend::new("flex", Device::flex())));
+    all.push(("flex", Device::flex));
     #[cfg(feature = "ndarray")]
-    all.push(Box::new(|| Backend::new("ndarray", Device::ndarray())));
+    all.push(("ndarray", Device::ndarray));
     #[cfg(feature = "wgpu")]
-    all.push(Box::new(|| {
-        Backend::new(
-            "wgpu",
-            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
-        )
+    all.push(("wgpu", || {
+        Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)
     }));
     #[cfg(feature = "cuda")]
-    all.push(Box::new(|| Backend::new("cuda", Device::cuda(0))));
+    all.push(("cuda", || Device::cuda(0)));
     assert!(!all.is_empty(), "no backend feature enabled");
-    all.into_iter().map(|make| make())
+    all.into_iter()
+        .map(|(name, device)| Backend::new(name, device()))
 }
 
 /// The first backend's device (flex in every build CI makes), for the tests that check
