@@ -47,7 +47,7 @@ pub(super) mod avx2 {
 
     /// Rows of C per register tile: 6 x 16 outputs are 12 registers of sums, enough to
     /// keep both FMA units busy through the FMA's latency.
-    const MR: usize = 6;
+    pub(crate) const MR: usize = 6;
 
     /// [`Arch::gemm`](crate::cpu::isa::Arch::gemm) in tiles of 6 x 16 and 6 x 8 outputs, the last
     /// columns (fewer than 8) as dot products ([`narrow`]) or in plain loops.
@@ -221,7 +221,7 @@ pub(super) mod avx512 {
 
     /// Rows of C per register tile: 8 x 32 outputs are 16 of the 32 registers, sums enough
     /// to keep both FMA units busy through the FMA's latency.
-    const MR: usize = 8;
+    pub(crate) const MR: usize = 8;
 
     /// [`Arch::gemm`](crate::cpu::isa::Arch::gemm) in tiles of 8 x 32 and 8 x 16 outputs; the last columns
     /// (fewer than 16) through the AVX2 kernel.

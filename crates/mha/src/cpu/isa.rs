@@ -82,6 +82,11 @@ pub(super) trait Arch {
     /// Whether `mul_add` is one instruction (elsewhere it is a library call).
     const FMA: bool;
 
+    /// Rows of C that [`gemm`](Self::gemm) computes at once (its register tile's): a
+    /// product cut into blocks of rows runs as fast as whole when the blocks are
+    /// multiples of it.
+    const ROWS: usize;
+
     /// `C = A B` (or `C += A B` when `add`) for sizes `[m, n, k]`: A is `(ptr, row
     /// stride, column stride)`, B and C are `(ptr, row stride)` with unit column stride.
     ///
@@ -120,6 +125,13 @@ pub(super) trait Arch {
     fn tanh(x: f32) -> f32 {
         1.0 - 2.0 / (Self::exp(2.0 * x) + 1.0)
     }
+    /// `a + b` lane by lane: eight lanes of sums (of a row, say) held in one vector
+    /// register where the instruction set has them. Written as eight scalar additions,
+    /// the compiler keeps eight scalar sums and adds them one by one.
+    #[inline(always)]
+    fn add8(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        std::array::from_fn(|l| a[l] + b[l])
+    }
 }
 
 /// Plain loops, for any CPU.
@@ -127,6 +139,7 @@ pub(super) struct Portable;
 
 impl Arch for Portable {
     const FMA: bool = false;
+    const ROWS: usize = 8;
 
     #[inline(always)]
     unsafe fn gemm(
@@ -141,6 +154,25 @@ impl Arch for Portable {
     }
 }
 
+/// Eight lanes added in one AVX instruction.
+///
+/// # Safety
+/// Only where the CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn add8_avx(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+    use std::arch::x86_64::{__m256, _mm256_add_ps};
+    use std::mem::transmute;
+    // SAFETY: `[f32; 8]` and `__m256` are the same 32 bytes; the caller's contract.
+    unsafe {
+        let (a, b) = (
+            transmute::<[f32; 8], __m256>(a),
+            transmute::<[f32; 8], __m256>(b),
+        );
+        transmute::<__m256, [f32; 8]>(_mm256_add_ps(a, b))
+    }
+}
+
 /// x86-64 with AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 pub(super) struct Avx2;
@@ -148,6 +180,13 @@ pub(super) struct Avx2;
 #[cfg(target_arch = "x86_64")]
 impl Arch for Avx2 {
     const FMA: bool = true;
+    const ROWS: usize = gemm::avx2::MR;
+
+    #[inline(always)]
+    fn add8(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        // SAFETY: only run where the CPU has AVX2 (and AVX with it).
+        unsafe { add8_avx(a, b) }
+    }
 
     #[inline(always)]
     unsafe fn gemm(
@@ -169,6 +208,13 @@ pub(super) struct Avx512;
 #[cfg(target_arch = "x86_64")]
 impl Arch for Avx512 {
     const FMA: bool = true;
+    const ROWS: usize = gemm::avx512::MR;
+
+    #[inline(always)]
+    fn add8(a: [f32; 8], b: [f32; 8]) -> [f32; 8] {
+        // SAFETY: only run where the CPU has AVX2 (and AVX with it).
+        unsafe { add8_avx(a, b) }
+    }
 
     #[inline(always)]
     unsafe fn gemm(

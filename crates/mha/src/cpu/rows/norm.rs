@@ -243,21 +243,38 @@ fn fold(lanes: [f32; LANES]) -> f32 {
         + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))
 }
 
-/// `Σ f(i)` over `0..n` in eight lanes, then the tail.
+/// Rows whose sums run side by side: each sum is a chain of dependent additions, and
+/// four independent chains keep the adder busy through its latency.
+const INTERLEAVE: usize = 4;
+
+/// For each row `r` of `R`, `Σ_i f(r, a[r]_i, b[r]_i, c_i)` over the row's `n` elements,
+/// in eight lanes (element `i` in lane `i % 8` up to the last whole eight, the lanes
+/// folded pairwise, then the tail in order): a row's sum is the same whichever rows
+/// are summed beside it and whatever the instruction set, and each row's lanes are one
+/// vector register.
 #[inline(always)]
-fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
-    let mut lanes = [0.0f32; LANES];
+fn lane_sums<A: Arch, const R: usize>(
+    n: usize,
+    a: [&[f32]; R],
+    b: [&[f32]; R],
+    c: &[f32],
+    f: impl Fn(usize, f32, f32, f32) -> f32,
+) -> [f32; R] {
     let whole = n / LANES * LANES;
-    for base in (0..whole).step_by(LANES) {
-        for (l, lane) in lanes.iter_mut().enumerate() {
-            *lane += f(base + l);
+    let a8: [&[[f32; LANES]]; R] = std::array::from_fn(|r| a[r][..whole].as_chunks().0);
+    let b8: [&[[f32; LANES]]; R] = std::array::from_fn(|r| b[r][..whole].as_chunks().0);
+    let c8: &[[f32; LANES]] = c[..whole].as_chunks().0;
+    let mut lanes = [[0.0f32; LANES]; R];
+    for (j, c) in c8.iter().enumerate() {
+        for (r, lanes) in lanes.iter_mut().enumerate() {
+            let (a, b) = (&a8[r][j], &b8[r][j]);
+            *lanes = A::add8(*lanes, std::array::from_fn(|l| f(r, a[l], b[l], c[l])));
         }
     }
-    let mut tail = 0.0;
-    for i in whole..n {
-        tail += f(i);
-    }
-    fold(lanes) + tail
+    std::array::from_fn(|r| {
+        let tail = (whole..n).fold(0.0, |sum, i| sum + f(r, a[r][i], b[r][i], c[i]));
+        fold(lanes[r]) + tail
+    })
 }
 
 #[inline(always)]
@@ -268,22 +285,46 @@ fn forward_with<A: Arch>(
     [means, rstds]: [&mut [f32]; 2],
 ) {
     let d = p.gamma.len();
+    if d == 0 {
+        return;
+    }
+    let rows = x.len() / d;
+    let mut r = 0;
+    while r < rows {
+        let group = INTERLEAVE.min(rows - r);
+        match group {
+            INTERLEAVE => forward_rows::<A, INTERLEAVE>(p, x, y, [means, rstds], r),
+            _ => forward_rows::<A, 1>(p, x, y, [means, rstds], r),
+        }
+        r += if group == INTERLEAVE { INTERLEAVE } else { 1 };
+    }
+}
+
+/// [`forward_with`] for rows `first..first + R`.
+#[inline(always)]
+fn forward_rows<A: Arch, const R: usize>(
+    p: &Params,
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    [means, rstds]: [&mut [f32]; 2],
+    first: usize,
+) {
+    let d = p.gamma.len();
     // Divided, not multiplied by 1/d: a constant row's mean is then its value exactly, and
     // its normalised values are 0 rather than a rounding error times 1/√ε.
     let n = d as f32;
-    for (((x, y), mean), rstd) in x
-        .chunks_exact(d)
-        .zip(y.chunks_exact_mut(d))
-        .zip(means.iter_mut())
-        .zip(rstds.iter_mut())
-    {
-        let mu = lane_sum(d, |i| x[i]) / n;
-        let var = lane_sum(d, |i| (x[i] - mu) * (x[i] - mu)) / n;
-        let r = 1.0 / (var + p.epsilon).sqrt();
-        for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(p.gamma).zip(p.beta) {
-            y.write(A::madd((x - mu) * r, g, b));
+    let (gamma, beta) = (p.gamma, &p.beta[..d]);
+    let rows: [&[f32]; R] = std::array::from_fn(|r| &x[(first + r) * d..(first + r + 1) * d]);
+    let mu = lane_sums::<A, R>(d, rows, rows, gamma, |_, x, _, _| x).map(|s| s / n);
+    let var = lane_sums::<A, R>(d, rows, rows, gamma, |r, x, _, _| (x - mu[r]) * (x - mu[r]));
+    for r in 0..R {
+        let rstd = 1.0 / (var[r] / n + p.epsilon).sqrt();
+        let (mu, row) = (mu[r], first + r);
+        let y = &mut y[row * d..(row + 1) * d];
+        for (((y, &x), &g), &b) in y.iter_mut().zip(rows[r]).zip(gamma).zip(beta) {
+            y.write(A::madd((x - mu) * rstd, g, b));
         }
-        (*mean, *rstd) = (mu, r);
+        (means[row], rstds[row]) = (mu, rstd);
     }
 }
 
@@ -295,25 +336,53 @@ fn backward_with<A: Arch>(
     [dgamma, dbeta]: [&mut [f32]; 2],
 ) {
     let d = gamma.len();
+    if d == 0 {
+        return;
+    }
+    let count = rows.x.len() / d;
+    let mut r = 0;
+    while r < count {
+        let group = INTERLEAVE.min(count - r);
+        let dx = dx.as_deref_mut();
+        match group {
+            INTERLEAVE => backward_rows::<A, INTERLEAVE>(&rows, gamma, dx, [dgamma, dbeta], r),
+            _ => backward_rows::<A, 1>(&rows, gamma, dx, [dgamma, dbeta], r),
+        }
+        r += if group == INTERLEAVE { INTERLEAVE } else { 1 };
+    }
+}
+
+/// [`backward_with`] for rows `first..first + R`.
+#[inline(always)]
+fn backward_rows<A: Arch, const R: usize>(
+    rows: &Rows,
+    gamma: &[f32],
+    mut dx: Option<&mut [MaybeUninit<f32>]>,
+    [dgamma, dbeta]: [&mut [f32]; 2],
+    first: usize,
+) {
+    let d = gamma.len();
     let inv_d = 1.0 / d as f32;
-    for (r, (x, dy)) in rows
-        .x
-        .chunks_exact(d)
-        .zip(rows.dy.chunks_exact(d))
-        .enumerate()
-    {
-        let (mu, s) = (rows.mean[r], rows.rstd[r]);
-        let xhat = |i: usize| (x[i] - mu) * s;
-        let sum_g = lane_sum(d, |i| dy[i] * gamma[i]);
-        let sum_gx = lane_sum(d, |i| dy[i] * gamma[i] * xhat(i));
-        for i in 0..d {
-            dgamma[i] = A::madd(dy[i], xhat(i), dgamma[i]);
-            dbeta[i] += dy[i];
+    let (dgamma, dbeta) = (&mut dgamma[..d], &mut dbeta[..d]);
+    let at = |r: usize| (first + r) * d..(first + r + 1) * d;
+    let x: [&[f32]; R] = std::array::from_fn(|r| &rows.x[at(r)]);
+    let dy: [&[f32]; R] = std::array::from_fn(|r| &rows.dy[at(r)]);
+    let mu: [f32; R] = std::array::from_fn(|r| rows.mean[first + r]);
+    let s: [f32; R] = std::array::from_fn(|r| rows.rstd[first + r]);
+    let sum_g = lane_sums::<A, R>(d, dy, x, gamma, |_, dy, _, g| dy * g);
+    let sum_gx = lane_sums::<A, R>(d, dy, x, gamma, |r, dy, x, g| dy * g * ((x - mu[r]) * s[r]));
+    for r in 0..R {
+        let (mu, s) = (mu[r], s[r]);
+        let xhat = |x: f32| (x - mu) * s;
+        for (((dg, db), &dy), &x) in dgamma.iter_mut().zip(dbeta.iter_mut()).zip(dy[r]).zip(x[r]) {
+            *dg = A::madd(dy, xhat(x), *dg);
+            *db += dy;
         }
         if let Some(dx) = dx.as_deref_mut() {
-            let (a, b) = (sum_g * inv_d, sum_gx * inv_d);
-            for (i, dx) in dx[r * d..(r + 1) * d].iter_mut().enumerate() {
-                dx.write(s * (dy[i] * gamma[i] - a - xhat(i) * b));
+            let (a, b) = (sum_g[r] * inv_d, sum_gx[r] * inv_d);
+            let dx = &mut dx[at(r)];
+            for (((dx, &dy), &g), &x) in dx.iter_mut().zip(dy[r]).zip(gamma).zip(x[r]) {
+                dx.write(s * (dy * g - a - xhat(x) * b));
             }
         }
     }
@@ -406,5 +475,71 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+/// The layer norm at the text task's shape (768 rows of 128), one thread: prints
+/// microseconds per call. Run with `cargo test --release -p mha --lib norm_speed --
+/// --ignored --nocapture`.
+#[cfg(test)]
+mod speed {
+    use std::mem::MaybeUninit;
+    use std::time::Instant;
+
+    use super::{Backward, Forward, Params, Rows};
+    use crate::cpu::isa::Isa;
+
+    #[test]
+    #[ignore = "a measurement, for release builds"]
+    fn norm_speed() {
+        let (rows, d) = (768usize, 128usize);
+        let x: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 37 % 101) as f32) * 0.01)
+            .collect();
+        let dy: Vec<f32> = (0..rows * d)
+            .map(|i| ((i * 13 % 97) as f32) * 0.01)
+            .collect();
+        let g = vec![1.1f32; d];
+        let b = vec![0.1f32; d];
+        let mut y = vec![MaybeUninit::new(0.0f32); rows * d];
+        let (mut mean, mut rstd) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+        let p = Params {
+            gamma: &g,
+            beta: &b,
+            epsilon: 1e-5,
+        };
+        let reps = 2000;
+        let t = Instant::now();
+        for _ in 0..reps {
+            Isa::best().run(Forward {
+                p: &p,
+                x: &x,
+                y: &mut y,
+                stats: [&mut mean, &mut rstd],
+            });
+        }
+        println!(
+            "norm forward {:.1} us",
+            t.elapsed().as_secs_f64() / reps as f64 * 1e6
+        );
+        let (mut dg, mut db) = (vec![0.0f32; d], vec![0.0f32; d]);
+        let t = Instant::now();
+        for _ in 0..reps {
+            Isa::best().run(Backward {
+                rows: Rows {
+                    x: &x,
+                    dy: &dy,
+                    mean: &mean,
+                    rstd: &rstd,
+                },
+                gamma: &g,
+                dx: Some(&mut y),
+                dp: [&mut dg, &mut db],
+            });
+        }
+        println!(
+            "norm backward {:.1} us",
+            t.elapsed().as_secs_f64() / reps as f64 * 1e6
+        );
     }
 }
