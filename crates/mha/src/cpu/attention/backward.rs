@@ -17,7 +17,9 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::{Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, mask_tile, soft_cap};
+use super::{
+    Band, Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, mask_tile, soft_cap,
+};
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::cpu::math::dot_product;
 use crate::mask::Visibility;
@@ -426,12 +428,14 @@ impl<'a> Head<'a> {
             for q0 in (seen.start / QT * QT..seen.end).step_by(QT) {
                 let nq = QT.min(queries - q0);
                 let tile = Tile { b, h, q0, nq };
+                let band = Band::new::<A>(&extra.scoring.visibility, b, [k0, nk], [q0, nq]);
                 // SAFETY (every product below): K and V rows k0..k0+nk, the packed
                 // queries and gradient columns q0..q0+nq, dO rows q0..q0+nq, tiles of
                 // KT x QT, and the gradients' rows of this range.
                 unsafe {
                     // Sᵀ = K (Q·scale)ᵀ, masked; Pᵀ = exp(Sᵀ - lse).
-                    A::gemm(
+                    band.gemm_keys::<A>(
+                        false,
                         [nk, nq, d_k],
                         (kp, ks, 1),
                         (self.qst.as_ptr().add(q0 * d_k), QT),
@@ -441,15 +445,20 @@ impl<'a> Head<'a> {
                     if let Some(cap) = extra.scoring.softcap {
                         soft_cap::<A>(cap, [nk, nq], &mut p, Some(&mut slope));
                     }
+                    // Every score outside a key's columns is blocked here (`-inf`).
                     mask_tile(extra, tile, k0, nk, &mut p);
                     let lse = &self.lse[q0..q0 + nq];
-                    for row in p.chunks_exact_mut(QT).take(nk) {
-                        for (x, &l) in row[..nq].iter_mut().zip(lse) {
+                    for (j, row) in p.chunks_exact_mut(QT).take(nk).enumerate() {
+                        let cols = band.columns_of_key(j);
+                        row[..cols.start].fill(0.0);
+                        row[cols.end..nq].fill(0.0);
+                        for (x, &l) in row[cols.clone()].iter_mut().zip(&lse[cols]) {
                             *x = A::exp(*x - l);
                         }
                     }
                     // dV += Pᵀ dO
-                    A::gemm(
+                    band.gemm_keys::<A>(
+                        true,
                         [nk, d_v, nq],
                         (p.as_ptr(), QT, 1),
                         (self.go.as_ptr().add(q0 * d_v), d_v),
@@ -457,7 +466,8 @@ impl<'a> Head<'a> {
                         true,
                     );
                     // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
-                    A::gemm(
+                    band.gemm_keys::<A>(
+                        false,
                         [nk, nq, d_v],
                         (vp, vs, 1),
                         (self.dot.as_ptr().add(q0 * d_v), QT),
@@ -465,9 +475,17 @@ impl<'a> Head<'a> {
                         false,
                     );
                     let row_dot = &self.row_dot[q0..q0 + nq];
-                    for (ds_row, p_row) in ds.chunks_exact_mut(QT).zip(p.chunks_exact(QT)).take(nk)
+                    for (j, (ds_row, p_row)) in ds
+                        .chunks_exact_mut(QT)
+                        .zip(p.chunks_exact(QT))
+                        .take(nk)
+                        .enumerate()
                     {
-                        for ((d, &w), &r) in ds_row[..nq].iter_mut().zip(p_row).zip(row_dot) {
+                        let cols = band.columns_of_key(j);
+                        ds_row[..cols.start].fill(0.0);
+                        ds_row[cols.end..nq].fill(0.0);
+                        let weights = p_row[cols.clone()].iter().zip(&row_dot[cols.clone()]);
+                        for (d, (&w, &r)) in ds_row[cols].iter_mut().zip(weights) {
                             *d = w * (*d - r);
                         }
                     }
@@ -502,7 +520,8 @@ impl<'a> Head<'a> {
                         }
                     }
                     // dK += dSᵀ (Q·scale)
-                    A::gemm(
+                    band.gemm_keys::<A>(
+                        true,
                         [nk, d_k, nq],
                         (ds.as_ptr(), QT, 1),
                         (self.qs.as_ptr().add(q0 * d_k), d_k),
@@ -510,12 +529,11 @@ impl<'a> Head<'a> {
                         true,
                     );
                     // dQ += dS K
-                    A::gemm(
+                    band.gemm_queries::<A>(
                         [nq, d_k, nk],
                         (ds.as_ptr(), 1, QT),
                         (kp, ks),
                         (dq.as_mut_ptr().add(q0 * d_k), d_k),
-                        true,
                     );
                 }
             }

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
+use super::{Band, Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
@@ -132,10 +132,12 @@ impl Scratch {
         for k0 in seen.clone().step_by(KT) {
             let nk = KT.min(seen.end - k0);
             let (kp, ks) = k.rows(b, h / dims.group(), k0, [nk, d_k]);
+            let band = Band::new::<A>(&extra.scoring.visibility, b, [k0, nk], [q0, nq]);
             // SAFETY: rows k0..k0+nk of K (d_k columns); the packed queries; `s` holds
             // KT x QT.
             unsafe {
-                A::gemm(
+                band.gemm_keys::<A>(
+                    false,
                     [nk, nq, d_k],
                     (kp, ks, 1),
                     (self.qt.as_ptr(), QT),
@@ -146,12 +148,14 @@ impl Scratch {
             if let Some(cap) = extra.scoring.softcap {
                 soft_cap::<A>(cap, [nk, nq], &mut self.s, None);
             }
+            // Every score outside a key's columns is blocked here (`-inf`).
             mask_tile(extra, tile, k0, nk, &mut self.s);
             // Online softmax down the columns: the new maximum, the old sum and output
             // rescaled to it, the weights and their sum.
             let mut col_max = [f32::NEG_INFINITY; QT];
-            for row in self.s.chunks_exact(QT).take(nk) {
-                for (m, &x) in col_max[..nq].iter_mut().zip(row) {
+            for (j, row) in self.s.chunks_exact(QT).take(nk).enumerate() {
+                let cols = band.columns_of_key(j);
+                for (m, &x) in col_max[cols.clone()].iter_mut().zip(&row[cols]) {
                     *m = m.max(x);
                 }
             }
@@ -164,11 +168,15 @@ impl Scratch {
                 self.max[i] = max;
             }
             let mut col_sum = [0.0f32; QT];
-            for row in self.s.chunks_exact_mut(QT).take(nk) {
-                for i in 0..nq {
-                    let p = A::exp(row[i] - shift[i]);
-                    row[i] = p;
-                    col_sum[i] += p;
+            for (j, row) in self.s.chunks_exact_mut(QT).take(nk).enumerate() {
+                let cols = band.columns_of_key(j);
+                row[..cols.start].fill(0.0);
+                row[cols.end..nq].fill(0.0);
+                let sums = col_sum[cols.clone()].iter_mut().zip(&shift[cols.clone()]);
+                for (x, (sum, &shift)) in row[cols].iter_mut().zip(sums) {
+                    let p = A::exp(*x - shift);
+                    *x = p;
+                    *sum += p;
                 }
             }
             for i in 0..nq {
@@ -184,12 +192,11 @@ impl Scratch {
             // SAFETY: P is the `[nk, nq]` tile in `s` (read transposed); rows k0..k0+nk
             // of V (d_v columns); `acc` holds QT x Dv.
             unsafe {
-                A::gemm(
+                band.gemm_queries::<A>(
                     [nq, d_v, nk],
                     (self.s.as_ptr(), 1, QT),
                     (vp, vs),
                     (self.acc.as_mut_ptr(), d_v),
-                    true,
                 );
             }
         }

@@ -35,6 +35,8 @@ use burn::backend::{
 
 use super::isa::Arch;
 use super::tensors::{CpuTensors, Grid};
+use std::ops::Range;
+
 use crate::mask::{BLOCKED, Visibility};
 use crate::positions::Buckets;
 use backward::backward;
@@ -302,6 +304,186 @@ struct Tile {
     h: usize,
     q0: usize,
     nq: usize,
+}
+
+/// Most blocks of rows a tile is cut into for [`Band`] (the smallest register tile has 6
+/// rows).
+const BLOCKS: usize = KT.div_ceil(6);
+
+/// Columns (or depth) per vector: [`Band`]'s ranges are widened to multiples of it, so
+/// that every element a product computes takes the same path through the matrix kernel
+/// as in the whole tile, and the same value.
+const VECTOR: usize = 8;
+
+/// What the visibility rule lets the products of a tile (keys `k0..k0 + nk` by queries
+/// `q0..q0 + nq`) skip, by blocks of `rows` rows (the matrix kernel's register tile):
+/// per block of keys, the query columns (from `q0`) its keys see between them; per block
+/// of queries, the keys (from `k0`) they see between them. A causal tile on the diagonal
+/// computes about half of its scores this way. Elsewhere every range is the whole tile.
+///
+/// Skipping a score the rule hides skips a weight that is exactly 0: a product over a
+/// shortened depth adds the same terms but zeros, and gives the same bits.
+struct Band {
+    rows: usize,
+    /// Per block of `rows` keys: `(first, end)` query columns.
+    keys: [(usize, usize); BLOCKS],
+    /// Per block of `rows` queries: `(first, end)` keys.
+    queries: [(usize, usize); BLOCKS],
+}
+
+impl Band {
+    fn new<A: Arch>(
+        visibility: &Visibility,
+        b: usize,
+        [k0, nk]: [usize; 2],
+        [q0, nq]: [usize; 2],
+    ) -> Self {
+        let rows = A::ROWS;
+        let mut band = Self {
+            rows,
+            keys: [(0, nq); BLOCKS],
+            queries: [(0, nk); BLOCKS],
+        };
+        if !visibility.blocks() {
+            return band;
+        }
+        // `seen` (absolute) as a range from `start` cut to `len`, widened to vectors.
+        let widen = |seen: Range<usize>, start: usize, len: usize| {
+            let first = seen.start.saturating_sub(start).min(len);
+            let end = seen.end.saturating_sub(start).clamp(first, len);
+            match first < end {
+                true => (
+                    first / VECTOR * VECTOR,
+                    end.next_multiple_of(VECTOR).min(len),
+                ),
+                false => (0, 0),
+            }
+        };
+        for (block, cols) in band.keys.iter_mut().enumerate().take(nk.div_ceil(rows)) {
+            let keys = k0 + block * rows..(k0 + (block + 1) * rows).min(k0 + nk);
+            *cols = widen(visibility.queries_of_keys(b, keys), q0, nq);
+        }
+        for (block, depth) in band.queries.iter_mut().enumerate().take(nq.div_ceil(rows)) {
+            let queries = q0 + block * rows..(q0 + (block + 1) * rows).min(q0 + nq);
+            *depth = widen(visibility.keys_of_rows(b, queries), k0, nk);
+        }
+        band
+    }
+
+    /// The query columns of key `j` (of the tile) that the products computed.
+    #[inline(always)]
+    fn columns_of_key(&self, j: usize) -> Range<usize> {
+        let (first, end) = self.keys[j / self.rows];
+        first..end
+    }
+
+    /// `C (+)= A B` for the `m` rows of a tile of keys: the rows of each block of keys
+    /// over its query columns only (`n` of B and C; the rest of those rows is left as it
+    /// was), or, with `depth`, over its queries as the depth `k` of A and B.
+    ///
+    /// # Safety
+    /// As [`Arch::gemm`] for the whole `[m, n, k]`.
+    #[inline(always)]
+    unsafe fn gemm_keys<A: Arch>(
+        &self,
+        depth: bool,
+        [m, n, k]: [usize; 3],
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        // SAFETY: the caller's contract; each block is within the whole.
+        unsafe {
+            self.gemm_blocks::<A>(
+                &self.keys,
+                depth,
+                [m, n, k],
+                (a, rsa, csa),
+                (b, ldb),
+                (c, ldc),
+                add,
+            )
+        }
+    }
+
+    /// `C += A B` for the `m` rows of a tile of queries, each block of queries over the
+    /// keys it sees as the depth `k` of A and B.
+    ///
+    /// # Safety
+    /// As [`Arch::gemm`] for the whole `[m, n, k]`.
+    #[inline(always)]
+    unsafe fn gemm_queries<A: Arch>(
+        &self,
+        [m, n, k]: [usize; 3],
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+    ) {
+        // SAFETY: the caller's contract; each block is within the whole.
+        unsafe {
+            self.gemm_blocks::<A>(
+                &self.queries,
+                true,
+                [m, n, k],
+                (a, rsa, csa),
+                (b, ldb),
+                (c, ldc),
+                true,
+            )
+        }
+    }
+
+    /// The blocks' products, blocks with one range run together.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn gemm_blocks<A: Arch>(
+        &self,
+        ranges: &[(usize, usize); BLOCKS],
+        depth: bool,
+        [m, n, k]: [usize; 3],
+        (a, rsa, csa): (*const f32, usize, usize),
+        (b, ldb): (*const f32, usize),
+        (c, ldc): (*mut f32, usize),
+        add: bool,
+    ) {
+        debug_assert!(add || !depth, "a product over part of its depth adds to C");
+        let blocks = m.div_ceil(self.rows);
+        let mut block = 0;
+        while block < blocks {
+            let (first, end) = ranges[block];
+            let mut last = block + 1;
+            while last < blocks && ranges[last] == (first, end) {
+                last += 1;
+            }
+            let (r0, r1) = (block * self.rows, (last * self.rows).min(m));
+            if first < end {
+                // SAFETY: rows r0..r1 of C and A, and columns (or depth) first..end, are
+                // within the caller's whole product.
+                unsafe {
+                    let a = a.add(r0 * rsa);
+                    let c = c.add(r0 * ldc);
+                    match depth {
+                        true => A::gemm(
+                            [r1 - r0, n, end - first],
+                            (a.add(first * csa), rsa, csa),
+                            (b.add(first * ldb), ldb),
+                            (c, ldc),
+                            add,
+                        ),
+                        false => A::gemm(
+                            [r1 - r0, end - first, k],
+                            (a, rsa, csa),
+                            (b.add(first), ldb),
+                            (c.add(first), ldc),
+                            add,
+                        ),
+                    }
+                }
+            }
+            block = last;
+        }
+    }
 }
 
 /// Soft-caps the scores tile `s` (`[nk, nq]`, rows `QT` apart): `cap · tanh(s / cap)`;
