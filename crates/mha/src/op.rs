@@ -29,6 +29,13 @@ pub(crate) trait Op<B: Backend>: Sized + 'static {
     /// and what its backward pass keeps (dropped at once where nothing is tracked).
     fn forward(self, inputs: Vec<FloatTensor<B>>) -> (FloatTensor<B>, Self::Saved);
 
+    /// The output alone, where no backward pass will run (no input is tracked): an
+    /// operation whose [`forward`](Self::forward) computes for its backward pass what the
+    /// output does not need skips it here.
+    fn output(self, inputs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+        self.forward(inputs).0
+    }
+
     /// The gradients of the inputs, in their order, from the output's gradient `grad`;
     /// `None` where `wanted` is false (an input that wants none).
     fn backward(
@@ -41,7 +48,7 @@ pub(crate) trait Op<B: Backend>: Sized + 'static {
 /// `op` over `inputs` on a backend without autodiff.
 #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
 pub(crate) fn forward<B: Backend, O: Op<B>>(op: O, inputs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
-    op.forward(inputs).0
+    op.output(inputs)
 }
 
 /// `op` over `inputs` under autodiff: one node of the graph, whose backward pass is
@@ -83,7 +90,7 @@ fn node<B: Backend, C: CheckpointStrategy, O: Op<B>, const N: usize>(
             let (output, saved) = op.forward(inputs);
             prep.finish(saved, output)
         }
-        OpsKind::UnTracked(prep) => prep.finish(op.forward(inputs).0),
+        OpsKind::UnTracked(prep) => prep.finish(op.output(inputs)),
     }
 }
 

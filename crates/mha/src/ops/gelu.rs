@@ -44,7 +44,10 @@ mod cpu {
     use crate::cpu::rows::gelu::{gelu_backward, gelu_forward};
     use crate::op::{Op, inputs};
 
-    /// GELU over the rows of its one input; the backward pass reads the input again.
+    /// GELU over the rows of its one input. Where a backward pass will run, the forward
+    /// pass computes the slope `Φ(x) + x φ(x)` of every element with its value (they
+    /// share their `erf` and `exp`) and keeps it, in place of the input: the backward
+    /// pass is then one product.
     pub(crate) struct GeluOp;
 
     impl<B: CpuTensors> Op<B> for GeluOp {
@@ -52,15 +55,21 @@ mod cpu {
 
         fn forward(self, x: Vec<FloatTensor<B>>) -> (FloatTensor<B>, FloatTensor<B>) {
             let [x] = inputs(x);
-            (gelu_forward::<B>(&x), x)
+            let (out, slope) = gelu_forward::<B>(&x, true);
+            (out, slope.expect("the slope, asked for"))
+        }
+
+        fn output(self, x: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+            let [x] = inputs(x);
+            gelu_forward::<B>(&x, false).0
         }
 
         fn backward(
-            x: FloatTensor<B>,
+            slope: FloatTensor<B>,
             grad: FloatTensor<B>,
             _: &[bool],
         ) -> Vec<Option<FloatTensor<B>>> {
-            vec![Some(gelu_backward::<B>(&x, &grad))]
+            vec![Some(gelu_backward::<B>(&slope, &grad))]
         }
     }
 }
