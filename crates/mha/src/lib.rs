@@ -21,6 +21,7 @@
 //! | [`dropout`] | Burn's `Dropout` with the mask drawn in parallel on the CPU backends |
 //! | [`norm`] | [`LayerNorm`]: Burn's parameters and record, our operation |
 //! | [`loss`] | [`loss::cross_entropy`]: PyTorch's, with no NaN when every target is ignored |
+//! | [`linear`] | [`linear::linear`]: `x W + b` for a weight of the caller's (a tied head), through the layers' own operation |
 //! | [`inspect`] | [`HeadMask`], [`Inspect`]: what a forward can be asked beyond its output |
 //! | [`cache`] | [`KvCache`]: decoding token by token, per layer and per stack; the cross-attention's keys and values once |
 //! | [`mha`] | [`MultiHeadAttention`]: projections and heads; self, cross, causal |
@@ -35,7 +36,7 @@
 //!
 //! Dependencies flow one way, down this list read from the bottom: `analysis` and
 //! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
-//! `loss`), which use `attention` and `ops`; those ask `dispatch` and run through `op`
+//! `loss`, `linear`), which use `attention` and `ops`; those ask `dispatch` and run through `op`
 //! over `cpu`; everything may use the leaves (`mask`, `positions`, `inspect`, `error`).
 //! No module imports one above it.
 //!
@@ -65,6 +66,7 @@ pub mod error;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod gpu;
 pub mod inspect;
+pub mod linear;
 pub mod loss;
 pub mod mask;
 pub mod mha;

@@ -60,14 +60,9 @@ impl DecoderOnly {
     pub(super) fn head(&self, h: Tensor<3>) -> Tensor<3> {
         match &self.head {
             Some(head) => head.forward(h),
-            None => {
-                let [b, t, d] = h.dims();
-                let table = self.embed.tokens.weight.val(); // [V, D]
-                let v = table.dims()[0];
-                h.reshape([b * t, d])
-                    .matmul(table.transpose())
-                    .reshape([b, t, v])
-            }
+            // One product each way through mha's linear operation, the table read in
+            // place (a matmul on flex writes its result twice).
+            None => mha::linear::linear(h, self.embed.tokens.weight.val().transpose(), None),
         }
     }
 }
