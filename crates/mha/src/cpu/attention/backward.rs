@@ -18,7 +18,8 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::{
-    Band, Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, mask_tile, soft_cap,
+    Band, Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, TileRows, mask_tile,
+    soft_cap,
 };
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::cpu::math::dot_product;
@@ -434,7 +435,8 @@ impl<'a> Head<'a> {
                 // KT x QT, and the gradients' rows of this range.
                 unsafe {
                     // Sᵀ = K (Q·scale)ᵀ, masked; Pᵀ = exp(Sᵀ - lse).
-                    band.gemm_keys::<A>(
+                    band.gemm::<A>(
+                        TileRows::Keys,
                         false,
                         [nk, nq, d_k],
                         (kp, ks, 1),
@@ -457,7 +459,8 @@ impl<'a> Head<'a> {
                         }
                     }
                     // dV += Pᵀ dO
-                    band.gemm_keys::<A>(
+                    band.gemm::<A>(
+                        TileRows::Keys,
                         true,
                         [nk, d_v, nq],
                         (p.as_ptr(), QT, 1),
@@ -466,7 +469,8 @@ impl<'a> Head<'a> {
                         true,
                     );
                     // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
-                    band.gemm_keys::<A>(
+                    band.gemm::<A>(
+                        TileRows::Keys,
                         false,
                         [nk, nq, d_v],
                         (vp, vs, 1),
@@ -520,7 +524,8 @@ impl<'a> Head<'a> {
                         }
                     }
                     // dK += dSᵀ (Q·scale)
-                    band.gemm_keys::<A>(
+                    band.gemm::<A>(
+                        TileRows::Keys,
                         true,
                         [nk, d_k, nq],
                         (ds.as_ptr(), QT, 1),
@@ -529,11 +534,14 @@ impl<'a> Head<'a> {
                         true,
                     );
                     // dQ += dS K
-                    band.gemm_queries::<A>(
+                    band.gemm::<A>(
+                        TileRows::Queries,
+                        true,
                         [nq, d_k, nk],
                         (ds.as_ptr(), 1, QT),
                         (kp, ks),
                         (dq.as_mut_ptr().add(q0 * d_k), d_k),
+                        true,
                     );
                 }
             }

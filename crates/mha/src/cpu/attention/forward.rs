@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::{Band, Dims, Extra, Grid, KT, Out, QT, Tile, mask_tile, soft_cap};
+use super::{Band, Dims, Extra, Grid, KT, Out, QT, Tile, TileRows, mask_tile, soft_cap};
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
@@ -136,7 +136,8 @@ impl Scratch {
             // SAFETY: rows k0..k0+nk of K (d_k columns); the packed queries; `s` holds
             // KT x QT.
             unsafe {
-                band.gemm_keys::<A>(
+                band.gemm::<A>(
+                    TileRows::Keys,
                     false,
                     [nk, nq, d_k],
                     (kp, ks, 1),
@@ -192,11 +193,14 @@ impl Scratch {
             // SAFETY: P is the `[nk, nq]` tile in `s` (read transposed); rows k0..k0+nk
             // of V (d_v columns); `acc` holds QT x Dv.
             unsafe {
-                band.gemm_queries::<A>(
+                band.gemm::<A>(
+                    TileRows::Queries,
+                    true,
                     [nq, d_v, nk],
                     (self.s.as_ptr(), 1, QT),
                     (vp, vs),
                     (self.acc.as_mut_ptr(), d_v),
+                    true,
                 );
             }
         }

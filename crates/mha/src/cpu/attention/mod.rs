@@ -28,6 +28,8 @@ mod forward;
 #[cfg(test)]
 mod tests;
 
+use std::ops::Range;
+
 use burn::backend::{
     Backend, TensorMetadata,
     tensor::{BoolTensor, FloatTensor},
@@ -35,8 +37,6 @@ use burn::backend::{
 
 use super::isa::Arch;
 use super::tensors::{CpuTensors, Grid};
-use std::ops::Range;
-
 use crate::mask::{BLOCKED, Visibility};
 use crate::positions::Buckets;
 use backward::backward;
@@ -315,6 +315,13 @@ const BLOCKS: usize = KT.div_ceil(6);
 /// as in the whole tile, and the same value.
 const VECTOR: usize = 8;
 
+/// The rows of a product of a tile's, for [`Band::gemm`].
+#[derive(Clone, Copy)]
+enum TileRows {
+    Keys,
+    Queries,
+}
+
 /// What the visibility rule lets the products of a tile (keys `k0..k0 + nk` by queries
 /// `q0..q0 + nq`) skip, by blocks of `rows` rows (the matrix kernel's register tile):
 /// per block of keys, the query columns (from `q0`) its keys see between them; per block
@@ -377,69 +384,19 @@ impl Band {
         first..end
     }
 
-    /// `C (+)= A B` for the `m` rows of a tile of keys: the rows of each block of keys
-    /// over its query columns only (`n` of B and C; the rest of those rows is left as it
-    /// was), or, with `depth`, over its queries as the depth `k` of A and B.
+    /// `C (+)= A B` for the `m` rows of a tile, the keys or the queries (`rows`), block
+    /// by block: each block of keys over its query columns only (`n` of B and C; the rest
+    /// of those rows is left as it was), or with `depth` over its queries as the depth
+    /// `k` of A and B; each block of queries over its keys as the depth (`depth` must be
+    /// set). Blocks with one range run as one product.
     ///
     /// # Safety
     /// As [`Arch::gemm`] for the whole `[m, n, k]`.
-    #[inline(always)]
-    unsafe fn gemm_keys<A: Arch>(
-        &self,
-        depth: bool,
-        [m, n, k]: [usize; 3],
-        (a, rsa, csa): (*const f32, usize, usize),
-        (b, ldb): (*const f32, usize),
-        (c, ldc): (*mut f32, usize),
-        add: bool,
-    ) {
-        // SAFETY: the caller's contract; each block is within the whole.
-        unsafe {
-            self.gemm_blocks::<A>(
-                &self.keys,
-                depth,
-                [m, n, k],
-                (a, rsa, csa),
-                (b, ldb),
-                (c, ldc),
-                add,
-            )
-        }
-    }
-
-    /// `C += A B` for the `m` rows of a tile of queries, each block of queries over the
-    /// keys it sees as the depth `k` of A and B.
-    ///
-    /// # Safety
-    /// As [`Arch::gemm`] for the whole `[m, n, k]`.
-    #[inline(always)]
-    unsafe fn gemm_queries<A: Arch>(
-        &self,
-        [m, n, k]: [usize; 3],
-        (a, rsa, csa): (*const f32, usize, usize),
-        (b, ldb): (*const f32, usize),
-        (c, ldc): (*mut f32, usize),
-    ) {
-        // SAFETY: the caller's contract; each block is within the whole.
-        unsafe {
-            self.gemm_blocks::<A>(
-                &self.queries,
-                true,
-                [m, n, k],
-                (a, rsa, csa),
-                (b, ldb),
-                (c, ldc),
-                true,
-            )
-        }
-    }
-
-    /// The blocks' products, blocks with one range run together.
     #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn gemm_blocks<A: Arch>(
+    unsafe fn gemm<A: Arch>(
         &self,
-        ranges: &[(usize, usize); BLOCKS],
+        rows: TileRows,
         depth: bool,
         [m, n, k]: [usize; 3],
         (a, rsa, csa): (*const f32, usize, usize),
@@ -447,6 +404,14 @@ impl Band {
         (c, ldc): (*mut f32, usize),
         add: bool,
     ) {
+        let ranges = match rows {
+            TileRows::Keys => &self.keys,
+            TileRows::Queries => &self.queries,
+        };
+        debug_assert!(
+            depth || matches!(rows, TileRows::Keys),
+            "queries' blocks cut the depth"
+        );
         debug_assert!(add || !depth, "a product over part of its depth adds to C");
         let blocks = m.div_ceil(self.rows);
         let mut block = 0;
