@@ -26,7 +26,8 @@ pub(crate) trait Op<B: Backend>: Sized + 'static {
     type Saved: Clone + Send + fmt::Debug + 'static;
 
     /// The output of `inputs` (the tensors the operation differentiates, in its order)
-    /// and what its backward pass keeps (dropped at once where nothing is tracked).
+    /// and what its backward pass keeps (where nothing is tracked, [`output`](Self::output)
+    /// runs instead).
     fn forward(self, inputs: Vec<FloatTensor<B>>) -> (FloatTensor<B>, Self::Saved);
 
     /// The output alone, where no backward pass will run (no input is tracked): an

@@ -125,6 +125,7 @@ pub(super) trait Arch {
     fn tanh(x: f32) -> f32 {
         1.0 - 2.0 / (Self::exp(2.0 * x) + 1.0)
     }
+
     /// `a + b` lane by lane: eight lanes of sums (of a row, say) held in one vector
     /// register where the instruction set has them. Written as eight scalar additions,
     /// the compiler keeps eight scalar sums and adds them one by one.
