@@ -451,9 +451,7 @@ impl<'a> Head<'a> {
                     mask_tile(extra, tile, k0, nk, &mut p);
                     let lse = &self.lse[q0..q0 + nq];
                     for (j, row) in p.chunks_exact_mut(QT).take(nk).enumerate() {
-                        let cols = band.columns_of_key(j);
-                        row[..cols.start].fill(0.0);
-                        row[cols.end..nq].fill(0.0);
+                        let cols = band.zero_outside(j, row, nq);
                         for (x, &l) in row[cols.clone()].iter_mut().zip(&lse[cols]) {
                             *x = A::exp(*x - l);
                         }
@@ -485,9 +483,7 @@ impl<'a> Head<'a> {
                         .take(nk)
                         .enumerate()
                     {
-                        let cols = band.columns_of_key(j);
-                        ds_row[..cols.start].fill(0.0);
-                        ds_row[cols.end..nq].fill(0.0);
+                        let cols = band.zero_outside(j, ds_row, nq);
                         let weights = p_row[cols.clone()].iter().zip(&row_dot[cols.clone()]);
                         for (d, (&w, &r)) in ds_row[cols].iter_mut().zip(weights) {
                             *d = w * (*d - r);

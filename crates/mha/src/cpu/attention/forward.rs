@@ -170,9 +170,7 @@ impl Scratch {
             }
             let mut col_sum = [0.0f32; QT];
             for (j, row) in self.s.chunks_exact_mut(QT).take(nk).enumerate() {
-                let cols = band.columns_of_key(j);
-                row[..cols.start].fill(0.0);
-                row[cols.end..nq].fill(0.0);
+                let cols = band.zero_outside(j, row, nq);
                 let sums = col_sum[cols.clone()].iter_mut().zip(&shift[cols.clone()]);
                 for (x, (sum, &shift)) in row[cols].iter_mut().zip(sums) {
                     let p = A::exp(*x - shift);

@@ -384,6 +384,16 @@ impl Band {
         first..end
     }
 
+    /// Zeroes the first `nq` columns of key `j`'s row `row` outside those the products
+    /// computed, and returns those (a weight or gradient there is 0).
+    #[inline(always)]
+    fn zero_outside(&self, j: usize, row: &mut [f32], nq: usize) -> Range<usize> {
+        let cols = self.columns_of_key(j);
+        row[..cols.start].fill(0.0);
+        row[cols.end..nq].fill(0.0);
+        cols
+    }
+
     /// `C (+)= A B` for the `m` rows of a tile, the keys or the queries (`rows`), block
     /// by block: each block of keys over its query columns only (`n` of B and C; the rest
     /// of those rows is left as it was), or with `depth` over its queries as the depth

@@ -30,39 +30,29 @@ pub(crate) fn gelu_forward<B: CpuTensors>(
     let input = B::floats(&x).contiguous(dims);
     let isa = Isa::best();
     let len = input.len();
-    if !with_slope {
-        let fill = |out: &mut [MaybeUninit<f32>]| {
-            out.par_chunks_mut(CHUNK)
-                .zip(input.par_chunks(CHUNK))
-                .for_each(|(out, x)| {
-                    isa.run(Forward {
-                        x,
-                        out,
-                        slope: None,
-                    })
-                })
-        };
-        // SAFETY: the chunks cover `out`, and `Forward` writes each of its elements.
-        return (B::from_rows(unsafe { written(len, fill) }, dims), None);
-    }
-    let mut slope = Vec::<f32>::with_capacity(len);
+    let mut slope = with_slope.then(|| Vec::<f32>::with_capacity(len));
+    // The slope's chunks beside the output's, or none.
+    let slopes: Vec<Option<&mut [MaybeUninit<f32>]>> = match &mut slope {
+        Some(slope) => slope.spare_capacity_mut()[..len]
+            .chunks_mut(CHUNK)
+            .map(Some)
+            .collect(),
+        None => (0..len.div_ceil(CHUNK)).map(|_| None).collect(),
+    };
     let fill = |out: &mut [MaybeUninit<f32>]| {
         out.par_chunks_mut(CHUNK)
-            .zip(slope.spare_capacity_mut()[..len].par_chunks_mut(CHUNK))
+            .zip(slopes)
             .zip(input.par_chunks(CHUNK))
-            .for_each(|((out, slope), x)| {
-                isa.run(Forward {
-                    x,
-                    out,
-                    slope: Some(slope),
-                })
-            })
+            .for_each(|((out, slope), x)| isa.run(Forward { x, out, slope }))
     };
     // SAFETY: the chunks cover `out`, and `Forward` writes each of its elements.
     let out = unsafe { written(len, fill) };
-    // SAFETY: the chunks covered the slope's `len` elements too, each written.
-    unsafe { slope.set_len(len) };
-    (B::from_rows(out, dims), Some(B::from_rows(slope, dims)))
+    let slope = slope.map(|mut slope| {
+        // SAFETY: the chunks covered the slope's `len` elements too, each written.
+        unsafe { slope.set_len(len) };
+        B::from_rows(slope, dims)
+    });
+    (B::from_rows(out, dims), slope)
 }
 
 /// The gradient of GELU from the slope [`gelu_forward`] computed and the output's

@@ -247,19 +247,19 @@ fn fold(lanes: [f32; LANES]) -> f32 {
 /// four independent chains keep the adder busy through its latency.
 const INTERLEAVE: usize = 4;
 
-/// For each row `r` of `R`, `Σ_i f(r, a[r]_i, b[r]_i, c_i)` over the row's `n` elements,
+/// For each row `r` of `R`, `Σ_i f(r, a[r]_i, b[r]_i, c_i)` over the `n` elements of `c`,
 /// in eight lanes (element `i` in lane `i % 8` up to the last whole eight, the lanes
 /// folded pairwise, then the tail in order): a row's sum is the same whichever rows
 /// are summed beside it and whatever the instruction set, and each row's lanes are one
 /// vector register.
 #[inline(always)]
 fn lane_sums<A: Arch, const R: usize>(
-    n: usize,
     a: [&[f32]; R],
     b: [&[f32]; R],
     c: &[f32],
     f: impl Fn(usize, f32, f32, f32) -> f32,
 ) -> [f32; R] {
+    let n = c.len();
     let whole = n / LANES * LANES;
     let a8: [&[[f32; LANES]]; R] = std::array::from_fn(|r| a[r][..whole].as_chunks().0);
     let b8: [&[[f32; LANES]]; R] = std::array::from_fn(|r| b[r][..whole].as_chunks().0);
@@ -289,14 +289,12 @@ fn forward_with<A: Arch>(
         return;
     }
     let rows = x.len() / d;
-    let mut r = 0;
-    while r < rows {
-        let group = INTERLEAVE.min(rows - r);
-        match group {
-            INTERLEAVE => forward_rows::<A, INTERLEAVE>(p, x, y, [means, rstds], r),
-            _ => forward_rows::<A, 1>(p, x, y, [means, rstds], r),
-        }
-        r += if group == INTERLEAVE { INTERLEAVE } else { 1 };
+    let whole = rows / INTERLEAVE * INTERLEAVE;
+    for first in (0..whole).step_by(INTERLEAVE) {
+        forward_rows::<A, INTERLEAVE>(p, x, y, [means, rstds], first);
+    }
+    for first in whole..rows {
+        forward_rows::<A, 1>(p, x, y, [means, rstds], first);
     }
 }
 
@@ -315,8 +313,8 @@ fn forward_rows<A: Arch, const R: usize>(
     let n = d as f32;
     let (gamma, beta) = (p.gamma, &p.beta[..d]);
     let rows: [&[f32]; R] = std::array::from_fn(|r| &x[(first + r) * d..(first + r + 1) * d]);
-    let mu = lane_sums::<A, R>(d, rows, rows, gamma, |_, x, _, _| x).map(|s| s / n);
-    let var = lane_sums::<A, R>(d, rows, rows, gamma, |r, x, _, _| (x - mu[r]) * (x - mu[r]));
+    let mu = lane_sums::<A, R>(rows, rows, gamma, |_, x, _, _| x).map(|s| s / n);
+    let var = lane_sums::<A, R>(rows, rows, gamma, |r, x, _, _| (x - mu[r]) * (x - mu[r]));
     for r in 0..R {
         let rstd = 1.0 / (var[r] / n + p.epsilon).sqrt();
         let (mu, row) = (mu[r], first + r);
@@ -340,15 +338,13 @@ fn backward_with<A: Arch>(
         return;
     }
     let count = rows.x.len() / d;
-    let mut r = 0;
-    while r < count {
-        let group = INTERLEAVE.min(count - r);
+    let whole = count / INTERLEAVE * INTERLEAVE;
+    for first in (0..whole).step_by(INTERLEAVE) {
         let dx = dx.as_deref_mut();
-        match group {
-            INTERLEAVE => backward_rows::<A, INTERLEAVE>(&rows, gamma, dx, [dgamma, dbeta], r),
-            _ => backward_rows::<A, 1>(&rows, gamma, dx, [dgamma, dbeta], r),
-        }
-        r += if group == INTERLEAVE { INTERLEAVE } else { 1 };
+        backward_rows::<A, INTERLEAVE>(&rows, gamma, dx, [dgamma, dbeta], first);
+    }
+    for first in whole..count {
+        backward_rows::<A, 1>(&rows, gamma, dx.as_deref_mut(), [dgamma, dbeta], first);
     }
 }
 
@@ -369,8 +365,8 @@ fn backward_rows<A: Arch, const R: usize>(
     let dy: [&[f32]; R] = std::array::from_fn(|r| &rows.dy[at(r)]);
     let mu: [f32; R] = std::array::from_fn(|r| rows.mean[first + r]);
     let s: [f32; R] = std::array::from_fn(|r| rows.rstd[first + r]);
-    let sum_g = lane_sums::<A, R>(d, dy, x, gamma, |_, dy, _, g| dy * g);
-    let sum_gx = lane_sums::<A, R>(d, dy, x, gamma, |r, dy, x, g| dy * g * ((x - mu[r]) * s[r]));
+    let sum_g = lane_sums::<A, R>(dy, x, gamma, |_, dy, _, g| dy * g);
+    let sum_gx = lane_sums::<A, R>(dy, x, gamma, |r, dy, x, g| dy * g * ((x - mu[r]) * s[r]));
     for r in 0..R {
         let (mu, s) = (mu[r], s[r]);
         let xhat = |x: f32| (x - mu) * s;
