@@ -5,55 +5,131 @@
 //! matmul, without its allocation of every result (a zeroed buffer, then an aligned copy
 //! of it in fresh pages).
 //!
+//! Large products are split by rows, one block of rows per thread, each block's products
+//! on its thread ([`blocks`]): the forward pass's rows of `y`, the backward pass's rows of
+//! `dx` and each block's share of `dW` and `db` (added up after, in block order). The
+//! crate's own split is by columns, each thread reading every row of `x`: half of them
+//! from the other core's cache, where the operation before (a layer norm, GELU, split
+//! by rows) left them. By rows, each core reads the rows it wrote and writes the rows the
+//! next operation reads on it.
+//!
 //! A second matrix engine beside the tiles' kernel (`super::gemm`), each where it is the
 //! faster one, on one thread: a linear layer's products are large (thousands of rows by
-//! hundreds), where the crate's packing of both operands pays, and the crate splits them
-//! over the threads itself (the tiles' kernel leaves threads to its callers); a tile's
-//! are 64 x 64 by a head's width, fused with the softmax between them, where the crate's
-//! packing at every call costs more than it saves. The `engines` test below times both
-//! at both sizes; docs/benchmarks.md ("Matrix engines") has its numbers.
+//! hundreds), where the crate's packing of both operands pays; a tile's are 64 x 64 by a
+//! head's width, fused with the softmax between them, where the crate's packing at every
+//! call costs more than it saves. The `engines` test below times both at both sizes;
+//! docs/benchmarks.md ("Matrix engines") has its numbers.
+
+use std::mem::MaybeUninit;
+use std::ops::Range;
 
 use burn::backend::tensor::FloatTensor;
 use rayon::prelude::*;
 
-use super::{CpuTensors, Grid, dims_of};
+use super::{CpuTensors, Grid, dims_of, written};
 
-/// The product `m x n x k` above which the kernels run on every thread (flex's threshold).
+/// The product `m x n x k` from which the rows are split over the threads (flex's
+/// threshold for its matmul).
 const PARALLEL: usize = 192 * 192 * 192;
 
-/// Elements of the output per parallel task of the bias's addition (whole rows).
-const BIAS_CHUNK: usize = 1 << 14;
+/// Rows of a block at least: fewer rows are one block.
+const BLOCK_ROWS: usize = 64;
 
-/// A matrix read through a [`Grid`] of shape `[1, 1, rows, cols]` with unit column stride:
-/// its first element and row stride.
+/// Elements per parallel task of the sum of the blocks' shares of `dW`.
+const SUM_CHUNK: usize = 1 << 14;
+
+/// A matrix in memory: its first element and row stride, its column stride 1.
+#[derive(Clone, Copy)]
 struct Matrix {
     ptr: *const f32,
     row_stride: usize,
 }
 
+// SAFETY: a matrix is only read (each task reads rows of it).
+unsafe impl Send for Matrix {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Matrix {}
+
 impl Matrix {
+    /// The `[1, 1, rows, cols]` matrix of `grid`.
     fn of(grid: &Grid<f32>, [rows, cols]: [usize; 2]) -> Self {
         let (ptr, row_stride) = grid.rows(0, 0, 0, [rows, cols]);
         Self { ptr, row_stride }
     }
+
+    /// The matrix from row `row` on.
+    fn below(self, row: usize) -> Self {
+        Self {
+            ptr: self.ptr.wrapping_add(row * self.row_stride),
+            ..self
+        }
+    }
+
+    /// The matrix as an operand of [`product`]: pointer, row stride, column stride.
+    fn plain(self) -> (*const f32, usize, usize) {
+        (self.ptr, self.row_stride, 1)
+    }
+
+    /// The transpose as an operand of [`product`].
+    fn transposed(self) -> (*const f32, usize, usize) {
+        (self.ptr, 1, self.row_stride)
+    }
 }
 
-/// `dst (m x n, row-major, read when `add`) (+)= lhs · rhs`, each operand a pointer with
-/// its (row, column) strides.
+/// A buffer that several tasks write at once, each its own elements.
+#[derive(Clone, Copy)]
+struct Shared(*mut f32);
+
+// SAFETY: the tasks write disjoint elements (see each use).
+unsafe impl Send for Shared {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Shared {}
+
+impl Shared {
+    /// The element `offset` on, through a method so that closures capture the whole
+    /// `Shared`.
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// The blocks of rows a layer's products over `rows` rows of `x` `[rows, d_in]` and
+/// `W` `[d_in, d_out]` are split into: one per thread of the pool when the product is
+/// large, else one. Every call with the same sizes and threads splits the same way (and
+/// so adds `dW`'s shares in the same order), whichever thread takes which block.
+fn blocks([rows, d_in, d_out]: [usize; 3]) -> usize {
+    if rows.saturating_mul(d_in).saturating_mul(d_out) < PARALLEL {
+        return 1;
+    }
+    rayon::current_num_threads().min(rows / BLOCK_ROWS).max(1)
+}
+
+/// The rows of block `p` of `blocks`.
+fn bounds(rows: usize, blocks: usize, p: usize) -> Range<usize> {
+    rows * p / blocks..rows * (p + 1) / blocks
+}
+
+/// `dst (m x n, row stride dst_rs) = lhs · rhs` on this thread, each operand a pointer
+/// with its (row, column) strides. A product over `k = 0` writes zeros.
 ///
 /// # Safety
 /// Every element the sizes and strides name is in bounds.
 unsafe fn product(
     [m, n, k]: [usize; 3],
-    dst: *mut f32,
-    add: bool,
+    (dst, dst_rs): (*mut f32, usize),
     (lhs, lhs_rs, lhs_cs): (*const f32, usize, usize),
     (rhs, rhs_rs, rhs_cs): (*const f32, usize, usize),
 ) {
-    let parallelism = match m.saturating_mul(n).saturating_mul(k) >= PARALLEL {
-        true => gemm::Parallelism::Rayon(0),
-        false => gemm::Parallelism::None,
-    };
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for row in 0..m {
+            // SAFETY: row `row` of dst, n elements (the caller's contract).
+            unsafe { std::ptr::write_bytes(dst.add(row * dst_rs), 0, n) };
+        }
+        return;
+    }
     // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
@@ -62,8 +138,8 @@ unsafe fn product(
             k,
             dst,
             1,
-            n as isize,
-            add,
+            dst_rs as isize,
+            false,
             lhs,
             lhs_cs as isize,
             lhs_rs as isize,
@@ -75,24 +151,9 @@ unsafe fn product(
             false,
             false,
             false,
-            parallelism,
+            gemm::Parallelism::None,
         );
     }
-}
-
-/// A buffer of `len` floats that `write` fills whole through the pointer it is given (a
-/// [`product`] without `add` writes every element of its `m x n` result and reads none),
-/// not zeroed first ([`super::written`]). A product over `k = 0` writes nothing (its
-/// result is zeros): that buffer is zeroed.
-///
-/// # Safety
-/// Unless `k` is 0, `write` initialises all `len` elements behind the pointer.
-unsafe fn written_whole(len: usize, k: usize, write: impl FnOnce(*mut f32)) -> Vec<f32> {
-    if k == 0 {
-        return vec![0.0f32; len];
-    }
-    // SAFETY: the caller's contract.
-    unsafe { super::written(len, |out| write(out.as_mut_ptr().cast())) }
 }
 
 /// `x W + b` for `x` `[1, 1, rows, d_in]`, `weight` `[1, 1, d_in, d_out]` and `bias`
@@ -105,36 +166,46 @@ pub(crate) fn linear_forward<B: CpuTensors>(
     let (x, weight) = (B::readable(x), B::readable(weight));
     let [_, _, rows, d_in] = dims_of::<B>(&x);
     let d_out = dims_of::<B>(&weight)[3];
-    let xm = Matrix::of(&B::floats(&x), [rows, d_in]);
-    let wm = Matrix::of(&B::floats(&weight), [d_in, d_out]);
-    let run = |out: *mut f32| {
-        // SAFETY: the grids bound both operands; `out` holds rows x d_out.
-        unsafe {
-            product(
-                [rows, d_out, d_in],
-                out,
-                false,
-                (xm.ptr, xm.row_stride, 1),
-                (wm.ptr, wm.row_stride, 1),
-            );
-        }
-    };
-    // SAFETY: a product without `add` writes its whole rows x d_out result.
-    let mut out = unsafe { written_whole(rows * d_out, d_in, run) };
-    if let Some(bias) = bias {
-        // Added to the product in parallel (the product written first, then the bias:
-        // filling every row with the bias for the product to add to was a pass over the
-        // output on one thread while the others waited).
-        let bias = B::readable(bias);
-        let bias = B::floats(&bias).contiguous([1, 1, 1, d_out]);
-        let per = (BIAS_CHUNK / d_out.max(1)).max(1) * d_out.max(1);
-        out.par_chunks_mut(per).for_each(|block| {
-            for row in block.chunks_exact_mut(d_out) {
-                row.iter_mut().zip(bias.iter()).for_each(|(o, b)| *o += b);
+    let x = Matrix::of(&B::floats(&x), [rows, d_in]);
+    let weight = Matrix::of(&B::floats(&weight), [d_in, d_out]);
+    let bias = bias.map(B::readable);
+    let bias = bias
+        .as_ref()
+        .map(|bias| B::floats(bias).contiguous([1, 1, 1, d_out]));
+    let sizes = [rows, d_in, d_out];
+    let y = forward_in(sizes, x, weight, bias.as_deref(), blocks(sizes));
+    B::from_rows(y, [1, 1, rows, d_out])
+}
+
+/// `x W + b` (`sizes`: rows, d_in, d_out) in `blocks` blocks of rows.
+fn forward_in(
+    [rows, d_in, d_out]: [usize; 3],
+    x: Matrix,
+    weight: Matrix,
+    bias: Option<&[f32]>,
+    blocks: usize,
+) -> Vec<f32> {
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        let out = Shared(out.as_mut_ptr().cast());
+        (0..blocks).into_par_iter().for_each(|p| {
+            let range = bounds(rows, blocks, p);
+            let y = out.at(range.start * d_out);
+            // SAFETY: the matrices hold their rows; the block's rows of y are its own.
+            unsafe {
+                let x = x.below(range.start).plain();
+                product([range.len(), d_out, d_in], (y, d_out), x, weight.plain());
+            }
+            if let Some(bias) = bias {
+                // SAFETY: the block's rows of y, written just now.
+                let y = unsafe { std::slice::from_raw_parts_mut(y, range.len() * d_out) };
+                for row in y.chunks_exact_mut(d_out) {
+                    row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
+                }
             }
         });
-    }
-    B::from_rows(out, [1, 1, rows, d_out])
+    };
+    // SAFETY: the blocks' rows cover y, and each block writes its rows whole.
+    unsafe { written(rows * d_out, fill) }
 }
 
 /// The gradients of [`linear_forward`] from the output's gradient `grad` `[1, 1, rows,
@@ -144,67 +215,165 @@ pub(crate) fn linear_backward<B: CpuTensors>(
     x: &FloatTensor<B>,
     weight: &FloatTensor<B>,
     grad: &FloatTensor<B>,
-    [want_x, want_weight, want_bias]: [bool; 3],
+    wanted: [bool; 3],
 ) -> [Option<FloatTensor<B>>; 3] {
     let (x, weight, grad) = (B::readable(x), B::readable(weight), B::readable(grad));
     let [_, _, rows, d_in] = dims_of::<B>(&x);
     let d_out = dims_of::<B>(&weight)[3];
-    let xm = Matrix::of(&B::floats(&x), [rows, d_in]);
-    let wm = Matrix::of(&B::floats(&weight), [d_in, d_out]);
+    let x = Matrix::of(&B::floats(&x), [rows, d_in]);
+    let weight = Matrix::of(&B::floats(&weight), [d_in, d_out]);
     let dy = Matrix::of(&B::floats(&grad), [rows, d_out]);
-    let dx = want_x.then(|| {
-        // dx = dy Wᵀ: Wᵀ[p, j] = W[j, p].
-        let write = |dx| {
-            // SAFETY: the grids bound the operands; `dx` holds rows x d_in.
+    let sizes = [rows, d_in, d_out];
+    let [dx, dw, db] = backward_in(sizes, [x, weight, dy], wanted, blocks(sizes));
+    [
+        dx.map(|dx| B::from_rows(dx, [1, 1, rows, d_in])),
+        dw.map(|dw| B::from_rows(dw, [1, 1, d_in, d_out])),
+        db.map(|db| B::from_rows(db, [1, 1, 1, d_out])),
+    ]
+}
+
+/// `[dx, dW, db]`, each when wanted, from `[x, W, dy]` (`sizes`: rows, d_in, d_out), in
+/// `blocks` blocks of rows: each block's rows of `dx` and its shares of `dW` (`x_pᵀ
+/// dy_p`) and `db`, block 0's in the results themselves, the others' added to them
+/// after, in block order.
+fn backward_in(
+    [rows, d_in, d_out]: [usize; 3],
+    [x, weight, dy]: [Matrix; 3],
+    [want_x, want_weight, want_bias]: [bool; 3],
+    blocks: usize,
+) -> [Option<Vec<f32>>; 3] {
+    let (dw_len, db_len) = (
+        d_in * d_out * want_weight as usize,
+        d_out * want_bias as usize,
+    );
+    let share = dw_len + db_len;
+    let dx_len = rows * d_in * want_x as usize;
+    let mut dx = Vec::<f32>::with_capacity(dx_len);
+    let mut first = Vec::<f32>::with_capacity(share);
+    let mut others = Vec::<f32>::with_capacity((blocks - 1) * share);
+    let (dx_out, first_out) = (Shared(dx.as_mut_ptr()), Shared(first.as_mut_ptr()));
+    let others_out = Shared(others.as_mut_ptr());
+    (0..blocks).into_par_iter().for_each(|p| {
+        let range = bounds(rows, blocks, p);
+        let (n, dy) = (range.len(), dy.below(range.start));
+        if want_x {
+            // dx = dy Wᵀ over the block's rows.
+            // SAFETY: the matrices hold their rows; the block's rows of dx are its own.
             unsafe {
-                product(
-                    [rows, d_in, d_out],
-                    dx,
-                    false,
-                    (dy.ptr, dy.row_stride, 1),
-                    (wm.ptr, 1, wm.row_stride),
-                );
+                let dx = (dx_out.at(range.start * d_in), d_in);
+                product([n, d_in, d_out], dx, dy.plain(), weight.transposed());
             }
-        };
-        // SAFETY: a product without `add` writes its whole result.
-        let dx = unsafe { written_whole(rows * d_in, d_out, write) };
-        B::from_rows(dx, [1, 1, rows, d_in])
-    });
-    let dw = want_weight.then(|| {
-        // dW = xᵀ dy: xᵀ[i, p] = x[p, i].
-        let write = |dw| {
-            // SAFETY: as above; `dw` holds d_in x d_out.
-            unsafe {
-                product(
-                    [d_in, d_out, rows],
-                    dw,
-                    false,
-                    (xm.ptr, 1, xm.row_stride),
-                    (dy.ptr, dy.row_stride, 1),
-                );
-            }
-        };
-        // SAFETY: a product without `add` writes its whole result.
-        let dw = unsafe { written_whole(d_in * d_out, rows, write) };
-        B::from_rows(dw, [1, 1, d_in, d_out])
-    });
-    let db = want_bias.then(|| {
-        let ones = vec![1.0f32; rows];
-        let mut db = vec![0.0f32; d_out];
-        // db = 1ᵀ dy.
-        // SAFETY: as above; `ones` holds 1 x rows, `db` 1 x d_out.
-        unsafe {
-            product(
-                [1, d_out, rows],
-                db.as_mut_ptr(),
-                false,
-                (ones.as_ptr(), rows, 1),
-                (dy.ptr, dy.row_stride, 1),
-            );
         }
-        B::from_rows(db, [1, 1, 1, d_out])
+        let share_out = match p {
+            0 => first_out,
+            _ => Shared(others_out.at((p - 1) * share)),
+        };
+        if want_weight {
+            // The block's share of dW = xᵀ dy: x_pᵀ dy_p.
+            // SAFETY: as above; the block's share is its own.
+            unsafe {
+                let x = x.below(range.start).transposed();
+                product([d_in, d_out, n], (share_out.at(0), d_out), x, dy.plain());
+            }
+        }
+        if want_bias {
+            // SAFETY: the block's share of db is its own.
+            let db = unsafe { std::slice::from_raw_parts_mut(share_out.at(dw_len), d_out) };
+            db.fill(0.0);
+            for r in 0..n {
+                // SAFETY: row r of the block's dy, d_out long.
+                let row =
+                    unsafe { std::slice::from_raw_parts(dy.ptr.add(r * dy.row_stride), d_out) };
+                db.iter_mut().zip(row).for_each(|(s, &g)| *s += g);
+            }
+        }
     });
-    [dx, dw, db]
+    // SAFETY: the blocks wrote every row of dx (when wanted) and every share.
+    unsafe {
+        dx.set_len(dx_len);
+        first.set_len(share);
+        others.set_len((blocks - 1) * share);
+    }
+    if blocks > 1 {
+        first
+            .par_chunks_mut(SUM_CHUNK)
+            .enumerate()
+            .for_each(|(c, sum)| {
+                let at = c * SUM_CHUNK;
+                for part in others.chunks_exact(share) {
+                    let part = &part[at..at + sum.len()];
+                    sum.iter_mut().zip(part).for_each(|(s, &x)| *s += x);
+                }
+            });
+    }
+    let db = want_bias.then(|| first.split_off(dw_len));
+    [want_x.then_some(dx), want_weight.then_some(first), db]
+}
+
+/// The products split by rows against one block, on sizes that split: `y` and `dx` the
+/// same to the bit (each row's products are the same), `dW` and `db` the same sums in
+/// another order.
+#[cfg(test)]
+mod split {
+    use super::super::testing::random;
+    use super::{Matrix, backward_in, forward_in};
+
+    #[test]
+    fn blocks_of_rows_compute_what_one_block_computes() {
+        let [rows, d_in, d_out] = [200, 24, 40];
+        let (x, w, dy, bias) = (
+            random(rows * d_in, 1),
+            random(d_in * d_out, 2),
+            random(rows * d_out, 3),
+            random(d_out, 4),
+        );
+        let m = |data: &[f32], cols: usize| Matrix {
+            ptr: data.as_ptr(),
+            row_stride: cols,
+        };
+        let sizes = [rows, d_in, d_out];
+        let operands = [m(&x, d_in), m(&w, d_out), m(&dy, d_out)];
+        let y1 = forward_in(sizes, m(&x, d_in), m(&w, d_out), Some(&bias), 1);
+        let [dx1, dw1, db1] = backward_in(sizes, operands, [true; 3], 1).map(Option::unwrap);
+        // The reference sums of dW and db, in f64.
+        let mut dw = vec![0.0f64; d_in * d_out];
+        let mut db = vec![0.0f64; d_out];
+        for r in 0..rows {
+            for o in 0..d_out {
+                let g = dy[r * d_out + o] as f64;
+                db[o] += g;
+                for i in 0..d_in {
+                    dw[i * d_out + o] += x[r * d_in + i] as f64 * g;
+                }
+            }
+        }
+        for blocks in [2, 3, 7] {
+            let y = forward_in(sizes, m(&x, d_in), m(&w, d_out), Some(&bias), blocks);
+            assert_eq!(y, y1, "y in {blocks} blocks");
+            let [dx, dwb, dbb] = backward_in(sizes, operands, [true; 3], blocks);
+            assert_eq!(dx.unwrap(), dx1, "dx in {blocks} blocks");
+            for (got, want) in [(dwb.unwrap(), &dw), (dbb.unwrap(), &db)] {
+                for (g, w) in got.iter().zip(want.iter()) {
+                    assert!(
+                        (*g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                        "{g} against {w}"
+                    );
+                }
+            }
+            // Only what is wanted is computed.
+            let [dx, dwb, dbb] = backward_in(sizes, operands, [false, true, false], blocks);
+            assert!(dx.is_none() && dbb.is_none());
+            assert_eq!(dwb.unwrap().len(), d_in * d_out);
+        }
+        for (got, want) in [(&dw1, &dw), (&db1, &db)] {
+            for (g, w) in got.iter().zip(want.iter()) {
+                assert!(
+                    (*g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                    "{g} against {w}"
+                );
+            }
+        }
+    }
 }
 
 /// The two matrix engines at the sizes each serves, one thread: the tiles' kernel
