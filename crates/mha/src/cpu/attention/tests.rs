@@ -350,3 +350,96 @@ fn tiles_match_f64_attention_forward_and_backward() {
         }
     }
 }
+
+/// Forward and backward passes at the text task's size (12 sequences of 64 positions, 4
+/// heads of 32, causal), on one thread: microseconds per call. Run with `cargo test
+/// --release -p mha --lib attention_speed -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, for release builds"]
+fn attention_speed() {
+    use crate::cpu::isa::Isa;
+    let (batch, heads, t, d) = (12, 4, 64, 32);
+    let dims = Dims {
+        batch,
+        heads,
+        kv_heads: heads,
+        queries: t,
+        keys: t,
+        d_k: d,
+        d_v: d,
+        scale: 1.0 / (d as f32).sqrt(),
+    };
+    let scoring = Scoring {
+        softcap: None,
+        visibility: AttentionMask::causal().visibility(t, t),
+        position: None,
+    };
+    let extra = || Extra {
+        scoring: &scoring,
+        bias: None,
+        blocked: None,
+        table: None,
+    };
+    let shape = [batch, heads, t, d];
+    let (q, k, v, g) = (
+        random(batch * heads * t * d, 1),
+        random(batch * heads * t * d, 2),
+        random(batch * heads * t * d, 3),
+        random(batch * heads * t * d, 4),
+    );
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        let isa = Isa::best();
+        let (out, lse) = forward_on(
+            isa,
+            dims,
+            dense(&q, shape),
+            dense(&k, shape),
+            dense(&v, shape),
+            extra(),
+        );
+        // The output comes `[B, T, H, D]`.
+        let out_grid = Grid {
+            data: &out[..],
+            offset: 0,
+            strides: [t * heads * d, d, heads * d, 1],
+        };
+        let reps = 200;
+        for _ in 0..3 {
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                let r = forward_on(
+                    isa,
+                    dims,
+                    dense(&q, shape),
+                    dense(&k, shape),
+                    dense(&v, shape),
+                    extra(),
+                );
+                std::hint::black_box(r);
+            }
+            let fwd = start.elapsed().as_secs_f64() / reps as f64;
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                let inputs = [
+                    dense(&q, shape),
+                    dense(&k, shape),
+                    dense(&v, shape),
+                    out_grid,
+                    dense(&g, shape),
+                ];
+                let r = backward_on(isa, 1, dims, inputs, &lse, extra(), [None, None]);
+                std::hint::black_box(r.dq);
+            }
+            let bwd = start.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "{isa:?}: forward {:.1} us, backward {:.1} us",
+                fwd * 1e6,
+                bwd * 1e6
+            );
+        }
+    });
+}
