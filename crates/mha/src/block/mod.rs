@@ -65,9 +65,11 @@ impl FeedForward {
     /// # Shapes
     /// `[B, T, d_model]` -> `[B, T, d_model]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let hidden = self
-            .activation
-            .forward(crate::ops::linear::forward(&self.linear1, x)); // [B, T, d_ff]
+        // [B, T, d_ff]; GELU in the first layer's operation (see `ops::linear`).
+        let hidden = match self.activation {
+            FeedForwardActivation::Gelu => crate::ops::linear::forward_gelu(&self.linear1, x),
+            activation => activation.forward(crate::ops::linear::forward(&self.linear1, x)),
+        };
         crate::ops::linear::forward(
             &self.linear2,
             crate::dropout::forward(&self.dropout, hidden),

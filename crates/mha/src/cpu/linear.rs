@@ -26,6 +26,8 @@ use std::ops::Range;
 use burn::backend::tensor::FloatTensor;
 use rayon::prelude::*;
 
+use super::isa::Isa;
+use super::rows::gelu::gelu_in_place;
 use super::{CpuTensors, Grid, dims_of, written};
 
 /// The product `m x n x k` from which the rows are split over the threads (flex's
@@ -104,7 +106,9 @@ fn blocks([rows, d_in, d_out]: [usize; 3]) -> usize {
     if rows.saturating_mul(d_in).saturating_mul(d_out) < PARALLEL {
         return 1;
     }
-    (2 * rayon::current_num_threads()).min(rows / BLOCK_ROWS).max(1)
+    (2 * rayon::current_num_threads())
+        .min(rows / BLOCK_ROWS)
+        .max(1)
 }
 
 /// The rows of block `p` of `blocks`.
@@ -166,6 +170,39 @@ pub(crate) fn linear_forward<B: CpuTensors>(
     weight: &FloatTensor<B>,
     bias: Option<&FloatTensor<B>>,
 ) -> FloatTensor<B> {
+    linear_then::<B>(x, weight, bias, Then::Nothing).0
+}
+
+/// `GELU(x W + b)` as [`linear_forward`] computes `x W + b`, the GELU of each block of
+/// rows computed where its product left it, in the cache of its thread; and, when
+/// `with_slope`, GELU's derivative at each element (`[1, 1, rows, d_out]`, for
+/// [`linear_backward`]).
+pub(crate) fn linear_gelu_forward<B: CpuTensors>(
+    x: &FloatTensor<B>,
+    weight: &FloatTensor<B>,
+    bias: Option<&FloatTensor<B>>,
+    with_slope: bool,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
+    linear_then::<B>(x, weight, bias, Then::Gelu { with_slope })
+}
+
+/// What a forward product's blocks of rows go through before they are written out.
+#[derive(Clone, Copy)]
+enum Then {
+    Nothing,
+    /// The exact GELU, and its derivative too when `with_slope`.
+    Gelu {
+        with_slope: bool,
+    },
+}
+
+/// [`linear_forward`] and [`linear_gelu_forward`].
+fn linear_then<B: CpuTensors>(
+    x: &FloatTensor<B>,
+    weight: &FloatTensor<B>,
+    bias: Option<&FloatTensor<B>>,
+    then: Then,
+) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
     let (x, weight) = (B::readable(x), B::readable(weight));
     let [_, _, rows, d_in] = dims_of::<B>(&x);
     let d_out = dims_of::<B>(&weight)[3];
@@ -176,58 +213,91 @@ pub(crate) fn linear_forward<B: CpuTensors>(
         .as_ref()
         .map(|bias| B::floats(bias).contiguous([1, 1, 1, d_out]));
     let sizes = [rows, d_in, d_out];
-    let y = forward_in(sizes, x, weight, bias.as_deref(), blocks(sizes));
-    B::from_rows(y, [1, 1, rows, d_out])
+    let (y, slope) = forward_in(sizes, [x, weight], bias.as_deref(), then, blocks(sizes));
+    let dims = [1, 1, rows, d_out];
+    (
+        B::from_rows(y, dims),
+        slope.map(|slope| B::from_rows(slope, dims)),
+    )
 }
 
-/// `x W + b` (`sizes`: rows, d_in, d_out) in `blocks` blocks of rows.
+/// `x W + b` (`sizes`: rows, d_in, d_out) in `blocks` blocks of rows, each through
+/// `then`; with GELU's slope when asked for.
 fn forward_in(
     [rows, d_in, d_out]: [usize; 3],
-    x: Matrix,
-    weight: Matrix,
+    [x, weight]: [Matrix; 2],
     bias: Option<&[f32]>,
+    then: Then,
     blocks: usize,
-) -> Vec<f32> {
+) -> (Vec<f32>, Option<Vec<f32>>) {
+    let isa = Isa::best();
+    let mut slope = match then {
+        Then::Gelu { with_slope: true } => Some(Vec::<f32>::with_capacity(rows * d_out)),
+        _ => None,
+    };
+    let slope_out = slope.as_mut().map(|slope| Shared(slope.as_mut_ptr()));
     let fill = |out: &mut [MaybeUninit<f32>]| {
         let out = Shared(out.as_mut_ptr().cast());
         (0..blocks).into_par_iter().for_each(|p| {
             let range = bounds(rows, blocks, p);
+            let len = range.len() * d_out;
             let y = out.at(range.start * d_out);
             // SAFETY: the matrices hold their rows; the block's rows of y are its own.
             unsafe {
                 let x = x.below(range.start).plain();
                 product([range.len(), d_out, d_in], (y, d_out), x, weight.plain());
             }
+            // SAFETY: the block's rows of y, written just now.
+            let y = unsafe { std::slice::from_raw_parts_mut(y, len) };
             if let Some(bias) = bias {
-                // SAFETY: the block's rows of y, written just now.
-                let y = unsafe { std::slice::from_raw_parts_mut(y, range.len() * d_out) };
                 for row in y.chunks_exact_mut(d_out) {
                     row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
                 }
             }
+            if let Then::Gelu { .. } = then {
+                // SAFETY: the block's rows of the slope are its own.
+                let slope = slope_out.map(|s| unsafe {
+                    std::slice::from_raw_parts_mut(s.at(range.start * d_out).cast(), len)
+                });
+                gelu_in_place(isa, y, slope);
+            }
         });
     };
     // SAFETY: the blocks' rows cover y, and each block writes its rows whole.
-    unsafe { written(rows * d_out, fill) }
+    let y = unsafe { written(rows * d_out, fill) };
+    if let Some(slope) = slope.as_mut() {
+        // SAFETY: as for y: the blocks wrote every row of the slope.
+        unsafe { slope.set_len(rows * d_out) };
+    }
+    (y, slope)
 }
 
 /// The gradients of [`linear_forward`] from the output's gradient `grad` `[1, 1, rows,
 /// d_out]`: of the input (`[1, 1, rows, d_in]`), the weight (`[1, 1, d_in, d_out]`) and
 /// the bias (`[1, 1, 1, d_out]`), each only when `wanted`.
+///
+/// After [`linear_gelu_forward`], `slope` is the GELU's derivative it returned, and
+/// `grad` the gradient of the GELU's output: the gradient of `x W + b` is their product,
+/// computed block by block before the block's products.
 pub(crate) fn linear_backward<B: CpuTensors>(
     x: &FloatTensor<B>,
     weight: &FloatTensor<B>,
     grad: &FloatTensor<B>,
+    slope: Option<&FloatTensor<B>>,
     wanted: [bool; 3],
 ) -> [Option<FloatTensor<B>>; 3] {
     let (x, weight, grad) = (B::readable(x), B::readable(weight), B::readable(grad));
+    let slope = slope.map(B::readable);
     let [_, _, rows, d_in] = dims_of::<B>(&x);
     let d_out = dims_of::<B>(&weight)[3];
     let x = Matrix::of(&B::floats(&x), [rows, d_in]);
     let weight = Matrix::of(&B::floats(&weight), [d_in, d_out]);
     let dy = Matrix::of(&B::floats(&grad), [rows, d_out]);
+    let slope = slope
+        .as_ref()
+        .map(|slope| Matrix::of(&B::floats(slope), [rows, d_out]));
     let sizes = [rows, d_in, d_out];
-    let [dx, dw, db] = backward_in(sizes, [x, weight, dy], wanted, blocks(sizes));
+    let [dx, dw, db] = backward_in(sizes, [x, weight, dy], slope, wanted, blocks(sizes));
     [
         dx.map(|dx| B::from_rows(dx, [1, 1, rows, d_in])),
         dw.map(|dw| B::from_rows(dw, [1, 1, d_in, d_out])),
@@ -238,10 +308,12 @@ pub(crate) fn linear_backward<B: CpuTensors>(
 /// `[dx, dW, db]`, each when wanted, from `[x, W, dy]` (`sizes`: rows, d_in, d_out), in
 /// `blocks` blocks of rows: each block's rows of `dx` and its shares of `dW` (`x_pᵀ
 /// dy_p`) and `db`, block 0's in the results themselves, the others' added to them
-/// after, in block order.
+/// after, in block order. With a `slope` (`[rows, d_out]`), `dy ⊙ slope` in place of
+/// `dy`, each block's rows multiplied first.
 fn backward_in(
     [rows, d_in, d_out]: [usize; 3],
     [x, weight, dy]: [Matrix; 3],
+    slope: Option<Matrix>,
     [want_x, want_weight, want_bias]: [bool; 3],
     blocks: usize,
 ) -> [Option<Vec<f32>>; 3] {
@@ -259,6 +331,33 @@ fn backward_in(
     (0..blocks).into_par_iter().for_each(|p| {
         let range = bounds(rows, blocks, p);
         let (n, dy) = (range.len(), dy.below(range.start));
+        // Through the GELU: the block's `dy ⊙ slope`, in its thread's cache.
+        let through = slope.map(|slope| {
+            let slope = slope.below(range.start);
+            let fill = |out: &mut [MaybeUninit<f32>]| {
+                for (r, out) in out.chunks_exact_mut(d_out).enumerate() {
+                    // SAFETY: row r of the block's dy and slope, d_out long each.
+                    let (g, s) = unsafe {
+                        (
+                            std::slice::from_raw_parts(dy.ptr.add(r * dy.row_stride), d_out),
+                            std::slice::from_raw_parts(slope.ptr.add(r * slope.row_stride), d_out),
+                        )
+                    };
+                    for ((o, &g), &s) in out.iter_mut().zip(g).zip(s) {
+                        o.write(g * s);
+                    }
+                }
+            };
+            // SAFETY: every row of the block written.
+            unsafe { written(n * d_out, fill) }
+        });
+        let dy = match &through {
+            Some(d) => Matrix {
+                ptr: d.as_ptr(),
+                row_stride: d_out,
+            },
+            None => dy,
+        };
         if want_x {
             // dx = dy Wᵀ over the block's rows.
             // SAFETY: the matrices hold their rows; the block's rows of dx are its own.
@@ -319,7 +418,7 @@ fn backward_in(
 #[cfg(test)]
 mod split {
     use super::super::testing::random;
-    use super::{Matrix, backward_in, forward_in};
+    use super::{Matrix, Then, backward_in, forward_in};
 
     #[test]
     fn blocks_of_rows_compute_what_one_block_computes() {
@@ -336,8 +435,9 @@ mod split {
         };
         let sizes = [rows, d_in, d_out];
         let operands = [m(&x, d_in), m(&w, d_out), m(&dy, d_out)];
-        let y1 = forward_in(sizes, m(&x, d_in), m(&w, d_out), Some(&bias), 1);
-        let [dx1, dw1, db1] = backward_in(sizes, operands, [true; 3], 1).map(Option::unwrap);
+        let xw = [m(&x, d_in), m(&w, d_out)];
+        let y1 = forward_in(sizes, xw, Some(&bias), Then::Nothing, 1).0;
+        let [dx1, dw1, db1] = backward_in(sizes, operands, None, [true; 3], 1).map(Option::unwrap);
         // The reference sums of dW and db, in f64.
         let mut dw = vec![0.0f64; d_in * d_out];
         let mut db = vec![0.0f64; d_out];
@@ -351,9 +451,9 @@ mod split {
             }
         }
         for blocks in [2, 3, 7] {
-            let y = forward_in(sizes, m(&x, d_in), m(&w, d_out), Some(&bias), blocks);
+            let y = forward_in(sizes, xw, Some(&bias), Then::Nothing, blocks).0;
             assert_eq!(y, y1, "y in {blocks} blocks");
-            let [dx, dwb, dbb] = backward_in(sizes, operands, [true; 3], blocks);
+            let [dx, dwb, dbb] = backward_in(sizes, operands, None, [true; 3], blocks);
             assert_eq!(dx.unwrap(), dx1, "dx in {blocks} blocks");
             for (got, want) in [(dwb.unwrap(), &dw), (dbb.unwrap(), &db)] {
                 for (g, w) in got.iter().zip(want.iter()) {
@@ -364,7 +464,7 @@ mod split {
                 }
             }
             // Only what is wanted is computed.
-            let [dx, dwb, dbb] = backward_in(sizes, operands, [false, true, false], blocks);
+            let [dx, dwb, dbb] = backward_in(sizes, operands, None, [false, true, false], blocks);
             assert!(dx.is_none() && dbb.is_none());
             assert_eq!(dwb.unwrap().len(), d_in * d_out);
         }
@@ -375,6 +475,62 @@ mod split {
                     "{g} against {w}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn gelu_after_the_product_is_gelu_of_the_product_and_its_slope_goes_into_dy() {
+        let [rows, d_in, d_out] = [130, 16, 24];
+        let (x, w, dy, bias) = (
+            random(rows * d_in, 5),
+            random(d_in * d_out, 6),
+            random(rows * d_out, 7),
+            random(d_out, 8),
+        );
+        let m = |data: &[f32], cols: usize| Matrix {
+            ptr: data.as_ptr(),
+            row_stride: cols,
+        };
+        let sizes = [rows, d_in, d_out];
+        let xw = [m(&x, d_in), m(&w, d_out)];
+        let pre = forward_in(sizes, xw, Some(&bias), Then::Nothing, 1).0;
+        let isa = super::Isa::best();
+        for blocks in [1, 2] {
+            let (y, slope) = forward_in(
+                sizes,
+                xw,
+                Some(&bias),
+                Then::Gelu { with_slope: true },
+                blocks,
+            );
+            let slope = slope.expect("asked for");
+            let (alone, none) = forward_in(
+                sizes,
+                xw,
+                Some(&bias),
+                Then::Gelu { with_slope: false },
+                blocks,
+            );
+            assert!(none.is_none());
+            assert_eq!(alone, y, "the value does not depend on the slope");
+            // The same kernel over the product: the same bits.
+            let mut want = pre.clone();
+            let mut want_slope = vec![std::mem::MaybeUninit::new(0.0f32); want.len()];
+            super::gelu_in_place(isa, &mut want, Some(&mut want_slope));
+            assert_eq!(y, want);
+            // SAFETY: initialised above.
+            let want_slope: Vec<f32> = want_slope
+                .iter()
+                .map(|s| unsafe { s.assume_init() })
+                .collect();
+            assert_eq!(slope, want_slope);
+            // Backward through the slope: the products of dy ⊙ slope.
+            let through: Vec<f32> = dy.iter().zip(&slope).map(|(g, s)| g * s).collect();
+            let plain = [m(&x, d_in), m(&w, d_out), m(&through, d_out)];
+            let want = backward_in(sizes, plain, None, [true; 3], blocks);
+            let operands = [m(&x, d_in), m(&w, d_out), m(&dy, d_out)];
+            let got = backward_in(sizes, operands, Some(m(&slope, d_out)), [true; 3], blocks);
+            assert_eq!(got, want, "in {blocks} blocks");
         }
     }
 }

@@ -20,6 +20,40 @@ pub(crate) fn forward<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D
     columns(x, linear.weight.val(), bias, None)
 }
 
+/// `GELU(x W + b)` for `x` `[.., d_in]` (the exact GELU, as [`super::gelu::gelu`]). On
+/// the CPU backends one operation: each thread's block of rows goes through GELU where
+/// its product left it, and the backward pass multiplies the output's gradient by GELU's
+/// derivative block by block before the products (`cpu::linear`). Elsewhere the layer,
+/// then the GELU.
+///
+/// # Panics
+/// If the last axis of `x` is not the layer's `d_input` (the message names both).
+pub(crate) fn forward_gelu<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    if dispatch::row(RowCall::of(RowOp::Linear, &x)) == RowPath::Fused {
+        let weight = linear.weight.val();
+        let [d_in, d_out] = weight.dims();
+        let mut dims = x.dims();
+        assert!(
+            dims[D - 1] == d_in,
+            "Linear: the input's last axis is {} wide (shape {dims:?}), the layer's d_input \
+             is {d_in}",
+            dims[D - 1],
+        );
+        dims[D - 1] = d_out;
+        let bias = linear
+            .bias
+            .as_ref()
+            .map(|b| b.val().reshape([1, 1, 1, d_out]));
+        let floats = [super::rows(x), weight.reshape([1, 1, d_in, d_out])]
+            .into_iter()
+            .chain(bias)
+            .collect();
+        return super::run(super::FusedOp::LinearGelu, floats, None).reshape(dims);
+    }
+    super::gelu::gelu(forward(linear, x))
+}
+
 /// `x W[:, c] + b[c]` for the columns `c` in `start..start + len` of the weight `[d_in,
 /// d_all]` and bias `[d_all]` (all of them when `columns` is `None`).
 ///
@@ -83,14 +117,14 @@ pub(crate) fn columns<const D: usize>(
 }
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
-pub(crate) use cpu::LinearOp;
+pub(crate) use cpu::{LinearGeluOp, LinearOp};
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
 
     use crate::cpu::CpuTensors;
-    use crate::cpu::linear::{linear_backward, linear_forward};
+    use crate::cpu::linear::{linear_backward, linear_forward, linear_gelu_forward};
     use crate::op::Op;
 
     /// `x W (+ b)` of `[x, weight]` or `[x, weight, bias]` (`[1, 1, rows, d_in]`, `[1, 1,
@@ -108,10 +142,8 @@ mod cpu {
         type Saved = Saved<B>;
 
         fn forward(self, floats: Vec<FloatTensor<B>>) -> (FloatTensor<B>, Saved<B>) {
-            let mut floats = floats.into_iter();
-            let (x, weight) = (floats.next(), floats.next());
-            let (x, weight) = x.zip(weight).expect("linear takes an input and a weight");
-            let y = linear_forward::<B>(&x, &weight, floats.next().as_ref());
+            let (x, weight, bias) = operands::<B>(floats);
+            let y = linear_forward::<B>(&x, &weight, bias.as_ref());
             (y, Saved { x, weight })
         }
 
@@ -121,7 +153,55 @@ mod cpu {
             wanted: &[bool],
         ) -> Vec<Option<FloatTensor<B>>> {
             let wanted = std::array::from_fn(|i| wanted.get(i).copied().unwrap_or(false));
-            linear_backward::<B>(&s.x, &s.weight, &grad, wanted).into()
+            linear_backward::<B>(&s.x, &s.weight, &grad, None, wanted).into()
+        }
+    }
+
+    /// `GELU(x W (+ b))` of `[x, weight]` or `[x, weight, bias]`, as [`LinearOp`]. Where a
+    /// backward pass will run, the forward pass keeps GELU's derivative at each output
+    /// (computed with its value) in place of the product, which no pass needs.
+    pub(crate) struct LinearGeluOp;
+
+    /// What the backward pass keeps: the input, the weight and GELU's derivative.
+    #[derive(Debug, Clone)]
+    pub(crate) struct SavedGelu<B: CpuTensors> {
+        x: FloatTensor<B>,
+        weight: FloatTensor<B>,
+        slope: FloatTensor<B>,
+    }
+
+    /// The input, the weight and the bias (if any) of a linear layer's operation.
+    fn operands<B: CpuTensors>(
+        floats: Vec<FloatTensor<B>>,
+    ) -> (FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>) {
+        let mut floats = floats.into_iter();
+        let (x, weight) = (floats.next(), floats.next());
+        let (x, weight) = x.zip(weight).expect("linear takes an input and a weight");
+        (x, weight, floats.next())
+    }
+
+    impl<B: CpuTensors> Op<B> for LinearGeluOp {
+        type Saved = SavedGelu<B>;
+
+        fn forward(self, floats: Vec<FloatTensor<B>>) -> (FloatTensor<B>, SavedGelu<B>) {
+            let (x, weight, bias) = operands::<B>(floats);
+            let (y, slope) = linear_gelu_forward::<B>(&x, &weight, bias.as_ref(), true);
+            let slope = slope.expect("the slope, asked for");
+            (y, SavedGelu { x, weight, slope })
+        }
+
+        fn output(self, floats: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+            let (x, weight, bias) = operands::<B>(floats);
+            linear_gelu_forward::<B>(&x, &weight, bias.as_ref(), false).0
+        }
+
+        fn backward(
+            s: SavedGelu<B>,
+            grad: FloatTensor<B>,
+            wanted: &[bool],
+        ) -> Vec<Option<FloatTensor<B>>> {
+            let wanted = std::array::from_fn(|i| wanted.get(i).copied().unwrap_or(false));
+            linear_backward::<B>(&s.x, &s.weight, &grad, Some(&s.slope), wanted).into()
         }
     }
 }
@@ -272,6 +352,52 @@ mod tests {
                     .collect();
                 let db = bias.grad(&grads).unwrap().reshape([1, d_all]);
                 check(&format!("{what}: db"), db, &want_db);
+            }
+        }
+    }
+
+    /// [`super::forward_gelu`] against the layer then [`crate::ops::gelu::gelu`], values
+    /// and the gradients of the input, the weight and the bias, on every backend: a small
+    /// layer, and one large enough that the CPU kernels split its rows over the threads.
+    #[test]
+    fn gelu_in_the_layer_is_the_layer_then_gelu() {
+        use burn::nn::LinearConfig;
+        for device in devices() {
+            for (case, &(rows, d_in, d_out)) in [(5, 3, 7), (300, 160, 160)].iter().enumerate() {
+                let what = format!("{device:?} rows {rows} d_in {d_in} d_out {d_out}");
+                let linear = LinearConfig::new(d_in, d_out).init(&device);
+                let x_host = values(rows * d_in, 40 + case as u64);
+                let g_host = values(rows * d_out, 50 + case as u64);
+                let x = Tensor::<2>::from_data(TensorData::new(x_host, [rows, d_in]), &device);
+                let g = Tensor::<2>::from_data(TensorData::new(g_host, [rows, d_out]), &device);
+                let run = |fused: bool| {
+                    let x = x.clone().require_grad();
+                    let y = match fused {
+                        true => super::forward_gelu(&linear, x.clone()),
+                        false => crate::ops::gelu::gelu(super::forward(&linear, x.clone())),
+                    };
+                    let grads = (y.clone() * g.clone()).sum().backward();
+                    let bias = linear.bias.as_ref().expect("a bias");
+                    [
+                        y.inner(),
+                        x.grad(&grads).unwrap(),
+                        linear.weight.grad(&grads).unwrap(),
+                        bias.grad(&grads).unwrap().reshape([1, d_out]),
+                    ]
+                    .map(|t| t.into_data().convert::<f32>().to_vec::<f32>().unwrap())
+                };
+                let (fused, apart) = (run(true), run(false));
+                for (name, (got, want)) in
+                    ["y", "dx", "dW", "db"].iter().zip(fused.iter().zip(&apart))
+                {
+                    assert_eq!(got.len(), want.len(), "{what}: {name}");
+                    for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                            "{what}: {name}[{i}] = {a}, the layer then GELU {b}"
+                        );
+                    }
+                }
             }
         }
     }

@@ -52,6 +52,8 @@ mod fused {
         Attention(attention::Spec),
         /// [`linear::LinearOp`].
         Linear,
+        /// [`linear::LinearGeluOp`].
+        LinearGelu,
         /// [`norm::LayerNormOp`].
         LayerNorm { epsilon: f64 },
         /// [`gelu::GeluOp`].
@@ -156,6 +158,7 @@ mod fused {
                     op::forward::<B, _>(attention::AttentionOp::<B> { spec, mask }, floats)
                 }
                 FusedOp::Linear => op::forward::<B, _>(linear::LinearOp, floats),
+                FusedOp::LinearGelu => op::forward::<B, _>(linear::LinearGeluOp, floats),
                 FusedOp::LayerNorm { epsilon } => {
                     op::forward::<B, _>(norm::LayerNormOp { epsilon }, floats)
                 }
@@ -178,6 +181,7 @@ mod fused {
                     op::autodiff::<B, C, _>(attention::AttentionOp::<B> { spec, mask }, floats)
                 }
                 FusedOp::Linear => op::autodiff::<B, C, _>(linear::LinearOp, floats),
+                FusedOp::LinearGelu => op::autodiff::<B, C, _>(linear::LinearGeluOp, floats),
                 FusedOp::LayerNorm { epsilon } => {
                     op::autodiff::<B, C, _>(norm::LayerNormOp { epsilon }, floats)
                 }

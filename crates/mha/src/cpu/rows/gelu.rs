@@ -78,6 +78,45 @@ pub(crate) fn gelu_backward<B: CpuTensors>(
     B::from_rows(unsafe { written(slope.len(), fill) }, dims)
 }
 
+/// GELU of the values of `rows` in place, and its derivative into `slope` when given
+/// (every element written): the epilogue of a linear layer's product
+/// (`cpu::linear`), on the block of rows its thread has just written.
+pub(in crate::cpu) fn gelu_in_place(
+    isa: Isa,
+    rows: &mut [f32],
+    slope: Option<&mut [MaybeUninit<f32>]>,
+) {
+    isa.run(InPlace { rows, slope });
+}
+
+/// [`gelu_in_place`]'s kernel.
+struct InPlace<'a> {
+    rows: &'a mut [f32],
+    slope: Option<&'a mut [MaybeUninit<f32>]>,
+}
+
+impl Kernel for InPlace<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<A: Arch>(self) {
+        match self.slope {
+            None => {
+                for x in self.rows.iter_mut() {
+                    *x = gelu_and_slope::<A>(*x).0;
+                }
+            }
+            Some(slope) => {
+                for (x, s) in self.rows.iter_mut().zip(slope.iter_mut()) {
+                    let (value, derivative) = gelu_and_slope::<A>(*x);
+                    *x = value;
+                    s.write(derivative);
+                }
+            }
+        }
+    }
+}
+
 /// GELU of `x` into `out`, and its derivative into `slope` when given (every element of
 /// each written).
 struct Forward<'a> {
