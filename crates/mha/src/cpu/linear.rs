@@ -26,7 +26,7 @@ use std::ops::Range;
 use burn::backend::tensor::FloatTensor;
 use rayon::prelude::*;
 
-use super::isa::Isa;
+use super::isa::{Arch, Isa, Kernel};
 use super::rows::gelu::gelu_in_place;
 use super::{CpuTensors, Grid, dims_of, written};
 
@@ -328,29 +328,33 @@ fn backward_in(
     let mut others = Vec::<f32>::with_capacity((blocks - 1) * share);
     let (dx_out, first_out) = (Shared(dx.as_mut_ptr()), Shared(first.as_mut_ptr()));
     let others_out = Shared(others.as_mut_ptr());
+    let isa = Isa::best();
     (0..blocks).into_par_iter().for_each(|p| {
         let range = bounds(rows, blocks, p);
         let (n, dy) = (range.len(), dy.below(range.start));
-        // Through the GELU: the block's `dy ⊙ slope`, in its thread's cache.
-        let through = slope.map(|slope| {
-            let slope = slope.below(range.start);
-            let fill = |out: &mut [MaybeUninit<f32>]| {
-                for (r, out) in out.chunks_exact_mut(d_out).enumerate() {
-                    // SAFETY: row r of the block's dy and slope, d_out long each.
-                    let (g, s) = unsafe {
-                        (
-                            std::slice::from_raw_parts(dy.ptr.add(r * dy.row_stride), d_out),
-                            std::slice::from_raw_parts(slope.ptr.add(r * slope.row_stride), d_out),
-                        )
-                    };
-                    for ((o, &g), &s) in out.iter_mut().zip(g).zip(s) {
-                        o.write(g * s);
-                    }
-                }
-            };
-            // SAFETY: every row of the block written.
-            unsafe { written(n * d_out, fill) }
+        let share_out = match p {
+            0 => first_out,
+            _ => Shared(others_out.at((p - 1) * share)),
+        };
+        // Through the GELU: the block's `dy ⊙ slope`, in its thread's cache; and its share
+        // of db, in the same pass.
+        let mut through = slope.map(|_| Vec::<f32>::with_capacity(n * d_out));
+        // SAFETY: the block's share of db is its own.
+        let db = want_bias
+            .then(|| unsafe { std::slice::from_raw_parts_mut(share_out.at(dw_len), d_out) });
+        isa.run(Prepare {
+            dy,
+            slope: slope.map(|slope| slope.below(range.start)),
+            size: [n, d_out],
+            through: through
+                .as_mut()
+                .map(|t| &mut t.spare_capacity_mut()[..n * d_out]),
+            db,
         });
+        if let Some(through) = through.as_mut() {
+            // SAFETY: `Prepare` wrote every row.
+            unsafe { through.set_len(n * d_out) };
+        }
         let dy = match &through {
             Some(d) => Matrix {
                 ptr: d.as_ptr(),
@@ -366,27 +370,12 @@ fn backward_in(
                 product([n, d_in, d_out], dx, dy.plain(), weight.transposed());
             }
         }
-        let share_out = match p {
-            0 => first_out,
-            _ => Shared(others_out.at((p - 1) * share)),
-        };
         if want_weight {
             // The block's share of dW = xᵀ dy: x_pᵀ dy_p.
             // SAFETY: as above; the block's share is its own.
             unsafe {
                 let x = x.below(range.start).transposed();
                 product([d_in, d_out, n], (share_out.at(0), d_out), x, dy.plain());
-            }
-        }
-        if want_bias {
-            // SAFETY: the block's share of db is its own.
-            let db = unsafe { std::slice::from_raw_parts_mut(share_out.at(dw_len), d_out) };
-            db.fill(0.0);
-            for r in 0..n {
-                // SAFETY: row r of the block's dy, d_out long.
-                let row =
-                    unsafe { std::slice::from_raw_parts(dy.ptr.add(r * dy.row_stride), d_out) };
-                db.iter_mut().zip(row).for_each(|(s, &g)| *s += g);
             }
         }
     });
@@ -410,6 +399,57 @@ fn backward_in(
     }
     let db = want_bias.then(|| first.split_off(dw_len));
     [want_x.then_some(dx), want_weight.then_some(first), db]
+}
+
+/// A backward block's pass over its rows of `dy` (`size`: rows, columns) before the
+/// products: `dy ⊙ slope` into `through` when there is a slope, and the column sums of
+/// that (or of `dy`) into `db` when wanted, row after row.
+struct Prepare<'a> {
+    dy: Matrix,
+    slope: Option<Matrix>,
+    size: [usize; 2],
+    through: Option<&'a mut [MaybeUninit<f32>]>,
+    db: Option<&'a mut [f32]>,
+}
+
+impl Kernel for Prepare<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<A: Arch>(self) {
+        let Self {
+            dy,
+            slope,
+            size: [rows, cols],
+            mut through,
+            mut db,
+        } = self;
+        if let Some(db) = db.as_mut() {
+            db.fill(0.0);
+        }
+        for r in 0..rows {
+            // SAFETY: row r of the block's dy, `cols` long (the caller's matrices).
+            let g = unsafe { std::slice::from_raw_parts(dy.ptr.add(r * dy.row_stride), cols) };
+            let row = match (slope, through.as_mut()) {
+                (Some(slope), Some(through)) => {
+                    // SAFETY: as for dy.
+                    let s = unsafe {
+                        std::slice::from_raw_parts(slope.ptr.add(r * slope.row_stride), cols)
+                    };
+                    let out = &mut through[r * cols..(r + 1) * cols];
+                    for ((o, &g), &s) in out.iter_mut().zip(g).zip(s) {
+                        o.write(g * s);
+                    }
+                    // SAFETY: written just now.
+                    unsafe { std::slice::from_raw_parts(out.as_ptr().cast::<f32>(), cols) }
+                }
+                _ => g,
+            };
+            if let Some(db) = db.as_mut() {
+                db.iter_mut().zip(row).for_each(|(s, &x)| *s += x);
+            }
+        }
+    }
 }
 
 /// The products split by rows against one block, on sizes that split: `y` and `dx` the
