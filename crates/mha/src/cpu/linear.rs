@@ -249,17 +249,20 @@ fn forward_in(
             }
             // SAFETY: the block's rows of y, written just now.
             let y = unsafe { std::slice::from_raw_parts_mut(y, len) };
-            if let Some(bias) = bias {
-                for row in y.chunks_exact_mut(d_out) {
-                    row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
-                }
-            }
-            if let Then::Gelu { .. } = then {
+            let gelu = match then {
+                Then::Nothing => None,
                 // SAFETY: the block's rows of the slope are its own.
-                let slope = slope_out.map(|s| unsafe {
+                Then::Gelu { .. } => Some(slope_out.map(|s| unsafe {
                     std::slice::from_raw_parts_mut(s.at(range.start * d_out).cast(), len)
+                })),
+            };
+            if bias.is_some() || gelu.is_some() {
+                isa.run(Epilogue {
+                    y,
+                    cols: d_out,
+                    bias,
+                    gelu,
                 });
-                gelu_in_place(isa, y, slope);
             }
         });
     };
@@ -399,6 +402,41 @@ fn backward_in(
     }
     let db = want_bias.then(|| first.split_off(dw_len));
     [want_x.then_some(dx), want_weight.then_some(first), db]
+}
+
+/// A forward block's pass over its rows of `y` (`cols` wide) after the product: the
+/// bias added, then GELU (and its slope, when given) when asked for, row after row.
+struct Epilogue<'a> {
+    y: &'a mut [f32],
+    cols: usize,
+    bias: Option<&'a [f32]>,
+    gelu: Option<Option<&'a mut [MaybeUninit<f32>]>>,
+}
+
+impl Kernel for Epilogue<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<A: Arch>(self) {
+        let Self {
+            y,
+            cols,
+            bias,
+            mut gelu,
+        } = self;
+        for (r, row) in y.chunks_exact_mut(cols).enumerate() {
+            if let Some(bias) = bias {
+                row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
+            }
+            match gelu.as_mut() {
+                Some(Some(slope)) => {
+                    gelu_in_place::<A>(row, Some(&mut slope[r * cols..(r + 1) * cols]))
+                }
+                Some(None) => gelu_in_place::<A>(row, None),
+                None => {}
+            }
+        }
+    }
 }
 
 /// A backward block's pass over its rows of `dy` (`size`: rows, columns) before the
@@ -556,7 +594,12 @@ mod split {
             // The same kernel over the product: the same bits.
             let mut want = pre.clone();
             let mut want_slope = vec![std::mem::MaybeUninit::new(0.0f32); want.len()];
-            super::gelu_in_place(isa, &mut want, Some(&mut want_slope));
+            isa.run(super::Epilogue {
+                y: &mut want,
+                cols: d_out,
+                bias: None,
+                gelu: Some(Some(&mut want_slope)),
+            });
             assert_eq!(y, want);
             // SAFETY: initialised above.
             let want_slope: Vec<f32> = want_slope

@@ -79,39 +79,24 @@ pub(crate) fn gelu_backward<B: CpuTensors>(
 }
 
 /// GELU of the values of `rows` in place, and its derivative into `slope` when given
-/// (every element written): the epilogue of a linear layer's product
-/// (`cpu::linear`), on the block of rows its thread has just written.
-pub(in crate::cpu) fn gelu_in_place(
-    isa: Isa,
+/// (every element written): the epilogue of a linear layer's product (`cpu::linear`),
+/// on the rows its thread has just written, inside that kernel's instruction set.
+#[inline(always)]
+pub(in crate::cpu) fn gelu_in_place<A: Arch>(
     rows: &mut [f32],
     slope: Option<&mut [MaybeUninit<f32>]>,
 ) {
-    isa.run(InPlace { rows, slope });
-}
-
-/// [`gelu_in_place`]'s kernel.
-struct InPlace<'a> {
-    rows: &'a mut [f32],
-    slope: Option<&'a mut [MaybeUninit<f32>]>,
-}
-
-impl Kernel for InPlace<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn run<A: Arch>(self) {
-        match self.slope {
-            None => {
-                for x in self.rows.iter_mut() {
-                    *x = gelu_and_slope::<A>(*x).0;
-                }
+    match slope {
+        None => {
+            for x in rows.iter_mut() {
+                *x = gelu_and_slope::<A>(*x).0;
             }
-            Some(slope) => {
-                for (x, s) in self.rows.iter_mut().zip(slope.iter_mut()) {
-                    let (value, derivative) = gelu_and_slope::<A>(*x);
-                    *x = value;
-                    s.write(derivative);
-                }
+        }
+        Some(slope) => {
+            for (x, s) in rows.iter_mut().zip(slope.iter_mut()) {
+                let (value, derivative) = gelu_and_slope::<A>(*x);
+                *x = value;
+                s.write(derivative);
             }
         }
     }
