@@ -269,6 +269,8 @@ pub(crate) enum RowOp {
     /// autodiff); asked only where the CPU kernels are built, as [`RowOp::AdamW`].
     #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     SquareSum,
+    /// The sum of two tensors of one shape (a residual connection).
+    Add,
 }
 
 /// How a row operation runs.
@@ -443,6 +445,7 @@ mod tests {
                 RowOp::CrossEntropy,
                 RowOp::AdamW,
                 RowOp::SquareSum,
+                RowOp::Add,
             ] {
                 let empty = RowCall {
                     empty: true,
@@ -474,6 +477,7 @@ mod tests {
             RowOp::CrossEntropy,
             RowOp::AdamW,
             RowOp::SquareSum,
+            RowOp::Add,
         ] {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);

@@ -87,8 +87,14 @@ fn residual(
     f: impl FnOnce(Tensor<3>) -> Result<Tensor<3>, CacheError>,
 ) -> Result<Tensor<3>, CacheError> {
     Ok(match norm_first {
-        true => x.clone() + crate::dropout::forward(dropout, f(norm.forward(x))?),
-        false => norm.forward(x.clone() + crate::dropout::forward(dropout, f(x)?)),
+        true => {
+            let branch = crate::dropout::forward(dropout, f(norm.forward(x.clone()))?);
+            crate::ops::add::add(x, branch)
+        }
+        false => {
+            let branch = crate::dropout::forward(dropout, f(x.clone())?);
+            norm.forward(crate::ops::add::add(x, branch))
+        }
     })
 }
 

@@ -14,11 +14,13 @@
 //! | [`loss`] | `log_softmax`, a gather and a masked mean |
 //! | [`adamw`] | the fifteen elementwise steps of Burn's AdamW over a parameter |
 //! | [`squares`] | a square and a sum, for the global norm of gradient clipping |
+//! | [`add`] | Burn's `add` of a residual connection (one thread below four million elements) |
 
 // Burn 0.22 deprecates ndarray; it is still one of our backends.
 #![allow(deprecated)]
 
 pub(crate) mod adamw;
+pub(crate) mod add;
 pub(crate) mod attention;
 pub(crate) mod gelu;
 pub(crate) mod linear;
@@ -41,7 +43,7 @@ mod fused {
     };
     use burn::tensor::{Bool, Tensor};
 
-    use super::{adamw, attention, gelu, linear, loss, norm, squares};
+    use super::{adamw, add, attention, gelu, linear, loss, norm, squares};
     use crate::cpu::CpuTensors;
     use crate::op;
 
@@ -64,6 +66,8 @@ mod fused {
         AdamW(adamw::AdamWStep),
         /// [`squares::SquareSumOp`].
         SquareSum,
+        /// [`add::AddOp`].
+        Add,
     }
 
     /// The tensors an operation differentiates, in its order: one to five (a backend
@@ -168,6 +172,7 @@ mod fused {
                 }
                 FusedOp::AdamW(step) => op::forward::<B, _>(adamw::AdamWOp(step), floats),
                 FusedOp::SquareSum => op::forward::<B, _>(squares::SquareSumOp, floats),
+                FusedOp::Add => op::forward::<B, _>(add::AddOp, floats),
             }
         }
     }
@@ -191,6 +196,7 @@ mod fused {
                 }
                 FusedOp::AdamW(step) => op::autodiff::<B, C, _>(adamw::AdamWOp(step), floats),
                 FusedOp::SquareSum => op::autodiff::<B, C, _>(squares::SquareSumOp, floats),
+                FusedOp::Add => op::autodiff::<B, C, _>(add::AddOp, floats),
             }
         }
     }

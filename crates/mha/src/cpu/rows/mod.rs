@@ -3,6 +3,7 @@
 //! `cpu::isa`.
 
 pub(crate) mod adamw;
+pub(crate) mod add;
 pub(crate) mod gelu;
 pub(crate) mod loss;
 pub(crate) mod norm;
