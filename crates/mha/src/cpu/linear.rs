@@ -26,6 +26,7 @@ use std::ops::Range;
 use burn::backend::tensor::FloatTensor;
 use rayon::prelude::*;
 
+use super::blocks::for_each_block;
 use super::isa::{Arch, Isa, Kernel};
 use super::rows::gelu::gelu_in_place;
 use super::{CpuTensors, Grid, dims_of, written};
@@ -238,7 +239,7 @@ fn forward_in(
     let slope_out = slope.as_mut().map(|slope| Shared(slope.as_mut_ptr()));
     let fill = |out: &mut [MaybeUninit<f32>]| {
         let out = Shared(out.as_mut_ptr().cast());
-        (0..blocks).into_par_iter().for_each(|p| {
+        for_each_block(blocks, |p| {
             let range = bounds(rows, blocks, p);
             let len = range.len() * d_out;
             let y = out.at(range.start * d_out);
@@ -332,7 +333,7 @@ fn backward_in(
     let (dx_out, first_out) = (Shared(dx.as_mut_ptr()), Shared(first.as_mut_ptr()));
     let others_out = Shared(others.as_mut_ptr());
     let isa = Isa::best();
-    (0..blocks).into_par_iter().for_each(|p| {
+    for_each_block(blocks, |p| {
         let range = bounds(rows, blocks, p);
         let (n, dy) = (range.len(), dy.below(range.start));
         let share_out = match p {

@@ -10,12 +10,14 @@
 //! | `attention` | attention in tiles, forward and backward |
 //! | `rows` | the row kernels of the other layers: GELU, layer norm, cross-entropy |
 //! | `linear` | the linear layers' products, through the `gemm` crate |
+//! | `blocks` | a parallel loop over a few large blocks whose caller waits by spinning |
 //!
 //! Two matrix engines, each where it is the faster one: the tiles' kernel for the small,
 //! strided products of attention fused with its softmax, the `gemm` crate for the linear
 //! layers' large ones (`linear` says why, with the measurement).
 
 pub(crate) mod attention;
+mod blocks;
 mod gemm;
 mod isa;
 pub(crate) mod linear;

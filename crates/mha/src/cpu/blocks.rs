@@ -1,0 +1,120 @@
+//! [`for_each_block`]: a parallel loop over a few large blocks of work whose calling
+//! thread waits for the others by spinning.
+//!
+//! A `join` of rayon's (and so its parallel iterators) lets a thread that waits for a
+//! stolen half spin for a few dozen `yield`s and then sleep until the thief wakes it: a
+//! system call on each side. The thread running a training step waits so at the end of
+//! each split operation whenever its part was done first, and its wake-up came 30 to 80
+//! microseconds after the other's end in the text task's linear layers, several times a
+//! step. Here it spins until every block is done, as OpenMP's threads wait at a barrier.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Runs `f(i)` for every `i < blocks` on the threads of the pool, each block once. The
+/// blocks are dealt in contiguous runs, the first to the calling thread (so that each
+/// thread takes the same rows from one operation to the next); a thread done with its run
+/// takes what is left of the others'. The calling thread waits for the last block by
+/// spinning. A panic in `f` reaches the caller once every block has ended.
+pub(crate) fn for_each_block(blocks: usize, f: impl Fn(usize) + Sync) {
+    let threads = rayon::current_num_threads().min(blocks);
+    if threads <= 1 {
+        (0..blocks).for_each(f);
+        return;
+    }
+    let end = |run: usize| (run + 1) * blocks / threads;
+    // The next block of each thread's run.
+    let next: Vec<AtomicUsize> = (0..threads)
+        .map(|run| AtomicUsize::new(run * blocks / threads))
+        .collect();
+    let done = AtomicUsize::new(0);
+    let joined = AtomicUsize::new(1);
+    let work = |me: usize| {
+        for k in 0..threads {
+            let run = (me + k) % threads;
+            loop {
+                let block = next[run].fetch_add(1, Ordering::Relaxed);
+                if block >= end(run) {
+                    break;
+                }
+                // Counted when `f` returns or unwinds.
+                let _count = Count(&done);
+                f(block);
+            }
+        }
+    };
+    rayon::scope(|scope| {
+        for _ in 1..threads {
+            scope.spawn(|_| {
+                let me = joined.fetch_add(1, Ordering::Relaxed);
+                if me < threads {
+                    work(me);
+                }
+            });
+        }
+        work(0);
+        while done.load(Ordering::Acquire) < blocks {
+            std::hint::spin_loop();
+        }
+    });
+}
+
+/// Counts one block done when dropped.
+struct Count<'a>(&'a AtomicUsize);
+
+impl Drop for Count<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::for_each_block;
+
+    #[test]
+    fn every_block_runs_once_on_any_pool() {
+        for threads in [1, 2, 3, 8] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for blocks in [0, 1, 2, 5, 16] {
+                let runs: Vec<AtomicUsize> = (0..blocks).map(|_| AtomicUsize::new(0)).collect();
+                pool.install(|| {
+                    for_each_block(blocks, |b| {
+                        runs[b].fetch_add(1, Ordering::Relaxed);
+                    })
+                });
+                let counts: Vec<usize> = runs.iter().map(|r| r.load(Ordering::Relaxed)).collect();
+                assert_eq!(
+                    counts,
+                    vec![1; blocks],
+                    "{threads} threads, {blocks} blocks"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_panic_in_a_block_reaches_the_caller_after_the_others() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let ran = AtomicUsize::new(0);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| {
+                for_each_block(6, |b| {
+                    ran.fetch_add(1, Ordering::Relaxed);
+                    assert!(b != 4, "block 4 fails");
+                })
+            })
+        }));
+        assert!(result.is_err());
+        assert_eq!(ran.load(Ordering::Relaxed), 6);
+        // The pool goes on.
+        pool.install(|| for_each_block(3, |_| {}));
+    }
+}
