@@ -8,6 +8,8 @@
 //! microseconds after the other's end in the text task's linear layers, several times a
 //! step. Here it spins until every block is done, as OpenMP's threads wait at a barrier.
 
+use std::marker::PhantomData;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Runs `f(i)` for every `i < blocks` on the threads of the pool, each block once. The
@@ -56,6 +58,68 @@ pub(crate) fn for_each_block(blocks: usize, f: impl Fn(usize) + Sync) {
             std::hint::spin_loop();
         }
     });
+}
+
+/// `f(i)` for every `i < blocks`, run as [`for_each_block`] runs them, the results in
+/// the order of the blocks.
+pub(crate) fn map_blocks<R: Send + Sync>(blocks: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let slots: Vec<OnceLock<R>> = (0..blocks).map(|_| OnceLock::new()).collect();
+    for_each_block(blocks, |b| {
+        let _ = slots[b].set(f(b));
+    });
+    slots
+        .into_iter()
+        .map(|slot| slot.into_inner().expect("every block ran"))
+        .collect()
+}
+
+/// A mutable slice cut into chunks of `chunk` elements (the last one shorter), chunk
+/// `c` for block `c` of a [`for_each_block`], which runs each block once.
+pub(crate) struct Chunks<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    chunk: usize,
+    slice: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: the chunks are disjoint, each handed out once (`take`'s contract): as `&mut
+// [T]` split into parts, sent to other threads.
+unsafe impl<T: Send> Send for Chunks<'_, T> {}
+// SAFETY: as for `Send`.
+unsafe impl<T: Send> Sync for Chunks<'_, T> {}
+
+impl<'a, T> Chunks<'a, T> {
+    pub(crate) fn new(slice: &'a mut [T], chunk: usize) -> Self {
+        Self {
+            ptr: slice.as_mut_ptr(),
+            len: slice.len(),
+            chunk: chunk.max(1),
+            slice: PhantomData,
+        }
+    }
+
+    /// How many chunks.
+    pub(crate) fn count(&self) -> usize {
+        self.len.div_ceil(self.chunk)
+    }
+
+    /// Chunk `c`.
+    ///
+    /// # Safety
+    /// No other `take` of `c` while the chunk is in use.
+    ///
+    /// # Panics
+    /// If `c` is past the last chunk.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn take(&self, c: usize) -> &'a mut [T] {
+        assert!(c < self.count(), "chunk {c} of {}", self.count());
+        let start = c * self.chunk;
+        // SAFETY: within the slice; disjoint from every other chunk, and taken once (the
+        // caller's contract).
+        unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.add(start), self.chunk.min(self.len - start))
+        }
+    }
 }
 
 /// Counts one block done when dropped.

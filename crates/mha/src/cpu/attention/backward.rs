@@ -21,6 +21,7 @@ use super::{
     Band, Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, TileRows, mask_tile,
     soft_cap,
 };
+use crate::cpu::blocks::map_blocks;
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::cpu::math::dot_product;
 use crate::mask::Visibility;
@@ -85,9 +86,8 @@ pub(super) fn backward_on(
     // group; it returns those query heads' partial dQ, one after the other (or, when the
     // range is every key, writes their dQ in place and returns nothing).
     let columns = table_grad.map_or(0, |[_, _, _, c]| c);
-    let partials: Vec<(Vec<f32>, Option<BiasPart>, Vec<f64>)> = (0..batch * kv_heads * split)
-        .into_par_iter()
-        .map(|task| {
+    let partials: Vec<(Vec<f32>, Option<BiasPart>, Vec<f64>)> =
+        map_blocks(batch * kv_heads * split, |task| {
             let (bkv, range) = (task / split, ranges[task % split].clone());
             let (b, kvh) = (bkv / kv_heads, bkv % kv_heads);
             let mut kv = KeyGrads {
@@ -137,8 +137,7 @@ pub(super) fn backward_on(
                 }
             }
             (Vec::new(), kv.bias, kv.table)
-        })
-        .collect();
+        });
     // The table's gradient: every task's part added to its heads' rows.
     let table = table_grad.map(|_| {
         let mut total = vec![0.0f64; heads * columns];

@@ -2,9 +2,8 @@
 //! the key tiles it can see with a running maximum and sum per query (online softmax),
 //! then writes its output rows and their log-sum-exps.
 
-use rayon::prelude::*;
-
 use super::{Band, Dims, Extra, Grid, KT, Out, QT, Tile, TileRows, mask_tile, soft_cap};
+use crate::cpu::blocks::for_each_block;
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
@@ -45,9 +44,12 @@ pub(super) fn forward_on(
     let tiles = queries.div_ceil(QT);
     let out = Out(output.as_mut_ptr());
     let lse_out = Out(lse.as_mut_ptr());
-    (0..batch * heads * tiles).into_par_iter().for_each_init(
-        || Scratch::new(dims),
-        |scratch, task| {
+    let tasks = batch * heads * tiles;
+    // A few blocks of tasks per thread, each with its buffers.
+    let blocks = tasks.min(4 * rayon::current_num_threads());
+    for_each_block(blocks, |block| {
+        let scratch = &mut Scratch::new(dims);
+        for task in tasks * block / blocks..tasks * (block + 1) / blocks {
             // The last tiles of a causal head see the most keys: they go first.
             let (bh, tile) = (task / tiles, tiles - 1 - task % tiles);
             let (b, h) = (bh / heads, bh % heads);
@@ -70,8 +72,8 @@ pub(super) fn forward_on(
                     *lse_out.at(bh * queries + q0 + i) = l[i];
                 }
             }
-        },
-    );
+        }
+    });
     // SAFETY: the tasks wrote all `output_len` and `lse_len` elements (above); the
     // capacities are those.
     unsafe {

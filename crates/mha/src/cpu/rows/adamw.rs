@@ -4,10 +4,9 @@
 
 use std::mem::MaybeUninit;
 
-use burn::backend::tensor::FloatTensor;
-use rayon::prelude::*;
-
+use crate::cpu::blocks::{Chunks, for_each_block};
 use crate::cpu::{CpuTensors, dims_of, written};
+use burn::backend::tensor::FloatTensor;
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -50,21 +49,14 @@ pub(crate) fn adamw_step<B: CpuTensors>(
     let fill = |out: &mut [MaybeUninit<f32>]| {
         let (p_out, rest) = out.split_at_mut(n);
         let (m_out, v_out) = rest.split_at_mut(n);
-        let outs = p_out
-            .par_chunks_mut(CHUNK)
-            .zip(m_out.par_chunks_mut(CHUNK))
-            .zip(v_out.par_chunks_mut(CHUNK));
-        outs.enumerate()
-            .for_each(|(chunk, ((p_out, m_out), v_out))| {
-                let range = chunk * CHUNK..(chunk * CHUNK + p_out.len());
-                let moments = moments.map(|(m, v)| (&m[range.clone()], &v[range.clone()]));
-                run(
-                    step,
-                    [&param[range.clone()], &grad[range]],
-                    moments,
-                    [p_out, m_out, v_out],
-                );
-            });
+        let [p_out, m_out, v_out] = [p_out, m_out, v_out].map(|out| Chunks::new(out, CHUNK));
+        for_each_block(p_out.count(), |chunk| {
+            // SAFETY: each block takes its own chunks, once.
+            let outs = unsafe { [p_out.take(chunk), m_out.take(chunk), v_out.take(chunk)] };
+            let range = chunk * CHUNK..(chunk * CHUNK + outs[0].len());
+            let moments = moments.map(|(m, v)| (&m[range.clone()], &v[range.clone()]));
+            run(step, [&param[range.clone()], &grad[range]], moments, outs);
+        });
     };
     // SAFETY: the chunks of the three thirds cover `out`, and `run` writes each element.
     B::from_rows(unsafe { written(3 * n, fill) }, [1, 1, 3, n])

@@ -3,10 +3,9 @@
 
 use std::mem::MaybeUninit;
 
-use burn::backend::tensor::FloatTensor;
-use rayon::prelude::*;
-
+use crate::cpu::blocks::{Chunks, for_each_block};
 use crate::cpu::{CpuTensors, dims_of, written};
+use burn::backend::tensor::FloatTensor;
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -20,13 +19,15 @@ pub(crate) fn add<B: CpuTensors>(a: &FloatTensor<B>, b: &FloatTensor<B>) -> Floa
         B::floats(&b).contiguous(dims),
     );
     let fill = |out: &mut [MaybeUninit<f32>]| {
-        out.par_chunks_mut(CHUNK)
-            .zip(x.par_chunks(CHUNK).zip(y.par_chunks(CHUNK)))
-            .for_each(|(out, (x, y))| {
-                for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
-                    o.write(x + y);
-                }
-            })
+        let outs = Chunks::new(out, CHUNK);
+        for_each_block(outs.count(), |c| {
+            // SAFETY: each block takes its own chunk, once.
+            let out = unsafe { outs.take(c) };
+            let (x, y) = (&x[c * CHUNK..][..out.len()], &y[c * CHUNK..][..out.len()]);
+            for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
+                o.write(x + y);
+            }
+        })
     };
     // SAFETY: the chunks cover `out`, and each element is written.
     B::from_rows(unsafe { written(x.len(), fill) }, dims)

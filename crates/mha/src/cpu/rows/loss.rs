@@ -3,10 +3,9 @@
 //! `(softmax - onehot(target)) / count`, written while the row is in the cache, so the
 //! backward pass only scales what the forward pass kept by the upstream gradient.
 
-use rayon::prelude::*;
-
 use burn::backend::tensor::FloatTensor;
 
+use crate::cpu::blocks::{Chunks, map_blocks};
 use crate::cpu::{CpuTensors, dims_of};
 
 /// Rows per parallel task.
@@ -31,12 +30,14 @@ pub(crate) fn cross_entropy_forward<B: CpuTensors>(
     let scale = 1.0 / counted.max(1) as f32;
     let mut grad = vec![0.0f32; values.len()];
     let per = ROWS * classes.max(1);
-    let losses: Vec<f64> = grad
-        .par_chunks_mut(per)
-        .zip(values.par_chunks(per))
-        .zip(targets.par_chunks(ROWS))
-        .map(|((grad, logits), targets)| rows(classes, logits, targets, scale, grad))
-        .collect();
+    let grads = Chunks::new(&mut grad, per);
+    let losses: Vec<f64> = map_blocks(grads.count(), |c| {
+        // SAFETY: each block takes its own chunk, once.
+        let grad = unsafe { grads.take(c) };
+        let logits = &values[c * per..][..grad.len()];
+        let targets = &targets[c * ROWS..targets.len().min((c + 1) * ROWS)];
+        rows(classes, logits, targets, scale, grad)
+    });
     let loss = losses.iter().sum::<f64>() as f32 * scale;
     (
         B::from_rows(vec![loss], [1, 1, 1, 1]),

@@ -19,10 +19,9 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use burn::backend::tensor::FloatTensor;
 
+use crate::cpu::blocks::{Chunks, for_each_block, map_blocks};
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use std::mem::MaybeUninit;
 
@@ -89,18 +88,19 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
             epsilon: epsilon as f32,
         };
         let isa = Isa::best();
-        out.par_chunks_mut(per * d)
-            .zip(input.par_chunks(per * d))
-            .zip(mean.par_chunks_mut(per).zip(rstd.par_chunks_mut(per)))
-            .for_each(|((y, x), (mean, rstd))| {
-                let stats = [mean, rstd];
-                isa.run(Forward {
-                    p: &params,
-                    x,
-                    y,
-                    stats,
-                })
-            });
+        let ys = Chunks::new(out, per * d);
+        let (means, rstds) = (Chunks::new(&mut mean, per), Chunks::new(&mut rstd, per));
+        for_each_block(ys.count(), |c| {
+            // SAFETY: each block takes its own chunks, once.
+            let (y, mean, rstd) = unsafe { (ys.take(c), means.take(c), rstds.take(c)) };
+            let x = &input[c * per * d..][..y.len()];
+            isa.run(Forward {
+                p: &params,
+                x,
+                y,
+                stats: [mean, rstd],
+            })
+        });
     };
     // SAFETY: without rows the output has no element (`d` is 0, or the input is empty);
     // otherwise the blocks cover it, and `Forward` writes every row of its block.
@@ -143,20 +143,22 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
             });
             part
         };
-        let blocks = input
-            .par_chunks(per * d)
-            .zip(upstream.par_chunks(per * d))
-            .zip(stats.mean.par_chunks(per).zip(stats.rstd.par_chunks(per)));
-        let parts: Vec<Vec<f32>> = if want_x {
-            blocks
-                .zip(dx.spare_capacity_mut()[..input.len()].par_chunks_mut(per * d))
-                .map(|(((x, dy), (mean, rstd)), dx)| task(Rows { x, dy, mean, rstd }, Some(dx)))
-                .collect()
-        } else {
-            blocks
-                .map(|((x, dy), (mean, rstd))| task(Rows { x, dy, mean, rstd }, None))
-                .collect()
-        };
+        let len = input.len();
+        let dxs = Chunks::new(
+            &mut dx.spare_capacity_mut()[..len * want_x as usize],
+            per * d,
+        );
+        let parts: Vec<Vec<f32>> = map_blocks(len.div_ceil(per * d), |c| {
+            let (at, n) = (c * per, per.min(stats.mean.len() - c * per));
+            let rows = Rows {
+                x: &input[at * d..(at + n) * d],
+                dy: &upstream[at * d..(at + n) * d],
+                mean: &stats.mean[at..at + n],
+                rstd: &stats.rstd[at..at + n],
+            };
+            // SAFETY: each block takes its own chunk of dx, once.
+            task(rows, want_x.then(|| unsafe { dxs.take(c) }))
+        });
         for part in parts {
             let (dg, db) = part.split_at(d);
             add(&mut dgamma, dg);

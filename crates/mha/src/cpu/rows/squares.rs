@@ -2,8 +2,8 @@
 //! norm of gradient clipping (`crate::optim::clip_grad_norm`).
 
 use burn::backend::tensor::FloatTensor;
-use rayon::prelude::*;
 
+use crate::cpu::blocks::map_blocks;
 use crate::cpu::{CpuTensors, dims_of};
 
 /// Elements per parallel task.
@@ -16,10 +16,11 @@ pub(crate) fn square_sum<B: CpuTensors>(x: &FloatTensor<B>) -> FloatTensor<B> {
     let dims = dims_of::<B>(&x);
     let floats = B::floats(&x);
     let values = floats.contiguous(dims);
-    let total: f64 = values
-        .par_chunks(CHUNK)
-        .map(|chunk| f64::from(chunk_square_sum(chunk)))
-        .sum();
+    let sums = map_blocks(values.len().div_ceil(CHUNK), |c| {
+        let chunk = &values[c * CHUNK..values.len().min((c + 1) * CHUNK)];
+        f64::from(chunk_square_sum(chunk))
+    });
+    let total: f64 = sums.iter().sum();
     B::from_rows(vec![total as f32], [1, 1, 1, 1])
 }
 
