@@ -13,10 +13,10 @@
 //! | [`mask`] | [`AttentionMask`]: what is blocked, in every convention; the causal rule and the blocked-score sentinels every path uses |
 //! | [`positions`] | [`Positions`]: absolute embeddings ([`positions::absolute`]), RoPE ([`positions::rotary`]), ALiBi and learned relative biases ([`positions::bias`]) |
 //! | `dispatch` (private) | the one place that decides how an operation runs: the path of attention, our row operations or Burn's, the dtype they run in |
-//! | `cpu` (private) | the CPU kernels, a file or folder per job: `isa` (instruction set), `tensors` (reading flex's and ndarray's tensors in place), `gemm` (the tiles' matrix kernel), `math`, `attention` (the tiles, forward and backward, tested against f64), `rows` (GELU, layer norm, cross-entropy, AdamW's step), `linear` (the `gemm` crate) |
+//! | `cpu` (private) | the CPU kernels, a file or folder per job: `isa` (instruction set), `tensors` (reading flex's and ndarray's tensors in place), `gemm` (the tiles' matrix kernel), `math`, `attention` (the tiles, forward and backward, tested against f64), `rows` (GELU, layer norm, cross-entropy, AdamW's step, the residual add), `linear` (the `gemm` crate, by blocks of rows), `blocks` (the parallel loop whose caller waits by spinning) |
 //! | `gpu` (private) | the GPU kernels of our own in CubeCL (wgpu, cuda): `forward` (output and log-sum-exp), `backward` (recomputing, three launches), `ops` (the backend extension on `CubeBackend`, fusion and autodiff) |
 //! | `op` (private) | the pattern of an operation of our own, written once: forward, what it keeps, backward, its autodiff node |
-//! | `ops` (private) | the operations: attention (backward recomputing the weights), linear, layer norm, GELU, cross-entropy, AdamW's step; one backend extension carries them all |
+//! | `ops` (private) | the operations: attention (backward recomputing the weights), linear (and linear with GELU, for the feed-forward), layer norm, GELU, cross-entropy, AdamW's step, the residual add; one backend extension carries them all |
 //! | [`attention`] | [`scaled_dot_product_attention`]: options, output; the explicit path (matmul, mask, softmax, matmul: weights, dropout, query chunks) |
 //! | [`dropout`] | Burn's `Dropout` with the mask drawn in parallel on the CPU backends |
 //! | [`norm`] | [`LayerNorm`]: Burn's parameters and record, our operation |
