@@ -13,10 +13,14 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Runs `f(i)` for every `i < blocks` on the threads of the pool, each block once. The
-/// blocks are dealt in contiguous runs, the first to the calling thread (so that each
-/// thread takes the same rows from one operation to the next); a thread done with its run
-/// takes what is left of the others'. The calling thread waits for the last block by
-/// spinning. A panic in `f` reaches the caller once every block has ended.
+/// blocks are dealt in contiguous runs, the first to the calling thread and the others
+/// to the threads in the order they join (on two threads, each takes the same rows from
+/// one operation to the next); a thread done with its run takes the next blocks of the
+/// others'. The calling thread, a worker of the pool (as inside
+/// [`on_cpu_workers`](crate::on_cpu_workers)), waits for the last block by spinning,
+/// yielding its core now and then; called from outside the pool, it waits as rayon's
+/// `scope` does. A panic in `f` reaches the caller once every block that started has
+/// ended.
 pub(crate) fn for_each_block(blocks: usize, f: impl Fn(usize) + Sync) {
     let threads = rayon::current_num_threads().min(blocks);
     if threads <= 1 {
@@ -54,11 +58,20 @@ pub(crate) fn for_each_block(blocks: usize, f: impl Fn(usize) + Sync) {
             });
         }
         work(0);
+        let mut spins = 0u32;
         while done.load(Ordering::Acquire) < blocks {
-            std::hint::spin_loop();
+            // With more threads than free cores, the thread waited for may need this one.
+            spins = spins.wrapping_add(1);
+            match spins % YIELD_EVERY {
+                0 => std::thread::yield_now(),
+                _ => std::hint::spin_loop(),
+            }
         }
     });
 }
+
+/// Spins between two yields of the waiting thread's core (tens of microseconds).
+const YIELD_EVERY: u32 = 1 << 14;
 
 /// `f(i)` for every `i < blocks`, run as [`for_each_block`] runs them, the results in
 /// the order of the blocks.

@@ -41,6 +41,10 @@ const BLOCK_ROWS: usize = 64;
 /// Elements per parallel task of the sum of the blocks' shares of `dW`.
 const SUM_CHUNK: usize = 1 << 14;
 
+/// Floats the blocks' shares of `dW` may take besides `dW` itself (32 MB); past it, `dW`
+/// is computed by blocks of its own rows ([`weight_gradient`]).
+const SHARES: usize = 1 << 23;
+
 /// A matrix in memory: its first element and row stride, its column stride 1.
 #[derive(Clone, Copy)]
 struct Matrix {
@@ -64,6 +68,14 @@ impl Matrix {
     fn below(self, row: usize) -> Self {
         Self {
             ptr: self.ptr.wrapping_add(row * self.row_stride),
+            ..self
+        }
+    }
+
+    /// The matrix from column `column` on.
+    fn right_of(self, column: usize) -> Self {
+        Self {
+            ptr: self.ptr.wrapping_add(column),
             ..self
         }
     }
@@ -104,7 +116,7 @@ impl Shared {
 /// same sizes and threads splits the same way (and so adds `dW`'s shares in the same
 /// order), whichever thread takes which block.
 fn blocks([rows, d_in, d_out]: [usize; 3]) -> usize {
-    if rows.saturating_mul(d_in).saturating_mul(d_out) < PARALLEL {
+    if !large([rows, d_in, d_out]) {
         return 1;
     }
     (2 * rayon::current_num_threads())
@@ -117,12 +129,15 @@ fn bounds(rows: usize, blocks: usize, p: usize) -> Range<usize> {
     rows * p / blocks..rows * (p + 1) / blocks
 }
 
-/// `dst (m x n, row stride dst_rs) = lhs · rhs` on this thread, each operand a pointer
-/// with its (row, column) strides. A product over `k = 0` writes zeros.
+/// `dst (m x n, row stride dst_rs) = lhs · rhs`, each operand a pointer with its (row,
+/// column) strides: on this thread, or split by the crate over the pool's threads when
+/// `split` (a large product that is one block of rows: few rows, many columns). A
+/// product over `k = 0` writes zeros.
 ///
 /// # Safety
 /// Every element the sizes and strides name is in bounds.
 unsafe fn product(
+    split: bool,
     [m, n, k]: [usize; 3],
     (dst, dst_rs): (*mut f32, usize),
     (lhs, lhs_rs, lhs_cs): (*const f32, usize, usize),
@@ -159,9 +174,21 @@ unsafe fn product(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            match split {
+                true => gemm::Parallelism::Rayon(0),
+                false => gemm::Parallelism::None,
+            },
         );
     }
+}
+
+/// Whether a product of these sizes (`[m, n, k]` in any order) is large enough to run
+/// on several threads.
+fn large(sizes: [usize; 3]) -> bool {
+    sizes
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .is_none_or(|n| n >= PARALLEL)
 }
 
 /// `x W + b` for `x` `[1, 1, rows, d_in]`, `weight` `[1, 1, d_in, d_out]` and `bias`
@@ -237,6 +264,7 @@ fn forward_in(
         _ => None,
     };
     let slope_out = slope.as_mut().map(|slope| Shared(slope.as_mut_ptr()));
+    let split = blocks == 1 && large([rows, d_in, d_out]);
     let fill = |out: &mut [MaybeUninit<f32>]| {
         let out = Shared(out.as_mut_ptr().cast());
         for_each_block(blocks, |p| {
@@ -246,7 +274,13 @@ fn forward_in(
             // SAFETY: the matrices hold their rows; the block's rows of y are its own.
             unsafe {
                 let x = x.below(range.start).plain();
-                product([range.len(), d_out, d_in], (y, d_out), x, weight.plain());
+                product(
+                    split,
+                    [range.len(), d_out, d_in],
+                    (y, d_out),
+                    x,
+                    weight.plain(),
+                );
             }
             // SAFETY: the block's rows of y, written just now.
             let y = unsafe { std::slice::from_raw_parts_mut(y, len) };
@@ -301,7 +335,8 @@ pub(crate) fn linear_backward<B: CpuTensors>(
         .as_ref()
         .map(|slope| Matrix::of(&B::floats(slope), [rows, d_out]));
     let sizes = [rows, d_in, d_out];
-    let [dx, dw, db] = backward_in(sizes, [x, weight, dy], slope, wanted, blocks(sizes));
+    let split = [blocks(sizes), SHARES];
+    let [dx, dw, db] = backward_in(sizes, [x, weight, dy], slope, wanted, split);
     [
         dx.map(|dx| B::from_rows(dx, [1, 1, rows, d_in])),
         dw.map(|dw| B::from_rows(dw, [1, 1, d_in, d_out])),
@@ -312,17 +347,21 @@ pub(crate) fn linear_backward<B: CpuTensors>(
 /// `[dx, dW, db]`, each when wanted, from `[x, W, dy]` (`sizes`: rows, d_in, d_out), in
 /// `blocks` blocks of rows: each block's rows of `dx` and its shares of `dW` (`x_pᵀ
 /// dy_p`) and `db`, block 0's in the results themselves, the others' added to them
-/// after, in block order. With a `slope` (`[rows, d_out]`), `dy ⊙ slope` in place of
-/// `dy`, each block's rows multiplied first.
+/// after, in block order. Where the other blocks' shares of `dW` would take more than
+/// `shares` floats (a wide layer on many threads), `dW` is computed after, by blocks of
+/// its own rows, each over every row of `dy`. With a `slope` (`[rows, d_out]`), `dy ⊙
+/// slope` in place of `dy`, each block's rows multiplied first.
 fn backward_in(
     [rows, d_in, d_out]: [usize; 3],
     [x, weight, dy]: [Matrix; 3],
     slope: Option<Matrix>,
     [want_x, want_weight, want_bias]: [bool; 3],
-    blocks: usize,
+    [blocks, shares]: [usize; 2],
 ) -> [Option<Vec<f32>>; 3] {
+    let split = blocks == 1 && large([rows, d_in, d_out]);
+    let shared_dw = want_weight && (blocks - 1).saturating_mul(d_in * d_out) <= shares;
     let (dw_len, db_len) = (
-        d_in * d_out * want_weight as usize,
+        d_in * d_out * shared_dw as usize,
         d_out * want_bias as usize,
     );
     let share = dw_len + db_len;
@@ -330,8 +369,12 @@ fn backward_in(
     let mut dx = Vec::<f32>::with_capacity(dx_len);
     let mut first = Vec::<f32>::with_capacity(share);
     let mut others = Vec::<f32>::with_capacity((blocks - 1) * share);
+    // `dy ⊙ slope` of every row, for a dW computed after the blocks.
+    let mut through_all = (slope.is_some() && want_weight && !shared_dw)
+        .then(|| Vec::<f32>::with_capacity(rows * d_out));
     let (dx_out, first_out) = (Shared(dx.as_mut_ptr()), Shared(first.as_mut_ptr()));
     let others_out = Shared(others.as_mut_ptr());
+    let through_out = through_all.as_mut().map(|t| Shared(t.as_mut_ptr()));
     let isa = Isa::best();
     for_each_block(blocks, |p| {
         let range = bounds(rows, blocks, p);
@@ -340,9 +383,20 @@ fn backward_in(
             0 => first_out,
             _ => Shared(others_out.at((p - 1) * share)),
         };
-        // Through the GELU: the block's `dy ⊙ slope`, in its thread's cache; and its share
-        // of db, in the same pass.
-        let mut through = slope.map(|_| Vec::<f32>::with_capacity(n * d_out));
+        // Through the GELU: the block's `dy ⊙ slope`, in its thread's cache (or in its
+        // rows of `through_all`); and its share of db, in the same pass.
+        let mut own = slope
+            .filter(|_| through_out.is_none())
+            .map(|_| Vec::<f32>::with_capacity(n * d_out));
+        let through: Option<&mut [MaybeUninit<f32>]> = match (&mut own, through_out) {
+            (Some(own), _) => Some(&mut own.spare_capacity_mut()[..n * d_out]),
+            // SAFETY: the block's rows of `through_all` are its own.
+            (None, Some(all)) => Some(unsafe {
+                std::slice::from_raw_parts_mut(all.at(range.start * d_out).cast(), n * d_out)
+            }),
+            (None, None) => None,
+        };
+        let through_ptr = through.as_ref().map(|t| t.as_ptr().cast::<f32>());
         // SAFETY: the block's share of db is its own.
         let db = want_bias
             .then(|| unsafe { std::slice::from_raw_parts_mut(share_out.at(dw_len), d_out) });
@@ -350,18 +404,13 @@ fn backward_in(
             dy,
             slope: slope.map(|slope| slope.below(range.start)),
             size: [n, d_out],
-            through: through
-                .as_mut()
-                .map(|t| &mut t.spare_capacity_mut()[..n * d_out]),
+            through,
             db,
         });
-        if let Some(through) = through.as_mut() {
-            // SAFETY: `Prepare` wrote every row.
-            unsafe { through.set_len(n * d_out) };
-        }
-        let dy = match &through {
-            Some(d) => Matrix {
-                ptr: d.as_ptr(),
+        let dy = match through_ptr {
+            // `Prepare` wrote every row of it.
+            Some(ptr) => Matrix {
+                ptr,
                 row_stride: d_out,
             },
             None => dy,
@@ -371,25 +420,36 @@ fn backward_in(
             // SAFETY: the matrices hold their rows; the block's rows of dx are its own.
             unsafe {
                 let dx = (dx_out.at(range.start * d_in), d_in);
-                product([n, d_in, d_out], dx, dy.plain(), weight.transposed());
+                product(split, [n, d_in, d_out], dx, dy.plain(), weight.transposed());
             }
         }
-        if want_weight {
+        if shared_dw {
             // The block's share of dW = xᵀ dy: x_pᵀ dy_p.
             // SAFETY: as above; the block's share is its own.
             unsafe {
                 let x = x.below(range.start).transposed();
-                product([d_in, d_out, n], (share_out.at(0), d_out), x, dy.plain());
+                product(
+                    split,
+                    [d_in, d_out, n],
+                    (share_out.at(0), d_out),
+                    x,
+                    dy.plain(),
+                );
             }
         }
+        drop(own);
     });
-    // SAFETY: the blocks wrote every row of dx (when wanted) and every share.
+    // SAFETY: the blocks wrote every row of dx (when wanted), every share, and every row
+    // of `through_all`.
     unsafe {
         dx.set_len(dx_len);
         first.set_len(share);
         others.set_len((blocks - 1) * share);
+        if let Some(t) = through_all.as_mut() {
+            t.set_len(rows * d_out);
+        }
     }
-    if blocks > 1 {
+    if blocks > 1 && share > 0 {
         first
             .par_chunks_mut(SUM_CHUNK)
             .enumerate()
@@ -402,7 +462,40 @@ fn backward_in(
             });
     }
     let db = want_bias.then(|| first.split_off(dw_len));
-    [want_x.then_some(dx), want_weight.then_some(first), db]
+    let dw = match (want_weight, shared_dw) {
+        (false, _) => None,
+        (true, true) => Some(first),
+        (true, false) => {
+            let dy = through_all.as_ref().map_or(dy, |t| Matrix {
+                ptr: t.as_ptr(),
+                row_stride: d_out,
+            });
+            Some(weight_gradient([rows, d_in, d_out], x, dy))
+        }
+    };
+    [want_x.then_some(dx), dw, db]
+}
+
+/// `dW = xᵀ dy` (`sizes`: rows, d_in, d_out) by blocks of the rows of `dW`, each over
+/// every row of `x` and `dy`.
+fn weight_gradient([rows, d_in, d_out]: [usize; 3], x: Matrix, dy: Matrix) -> Vec<f32> {
+    let blocks = blocks([d_in, rows, d_out]);
+    let split = blocks == 1 && large([rows, d_in, d_out]);
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        let out = Shared(out.as_mut_ptr().cast());
+        for_each_block(blocks, |p| {
+            let range = bounds(d_in, blocks, p);
+            // The columns `range` of x, transposed: rows of xᵀ.
+            let xt = x.right_of(range.start).transposed();
+            // SAFETY: the matrices hold their rows; the block's rows of dW are its own.
+            unsafe {
+                let dst = (out.at(range.start * d_out), d_out);
+                product(split, [range.len(), d_out, rows], dst, xt, dy.plain());
+            }
+        });
+    };
+    // SAFETY: the blocks' rows cover dW, each written whole (zeros over no row).
+    unsafe { written(d_in * d_out, fill) }
 }
 
 /// A forward block's pass over its rows of `y` (`cols` wide) after the product: the
@@ -425,6 +518,9 @@ impl Kernel for Epilogue<'_> {
             bias,
             mut gelu,
         } = self;
+        if cols == 0 {
+            return;
+        }
         for (r, row) in y.chunks_exact_mut(cols).enumerate() {
             if let Some(bias) = bias {
                 row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
@@ -497,26 +593,32 @@ impl Kernel for Prepare<'_> {
 #[cfg(test)]
 mod split {
     use super::super::testing::random;
-    use super::{Matrix, Then, backward_in, forward_in};
+    use super::{Matrix, SHARES, Then, backward_in, forward_in};
+
+    /// Seeded `[x, W, dy, b]` of a layer of these sizes.
+    fn layer([rows, d_in, d_out]: [usize; 3], seed: u32) -> [Vec<f32>; 4] {
+        let lens = [rows * d_in, d_in * d_out, rows * d_out, d_out];
+        std::array::from_fn(|i| random(lens[i], seed + i as u32))
+    }
+
+    /// `data` as a matrix of rows `cols` long.
+    fn m(data: &[f32], cols: usize) -> Matrix {
+        Matrix {
+            ptr: data.as_ptr(),
+            row_stride: cols,
+        }
+    }
 
     #[test]
     fn blocks_of_rows_compute_what_one_block_computes() {
         let [rows, d_in, d_out] = [200, 24, 40];
-        let (x, w, dy, bias) = (
-            random(rows * d_in, 1),
-            random(d_in * d_out, 2),
-            random(rows * d_out, 3),
-            random(d_out, 4),
-        );
-        let m = |data: &[f32], cols: usize| Matrix {
-            ptr: data.as_ptr(),
-            row_stride: cols,
-        };
         let sizes = [rows, d_in, d_out];
+        let [x, w, dy, bias] = layer(sizes, 1);
         let operands = [m(&x, d_in), m(&w, d_out), m(&dy, d_out)];
         let xw = [m(&x, d_in), m(&w, d_out)];
         let y1 = forward_in(sizes, xw, Some(&bias), Then::Nothing, 1).0;
-        let [dx1, dw1, db1] = backward_in(sizes, operands, None, [true; 3], 1).map(Option::unwrap);
+        let [dx1, dw1, db1] =
+            backward_in(sizes, operands, None, [true; 3], [1, SHARES]).map(Option::unwrap);
         // The reference sums of dW and db, in f64.
         let mut dw = vec![0.0f64; d_in * d_out];
         let mut db = vec![0.0f64; d_out];
@@ -532,7 +634,7 @@ mod split {
         for blocks in [2, 3, 7] {
             let y = forward_in(sizes, xw, Some(&bias), Then::Nothing, blocks).0;
             assert_eq!(y, y1, "y in {blocks} blocks");
-            let [dx, dwb, dbb] = backward_in(sizes, operands, None, [true; 3], blocks);
+            let [dx, dwb, dbb] = backward_in(sizes, operands, None, [true; 3], [blocks, SHARES]);
             assert_eq!(dx.unwrap(), dx1, "dx in {blocks} blocks");
             for (got, want) in [(dwb.unwrap(), &dw), (dbb.unwrap(), &db)] {
                 for (g, w) in got.iter().zip(want.iter()) {
@@ -543,7 +645,13 @@ mod split {
                 }
             }
             // Only what is wanted is computed.
-            let [dx, dwb, dbb] = backward_in(sizes, operands, None, [false, true, false], blocks);
+            let [dx, dwb, dbb] = backward_in(
+                sizes,
+                operands,
+                None,
+                [false, true, false],
+                [blocks, SHARES],
+            );
             assert!(dx.is_none() && dbb.is_none());
             assert_eq!(dwb.unwrap().len(), d_in * d_out);
         }
@@ -560,17 +668,8 @@ mod split {
     #[test]
     fn gelu_after_the_product_is_gelu_of_the_product_and_its_slope_goes_into_dy() {
         let [rows, d_in, d_out] = [130, 16, 24];
-        let (x, w, dy, bias) = (
-            random(rows * d_in, 5),
-            random(d_in * d_out, 6),
-            random(rows * d_out, 7),
-            random(d_out, 8),
-        );
-        let m = |data: &[f32], cols: usize| Matrix {
-            ptr: data.as_ptr(),
-            row_stride: cols,
-        };
         let sizes = [rows, d_in, d_out];
+        let [x, w, dy, bias] = layer(sizes, 5);
         let xw = [m(&x, d_in), m(&w, d_out)];
         let pre = forward_in(sizes, xw, Some(&bias), Then::Nothing, 1).0;
         let isa = super::Isa::best();
@@ -611,10 +710,71 @@ mod split {
             // Backward through the slope: the products of dy ⊙ slope.
             let through: Vec<f32> = dy.iter().zip(&slope).map(|(g, s)| g * s).collect();
             let plain = [m(&x, d_in), m(&w, d_out), m(&through, d_out)];
-            let want = backward_in(sizes, plain, None, [true; 3], blocks);
+            let want = backward_in(sizes, plain, None, [true; 3], [blocks, SHARES]);
             let operands = [m(&x, d_in), m(&w, d_out), m(&dy, d_out)];
-            let got = backward_in(sizes, operands, Some(m(&slope, d_out)), [true; 3], blocks);
+            let got = backward_in(
+                sizes,
+                operands,
+                Some(m(&slope, d_out)),
+                [true; 3],
+                [blocks, SHARES],
+            );
             assert_eq!(got, want, "in {blocks} blocks");
+            // With no room for the blocks' shares, dW by blocks of its own rows after
+            // them: the same dx and db, dW the same sums in another order.
+            let after = backward_in(
+                sizes,
+                operands,
+                Some(m(&slope, d_out)),
+                [true; 3],
+                [blocks, 0],
+            );
+            assert_eq!(
+                [&after[0], &after[2]],
+                [&want[0], &want[2]],
+                "in {blocks} blocks"
+            );
+            let [Some(got), Some(want)] = [&after[1], &want[1]] else {
+                panic!("dW asked for");
+            };
+            for (g, w) in got.iter().zip(want) {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{g} against {w}");
+            }
+        }
+    }
+
+    /// A layer without outputs or without inputs, with a bias and GELU: empty results,
+    /// or zeros, without a panic.
+    #[test]
+    fn layers_of_no_width_give_empty_or_zero_results() {
+        for [rows, d_in, d_out] in [[130, 8, 0], [130, 0, 8], [0, 8, 8]] {
+            let sizes = [rows, d_in, d_out];
+            let [x, w, dy, bias] = layer(sizes, 9);
+            let xw = [m(&x, d_in), m(&w, d_out)];
+            for blocks in [1, 2] {
+                let (y, slope) = forward_in(
+                    sizes,
+                    xw,
+                    Some(&bias),
+                    Then::Gelu { with_slope: true },
+                    blocks,
+                );
+                assert_eq!(y.len(), rows * d_out);
+                assert_eq!(slope.map(|s| s.len()), Some(rows * d_out));
+                let operands = [m(&x, d_in), m(&w, d_out), m(&dy, d_out)];
+                for shares in [SHARES, 0] {
+                    let [dx, dw, db] =
+                        backward_in(sizes, operands, None, [true; 3], [blocks, shares]);
+                    assert_eq!(dx.unwrap(), vec![0.0; rows * d_in], "{sizes:?}");
+                    assert_eq!(dw.unwrap(), vec![0.0; d_in * d_out], "{sizes:?}");
+                    let db = db.unwrap();
+                    assert_eq!(db.len(), d_out);
+                    assert!(
+                        d_in > 0 || rows == 0 || db.iter().any(|&x| x != 0.0),
+                        "{sizes:?}"
+                    );
+                }
+            }
         }
     }
 }

@@ -50,7 +50,8 @@ pub(super) fn forward_on(
     for_each_block(blocks, |block| {
         let scratch = &mut Scratch::new(dims);
         for task in tasks * block / blocks..tasks * (block + 1) / blocks {
-            // The last tiles of a causal head see the most keys: they go first.
+            // The last tiles of a causal head see the most keys: they go first (in the
+            // block's tasks).
             let (bh, tile) = (task / tiles, tiles - 1 - task % tiles);
             let (b, h) = (bh / heads, bh % heads);
             let q0 = tile * QT;
@@ -83,7 +84,7 @@ pub(super) fn forward_on(
     (output, lse)
 }
 
-/// A forward task's buffers, kept by each thread from task to task.
+/// A forward task's buffers, kept by a block of tasks from task to task.
 struct Scratch {
     /// The tile's scaled queries, transposed: `[Dk, QT]`.
     qt: Vec<f32>,
