@@ -269,7 +269,9 @@ pub(crate) enum RowOp {
     /// autodiff); asked only where the CPU kernels are built, as [`RowOp::AdamW`].
     #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     SquareSum,
-    /// The sum of two tensors of one shape (a residual connection).
+    /// The sum of two tensors of one shape (a residual connection); asked only where the
+    /// CPU kernels are built, as [`RowOp::AdamW`].
+    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
     Add,
 }
 

@@ -5,6 +5,7 @@
 
 use burn::tensor::Tensor;
 
+#[cfg(any(feature = "flex", feature = "ndarray"))]
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
 
 /// `x + y`, of one shape.
@@ -17,15 +18,13 @@ pub(crate) fn add<const D: usize>(x: Tensor<D>, y: Tensor<D>) -> Tensor<D> {
         y.dims(),
         "a residual connection adds tensors of one shape"
     );
-    match dispatch::row(RowCall::of(RowOp::Add, &x)) {
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
-        RowPath::Fused if y.dtype() == x.dtype() => {
-            let dims = x.dims();
-            let floats = vec![super::rows(x), super::rows(y)];
-            super::run(super::FusedOp::Add, floats, None).reshape(dims)
-        }
-        _ => x + y,
+    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    if y.dtype() == x.dtype() && dispatch::row(RowCall::of(RowOp::Add, &x)) == RowPath::Fused {
+        let dims = x.dims();
+        let floats = vec![super::rows(x), super::rows(y)];
+        return super::run(super::FusedOp::Add, floats, None).reshape(dims);
     }
+    x + y
 }
 
 #[cfg(any(feature = "flex", feature = "ndarray"))]
