@@ -24,12 +24,11 @@ use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use burn::backend::tensor::FloatTensor;
-use rayon::prelude::*;
 
-use super::blocks::for_each_block;
+use super::blocks::{Chunks, for_each_block};
 use super::isa::{Arch, Isa, Kernel};
 use super::rows::gelu::gelu_in_place;
-use super::{CpuTensors, Grid, dims_of, written};
+use super::{CpuTensors, Grid, Out, dims_of, written};
 
 /// The product `m x n x k` from which the rows are split over the threads (flex's
 /// threshold for its matmul).
@@ -88,23 +87,6 @@ impl Matrix {
     /// The transpose as an operand of [`product`].
     fn transposed(self) -> (*const f32, usize, usize) {
         (self.ptr, 1, self.row_stride)
-    }
-}
-
-/// A buffer that several tasks write at once, each its own elements.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-
-// SAFETY: the tasks write disjoint elements (see each use).
-unsafe impl Send for Shared {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Shared {}
-
-impl Shared {
-    /// The element `offset` on, through a method so that closures capture the whole
-    /// `Shared`.
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
     }
 }
 
@@ -263,10 +245,10 @@ fn forward_in(
         Then::Gelu { with_slope: true } => Some(Vec::<f32>::with_capacity(rows * d_out)),
         _ => None,
     };
-    let slope_out = slope.as_mut().map(|slope| Shared(slope.as_mut_ptr()));
+    let slope_out = slope.as_mut().map(|slope| Out::new(slope.as_mut_ptr()));
     let split = blocks == 1 && large([rows, d_in, d_out]);
     let fill = |out: &mut [MaybeUninit<f32>]| {
-        let out = Shared(out.as_mut_ptr().cast());
+        let out = Out::new(out.as_mut_ptr().cast());
         for_each_block(blocks, |p| {
             let range = bounds(rows, blocks, p);
             let len = range.len() * d_out;
@@ -372,16 +354,16 @@ fn backward_in(
     // `dy ⊙ slope` of every row, for a dW computed after the blocks.
     let mut through_all = (slope.is_some() && want_weight && !shared_dw)
         .then(|| Vec::<f32>::with_capacity(rows * d_out));
-    let (dx_out, first_out) = (Shared(dx.as_mut_ptr()), Shared(first.as_mut_ptr()));
-    let others_out = Shared(others.as_mut_ptr());
-    let through_out = through_all.as_mut().map(|t| Shared(t.as_mut_ptr()));
+    let (dx_out, first_out) = (Out::new(dx.as_mut_ptr()), Out::new(first.as_mut_ptr()));
+    let others_out = Out::new(others.as_mut_ptr());
+    let through_out = through_all.as_mut().map(|t| Out::new(t.as_mut_ptr()));
     let isa = Isa::best();
     for_each_block(blocks, |p| {
         let range = bounds(rows, blocks, p);
         let (n, dy) = (range.len(), dy.below(range.start));
         let share_out = match p {
             0 => first_out,
-            _ => Shared(others_out.at((p - 1) * share)),
+            _ => Out::new(others_out.at((p - 1) * share)),
         };
         // Through the GELU: the block's `dy ⊙ slope`, in its thread's cache (or in its
         // rows of `through_all`); and its share of db, in the same pass.
@@ -450,16 +432,16 @@ fn backward_in(
         }
     }
     if blocks > 1 && share > 0 {
-        first
-            .par_chunks_mut(SUM_CHUNK)
-            .enumerate()
-            .for_each(|(c, sum)| {
-                let at = c * SUM_CHUNK;
-                for part in others.chunks_exact(share) {
-                    let part = &part[at..at + sum.len()];
-                    sum.iter_mut().zip(part).for_each(|(s, &x)| *s += x);
-                }
-            });
+        let sums = Chunks::new(&mut first, SUM_CHUNK);
+        for_each_block(sums.count(), |c| {
+            // SAFETY: each block takes its own chunk, once.
+            let sum = unsafe { sums.take(c) };
+            let at = c * SUM_CHUNK;
+            for part in others.chunks_exact(share) {
+                let part = &part[at..at + sum.len()];
+                sum.iter_mut().zip(part).for_each(|(s, &x)| *s += x);
+            }
+        });
     }
     let db = want_bias.then(|| first.split_off(dw_len));
     let dw = match (want_weight, shared_dw) {
@@ -482,7 +464,7 @@ fn weight_gradient([rows, d_in, d_out]: [usize; 3], x: Matrix, dy: Matrix) -> Ve
     let blocks = blocks([d_in, rows, d_out]);
     let split = blocks == 1 && large([rows, d_in, d_out]);
     let fill = |out: &mut [MaybeUninit<f32>]| {
-        let out = Shared(out.as_mut_ptr().cast());
+        let out = Out::new(out.as_mut_ptr().cast());
         for_each_block(blocks, |p| {
             let range = bounds(d_in, blocks, p);
             // The columns `range` of x, transposed: rows of xᵀ.

@@ -45,3 +45,25 @@ pub(crate) unsafe fn written(len: usize, write: impl FnOnce(&mut [MaybeUninit<f3
     unsafe { out.set_len(len) };
     out
 }
+
+/// A pointer that tasks write through, each to elements no other task writes (the
+/// attention tiles' outputs, the linear layers' blocks of rows).
+#[derive(Clone, Copy)]
+pub(crate) struct Out(*mut f32);
+
+// SAFETY: the tasks write disjoint elements (see each use).
+unsafe impl Send for Out {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for Out {}
+
+impl Out {
+    pub(crate) fn new(ptr: *mut f32) -> Self {
+        Self(ptr)
+    }
+
+    /// The element `offset` on, through a method so that closures capture the whole
+    /// `Out`.
+    pub(crate) fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}

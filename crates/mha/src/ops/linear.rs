@@ -152,8 +152,7 @@ mod cpu {
             grad: FloatTensor<B>,
             wanted: &[bool],
         ) -> Vec<Option<FloatTensor<B>>> {
-            let wanted = std::array::from_fn(|i| wanted.get(i).copied().unwrap_or(false));
-            linear_backward::<B>(&s.x, &s.weight, &grad, None, wanted).into()
+            linear_backward::<B>(&s.x, &s.weight, &grad, None, three(wanted)).into()
         }
     }
 
@@ -168,6 +167,12 @@ mod cpu {
         x: FloatTensor<B>,
         weight: FloatTensor<B>,
         slope: FloatTensor<B>,
+    }
+
+    /// Which of the input, the weight and the bias want a gradient (a layer without a
+    /// bias wants none for it).
+    fn three(wanted: &[bool]) -> [bool; 3] {
+        std::array::from_fn(|i| wanted.get(i).copied().unwrap_or(false))
     }
 
     /// The input, the weight and the bias (if any) of a linear layer's operation.
@@ -200,8 +205,7 @@ mod cpu {
             grad: FloatTensor<B>,
             wanted: &[bool],
         ) -> Vec<Option<FloatTensor<B>>> {
-            let wanted = std::array::from_fn(|i| wanted.get(i).copied().unwrap_or(false));
-            linear_backward::<B>(&s.x, &s.weight, &grad, Some(&s.slope), wanted).into()
+            linear_backward::<B>(&s.x, &s.weight, &grad, Some(&s.slope), three(wanted)).into()
         }
     }
 }

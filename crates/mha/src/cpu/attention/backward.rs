@@ -18,9 +18,9 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::{
-    Band, Dims, Extra, Gradients, Grid, KT, Out, Positional, QT, Tile, TileRows, mask_tile,
-    soft_cap,
+    Band, Dims, Extra, Gradients, Grid, KT, Positional, QT, Tile, TileRows, mask_tile, soft_cap,
 };
+use crate::cpu::Out;
 use crate::cpu::blocks::map_blocks;
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::cpu::math::dot_product;
@@ -79,9 +79,9 @@ pub(super) fn backward_on(
     let [mut dq, mut dk, mut dv] = lens.map(Vec::<f32>::with_capacity);
     let ranges = key_ranges(dims, &extra.scoring.visibility, threads);
     let split = ranges.len();
-    let dq_out = Out(dq.as_mut_ptr());
-    let dk_out = Out(dk.as_mut_ptr());
-    let dv_out = Out(dv.as_mut_ptr());
+    let dq_out = Out::new(dq.as_mut_ptr());
+    let dk_out = Out::new(dk.as_mut_ptr());
+    let dv_out = Out::new(dv.as_mut_ptr());
     // Each task: a key range of one key/value head, through every query head of its
     // group; it returns those query heads' partial dQ, one after the other (or, when the
     // range is every key, writes their dQ in place and returns nothing).

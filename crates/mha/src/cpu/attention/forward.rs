@@ -2,7 +2,8 @@
 //! the key tiles it can see with a running maximum and sum per query (online softmax),
 //! then writes its output rows and their log-sum-exps.
 
-use super::{Band, Dims, Extra, Grid, KT, Out, QT, Tile, TileRows, mask_tile, soft_cap};
+use super::{Band, Dims, Extra, Grid, KT, QT, Tile, TileRows, mask_tile, soft_cap};
+use crate::cpu::Out;
 use crate::cpu::blocks::for_each_block;
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
@@ -42,8 +43,8 @@ pub(super) fn forward_on(
     let mut output = Vec::<f32>::with_capacity(output_len);
     let mut lse = Vec::<f32>::with_capacity(lse_len);
     let tiles = queries.div_ceil(QT);
-    let out = Out(output.as_mut_ptr());
-    let lse_out = Out(lse.as_mut_ptr());
+    let out = Out::new(output.as_mut_ptr());
+    let lse_out = Out::new(lse.as_mut_ptr());
     let tasks = batch * heads * tiles;
     // A few blocks of tasks per thread, each with its buffers.
     let blocks = tasks.min(4 * rayon::current_num_threads());

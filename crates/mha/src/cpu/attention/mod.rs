@@ -282,21 +282,6 @@ struct Extra<'a> {
     table: Option<Grid<'a, f32>>,
 }
 
-/// A pointer that tasks write through, each to elements no other task writes.
-#[derive(Clone, Copy)]
-struct Out(*mut f32);
-// SAFETY: the tasks write disjoint elements (see each use).
-unsafe impl Send for Out {}
-// SAFETY: as for `Send`.
-unsafe impl Sync for Out {}
-
-impl Out {
-    /// The pointer, through a method so that closures capture the whole `Out`.
-    fn at(&self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 /// One tile of queries: head `(b, h)`, queries `q0..q0 + nq`.
 #[derive(Debug, Clone, Copy)]
 struct Tile {
