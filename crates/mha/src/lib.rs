@@ -14,7 +14,8 @@
 //! | [`positions`] | [`Positions`]: absolute embeddings ([`positions::absolute`]), RoPE ([`positions::rotary`]), ALiBi and learned relative biases ([`positions::bias`]) |
 //! | `dispatch` (private) | the one place that decides how an operation runs: the path of attention, our row operations or Burn's, the dtype they run in |
 //! | `cpu` (private) | the CPU kernels, a file or folder per job: `isa` (instruction set), `tensors` (reading flex's and ndarray's tensors in place), `gemm` (the tiles' matrix kernel), `math`, `attention` (the tiles, forward and backward, tested against f64), `rows` (GELU, layer norm, cross-entropy, AdamW's step, the residual add), `linear` (the `gemm` crate, by blocks of rows), `blocks` (the parallel loop whose caller waits by spinning) |
-//! | `gpu` (private) | the GPU kernels of our own in CubeCL (wgpu, cuda): `forward` (output and log-sum-exp), `backward` (recomputing, three launches), `ops` (the backend extension on `CubeBackend`, fusion and autodiff) |
+//! | `problem` (private) | the sizes of an attention call and how its scores are made, which the CPU tiles and the GPU kernels share |
+//! | `gpu` (private) | the GPU kernels of our own in CubeCL (wgpu, cuda): `tile` (the tile product), `scores` (what every kernel reads: the call, its blocks, each score), `forward` (output and log-sum-exp), `backward` (recomputing: `D`, `dQ` with the bias gradients' partial sums, `dK`/`dV`), `launch` (tiles, grid, the passes), `ops` (the backend extension on `CubeBackend`, fusion and autodiff) |
 //! | `op` (private) | the pattern of an operation of our own, written once: forward, what it keeps, backward, its autodiff node |
 //! | `ops` (private) | the operations: attention (backward recomputing the weights), linear (and linear with GELU, for the feed-forward), layer norm, GELU, cross-entropy, AdamW's step, the residual add; one backend extension carries them all |
 //! | [`attention`] | [`scaled_dot_product_attention`]: options, output; the explicit path (matmul, mask, softmax, matmul: weights, dropout, query chunks) |
@@ -37,7 +38,7 @@
 //! Dependencies flow one way, down this list read from the bottom: `analysis` and
 //! `pytorch` use the modules users import (`stack`, `block`, `mha`, `cache`, `norm`,
 //! `loss`, `linear`), which use `attention` and `ops`; those ask `dispatch` and run through `op`
-//! over `cpu`; everything may use the leaves (`mask`, `positions`, `inspect`, `error`).
+//! over `cpu`; everything may use the leaves (`mask`, `positions`, `problem`, `inspect`, `error`).
 //! No module imports one above it.
 //!
 //! Conventions: shapes are batch-first (`[B, T, d_model]`); masks are `true = blocked`
@@ -81,6 +82,7 @@ mod op;
 mod ops;
 pub mod optim;
 pub mod positions;
+mod problem;
 pub mod pytorch;
 pub mod stack;
 mod workers;

@@ -9,8 +9,8 @@ use crate::empty::zero_of;
 
 use super::AttentionWeights;
 use crate::mask::AttentionMask;
-use crate::ops::attention::Scores;
 use crate::positions::PositionBias;
+use crate::problem::Scores;
 
 /// The output `[B, H, Tq, Dv]` of attention over `query`, `key`, `value` under `mask`
 /// when there is no key or no output element, and the weights `weights` asks for: `[B,

@@ -9,7 +9,7 @@ use burn::tensor::{Tensor, activation::softmax};
 
 use super::SdpaOptions;
 use crate::mask::{AttentionMask, Sentinels};
-use crate::ops::attention::Scores;
+use crate::problem::Scores;
 
 /// The attention weights `softmax(cap(Q Kᵀ · scale) + bias, masked)`, `[B, H, Tq, Tk]`,
 /// with the scale (default `1 / sqrt(Dk)`) and soft cap of `options`; rows with every key

@@ -34,7 +34,7 @@ pub use explicit::attention_weights;
 
 use crate::dispatch::{self, AttentionCall, AttentionPath};
 use crate::mask::AttentionMask;
-use crate::ops::attention::Scores;
+use crate::problem::Scores;
 
 /// Which attention weights to return.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

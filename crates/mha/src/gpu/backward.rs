@@ -1,258 +1,180 @@
-//! The portable backward pass, FlashAttention-2's scheme: the weights are recomputed per
-//! tile from each row's log-sum-exp, never stored.
+//! The backward pass, FlashAttention-2's scheme: the weights are recomputed per tile from
+//! each row's log-sum-exp, never stored.
 //!
-//! 1. `delta`: `D = rowsum(dO ⊙ O)`, one unit per query row.
-//! 2. `dq`: queries outer, as the forward pass (a cube of [`UNITS`] query rows walks the
-//!    key/value tiles its rows see): `dQ = scale · Σ_j dS'_ij k_j`.
-//! 3. `dkv`: keys outer, a cube of [`UNITS`] key rows of one key/value head walks, for each
-//!    query head of its group in turn, the query tiles that see its keys (queries, `dO`,
-//!    log-sum-exps and `D` staged in shared memory): `dV = Σ_i P_ij dO_i`,
-//!    `dK = Σ_i dS'_ij (q_i · scale)`. Grouped-query attention sums over the group inside
-//!    one unit, in a fixed order: no atomics, the same bits on every run.
+//! 1. [`delta_kernel`]: `D = rowsum(dO ⊙ O)`.
+//! 2. [`dq_kernel`]: queries outer, as the forward pass: a cube owns `bq` query rows of one
+//!    head (their queries and `dO` staged once, transposed) and walks the key tiles they
+//!    see (values, then keys, staged per tile); per tile `dPᵀ = V dOᵀ` and `Sᵀ = K Qᵀ` by
+//!    the tile product, `dS` in registers, written to shared memory, and `dQ += dS K`.
+//!    The gradients of an additive bias and of a bias by distance are sums of the same
+//!    `dS` tiles: each cube writes its partial sums (per key, per row, per score, or per
+//!    diagonal, as the bias broadcasts) to a buffer of partial rows, which
+//!    [`reduce_kernel`] sums in a fixed order.
+//! 3. [`dkv_kernel`]: keys outer: a cube owns `bk` keys of one key/value head and walks,
+//!    for each query head of its group in turn, the query tiles that see them; per tile
+//!    `dP = dO Vᵀ` and `S = Q Kᵀ` (keys and values staged per tile, transposed, into one
+//!    buffer), then `dV += Pᵀ dO` and `dK += dSᵀ Q`. Grouped-query attention sums over
+//!    the group inside one cube, in a fixed order: no atomics, the same bits on every run.
 //!
 //! ```text
 //! P = exp(S - lse)    dS = P ⊙ (dO Vᵀ - D)    dS' = dS ⊙ (1 - tanh²) under a soft cap
+//! dQ = scale · dS' K    dK = scale · dS'ᵀ Q    dV = Pᵀ dO
 //! ```
 //!
 //! A fully blocked row has the log-sum-exp `DEAD_LSE`, which recomputes every one of its
-//! weights to 0: its gradients are 0. Loop iterations per invocation: `dq` about one per
-//! key a row sees; `dkv` about one per query that sees a key, times `H / Hkv`.
+//! weights to 0: its gradients are 0. Loop iterations per invocation: one per tile
+//! (`dkv`: per tile of each query head of the group), the sums of partial rows at most
+//! [`CHUNK`].
 
-use cubecl::client::Client;
 use cubecl::prelude::*;
-use cubecl::server::Handle;
 
-use super::launch::{
-    Inputs, Scoring, Sizes, UNITS, Variant, alloc, assert_contiguous, contiguous, dims, optional,
-    within,
+use super::forward::stage_rows;
+use super::scores::{
+    Block, KEYS_LAST_FIRST, Problem, QUERIES_LAST_FIRST, block, cap_slope, capped, keys_of, masked,
+    queries_of,
 };
-use super::scores::{cap_slope, capped, intervals, masked, pd_start, stage, stage_rows};
+use super::tile::{Layout, Product, TileProduct, col_of, row_of, zero};
 
-/// The gradients (in the inputs' dtype, contiguous, of the inputs' shapes) of attention over `inputs` under `scoring`, from its output `out` and
-/// log-sum-exp `lse` (contiguous, as [`forward`](super::forward::forward) writes them) and the output's
-/// gradient `grad` (`[B, H, Tq, Dv]`, any strides).
-///
-/// # Panics
-/// If the shapes disagree or the sizes pass `i32`.
-pub(crate) fn backward(
-    client: &Client,
-    inputs: &Inputs,
-    scoring: Scoring,
-    [out, lse]: [&TensorBinding; 2],
-    grad: &TensorBinding,
-    [bias_grad, pd_grad]: [bool; 2],
-) -> Grads {
-    let [q, k, v] = &inputs.qkv;
-    let n = Sizes::of([q, k, v]);
-    let out_shape = [n.batch, n.heads, n.queries, n.d_v];
-    let row_shape = [n.batch, n.heads, n.queries, 1];
-    assert_contiguous("output", out, out_shape);
-    assert_contiguous("log-sum-exp", lse, row_shape);
-    let [offset, before, after] = n.band(scoring.band);
-    let variant = Variant::of(&n, inputs);
-    let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
-    let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
-    let dv_shape = [n.batch, n.kv_heads, n.keys, n.d_v];
-    let delta = alloc(client, row_shape, 4);
-    let [dq, dk, dv] =
-        [dq_shape, dk_shape, dv_shape].map(|shape| alloc(client, shape, inputs.size));
-    let scale = scoring.scale;
-    let softcap = scoring.softcap.unwrap_or(0.0);
-    let query_cubes = CubeCount::Static(
-        within(n.queries.div_ceil(UNITS)) as u32,
-        within(n.batch * n.heads) as u32,
-        1,
-    );
-    let key_cubes = CubeCount::Static(
-        within(n.keys.div_ceil(UNITS)) as u32,
-        within(n.batch * n.kv_heads) as u32,
-        1,
-    );
-    let cube_dim = CubeDim::new_1d(UNITS as u32);
+/// Partial rows one pass of [`reduce_kernel`] sums at most, so that no invocation nears a
+/// driver's cap on loop iterations; more are summed in several passes.
+pub(crate) const CHUNK: usize = 2048;
 
-    delta_kernel::launch(
-        client,
-        query_cubes.clone(),
-        cube_dim,
-        out.clone().into_tensor_arg(),
-        grad.clone().into_tensor_arg(),
-        contiguous(row_shape, &delta),
-        n.d_v,
-        inputs.elem,
-    );
-    dq_kernel::launch(
-        client,
-        query_cubes,
-        cube_dim,
-        q.clone().into_tensor_arg(),
-        k.clone().into_tensor_arg(),
-        v.clone().into_tensor_arg(),
-        optional(client, inputs.bias.as_ref()),
-        optional(client, inputs.pd.as_ref()),
-        optional(client, inputs.mask.as_ref()),
-        optional(client, inputs.seq.as_ref()),
-        grad.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        contiguous(row_shape, &delta),
-        contiguous(dq_shape, &dq),
-        offset,
-        before,
-        after,
-        n.group(),
-        scale,
-        softcap,
-        variant.d_k,
-        variant.d_v,
-        variant.tile,
-        variant.bias,
-        variant.pd,
-        variant.mask,
-        variant.seq,
-        inputs.elem,
-    );
-    dkv_kernel::launch(
-        client,
-        key_cubes,
-        cube_dim,
-        q.clone().into_tensor_arg(),
-        k.clone().into_tensor_arg(),
-        v.clone().into_tensor_arg(),
-        optional(client, inputs.bias.as_ref()),
-        optional(client, inputs.pd.as_ref()),
-        optional(client, inputs.mask.as_ref()),
-        optional(client, inputs.seq.as_ref()),
-        grad.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        contiguous(row_shape, &delta),
-        contiguous(dk_shape, &dk),
-        contiguous(dv_shape, &dv),
-        offset,
-        before,
-        after,
-        n.group(),
-        scale,
-        softcap,
-        variant.d_k,
-        variant.d_v,
-        variant.tile,
-        variant.bias,
-        variant.pd,
-        variant.mask,
-        variant.seq,
-        inputs.elem,
-    );
-    // The bias's and the bias by distance's gradients: sums of dS over the scores each
-    // of their elements adds to.
-    let sums = |mode: u32, target: &TensorBinding| {
-        let (elements, reduced) = match mode {
-            BIAS => {
-                let shape = dims(target);
-                let full = [n.batch, n.heads, n.queries, n.keys];
-                let reduced = (0..4).filter(|&a| shape[a] == 1).map(|a| full[a]).product();
-                (shape.iter().product::<usize>(), reduced)
-            }
-            _ => (n.heads * (n.queries + n.keys - 1), n.batch * n.queries),
-        };
-        let splits = reduced.div_ceil(CHUNK).max(1);
-        let chunk = reduced.div_ceil(splits).max(1);
-        let partial = alloc(client, [1, 1, splits, elements], 4);
-        let [x, y] = grid(elements);
-        dsum_kernel::launch(
-            client,
-            CubeCount::Static(x, y, within(splits) as u32),
-            cube_dim,
-            q.clone().into_tensor_arg(),
-            k.clone().into_tensor_arg(),
-            v.clone().into_tensor_arg(),
-            optional(client, inputs.bias.as_ref()),
-            optional(client, inputs.pd.as_ref()),
-            optional(client, inputs.mask.as_ref()),
-            optional(client, inputs.seq.as_ref()),
-            grad.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            contiguous(row_shape, &delta),
-            contiguous([1, 1, splits, elements], &partial),
-            offset,
-            before,
-            after,
-            n.group(),
-            scale,
-            softcap,
-            within(elements) as u32,
-            within(chunk) as u32,
-            within(reduced) as u32,
-            mode,
-            variant.d_k,
-            variant.d_v,
-            variant.bias,
-            variant.pd,
-            variant.mask,
-            variant.seq,
-            inputs.elem,
-        );
-        let sum = alloc(client, [1, 1, 1, elements], inputs.size);
-        reduce_kernel::launch(
-            client,
-            CubeCount::Static(x, y, 1),
-            cube_dim,
-            contiguous([1, 1, splits, elements], &partial),
-            contiguous([1, 1, 1, elements], &sum),
-            inputs.elem,
-        );
-        sum
-    };
-    let dbias = inputs
-        .bias
-        .as_ref()
-        .filter(|_| bias_grad)
-        .map(|b| sums(BIAS, b));
-    let dpd = inputs
-        .pd
-        .as_ref()
-        .filter(|_| pd_grad)
-        .map(|pd| sums(DISTANCE, pd));
-    Grads {
-        dq,
-        dk,
-        dv,
-        dbias,
-        dpd,
+/// How an additive bias broadcasts along the queries and the keys, when its gradient is
+/// asked for: what [`dq_kernel`] sums within a cube (see [`BiasSums::rows`]).
+#[derive_cube_comptime]
+pub(crate) enum BiasSums {
+    /// No gradient of a bias.
+    None,
+    /// A bias with `queries` (more than one row) and `keys` (more than one column).
+    Some { queries: bool, keys: bool },
+}
+
+/// The compile-time shape of [`dq_kernel`].
+#[derive_cube_comptime]
+pub(crate) struct DqTiles {
+    pub(crate) units: usize,
+    pub(crate) bq: usize,
+    pub(crate) bk: usize,
+    pub(crate) d_k: usize,
+    pub(crate) d_v: usize,
+    /// `Sᵀ = K Qᵀ`, `bk x bq` over `d_k`.
+    pub(crate) s: Product,
+    /// `dPᵀ = V dOᵀ`, `bk x bq` over `d_v` (the units hold the elements of `s`).
+    pub(crate) dp: Product,
+    /// `dQ += dS K`, `bq x dk'` over `bk` (`dk'`: `d_k` rounded up).
+    pub(crate) dq: Product,
+    pub(crate) bias: BiasSums,
+    /// The bias by distance's gradient is asked for.
+    pub(crate) pd: bool,
+}
+
+impl DqTiles {
+    /// The tiles for `units` units, `bq` queries and `bk` keys.
+    pub(crate) fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self {
+        let s = Product::new(bk, bq, d_k, units);
+        Self {
+            units,
+            bq,
+            bk,
+            d_k,
+            d_v,
+            s,
+            dp: Product { k: d_v, ..s },
+            dq: Product::new(bq, padded(d_k), bk, units),
+            bias: BiasSums::None,
+            pd: false,
+        }
+    }
+
+    /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
+    pub(crate) fn shared_bytes(&self, size: usize) -> usize {
+        let fixed = (self.d_k + self.d_v) * (self.bq + 1);
+        let kv = self.bk * (self.d_v.max(self.dq.n) + 1);
+        let ds = self.bk * (self.bq + 1);
+        let ring = self.bq + self.bk;
+        (fixed + kv) * size + (ds + ring) * 4
+    }
+
+    fn fixed_layout(&self) -> Layout {
+        Layout::rows_of(self.bq)
+    }
+
+    fn v_layout(&self) -> Layout {
+        Layout::rows_of(self.d_v)
+    }
+
+    fn k_layout(&self) -> Layout {
+        Layout::rows_of(self.dq.n)
     }
 }
 
-/// The gradients of one call (in the inputs' dtype, contiguous): of the query, key and
-/// value, and, when
-/// asked for, of the bias (of its own shape, summed over the axes it broadcasts along)
-/// and of the bias by distance (`[1, 1, H, Tq + Tk - 1]`).
-pub(crate) struct Grads {
-    pub(crate) dq: Handle,
-    pub(crate) dk: Handle,
-    pub(crate) dv: Handle,
-    pub(crate) dbias: Option<Handle>,
-    pub(crate) dpd: Option<Handle>,
+/// The compile-time shape of [`dkv_kernel`].
+#[derive_cube_comptime]
+pub(crate) struct DkvTiles {
+    pub(crate) units: usize,
+    pub(crate) bq: usize,
+    pub(crate) bk: usize,
+    pub(crate) d_k: usize,
+    pub(crate) d_v: usize,
+    /// `S = Q Kᵀ`, `bq x bk` over `d_k`.
+    pub(crate) s: Product,
+    /// `dP = dO Vᵀ`, `bq x bk` over `d_v` (the units hold the elements of `s`).
+    pub(crate) dp: Product,
+    /// `dV += Pᵀ dO`, `bk x dv'` over `bq`.
+    pub(crate) dv: Product,
+    /// `dK += dSᵀ Q`, `bk x dk'` over `bq`.
+    pub(crate) dk: Product,
 }
 
-/// Scores one unit of [`dsum_kernel`] sums at most, so that no invocation nears a
-/// driver's cap on loop iterations; longer sums are split over cubes along `z` and
-/// reduced by [`reduce_kernel`].
-const CHUNK: usize = 2048;
-/// [`dsum_kernel`]'s mode: the bias's gradient.
-const BIAS: u32 = 0;
-/// [`dsum_kernel`]'s mode: the bias by distance's gradient.
-const DISTANCE: u32 = 1;
+impl DkvTiles {
+    /// The tiles for `units` units, `bq` queries and `bk` keys.
+    pub(crate) fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self {
+        let s = Product::new(bq, bk, d_k, units);
+        Self {
+            units,
+            bq,
+            bk,
+            d_k,
+            d_v,
+            s,
+            dp: Product { k: d_v, ..s },
+            dv: Product::new(bk, padded(d_v), bq, units),
+            dk: Product::new(bk, padded(d_k), bq, units),
+        }
+    }
 
-/// Cubes along `x` and `y` for `elements` units, [`UNITS`] per cube (a grid's `x` is
-/// bounded on some devices).
-fn grid(elements: usize) -> [u32; 2] {
-    let cubes = elements.div_ceil(UNITS).max(1);
-    let x = cubes.min(32_768);
-    [within(x) as u32, within(cubes.div_ceil(x)) as u32]
+    /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
+    pub(crate) fn shared_bytes(&self, size: usize) -> usize {
+        let q = self.bq * (self.dk.n + 1);
+        let d_o = self.bq * (self.dv.n + 1);
+        let x = self.d_k.max(self.d_v) * (self.bk + 1);
+        let pds = self.bq * (self.bk + 1);
+        (q + d_o + x) * size + pds * 4
+    }
+
+    fn q_layout(&self) -> Layout {
+        Layout::rows_of(self.dk.n)
+    }
+
+    fn do_layout(&self) -> Layout {
+        Layout::rows_of(self.dv.n)
+    }
+
+    fn x_layout(&self) -> Layout {
+        Layout::rows_of(self.bk)
+    }
 }
 
-/// `delta[row] = Σ_d grad[row, d] · out[row, d]`: one unit per query row, query rows
-/// `CUBE_POS_X · UNITS ..` of head `CUBE_POS_Y`.
+/// A head dim rounded up to a multiple of 16, so that an output product splits over the
+/// units.
+pub(crate) fn padded(d: usize) -> usize {
+    d.next_multiple_of(16)
+}
+
+/// `delta[bh, i] = Σ_d grad[b, h, i, d] · out[b, h, i, d]`: one unit per query row of
+/// every head (`B · H · Tq` rows, numbered along the grid's `x`, then `y`).
 #[cube(launch)]
-fn delta_kernel<F: Float>(
+pub(crate) fn delta_kernel<F: Float>(
     out: &Tensor<F>,
     grad: &Tensor<F>,
     delta: &mut Tensor<f32>,
@@ -261,498 +183,833 @@ fn delta_kernel<F: Float>(
 ) {
     let heads = grad.shape(1);
     let queries = grad.shape(2);
-    let bh = CUBE_POS_Y as usize;
-    let row = CUBE_POS_X as usize * UNITS + UNIT_POS_X as usize;
-    if row < queries {
+    let row = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X) as usize;
+    if row < grad.shape(0) * heads * queries {
+        let i = row % queries;
+        let bh = row / queries;
         let (b, h) = (bh / heads, bh % heads);
-        let g_at = b * grad.stride(0) + h * grad.stride(1) + row * grad.stride(2);
-        let o_at = (bh * queries + row) * d_v;
+        let g_at = b * grad.stride(0) + h * grad.stride(1) + i * grad.stride(2);
+        let o_at = b * out.stride(0) + h * out.stride(1) + i * out.stride(2);
         let mut sum = 0.0f32;
         #[unroll]
         for d in 0..d_v {
-            sum += f32::cast_from(grad[g_at + d * grad.stride(3)]) * f32::cast_from(out[o_at + d]);
+            sum += f32::cast_from(grad[g_at + d * grad.stride(3)])
+                * f32::cast_from(out[o_at + d * out.stride(3)]);
         }
-        delta[bh * queries + row] = sum;
+        delta[row] = sum;
     }
 }
 
-/// `dQ`, queries outer: query rows `CUBE_POS_X · UNITS ..` of head `CUBE_POS_Y` (`b · H +
-/// h`), one per unit, over the key/value tiles they see. The arguments after the tensors
-/// are the forward kernel's.
+/// One score's weight, its gradient and the soft cap's slope at it.
+#[derive(CubeType, Clone, Copy)]
+struct Grad {
+    p: f32,
+    /// The gradient of the score after the cap (the bias's and the bias by distance's).
+    ds: f32,
+    /// The cap's slope: `ds · slope` is the gradient of `q · k · scale`.
+    slope: f32,
+}
+
+/// The weight `P = exp(S - lse)` of query `i` and key `j` from the raw product `raw`
+/// (`q · k`, before the scale), `dS = P (dP - D)` and the cap's slope; `P` and `dS` 0
+/// where the query does not see the key (`visible` false).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn grad_at<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    raw: f32,
+    dp: f32,
+    lse: f32,
+    delta: f32,
+    b: usize,
+    h: usize,
+    i: usize,
+    j: usize,
+    visible: bool,
+) -> Grad {
+    let c = capped(raw * p.scale, p.softcap);
+    let s = masked(p, c, b, h, i, j);
+    let w = select(visible, (s - lse).exp(), 0.0f32);
+    Grad {
+        p: w,
+        ds: w * (dp - delta),
+        slope: cap_slope(c, p.softcap),
+    }
+}
+
+/// `dQ`, queries outer: query rows `block.first ..` of head `block.bh`, over the key tiles
+/// they see; writes `dq` (the query's shape, any strides) and, where asked for, the
+/// partial rows of the bias's gradient (`dbias`, `[R, E]`, see [`BiasSums`] and
+/// `bias_rows`) and of the bias by distance's (`dpd`, `[B · blocks, H · (Tq + Tk -
+/// 1)]`, row `b · blocks + block`).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn dq_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    pd: &Tensor<F>,
-    mask: &Tensor<u32>,
-    seq: &Tensor<i32>,
+pub(crate) fn dq_kernel<F: Float, M: Int, P: TileProduct>(
+    p: &Problem<F, M>,
     grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
-    offset: i32,
-    before: i32,
-    after: i32,
-    group: u32,
-    scale: f32,
-    softcap: f32,
-    #[comptime] d_k: usize,
-    #[comptime] d_v: usize,
-    #[comptime] kt: usize,
-    #[comptime] has_bias: bool,
-    #[comptime] has_pd: bool,
-    #[comptime] has_mask: bool,
-    #[comptime] has_seq: bool,
-    #[define(F)] _dtype: ElemType,
+    dbias: &mut ComptimeOption<OwnedTensor<f32>>,
+    dpd: &mut ComptimeOption<OwnedTensor<f32>>,
+    #[comptime] t: DqTiles,
+    #[define(F, M)] _dtypes: [ElemType; 2],
 ) {
-    let heads = q.shape(1);
-    let queries = q.shape(2);
-    let keys = k.shape(2);
-    let bh = CUBE_POS_Y as usize;
-    let b = bh / heads;
-    let h = bh % heads;
-    let hk = h / group as usize;
-    let unit = UNIT_POS_X as usize;
-    let q0 = CUBE_POS_X as usize * UNITS;
-    let row = q0 + unit;
-    let live = row < queries;
-    let last = min(q0 + UNITS, queries) - 1;
-
-    // The row's scaled query, output gradient, log-sum-exp and D (a dead unit reads the
-    // last row and writes nothing), and the keys of the cube and of the row.
-    let q_row = min(row, queries - 1);
-    let seen = intervals(
-        seq, b, q0, last, q_row, keys, offset, before, after, has_seq,
+    let heads = p.q.shape(1);
+    let blk = block(
+        p.q.shape(0) * heads,
+        heads,
+        p.q.shape(2),
+        (p.order & QUERIES_LAST_FIRST) != 0,
+        t.bq,
     );
-    let (lo_cube, hi_cube, lo, hi) = (seen.lo_cube, seen.hi_cube, seen.lo, seen.hi);
-    let q_at = b * q.stride(0) + h * q.stride(1) + q_row * q.stride(2);
-    let g_at = b * grad.stride(0) + h * grad.stride(1) + q_row * grad.stride(2);
-    let mut query = Array::<f32>::new(d_k);
-    let mut acc = Array::<f32>::new(d_k);
-    #[unroll]
-    for d in 0..d_k {
-        query[d] = f32::cast_from(q[q_at + d * q.stride(3)]) * scale;
-        acc[d] = 0.0f32;
+    if blk.live {
+        dq_block::<F, M, P>(p, grad, lse, delta, dq, dbias, dpd, &blk, t);
     }
-    let mut d_out = Array::<f32>::new(d_v);
+}
+
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dq_block<F: Float, M: Int, P: TileProduct>(
+    p: &Problem<F, M>,
+    grad: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    dbias: &mut ComptimeOption<OwnedTensor<f32>>,
+    dpd: &mut ComptimeOption<OwnedTensor<f32>>,
+    blk: &Block,
+    #[comptime] t: DqTiles,
+) {
+    let (s_rows, s_cols) = comptime!((t.s.rows(), t.s.cols()));
+    let queries = p.q.shape(2);
+    let keys = p.k.shape(2);
+    let h = blk.head;
+    let hk = h / p.group as usize;
+    let (b, q0) = (blk.b, blk.first);
+
+    let first = keys_of(p, b, q0);
+    let last = keys_of(p, b, blk.last);
+    // The unit's queries (columns of `Sᵀ`): their keys, log-sum-exps and `D`; a query
+    // past the last has no key.
+    let mut lo = Array::<i32>::new(s_cols);
+    let mut hi = Array::<i32>::new(s_cols);
+    let mut row_lse = Array::<f32>::new(s_cols);
+    let mut row_delta = Array::<f32>::new(s_cols);
     #[unroll]
-    for d in 0..d_v {
-        d_out[d] = f32::cast_from(grad[g_at + d * grad.stride(3)]);
+    for j in 0..s_cols {
+        let i = q0 + col_of(t.s, j);
+        let span = keys_of(p, b, min(i, queries - 1));
+        lo[j] = span.lo;
+        hi[j] = select(i < queries, span.hi, span.lo);
+        row_lse[j] = lse[blk.bh * queries + min(i, queries - 1)];
+        row_delta[j] = delta[blk.bh * queries + min(i, queries - 1)];
     }
-    let row_lse = lse[bh * queries + q_row];
-    let row_delta = delta[bh * queries + q_row];
 
-    let mut k_tile = Shared::<[f32]>::new_slice(kt * d_k);
-    let mut v_tile = Shared::<[f32]>::new_slice(kt * d_v);
-    let k_at = b * k.stride(0) + hk * k.stride(1);
-    let v_at = b * v.stride(0) + hk * v.stride(1);
-    let bias_at = b * bias.stride(0) + h * bias.stride(1) + q_row * bias.stride(2);
-    let pd_at = pd_start(pd, h, q_row, queries);
-    let mask_at = b * mask.stride(0) + h * mask.stride(1) + q_row * mask.stride(2);
+    // The block's queries and output gradients, transposed; the key tiles' values, then
+    // keys, in one buffer; dS.
+    let fixed = comptime!(t.bq + 1);
+    let mut qt = Shared::<[F]>::new_slice(comptime!(t.d_k * fixed));
+    let mut dot = Shared::<[F]>::new_slice(comptime!(t.d_v * fixed));
+    let q_at = b * p.q.stride(0) + h * p.q.stride(1);
+    let g_at = b * grad.stride(0) + h * grad.stride(1);
+    stage_rows(
+        &p.q,
+        q_at,
+        q0,
+        queries,
+        &mut qt,
+        t.bq,
+        t.d_k,
+        t.d_k,
+        t.fixed_layout().transposed(),
+        t.units,
+    );
+    stage_rows(
+        grad,
+        g_at,
+        q0,
+        queries,
+        &mut dot,
+        t.bq,
+        t.d_v,
+        t.d_v,
+        t.fixed_layout().transposed(),
+        t.units,
+    );
+    let mut kv = Shared::<[F]>::new_slice(comptime!(t.bk * (max(t.d_v, t.dq.n) + 1)));
+    let mut ds_tile = Shared::<[f32]>::new_slice(comptime!(t.bk * fixed));
+    let mut ring = Shared::<[f32]>::new_slice(comptime!(t.bq + t.bk));
+    let unit = UNIT_POS as usize;
+    if unit < comptime!(t.bq + t.bk) {
+        ring[unit] = 0.0f32;
+    }
+    // The unit's query's sum over the keys, for a bias without keys.
+    let mut row_sum = 0.0f32;
 
-    let mut t0 = lo_cube;
-    while t0 < hi_cube {
-        stage(k, k_at, t0, hi_cube, 1.0f32, &mut k_tile, kt, d_k);
-        stage(v, v_at, t0, hi_cube, 1.0f32, &mut v_tile, kt, d_v);
+    let mut s = Array::<f32>::new(comptime!(t.s.len()));
+    let mut dp = Array::<f32>::new(comptime!(t.s.len()));
+    // With a bias gradient, the soft cap's slope of each score, applied after the sums.
+    let sums = comptime!(t.pd || !matches!(t.bias, BiasSums::None));
+    let mut slope = Array::<f32>::new(comptime!(if sums { t.s.len() } else { 1 }));
+    let mut acc = Array::<f32>::new(comptime!(t.dq.len()));
+    zero(&mut acc, t.dq);
+    let k_at = b * p.k.stride(0) + hk * p.k.stride(1);
+    let v_at = b * p.v.stride(0) + hk * p.v.stride(1);
+    let mut t0 = first.lo;
+    let mut n = 0usize;
+    while t0 < last.hi {
+        let end = last.hi as usize;
+        stage_rows(
+            &p.v,
+            v_at,
+            t0 as usize,
+            end,
+            &mut kv,
+            t.bk,
+            t.d_v,
+            t.d_v,
+            t.v_layout(),
+            t.units,
+        );
         sync_cube();
+        zero(&mut dp, t.dp);
+        P::product::<F, F>(&kv, t.v_layout(), &dot, t.fixed_layout(), &mut dp, t.dp);
+        sync_cube();
+        stage_rows(
+            &p.k,
+            k_at,
+            t0 as usize,
+            end,
+            &mut kv,
+            t.bk,
+            t.d_k,
+            t.dq.n,
+            t.k_layout(),
+            t.units,
+        );
+        sync_cube();
+        zero(&mut s, t.s);
+        P::product::<F, F>(&kv, t.k_layout(), &qt, t.fixed_layout(), &mut s, t.s);
 
-        let start = max(lo, t0);
-        let end = min(hi, t0 + kt as i32);
-        if live && start < end {
-            for key in start..end {
-                let j = (key - t0) as usize;
-                let mut s = 0.0f32;
-                #[unroll]
-                for d in 0..d_k {
-                    s += query[d] * k_tile[j * d_k + d];
-                }
-                let c = capped(s, softcap);
-                let s = masked(
-                    c,
-                    key as usize,
-                    bias,
-                    bias_at,
-                    pd,
-                    pd_at,
-                    mask,
-                    mask_at,
-                    has_bias,
-                    has_pd,
-                    has_mask,
+        let whole = t0 >= last.lo && t0 + t.bk as i32 <= first.hi;
+        #[unroll]
+        for i in 0..s_rows {
+            let key = t0 + row_of(t.s, i) as i32;
+            #[unroll]
+            for j in 0..s_cols {
+                let e = comptime!(i * s_cols + j);
+                let query = q0 + col_of(t.s, j);
+                let visible = query < queries && (whole || (key >= lo[j] && key < hi[j]));
+                let g = grad_at(
+                    p,
+                    s[e],
+                    dp[e],
+                    row_lse[j],
+                    row_delta[j],
+                    b,
+                    h,
+                    min(query, queries - 1),
+                    min(key as usize, keys - 1),
+                    visible,
                 );
-                let p = (s - row_lse).exp();
-                let mut dp = 0.0f32;
-                #[unroll]
-                for d in 0..d_v {
-                    dp += d_out[d] * v_tile[j * d_v + d];
-                }
-                let ds = p * (dp - row_delta) * cap_slope(c, softcap);
-                #[unroll]
-                for d in 0..d_k {
-                    acc[d] += ds * k_tile[j * d_k + d];
+                let at = row_of(t.s, i) * fixed + col_of(t.s, j);
+                if comptime!(sums) {
+                    slope[e] = g.slope;
+                    ds_tile[at] = g.ds;
+                } else {
+                    ds_tile[at] = g.ds * g.slope;
                 }
             }
         }
         sync_cube();
-        t0 += kt as i32;
+        if comptime!(sums) {
+            // The bias gradients' sums take dS; dQ takes it times the cap's slope.
+            row_sum += bias_tile(p, dbias, &ds_tile, blk, t0, t);
+            pd_tile(p, dpd, &ds_tile, &mut ring, blk, t0, n, t);
+            sync_cube();
+            if p.softcap > 0.0f32 {
+                #[unroll]
+                for i in 0..s_rows {
+                    #[unroll]
+                    for j in 0..s_cols {
+                        ds_tile[row_of(t.s, i) * fixed + col_of(t.s, j)] *=
+                            slope[comptime!(i * s_cols + j)];
+                    }
+                }
+            }
+            sync_cube();
+        }
+        P::product::<f32, F>(
+            &ds_tile,
+            t.fixed_layout().transposed(),
+            &kv,
+            t.k_layout(),
+            &mut acc,
+            t.dq,
+        );
+        sync_cube();
+        t0 += t.bk as i32;
+        n += 1;
     }
 
-    if live {
-        let at = (bh * queries + row) * d_k;
-        #[unroll]
-        for d in 0..d_k {
-            dq[at + d] = F::cast_from(acc[d] * scale);
+    pd_rest(p, dpd, &ring, blk, first.lo, n, t);
+    bias_rest(p, dbias, blk, row_sum, t);
+
+    let scale = p.scale;
+    let (dq_rows, dq_cols) = comptime!((t.dq.rows(), t.dq.cols()));
+    #[unroll]
+    for i in 0..dq_rows {
+        let row = q0 + row_of(t.dq, i);
+        if row < queries {
+            let at = b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2);
+            let col_stride = dq.stride(3);
+            #[unroll]
+            for j in 0..dq_cols {
+                let d = col_of(t.dq, j);
+                if d < t.d_k {
+                    dq[at + d * col_stride] = F::cast_from(acc[comptime!(i * dq_cols + j)] * scale);
+                }
+            }
         }
     }
 }
 
-/// `dK` and `dV`, keys outer: key rows `CUBE_POS_X · UNITS ..` of key/value head
-/// `CUBE_POS_Y` (`b · Hkv + hk`), one per unit, over the query tiles of each query head
-/// of the group in turn. The arguments after the tensors are the forward kernel's.
+/// Where the bias's partial row `x` of `xs` for batch row `b` and head `h` starts: the
+/// partial rows run over the axes the bias broadcasts along (its batch axis of size 1:
+/// every batch row a row of its own; its head axis of size 1: every head), then over the
+/// `xs` sums a cube makes (its query block, or its query), each row as long as the bias.
+#[cube]
+fn bias_row<F: Float, M: Int>(p: &Problem<F, M>, b: usize, h: usize, x: usize, xs: usize) -> usize {
+    let mut at = 0usize;
+    #[comptime]
+    match &p.bias {
+        ComptimeOption::Some(bias) => {
+            let (sb, sh) = (bias.shape(0), bias.shape(1));
+            let elements = sb * sh * bias.shape(2) * bias.shape(3);
+            let heads = select(sh == 1, p.q.shape(1), 1usize);
+            let row = (select(sb == 1, b, 0usize) * heads + select(sh == 1, h, 0usize)) * xs + x;
+            at = row * elements;
+        }
+        ComptimeOption::None => {}
+    }
+    at
+}
+
+/// The index of the bias's element that score `(b, h, i, j)` reads, in the bias's own
+/// shape (0 along its axes of size 1).
+#[cube]
+fn bias_element<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    b: usize,
+    h: usize,
+    i: usize,
+    j: usize,
+) -> usize {
+    let mut at = 0usize;
+    #[comptime]
+    match &p.bias {
+        ComptimeOption::Some(bias) => {
+            let (sb, sh, sq, sk) = (bias.shape(0), bias.shape(1), bias.shape(2), bias.shape(3));
+            let b = select(sb > 1, b, 0usize);
+            let h = select(sh > 1, h, 0usize);
+            let i = select(sq > 1, i, 0usize);
+            let j = select(sk > 1, j, 0usize);
+            at = ((b * sh + h) * sq + i) * sk + j;
+        }
+        ComptimeOption::None => {}
+    }
+    at
+}
+
+/// The partial sums of one dS tile (rows: keys `t0 ..`, columns: the block's queries, in
+/// shared memory) for the bias's gradient, by how the bias broadcasts: every score (a
+/// bias with queries and keys), the block's sum per key (keys only), or, returned, the
+/// unit's query's sum over the tile's keys (no keys; 0 otherwise).
+#[cube]
+fn bias_tile<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    dbias: &mut ComptimeOption<OwnedTensor<f32>>,
+    ds_tile: &Shared<[f32]>,
+    blk: &Block,
+    t0: i32,
+    #[comptime] t: DqTiles,
+) -> f32 {
+    let mut row_sum = 0.0f32;
+    let fixed = comptime!(t.bq + 1);
+    let unit = UNIT_POS as usize;
+    let (queries, keys) = (p.q.shape(2), p.k.shape(2));
+    #[comptime]
+    match dbias {
+        ComptimeOption::Some(dbias) =>
+        {
+            #[comptime]
+            match t.bias {
+                BiasSums::Some {
+                    queries: true,
+                    keys: true,
+                } => {
+                    let at = bias_row(p, blk.b, blk.head, 0, 1);
+                    #[unroll]
+                    for step in 0..comptime!((t.bq * t.bk).div_ceil(t.units)) {
+                        let e = comptime!(step * t.units) + unit;
+                        let (r, c) = (e / t.bk, e % t.bk);
+                        let (i, j) = (blk.first + r, t0 as usize + c);
+                        if e < comptime!(t.bq * t.bk) && i < queries && j < keys {
+                            dbias[at + bias_element(p, blk.b, blk.head, i, j)] =
+                                ds_tile[c * fixed + r];
+                        }
+                    }
+                }
+                BiasSums::Some {
+                    queries: false,
+                    keys: true,
+                } => {
+                    let blocks = queries.div_ceil(t.bq);
+                    let at = bias_row(p, blk.b, blk.head, blk.first / t.bq, blocks);
+                    let j = t0 as usize + unit;
+                    if unit < t.bk && j < keys {
+                        let mut sum = 0.0f32;
+                        #[unroll]
+                        for r in 0..t.bq {
+                            sum += ds_tile[unit * fixed + r];
+                        }
+                        dbias[at + bias_element(p, blk.b, blk.head, 0, j)] = sum;
+                    }
+                }
+                BiasSums::Some { .. } => {
+                    if unit < t.bq {
+                        let mut sum = 0.0f32;
+                        #[unroll]
+                        for c in 0..t.bk {
+                            sum += ds_tile[c * fixed + unit];
+                        }
+                        row_sum = sum;
+                    }
+                }
+                BiasSums::None => {}
+            }
+        }
+        ComptimeOption::None => {}
+    }
+    row_sum
+}
+
+/// After the tiles: a bias without keys gets each query's sum over them, `row_sum` (the
+/// partial rows start at zeros: a bias with keys has what the tiles wrote).
+#[cube]
+fn bias_rest<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    dbias: &mut ComptimeOption<OwnedTensor<f32>>,
+    blk: &Block,
+    row_sum: f32,
+    #[comptime] t: DqTiles,
+) {
+    let unit = UNIT_POS as usize;
+    let queries = p.q.shape(2);
+    let (b, h, i) = (blk.b, blk.head, blk.first + unit);
+    #[comptime]
+    match dbias {
+        ComptimeOption::Some(dbias) => {
+            if unit < t.bq && i < queries {
+                #[comptime]
+                match t.bias {
+                    BiasSums::Some {
+                        queries: true,
+                        keys: false,
+                    } => {
+                        dbias[bias_row(p, b, h, 0, 1) + bias_element(p, b, h, i, 0)] = row_sum;
+                    }
+                    BiasSums::Some {
+                        queries: false,
+                        keys: false,
+                    } => {
+                        dbias[bias_row(p, b, h, i, queries) + bias_element(p, b, h, 0, 0)] =
+                            row_sum;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        ComptimeOption::None => {}
+    }
+}
+
+/// The diagonal sums of one dS tile (keys `t0 ..`, the `n`-th tile of the cube) for the
+/// bias by distance's gradient: unit `u` sums the tile's diagonal `u` (key − query =
+/// `t0 - first - (bq - 1) + u`) and adds what earlier tiles left of it in `ring`; a
+/// diagonal no later tile reaches (`u < bk`) is written to the cube's partial row, the
+/// others carried in `ring`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn pd_tile<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    dpd: &mut ComptimeOption<OwnedTensor<f32>>,
+    ds_tile: &Shared<[f32]>,
+    ring: &mut Shared<[f32]>,
+    blk: &Block,
+    t0: i32,
+    n: usize,
+    #[comptime] t: DqTiles,
+) {
+    let fixed = comptime!(t.bq + 1);
+    let unit = UNIT_POS as usize;
+    #[comptime]
+    match dpd {
+        ComptimeOption::Some(dpd) => {
+            let (at, columns) = pd_row(p, blk, t);
+            if unit < comptime!(t.bq + t.bk - 1) {
+                let mut sum = 0.0f32;
+                #[unroll]
+                for r in 0..t.bq {
+                    let c = unit as i32 + comptime!(r as i32 - (t.bq as i32 - 1));
+                    if c >= 0 && c < t.bk as i32 {
+                        sum += ds_tile[c as usize * fixed + r];
+                    }
+                }
+                let slot = (n * t.bk + unit) % comptime!(t.bq + t.bk);
+                let total = ring[slot] + sum;
+                if unit < t.bk {
+                    let column = t0 - blk.first as i32 - comptime!(t.bq as i32 - 1)
+                        + unit as i32
+                        + p.q.shape(2) as i32
+                        - 1;
+                    if column >= 0 && column < columns as i32 {
+                        dpd[at + column as usize] = total;
+                    }
+                    ring[slot] = 0.0f32;
+                } else {
+                    ring[slot] = total;
+                }
+            }
+        }
+        ComptimeOption::None => {}
+    }
+}
+
+/// After the `n` tiles from key `lo` on: the last tile's diagonals still open written
+/// (the partial rows start at zeros: nothing else to write where no tile reached).
+#[cube]
+fn pd_rest<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    dpd: &mut ComptimeOption<OwnedTensor<f32>>,
+    ring: &Shared<[f32]>,
+    blk: &Block,
+    lo: i32,
+    n: usize,
+    #[comptime] t: DqTiles,
+) {
+    let unit = UNIT_POS as usize;
+    #[comptime]
+    match dpd {
+        ComptimeOption::Some(dpd) => {
+            let (at, columns) = pd_row(p, blk, t);
+            // The column of the cube's first diagonal.
+            let first =
+                lo - comptime!(t.bq as i32 - 1) + p.q.shape(2) as i32 - 1 - blk.first as i32;
+            if n > 0 && unit >= t.bk && unit < comptime!(t.bq + t.bk - 1) {
+                let at_ring = (n - 1) * t.bk + unit;
+                let column = first + at_ring as i32;
+                if column >= 0 && column < columns as i32 {
+                    dpd[at + column as usize] = ring[at_ring % comptime!(t.bq + t.bk)];
+                }
+            }
+        }
+        ComptimeOption::None => {}
+    }
+}
+
+/// Where the cube's partial row of the bias by distance's gradient starts (row `b ·
+/// blocks + block`, element `h · columns + column`), and `columns = Tq + Tk - 1`.
+#[cube]
+fn pd_row<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    blk: &Block,
+    #[comptime] t: DqTiles,
+) -> (usize, usize) {
+    let (heads, queries) = (p.q.shape(1), p.q.shape(2));
+    let columns = queries + p.k.shape(2) - 1;
+    let blocks = queries.div_ceil(t.bq);
+    let row = blk.b * blocks + blk.first / t.bq;
+    ((row * heads + blk.head) * columns, columns)
+}
+
+/// `dK` and `dV`, keys outer: keys `block.first ..` of key/value head `block.bh`, over
+/// the query tiles of each query head of its group in turn; writes `dk` and `dv` (the
+/// key's and the value's shapes, any strides).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-fn dkv_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    pd: &Tensor<F>,
-    mask: &Tensor<u32>,
-    seq: &Tensor<i32>,
+pub(crate) fn dkv_kernel<F: Float, M: Int, P: TileProduct>(
+    p: &Problem<F, M>,
     grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    offset: i32,
-    before: i32,
-    after: i32,
-    group: u32,
-    scale: f32,
-    softcap: f32,
-    #[comptime] d_k: usize,
-    #[comptime] d_v: usize,
-    #[comptime] qt: usize,
-    #[comptime] has_bias: bool,
-    #[comptime] has_pd: bool,
-    #[comptime] has_mask: bool,
-    #[comptime] has_seq: bool,
-    #[define(F)] _dtype: ElemType,
+    #[comptime] t: DkvTiles,
+    #[define(F, M)] _dtypes: [ElemType; 2],
 ) {
-    let heads = q.shape(1);
-    let queries = q.shape(2);
-    let kv_heads = k.shape(1);
-    let keys = k.shape(2);
-    let bhk = CUBE_POS_Y as usize;
-    let b = bhk / kv_heads;
-    let hk = bhk % kv_heads;
-    let unit = UNIT_POS_X as usize;
-    let k0 = CUBE_POS_X as usize * UNITS;
-    let key = k0 + unit;
-    let live = key < keys;
-    let last = min(k0 + UNITS, keys) - 1;
-
-    // The key's own key and value rows (a dead unit reads the last key and writes
-    // nothing); the queries that see the cube's keys between them, and this key's own:
-    // query `i` sees key `j` when `i + offset - before <= j <= i + offset + after`, the
-    // band mirrored (packed sequences are self-attention: one position's sequence).
-    let k_row = min(key, keys - 1);
-    let seen = intervals(
-        seq, b, k0, last, k_row, queries, -offset, after, before, has_seq,
+    let kv_heads = p.k.shape(1);
+    let blk = block(
+        p.k.shape(0) * kv_heads,
+        kv_heads,
+        p.k.shape(2),
+        (p.order & KEYS_LAST_FIRST) != 0,
+        t.bk,
     );
-    let (lo_cube, hi_cube, lo, hi) = (seen.lo_cube, seen.hi_cube, seen.lo, seen.hi);
-    let k_at = b * k.stride(0) + hk * k.stride(1) + k_row * k.stride(2);
-    let v_at = b * v.stride(0) + hk * v.stride(1) + k_row * v.stride(2);
-    let mut own_k = Array::<f32>::new(d_k);
-    let mut acc_k = Array::<f32>::new(d_k);
-    #[unroll]
-    for d in 0..d_k {
-        own_k[d] = f32::cast_from(k[k_at + d * k.stride(3)]);
-        acc_k[d] = 0.0f32;
-    }
-    let mut own_v = Array::<f32>::new(d_v);
-    let mut acc_v = Array::<f32>::new(d_v);
-    #[unroll]
-    for d in 0..d_v {
-        own_v[d] = f32::cast_from(v[v_at + d * v.stride(3)]);
-        acc_v[d] = 0.0f32;
-    }
-
-    let mut q_tile = Shared::<[f32]>::new_slice(qt * d_k);
-    let mut g_tile = Shared::<[f32]>::new_slice(qt * d_v);
-    let mut lse_tile = Shared::<[f32]>::new_slice(qt);
-    let mut delta_tile = Shared::<[f32]>::new_slice(qt);
-
-    for g in 0..group {
-        let h = hk * group as usize + g as usize;
-        let bh = b * heads + h;
-        let q_at = b * q.stride(0) + h * q.stride(1);
-        let g_at = b * grad.stride(0) + h * grad.stride(1);
-        let bias_head = b * bias.stride(0) + h * bias.stride(1);
-        let mask_head = b * mask.stride(0) + h * mask.stride(1);
-        let mut t0 = lo_cube;
-        while t0 < hi_cube {
-            stage(q, q_at, t0, hi_cube, scale, &mut q_tile, qt, d_k);
-            stage(grad, g_at, t0, hi_cube, 1.0f32, &mut g_tile, qt, d_v);
-            stage_rows(lse, bh * queries, t0, hi_cube, &mut lse_tile, qt);
-            stage_rows(delta, bh * queries, t0, hi_cube, &mut delta_tile, qt);
-            sync_cube();
-
-            let start = max(lo, t0);
-            let end = min(hi, t0 + qt as i32);
-            if live && start < end {
-                for i in start..end {
-                    let r = (i - t0) as usize;
-                    let mut s = 0.0f32;
-                    #[unroll]
-                    for d in 0..d_k {
-                        s += q_tile[r * d_k + d] * own_k[d];
-                    }
-                    let c = capped(s, softcap);
-                    let s = masked(
-                        c,
-                        k_row,
-                        bias,
-                        bias_head + i as usize * bias.stride(2),
-                        pd,
-                        pd_start(pd, h, i as usize, queries),
-                        mask,
-                        mask_head + i as usize * mask.stride(2),
-                        has_bias,
-                        has_pd,
-                        has_mask,
-                    );
-                    let p = (s - lse_tile[r]).exp();
-                    let mut dp = 0.0f32;
-                    #[unroll]
-                    for d in 0..d_v {
-                        let g = g_tile[r * d_v + d];
-                        acc_v[d] += p * g;
-                        dp += g * own_v[d];
-                    }
-                    let ds = p * (dp - delta_tile[r]) * cap_slope(c, softcap);
-                    #[unroll]
-                    for d in 0..d_k {
-                        acc_k[d] += ds * q_tile[r * d_k + d];
-                    }
-                }
-            }
-            sync_cube();
-            t0 += qt as i32;
-        }
-    }
-
-    if live {
-        let k_out = (bhk * keys + key) * d_k;
-        #[unroll]
-        for d in 0..d_k {
-            dk[k_out + d] = F::cast_from(acc_k[d]);
-        }
-        let v_out = (bhk * keys + key) * d_v;
-        #[unroll]
-        for d in 0..d_v {
-            dv[v_out + d] = F::cast_from(acc_v[d]);
-        }
+    if blk.live {
+        dkv_block::<F, M, P>(p, grad, lse, delta, dk, dv, &blk, t);
     }
 }
 
-/// dS at one score `(b, h, i, j)`, recomputed from scratch (0 where query `i` does not see
-/// key `j`): `P (dO_i · v_j - D_i)` with `P = exp(S - lse_i)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn ds_at<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    pd: &Tensor<F>,
-    mask: &Tensor<u32>,
-    seq: &Tensor<i32>,
+fn dkv_block<F: Float, M: Int, P: TileProduct>(
+    p: &Problem<F, M>,
     grad: &Tensor<F>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    b: usize,
-    h: usize,
-    i: usize,
-    j: usize,
-    offset: i32,
-    before: i32,
-    after: i32,
-    group: u32,
-    scale: f32,
-    softcap: f32,
-    #[comptime] d_k: usize,
-    #[comptime] d_v: usize,
-    #[comptime] has_bias: bool,
-    #[comptime] has_pd: bool,
-    #[comptime] has_mask: bool,
-    #[comptime] has_seq: bool,
-) -> f32 {
-    let heads = q.shape(1);
-    let queries = q.shape(2);
-    let own = i as i32 + offset;
-    let key = j as i32;
-    let mut visible = key >= own - before && key <= own + after;
-    if has_seq {
-        let at = b * seq.stride(0) + i * seq.stride(2);
-        visible = visible && key >= seq[at] && key < seq[at + seq.stride(3)];
-    }
-    let mut ds = 0.0f32;
-    if visible {
-        let hk = h / group as usize;
-        let q_at = b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-        let k_at = b * k.stride(0) + hk * k.stride(1) + j * k.stride(2);
-        let mut s = 0.0f32;
-        #[unroll]
-        for d in 0..d_k {
-            s += f32::cast_from(q[q_at + d * q.stride(3)])
-                * scale
-                * f32::cast_from(k[k_at + d * k.stride(3)]);
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    blk: &Block,
+    #[comptime] t: DkvTiles,
+) {
+    let (s_rows, s_cols) = comptime!((t.s.rows(), t.s.cols()));
+    let (heads, queries, keys) = (p.q.shape(1), p.q.shape(2), p.k.shape(2));
+    let (b, hk, k0) = (blk.b, blk.head, blk.first);
+    // The queries that see the block's keys between them.
+    let first = queries_of(p, b, k0);
+    let last = queries_of(p, b, blk.last);
+
+    let mut q_tile = Shared::<[F]>::new_slice(comptime!(t.bq * (t.dk.n + 1)));
+    let mut do_tile = Shared::<[F]>::new_slice(comptime!(t.bq * (t.dv.n + 1)));
+    let mut x_tile = Shared::<[F]>::new_slice(comptime!(max(t.d_k, t.d_v) * (t.bk + 1)));
+    let mut pds = Shared::<[f32]>::new_slice(comptime!(t.bq * (t.bk + 1)));
+    let mut s = Array::<f32>::new(comptime!(t.s.len()));
+    let mut dp = Array::<f32>::new(comptime!(t.s.len()));
+    let mut acc_k = Array::<f32>::new(comptime!(t.dk.len()));
+    let mut acc_v = Array::<f32>::new(comptime!(t.dv.len()));
+    zero(&mut acc_k, t.dk);
+    zero(&mut acc_v, t.dv);
+    let k_at = b * p.k.stride(0) + hk * p.k.stride(1);
+    let v_at = b * p.v.stride(0) + hk * p.v.stride(1);
+    let block_end = blk.last + 1;
+    let whole_keys = k0 + t.bk <= keys;
+
+    for g in 0..p.group {
+        let h = hk * p.group as usize + g as usize;
+        let bh = b * heads + h;
+        let q_at = b * p.q.stride(0) + h * p.q.stride(1);
+        let g_at = b * grad.stride(0) + h * grad.stride(1);
+        let mut t0 = first.lo;
+        while t0 < last.hi {
+            let (start, end) = (t0 as usize, last.hi as usize);
+            stage_rows(
+                grad,
+                g_at,
+                start,
+                end,
+                &mut do_tile,
+                t.bq,
+                t.d_v,
+                t.dv.n,
+                t.do_layout(),
+                t.units,
+            );
+            stage_rows(
+                &p.q,
+                q_at,
+                start,
+                end,
+                &mut q_tile,
+                t.bq,
+                t.d_k,
+                t.dk.n,
+                t.q_layout(),
+                t.units,
+            );
+            stage_rows(
+                &p.v,
+                v_at,
+                k0,
+                block_end,
+                &mut x_tile,
+                t.bk,
+                t.d_v,
+                t.d_v,
+                t.x_layout().transposed(),
+                t.units,
+            );
+            sync_cube();
+            zero(&mut dp, t.dp);
+            P::product::<F, F>(
+                &do_tile,
+                t.do_layout(),
+                &x_tile,
+                t.x_layout(),
+                &mut dp,
+                t.dp,
+            );
+            sync_cube();
+            stage_rows(
+                &p.k,
+                k_at,
+                k0,
+                block_end,
+                &mut x_tile,
+                t.bk,
+                t.d_k,
+                t.d_k,
+                t.x_layout().transposed(),
+                t.units,
+            );
+            sync_cube();
+            zero(&mut s, t.s);
+            P::product::<F, F>(&q_tile, t.q_layout(), &x_tile, t.x_layout(), &mut s, t.s);
+
+            // Every query of the tile sees every key of the block, or each score is tested.
+            let tile_last = min(start + t.bq, queries) - 1;
+            let whole = whole_keys
+                && start + t.bq <= queries
+                && keys_of(p, b, tile_last).lo <= k0 as i32
+                && keys_of(p, b, start).hi >= (k0 + t.bk) as i32;
+            #[unroll]
+            for i in 0..s_rows {
+                let query = start + row_of(t.s, i);
+                let row = min(query, queries - 1);
+                let span = keys_of(p, b, row);
+                let row_lse = lse[bh * queries + row];
+                let row_delta = delta[bh * queries + row];
+                #[unroll]
+                for j in 0..s_cols {
+                    let e = comptime!(i * s_cols + j);
+                    let key = k0 + col_of(t.s, j);
+                    let visible = whole
+                        || (query < queries && key as i32 >= span.lo && (key as i32) < span.hi);
+                    let g = grad_at(
+                        p,
+                        s[e],
+                        dp[e],
+                        row_lse,
+                        row_delta,
+                        b,
+                        h,
+                        row,
+                        min(key, keys - 1),
+                        visible,
+                    );
+                    s[e] = g.p;
+                    dp[e] = g.ds * g.slope;
+                }
+            }
+            write_tile(&mut pds, &s, t.s, t.bk + 1);
+            sync_cube();
+            P::product::<f32, F>(
+                &pds,
+                t.x_layout().transposed(),
+                &do_tile,
+                t.do_layout(),
+                &mut acc_v,
+                t.dv,
+            );
+            sync_cube();
+            write_tile(&mut pds, &dp, t.s, t.bk + 1);
+            sync_cube();
+            P::product::<f32, F>(
+                &pds,
+                t.x_layout().transposed(),
+                &q_tile,
+                t.q_layout(),
+                &mut acc_k,
+                t.dk,
+            );
+            sync_cube();
+            t0 += t.bq as i32;
         }
-        let s = masked(
-            capped(s, softcap),
-            j,
-            bias,
-            b * bias.stride(0) + h * bias.stride(1) + i * bias.stride(2),
-            pd,
-            pd_start(pd, h, i, queries),
-            mask,
-            b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2),
-            has_bias,
-            has_pd,
-            has_mask,
-        );
-        let row = (b * heads + h) * queries + i;
-        let p = (s - lse[row]).exp();
-        let g_at = b * grad.stride(0) + h * grad.stride(1) + i * grad.stride(2);
-        let v_at = b * v.stride(0) + hk * v.stride(1) + j * v.stride(2);
-        let mut dp = 0.0f32;
-        #[unroll]
-        for d in 0..d_v {
-            dp += f32::cast_from(grad[g_at + d * grad.stride(3)])
-                * f32::cast_from(v[v_at + d * v.stride(3)]);
-        }
-        ds = p * (dp - delta[row]);
     }
-    ds
+
+    let scale = p.scale;
+    write_rows(dk, &acc_k, b, hk, k0, keys, scale, t.dk, t.d_k);
+    write_rows(dv, &acc_v, b, hk, k0, keys, 1.0f32, t.dv, t.d_v);
 }
 
-/// Sums of dS per element of the bias (`mode` [`BIAS`]: over the axes it broadcasts
-/// along) or of the bias by distance ([`DISTANCE`]: element `(h, c)` over every query `i`
-/// of every batch row with key `i + c - (Tq - 1)`): unit `e` of the grid's `x`, `y` sums
-/// the `chunk` scores `CUBE_POS_Z · chunk ..` of its `reduced` into `partial[z, e]`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn dsum_kernel<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    bias: &Tensor<F>,
-    pd: &Tensor<F>,
-    mask: &Tensor<u32>,
-    seq: &Tensor<i32>,
-    grad: &Tensor<F>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    partial: &mut Tensor<f32>,
-    offset: i32,
-    before: i32,
-    after: i32,
-    group: u32,
-    scale: f32,
-    softcap: f32,
-    elements: u32,
-    chunk: u32,
-    reduced: u32,
-    #[comptime] mode: u32,
-    #[comptime] d_k: usize,
-    #[comptime] d_v: usize,
-    #[comptime] has_bias: bool,
-    #[comptime] has_pd: bool,
-    #[comptime] has_mask: bool,
-    #[comptime] has_seq: bool,
-    #[define(F)] _dtype: ElemType,
+/// Writes the unit's elements of `c` under `p` to `tile` (row stride `row`).
+#[cube]
+fn write_tile(
+    tile: &mut Shared<[f32]>,
+    c: &Array<f32>,
+    #[comptime] p: Product,
+    #[comptime] row: usize,
 ) {
-    let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * UNITS as u32 + UNIT_POS_X) as usize;
-    if e < elements as usize {
-        let (batch, heads, queries, keys) = (q.shape(0), q.shape(1), q.shape(2), k.shape(2));
-        let start = CUBE_POS_Z * chunk;
-        let end = min(start + chunk, reduced);
-        let mut sum = 0.0f32;
-        if mode == BIAS {
-            // The element's index along each axis of the bias, and the sizes of the axes
-            // it broadcasts along (1 elsewhere).
-            let (sb, sh, sq, sk) = (bias.shape(0), bias.shape(1), bias.shape(2), bias.shape(3));
-            let j0 = e % sk;
-            let i0 = (e / sk) % sq;
-            let h0 = (e / (sk * sq)) % sh;
-            let b0 = e / (sk * sq * sh);
-            let mut ob = 1usize;
-            let mut oh = 1usize;
-            let mut oq = 1usize;
-            let mut ok = 1usize;
-            if sb == 1 {
-                ob = batch;
-            }
-            if sh == 1 {
-                oh = heads;
-            }
-            if sq == 1 {
-                oq = queries;
-            }
-            if sk == 1 {
-                ok = keys;
-            }
-            for r in start..end {
-                let r = r as usize;
-                let j = j0 + r % ok;
-                let i = i0 + (r / ok) % oq;
-                let h = h0 + (r / (ok * oq)) % oh;
-                let b = b0 + (r / (ok * oq * oh)) % ob;
-                sum += ds_at(
-                    q, k, v, bias, pd, mask, seq, grad, lse, delta, b, h, i, j, offset, before,
-                    after, group, scale, softcap, d_k, d_v, has_bias, has_pd, has_mask, has_seq,
-                );
-            }
-        } else {
-            let columns = queries + keys - 1;
-            let h = e / columns;
-            let c = (e % columns) as i32;
-            for r in start..end {
-                let b = r as usize / queries;
-                let i = r as usize % queries;
-                let j = i as i32 + c - (queries as i32 - 1);
-                if j >= 0 && j < keys as i32 {
-                    sum += ds_at(
-                        q, k, v, bias, pd, mask, seq, grad, lse, delta, b, h, i, j as usize,
-                        offset, before, after, group, scale, softcap, d_k, d_v, has_bias, has_pd,
-                        has_mask, has_seq,
-                    );
+    #[unroll]
+    for i in 0..comptime!(p.rows()) {
+        #[unroll]
+        for j in 0..comptime!(p.cols()) {
+            tile[row_of(p, i) * row + col_of(p, j)] = c[comptime!(i * p.cols() + j)];
+        }
+    }
+}
+
+/// Writes the unit's elements of `c` under `p` (rows: positions `first ..` of head `head`
+/// of batch row `b`, columns: the first `cols` head dims), times `scale`, to `out`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_rows<F: Float>(
+    out: &mut Tensor<F>,
+    c: &Array<f32>,
+    b: usize,
+    head: usize,
+    first: usize,
+    rows: usize,
+    scale: f32,
+    #[comptime] p: Product,
+    #[comptime] cols: usize,
+) {
+    #[unroll]
+    for i in 0..comptime!(p.rows()) {
+        let row = first + row_of(p, i);
+        if row < rows {
+            let at = b * out.stride(0) + head * out.stride(1) + row * out.stride(2);
+            let col_stride = out.stride(3);
+            #[unroll]
+            for j in 0..comptime!(p.cols()) {
+                let d = col_of(p, j);
+                if d < cols {
+                    out[at + d * col_stride] = F::cast_from(c[comptime!(i * p.cols() + j)] * scale);
                 }
             }
         }
-        partial[CUBE_POS_Z as usize * elements as usize + e] = sum;
     }
 }
 
-/// `sum[e] = Σ_s partial[s, e]`, in order, in the inputs' dtype: unit `e` of the grid's
-/// `x`, `y`.
+/// `out[z, e] = Σ partial[r, e]` over the rows `r` of chunk `z` (`chunk` rows each, in
+/// order): unit `e` of the grid's `x`, `y`, chunk `z` of its `z`.
 #[cube(launch)]
-fn reduce_kernel<F: Float>(
+pub(crate) fn reduce_kernel<O: Float>(
     partial: &Tensor<f32>,
-    sum: &mut Tensor<F>,
-    #[define(F)] _dtype: ElemType,
+    out: &mut Tensor<O>,
+    chunk: u32,
+    #[define(O)] _dtype: ElemType,
 ) {
-    let elements = sum.shape(3);
-    let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * UNITS as u32 + UNIT_POS_X) as usize;
+    let elements = partial.shape(1);
+    let e = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X) as usize;
     if e < elements {
+        let z = CUBE_POS_Z as usize;
+        let start = z * chunk as usize;
+        let end = min(start + chunk as usize, partial.shape(0));
         let mut total = 0.0f32;
-        for s in 0..partial.shape(2) {
-            total += partial[s * elements + e];
+        for r in start..end {
+            total += partial[r * elements + e];
         }
-        sum[e] = F::cast_from(total);
+        out[z * elements + e] = O::cast_from(total);
+    }
+}
+
+/// Zeros `out`'s first `len` elements: unit `e` of the grid's `x`, `y`.
+#[cube(launch)]
+pub(crate) fn zeros_kernel(out: &mut Tensor<f32>, len: u32) {
+    let e = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X;
+    if e < len {
+        out[e as usize] = 0.0f32;
     }
 }

@@ -1,28 +1,38 @@
-//! What every kernel launch shares: the tensors of a call as bindings, how its scores are
-//! made, the compile-time variant of a kernel, and the run-time arguments of a band.
+//! The host side of every launch: a call's tensors as bindings, the tiles that fit the
+//! device's shared memory, the grid (folded where `B · H` passes a dimension's limit),
+//! the one launch argument every kernel reads, and the passes themselves.
 
 use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use super::backward::{
+    BiasSums, CHUNK, delta_kernel, dkv_kernel, dq_kernel, reduce_kernel, zeros_kernel,
+};
+pub(crate) use super::backward::{DkvTiles, DqTiles};
+pub(crate) use super::forward::ForwardTiles;
+use super::forward::forward_kernel;
+use super::scores::{KEYS_LAST_FIRST, ProblemLaunch, QUERIES_LAST_FIRST};
+use super::tile::Registers;
 use crate::mask::Band;
+use crate::problem::Dims;
 
-/// The most storage buffers one launch binds: `dkv_kernel`'s twelve tensors (an absent
-/// optional tensor is bound as a placeholder) and the buffer CubeCL passes the sizes and
-/// scalars in. A device that binds fewer to a kernel (a browser's WebGPU binds 8 per
-/// stage, of which CubeCL offers 7) takes the explicit path instead (`dispatch`).
-pub(crate) const MOST_BINDINGS: u32 = 13;
+/// The most storage buffers one launch binds: `dq_kernel`'s thirteen tensors (query, key,
+/// value, bias, bias by distance, mask, sequences, output gradient, log-sum-exp, `D`,
+/// `dQ`, the partial rows of the two bias gradients) and the buffer CubeCL passes the
+/// sizes and scalars in. A device that binds fewer to a kernel (a browser's
+/// WebGPU binds 8 per stage, of which CubeCL offers 7) takes the explicit path instead
+/// (`dispatch`).
+pub(crate) const MOST_BINDINGS: u32 = 14;
 
-/// Units per cube: query rows of the forward pass and of `dQ`, key rows of `dK`/`dV`.
-pub(crate) const UNITS: usize = 32;
-/// Shared memory a cube stages its tiles in, in f32s (16 KiB: half of what the smallest
-/// devices give).
-const STAGE: usize = 4096;
+/// Shared memory the kernels use at most, whatever the device offers: what the smallest
+/// devices that run them give (Mesa's lavapipe: 32 KiB).
+const SHARED_BUDGET: usize = 32 * 1024;
 
 /// How the scores are made from `Q Kᵀ`, and which keys each query sees.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Scoring {
-    /// Multiplies the queries.
+    /// Multiplies `Q Kᵀ`.
     pub(crate) scale: f32,
     /// `cap · tanh(s / cap)` on the scaled scores, before the bias.
     pub(crate) softcap: Option<f32>,
@@ -31,10 +41,9 @@ pub(crate) struct Scoring {
 }
 
 /// The tensors of one call, as bindings: `[query, key, value]` (`[B, H, Tq, Dk]`, `[B, Hkv,
-/// Tk, Dk]`, `[B, Hkv, Tk, Dv]`), an additive f32 `bias` and a u32 `mask` (nonzero =
-/// blocked), each of rank 4 and broadcastable to `[B, H, Tq, Tk]` (an axis of size 1 is
-/// read with stride 0); a bias by distance `pd` (f32 `[1, 1, H, Tq + Tk - 1]`, column `c`
-/// for the distance `c - (Tq - 1)` from a query's row to a key's) and packed sequences'
+/// Tk, Dk]`, `[B, Hkv, Tk, Dv]`), an additive `bias` and a boolean `mask` (u8 or u32,
+/// nonzero = blocked; `mask_elem` says which), each of rank 4 and broadcastable to `[B,
+/// H, Tq, Tk]`; a bias by distance `pd` (`[1, 1, H, Tq + Tk - 1]`) and packed sequences'
 /// bounds `seq` (i32 `[B, 1, T, 2]`, see `Visibility::sequences`).
 pub(crate) struct Inputs {
     /// The float tensors' element type (f32, f16 or bf16): the kernels compute in f32 and
@@ -42,99 +51,350 @@ pub(crate) struct Inputs {
     pub(crate) elem: ElemType,
     /// Its size in bytes.
     pub(crate) size: usize,
-    /// A row whose largest score is at or below this has no visible key (the dtype's
-    /// sentinel, see `crate::mask::Sentinels`).
-    pub(crate) dead_row: f32,
+    /// A bias at or below this blocks its score (the dtype's sentinel, see
+    /// `crate::mask::Sentinels`).
+    pub(crate) blocked: f32,
     pub(crate) qkv: [TensorBinding; 3],
     pub(crate) bias: Option<TensorBinding>,
     pub(crate) pd: Option<TensorBinding>,
     pub(crate) mask: Option<TensorBinding>,
+    /// The mask's element type (u32 where there is none).
+    pub(crate) mask_elem: ElemType,
     pub(crate) seq: Option<TensorBinding>,
 }
 
-/// The compile-time shape of a kernel: each distinct value compiles once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Variant {
-    pub(crate) d_k: usize,
-    pub(crate) d_v: usize,
-    /// Rows per staged tile (keys in the forward pass and `dQ`, queries in `dK`/`dV`).
-    pub(crate) tile: usize,
-    pub(crate) bias: bool,
-    pub(crate) pd: bool,
-    pub(crate) mask: bool,
-    pub(crate) seq: bool,
-}
-
-impl Variant {
-    /// The variant of a call of sizes `n` over `inputs`: as many rows per tile as fit
-    /// [`STAGE`], at most [`UNITS`] and at least one.
-    pub(crate) fn of(n: &Sizes, inputs: &Inputs) -> Self {
-        let tile = (STAGE / (n.d_k + n.d_v).max(1)).clamp(1, UNITS);
-        Self {
-            d_k: n.d_k,
-            d_v: n.d_v,
-            tile,
-            bias: inputs.bias.is_some(),
-            pd: inputs.pd.is_some(),
-            mask: inputs.mask.is_some(),
-            seq: inputs.seq.is_some(),
-        }
-    }
-}
-
-/// The sizes of one call.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Sizes {
-    pub(crate) batch: usize,
-    pub(crate) heads: usize,
-    pub(crate) kv_heads: usize,
-    pub(crate) queries: usize,
-    pub(crate) keys: usize,
-    pub(crate) d_k: usize,
-    pub(crate) d_v: usize,
-}
-
-impl Sizes {
-    /// The sizes of `[query, key, value]`.
+impl Inputs {
+    /// The sizes of the call.
     ///
     /// # Panics
     /// If the shapes disagree or a size passes `i32`.
-    pub(crate) fn of([q, k, v]: [&TensorBinding; 3]) -> Self {
-        let [batch, heads, queries, d_k] = dims(q);
-        let [_, kv_heads, keys, _] = dims(k);
-        let d_v = dims(v)[3];
+    pub(crate) fn dims(&self) -> Dims {
+        let [q, k, v] = &self.qkv;
+        let dims = Dims::of([dims(q), dims(k), dims(v)]);
         assert!(
-            kv_heads > 0 && heads.is_multiple_of(kv_heads) && dims(k)[3] == d_k,
+            dims.kv_heads > 0 && dims.heads.is_multiple_of(dims.kv_heads),
             "gpu attention: query {:?}, key {:?}, value {:?}",
             q.shape,
             k.shape,
             v.shape
         );
-        within(batch * heads.max(kv_heads) * (queries + keys + 1) * (d_k + d_v).max(1));
-        Self {
-            batch,
-            heads,
-            kv_heads,
-            queries,
-            keys,
-            d_k,
-            d_v,
+        within(
+            dims.batch
+                * dims.heads.max(dims.kv_heads)
+                * (dims.queries + dims.keys + 1)
+                * (dims.d_k + dims.d_v).max(1),
+        );
+        dims
+    }
+
+    /// The launch argument every kernel reads: the tensors (an absent one binds nothing)
+    /// and the scalars of `scoring`.
+    fn problem<F: Float, M: Int>(&self, dims: &Dims, scoring: Scoring) -> ProblemLaunch<F, M> {
+        let [offset, before, after] = band(dims, scoring.band);
+        let arg = |t: &TensorBinding| t.clone().into_tensor_arg();
+        ProblemLaunch::new(
+            arg(&self.qkv[0]),
+            arg(&self.qkv[1]),
+            arg(&self.qkv[2]),
+            optional(&self.bias),
+            optional(&self.pd),
+            optional(&self.mask),
+            optional(&self.seq),
+            offset,
+            before,
+            after,
+            dims.group() as u32,
+            scoring.scale,
+            scoring.softcap.unwrap_or(0.0),
+            self.blocked,
+            order(dims, scoring.band),
+        )
+    }
+}
+
+/// `t` as an optional kernel argument, read as broadcast along its axes of size 1; an
+/// absent tensor binds nothing.
+fn optional<T: CubePrimitive>(t: &Option<TensorBinding>) -> ComptimeOptionArgs<OwnedTensor<T>> {
+    match t {
+        Some(t) => ComptimeOptionArgs::Some(broadcast(t.clone()).into_tensor_arg()),
+        None => ComptimeOptionArgs::None,
+    }
+}
+
+/// The run-time arguments of `band`: the offset and the keys seen before and after the
+/// own position, with "every key" as a bound larger than any distance of the call.
+fn band(dims: &Dims, band: Band) -> [i32; 3] {
+    let far = within(dims.queries + dims.keys + 1);
+    let side = |n: Option<usize>| n.map_or(far, |n| within(n.min(dims.queries + dims.keys + 1)));
+    let offset = i32::try_from(band.offset.clamp(-(far as i64), far as i64)).expect("clamped");
+    [offset, side(band.before), side(band.after)]
+}
+
+/// Which blocks come first: the longest rows. A band open before the own position and
+/// closed after it (causal) gives later queries more keys, and earlier keys more queries.
+fn order(dims: &Dims, band: Band) -> u32 {
+    let _ = dims;
+    match (band.before, band.after) {
+        (None, Some(_)) => QUERIES_LAST_FIRST,
+        (Some(_), None) => KEYS_LAST_FIRST,
+        _ => 0,
+    }
+}
+
+/// The tiles the kernels may take, as (units, queries, keys per tile), in order of
+/// preference: the larger, the fewer shared-memory reads per multiply-add.
+pub(crate) const CANDIDATES: [(usize, usize, usize); 6] = [
+    (128, 64, 64),
+    (128, 64, 32),
+    (64, 32, 32),
+    (64, 16, 32),
+    (64, 32, 16),
+    (64, 16, 16),
+];
+
+/// The tiles of the three kernels for a call of `dims` in elements of `size` bytes: for
+/// each, the first of the candidates (units, queries, keys per tile) whose shared memory
+/// fits the device's and [`SHARED_BUDGET`].
+pub(crate) fn tiles(dims: &Dims, size: usize, shared: usize) -> (ForwardTiles, DqTiles, DkvTiles) {
+    let budget = shared.min(SHARED_BUDGET);
+    let (d_k, d_v) = (dims.d_k, dims.d_v);
+    #[cfg(test)]
+    if let Some((u, q, k)) = super::tests::FORCE_TILES.get() {
+        return (
+            ForwardTiles::new(u, q, k, d_k, d_v),
+            DqTiles::new(u, q, k, d_k, d_v),
+            DkvTiles::new(u, q, k, d_k, d_v),
+        );
+    }
+    let pick = |fits: &dyn Fn(usize, usize, usize) -> bool| {
+        CANDIDATES
+            .into_iter()
+            .find(|&(u, q, k)| fits(u, q, k))
+            .unwrap_or(CANDIDATES[CANDIDATES.len() - 1])
+    };
+    let (u, q, k) =
+        pick(&|u, q, k| ForwardTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= budget);
+    let forward = ForwardTiles::new(u, q, k, d_k, d_v);
+    let (u, q, k) = pick(&|u, q, k| DqTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= budget);
+    let dq = DqTiles::new(u, q, k, d_k, d_v);
+    let (u, q, k) = pick(&|u, q, k| DkvTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= budget);
+    let dkv = DkvTiles::new(u, q, k, d_k, d_v);
+    (forward, dq, dkv)
+}
+
+/// A grid of `cubes` cubes along `x`, folded into `y` past the device's limit on `x`
+/// (the kernels number their cubes along `x`, then `y`).
+fn grid(client: &Client, cubes: usize) -> CubeCount {
+    let (max_x, max_y, _) = client.properties().hardware.max_cube_count;
+    let x = cubes.clamp(1, max_x as usize);
+    let y = cubes.div_ceil(x).max(1);
+    assert!(
+        y <= max_y as usize,
+        "gpu attention: {cubes} cubes pass the device's grid of {max_x} x {max_y}"
+    );
+    CubeCount::Static(x as u32, y as u32, 1)
+}
+
+/// The output `[B, H, Tq, Dv]` (in the inputs' dtype, laid out `[B, Tq, H, Dv]`: the
+/// heads of a `[B, Tq, H·Dv]` tensor) and the log-sum-exp `[B, H, Tq]` (f32, contiguous)
+/// of attention over `inputs` under `scoring`; query head `h` reads key/value head
+/// `h / (H / Hkv)`.
+///
+/// # Panics
+/// If the shapes disagree or the sizes pass `i32`.
+pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Handle, Handle) {
+    let n = inputs.dims();
+    let (t, _, _) = tiles(
+        &n,
+        inputs.size,
+        client.properties().hardware.max_shared_memory_size,
+    );
+    let out_shape = [n.batch, n.heads, n.queries, n.d_v];
+    let lse_shape = [n.batch, n.heads, n.queries, 1];
+    let out = alloc(client, out_shape, inputs.size);
+    let lse = alloc(client, lse_shape, 4);
+    let cubes = n.queries.div_ceil(t.bq) * n.batch * n.heads;
+    forward_kernel::launch::<Registers>(
+        client,
+        grid(client, cubes),
+        CubeDim::new_1d(t.units as u32),
+        inputs.problem(&n, scoring),
+        heads_inside(out_shape, &out),
+        contiguous(lse_shape, &lse),
+        t,
+        [inputs.elem, inputs.mask_elem],
+    );
+    (out, lse)
+}
+
+/// The gradients (in the inputs' dtype, of the inputs' shapes, laid out as the heads of a
+/// `[B, T, heads·D]` tensor) of attention over `inputs` under `scoring`, from its output
+/// `out` and log-sum-exp `lse` (as [`forward`] writes them) and the output's gradient
+/// `grad` (`[B, H, Tq, Dv]`, any strides); and, where `[bias, pd]` ask for them, of the
+/// bias (of its own shape, contiguous: summed over the axes it broadcasts along) and of
+/// the bias by distance (`[1, 1, H, Tq + Tk - 1]`).
+///
+/// # Panics
+/// If the shapes disagree or the sizes pass `i32`.
+pub(crate) fn backward(
+    client: &Client,
+    inputs: &Inputs,
+    scoring: Scoring,
+    [out, lse]: [&TensorBinding; 2],
+    grad: &TensorBinding,
+    [bias_grad, pd_grad]: [bool; 2],
+) -> Grads {
+    let n = inputs.dims();
+    let row_shape = [n.batch, n.heads, n.queries, 1];
+    assert_laid_out("log-sum-exp", lse, row_shape, contiguous_strides(row_shape));
+    let (_, mut tq, tkv) = tiles(
+        &n,
+        inputs.size,
+        client.properties().hardware.max_shared_memory_size,
+    );
+    let row_shape = [n.batch, n.heads, n.queries, 1];
+    let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
+    let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
+    let dv_shape = [n.batch, n.kv_heads, n.keys, n.d_v];
+    let [dq, dk, dv] =
+        [dq_shape, dk_shape, dv_shape].map(|shape| alloc(client, shape, inputs.size));
+    let delta = alloc(client, row_shape, 4);
+
+    let rows = n.batch * n.heads * n.queries;
+    let units = 64;
+    delta_kernel::launch(
+        client,
+        grid(client, rows.div_ceil(units)),
+        CubeDim::new_1d(units as u32),
+        out.clone().into_tensor_arg(),
+        grad.clone().into_tensor_arg(),
+        contiguous(row_shape, &delta),
+        n.d_v,
+        inputs.elem,
+    );
+
+    // The partial rows of the bias gradients: zeros where no cube writes.
+    let blocks = n.queries.div_ceil(tq.bq);
+    let bias_partial = inputs.bias.as_ref().filter(|_| bias_grad).map(|bias| {
+        let [sb, sh, sq, sk] = dims(bias);
+        tq.bias = BiasSums::Some {
+            queries: sq > 1,
+            keys: sk > 1,
+        };
+        let rows = match (sq > 1, sk > 1) {
+            (true, true) => 1,
+            (false, true) => blocks,
+            (true, false) => 1,
+            (false, false) => n.queries,
+        };
+        let rows = rows * if sb == 1 { n.batch } else { 1 } * if sh == 1 { n.heads } else { 1 };
+        zeros(client, rows, sb * sh * sq * sk)
+    });
+    let pd_partial = inputs.pd.as_ref().filter(|_| pd_grad).map(|_| {
+        tq.pd = true;
+        zeros(client, n.batch * blocks, n.heads * (n.queries + n.keys - 1))
+    });
+    let partial_arg = |p: &Option<(Handle, [usize; 2])>| match p {
+        Some((handle, [rows, elements])) => {
+            ComptimeOptionArgs::Some(matrix([*rows, *elements], handle))
         }
+        None => ComptimeOptionArgs::None,
+    };
+    dq_kernel::launch::<Registers>(
+        client,
+        grid(client, blocks * n.batch * n.heads),
+        CubeDim::new_1d(tq.units as u32),
+        inputs.problem(&n, scoring),
+        grad.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        contiguous(row_shape, &delta),
+        heads_inside(dq_shape, &dq),
+        partial_arg(&bias_partial),
+        partial_arg(&pd_partial),
+        tq,
+        [inputs.elem, inputs.mask_elem],
+    );
+    dkv_kernel::launch::<Registers>(
+        client,
+        grid(client, n.keys.div_ceil(tkv.bk) * n.batch * n.kv_heads),
+        CubeDim::new_1d(tkv.units as u32),
+        inputs.problem(&n, scoring),
+        grad.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        contiguous(row_shape, &delta),
+        heads_inside(dk_shape, &dk),
+        heads_inside(dv_shape, &dv),
+        tkv,
+        [inputs.elem, inputs.mask_elem],
+    );
+    Grads {
+        dq,
+        dk,
+        dv,
+        dbias: bias_partial.map(|p| sum_rows(client, p, inputs.elem, inputs.size)),
+        dpd: pd_partial.map(|p| sum_rows(client, p, inputs.elem, inputs.size)),
     }
+}
 
-    /// The run-time arguments of `band`: the offset and the keys seen before and after the
-    /// own position, with "every key" as a bound larger than any distance of the call.
-    pub(crate) fn band(&self, band: Band) -> [i32; 3] {
-        let far = within(self.queries + self.keys + 1);
-        let side =
-            |n: Option<usize>| n.map_or(far, |n| within(n.min(self.queries + self.keys + 1)));
-        let offset = i32::try_from(band.offset.clamp(-(far as i64), far as i64)).expect("clamped");
-        [offset, side(band.before), side(band.after)]
-    }
+/// The gradients of one call (in the inputs' dtype): of the query, key and value (laid
+/// out as [`backward`] says), and, when asked for, of the bias and of the bias by
+/// distance (contiguous).
+pub(crate) struct Grads {
+    pub(crate) dq: Handle,
+    pub(crate) dk: Handle,
+    pub(crate) dv: Handle,
+    pub(crate) dbias: Option<Handle>,
+    pub(crate) dpd: Option<Handle>,
+}
 
-    /// `H / Hkv`.
-    pub(crate) fn group(&self) -> u32 {
-        (self.heads / self.kv_heads) as u32
+/// `rows x elements` f32 zeros.
+fn zeros(client: &Client, rows: usize, elements: usize) -> (Handle, [usize; 2]) {
+    let len = rows * elements;
+    let handle = buffer(client, len * 4);
+    let units = 256;
+    zeros_kernel::launch(
+        client,
+        grid(client, len.div_ceil(units)),
+        CubeDim::new_1d(units as u32),
+        matrix([1, len], &handle),
+        within(len) as u32,
+    );
+    (handle, [rows, elements])
+}
+
+/// The sum of the partial rows `[rows, elements]` (f32), in order, as one row in `elem`:
+/// [`CHUNK`] rows at a time, so that no invocation loops over more.
+fn sum_rows(
+    client: &Client,
+    (mut partial, [mut rows, elements]): (Handle, [usize; 2]),
+    elem: ElemType,
+    size: usize,
+) -> Handle {
+    let units = 64;
+    loop {
+        let chunks = rows.div_ceil(CHUNK);
+        let last = chunks == 1;
+        let out = buffer(client, chunks * elements * if last { size } else { 4 });
+        let CubeCount::Static(x, y, _) = grid(client, elements.div_ceil(units)) else {
+            unreachable!("a static grid")
+        };
+        reduce_kernel::launch(
+            client,
+            CubeCount::Static(x, y, chunks as u32),
+            CubeDim::new_1d(units as u32),
+            matrix([rows, elements], &partial),
+            matrix([chunks, elements], &out),
+            CHUNK as u32,
+            if last {
+                elem
+            } else {
+                ElemType::Float(cubecl::ir::FloatKind::F32)
+            },
+        );
+        if last {
+            return out;
+        }
+        (partial, rows) = (out, chunks);
     }
 }
 
@@ -156,13 +416,26 @@ pub(crate) fn dims(t: &TensorBinding) -> [usize; 4] {
     std::array::from_fn(|axis| t.shape[axis])
 }
 
-/// A new buffer of `shape` in elements of `size` bytes, laid out contiguously.
+/// A new buffer of `shape` in elements of `size` bytes.
 pub(crate) fn alloc(client: &Client, shape: [usize; 4], size: usize) -> Handle {
-    client.empty(shape.iter().product::<usize>() * size)
+    buffer(client, shape.iter().product::<usize>() * size)
 }
 
-/// The element type, its size and its dead-row sentinel for the float tensors of a call
-/// in `dtype`.
+/// A new buffer of `bytes` bytes (followed, in the tests that ask for one, by a guard
+/// whose bytes show a write past the tensor).
+fn buffer(client: &Client, bytes: usize) -> Handle {
+    #[cfg(test)]
+    if super::tests::GUARD.get() > 0 {
+        let guard = super::tests::GUARD.get();
+        let mut data = vec![0u8; bytes];
+        data.resize(bytes + guard, 0xFF);
+        return client.create_from_slice(&data);
+    }
+    client.empty(bytes)
+}
+
+/// The element type, its size and its blocked-bias sentinel for the float tensors of a
+/// call in `dtype`.
 ///
 /// # Panics
 /// Unless `dtype` is f32, f16 or bf16.
@@ -174,19 +447,51 @@ pub(crate) fn element(dtype: burn::tensor::DType) -> (ElemType, usize, f32) {
         DType::BF16 => cubecl::ir::FloatKind::BF16,
         other => panic!("gpu attention: tensors of {other:?}"),
     };
-    let dead_row = crate::mask::Sentinels::of(dtype).dead_row;
-    (ElemType::Float(kind), dtype.size(), dead_row)
+    let blocked = crate::mask::Sentinels::of(dtype).blocked;
+    (ElemType::Float(kind), dtype.size(), blocked)
 }
 
-/// `handle` as a contiguous tensor of `shape`.
-pub(crate) fn contiguous(shape: [usize; 4], handle: &Handle) -> TensorArg {
-    let strides = [
+/// The strides of a contiguous tensor of `shape`.
+pub(crate) fn contiguous_strides(shape: [usize; 4]) -> [usize; 4] {
+    [
         shape[1] * shape[2] * shape[3],
         shape[2] * shape[3],
         shape[3],
         1,
-    ];
-    // SAFETY: `handle` was allocated for `shape`'s elements, laid out contiguously.
+    ]
+}
+
+/// The strides of a `[B, H, T, D]` tensor laid out `[B, T, H, D]`: the heads of a `[B, T,
+/// H·D]` tensor, which a module's projections give and take without a copy.
+pub(crate) fn heads_inside_strides([_, heads, len, d]: [usize; 4]) -> [usize; 4] {
+    [len * heads * d, d, heads * d, 1]
+}
+
+/// `handle` as a contiguous tensor of `shape`.
+pub(crate) fn contiguous(shape: [usize; 4], handle: &Handle) -> TensorArg {
+    raw(shape, contiguous_strides(shape), handle)
+}
+
+/// `handle` as a `[B, H, T, D]` tensor laid out `[B, T, H, D]`.
+pub(crate) fn heads_inside(shape: [usize; 4], handle: &Handle) -> TensorArg {
+    raw(shape, heads_inside_strides(shape), handle)
+}
+
+/// `handle` as a contiguous matrix `[rows, columns]`.
+fn matrix([rows, columns]: [usize; 2], handle: &Handle) -> TensorArg {
+    // SAFETY: `handle` was allocated for `rows · columns` elements, row by row.
+    unsafe {
+        TensorArg::from_raw_parts(
+            handle.clone(),
+            vec![columns, 1].into(),
+            vec![rows, columns].into(),
+        )
+    }
+}
+
+fn raw(shape: [usize; 4], strides: [usize; 4], handle: &Handle) -> TensorArg {
+    // SAFETY: `handle` was allocated for `shape`'s elements, laid out at `strides` (a
+    // permutation of a contiguous layout).
     unsafe {
         TensorArg::from_raw_parts(
             handle.clone(),
@@ -196,20 +501,7 @@ pub(crate) fn contiguous(shape: [usize; 4], handle: &Handle) -> TensorArg {
     }
 }
 
-/// `t` as a kernel argument, read as broadcast along its axes of size 1; a one-element
-/// placeholder where the call has no such tensor (the kernel, compiled without it, never
-/// reads it).
-pub(crate) fn optional(client: &Client, t: Option<&TensorBinding>) -> TensorArg {
-    match t {
-        Some(t) => broadcast(t.clone()).into_tensor_arg(),
-        None => {
-            let handle = client.create_from_slice(u32::as_bytes(&[0]));
-            contiguous([1, 1, 1, 1], &handle)
-        }
-    }
-}
-
-/// `t` with stride 0 along its axes of size 1, so that the kernel reads it as broadcast.
+/// `t` with stride 0 along its axes of size 1, so that the kernels read it as broadcast.
 fn broadcast(mut t: TensorBinding) -> TensorBinding {
     let shape = dims(&t);
     let strides: Vec<usize> = (0..4)
@@ -220,18 +512,18 @@ fn broadcast(mut t: TensorBinding) -> TensorBinding {
 }
 
 /// # Panics
-/// Unless `t` is a contiguous tensor of `shape` (what the kernels write and read back).
-pub(crate) fn assert_contiguous(what: &str, t: &TensorBinding, shape: [usize; 4]) {
-    let strides = [
-        shape[1] * shape[2] * shape[3],
-        shape[2] * shape[3],
-        shape[3],
-        1,
-    ];
+/// Unless `t` is a tensor of `shape` laid out at `strides` (what the kernels write and
+/// read back).
+pub(crate) fn assert_laid_out(
+    what: &str,
+    t: &TensorBinding,
+    shape: [usize; 4],
+    strides: [usize; 4],
+) {
     let laid_out = (0..4).all(|a| shape[a] <= 1 || t.strides[a] == strides[a]);
     assert!(
         dims(t) == shape && laid_out,
-        "gpu attention: the {what} has shape {:?} and strides {:?}, want {shape:?} contiguous",
+        "gpu attention: the {what} has shape {:?} and strides {:?}, want {shape:?} at {strides:?}",
         t.shape,
         t.strides
     );

@@ -1,33 +1,37 @@
 //! Attention kernels of our own in CubeCL, for the GPU backends (wgpu, cuda).
 //!
-//! - [`forward`]: the portable forward pass (no plane operations, no tensor cores, so it
-//!   runs on every CubeCL runtime, Mesa's software Vulkan included): one unit owns one
-//!   query row, a cube of units walks the key/value tiles its rows see, staged in shared
-//!   memory, with an online softmax in f32; it writes the output and each row's
-//!   log-sum-exp.
-//! - [`backward`]: FlashAttention-2's recomputing backward pass in three launches (`D`,
-//!   `dQ` queries outer, `dK`/`dV` keys outer with GQA summed in one unit).
+//! - [`tile`]: the tile product, `C += A · B` on tiles in shared memory with each unit's
+//!   block of `C` in registers: every product of the kernels, behind one interface
+//!   ([`tile::TileProduct`]) so that an implementation on tensor cores can stand beside
+//!   the portable one ([`tile::Registers`]).
+//! - [`scores`]: what every kernel reads: the call as one launch argument, a cube's block
+//!   of rows (the longest first), each row's keys, each score (soft cap, bias, bias by
+//!   distance, boolean mask) by the CPU tiles' rules.
+//! - [`forward`]: a cube of query rows walks the key tiles they see with an online softmax
+//!   in f32; it writes the output and each row's log-sum-exp.
+//! - [`backward`]: FlashAttention-2's recomputing backward pass (`D`; `dQ` queries outer,
+//!   with the bias gradients' partial sums; `dK`/`dV` keys outer with GQA summed in the
+//!   cube; the partial sums reduced in order).
+//! - [`launch`]: the host side: the tiles that fit the device's shared memory, the grid,
+//!   the passes.
 //! - [`ops`]: the backend extension that runs them on `CubeBackend`, under fusion and
 //!   under autodiff, and the function the dispatcher calls.
 //!
-//! The scores follow the CPU tiles' rules (`crate::cpu::attention`, shared code in
-//! `scores`): scale, soft cap, a bias clamped at [`BLOCKED`](crate::mask::BLOCKED), a
-//! boolean mask that sets a score to it, and each query's key interval from
-//! [`Visibility::band`](crate::mask::Visibility::band); tiles outside every row's interval
-//! are never visited.
-//!
-//! Every loop of one invocation is bounded by the number of keys (or queries) it sees:
-//! loops over the head dims are unrolled at compile time (the head dims are compile-time
-//! constants), so that no invocation comes near a driver's cap on loop iterations (Mesa's
+//! No plane (subgroup) operations and no tensor cores: the kernels run on every CubeCL
+//! runtime, Mesa's software Vulkan included. The scores follow the CPU tiles' rules
+//! (`crate::cpu::attention`): a fully blocked row gives zeros, never NaN. Every loop of
+//! an invocation runs once per tile (loops over head dims and tile rows are unrolled at
+//! compile time), so that no invocation nears a driver's cap on loop iterations (Mesa's
 //! lavapipe stops every loop of an invocation after 65,535 iterations in all, silently).
 
 pub(crate) mod backward;
 pub(crate) mod forward;
-mod launch;
+pub(crate) mod launch;
 pub(crate) mod ops;
-mod scores;
+pub(crate) mod scores;
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;
+pub(crate) mod tile;
 
 pub(crate) use launch::MOST_BINDINGS;
 pub(crate) use ops::attention;

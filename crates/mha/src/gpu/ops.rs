@@ -11,16 +11,16 @@ use burn::backend::{
     AutodiffBackend, Backend, Dispatch, ExtensionType, backend_extension,
     tensor::{BoolTensor, FloatTensor, IntTensor},
 };
-use burn::tensor::{BoolStore, DType, Int, IntDType, Shape, Tensor, TensorData};
-use burn_cubecl::kernel::{bool_cast, cast, untile};
+use burn::tensor::{BoolStore, DType, Int, Shape, Tensor, TensorData};
+use burn_cubecl::kernel::{cast, untile};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use cubecl::prelude::TensorBinding;
+use cubecl::zspace::metadata::Metadata;
 
 use super::launch::{self, Scoring};
-use super::{backward, forward};
 use crate::mask::{AttentionMask, Band};
 use crate::op::{self, Op};
-use crate::ops::attention::Scores;
+use crate::problem::Scores;
 
 /// What a call takes besides its tensors: the scores' scale and soft cap, and the band of
 /// keys each query sees.
@@ -189,8 +189,8 @@ fn binding(t: CubeTensor) -> TensorBinding {
     untile(t).binding()
 }
 
-/// The call's tensors as bindings, the mask as u32 (a boolean tensor is stored as u8 or u32
-/// depending on the device) and the sequences' bounds as i32.
+/// The call's tensors as bindings: the mask as the device stores it (u8 or u32), the
+/// sequences' bounds as i32.
 fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
     let Inputs {
         q,
@@ -203,10 +203,11 @@ fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
     } = inputs;
     let mask = match mask {
         Blocked::None => None,
-        Blocked::Some(mask) => Some(match mask.dtype {
-            DType::Bool(BoolStore::U32) => mask,
-            _ => bool_cast(mask, IntDType::U32.into()),
-        }),
+        Blocked::Some(mask) => Some(mask),
+    };
+    let mask_elem = match mask.as_ref().map(|m| m.dtype) {
+        Some(DType::Bool(BoolStore::U8)) => cubecl::ir::ElemType::UInt(cubecl::ir::UIntKind::U8),
+        _ => cubecl::ir::ElemType::UInt(cubecl::ir::UIntKind::U32),
     };
     let seq = match seq {
         Sequences::None => None,
@@ -215,32 +216,66 @@ fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
             _ => cast(seq, DType::I32),
         }),
     };
-    let (elem, size, dead_row) = launch::element(q.dtype);
+    let (elem, size, blocked) = launch::element(q.dtype);
     launch::Inputs {
         elem,
         size,
-        dead_row,
+        blocked,
         qkv: [q, k, v].map(binding),
         bias: bias.into_option().map(binding),
         pd: pd.into_option().map(binding),
         mask: mask.map(binding),
+        mask_elem,
         seq: seq.map(binding),
     }
 }
 
-/// A contiguous tensor of `shape` in `dtype` over `handle`, on the device of `like`.
+/// A tensor of `shape` laid out at `strides`, in `dtype` over `handle`, on the device of
+/// `like`.
 fn tensor_of(
+    like: &CubeTensor,
+    shape: [usize; 4],
+    strides: [usize; 4],
+    dtype: DType,
+    handle: cubecl::server::Handle,
+) -> CubeTensor {
+    CubeTensor::new(
+        like.client.clone(),
+        handle,
+        Metadata::new(shape, strides),
+        like.device.clone(),
+        dtype,
+    )
+}
+
+/// A contiguous tensor of `shape`.
+fn contiguous_of(
     like: &CubeTensor,
     shape: [usize; 4],
     dtype: DType,
     handle: cubecl::server::Handle,
 ) -> CubeTensor {
-    CubeTensor::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::new(shape),
-        handle,
+    tensor_of(
+        like,
+        shape,
+        launch::contiguous_strides(shape),
         dtype,
+        handle,
+    )
+}
+
+/// A `[B, H, T, D]` tensor laid out `[B, T, H, D]`.
+fn heads_inside_of(
+    like: &CubeTensor,
+    shape: [usize; 4],
+    handle: cubecl::server::Handle,
+) -> CubeTensor {
+    tensor_of(
+        like,
+        shape,
+        launch::heads_inside_strides(shape),
+        like.dtype,
+        handle,
     )
 }
 
@@ -253,10 +288,10 @@ impl GpuAttention for CubeBackend {
         let like = inputs.q.clone();
         let [b, h, tq, _] = dims(&inputs.q);
         let d_v = dims(&inputs.v)[3];
-        let (out, lse) = forward::forward(&like.client, &bindings(inputs), spec.scoring());
+        let (out, lse) = launch::forward(&like.client, &bindings(inputs), spec.scoring());
         Forward {
-            out: tensor_of(&like, [b, h, tq, d_v], like.dtype, out),
-            lse: tensor_of(&like, [b, h, tq, 1], DType::F32, lse),
+            out: heads_inside_of(&like, [b, h, tq, d_v], out),
+            lse: contiguous_of(&like, [b, h, tq, 1], DType::F32, lse),
         }
     }
 
@@ -276,7 +311,7 @@ impl GpuAttention for CubeBackend {
             Extra::None => [0; 4],
         };
         let [bias_shape, pd_shape] = [extra_shape(&inputs.bias), extra_shape(&inputs.pd)];
-        let grads = backward::backward(
+        let grads = launch::backward(
             &like.client,
             &bindings(inputs),
             spec.scoring(),
@@ -285,15 +320,19 @@ impl GpuAttention for CubeBackend {
             [bias_grad, pd_grad],
         );
         Grads {
-            dq: tensor_of(&like, shapes[0], like.dtype, grads.dq),
-            dk: tensor_of(&like, shapes[1], like.dtype, grads.dk),
-            dv: tensor_of(&like, shapes[2], like.dtype, grads.dv),
+            dq: heads_inside_of(&like, shapes[0], grads.dq),
+            dk: heads_inside_of(&like, shapes[1], grads.dk),
+            dv: heads_inside_of(&like, shapes[2], grads.dv),
             dbias: Extra::of(
                 grads
                     .dbias
-                    .map(|h| tensor_of(&like, bias_shape, like.dtype, h)),
+                    .map(|h| contiguous_of(&like, bias_shape, like.dtype, h)),
             ),
-            dpd: Extra::of(grads.dpd.map(|h| tensor_of(&like, pd_shape, like.dtype, h))),
+            dpd: Extra::of(
+                grads
+                    .dpd
+                    .map(|h| contiguous_of(&like, pd_shape, like.dtype, h)),
+            ),
         }
     }
 }

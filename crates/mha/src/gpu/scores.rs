@@ -1,70 +1,158 @@
-//! The device functions every kernel shares: staging rows of a tensor into shared memory,
-//! and making one score from `q · k` (the soft cap, the bias, the boolean mask), by the
-//! CPU tiles' rules (`crate::cpu::attention`).
+//! What every kernel reads of a call, and the device functions they share: the call's
+//! tensors and scalars as one launch argument ([`Problem`]), a cube's block of rows and
+//! the longest-first order of the blocks ([`block`]), each row's interval of keys (or
+//! each key's of queries) by the rule of [`Visibility`](crate::mask::Visibility), and one
+//! score from `q · k` by the CPU tiles' rules (`crate::cpu::attention`): the soft cap,
+//! the bias, the bias by distance, the boolean mask.
 
 use cubecl::prelude::*;
 
-use super::launch::UNITS;
 use crate::mask::BLOCKED;
 
 /// Beyond this `|s / cap|`, `tanh` is 1 in f32; the bound keeps its exponentials finite.
 const TANH_BOUND: f32 = 15.0;
 
-/// Stages rows `first .. first + rows` of `src` (head at `at`, rows along axis 2, columns
-/// along axis 3), times `scale`, into `tile` (`rows × cols`, row-major), every unit of the
-/// cube a share; rows from `end` on are zeros. The caller synchronises the cube.
+/// Below every score a visible key can have, [`BLOCKED`] included: the running maximum of
+/// a row before its first key.
+pub(crate) const NO_MAX: f32 = -3.0e38;
+/// The score of a key a row does not see: below [`NO_MAX`] by so much that its weight
+/// `exp(INVISIBLE - max)` is 0 whatever the row's maximum.
+pub(crate) const INVISIBLE: f32 = -3.4e38;
+
+/// The tensors and scalars of one call, as every kernel reads them.
+///
+/// `q` `[B, H, Tq, Dk]`, `k` `[B, Hkv, Tk, Dk]`, `v` `[B, Hkv, Tk, Dv]`, any strides; an
+/// additive `bias` and a boolean `mask` (nonzero = blocked), each of rank 4 and read as
+/// broadcast to `[B, H, Tq, Tk]` (stride 0 along an axis of size 1); a bias by distance
+/// `pd` (`[1, 1, H, Tq + Tk - 1]`, column `c` for the distance `c - (Tq - 1)` from a
+/// query's row to a key's) and packed sequences' bounds `seq` (i32 `[B, 1, T, 2]`, see
+/// `Visibility::sequences`). The band: query `i` sees keys `i + offset - before ..= i +
+/// offset + after` (bounds larger than the problem for "every key").
+#[derive(CubeLaunch, CubeType)]
+pub(crate) struct Problem<F: Float, M: Int> {
+    pub(crate) q: OwnedTensor<F>,
+    pub(crate) k: OwnedTensor<F>,
+    pub(crate) v: OwnedTensor<F>,
+    pub(crate) bias: ComptimeOption<OwnedTensor<F>>,
+    pub(crate) pd: ComptimeOption<OwnedTensor<F>>,
+    pub(crate) mask: ComptimeOption<OwnedTensor<M>>,
+    pub(crate) seq: ComptimeOption<OwnedTensor<i32>>,
+    pub(crate) offset: i32,
+    pub(crate) before: i32,
+    pub(crate) after: i32,
+    /// `H / Hkv`.
+    pub(crate) group: u32,
+    /// Multiplies the queries.
+    pub(crate) scale: f32,
+    /// `cap · tanh(s / cap)` on the scaled scores, before the bias; 0 for none.
+    pub(crate) softcap: f32,
+    /// A bias at or below this blocks its score (the dtype's blocked sentinel, see
+    /// `crate::mask::Sentinels`: a bias the mask wrote in f16 is `-2^14`, not `-inf`).
+    pub(crate) blocked: f32,
+    /// Bit 0: walk the query blocks last first; bit 1: the key blocks (the longest rows
+    /// first, so that a causal tail does not idle the device).
+    pub(crate) order: u32,
+}
+
+/// Walk the query blocks last first ([`Problem::order`]).
+pub(crate) const QUERIES_LAST_FIRST: u32 = 1;
+/// Walk the key blocks last first ([`Problem::order`]).
+pub(crate) const KEYS_LAST_FIRST: u32 = 2;
+
+/// A cube's block of rows of one head: rows `first ..= last` (the rows that exist), of
+/// head `head` of batch row `b` (`bh = b · heads + head`). `live`: the grid has more cubes
+/// than blocks, and this one has none.
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct Block {
+    pub(crate) live: bool,
+    pub(crate) b: usize,
+    pub(crate) head: usize,
+    pub(crate) bh: usize,
+    pub(crate) first: usize,
+    pub(crate) last: usize,
+}
+
+/// The block of this cube: cubes are numbered along the grid's `x`, then `y` (a grid's
+/// dimension is bounded, `B · H` is not), and numbers run over every head's first block,
+/// then every head's second, so that the blocks that come first are scheduled first;
+/// `last_first` reverses the blocks of a head, so that the longest rows come first.
 #[cube]
-pub(crate) fn stage<F: Float>(
-    src: &Tensor<F>,
-    at: usize,
-    first: i32,
-    end: i32,
-    scale: f32,
-    tile: &mut Shared<[f32]>,
-    #[comptime] rows: usize,
-    #[comptime] cols: usize,
-) {
-    let unit = UNIT_POS_X as usize;
-    #[unroll]
-    for i in 0..(rows * cols).div_ceil(UNITS) {
-        let e = i * UNITS + unit;
-        if e < rows * cols {
-            let row = first + (e / cols) as i32;
-            let mut x = 0.0f32;
-            if row < end {
-                x = f32::cast_from(
-                    src[at + row as usize * src.stride(2) + (e % cols) * src.stride(3)],
-                ) * scale;
-            }
-            tile[e] = x;
-        }
+pub(crate) fn block(
+    batch_heads: usize,
+    heads: usize,
+    rows: usize,
+    last_first: bool,
+    #[comptime] block_rows: usize,
+) -> Block {
+    let id = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let blocks = rows.div_ceil(block_rows);
+    let rank = id / batch_heads;
+    let bh = id % batch_heads;
+    let live = rank < blocks;
+    let mut index = rank;
+    if last_first {
+        index = blocks - 1 - min(rank, blocks - 1);
+    }
+    let first = index * block_rows;
+    Block {
+        live,
+        b: bh / heads,
+        head: bh % heads,
+        bh,
+        first,
+        last: min(first + block_rows, rows) - 1,
     }
 }
 
-/// Stages `first .. first + rows` of the per-row values `src` (rows `at ..`, contiguous)
-/// into `tile`; rows from `end` on are zeros.
+/// An interval of positions `lo .. hi`.
+#[derive(CubeType, Clone, Copy)]
+pub(crate) struct Span {
+    pub(crate) lo: i32,
+    pub(crate) hi: i32,
+}
+
+/// The keys query `row` of batch row `b` sees: the band cut to `0 .. keys` and, with
+/// packed sequences, to the row's sequence. Both bounds never decrease along the rows.
 #[cube]
-pub(crate) fn stage_rows(
-    src: &Tensor<f32>,
-    at: usize,
-    first: i32,
-    end: i32,
-    tile: &mut Shared<[f32]>,
-    #[comptime] rows: usize,
-) {
-    let unit = UNIT_POS_X as usize;
-    if unit < rows {
-        let row = first + unit as i32;
-        let mut x = 0.0f32;
-        if row < end {
-            x = src[at + row as usize];
+pub(crate) fn keys_of<F: Float, M: Int>(p: &Problem<F, M>, b: usize, row: usize) -> Span {
+    let own = row as i32 + p.offset;
+    let mut lo = max(own - p.before, 0i32);
+    let mut hi = min(own + p.after + 1, p.k.shape(2) as i32);
+    #[comptime]
+    match &p.seq {
+        ComptimeOption::Some(seq) => {
+            let at = b * seq.stride(0) + row * seq.stride(2);
+            lo = max(lo, seq[at]);
+            hi = min(hi, seq[at + seq.stride(3)]);
         }
-        tile[unit] = x;
+        ComptimeOption::None => {}
     }
+    Span { lo, hi }
+}
+
+/// The queries that see key `key` of batch row `b`: the band mirrored (query `i` sees key
+/// `j` when `j - offset - after <= i <= j - offset + before`), cut to `0 .. queries` and,
+/// with packed sequences (self-attention: a position's sequence is the same as a query and
+/// as a key), to the key's sequence. Both bounds never decrease along the keys.
+#[cube]
+pub(crate) fn queries_of<F: Float, M: Int>(p: &Problem<F, M>, b: usize, key: usize) -> Span {
+    let own = key as i32 - p.offset;
+    let mut lo = max(own - p.after, 0i32);
+    let mut hi = min(own + p.before + 1, p.q.shape(2) as i32);
+    #[comptime]
+    match &p.seq {
+        ComptimeOption::Some(seq) => {
+            let at = b * seq.stride(0) + key * seq.stride(2);
+            lo = max(lo, seq[at]);
+            hi = min(hi, seq[at + seq.stride(3)]);
+        }
+        ComptimeOption::None => {}
+    }
+    Span { lo, hi }
 }
 
 /// The raw score `s` (`q · k` with the scale in `q`) soft-capped: `cap · tanh(s / cap)`,
-/// or `s` where `softcap` is 0. The cap's slope at `s` is `1 - (capped / cap)²`.
+/// or `s` where `softcap` is 0.
 #[cube]
 pub(crate) fn capped(s: f32, softcap: f32) -> f32 {
     let mut out = s;
@@ -75,7 +163,8 @@ pub(crate) fn capped(s: f32, softcap: f32) -> f32 {
     out
 }
 
-/// The slope of [`capped`] at the score whose capped value is `capped`.
+/// The slope of [`capped`] at the score whose capped value is `capped`: `1 - (capped /
+/// cap)²`.
 #[cube]
 pub(crate) fn cap_slope(capped: f32, softcap: f32) -> f32 {
     let mut slope = 1.0f32;
@@ -86,100 +175,48 @@ pub(crate) fn cap_slope(capped: f32, softcap: f32) -> f32 {
     slope
 }
 
-/// The capped score `s` of key `key` with the bias added (clamped at [`BLOCKED`]), the
-/// bias by distance added (`pd`, `[1, 1, H, Tq + Tk - 1]`: column `key - i + Tq - 1` of the
-/// query head's row) and the boolean mask applied (a blocked key scores [`BLOCKED`]);
-/// `*_at`: the query row's start in each (`pd_at`: the head's row, `Tq - 1 - i` columns
-/// in), read only when the kernel is compiled with that tensor.
+/// The score of query `i` (of query head `h`, batch row `b`) and key `j` from its capped
+/// value: the bias added (a bias at or below [`Problem::blocked`] blocks the score), the
+/// bias by distance added, and a key the boolean mask blocks set to [`BLOCKED`].
 #[cube]
-// `if flag { if read { .. } }`: the flag is known at compile time, and the read of a
-// tensor the call does not have must not be emitted.
-#[allow(clippy::collapsible_if, clippy::too_many_arguments)]
-pub(crate) fn masked<F: Float>(
-    s: f32,
-    key: usize,
-    bias: &Tensor<F>,
-    bias_at: usize,
-    pd: &Tensor<F>,
-    pd_at: usize,
-    mask: &Tensor<u32>,
-    mask_at: usize,
-    #[comptime] has_bias: bool,
-    #[comptime] has_pd: bool,
-    #[comptime] has_mask: bool,
+pub(crate) fn masked<F: Float, M: Int>(
+    p: &Problem<F, M>,
+    capped: f32,
+    b: usize,
+    h: usize,
+    i: usize,
+    j: usize,
 ) -> f32 {
-    let mut out = s;
-    if has_bias {
-        out += max(
-            f32::cast_from(bias[bias_at + key * bias.stride(3)]),
-            BLOCKED,
-        );
-    }
-    if has_pd {
-        out += f32::cast_from(pd[pd_at + key * pd.stride(3)]);
-    }
-    if has_mask {
-        if mask[mask_at + key * mask.stride(3)] != 0u32 {
-            out = BLOCKED;
+    let mut out = capped;
+    #[comptime]
+    match &p.bias {
+        ComptimeOption::Some(bias) => {
+            let at = b * bias.stride(0) + h * bias.stride(1) + i * bias.stride(2);
+            let x = f32::cast_from(bias[at + j * bias.stride(3)]);
+            out += x;
+            if x <= p.blocked {
+                out = BLOCKED;
+            }
         }
+        ComptimeOption::None => {}
+    }
+    #[comptime]
+    match &p.pd {
+        ComptimeOption::Some(pd) => {
+            let column = p.q.shape(2) - 1 - i + j;
+            out += f32::cast_from(pd[h * pd.stride(2) + column * pd.stride(3)]);
+        }
+        ComptimeOption::None => {}
+    }
+    #[comptime]
+    match &p.mask {
+        ComptimeOption::Some(mask) => {
+            let at = b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2);
+            if mask[at + j * mask.stride(3)] != M::from_int(0) {
+                out = BLOCKED;
+            }
+        }
+        ComptimeOption::None => {}
     }
     out
-}
-
-/// Where the bias by distance of query head `h`, query row `i` starts (see [`masked`]).
-#[cube]
-pub(crate) fn pd_start<F: Float>(pd: &Tensor<F>, h: usize, i: usize, queries: usize) -> usize {
-    h * pd.stride(2) + (queries - 1 - i) * pd.stride(3)
-}
-
-/// The key intervals of a cube of query rows `first ..= last` of batch row `b` (or, by
-/// symmetry, the query intervals of a cube of keys, with the band mirrored): what the
-/// rows see between them and what row `own_row` sees, the
-/// band `own + offset - before ..= own + offset + after` cut to `0..len` and, with packed
-/// sequences (`seq`, `[B, 1, T, 2]`), to the row's sequence. Both bounds of a row's
-/// interval never decrease along the rows, so the cube's lies in the first row's lower
-/// and the last row's upper bound.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn intervals(
-    seq: &Tensor<i32>,
-    b: usize,
-    first: usize,
-    last: usize,
-    own_row: usize,
-    len: usize,
-    offset: i32,
-    before: i32,
-    after: i32,
-    #[comptime] has_seq: bool,
-) -> Intervals {
-    let end = len as i32;
-    let mut lo_cube = max(first as i32 + offset - before, 0i32);
-    let mut hi_cube = min(last as i32 + offset + after + 1, end);
-    let own = own_row as i32 + offset;
-    let mut lo = max(own - before, 0i32);
-    let mut hi = min(own + after + 1, end);
-    if has_seq {
-        let at = b * seq.stride(0);
-        let (rows, sides) = (seq.stride(2), seq.stride(3));
-        lo_cube = max(lo_cube, seq[at + first * rows]);
-        hi_cube = min(hi_cube, seq[at + last * rows + sides]);
-        lo = max(lo, seq[at + own_row * rows]);
-        hi = min(hi, seq[at + own_row * rows + sides]);
-    }
-    Intervals {
-        lo_cube,
-        hi_cube,
-        lo,
-        hi,
-    }
-}
-
-/// What [`intervals`] gives: the cube's interval and the unit's own.
-#[derive(CubeType, Clone, Copy)]
-pub(crate) struct Intervals {
-    pub(crate) lo_cube: i32,
-    pub(crate) hi_cube: i32,
-    pub(crate) lo: i32,
-    pub(crate) hi: i32,
 }

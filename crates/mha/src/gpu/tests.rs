@@ -1,22 +1,41 @@
 //! The kernels on the wgpu device (Mesa's lavapipe where there is no GPU) against
-//! attention computed in f64 on the host: outputs and log-sum-exps, every mask kind the
-//! kernel reads, lengths that are not multiples of a tile, GQA, and a key length past which
-//! a kernel looping over every key in one invocation would stop early on lavapipe.
+//! attention computed in f64 on the host: outputs, log-sum-exps and the gradients of the
+//! query, key and value, for every mask kind the kernels read, GQA, lengths that are not
+//! multiples of a tile, every tile shape the kernels may take, and the edges: sizes at a
+//! tile's edges with every buffer followed by a guard (an out-of-bounds read or write
+//! shows), a grid of more than 65,535 heads, a dK/dV cube whose group of query heads
+//! would pass lavapipe's cap on loop iterations, and f16 rows whose every score is far
+//! below zero.
 
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::sync::Mutex;
 
 use burn::backend::DispatchDevice;
-use burn::tensor::{Device, DeviceKind};
+use burn::tensor::{DType, Device, DeviceKind, f16};
 use cubecl::client::Client;
 use cubecl::prelude::*;
+use cubecl::server::Handle;
 
-use super::forward::forward;
-use super::launch::{Inputs, Scoring, Sizes, Variant};
+use super::launch::{self, Inputs, Scoring};
 use crate::mask::{AttentionMask, BLOCKED, CausalAlignment, DEAD_LSE, DEAD_ROW, Visibility};
 
-/// The variants the tests compiled, to count them.
-static VARIANTS: Mutex<Option<HashSet<Variant>>> = Mutex::new(None);
+thread_local! {
+    /// Tiles (units, queries, keys) every kernel of this thread takes instead of those
+    /// that fit the device (see `launch::tiles`).
+    pub(crate) static FORCE_TILES: Cell<Option<(usize, usize, usize)>> = const { Cell::new(None) };
+    /// Bytes of guard after every buffer this thread's kernels allocate.
+    pub(crate) static GUARD: Cell<usize> = const { Cell::new(0) };
+}
+
+/// What a guard holds: NaN in f32 and in f16, read back unchanged unless a kernel wrote
+/// past its tensor.
+const CANARY: u8 = 0xFF;
+/// Guard bytes in the edge tests: more than a tile's rows of the widest tensor.
+const GUARD_BYTES: usize = 1 << 16;
+
+/// The tiles the tests forced, to count the kernels compiled.
+static SEEN: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
 /// The client of Burn's default wgpu device.
 fn client() -> Client {
@@ -76,9 +95,16 @@ impl<T: Copy> Host<T> {
     }
 }
 
+/// The bytes of `data`, followed by this thread's guard.
+fn guarded(bytes: &[u8]) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    out.resize(bytes.len() + GUARD.get(), CANARY);
+    out
+}
+
 impl<T: CubeElement> Host<T> {
     fn upload(&self, client: &Client) -> TensorBinding {
-        let handle = client.create_from_slice(T::as_bytes(&self.data));
+        let handle = client.create_from_slice(&guarded(T::as_bytes(&self.data)));
         // SAFETY: `data` holds every element of `shape` at `strides`.
         unsafe {
             TensorBinding::from_raw_parts(
@@ -90,10 +116,10 @@ impl<T: CubeElement> Host<T> {
     }
 }
 
-/// One problem: sizes, scoring, mask and how the query is laid out.
+/// One problem: sizes, scoring, mask, how the query is laid out and the dtype.
 #[derive(Clone)]
 struct Case {
-    name: &'static str,
+    name: String,
     batch: usize,
     heads: usize,
     kv_heads: usize,
@@ -112,16 +138,18 @@ struct Case {
     dead_batches: usize,
     /// The query as the heads of a `[B, Tq, H, Dk]` tensor.
     heads_inside: bool,
+    /// f32 or f16 (the inputs rounded to it, the reference computed from them).
+    dtype: DType,
 }
 
 impl Case {
     fn new(
-        name: &'static str,
+        name: &str,
         [batch, heads, kv_heads]: [usize; 3],
         [queries, keys, d]: [usize; 3],
     ) -> Self {
         Self {
-            name,
+            name: name.into(),
             batch,
             heads,
             kv_heads,
@@ -136,6 +164,7 @@ impl Case {
             blocked: None,
             dead_batches: 0,
             heads_inside: false,
+            dtype: DType::F32,
         }
     }
 
@@ -144,11 +173,12 @@ impl Case {
     }
 }
 
-/// The inputs of a case on the host.
+/// The inputs of a case on the host (rounded to its dtype), and the output's gradient.
 struct Data {
     q: Host<f32>,
     k: Host<f32>,
     v: Host<f32>,
+    grad: Host<f32>,
     bias: Option<Host<f32>>,
     blocked: Option<Host<u32>>,
 }
@@ -165,24 +195,37 @@ impl Data {
             d_v,
             ..
         } = *case;
+        let round = |x: Vec<f32>| match case.dtype {
+            DType::F16 => x.into_iter().map(|x| f16::from_f32(x).to_f32()).collect(),
+            _ => x,
+        };
         let layout = match case.heads_inside {
             true => [0, 2, 1, 3],
             false => [0, 1, 2, 3],
         };
-        let q = Host::new([b, h, tq, d_k], layout, values(b * h * tq * d_k, 1, 1.0));
+        let q = Host::new(
+            [b, h, tq, d_k],
+            layout,
+            round(values(b * h * tq * d_k, 1, 1.0)),
+        );
         let k = Host::new(
             [b, hk, tk, d_k],
             [0, 1, 2, 3],
-            values(b * hk * tk * d_k, 2, 1.0),
+            round(values(b * hk * tk * d_k, 2, 1.0)),
         );
         let v = Host::new(
             [b, hk, tk, d_v],
             [0, 1, 2, 3],
-            values(b * hk * tk * d_v, 3, 1.0),
+            round(values(b * hk * tk * d_v, 3, 1.0)),
+        );
+        let grad = Host::new(
+            [b, h, tq, d_v],
+            [0, 1, 2, 3],
+            round(values(b * h * tq * d_v, 5, 1.0)),
         );
         let bias = case.bias.map(|shape| {
             let n = shape.iter().product();
-            let mut data = values(n, 4, 2.0);
+            let mut data = round(values(n, 4, 2.0));
             data.iter_mut()
                 .step_by(7)
                 .for_each(|x| *x = f32::NEG_INFINITY);
@@ -203,144 +246,297 @@ impl Data {
             q,
             k,
             v,
+            grad,
             bias,
             blocked,
         }
     }
 }
 
-/// The output `[B, H, Tq, Dv]` and log-sum-exp `[B, H, Tq]` in f64, by the kernel's rules
-/// with the keys of each query from [`Visibility::keys_of`].
-fn reference(case: &Case, data: &Data, visibility: &Visibility) -> (Vec<f64>, Vec<f64>) {
-    let (tq, dv) = (case.queries, case.d_v);
+/// Attention in f64 by the kernels' rules, with the keys of each query from
+/// [`Visibility::keys_of`]: the output `[B, H, Tq, Dv]`, the log-sum-exp `[B, H, Tq]`, and
+/// the gradients of the query, key and value (each of its input's shape, contiguous) for
+/// the output's gradient `data.grad`.
+struct Reference {
+    out: Vec<f64>,
+    lse: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+}
+
+fn reference(case: &Case, data: &Data, visibility: &Visibility) -> Reference {
+    let (tq, tk, dk_, dv_) = (case.queries, case.keys, case.d_k, case.d_v);
     let group = case.heads / case.kv_heads;
-    let mut out = vec![0.0; case.batch * case.heads * tq * dv];
-    let mut lse = vec![0.0; case.batch * case.heads * tq];
+    let scale = case.scale as f64;
+    let mut r = Reference {
+        out: vec![0.0; case.batch * case.heads * tq * dv_],
+        lse: vec![0.0; case.batch * case.heads * tq],
+        dq: vec![0.0; case.batch * case.heads * tq * dk_],
+        dk: vec![0.0; case.batch * case.kv_heads * tk * dk_],
+        dv: vec![0.0; case.batch * case.kv_heads * tk * dv_],
+    };
     for b in 0..case.batch {
         for h in 0..case.heads {
+            let hk = h / group;
             for i in 0..tq {
-                let keys = visibility.keys_of(b, i);
-                let scores: Vec<f64> = keys
-                    .clone()
-                    .map(|j| {
-                        let dot: f64 = (0..case.d_k)
+                let keys: Vec<usize> = visibility.keys_of(b, i).collect();
+                // Each score, and the soft cap's slope at it.
+                let scored: Vec<(f64, f64)> = keys
+                    .iter()
+                    .map(|&j| {
+                        let dot: f64 = (0..dk_)
                             .map(|d| {
-                                let q = (data.q.at([b, h, i, d]) * case.scale) as f64;
-                                q * data.k.at([b, h / group, j, d]) as f64
+                                data.q.at([b, h, i, d]) as f64 * data.k.at([b, hk, j, d]) as f64
                             })
-                            .sum();
-                        let mut s = match case.softcap {
-                            Some(cap) => cap as f64 * (dot / cap as f64).tanh(),
-                            None => dot,
+                            .sum::<f64>()
+                            * scale;
+                        let (mut s, slope) = match case.softcap {
+                            Some(cap) => {
+                                let t = (dot / cap as f64).tanh();
+                                (cap as f64 * t, 1.0 - t * t)
+                            }
+                            None => (dot, 1.0),
                         };
                         if let Some(bias) = &data.bias {
-                            s += (bias.at([b, h, i, j]) as f64).max(BLOCKED as f64);
+                            let x = bias.at([b, h, i, j]) as f64;
+                            s = if x <= BLOCKED as f64 {
+                                BLOCKED as f64
+                            } else {
+                                s + x
+                            };
                         }
                         if let Some(blocked) = &data.blocked
                             && blocked.at([b, h, i, j]) != 0
                         {
                             s = BLOCKED as f64;
                         }
-                        s
+                        (s, slope)
                     })
                     .collect();
                 let row = (b * case.heads + h) * tq + i;
-                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let max = scored.iter().map(|s| s.0).fold(f64::NEG_INFINITY, f64::max);
                 if max <= DEAD_ROW as f64 {
-                    lse[row] = DEAD_LSE as f64;
+                    r.lse[row] = DEAD_LSE as f64;
                     continue;
                 }
-                let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-                let sum: f64 = weights.iter().sum();
-                lse[row] = max + sum.ln();
-                for (j, w) in keys.zip(&weights) {
-                    for d in 0..dv {
-                        out[row * dv + d] += w / sum * data.v.at([b, h / group, j, d]) as f64;
+                let sum: f64 = scored.iter().map(|s| (s.0 - max).exp()).sum();
+                r.lse[row] = max + sum.ln();
+                let p: Vec<f64> = scored.iter().map(|s| (s.0 - r.lse[row]).exp()).collect();
+                for (&j, &w) in keys.iter().zip(&p) {
+                    for d in 0..dv_ {
+                        r.out[row * dv_ + d] += w * data.v.at([b, hk, j, d]) as f64;
+                    }
+                }
+                let d_o = |d: usize| data.grad.at([b, h, i, d]) as f64;
+                let delta: f64 = (0..dv_).map(|d| d_o(d) * r.out[row * dv_ + d]).sum();
+                for ((&j, &w), &(_, slope)) in keys.iter().zip(&p).zip(&scored) {
+                    let dp: f64 = (0..dv_)
+                        .map(|d| d_o(d) * data.v.at([b, hk, j, d]) as f64)
+                        .sum();
+                    let ds = w * (dp - delta) * slope * scale;
+                    let kv_row = (b * case.kv_heads + hk) * tk + j;
+                    for d in 0..dk_ {
+                        r.dq[row * dk_ + d] += ds * data.k.at([b, hk, j, d]) as f64;
+                        r.dk[kv_row * dk_ + d] += ds * data.q.at([b, h, i, d]) as f64;
+                    }
+                    for d in 0..dv_ {
+                        r.dv[kv_row * dv_ + d] += w * d_o(d);
                     }
                 }
             }
         }
     }
-    (out, lse)
+    r
 }
 
-/// The kernel's output and log-sum-exp for `case`.
-fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> (Vec<f32>, Vec<f32>) {
-    let band = visibility.band();
-    let (elem, size, dead_row) = super::launch::element(burn::tensor::DType::F32);
+/// What the kernels give for a case, each tensor `[B, heads, T, D]` contiguous.
+struct Run {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+/// The elements of `handle` (laid out as the heads of a `[B, T, heads·D]` tensor) as a
+/// contiguous `[B, heads, T, D]` tensor, checking the guard after them.
+fn read_heads(client: &Client, handle: Handle, [b, h, t, d]: [usize; 4], size: usize) -> Vec<f32> {
+    let bytes = read_guarded(client, handle, b * h * t * d * size);
+    let values = to_f32(&bytes, size);
+    let mut out = vec![0.0; b * h * t * d];
+    for bi in 0..b {
+        for hi in 0..h {
+            for ti in 0..t {
+                for di in 0..d {
+                    out[((bi * h + hi) * t + ti) * d + di] =
+                        values[((bi * t + ti) * h + hi) * d + di];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The first `len` bytes of `handle`, after checking that its guard is untouched.
+fn read_guarded(client: &Client, handle: Handle, len: usize) -> Vec<u8> {
+    let bytes = client.read_one(handle).expect("a buffer").to_vec();
+    assert!(bytes.len() >= len, "{} bytes, want {len}", bytes.len());
+    if let Some(at) = bytes[len..].iter().position(|&x| x != CANARY) {
+        panic!(
+            "a kernel wrote {} bytes past its tensor of {len} bytes",
+            at + 1
+        );
+    }
+    bytes[..len].to_vec()
+}
+
+fn to_f32(bytes: &[u8], size: usize) -> Vec<f32> {
+    match size {
+        4 => f32::from_bytes(bytes).to_vec(),
+        _ => bytes
+            .chunks(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+    }
+}
+
+fn upload_as(client: &Client, host: &Host<f32>, dtype: DType) -> TensorBinding {
+    match dtype {
+        DType::F16 => {
+            Host::new_strided(host, host.data.iter().map(|&x| f16::from_f32(x)).collect())
+                .upload(client)
+        }
+        _ => host.upload(client),
+    }
+}
+
+impl<T: Copy> Host<T> {
+    fn new_strided<U>(like: &Host<U>, data: Vec<T>) -> Self {
+        Self {
+            shape: like.shape,
+            strides: like.strides,
+            data,
+        }
+    }
+}
+
+/// Runs the forward and backward kernels on `case`.
+fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Run {
+    let (elem, size, blocked) = launch::element(case.dtype);
     let inputs = Inputs {
         elem,
         size,
-        dead_row,
-        qkv: [&data.q, &data.k, &data.v].map(|t| t.upload(client)),
-        bias: data.bias.as_ref().map(|t| t.upload(client)),
+        blocked,
+        qkv: [&data.q, &data.k, &data.v].map(|t| upload_as(client, t, case.dtype)),
+        bias: data.bias.as_ref().map(|t| upload_as(client, t, case.dtype)),
         pd: None,
         mask: data.blocked.as_ref().map(|t| t.upload(client)),
+        mask_elem: ElemType::UInt(cubecl::ir::UIntKind::U32),
         seq: None,
     };
     let scoring = Scoring {
         scale: case.scale,
         softcap: case.softcap,
-        band,
+        band: visibility.band(),
     };
-    let sizes = Sizes::of([&inputs.qkv[0], &inputs.qkv[1], &inputs.qkv[2]]);
-    let variant = Variant::of(&sizes, &inputs);
-    VARIANTS
-        .lock()
+    let n = inputs.dims();
+    SEEN.lock()
         .unwrap()
         .get_or_insert_with(HashSet::new)
-        .insert(variant);
-    let compiled = VARIANTS.lock().unwrap().as_ref().map_or(0, HashSet::len);
-    println!(
-        "{}: variant {variant:?}, {compiled} variants so far",
-        case.name
+        .insert(format!("{:?}", launch::tiles(&n, size, 1 << 20)));
+    let (b, h, hk, tq, tk) = (n.batch, n.heads, n.kv_heads, n.queries, n.keys);
+    let (out, lse) = launch::forward(client, &inputs, scoring);
+    let out_shape = [b, h, tq, n.d_v];
+    let lse_shape = [b, h, tq, 1];
+    // SAFETY: the forward pass wrote these tensors in these layouts.
+    let (out_binding, lse_binding) = unsafe {
+        (
+            TensorBinding::from_raw_parts(
+                out.clone(),
+                launch::heads_inside_strides(out_shape).to_vec().into(),
+                out_shape.to_vec().into(),
+            ),
+            TensorBinding::from_raw_parts(
+                lse.clone(),
+                launch::contiguous_strides(lse_shape).to_vec().into(),
+                lse_shape.to_vec().into(),
+            ),
+        )
+    };
+    let grad = upload_as(client, &data.grad, case.dtype);
+    let grads = launch::backward(
+        client,
+        &inputs,
+        scoring,
+        [&out_binding, &lse_binding],
+        &grad,
+        [false, false],
     );
-    let (out, lse) = forward(client, &inputs, scoring);
-    let out = f32::from_bytes(&client.read_one(out).expect("output")).to_vec();
-    let lse = f32::from_bytes(&client.read_one(lse).expect("lse")).to_vec();
-    (out, lse)
+    Run {
+        out: read_heads(client, out, out_shape, size),
+        lse: to_f32(&read_guarded(client, lse, b * h * tq * 4), 4),
+        dq: read_heads(client, grads.dq, [b, h, tq, n.d_k], size),
+        dk: read_heads(client, grads.dk, [b, hk, tk, n.d_k], size),
+        dv: read_heads(client, grads.dv, [b, hk, tk, n.d_v], size),
+    }
 }
 
-/// Runs `case` and checks it against [`reference`]: outputs within `1e-5` (plus `1e-5` of
-/// their size), log-sum-exps within `1e-5` of their size (plus `1e-5`); returns both
-/// largest errors.
-fn check(case: &Case) -> (f64, f64) {
-    let client = client();
-    let data = Data::of(case);
-    let visibility = case.mask.visibility(case.queries, case.keys);
-    let (want_out, want_lse) = reference(case, &data, &visibility);
-    let (out, lse) = run(&client, case, &data, &visibility);
-    assert_eq!(out.len(), want_out.len());
-    let mut errors = (0.0f64, 0.0f64);
-    for (at, (&got, &want)) in out.iter().zip(&want_out).enumerate() {
-        let err = (got as f64 - want).abs();
+/// `got` against `want` within `atol + rtol · |want|`; the largest error.
+fn close(case: &Case, what: &str, got: &[f32], want: &[f64], [atol, rtol]: [f64; 2]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{}: {what}", case.name);
+    let mut worst = 0.0f64;
+    for (at, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w).abs();
         assert!(
-            err <= 1e-5 + 1e-5 * want.abs(),
-            "{}: output {at}: {got} != {want}",
+            err <= atol + rtol * w.abs(),
+            "{}: {what} {at}: {g} != {w}",
             case.name
         );
-        errors.0 = errors.0.max(err);
-    }
-    for (at, (&got, &want)) in lse.iter().zip(&want_lse).enumerate() {
-        let err = (got as f64 - want).abs();
-        assert!(
-            err <= 1e-5 + 1e-5 * want.abs(),
-            "{}: log-sum-exp {at}: {got} != {want}",
-            case.name
-        );
-        if want != DEAD_LSE as f64 {
-            errors.1 = errors.1.max(err);
+        if w != DEAD_LSE as f64 {
+            worst = worst.max(err);
         }
     }
+    worst
+}
+
+/// Runs `case` forward and backward and checks every result against [`reference`].
+fn check(case: &Case) {
+    check_data(case, &Data::of(case));
+}
+
+/// [`check`] on inputs of the caller's.
+fn check_data(case: &Case, data: &Data) {
+    let client = client();
+    let visibility = case.mask.visibility(case.queries, case.keys);
+    let want = reference(case, data, &visibility);
+    let got = run(&client, case, data, &visibility);
+    let (forward, grads) = match case.dtype {
+        DType::F16 => ([2e-3, 2e-3], [5e-3, 5e-3]),
+        _ => ([1e-5, 1e-5], [2e-5, 1e-4]),
+    };
+    let errors = [
+        close(case, "output", &got.out, &want.out, forward),
+        close(case, "log-sum-exp", &got.lse, &want.lse, [1e-5, 1e-5]),
+        close(case, "dq", &got.dq, &want.dq, grads),
+        close(case, "dk", &got.dk, &want.dk, grads),
+        close(case, "dv", &got.dv, &want.dv, grads),
+    ];
     println!(
-        "{}: max abs error output {:.2e}, log-sum-exp {:.2e}",
-        case.name, errors.0, errors.1
+        "{}: largest errors: output {:.1e}, lse {:.1e}, dq {:.1e}, dk {:.1e}, dv {:.1e}",
+        case.name, errors[0], errors[1], errors[2], errors[3], errors[4]
     );
-    errors
+}
+
+/// Runs `body` with the kernels' tiles forced to `tiles`.
+fn with_tiles(tiles: (usize, usize, usize), body: impl FnOnce()) {
+    FORCE_TILES.set(Some(tiles));
+    body();
+    FORCE_TILES.set(None);
 }
 
 #[test]
-fn gpu_forward_without_a_mask_matches_f64() {
+fn gpu_attention_without_a_mask_matches_f64() {
     check(&Case {
         heads_inside: true,
         ..Case::new("none d32 B2 H3 T77", [2, 3, 3], [77, 77, 32])
@@ -353,7 +549,7 @@ fn gpu_forward_without_a_mask_matches_f64() {
 }
 
 #[test]
-fn gpu_forward_causal_in_both_alignments_matches_f64() {
+fn gpu_attention_causal_in_both_alignments_matches_f64() {
     let causal = AttentionMask::causal;
     for (queries, keys) in [(40, 100), (70, 45), (65, 65)] {
         check(&Case::new("causal bottom-right d64", [1, 2, 2], [queries, keys, 64]).mask(causal()));
@@ -370,7 +566,7 @@ fn gpu_forward_causal_in_both_alignments_matches_f64() {
 }
 
 #[test]
-fn gpu_forward_gqa_8_to_2_matches_f64() {
+fn gpu_attention_gqa_8_to_2_matches_f64() {
     check(&Case {
         scale: 0.2,
         ..Case::new("gqa 8:2 causal d128", [1, 8, 2], [37, 53, 128]).mask(AttentionMask::causal())
@@ -378,7 +574,7 @@ fn gpu_forward_gqa_8_to_2_matches_f64() {
 }
 
 #[test]
-fn gpu_forward_bias_and_key_padding_match_f64() {
+fn gpu_attention_bias_and_key_padding_match_f64() {
     // A bias per head and query, `-inf` in places; key padding with every key of the
     // second batch row blocked (its rows give zeros).
     let (b, h, tq, tk) = (2, 2, 35, 41);
@@ -403,7 +599,7 @@ fn gpu_forward_bias_and_key_padding_match_f64() {
 }
 
 #[test]
-fn gpu_forward_windows_match_f64() {
+fn gpu_attention_windows_match_f64() {
     check(
         &Case::new("sliding window 5 d64", [1, 2, 2], [70, 70, 64])
             .mask(AttentionMask::sliding_window(5)),
@@ -423,7 +619,7 @@ fn gpu_forward_windows_match_f64() {
 }
 
 #[test]
-fn gpu_forward_softcap_matches_f64() {
+fn gpu_attention_softcap_matches_f64() {
     check(&Case {
         scale: 1.0,
         softcap: Some(5.0),
@@ -431,26 +627,123 @@ fn gpu_forward_softcap_matches_f64() {
     });
 }
 
-/// 2048 keys at head dim 128: one invocation looping over every key and head dim would
-/// run 2048 · 256 iterations, far past lavapipe's 65,535, and stop early silently.
+/// Every tile shape the kernels may take (whatever the device's shared memory picks), on
+/// a head dim that is not a multiple of 16 and lengths that are not multiples of a tile,
+/// causal with a bias and a boolean mask, in f32 and f16 where the device's shared
+/// memory holds the tiles (each shape in one dtype at least).
 #[test]
-fn gpu_forward_past_the_loop_cap_of_a_naive_kernel_matches_f64() {
+fn gpu_attention_in_every_tile_shape_matches_f64() {
+    let shared = client().properties().hardware.max_shared_memory_size;
+    for tiles in launch::CANDIDATES {
+        let mut ran = Vec::new();
+        for dtype in [DType::F32, DType::F16] {
+            let case = Case {
+                bias: Some([1, 2, 1, 75]),
+                blocked: Some([1, 1, 70, 75]),
+                dtype,
+                ..Case::new(
+                    &format!("tiles {tiles:?} {dtype:?} causal bias bool d24/32"),
+                    [1, 2, 1],
+                    [70, 75, 24],
+                )
+                .mask(AttentionMask::causal())
+            };
+            let (u, q, k) = tiles;
+            let size = dtype.size();
+            let needs = [
+                launch::ForwardTiles::new(u, q, k, 24, 32).shared_bytes(size),
+                launch::DqTiles::new(u, q, k, 24, 32).shared_bytes(size),
+                launch::DkvTiles::new(u, q, k, 24, 32).shared_bytes(size),
+            ];
+            match needs.iter().all(|&n| n <= shared) {
+                true => {
+                    with_tiles(tiles, || check(&Case { d_v: 32, ..case }));
+                    ran.push(dtype);
+                }
+                false => println!(
+                    "tiles {tiles:?} in {dtype:?}: the kernels need {needs:?} bytes of shared \
+                     memory, the device has {shared}: not run in this dtype"
+                ),
+            }
+        }
+        assert!(!ran.is_empty(), "tiles {tiles:?} ran in no dtype");
+    }
+}
+
+/// Lengths 1, 63, 65, 127 and 129 (a tile's edges), every buffer followed by a guard of
+/// NaN: a read past a tensor gives NaN, a write past one changes the guard.
+#[test]
+fn gpu_attention_at_the_tiles_edges_stays_within_its_tensors() {
+    GUARD.set(GUARD_BYTES);
+    for len in [1, 63, 65, 127, 129] {
+        check(&Case::new(
+            &format!("edge T{len} d64"),
+            [1, 2, 1],
+            [len, len, 64],
+        ));
+        check(&Case {
+            bias: Some([1, 1, len, len]),
+            ..Case::new(
+                &format!("edge causal bias T{len} d16"),
+                [2, 1, 1],
+                [len, len, 16],
+            )
+            .mask(AttentionMask::causal())
+        });
+        check(&Case::new(
+            &format!("edge Tq{len} Tk3 d8"),
+            [1, 1, 1],
+            [len, 3, 8],
+        ));
+    }
+    GUARD.set(0);
+}
+
+/// An f16 call whose scores all lie far below zero (large logits): below f16's
+/// dead-row sentinel (`-2^13`), yet rows with a real softmax, not blocked rows.
+#[test]
+fn gpu_attention_in_f16_keeps_rows_of_very_low_scores() {
+    let case = Case {
+        dtype: DType::F16,
+        scale: 1.0,
+        ..Case::new("f16 scores below -8192", [1, 1, 1], [16, 24, 32])
+    };
+    // Queries in [16, 24], keys in [-24, -16]: every score about -12,800.
+    let mut data = Data::of(&case);
+    let shift = |x: &mut f32, sign: f32| *x = f16::from_f32(sign * (20.0 + 4.0 * *x)).to_f32();
+    data.q.data.iter_mut().for_each(|x| shift(x, 1.0));
+    data.k.data.iter_mut().for_each(|x| shift(x, -1.0));
+    let visibility = case.mask.visibility(case.queries, case.keys);
+    let want = reference(&case, &data, &visibility);
+    let highest = want.lse.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    assert!(
+        highest < -8192.0,
+        "the case's highest log-sum-exp: {highest}"
+    );
+    check_data(&case, &data);
+}
+
+/// More query heads than a grid's dimension has cubes (65,535 on lavapipe): the grid
+/// folds them.
+#[test]
+fn gpu_attention_over_more_heads_than_a_grid_dimension_matches_f64() {
+    check(&Case::new("B·H = 66,000", [2, 33_000, 33_000], [2, 3, 4]));
+}
+
+/// Grouped-query attention 8:1 over 9,000 queries: one dK/dV cube walks every query of
+/// its eight heads; a cube that looped once per query would pass lavapipe's 65,535
+/// iterations and stop early, silently.
+#[test]
+fn gpu_attention_gqa_8_to_1_over_9000_queries_matches_f64() {
     check(&Case::new(
-        "loop cap 2048 keys d128",
-        [1, 1, 1],
-        [8, 2048, 128],
-    ));
-    // This kernel loops about twice per key its row sees: 20,000 keys are about 41,000
-    // iterations of one invocation, still below the cap.
-    check(&Case::new(
-        "loop cap 20000 keys d128",
-        [1, 1, 1],
-        [1, 20_000, 128],
+        "gqa 8:1 Tq 9000 Tk 8 d4",
+        [1, 8, 1],
+        [9000, 8, 4],
     ));
 }
 
 #[test]
-fn gpu_forward_is_deterministic() {
+fn gpu_attention_is_deterministic() {
     let client = client();
     let case = Case::new("determinism", [1, 4, 2], [45, 300, 64]).mask(AttentionMask::causal());
     let data = Data::of(&case);
@@ -458,6 +751,27 @@ fn gpu_forward_is_deterministic() {
     let first = run(&client, &case, &data, &visibility);
     let second = run(&client, &case, &data, &visibility);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&first.0), bits(&second.0));
-    assert_eq!(bits(&first.1), bits(&second.1));
+    for (a, b) in [
+        (&first.out, &second.out),
+        (&first.lse, &second.lse),
+        (&first.dq, &second.dq),
+        (&first.dk, &second.dk),
+        (&first.dv, &second.dv),
+    ] {
+        assert_eq!(bits(a), bits(b));
+    }
+}
+
+/// 20,000 keys at head dim 128: one invocation looping over every key and head dim would
+/// pass lavapipe's 65,535 iterations and stop early, silently.
+#[test]
+fn gpu_forward_past_the_loop_cap_of_a_naive_kernel_matches_f64() {
+    let client = client();
+    let case = Case::new("loop cap 20000 keys d128", [1, 1, 1], [1, 20_000, 128]);
+    let data = Data::of(&case);
+    let visibility = case.mask.visibility(case.queries, case.keys);
+    let want = reference(&case, &data, &visibility);
+    let got = run(&client, &case, &data, &visibility);
+    close(&case, "output", &got.out, &want.out, [1e-5, 1e-5]);
+    close(&case, "dk", &got.dk, &want.dk, [2e-5, 1e-4]);
 }

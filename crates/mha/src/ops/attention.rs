@@ -17,13 +17,6 @@
 //! dtable[h, c] = dS summed over the scores whose distance falls in bucket c
 //! ```
 
-/// How the scores are made from `Q Kᵀ`: the scale and the soft cap.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Scores {
-    pub(crate) scale: f64,
-    pub(crate) softcap: Option<f64>,
-}
-
 #[cfg(any(feature = "flex", feature = "ndarray"))]
 pub(crate) use cpu::{AttentionOp, Spec, attention};
 
@@ -32,7 +25,6 @@ mod cpu {
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::tensor::Tensor;
 
-    use super::Scores;
     use crate::cpu::attention::{
         Dims, Positional as TilePositional, Scoring, tiled_backward, tiled_forward,
     };
@@ -41,6 +33,7 @@ mod cpu {
     use crate::op::Op;
     use crate::ops::FusedOp;
     use crate::positions::{Buckets, PositionBias};
+    use crate::problem::Scores;
 
     /// What an attention call takes besides its tensors.
     #[derive(Clone, Debug)]
@@ -140,7 +133,7 @@ mod cpu {
             let mut next = || floats.next().expect("attention's inputs");
             let qkv = [next(), next(), next()];
             let shapes = qkv.each_ref().map(dims_of::<B>);
-            let dims = Dims::new(shapes, scores.scale);
+            let dims = Dims::of(shapes);
             let visibility = rule.visibility(dims.queries, dims.keys);
             let bias = bias.then(&mut next);
             let (position, table) = match position {
@@ -154,6 +147,7 @@ mod cpu {
             let problem = Problem {
                 dims,
                 scoring: Scoring {
+                    scale: scores.scale as f32,
                     softcap: scores.softcap.map(|cap| cap as f32),
                     visibility,
                     position,

@@ -63,6 +63,7 @@ pub(super) fn backward_on(
         ..
     } = dims;
     let group = dims.group();
+    let scale = extra.scoring.scale;
     // Not zeroed (a pass over each on this thread while the others wait): the tasks
     // below write every row of dK and dV (each key of each key/value head belongs to one
     // task), and every row of dQ, themselves or summed from their parts after them. Their
@@ -101,7 +102,7 @@ pub(super) fn backward_on(
                 let h = kvh * group + g;
                 let bh = b * heads + h;
                 let lse = &lse[bh * queries..(bh + 1) * queries];
-                let head = Head::new(dims, b, h, &q, &output, &grad, lse);
+                let head = Head::new(dims, scale, b, h, &q, &output, &grad, lse);
                 isa.run(HeadBackward {
                     head: &head,
                     dims,
@@ -132,7 +133,7 @@ pub(super) fn backward_on(
                     // SAFETY: the task is head (b, h)'s only one: its dQ rows are its own.
                     let out = unsafe { std::slice::from_raw_parts_mut(dq_out.at(at), d_k) };
                     for (o, &x) in out.iter_mut().zip(row) {
-                        *o = x * dims.scale;
+                        *o = x * scale;
                     }
                 }
             }
@@ -196,7 +197,7 @@ pub(super) fn backward_on(
                     let sum = parts
                         .iter()
                         .fold(0.0f32, |sum, (part, _, _)| sum + part[at + j]);
-                    d.write(sum * dims.scale);
+                    d.write(sum * scale);
                 }
             }
         });
@@ -349,6 +350,7 @@ impl<'a> Head<'a> {
     #[allow(clippy::too_many_arguments)]
     fn new(
         dims: Dims,
+        scale: f32,
         b: usize,
         h: usize,
         q: &Grid<f32>,
@@ -366,7 +368,7 @@ impl<'a> Head<'a> {
         let mut qst = vec![0.0f32; d_k * padded];
         for (i, row) in qs.chunks_exact_mut(d_k).enumerate() {
             for (x, &y) in row.iter_mut().zip(q.row(b, h, i, d_k)) {
-                *x = y * dims.scale;
+                *x = y * scale;
             }
             for (t, &x) in qst[panel(i, d_k)..].iter_mut().step_by(QT).zip(&*row) {
                 *t = x;
@@ -587,7 +589,6 @@ mod tests {
             keys: 1000,
             d_k: 8,
             d_v: 8,
-            scale: 1.0,
         };
         let causal = crate::mask::AttentionMask::causal().visibility(1000, 1000);
         let ranges = key_ranges(dims, &causal, 8);

@@ -125,7 +125,7 @@ impl Scratch {
         for i in 0..nq {
             let row = q.row(b, h, q0 + i, d_k);
             for (t, &x) in self.qt[i..].iter_mut().step_by(QT).zip(row) {
-                *t = x * dims.scale;
+                *t = x * extra.scoring.scale;
             }
         }
         self.max[..nq].fill(f32::NEG_INFINITY);

@@ -39,6 +39,7 @@ use super::isa::Arch;
 use super::tensors::{CpuTensors, Grid};
 use crate::mask::{BLOCKED, Visibility};
 use crate::positions::Buckets;
+pub(crate) use crate::problem::Dims;
 use backward::backward;
 use forward::forward;
 
@@ -47,49 +48,13 @@ const QT: usize = 64;
 /// Keys per tile.
 const KT: usize = 64;
 
-/// The sizes of one attention call and its causal flag and scale.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Dims {
-    pub(crate) batch: usize,
-    pub(crate) heads: usize,
-    /// Key and value heads, a divisor of `heads`: query head `h` reads `h / (heads /
-    /// kv_heads)`.
-    pub(crate) kv_heads: usize,
-    pub(crate) queries: usize,
-    pub(crate) keys: usize,
-    pub(crate) d_k: usize,
-    pub(crate) d_v: usize,
-    pub(crate) scale: f32,
-}
-
-impl Dims {
-    /// The sizes of query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]` and value `[B, Hkv,
-    /// Tk, Dv]`.
-    pub(crate) fn new([query, key, value]: [[usize; 4]; 3], scale: f64) -> Self {
-        let [batch, heads, queries, d_k] = query;
-        Self {
-            batch,
-            heads,
-            kv_heads: key[1],
-            queries,
-            keys: key[2],
-            d_k,
-            d_v: value[3],
-            scale: scale as f32,
-        }
-    }
-
-    /// Query heads per key/value head.
-    fn group(&self) -> usize {
-        self.heads / self.kv_heads.max(1)
-    }
-}
-
-/// How the tiles make the scores of the softmax from `Q Kᵀ · scale`, besides the user's
-/// boolean mask and bias: a soft cap (`cap · tanh(s / cap)`, before the bias), and which
-/// keys each query sees.
+/// How the tiles make the scores of the softmax from `Q Kᵀ`, besides the user's boolean
+/// mask and bias: the scale, a soft cap (`cap · tanh(s / cap)`, before the bias), and
+/// which keys each query sees.
 #[derive(Clone, Debug)]
 pub(crate) struct Scoring {
+    /// Multiplies the queries.
+    pub(crate) scale: f32,
     pub(crate) softcap: Option<f32>,
     pub(crate) visibility: Visibility,
     /// A bias by position, added with the user's bias.

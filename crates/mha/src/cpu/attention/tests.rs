@@ -54,7 +54,6 @@ impl Case {
             keys,
             d_k,
             d_v,
-            scale: 0.3,
         };
         let mut blocked: Vec<u8> = random(batch * queries * keys, 5)
             .iter()
@@ -75,6 +74,7 @@ impl Case {
             bias: random(heads * keys, 6),
             blocked,
             scoring: Scoring {
+                scale: 0.3,
                 softcap,
                 visibility: visibility.clone(),
                 position: position.as_ref().map(|p| match p {
@@ -150,7 +150,7 @@ impl Case {
                             let kj = &self.k[(bkv * d.keys + j) * dk_..][..dk_];
                             let dot: f64 =
                                 qi.iter().zip(kj).map(|(&a, &b)| a as f64 * b as f64).sum();
-                            let raw = dot * d.scale as f64;
+                            let raw = dot * self.scoring.scale as f64;
                             let (capped, slope) = match self.scoring.softcap {
                                 Some(cap) => {
                                     let t = (raw / cap as f64).tanh();
@@ -194,7 +194,7 @@ impl Case {
                         if let (_, Some(at)) = self.position_bias(h, i, j) {
                             dtable[at] += pj * (dp - row_dot);
                         }
-                        let ds = pj * (dp - row_dot) * slope * d.scale as f64;
+                        let ds = pj * (dp - row_dot) * slope * self.scoring.scale as f64;
                         for c in 0..dk_ {
                             let kj = self.k[(bkv * d.keys + j) * dk_ + c] as f64;
                             dq[(bh * d.queries + i) * dk_ + c] += ds * kj;
@@ -367,9 +367,9 @@ fn attention_speed() {
         keys: t,
         d_k: d,
         d_v: d,
-        scale: 1.0 / (d as f32).sqrt(),
     };
     let scoring = Scoring {
+        scale: 1.0 / (d as f32).sqrt(),
         softcap: None,
         visibility: AttentionMask::causal().visibility(t, t),
         position: None,
