@@ -34,8 +34,8 @@ fn the_kernels_compile_to_spirv_exactly_in_a_vulkan_build() {
 }
 
 /// Runs the ignored test `name` of this binary in a process of its own and fails with its
-/// output if it fails.
-fn in_own_process(name: &str) {
+/// output if it fails; returns its output.
+fn in_own_process(name: &str) -> String {
     let out = Command::new(std::env::current_exe().expect("the test binary"))
         .args([
             name,
@@ -54,6 +54,7 @@ fn in_own_process(name: &str) {
     println!("{text}");
     assert!(out.status.success(), "{name} failed in its own process");
     assert!(text.contains("1 passed"), "{name} did not run: {text}");
+    text
 }
 
 /// Counts every kernel launched while installed, by name.
@@ -284,18 +285,7 @@ fn costs(device: &Device, pass: impl Fn()) -> (usize, f64) {
 
 /// The costs an inner test printed: `costs: launches L, peak P MiB`.
 fn printed_costs(name: &str) -> (usize, f64) {
-    let out = Command::new(std::env::current_exe().expect("the test binary"))
-        .args([
-            name,
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .output()
-        .expect("the test binary runs");
-    let text = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "{name} failed: {text}");
+    let text = in_own_process(name);
     let line = text
         .lines()
         .find_map(|l| l.split_once("costs: launches ").map(|(_, rest)| rest))

@@ -28,12 +28,13 @@
 
 use cubecl::prelude::*;
 
-use super::forward::stage_rows;
 use super::scores::{
     Block, KEYS_LAST_FIRST, Problem, QUERIES_LAST_FIRST, block, cap_slope, capped, keys_of, masked,
     queries_of,
 };
-use super::tile::{Layout, Product, TileProduct, col_of, row_of, zero};
+use super::tile::{
+    Product, Quad, Read, Tile, TileProduct, col0, element, row0, stage, write_tile, zero,
+};
 
 /// Partial rows one pass of [`reduce_kernel`] sums at most, so that no invocation nears a
 /// driver's cap on loop iterations; more are summed in several passes.
@@ -61,8 +62,11 @@ pub(crate) struct DqTiles {
     pub(crate) s: Product,
     /// `dPᵀ = V dOᵀ`, `bk x bq` over `d_v` (the units hold the elements of `s`).
     pub(crate) dp: Product,
-    /// `dQ += dS K`, `bq x dk'` over `bk` (`dk'`: `d_k` rounded up).
+    /// `dQ += dS K`, `bq x dk'` over `bk` (`dk'`: `d_k` rounded up to whole quads per
+    /// unit).
     pub(crate) dq: Product,
+    /// The scores are soft-capped.
+    pub(crate) softcap: bool,
     pub(crate) bias: BiasSums,
     /// The bias by distance's gradient is asked for.
     pub(crate) pd: bool,
@@ -70,8 +74,11 @@ pub(crate) struct DqTiles {
 
 impl DqTiles {
     /// The tiles for `units` units, `bq` queries and `bk` keys.
+    ///
+    /// # Panics
+    /// If the units cannot share the tiles in whole quads.
     pub(crate) fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self {
-        let s = Product::new(bk, bq, d_k, units);
+        let s = Product::new(bk, bq, d_k, units, false);
         Self {
             units,
             bq,
@@ -80,7 +87,8 @@ impl DqTiles {
             d_v,
             s,
             dp: Product { k: d_v, ..s },
-            dq: Product::new(bq, padded(d_k), bk, units),
+            dq: Product::new(bq, padded(d_k, units, bq), bk, units, true),
+            softcap: false,
             bias: BiasSums::None,
             pd: false,
         }
@@ -88,23 +96,34 @@ impl DqTiles {
 
     /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
-        let fixed = (self.d_k + self.d_v) * (self.bq + 1);
-        let kv = self.bk * (self.d_v.max(self.dq.n) + 1);
-        let ds = self.bk * (self.bq + 1);
-        let ring = self.bq + self.bk;
-        (fixed + kv) * size + (ds + ring) * 4
+        let inputs =
+            self.qt().quads() + self.dot().quads() + self.v().quads().max(self.k().quads());
+        (inputs * size + self.ds().quads() * 4) * 4 + (self.bq + self.bk) * 4
     }
 
-    fn fixed_layout(&self) -> Layout {
-        Layout::rows_of(self.bq)
+    /// The block's queries, transposed: `B` of `Sᵀ`.
+    fn qt(&self) -> Tile {
+        Tile::new(self.d_k.next_multiple_of(4), self.bq)
     }
 
-    fn v_layout(&self) -> Layout {
-        Layout::rows_of(self.d_v)
+    /// The block's output gradients, transposed: `B` of `dPᵀ`.
+    fn dot(&self) -> Tile {
+        Tile::new(self.d_v.next_multiple_of(4), self.bq)
     }
 
-    fn k_layout(&self) -> Layout {
-        Layout::rows_of(self.dq.n)
+    /// A tile's values: `A` of `dPᵀ`.
+    fn v(&self) -> Tile {
+        Tile::new(self.bk, self.d_v)
+    }
+
+    /// A tile's keys: `A` of `Sᵀ`, `B` of `dQ`.
+    fn k(&self) -> Tile {
+        Tile::new(self.bk, self.dq.n)
+    }
+
+    /// dS, keys by queries: `A` of `dQ`, read transposed.
+    fn ds(&self) -> Tile {
+        Tile::new(self.bk, self.bq)
     }
 }
 
@@ -124,12 +143,17 @@ pub(crate) struct DkvTiles {
     pub(crate) dv: Product,
     /// `dK += dSᵀ Q`, `bk x dk'` over `bq`.
     pub(crate) dk: Product,
+    /// The scores are soft-capped.
+    pub(crate) softcap: bool,
 }
 
 impl DkvTiles {
     /// The tiles for `units` units, `bq` queries and `bk` keys.
+    ///
+    /// # Panics
+    /// If the units cannot share the tiles in whole quads.
     pub(crate) fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self {
-        let s = Product::new(bq, bk, d_k, units);
+        let s = Product::new(bq, bk, d_k, units, false);
         Self {
             units,
             bq,
@@ -138,42 +162,50 @@ impl DkvTiles {
             d_v,
             s,
             dp: Product { k: d_v, ..s },
-            dv: Product::new(bk, padded(d_v), bq, units),
-            dk: Product::new(bk, padded(d_k), bq, units),
+            dv: Product::new(bk, padded(d_v, units, bk), bq, units, true),
+            dk: Product::new(bk, padded(d_k, units, bk), bq, units, true),
+            softcap: false,
         }
     }
 
     /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
-        let q = self.bq * (self.dk.n + 1);
-        let d_o = self.bq * (self.dv.n + 1);
-        let x = self.d_k.max(self.d_v) * (self.bk + 1);
-        let pds = self.bq * (self.bk + 1);
-        (q + d_o + x) * size + pds * 4
+        let inputs = self.q().quads() + self.d_o().quads() + self.x().quads();
+        (inputs * size + self.pds().quads() * 4) * 4
     }
 
-    fn q_layout(&self) -> Layout {
-        Layout::rows_of(self.dk.n)
+    /// A tile's queries: `A` of `S`, `B` of `dK`.
+    fn q(&self) -> Tile {
+        Tile::new(self.bq, self.dk.n)
     }
 
-    fn do_layout(&self) -> Layout {
-        Layout::rows_of(self.dv.n)
+    /// A tile's output gradients: `A` of `dP`, `B` of `dV`.
+    fn d_o(&self) -> Tile {
+        Tile::new(self.bq, self.dv.n)
     }
 
-    fn x_layout(&self) -> Layout {
-        Layout::rows_of(self.bk)
+    /// The block's values, then keys, transposed: `B` of `dP`, then of `S`.
+    fn x(&self) -> Tile {
+        Tile::new(self.d_k.max(self.d_v).next_multiple_of(4), self.bk)
+    }
+
+    /// P, then dS, queries by keys: `A` of `dV` and `dK`, read transposed.
+    fn pds(&self) -> Tile {
+        Tile::new(self.bq, self.bk)
     }
 }
 
-/// A head dim rounded up to a multiple of 16, so that an output product splits over the
-/// units.
-pub(crate) fn padded(d: usize) -> usize {
-    d.next_multiple_of(16)
+/// A head dim rounded up so that `units` units share an output product of `rows` rows in
+/// whole quads of columns (at most 16 columns a unit).
+pub(crate) fn padded(d: usize, units: usize, rows: usize) -> usize {
+    // The fewest units along the columns that keep the rows in whole quads.
+    let ux = (units / (rows / 4)).max(1);
+    d.next_multiple_of(4 * ux).max(d.next_multiple_of(16))
 }
 
 /// `delta[bh, i] = Σ_d grad[b, h, i, d] · out[b, h, i, d]`: one unit per query row of
 /// every head (`B · H · Tq` rows, numbered along the grid's `x`, then `y`).
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 pub(crate) fn delta_kernel<F: Float>(
     out: &Tensor<F>,
     grad: &Tensor<F>,
@@ -215,8 +247,8 @@ struct Grad {
 /// where the query does not see the key (`visible` false).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn grad_at<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn grad_at<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     raw: f32,
     dp: f32,
     lse: f32,
@@ -226,14 +258,15 @@ fn grad_at<F: Float, M: Int>(
     i: usize,
     j: usize,
     visible: bool,
+    #[comptime] softcap: bool,
 ) -> Grad {
-    let c = capped(raw * p.scale, p.softcap);
+    let c = capped(raw * p.scale, p.softcap, softcap);
     let s = masked(p, c, b, h, i, j);
     let w = select(visible, (s - lse).exp(), 0.0f32);
     Grad {
         p: w,
         ds: w * (dp - delta),
-        slope: cap_slope(c, p.softcap),
+        slope: cap_slope(c, p.softcap, softcap),
     }
 }
 
@@ -242,11 +275,11 @@ fn grad_at<F: Float, M: Int>(
 /// partial rows of the bias's gradient (`dbias`, `[R, E]`, see [`BiasSums`] and
 /// `bias_rows`) and of the bias by distance's (`dpd`, `[B · blocks, H · (Tq + Tk -
 /// 1)]`, row `b · blocks + block`).
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dq_kernel<F: Float, M: Int, P: TileProduct>(
-    p: &Problem<F, M>,
-    grad: &Tensor<F>,
+pub(crate) fn dq_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
+    p: &Problem<F, M, N>,
+    grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
@@ -264,15 +297,15 @@ pub(crate) fn dq_kernel<F: Float, M: Int, P: TileProduct>(
         t.bq,
     );
     if blk.live {
-        dq_block::<F, M, P>(p, grad, lse, delta, dq, dbias, dpd, &blk, t);
+        dq_block::<F, M, N, P>(p, grad, lse, delta, dq, dbias, dpd, &blk, t);
     }
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dq_block<F: Float, M: Int, P: TileProduct>(
-    p: &Problem<F, M>,
-    grad: &Tensor<F>,
+fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
+    p: &Problem<F, M, N>,
+    grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
@@ -282,63 +315,64 @@ fn dq_block<F: Float, M: Int, P: TileProduct>(
     #[comptime] t: DqTiles,
 ) {
     let (s_rows, s_cols) = comptime!((t.s.rows(), t.s.cols()));
-    let queries = p.q.shape(2);
-    let keys = p.k.shape(2);
+    let (queries, keys) = (p.q.shape(2), p.k.shape(2));
     let h = blk.head;
     let hk = h / p.group as usize;
     let (b, q0) = (blk.b, blk.first);
+    // The unit's keys (rows of `Sᵀ`) and queries (columns).
+    let (r0, c0) = (row0(t.s), col0(t.s));
 
     let first = keys_of(p, b, q0);
     let last = keys_of(p, b, blk.last);
-    // The unit's queries (columns of `Sᵀ`): their keys, log-sum-exps and `D`; a query
-    // past the last has no key.
+    // The unit's queries: their keys, log-sum-exps and `D`; a query past the last has no
+    // key.
     let mut lo = Array::<i32>::new(s_cols);
     let mut hi = Array::<i32>::new(s_cols);
     let mut row_lse = Array::<f32>::new(s_cols);
     let mut row_delta = Array::<f32>::new(s_cols);
     #[unroll]
     for j in 0..s_cols {
-        let i = q0 + col_of(t.s, j);
-        let span = keys_of(p, b, min(i, queries - 1));
+        let i = q0 + c0 + j;
+        let row = min(i, queries - 1);
+        let span = keys_of(p, b, row);
         lo[j] = span.lo;
         hi[j] = select(i < queries, span.hi, span.lo);
-        row_lse[j] = lse[blk.bh * queries + min(i, queries - 1)];
-        row_delta[j] = delta[blk.bh * queries + min(i, queries - 1)];
+        row_lse[j] = lse[blk.bh * queries + row];
+        row_delta[j] = delta[blk.bh * queries + row];
     }
 
     // The block's queries and output gradients, transposed; the key tiles' values, then
     // keys, in one buffer; dS.
-    let fixed = comptime!(t.bq + 1);
-    let mut qt = Shared::<[F]>::new_slice(comptime!(t.d_k * fixed));
-    let mut dot = Shared::<[F]>::new_slice(comptime!(t.d_v * fixed));
+    let mut qt = Shared::<[Quad<F>]>::new_slice(comptime!(t.qt().quads()));
+    let mut dot = Shared::<[Quad<F>]>::new_slice(comptime!(t.dot().quads()));
     let q_at = b * p.q.stride(0) + h * p.q.stride(1);
     let g_at = b * grad.stride(0) + h * grad.stride(1);
-    stage_rows(
+    stage(
         &p.q,
         q_at,
         q0,
         queries,
         &mut qt,
+        t.qt(),
+        Read::Transposed,
         t.bq,
         t.d_k,
-        t.d_k,
-        t.fixed_layout().transposed(),
         t.units,
     );
-    stage_rows(
+    stage(
         grad,
         g_at,
         q0,
         queries,
         &mut dot,
+        t.dot(),
+        Read::Transposed,
         t.bq,
         t.d_v,
-        t.d_v,
-        t.fixed_layout().transposed(),
         t.units,
     );
-    let mut kv = Shared::<[F]>::new_slice(comptime!(t.bk * (max(t.d_v, t.dq.n) + 1)));
-    let mut ds_tile = Shared::<[f32]>::new_slice(comptime!(t.bk * fixed));
+    let mut kv = Shared::<[Quad<F>]>::new_slice(comptime!(max(t.v().quads(), t.k().quads())));
+    let mut ds_tile = Shared::<[Quad<f32>]>::new_slice(comptime!(t.ds().quads()));
     let mut ring = Shared::<[f32]>::new_slice(comptime!(t.bq + t.bk));
     let unit = UNIT_POS as usize;
     if unit < comptime!(t.bq + t.bk) {
@@ -359,47 +393,47 @@ fn dq_block<F: Float, M: Int, P: TileProduct>(
     let mut t0 = first.lo;
     let mut n = 0usize;
     while t0 < last.hi {
-        let end = last.hi as usize;
-        stage_rows(
+        let (start, end) = (t0 as usize, last.hi as usize);
+        stage(
             &p.v,
             v_at,
-            t0 as usize,
+            start,
             end,
             &mut kv,
+            t.v(),
+            Read::AsStored,
             t.bk,
             t.d_v,
-            t.d_v,
-            t.v_layout(),
             t.units,
         );
         sync_cube();
         zero(&mut dp, t.dp);
-        P::product::<F, F>(&kv, t.v_layout(), &dot, t.fixed_layout(), &mut dp, t.dp);
+        P::product::<F, F>(&kv, t.v(), Read::AsStored, &dot, t.dot(), &mut dp, t.dp);
         sync_cube();
-        stage_rows(
+        stage(
             &p.k,
             k_at,
-            t0 as usize,
+            start,
             end,
             &mut kv,
+            t.k(),
+            Read::AsStored,
             t.bk,
             t.d_k,
-            t.dq.n,
-            t.k_layout(),
             t.units,
         );
         sync_cube();
         zero(&mut s, t.s);
-        P::product::<F, F>(&kv, t.k_layout(), &qt, t.fixed_layout(), &mut s, t.s);
+        P::product::<F, F>(&kv, t.k(), Read::AsStored, &qt, t.qt(), &mut s, t.s);
 
         let whole = t0 >= last.lo && t0 + t.bk as i32 <= first.hi;
         #[unroll]
         for i in 0..s_rows {
-            let key = t0 + row_of(t.s, i) as i32;
+            let key = t0 + (r0 + i) as i32;
             #[unroll]
             for j in 0..s_cols {
                 let e = comptime!(i * s_cols + j);
-                let query = q0 + col_of(t.s, j);
+                let query = q0 + c0 + j;
                 let visible = query < queries && (whole || (key >= lo[j] && key < hi[j]));
                 let g = grad_at(
                     p,
@@ -412,39 +446,38 @@ fn dq_block<F: Float, M: Int, P: TileProduct>(
                     min(query, queries - 1),
                     min(key as usize, keys - 1),
                     visible,
+                    t.softcap,
                 );
-                let at = row_of(t.s, i) * fixed + col_of(t.s, j);
                 if comptime!(sums) {
                     slope[e] = g.slope;
-                    ds_tile[at] = g.ds;
+                    s[e] = g.ds;
                 } else {
-                    ds_tile[at] = g.ds * g.slope;
+                    s[e] = g.ds * g.slope;
                 }
             }
         }
+        write_tile(&mut ds_tile, t.ds(), &s, t.s);
         sync_cube();
         if comptime!(sums) {
             // The bias gradients' sums take dS; dQ takes it times the cap's slope.
             row_sum += bias_tile(p, dbias, &ds_tile, blk, t0, t);
             pd_tile(p, dpd, &ds_tile, &mut ring, blk, t0, n, t);
-            sync_cube();
-            if p.softcap > 0.0f32 {
+            if comptime!(t.softcap) {
+                sync_cube();
                 #[unroll]
-                for i in 0..s_rows {
-                    #[unroll]
-                    for j in 0..s_cols {
-                        ds_tile[row_of(t.s, i) * fixed + col_of(t.s, j)] *=
-                            slope[comptime!(i * s_cols + j)];
-                    }
+                for e in 0..comptime!(t.s.len()) {
+                    s[e] *= slope[e];
                 }
+                write_tile(&mut ds_tile, t.ds(), &s, t.s);
             }
             sync_cube();
         }
         P::product::<f32, F>(
             &ds_tile,
-            t.fixed_layout().transposed(),
+            t.ds(),
+            Read::Transposed,
             &kv,
-            t.k_layout(),
+            t.k(),
             &mut acc,
             t.dq,
         );
@@ -455,24 +488,7 @@ fn dq_block<F: Float, M: Int, P: TileProduct>(
 
     pd_rest(p, dpd, &ring, blk, first.lo, n, t);
     bias_rest(p, dbias, blk, row_sum, t);
-
-    let scale = p.scale;
-    let (dq_rows, dq_cols) = comptime!((t.dq.rows(), t.dq.cols()));
-    #[unroll]
-    for i in 0..dq_rows {
-        let row = q0 + row_of(t.dq, i);
-        if row < queries {
-            let at = b * dq.stride(0) + h * dq.stride(1) + row * dq.stride(2);
-            let col_stride = dq.stride(3);
-            #[unroll]
-            for j in 0..dq_cols {
-                let d = col_of(t.dq, j);
-                if d < t.d_k {
-                    dq[at + d * col_stride] = F::cast_from(acc[comptime!(i * dq_cols + j)] * scale);
-                }
-            }
-        }
-    }
+    write_rows(dq, &acc, b, h, q0, queries, p.scale, t.dq, t.d_k);
 }
 
 /// Where the bias's partial row `x` of `xs` for batch row `b` and head `h` starts: the
@@ -480,7 +496,13 @@ fn dq_block<F: Float, M: Int, P: TileProduct>(
 /// every batch row a row of its own; its head axis of size 1: every head), then over the
 /// `xs` sums a cube makes (its query block, or its query), each row as long as the bias.
 #[cube]
-fn bias_row<F: Float, M: Int>(p: &Problem<F, M>, b: usize, h: usize, x: usize, xs: usize) -> usize {
+fn bias_row<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
+    b: usize,
+    h: usize,
+    x: usize,
+    xs: usize,
+) -> usize {
     let mut at = 0usize;
     #[comptime]
     match &p.bias {
@@ -499,8 +521,8 @@ fn bias_row<F: Float, M: Int>(p: &Problem<F, M>, b: usize, h: usize, x: usize, x
 /// The index of the bias's element that score `(b, h, i, j)` reads, in the bias's own
 /// shape (0 along its axes of size 1).
 #[cube]
-fn bias_element<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn bias_element<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     b: usize,
     h: usize,
     i: usize,
@@ -527,16 +549,15 @@ fn bias_element<F: Float, M: Int>(
 /// bias with queries and keys), the block's sum per key (keys only), or, returned, the
 /// unit's query's sum over the tile's keys (no keys; 0 otherwise).
 #[cube]
-fn bias_tile<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn bias_tile<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     dbias: &mut ComptimeOption<OwnedTensor<f32>>,
-    ds_tile: &Shared<[f32]>,
+    ds_tile: &Shared<[Quad<f32>]>,
     blk: &Block,
     t0: i32,
     #[comptime] t: DqTiles,
 ) -> f32 {
     let mut row_sum = 0.0f32;
-    let fixed = comptime!(t.bq + 1);
     let unit = UNIT_POS as usize;
     let (queries, keys) = (p.q.shape(2), p.k.shape(2));
     #[comptime]
@@ -557,7 +578,7 @@ fn bias_tile<F: Float, M: Int>(
                         let (i, j) = (blk.first + r, t0 as usize + c);
                         if e < comptime!(t.bq * t.bk) && i < queries && j < keys {
                             dbias[at + bias_element(p, blk.b, blk.head, i, j)] =
-                                ds_tile[c * fixed + r];
+                                element(ds_tile, t.ds(), c, r);
                         }
                     }
                 }
@@ -571,8 +592,12 @@ fn bias_tile<F: Float, M: Int>(
                     if unit < t.bk && j < keys {
                         let mut sum = 0.0f32;
                         #[unroll]
-                        for r in 0..t.bq {
-                            sum += ds_tile[unit * fixed + r];
+                        for r4 in 0..comptime!(t.bq / 4) {
+                            let q = ds_tile[unit * comptime!(t.ds().stride() / 4) + r4];
+                            sum += q.extract(0usize)
+                                + q.extract(1usize)
+                                + q.extract(2usize)
+                                + q.extract(3usize);
                         }
                         dbias[at + bias_element(p, blk.b, blk.head, 0, j)] = sum;
                     }
@@ -582,7 +607,7 @@ fn bias_tile<F: Float, M: Int>(
                         let mut sum = 0.0f32;
                         #[unroll]
                         for c in 0..t.bk {
-                            sum += ds_tile[c * fixed + unit];
+                            sum += element(ds_tile, t.ds(), c, unit);
                         }
                         row_sum = sum;
                     }
@@ -598,8 +623,8 @@ fn bias_tile<F: Float, M: Int>(
 /// After the tiles: a bias without keys gets each query's sum over them, `row_sum` (the
 /// partial rows start at zeros: a bias with keys has what the tiles wrote).
 #[cube]
-fn bias_rest<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn bias_rest<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     dbias: &mut ComptimeOption<OwnedTensor<f32>>,
     blk: &Block,
     row_sum: f32,
@@ -642,17 +667,16 @@ fn bias_rest<F: Float, M: Int>(
 /// others carried in `ring`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn pd_tile<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn pd_tile<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     dpd: &mut ComptimeOption<OwnedTensor<f32>>,
-    ds_tile: &Shared<[f32]>,
+    ds_tile: &Shared<[Quad<f32>]>,
     ring: &mut Shared<[f32]>,
     blk: &Block,
     t0: i32,
     n: usize,
     #[comptime] t: DqTiles,
 ) {
-    let fixed = comptime!(t.bq + 1);
     let unit = UNIT_POS as usize;
     #[comptime]
     match dpd {
@@ -664,7 +688,7 @@ fn pd_tile<F: Float, M: Int>(
                 for r in 0..t.bq {
                     let c = unit as i32 + comptime!(r as i32 - (t.bq as i32 - 1));
                     if c >= 0 && c < t.bk as i32 {
-                        sum += ds_tile[c as usize * fixed + r];
+                        sum += element(ds_tile, t.ds(), c as usize, r);
                     }
                 }
                 let slot = (n * t.bk + unit) % comptime!(t.bq + t.bk);
@@ -690,8 +714,8 @@ fn pd_tile<F: Float, M: Int>(
 /// After the `n` tiles from key `lo` on: the last tile's diagonals still open written
 /// (the partial rows start at zeros: nothing else to write where no tile reached).
 #[cube]
-fn pd_rest<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn pd_rest<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     dpd: &mut ComptimeOption<OwnedTensor<f32>>,
     ring: &Shared<[f32]>,
     blk: &Block,
@@ -722,8 +746,8 @@ fn pd_rest<F: Float, M: Int>(
 /// Where the cube's partial row of the bias by distance's gradient starts (row `b ·
 /// blocks + block`, element `h · columns + column`), and `columns = Tq + Tk - 1`.
 #[cube]
-fn pd_row<F: Float, M: Int>(
-    p: &Problem<F, M>,
+fn pd_row<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     blk: &Block,
     #[comptime] t: DqTiles,
 ) -> (usize, usize) {
@@ -737,11 +761,11 @@ fn pd_row<F: Float, M: Int>(
 /// `dK` and `dV`, keys outer: keys `block.first ..` of key/value head `block.bh`, over
 /// the query tiles of each query head of its group in turn; writes `dk` and `dv` (the
 /// key's and the value's shapes, any strides).
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dkv_kernel<F: Float, M: Int, P: TileProduct>(
-    p: &Problem<F, M>,
-    grad: &Tensor<F>,
+pub(crate) fn dkv_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
+    p: &Problem<F, M, N>,
+    grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
@@ -758,15 +782,15 @@ pub(crate) fn dkv_kernel<F: Float, M: Int, P: TileProduct>(
         t.bk,
     );
     if blk.live {
-        dkv_block::<F, M, P>(p, grad, lse, delta, dk, dv, &blk, t);
+        dkv_block::<F, M, N, P>(p, grad, lse, delta, dk, dv, &blk, t);
     }
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dkv_block<F: Float, M: Int, P: TileProduct>(
-    p: &Problem<F, M>,
-    grad: &Tensor<F>,
+fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
+    p: &Problem<F, M, N>,
+    grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
@@ -777,14 +801,16 @@ fn dkv_block<F: Float, M: Int, P: TileProduct>(
     let (s_rows, s_cols) = comptime!((t.s.rows(), t.s.cols()));
     let (heads, queries, keys) = (p.q.shape(1), p.q.shape(2), p.k.shape(2));
     let (b, hk, k0) = (blk.b, blk.head, blk.first);
+    // The unit's queries (rows of `S`) and keys (columns).
+    let (r0, c0) = (row0(t.s), col0(t.s));
     // The queries that see the block's keys between them.
     let first = queries_of(p, b, k0);
     let last = queries_of(p, b, blk.last);
 
-    let mut q_tile = Shared::<[F]>::new_slice(comptime!(t.bq * (t.dk.n + 1)));
-    let mut do_tile = Shared::<[F]>::new_slice(comptime!(t.bq * (t.dv.n + 1)));
-    let mut x_tile = Shared::<[F]>::new_slice(comptime!(max(t.d_k, t.d_v) * (t.bk + 1)));
-    let mut pds = Shared::<[f32]>::new_slice(comptime!(t.bq * (t.bk + 1)));
+    let mut q_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.q().quads()));
+    let mut do_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.d_o().quads()));
+    let mut x_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.x().quads()));
+    let mut pds = Shared::<[Quad<f32>]>::new_slice(comptime!(t.pds().quads()));
     let mut s = Array::<f32>::new(comptime!(t.s.len()));
     let mut dp = Array::<f32>::new(comptime!(t.s.len()));
     let mut acc_k = Array::<f32>::new(comptime!(t.dk.len()));
@@ -804,68 +830,69 @@ fn dkv_block<F: Float, M: Int, P: TileProduct>(
         let mut t0 = first.lo;
         while t0 < last.hi {
             let (start, end) = (t0 as usize, last.hi as usize);
-            stage_rows(
+            stage(
                 grad,
                 g_at,
                 start,
                 end,
                 &mut do_tile,
+                t.d_o(),
+                Read::AsStored,
                 t.bq,
                 t.d_v,
-                t.dv.n,
-                t.do_layout(),
                 t.units,
             );
-            stage_rows(
+            stage(
                 &p.q,
                 q_at,
                 start,
                 end,
                 &mut q_tile,
+                t.q(),
+                Read::AsStored,
                 t.bq,
                 t.d_k,
-                t.dk.n,
-                t.q_layout(),
                 t.units,
             );
-            stage_rows(
+            stage(
                 &p.v,
                 v_at,
                 k0,
                 block_end,
                 &mut x_tile,
+                t.x(),
+                Read::Transposed,
                 t.bk,
                 t.d_v,
-                t.d_v,
-                t.x_layout().transposed(),
                 t.units,
             );
             sync_cube();
             zero(&mut dp, t.dp);
             P::product::<F, F>(
                 &do_tile,
-                t.do_layout(),
+                t.d_o(),
+                Read::AsStored,
                 &x_tile,
-                t.x_layout(),
+                t.x(),
                 &mut dp,
                 t.dp,
             );
             sync_cube();
-            stage_rows(
+            stage(
                 &p.k,
                 k_at,
                 k0,
                 block_end,
                 &mut x_tile,
+                t.x(),
+                Read::Transposed,
                 t.bk,
                 t.d_k,
-                t.d_k,
-                t.x_layout().transposed(),
                 t.units,
             );
             sync_cube();
             zero(&mut s, t.s);
-            P::product::<F, F>(&q_tile, t.q_layout(), &x_tile, t.x_layout(), &mut s, t.s);
+            P::product::<F, F>(&q_tile, t.q(), Read::AsStored, &x_tile, t.x(), &mut s, t.s);
 
             // Every query of the tile sees every key of the block, or each score is tested.
             let tile_last = min(start + t.bq, queries) - 1;
@@ -875,7 +902,7 @@ fn dkv_block<F: Float, M: Int, P: TileProduct>(
                 && keys_of(p, b, start).hi >= (k0 + t.bk) as i32;
             #[unroll]
             for i in 0..s_rows {
-                let query = start + row_of(t.s, i);
+                let query = start + r0 + i;
                 let row = min(query, queries - 1);
                 let span = keys_of(p, b, row);
                 let row_lse = lse[bh * queries + row];
@@ -883,7 +910,7 @@ fn dkv_block<F: Float, M: Int, P: TileProduct>(
                 #[unroll]
                 for j in 0..s_cols {
                     let e = comptime!(i * s_cols + j);
-                    let key = k0 + col_of(t.s, j);
+                    let key = k0 + c0 + j;
                     let visible = whole
                         || (query < queries && key as i32 >= span.lo && (key as i32) < span.hi);
                     let g = grad_at(
@@ -897,29 +924,32 @@ fn dkv_block<F: Float, M: Int, P: TileProduct>(
                         row,
                         min(key, keys - 1),
                         visible,
+                        t.softcap,
                     );
                     s[e] = g.p;
                     dp[e] = g.ds * g.slope;
                 }
             }
-            write_tile(&mut pds, &s, t.s, t.bk + 1);
+            write_tile(&mut pds, t.pds(), &s, t.s);
             sync_cube();
             P::product::<f32, F>(
                 &pds,
-                t.x_layout().transposed(),
+                t.pds(),
+                Read::Transposed,
                 &do_tile,
-                t.do_layout(),
+                t.d_o(),
                 &mut acc_v,
                 t.dv,
             );
             sync_cube();
-            write_tile(&mut pds, &dp, t.s, t.bk + 1);
+            write_tile(&mut pds, t.pds(), &dp, t.s);
             sync_cube();
             P::product::<f32, F>(
                 &pds,
-                t.x_layout().transposed(),
+                t.pds(),
+                Read::Transposed,
                 &q_tile,
-                t.q_layout(),
+                t.q(),
                 &mut acc_k,
                 t.dk,
             );
@@ -928,26 +958,8 @@ fn dkv_block<F: Float, M: Int, P: TileProduct>(
         }
     }
 
-    let scale = p.scale;
-    write_rows(dk, &acc_k, b, hk, k0, keys, scale, t.dk, t.d_k);
+    write_rows(dk, &acc_k, b, hk, k0, keys, p.scale, t.dk, t.d_k);
     write_rows(dv, &acc_v, b, hk, k0, keys, 1.0f32, t.dv, t.d_v);
-}
-
-/// Writes the unit's elements of `c` under `p` to `tile` (row stride `row`).
-#[cube]
-fn write_tile(
-    tile: &mut Shared<[f32]>,
-    c: &Array<f32>,
-    #[comptime] p: Product,
-    #[comptime] row: usize,
-) {
-    #[unroll]
-    for i in 0..comptime!(p.rows()) {
-        #[unroll]
-        for j in 0..comptime!(p.cols()) {
-            tile[row_of(p, i) * row + col_of(p, j)] = c[comptime!(i * p.cols() + j)];
-        }
-    }
 }
 
 /// Writes the unit's elements of `c` under `p` (rows: positions `first ..` of head `head`
@@ -965,15 +977,16 @@ fn write_rows<F: Float>(
     #[comptime] p: Product,
     #[comptime] cols: usize,
 ) {
+    let (r0, c0) = (row0(p), col0(p));
     #[unroll]
     for i in 0..comptime!(p.rows()) {
-        let row = first + row_of(p, i);
+        let row = first + r0 + i;
         if row < rows {
             let at = b * out.stride(0) + head * out.stride(1) + row * out.stride(2);
             let col_stride = out.stride(3);
             #[unroll]
             for j in 0..comptime!(p.cols()) {
-                let d = col_of(p, j);
+                let d = c0 + j;
                 if d < cols {
                     out[at + d * col_stride] = F::cast_from(c[comptime!(i * p.cols() + j)] * scale);
                 }
@@ -984,7 +997,7 @@ fn write_rows<F: Float>(
 
 /// `out[z, e] = Σ partial[r, e]` over the rows `r` of chunk `z` (`chunk` rows each, in
 /// order): unit `e` of the grid's `x`, `y`, chunk `z` of its `z`.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 pub(crate) fn reduce_kernel<O: Float>(
     partial: &Tensor<f32>,
     out: &mut Tensor<O>,
@@ -1006,7 +1019,7 @@ pub(crate) fn reduce_kernel<O: Float>(
 }
 
 /// Zeros `out`'s first `len` elements: unit `e` of the grid's `x`, `y`.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 pub(crate) fn zeros_kernel(out: &mut Tensor<f32>, len: u32) {
     let e = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * CUBE_DIM_X + UNIT_POS_X;
     if e < len {

@@ -18,7 +18,7 @@ use cubecl::prelude::*;
 use super::scores::{
     Block, INVISIBLE, NO_MAX, Problem, QUERIES_LAST_FIRST, block, capped, keys_of, masked,
 };
-use super::tile::{Layout, Product, TileProduct, col_of, row_of, zero};
+use super::tile::{Product, Quad, Read, Tile, TileProduct, col0, row0, stage, write_tile, zero};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
 /// The compile-time shape of the forward kernel.
@@ -33,18 +33,23 @@ pub(crate) struct ForwardTiles {
     pub(crate) d_v: usize,
     /// `S = Q Kᵀ`, `bq x bk` over `d_k`.
     pub(crate) s: Product,
-    /// `O += P V`, `bq x dv'` over `bk` (`dv'`: `d_v` rounded up; the same rows per unit
-    /// as `s`).
+    /// `O += P V`, `bq x dv'` over `bk` (`dv'`: `d_v` rounded up to whole quads per unit;
+    /// the same rows per unit as `s`).
     pub(crate) o: Product,
+    /// The scores are soft-capped.
+    pub(crate) softcap: bool,
 }
 
 impl ForwardTiles {
     /// The tiles for `units` units, `bq` queries and `bk` keys.
+    ///
+    /// # Panics
+    /// If the units cannot share the tiles in whole quads.
     pub(crate) fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self {
-        let s = Product::new(bq, bk, d_k, units);
+        let s = Product::new(bq, bk, d_k, units, true);
         let o = Product {
             m: bq,
-            n: d_v.next_multiple_of(s.ux),
+            n: d_v.next_multiple_of(4 * s.ux),
             k: bk,
             ux: s.ux,
             units,
@@ -57,32 +62,34 @@ impl ForwardTiles {
             d_v,
             s,
             o,
+            softcap: false,
         }
     }
 
     /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
-        let q = self.bq * (self.d_k + 1);
-        let kv = (self.d_k * (self.bk + 1)).max(self.bk * (self.o.n + 1));
-        let p = self.bq * (self.bk + 1);
-        let red = self.bq * self.s.ux;
-        (q + kv) * size + (p + red) * 4
+        let inputs = self.q().quads() + self.kt().quads().max(self.v().quads());
+        (inputs * size + self.p().quads() * 4) * 4 + self.bq * self.s.ux * 4
     }
 
-    fn q_layout(&self) -> Layout {
-        Layout::rows_of(self.d_k)
+    /// The block's queries: `A` of `S`.
+    fn q(&self) -> Tile {
+        Tile::new(self.bq, self.d_k)
     }
 
-    fn kt_layout(&self) -> Layout {
-        Layout::rows_of(self.bk)
+    /// A tile's keys, transposed: `B` of `S`.
+    fn kt(&self) -> Tile {
+        Tile::new(self.d_k.next_multiple_of(4), self.bk)
     }
 
-    fn v_layout(&self) -> Layout {
-        Layout::rows_of(self.o.n)
+    /// A tile's values: `B` of `O`.
+    fn v(&self) -> Tile {
+        Tile::new(self.bk, self.o.n)
     }
 
-    fn p_layout(&self) -> Layout {
-        Layout::rows_of(self.bk)
+    /// The weights: `A` of `O`.
+    fn p(&self) -> Tile {
+        Tile::new(self.bq, self.bk)
     }
 }
 
@@ -90,9 +97,9 @@ impl ForwardTiles {
 /// (any strides) in the inputs' dtype and `lse` `[B, H, Tq]` (contiguous) in f32. A row
 /// that sees no key, or only blocked ones (its largest score at or below [`DEAD_ROW`]),
 /// gets zeros and the log-sum-exp [`DEAD_LSE`].
-#[cube(launch)]
-pub(crate) fn forward_kernel<F: Float, M: Int, P: TileProduct>(
-    p: &Problem<F, M>,
+#[cube(launch, launch_unchecked)]
+pub(crate) fn forward_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
+    p: &Problem<F, M, N>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     #[comptime] t: ForwardTiles,
@@ -108,25 +115,26 @@ pub(crate) fn forward_kernel<F: Float, M: Int, P: TileProduct>(
         t.bq,
     );
     if blk.live {
-        forward_block::<F, M, P>(p, out, lse, &blk, t);
+        forward_block::<F, M, N, P>(p, out, lse, &blk, t);
     }
 }
 
 #[cube]
-fn forward_block<F: Float, M: Int, P: TileProduct>(
-    p: &Problem<F, M>,
+fn forward_block<F: Float, M: Int, N: Size, P: TileProduct>(
+    p: &Problem<F, M, N>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     blk: &Block,
     #[comptime] t: ForwardTiles,
 ) {
-    let s_rows = comptime!(t.s.rows());
-    let s_cols = comptime!(t.s.cols());
-    let o_cols = comptime!(t.o.cols());
-    let queries = p.q.shape(2);
+    let (s_rows, s_cols, o_cols) = comptime!((t.s.rows(), t.s.cols(), t.o.cols()));
+    let (queries, keys) = (p.q.shape(2), p.k.shape(2));
     let h = blk.head;
     let hk = h / p.group as usize;
     let (b, q0) = (blk.b, blk.first);
+    let (r0, c0) = (row0(t.s), col0(t.s));
+    let ux = comptime!(t.s.ux);
+    let tx = UNIT_POS as usize % ux;
 
     // The keys the block's rows see between them, those every row sees, and each of the
     // unit's rows' own.
@@ -136,30 +144,32 @@ fn forward_block<F: Float, M: Int, P: TileProduct>(
     let mut hi = Array::<i32>::new(s_rows);
     #[unroll]
     for i in 0..s_rows {
-        let span = keys_of(p, b, min(q0 + row_of(t.s, i), queries - 1));
+        let span = keys_of(p, b, min(q0 + r0 + i, queries - 1));
         lo[i] = span.lo;
         hi[i] = span.hi;
     }
 
     // The block's queries, in the inputs' dtype.
-    let mut q_tile = Shared::<[F]>::new_slice(comptime!(t.bq * (t.d_k + 1)));
+    let mut q_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.q().quads()));
     let q_at = b * p.q.stride(0) + h * p.q.stride(1);
-    stage_rows(
+    stage(
         &p.q,
         q_at,
         q0,
         queries,
         &mut q_tile,
+        t.q(),
+        Read::AsStored,
         t.bq,
         t.d_k,
-        t.d_k,
-        t.q_layout(),
         t.units,
     );
-    let mut kv_tile =
-        Shared::<[F]>::new_slice(comptime!(max(t.d_k * (t.bk + 1), t.bk * (t.o.n + 1))));
-    let mut p_tile = Shared::<[f32]>::new_slice(comptime!(t.bq * (t.bk + 1)));
-    let mut red = Shared::<[f32]>::new_slice(comptime!(t.bq * t.s.ux));
+    let mut kv_tile = Shared::<[Quad<F>]>::new_slice(comptime!(max(t.kt().quads(), t.v().quads())));
+    let mut p_tile = Shared::<[Quad<f32>]>::new_slice(comptime!(t.p().quads()));
+    // Each unit's partial row maxima (then sums), a quad of rows at a time: `[ux][bq / 4]`.
+    let mut red = Shared::<[Quad<f32>]>::new_slice(comptime!(t.bq / 4 * t.s.ux));
+    let quads = comptime!(t.bq / 4);
+    let mut part = Array::<f32>::new(s_rows);
 
     let mut s = Array::<f32>::new(comptime!(t.s.len()));
     let mut o = Array::<f32>::new(comptime!(t.o.len()));
@@ -173,45 +183,53 @@ fn forward_block<F: Float, M: Int, P: TileProduct>(
     }
     let k_at = b * p.k.stride(0) + hk * p.k.stride(1);
     let v_at = b * p.v.stride(0) + hk * p.v.stride(1);
-    let tx = UNIT_POS as usize % t.s.ux;
 
     let mut t0 = first.lo;
     while t0 < last.hi {
+        let (start, end) = (t0 as usize, last.hi as usize);
         // `S = Q Kᵀ` over the tile's keys.
-        stage_rows(
+        stage(
             &p.k,
             k_at,
-            t0 as usize,
-            last.hi as usize,
+            start,
+            end,
             &mut kv_tile,
+            t.kt(),
+            Read::Transposed,
             t.bk,
             t.d_k,
-            t.d_k,
-            t.kt_layout().transposed(),
             t.units,
         );
         sync_cube();
         zero(&mut s, t.s);
-        P::product::<F, F>(&q_tile, t.q_layout(), &kv_tile, t.kt_layout(), &mut s, t.s);
+        P::product::<F, F>(
+            &q_tile,
+            t.q(),
+            Read::AsStored,
+            &kv_tile,
+            t.kt(),
+            &mut s,
+            t.s,
+        );
 
         // The scores, and each row's largest in the unit's columns.
         let whole = t0 >= last.lo && t0 + t.bk as i32 <= first.hi;
         #[unroll]
         for i in 0..s_rows {
-            let row = min(q0 + row_of(t.s, i), queries - 1);
+            let row = min(q0 + r0 + i, queries - 1);
             let (lo, hi) = (lo[i], hi[i]);
             let mut top = f32::new(NO_MAX);
             #[unroll]
             for j in 0..s_cols {
-                let key = t0 + col_of(t.s, j) as i32;
+                let key = t0 + (c0 + j) as i32;
                 let e = comptime!(i * s_cols + j);
                 let mut x = masked(
                     p,
-                    capped(s[e] * p.scale, p.softcap),
+                    capped(s[e] * p.scale, p.softcap, t.softcap),
                     b,
                     h,
                     row,
-                    min(key as usize, p.k.shape(2) - 1),
+                    min(key as usize, keys - 1),
                 );
                 if !whole && (key < lo || key >= hi) {
                     x = INVISIBLE;
@@ -219,40 +237,53 @@ fn forward_block<F: Float, M: Int, P: TileProduct>(
                 s[e] = x;
                 top = max(top, x);
             }
-            red[row_of(t.s, i) * t.s.ux + tx] = top;
+            part[i] = top;
         }
+        write_rows_of(&mut red, &part, tx * quads + r0 / 4, s_rows);
         sync_cube();
 
         // The values over the tile's keys, while each row takes its new maximum: the
         // weights to shared memory, the sums and the output rescaled.
-        stage_rows(
+        stage(
             &p.v,
             v_at,
-            t0 as usize,
-            last.hi as usize,
+            start,
+            end,
             &mut kv_tile,
+            t.v(),
+            Read::AsStored,
             t.bk,
             t.d_v,
-            t.o.n,
-            t.v_layout(),
             t.units,
         );
         #[unroll]
         for i in 0..s_rows {
-            let r = row_of(t.s, i);
-            let mut top = row_max[i];
+            part[i] = row_max[i];
+        }
+        #[unroll]
+        for x in 0..ux {
             #[unroll]
-            for x in 0..t.s.ux {
-                top = max(top, red[r * t.s.ux + x]);
+            for i4 in 0..comptime!(s_rows / 4) {
+                let q = red[x * quads + r0 / 4 + i4];
+                #[unroll]
+                for ii in 0..4usize {
+                    let i = comptime!(i4 * 4 + ii);
+                    part[i] = max(part[i], q.extract(ii));
+                }
             }
+        }
+        #[unroll]
+        for i in 0..s_rows {
+            let top = part[i];
             let alpha = (row_max[i] - top).exp();
             row_max[i] = top;
             let mut sum = 0.0f32;
             #[unroll]
             for j in 0..s_cols {
-                let w = (s[comptime!(i * s_cols + j)] - top).exp();
+                let e = comptime!(i * s_cols + j);
+                let w = (s[e] - top).exp();
+                s[e] = w;
                 sum += w;
-                p_tile[r * (t.bk + 1) + col_of(t.s, j)] = w;
             }
             row_sum[i] = row_sum[i] * alpha + sum;
             #[unroll]
@@ -260,36 +291,46 @@ fn forward_block<F: Float, M: Int, P: TileProduct>(
                 o[comptime!(i * o_cols + j)] *= alpha;
             }
         }
+        write_tile(&mut p_tile, t.p(), &s, t.s);
         sync_cube();
 
-        P::product::<f32, F>(&p_tile, t.p_layout(), &kv_tile, t.v_layout(), &mut o, t.o);
+        P::product::<f32, F>(&p_tile, t.p(), Read::AsStored, &kv_tile, t.v(), &mut o, t.o);
         sync_cube();
         t0 += t.bk as i32;
     }
 
     // Each row's sum over every unit that holds its columns; then the output.
-    #[unroll]
-    for i in 0..s_rows {
-        red[row_of(t.s, i) * t.s.ux + tx] = row_sum[i];
-    }
+    write_rows_of(&mut red, &row_sum, tx * quads + r0 / 4, s_rows);
     sync_cube();
     #[unroll]
     for i in 0..s_rows {
-        let r = row_of(t.s, i);
-        let row = q0 + r;
-        let mut sum = 0.0f32;
+        part[i] = 0.0f32;
+    }
+    #[unroll]
+    for x in 0..ux {
         #[unroll]
-        for x in 0..t.s.ux {
-            sum += red[r * t.s.ux + x];
+        for i4 in 0..comptime!(s_rows / 4) {
+            let q = red[x * quads + r0 / 4 + i4];
+            #[unroll]
+            for ii in 0..4usize {
+                let i = comptime!(i4 * 4 + ii);
+                part[i] += q.extract(ii);
+            }
         }
+    }
+    #[unroll]
+    for i in 0..s_rows {
+        let row = q0 + r0 + i;
+        let sum = part[i];
         let dead = row_max[i] <= DEAD_ROW || sum <= 0.0f32;
         let inv = select(dead, 0.0f32, 1.0f32 / sum);
         if row < queries {
             let at = b * out.stride(0) + h * out.stride(1) + row * out.stride(2);
             let col_stride = out.stride(3);
+            let c0_o = col0(t.o);
             #[unroll]
             for j in 0..o_cols {
-                let d = col_of(t.o, j);
+                let d = c0_o + j;
                 if d < t.d_v {
                     out[at + d * col_stride] = F::cast_from(o[comptime!(i * o_cols + j)] * inv);
                 }
@@ -301,38 +342,21 @@ fn forward_block<F: Float, M: Int, P: TileProduct>(
     }
 }
 
-/// Stages rows `first .. first + rows` of one head of `src` (its rows along axis 2, its
-/// columns along axis 3, the head at `at`) into `tile` in `layout` as `S`: `cols` columns read, zeros up to `padded`, and zeros in rows from `end` on. Every
-/// unit of the cube a share, neighbouring units reading neighbouring columns of a row.
-/// The caller synchronises the cube before the tile is read.
+/// Writes `values` (`rows` of them, a multiple of four) to `red` as quads from quad `at`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_rows<F: Float, S: Float>(
-    src: &Tensor<F>,
+fn write_rows_of(
+    red: &mut Shared<[Quad<f32>]>,
+    values: &Array<f32>,
     at: usize,
-    first: usize,
-    end: usize,
-    tile: &mut Shared<[S]>,
     #[comptime] rows: usize,
-    #[comptime] cols: usize,
-    #[comptime] padded: usize,
-    #[comptime] layout: Layout,
-    #[comptime] units: usize,
 ) {
-    let unit = UNIT_POS as usize;
-    let (row_stride, col_stride) = (src.stride(2), src.stride(3));
     #[unroll]
-    for step in 0..comptime!((rows * padded).div_ceil(units)) {
-        let e = comptime!(step * units) + unit;
-        if comptime!((rows * padded).is_multiple_of(units)) || e < comptime!(rows * padded) {
-            let r = e / padded;
-            let c = e % padded;
-            let row = first + r;
-            let mut x = 0.0f32;
-            if row < end && c < cols {
-                x = f32::cast_from(src[at + row * row_stride + c * col_stride]);
-            }
-            tile[r * layout.row + c * layout.col] = S::cast_from(x);
+    for i4 in 0..comptime!(rows / 4) {
+        let mut q = Quad::<f32>::empty();
+        #[unroll]
+        for ii in 0..4usize {
+            q.insert(ii, values[comptime!(i4 * 4 + ii)]);
         }
+        red[at + i4] = q;
     }
 }

@@ -17,6 +17,21 @@ use super::tile::Registers;
 use crate::mask::Band;
 use crate::problem::Dims;
 
+/// Launches a kernel over the portable tile product: checked (an out-of-bounds index
+/// clamped to the buffer) in debug builds, where the tests run, unchecked in release,
+/// where it measured faster (see `docs/benchmarks.md`).
+macro_rules! launch {
+    ($kernel:ident($($arg:expr),* $(,)?)) => {
+        if cfg!(debug_assertions) {
+            $kernel::launch::<Registers>($($arg),*)
+        } else {
+            // SAFETY: the kernels index within the tensors' shapes, and the tests
+            // run them checked with every buffer followed by a guard, at the tiles' edges.
+            unsafe { $kernel::launch_unchecked::<Registers>($($arg),*) }
+        }
+    };
+}
+
 /// The most storage buffers one launch binds: `dq_kernel`'s thirteen tensors (query, key,
 /// value, bias, bias by distance, mask, sequences, output gradient, log-sum-exp, `D`,
 /// `dQ`, the partial rows of the two bias gradients) and the buffer CubeCL passes the
@@ -87,9 +102,29 @@ impl Inputs {
         dims
     }
 
+    /// How many elements of the query, key, value (and `also`, the output's gradient) the
+    /// kernels read at once: 4 where every row of each is whole quads of elements one
+    /// apart (head dims and the outer strides multiples of 4), else 1.
+    pub(crate) fn width(&self, also: Option<&TensorBinding>) -> usize {
+        let quads = |t: &TensorBinding| {
+            let [_, _, _, d] = dims(t);
+            d.is_multiple_of(4)
+                && t.strides[3] == 1
+                && (0..3).all(|a| t.strides[a].is_multiple_of(4))
+        };
+        match self.qkv.iter().chain(also).all(quads) {
+            true => 4,
+            false => 1,
+        }
+    }
+
     /// The launch argument every kernel reads: the tensors (an absent one binds nothing)
     /// and the scalars of `scoring`.
-    fn problem<F: Float, M: Int>(&self, dims: &Dims, scoring: Scoring) -> ProblemLaunch<F, M> {
+    fn problem<F: Float, M: Int, N: Size>(
+        &self,
+        dims: &Dims,
+        scoring: Scoring,
+    ) -> ProblemLaunch<F, M, N> {
         let [offset, before, after] = band(dims, scoring.band);
         let arg = |t: &TensorBinding| t.clone().into_tensor_arg();
         ProblemLaunch::new(
@@ -147,15 +182,29 @@ pub(crate) const CANDIDATES: [(usize, usize, usize); 6] = [
     (128, 64, 64),
     (128, 64, 32),
     (64, 32, 32),
-    (64, 16, 32),
-    (64, 32, 16),
-    (64, 16, 16),
+    (32, 16, 32),
+    (32, 32, 16),
+    (16, 16, 16),
 ];
 
 /// The tiles of the three kernels for a call of `dims` in elements of `size` bytes: for
 /// each, the first of the candidates (units, queries, keys per tile) whose shared memory
 /// fits the device's and [`SHARED_BUDGET`].
-pub(crate) fn tiles(dims: &Dims, size: usize, shared: usize) -> (ForwardTiles, DqTiles, DkvTiles) {
+pub(crate) fn tiles(
+    dims: &Dims,
+    size: usize,
+    shared: usize,
+    softcap: bool,
+) -> (ForwardTiles, DqTiles, DkvTiles) {
+    let (mut forward, mut dq, mut dkv) = sized_tiles(dims, size, shared);
+    forward.softcap = softcap;
+    dq.softcap = softcap;
+    dkv.softcap = softcap;
+    (forward, dq, dkv)
+}
+
+/// [`tiles`] without the soft cap.
+fn sized_tiles(dims: &Dims, size: usize, shared: usize) -> (ForwardTiles, DqTiles, DkvTiles) {
     let budget = shared.min(SHARED_BUDGET);
     let (d_k, d_v) = (dims.d_k, dims.d_v);
     #[cfg(test)]
@@ -204,26 +253,24 @@ fn grid(client: &Client, cubes: usize) -> CubeCount {
 /// If the shapes disagree or the sizes pass `i32`.
 pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Handle, Handle) {
     let n = inputs.dims();
-    let (t, _, _) = tiles(
-        &n,
-        inputs.size,
-        client.properties().hardware.max_shared_memory_size,
-    );
+    let shared = client.properties().hardware.max_shared_memory_size;
+    let (t, _, _) = tiles(&n, inputs.size, shared, scoring.softcap.is_some());
     let out_shape = [n.batch, n.heads, n.queries, n.d_v];
     let lse_shape = [n.batch, n.heads, n.queries, 1];
     let out = alloc(client, out_shape, inputs.size);
     let lse = alloc(client, lse_shape, 4);
     let cubes = n.queries.div_ceil(t.bq) * n.batch * n.heads;
-    forward_kernel::launch::<Registers>(
+    launch!(forward_kernel(
         client,
         grid(client, cubes),
         CubeDim::new_1d(t.units as u32),
+        inputs.width(None),
         inputs.problem(&n, scoring),
         heads_inside(out_shape, &out),
         contiguous(lse_shape, &lse),
         t,
         [inputs.elem, inputs.mask_elem],
-    );
+    ));
     (out, lse)
 }
 
@@ -247,11 +294,8 @@ pub(crate) fn backward(
     let n = inputs.dims();
     let row_shape = [n.batch, n.heads, n.queries, 1];
     assert_laid_out("log-sum-exp", lse, row_shape, contiguous_strides(row_shape));
-    let (_, mut tq, tkv) = tiles(
-        &n,
-        inputs.size,
-        client.properties().hardware.max_shared_memory_size,
-    );
+    let shared = client.properties().hardware.max_shared_memory_size;
+    let (_, mut tq, tkv) = tiles(&n, inputs.size, shared, scoring.softcap.is_some());
     let row_shape = [n.batch, n.heads, n.queries, 1];
     let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
     let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
@@ -300,10 +344,12 @@ pub(crate) fn backward(
         }
         None => ComptimeOptionArgs::None,
     };
-    dq_kernel::launch::<Registers>(
+    let width = inputs.width(Some(grad));
+    launch!(dq_kernel(
         client,
         grid(client, blocks * n.batch * n.heads),
         CubeDim::new_1d(tq.units as u32),
+        width,
         inputs.problem(&n, scoring),
         grad.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
@@ -313,11 +359,12 @@ pub(crate) fn backward(
         partial_arg(&pd_partial),
         tq,
         [inputs.elem, inputs.mask_elem],
-    );
-    dkv_kernel::launch::<Registers>(
+    ));
+    launch!(dkv_kernel(
         client,
         grid(client, n.keys.div_ceil(tkv.bk) * n.batch * n.kv_heads),
         CubeDim::new_1d(tkv.units as u32),
+        width,
         inputs.problem(&n, scoring),
         grad.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
@@ -326,7 +373,7 @@ pub(crate) fn backward(
         heads_inside(dv_shape, &dv),
         tkv,
         [inputs.elem, inputs.mask_elem],
-    );
+    ));
     Grads {
         dq,
         dk,

@@ -21,6 +21,9 @@ pub(crate) const INVISIBLE: f32 = -3.4e38;
 
 /// The tensors and scalars of one call, as every kernel reads them.
 ///
+/// The query, key and value are read `N` elements at a time (4 where their rows allow it,
+/// else 1: see `launch::Inputs::width`).
+///
 /// `q` `[B, H, Tq, Dk]`, `k` `[B, Hkv, Tk, Dk]`, `v` `[B, Hkv, Tk, Dv]`, any strides; an
 /// additive `bias` and a boolean `mask` (nonzero = blocked), each of rank 4 and read as
 /// broadcast to `[B, H, Tq, Tk]` (stride 0 along an axis of size 1); a bias by distance
@@ -29,10 +32,10 @@ pub(crate) const INVISIBLE: f32 = -3.4e38;
 /// `Visibility::sequences`). The band: query `i` sees keys `i + offset - before ..= i +
 /// offset + after` (bounds larger than the problem for "every key").
 #[derive(CubeLaunch, CubeType)]
-pub(crate) struct Problem<F: Float, M: Int> {
-    pub(crate) q: OwnedTensor<F>,
-    pub(crate) k: OwnedTensor<F>,
-    pub(crate) v: OwnedTensor<F>,
+pub(crate) struct Problem<F: Float, M: Int, N: Size> {
+    pub(crate) q: OwnedTensor<Vector<F, N>>,
+    pub(crate) k: OwnedTensor<Vector<F, N>>,
+    pub(crate) v: OwnedTensor<Vector<F, N>>,
     pub(crate) bias: ComptimeOption<OwnedTensor<F>>,
     pub(crate) pd: ComptimeOption<OwnedTensor<F>>,
     pub(crate) mask: ComptimeOption<OwnedTensor<M>>,
@@ -44,7 +47,8 @@ pub(crate) struct Problem<F: Float, M: Int> {
     pub(crate) group: u32,
     /// Multiplies the queries.
     pub(crate) scale: f32,
-    /// `cap · tanh(s / cap)` on the scaled scores, before the bias; 0 for none.
+    /// `cap · tanh(s / cap)` on the scaled scores, before the bias (read where the kernel
+    /// is compiled with a cap).
     pub(crate) softcap: f32,
     /// A bias at or below this blocks its score (the dtype's blocked sentinel, see
     /// `crate::mask::Sentinels`: a bias the mask wrote in f16 is `-2^14`, not `-inf`).
@@ -114,20 +118,15 @@ pub(crate) struct Span {
 /// The keys query `row` of batch row `b` sees: the band cut to `0 .. keys` and, with
 /// packed sequences, to the row's sequence. Both bounds never decrease along the rows.
 #[cube]
-pub(crate) fn keys_of<F: Float, M: Int>(p: &Problem<F, M>, b: usize, row: usize) -> Span {
+pub(crate) fn keys_of<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
+    b: usize,
+    row: usize,
+) -> Span {
     let own = row as i32 + p.offset;
-    let mut lo = max(own - p.before, 0i32);
-    let mut hi = min(own + p.after + 1, p.k.shape(2) as i32);
-    #[comptime]
-    match &p.seq {
-        ComptimeOption::Some(seq) => {
-            let at = b * seq.stride(0) + row * seq.stride(2);
-            lo = max(lo, seq[at]);
-            hi = min(hi, seq[at + seq.stride(3)]);
-        }
-        ComptimeOption::None => {}
-    }
-    Span { lo, hi }
+    let lo = max(own - p.before, 0i32);
+    let hi = min(own + p.after + 1, p.k.shape(2) as i32);
+    in_sequence(p, b, row, lo, hi)
 }
 
 /// The queries that see key `key` of batch row `b`: the band mirrored (query `i` sees key
@@ -135,28 +134,46 @@ pub(crate) fn keys_of<F: Float, M: Int>(p: &Problem<F, M>, b: usize, row: usize)
 /// with packed sequences (self-attention: a position's sequence is the same as a query and
 /// as a key), to the key's sequence. Both bounds never decrease along the keys.
 #[cube]
-pub(crate) fn queries_of<F: Float, M: Int>(p: &Problem<F, M>, b: usize, key: usize) -> Span {
+pub(crate) fn queries_of<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
+    b: usize,
+    key: usize,
+) -> Span {
     let own = key as i32 - p.offset;
-    let mut lo = max(own - p.after, 0i32);
-    let mut hi = min(own + p.before + 1, p.q.shape(2) as i32);
+    let lo = max(own - p.after, 0i32);
+    let hi = min(own + p.before + 1, p.q.shape(2) as i32);
+    in_sequence(p, b, key, lo, hi)
+}
+
+/// `lo .. hi` cut, with packed sequences, to the sequence of position `at` of batch row
+/// `b`.
+#[cube]
+fn in_sequence<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
+    b: usize,
+    at: usize,
+    lo: i32,
+    hi: i32,
+) -> Span {
+    let mut span = Span { lo, hi };
     #[comptime]
     match &p.seq {
         ComptimeOption::Some(seq) => {
-            let at = b * seq.stride(0) + key * seq.stride(2);
-            lo = max(lo, seq[at]);
-            hi = min(hi, seq[at + seq.stride(3)]);
+            let at = b * seq.stride(0) + at * seq.stride(2);
+            span.lo = max(lo, seq[at]);
+            span.hi = min(hi, seq[at + seq.stride(3)]);
         }
         ComptimeOption::None => {}
     }
-    Span { lo, hi }
+    span
 }
 
-/// The raw score `s` (`q · k` with the scale in `q`) soft-capped: `cap · tanh(s / cap)`,
-/// or `s` where `softcap` is 0.
+/// The scaled score `s` soft-capped: `cap · tanh(s / cap)` where the kernel is compiled
+/// with a cap (`on`), else `s`.
 #[cube]
-pub(crate) fn capped(s: f32, softcap: f32) -> f32 {
+pub(crate) fn capped(s: f32, softcap: f32, #[comptime] on: bool) -> f32 {
     let mut out = s;
-    if softcap > 0.0f32 {
+    if comptime!(on) {
         let x = clamp(s / softcap, -TANH_BOUND, TANH_BOUND);
         out = softcap * x.tanh();
     }
@@ -164,11 +181,11 @@ pub(crate) fn capped(s: f32, softcap: f32) -> f32 {
 }
 
 /// The slope of [`capped`] at the score whose capped value is `capped`: `1 - (capped /
-/// cap)²`.
+/// cap)²`, or 1 without a cap.
 #[cube]
-pub(crate) fn cap_slope(capped: f32, softcap: f32) -> f32 {
+pub(crate) fn cap_slope(capped: f32, softcap: f32, #[comptime] on: bool) -> f32 {
     let mut slope = 1.0f32;
-    if softcap > 0.0f32 {
+    if comptime!(on) {
         let t = capped / softcap;
         slope = 1.0f32 - t * t;
     }
@@ -179,8 +196,8 @@ pub(crate) fn cap_slope(capped: f32, softcap: f32) -> f32 {
 /// value: the bias added (a bias at or below [`Problem::blocked`] blocks the score), the
 /// bias by distance added, and a key the boolean mask blocks set to [`BLOCKED`].
 #[cube]
-pub(crate) fn masked<F: Float, M: Int>(
-    p: &Problem<F, M>,
+pub(crate) fn masked<F: Float, M: Int, N: Size>(
+    p: &Problem<F, M, N>,
     capped: f32,
     b: usize,
     h: usize,

@@ -5,21 +5,25 @@
 //! around it see only the registers it fills, through [`Product`]'s map from a unit and a
 //! register to a row and a column of `C`.
 //!
-//! [`Registers`] is the portable implementation: for each step along the summed dimension
-//! a unit reads its rows' elements of `A` and its columns' elements of `B` once into
-//! registers and multiplies every pair, so that each shared-memory read feeds as many
-//! multiply-adds as the unit has columns (for `A`) or rows (for `B`). A cube's units own
-//! rows `ty + uy · i` and columns `tx + ux · j` (`tx = unit % ux`, `ty = unit / ux`):
-//! neighbouring units read neighbouring columns of `B`, and the few rows of `A` a plane
-//! reads are the same for many of its units. An implementation on cooperative matrices
-//! (tensor cores) computes the same product on fragments and leaves `C` in the same
-//! registers; nothing else changes.
+//! Shared memory holds tiles in quads, four neighbouring elements of a row read and
+//! written at once ([`Quad`], a 128-bit access in f32): a unit owns a block of `C` of
+//! whole quads of columns (`tx · cols ..`) and of rows (`ty · rows ..`). [`Registers`]
+//! is the portable implementation: for each four steps along the summed dimension a unit
+//! reads a quad of `A` per row it owns and a quad of `B` per step and quad of columns,
+//! then multiplies every pair from registers, so that one read of four elements feeds
+//! `4 · cols` (for `A`) or `4 · rows` (for `B`) multiply-adds. An implementation on
+//! cooperative matrices (tensor cores) computes the same product on fragments and leaves
+//! `C` in the same registers; nothing else changes.
 
 use cubecl::prelude::*;
 
+/// Four neighbouring elements of a row of a tile: the unit of shared memory.
+pub(crate) type Quad<E> = Vector<E, Const<4>>;
+
 /// One product's shape and how a cube's units share it: `C` is `m x n`, the sum runs over
 /// `k`; `ux` units along the columns and `units / ux` along the rows, each unit holding
-/// [`rows`](Self::rows) x [`cols`](Self::cols) elements of `C`.
+/// [`rows`](Self::rows) x [`cols`](Self::cols) elements of `C`, whole quads of columns
+/// (and of rows, when `A` is read transposed).
 #[derive_cube_comptime]
 pub(crate) struct Product {
     pub(crate) m: usize,
@@ -31,17 +35,23 @@ pub(crate) struct Product {
 
 impl Product {
     /// The product `m x n` over `k` shared by `units` units (a power of two): the split
-    /// that reads the fewest elements per step, `m / uy + n / ux`, among those that divide
-    /// `m` and `n` (ties: more units along the columns, whose reads are contiguous).
+    /// that reads the fewest quads per four steps (`rows + cols / 4 · 4`), among those
+    /// that give every unit whole quads of columns and, with `quad_rows`, of rows.
     ///
     /// # Panics
-    /// If no split divides both (the tiles are chosen so that one does).
-    pub(crate) fn new(m: usize, n: usize, k: usize, units: usize) -> Self {
+    /// If no split does (the tiles are chosen so that one does).
+    pub(crate) fn new(m: usize, n: usize, k: usize, units: usize, quad_rows: bool) -> Self {
         let splits = (0..=units.trailing_zeros()).map(|p| 1usize << p);
+        let fits = |ux: usize| {
+            let uy = units / ux;
+            n.is_multiple_of(4 * ux)
+                && m.is_multiple_of(uy)
+                && (!quad_rows || (m / uy).is_multiple_of(4))
+        };
         let ux = splits
-            .filter(|&ux| n.is_multiple_of(ux) && m.is_multiple_of(units / ux))
+            .filter(|&ux| fits(ux))
             .min_by_key(|&ux| (m / (units / ux) + n / ux, usize::MAX - ux))
-            .unwrap_or_else(|| panic!("no split of {units} units divides a {m} x {n} tile"));
+            .unwrap_or_else(|| panic!("no split of {units} units fits a {m} x {n} tile"));
         Self { m, n, k, ux, units }
     }
 
@@ -55,7 +65,7 @@ impl Product {
         self.m / self.uy()
     }
 
-    /// Columns of `C` each unit holds.
+    /// Columns of `C` each unit holds (a multiple of four).
     pub(crate) fn cols(&self) -> usize {
         self.n / self.ux
     }
@@ -66,57 +76,66 @@ impl Product {
     }
 }
 
-/// Where a tile's elements lie in a shared array: element `(r, c)` at `r · row + c ·
-/// col`. A tile stored row by row has `col = 1`; read transposed, `row = 1`.
+/// A tile in shared memory: `rows` rows of `cols` elements, rows `stride` elements apart
+/// (`cols` rounded up to a quad, and one quad more, so that units reading one column of
+/// several rows reach different banks).
 #[derive_cube_comptime]
-pub(crate) struct Layout {
-    pub(crate) row: usize,
-    pub(crate) col: usize,
+pub(crate) struct Tile {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
 }
 
-impl Layout {
-    /// Rows of `cols` elements, one padding element after each, so that units reading one
-    /// column of several rows hit different banks.
-    pub(crate) fn rows_of(cols: usize) -> Self {
-        Self {
-            row: cols + 1,
-            col: 1,
-        }
+impl Tile {
+    /// A tile of `rows` x `cols`.
+    pub(crate) fn new(rows: usize, cols: usize) -> Self {
+        Self { rows, cols }
     }
 
-    /// The same elements read transposed: element `(r, c)` of the result is `(c, r)`.
-    pub(crate) fn transposed(self) -> Self {
-        Self {
-            row: self.col,
-            col: self.row,
-        }
+    /// Elements from one row to the next (a multiple of four).
+    pub(crate) fn stride(&self) -> usize {
+        self.cols.next_multiple_of(4) + 4
+    }
+
+    /// Quads the tile takes.
+    pub(crate) fn quads(&self) -> usize {
+        self.rows * self.stride() / 4
     }
 }
 
-/// The unit's row `i` of `C` under `p`.
-#[cube]
-pub(crate) fn row_of(#[comptime] p: Product, #[comptime] i: usize) -> usize {
-    UNIT_POS as usize / p.ux + comptime!(p.uy() * i)
+/// How a product reads its `A` from a tile: as stored (`A[r][k]` at row `r`, column `k`),
+/// or transposed (at row `k`, column `r`).
+#[derive_cube_comptime]
+pub(crate) enum Read {
+    AsStored,
+    Transposed,
 }
 
-/// The unit's column `j` of `C` under `p`.
+/// The unit's first row of `C` under `p`; its rows are `row0 .. row0 + p.rows()`.
 #[cube]
-pub(crate) fn col_of(#[comptime] p: Product, #[comptime] j: usize) -> usize {
-    UNIT_POS as usize % p.ux + comptime!(p.ux * j)
+pub(crate) fn row0(#[comptime] p: Product) -> usize {
+    (UNIT_POS as usize / p.ux) * comptime!(p.rows())
+}
+
+/// The unit's first column of `C` under `p`; its columns are `col0 .. col0 + p.cols()`.
+#[cube]
+pub(crate) fn col0(#[comptime] p: Product) -> usize {
+    (UNIT_POS as usize % p.ux) * comptime!(p.cols())
 }
 
 /// A way to compute a tile product.
 #[cube]
 pub(crate) trait TileProduct: Send + Sync + 'static {
-    /// `c += a · b` under `p`, `a` an `m x k` tile of shared memory in `a_layout`, `b` a
-    /// `k x n` tile in `b_layout`; `c` holds the unit's [`Product::len`] elements of `C`,
-    /// element `(i, j)` (rows [`row_of`], columns [`col_of`]) at `i · cols + j`. Reads
-    /// shared memory only: the caller synchronises the cube around it.
+    /// `c += a · b` under `p`: `a` holds `A` (`m x k`, read from `a_tile` as `read`
+    /// says), `b` holds `B` (`k x n`, as stored in `b_tile`); both zero past `k` up to its
+    /// next multiple of four. `c` holds the unit's [`Product::len`] elements of `C`,
+    /// element `(i, j)` (row [`row0`] `+ i`, column [`col0`] `+ j`) at `i · cols + j`.
+    /// Reads shared memory only: the caller synchronises the cube around it.
     fn product<A: Float, B: Float>(
-        a: &Shared<[A]>,
-        #[comptime] a_layout: Layout,
-        b: &Shared<[B]>,
-        #[comptime] b_layout: Layout,
+        a: &Shared<[Quad<A>]>,
+        #[comptime] a_tile: Tile,
+        #[comptime] read: Read,
+        b: &Shared<[Quad<B>]>,
+        #[comptime] b_tile: Tile,
         c: &mut Array<f32>,
         #[comptime] p: Product,
     );
@@ -128,38 +147,73 @@ pub(crate) struct Registers;
 #[cube]
 impl TileProduct for Registers {
     fn product<A: Float, B: Float>(
-        a: &Shared<[A]>,
-        #[comptime] a_layout: Layout,
-        b: &Shared<[B]>,
-        #[comptime] b_layout: Layout,
+        a: &Shared<[Quad<A>]>,
+        #[comptime] a_tile: Tile,
+        #[comptime] read: Read,
+        b: &Shared<[Quad<B>]>,
+        #[comptime] b_tile: Tile,
         c: &mut Array<f32>,
         #[comptime] p: Product,
     ) {
         let rows = comptime!(p.rows());
         let cols = comptime!(p.cols());
-        let a_at = (UNIT_POS as usize / p.ux) * a_layout.row;
-        let b_at = (UNIT_POS as usize % p.ux) * b_layout.col;
-        let mut av = Array::<f32>::new(rows);
-        let mut bv = Array::<f32>::new(cols);
+        let (a_row, b_row) = comptime!((a_tile.stride() / 4, b_tile.stride() / 4));
+        let r0 = row0(p);
+        let c0 = col0(p) / 4;
+        let mut av = Array::<f32>::new(comptime!(rows * 4));
+        let mut bv = Array::<f32>::new(comptime!(4 * cols));
         #[unroll]
-        for kk in 0..p.k {
-            #[unroll]
-            for i in 0..rows {
-                av[i] = f32::cast_from(
-                    a[a_at + comptime!(p.uy() * i * a_layout.row + kk * a_layout.col)],
-                );
+        for kq in 0..comptime!(p.k.div_ceil(4)) {
+            // A's rows at steps 4·kq ..: a quad along the steps, or a quad of rows per step.
+            #[comptime]
+            match read {
+                Read::AsStored =>
+                {
+                    #[unroll]
+                    for i in 0..rows {
+                        let q = a[(r0 + i) * a_row + kq];
+                        #[unroll]
+                        for t in 0..4usize {
+                            av[comptime!(i * 4 + t)] = f32::cast_from(q.extract(t));
+                        }
+                    }
+                }
+                Read::Transposed =>
+                {
+                    #[unroll]
+                    for t in 0..4usize {
+                        #[unroll]
+                        for i4 in 0..comptime!(rows / 4) {
+                            let q = a[comptime!((kq * 4 + t) * a_row) + r0 / 4 + i4];
+                            #[unroll]
+                            for ii in 0..4usize {
+                                av[comptime!((i4 * 4 + ii) * 4 + t)] =
+                                    f32::cast_from(q.extract(ii));
+                            }
+                        }
+                    }
+                }
             }
             #[unroll]
-            for j in 0..cols {
-                bv[j] = f32::cast_from(
-                    b[b_at + comptime!(kk * b_layout.row + p.ux * j * b_layout.col)],
-                );
-            }
-            #[unroll]
-            for i in 0..rows {
+            for t in 0..4usize {
                 #[unroll]
-                for j in 0..cols {
-                    c[i * cols + j] += av[i] * bv[j];
+                for j4 in 0..comptime!(cols / 4) {
+                    let q = b[comptime!((kq * 4 + t) * b_row) + c0 + j4];
+                    #[unroll]
+                    for jj in 0..4usize {
+                        bv[comptime!(t * cols + j4 * 4 + jj)] = f32::cast_from(q.extract(jj));
+                    }
+                }
+            }
+            #[unroll]
+            for t in 0..4usize {
+                #[unroll]
+                for i in 0..rows {
+                    #[unroll]
+                    for j in 0..cols {
+                        c[comptime!(i * cols + j)] +=
+                            av[comptime!(i * 4 + t)] * bv[comptime!(t * cols + j)];
+                    }
                 }
             }
         }
@@ -175,30 +229,201 @@ pub(crate) fn zero(c: &mut Array<f32>, #[comptime] p: Product) {
     }
 }
 
+/// Writes the unit's elements of `c` under `p` to `tile` (`C` as stored), a quad at a
+/// time.
+#[cube]
+pub(crate) fn write_tile(
+    tile: &mut Shared<[Quad<f32>]>,
+    #[comptime] t: Tile,
+    c: &Array<f32>,
+    #[comptime] p: Product,
+) {
+    let (rows, cols) = comptime!((p.rows(), p.cols()));
+    let row = comptime!(t.stride() / 4);
+    let (r0, c0) = (row0(p), col0(p) / 4);
+    #[unroll]
+    for i in 0..rows {
+        #[unroll]
+        for j4 in 0..comptime!(cols / 4) {
+            let mut q = Quad::<f32>::empty();
+            #[unroll]
+            for jj in 0..4usize {
+                q.insert(jj, c[comptime!(i * cols + j4 * 4 + jj)]);
+            }
+            tile[(r0 + i) * row + c0 + j4] = q;
+        }
+    }
+}
+
+/// The element at row `r`, column `c` of `tile`.
+#[cube]
+pub(crate) fn element(tile: &Shared<[Quad<f32>]>, #[comptime] t: Tile, r: usize, c: usize) -> f32 {
+    tile[r * comptime!(t.stride() / 4) + c / 4].extract_dynamic(c % 4)
+}
+
+/// Stages rows `first .. first + rows` of one head of `src` (its rows along axis 2, its
+/// columns along axis 3, the head at `at`) into `tile` as `S`: as stored (`tile[r][c]`
+/// is row `first + r`, column `c`) or transposed (`tile[c][r]`); `cols` columns read, rows
+/// from `end` on and every other element of the tile's quads zero. Every unit of the cube
+/// a share of the quads, neighbouring units reading neighbouring columns of a row. `src`
+/// is read `N` elements at a time: with `N` = 4 (rows of whole quads, one apart) a quad
+/// of a row is one read, and a transposed tile is written by blocks of four rows by four
+/// columns. The caller synchronises the cube before the tile is read.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage<F: Float, N: Size, S: Float>(
+    src: &Tensor<Vector<F, N>>,
+    at: usize,
+    first: usize,
+    end: usize,
+    tile: &mut Shared<[Quad<S>]>,
+    #[comptime] t: Tile,
+    #[comptime] read: Read,
+    #[comptime] rows: usize,
+    #[comptime] cols: usize,
+    #[comptime] units: usize,
+) {
+    let unit = UNIT_POS as usize;
+    let (row_stride, col_stride) = (src.stride(2), src.stride(3));
+    let row = comptime!(t.stride() / 4);
+    let width = N::value();
+    let quads = comptime!(t.cols.div_ceil(4));
+    #[comptime]
+    match read {
+        Read::AsStored => {
+            // Quad `c4` of row `r`: four columns of one source row.
+            let total = comptime!(t.rows * quads);
+            #[unroll]
+            for step in 0..comptime!(total.div_ceil(units)) {
+                let e = comptime!(step * units) + unit;
+                if comptime!(total.is_multiple_of(units)) || e < total {
+                    let (r, c4) = (e / quads, e % quads);
+                    let source = first + r;
+                    let live = r < rows && source < end;
+                    if comptime!(width == 4) {
+                        let mut q = Quad::<S>::empty().fill(S::cast_from(0.0f32));
+                        if live && c4 * 4 < cols {
+                            let v = src[(at + source * row_stride) / 4 + c4];
+                            #[unroll]
+                            for cc in 0..4usize {
+                                q.insert(cc, S::cast_from(v.extract(cc)));
+                            }
+                        }
+                        tile[r * row + c4] = q;
+                    } else {
+                        let mut q = Quad::<S>::empty();
+                        #[unroll]
+                        for cc in 0..4usize {
+                            let c = c4 * 4 + cc;
+                            let mut x = 0.0f32;
+                            if live && c < cols {
+                                x = f32::cast_from(
+                                    src[at + source * row_stride + c * col_stride].extract(0usize),
+                                );
+                            }
+                            q.insert(cc, S::cast_from(x));
+                        }
+                        tile[r * row + c4] = q;
+                    }
+                }
+            }
+        }
+        Read::Transposed => {
+            if comptime!(width == 4) {
+                // Block `(r4, c4)`: four source rows by four columns, four reads, four
+                // quads (tile rows `4·c4 ..`, each a column of the four source rows).
+                let blocks = comptime!(t.cols.div_ceil(4) * t.rows.div_ceil(4));
+                #[unroll]
+                for step in 0..comptime!(blocks.div_ceil(units)) {
+                    let e = comptime!(step * units) + unit;
+                    if comptime!(blocks.is_multiple_of(units)) || e < blocks {
+                        let c4s = comptime!(t.rows.div_ceil(4));
+                        let (r4, c4) = (e / c4s, e % c4s);
+                        let mut v = Array::<Quad<f32>>::new(4usize);
+                        #[unroll]
+                        for rr in 0..4usize {
+                            let r = r4 * 4 + rr;
+                            let source = first + r;
+                            let mut q = Quad::<f32>::empty().fill(0.0f32);
+                            if r < rows && source < end && c4 * 4 < cols {
+                                let x = src[(at + source * row_stride) / 4 + c4];
+                                #[unroll]
+                                for cc in 0..4usize {
+                                    q.insert(cc, f32::cast_from(x.extract(cc)));
+                                }
+                            }
+                            v[rr] = q;
+                        }
+                        #[unroll]
+                        for cc in 0..4usize {
+                            let mut q = Quad::<S>::empty();
+                            #[unroll]
+                            for rr in 0..4usize {
+                                q.insert(rr, S::cast_from(v[rr].extract(cc)));
+                            }
+                            tile[(c4 * 4 + cc) * row + r4] = q;
+                        }
+                    }
+                }
+            } else {
+                // Quad `r4` of row `c`: one column of four source rows.
+                let total = comptime!(t.rows * quads);
+                #[unroll]
+                for step in 0..comptime!(total.div_ceil(units)) {
+                    let e = comptime!(step * units) + unit;
+                    if comptime!(total.is_multiple_of(units)) || e < total {
+                        let (r4, c) = (e / t.rows, e % t.rows);
+                        let mut q = Quad::<S>::empty();
+                        #[unroll]
+                        for rr in 0..4usize {
+                            let r = r4 * 4 + rr;
+                            let source = first + r;
+                            let mut x = 0.0f32;
+                            if r < rows && source < end && c < cols {
+                                x = f32::cast_from(
+                                    src[at + source * row_stride + c * col_stride].extract(0usize),
+                                );
+                            }
+                            q.insert(rr, S::cast_from(x));
+                        }
+                        tile[c * row + r4] = q;
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn a_split_reads_the_fewest_elements_per_step() {
-        // 32 x 32 over 64 units: 4 x 4 per unit (8 reads per step), not 2 x 8 or 8 x 2.
-        let p = Product::new(32, 32, 64, 64);
+    fn a_split_reads_the_fewest_quads_with_whole_quads_per_unit() {
+        // 32 x 32 over 64 units: 4 x 4 per unit.
+        let p = Product::new(32, 32, 64, 64, false);
         assert_eq!((p.ux, p.uy(), p.rows(), p.cols()), (8, 8, 4, 4));
-        // 32 rows of 128 columns over 128 units: 8 x 4 (as few reads as 4 x 8, with more
-        // units along the columns).
-        let p = Product::new(32, 128, 32, 128);
-        assert_eq!((p.ux, p.rows(), p.cols()), (32, 8, 4));
-        // A tall tile: more units along the rows.
-        let p = Product::new(64, 16, 8, 64);
-        assert_eq!((p.rows(), p.cols()), (4, 4));
-        assert_eq!(p.len(), 16);
+        // 64 x 64 over 128 units, rows in quads too: 8 x 4 or 4 x 8, whichever reads less.
+        let p = Product::new(64, 64, 32, 128, true);
+        assert_eq!(p.len(), 32);
+        assert!(p.rows().is_multiple_of(4) && p.cols().is_multiple_of(4));
+        // 32 rows of 128 columns over 128 units: whole quads of columns.
+        let p = Product::new(32, 128, 32, 128, false);
+        assert!(p.cols().is_multiple_of(4), "{p:?}");
+        assert_eq!(p.len(), 32);
     }
 
     #[test]
-    fn a_layout_reads_its_elements_transposed() {
-        let rows = Layout::rows_of(32);
-        assert_eq!((rows.row, rows.col), (33, 1));
-        let t = rows.transposed();
-        assert_eq!((t.row, t.col), (1, 33));
+    #[should_panic(expected = "no split")]
+    fn a_tile_too_small_for_whole_quads_has_no_split() {
+        // 16 x 16 over 64 units: rows in whole quads leave 4 units for 16 columns.
+        Product::new(16, 16, 8, 64, true);
+    }
+
+    #[test]
+    fn a_tile_pads_its_rows_to_a_quad_and_one_more() {
+        let t = Tile::new(3, 10);
+        assert_eq!((t.stride(), t.quads()), (16, 12));
+        assert_eq!(Tile::new(2, 32).stride(), 36);
     }
 }
