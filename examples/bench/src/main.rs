@@ -24,6 +24,8 @@
 //! `--prune` adds attention pruned to fewer heads against the full module (`prune.rs`).
 
 mod decode;
+#[cfg(feature = "wgpu")]
+mod overhead;
 mod prune;
 
 use std::path::PathBuf;
@@ -62,7 +64,8 @@ struct Cli {
     #[arg(long, value_enum)]
     backend: Vec<Backend>,
     /// Shapes, comma-separated: tiny (2,16,32,4), small (32,128,256,8), base
-    /// (8,512,512,8), long (1,4096,512,8), as (B, T, D, H); `none` for none.
+    /// (8,512,512,8), long (1,4096,512,8), as (B, T, D, H), or any `BxTxDxH` (e.g.
+    /// `1x1024x256x4`); `none` for none.
     #[arg(long, value_delimiter = ',', default_value = "small,base,long")]
     shapes: Vec<String>,
     /// Timed runs per measurement (the median is reported); a measurement whose warm-up
@@ -99,6 +102,11 @@ struct Cli {
     /// (GPU backends: the memory pool's peak since the process started).
     #[arg(long)]
     long_core: Option<usize>,
+    /// Also print what one call of mha's module and of Burn's costs around its kernels,
+    /// at each shape and dtype (GPU backends): launches, buffers, the host's time.
+    #[cfg(feature = "wgpu")]
+    #[arg(long)]
+    overhead: bool,
     /// Also write every measurement to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -643,6 +651,34 @@ fn print_trainer(records: &[&Record]) {
     }
 }
 
+/// A shape of [`SHAPES`] by name, or `BxTxDxH` (batch, sequence, model width, heads).
+fn shape_named(name: &str) -> anyhow::Result<Shape> {
+    if let Some(shape) = SHAPES.iter().find(|s| s.name == name) {
+        return Ok(*shape);
+    }
+    let unknown =
+        || format!("--shapes: unknown shape {name:?} (tiny, small, base, long, BxTxDxH, none)");
+    let sizes: Vec<usize> = name
+        .split('x')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .with_context(unknown)?;
+    let [batch, seq, d_model, heads] = sizes[..] else {
+        anyhow::bail!(unknown());
+    };
+    anyhow::ensure!(
+        batch > 0 && seq > 0 && heads > 0 && d_model % heads == 0 && d_model > 0,
+        "--shapes {name}: B, T, D and H must be positive, with D a multiple of H"
+    );
+    Ok(Shape {
+        name: Box::leak(name.to_owned().into_boxed_str()),
+        batch,
+        seq,
+        d_model,
+        heads,
+    })
+}
+
 fn main() -> anyhow::Result<()> {
     train::alloc::keep_freed_memory();
     let cli = Cli::parse();
@@ -650,15 +686,7 @@ fn main() -> anyhow::Result<()> {
         .shapes
         .iter()
         .filter(|name| name.as_str() != "none")
-        .map(|name| {
-            SHAPES
-                .iter()
-                .find(|s| s.name == name.as_str())
-                .copied()
-                .with_context(|| {
-                    format!("--shapes: unknown shape {name:?} (tiny, small, base, long, none)")
-                })
-        })
+        .map(|name| shape_named(name))
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(cli.runs > 0, "--runs must be at least 1, got 0");
     let dtypes: Vec<FloatDType> = cli
@@ -704,6 +732,19 @@ fn main() -> anyhow::Result<()> {
             for run in TRAINER_RUNS {
                 eprintln!("{backend}: {} ...", run.subject);
                 bench_trainer(&cli, backend, &device, run, &mut mine)?;
+            }
+        }
+        #[cfg(feature = "wgpu")]
+        if cli.overhead {
+            for &dtype in &computed {
+                for &shape in &shapes {
+                    eprintln!(
+                        "{backend}: overhead at {} in {} ...",
+                        shape.name,
+                        dtype_name(dtype)
+                    );
+                    overhead::print_overhead(&device, shape, dtype)?;
+                }
             }
         }
         if cli.decode {
