@@ -19,7 +19,7 @@ use crate::problem::Dims;
 
 /// Launches a kernel over the portable tile product: checked (an out-of-bounds index
 /// clamped to the buffer) in debug builds, where the tests run, unchecked in release,
-/// where it measured faster (see `docs/benchmarks.md`).
+/// where it took 6% less device time per kernel on lavapipe (`docs/benchmarks.md`).
 macro_rules! launch {
     ($kernel:ident($($arg:expr),* $(,)?)) => {
         if cfg!(debug_assertions) {

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Merges what `scripts/gpu_table.sh` measured into one table: OUT/gpu_table.md.
+
+Reads OUT/mha-BUILD-DTYPE.json (the benchmark's records, BUILD `wgsl` or `spirv`),
+OUT/pytorch.json (`scripts/bench_pytorch.py --json`) and OUT/steps.tsv (each step's
+name, status and seconds); writes one row per shape, pass and dtype with the median
+milliseconds of mha's module, Burn's module and PyTorch's, their cores, and the ratios,
+then the long core, then each step's status. Standard library only: it runs on the GPU
+machine beside PyTorch.
+
+    python3 scripts/gpu_table.py OUT
+"""
+
+import glob
+import json
+import os
+import sys
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def main(out):
+    # (shape, pass, dtype) -> {column: ms}
+    rows = {}
+    long_rows = []
+    for path in sorted(glob.glob(os.path.join(out, "mha-*.json"))):
+        build = os.path.basename(path)[len("mha-"):].split("-")[0]
+        for r in load(path) or []:
+            shape = (r.get("shape") or {}).get("name")
+            if not shape or not r.get("dtype"):
+                continue
+            column = f"{r['subject']} {build}"
+            if shape == "long-core":
+                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], r["median_ms"], r.get("peak_mib")))
+                continue
+            rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = r["median_ms"]
+    torch = load(os.path.join(out, "pytorch.json"))
+    for r in (torch or {}).get("records", []):
+        if r.get("shape") == "long-core":
+            long_rows.append(("PyTorch CUDA", r.get("context"), r["dtype"], r["median_ms"], r.get("peak_mib")))
+            continue
+        rows.setdefault((r["shape"], r["pass_"], r["dtype"]), {})[r["subject"]] = r["median_ms"]
+
+    columns = [
+        ("mha wgsl", "mha (WGSL)"),
+        ("mha spirv", "mha (SPIR-V)"),
+        ("burn wgsl", "Burn (WGSL)"),
+        ("burn spirv", "Burn (SPIR-V)"),
+        ("pytorch", "PyTorch CUDA"),
+        ("mha-core wgsl", "mha core (WGSL)"),
+        ("mha-core spirv", "mha core (SPIR-V)"),
+        ("pytorch-core", "PyTorch core"),
+    ]
+    present = [c for c in columns if any(c[0] in v for v in rows.values())]
+    lines = []
+    if torch:
+        lines.append(f"PyTorch {torch.get('torch')} on {torch.get('device')}.\n")
+    lines.append("## Causal self-attention, median ms (lower is better)\n")
+    header = ["shape", "pass", "dtype"] + [name for _, name in present] + ["Burn/mha", "PyTorch/mha"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    order = {"tiny": 0, "small": 1, "base": 2, "long": 3}
+    for (shape, pass_, dtype), cells in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][0], kv[0][1], kv[0][2])):
+        mine = min((cells[k] for k in ("mha wgsl", "mha spirv") if k in cells), default=None)
+        burn = min((cells[k] for k in ("burn wgsl", "burn spirv") if k in cells), default=None)
+        ratio = lambda other: f"{other / mine:.2f}" if mine and other else "—"
+        values = [f"{cells[key]:.2f}" if key in cells else "—" for key, _ in present]
+        lines.append("| " + " | ".join([shape, pass_, dtype] + values + [ratio(burn), ratio(cells.get("pytorch"))]) + " |")
+    if long_rows:
+        lines.append("\n## Causal core alone, batch 1, 8 heads of 64, forward+backward\n")
+        lines.append("| who | positions | dtype | median ms | peak MiB |")
+        lines.append("|---|---|---|---|---|")
+        for who, positions, dtype, ms, peak in long_rows:
+            peak = "—" if peak is None else f"{peak:.0f}"
+            lines.append(f"| {who} | {positions} | {dtype} | {ms:.2f} | {peak} |")
+    steps = os.path.join(out, "steps.tsv")
+    if os.path.exists(steps):
+        lines.append("\n## Steps\n")
+        lines.append("| step | status | seconds |")
+        lines.append("|---|---|---|")
+        with open(steps) as f:
+            for line in f:
+                name, status, seconds = (line.rstrip("\n").split("\t") + ["", "", ""])[:3]
+                lines.append(f"| {name} | {status} | {seconds} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "gpu_table.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    print(main(sys.argv[1]), end="")

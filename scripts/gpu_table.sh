@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# The GPU table: mha's MultiHeadAttention, Burn's built-in module and the attention core
+# on wgpu (through WGSL, and through Burn's SPIR-V compiler, the `vulkan` build), beside
+# PyTorch's attention on CUDA, at the small, base and long shapes in f32 and f16, plus the
+# causal core alone at 16384 positions with its peak memory. Made for a machine with an
+# NVIDIA GPU, PyTorch with CUDA, no network and no Rust toolchain: the binaries are built
+# and packed elsewhere. docs/gpu.md says the same at more length.
+#
+# 1. On a machine that builds this repository (a Rust toolchain, Debian's apt):
+#        scripts/gpu_table.sh --pack [PACK]
+#    builds the benchmark in release twice (`--features wgpu`, `--features vulkan`; the
+#    cuda backend cannot be built without network: its build downloads an LLVM), strips
+#    and compresses both, downloads Debian's Vulkan loader (libvulkan1) for a machine that
+#    lacks one, and checks that PACK (default gpu-pack/) holds under 64 MiB.
+# 2. On the GPU machine, from the repository's root with PACK beside scripts/, OUT a new
+#    or empty folder:
+#        scripts/gpu_table.sh --run PACK OUT
+#    unpacks the binaries (and the loader where `ldconfig` finds none), then runs PyTorch
+#    on CUDA first, then each build and dtype in a process of its own under its own time
+#    limit, so that a crash or a timeout loses one step; after every step it rewrites
+#    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
+#    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
+#    that would pass it is skipped and says so. Autotuning is bounded
+#    (CUBECL_AUTOTUNE_LEVEL=minimal).
+# 3. In CI, on Mesa's lavapipe:
+#        scripts/gpu_table.sh --dry-run OUT
+#    packs the debug build CI made (`cargo build -p bench --features ndarray,wgpu`), then
+#    runs step 2 on it at a tiny shape with one run: the script is known to work before it
+#    meets a GPU. It fails if a step that could run failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+target="${CARGO_TARGET_DIR:-target}"
+xz_level=9
+
+# `pack PACK WGPU_BIN [VULKAN_BIN]`: the binaries stripped and compressed into PACK.
+pack() {
+    local dir="$1" wgpu="$2" vulkan="${3:-}"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    strip -o "$dir/bench-wgsl" "$wgpu"
+    if [ -n "$vulkan" ]; then strip -o "$dir/bench-spirv" "$vulkan"; fi
+    xz -T0 "-$xz_level" "$dir"/bench-*
+    git rev-parse HEAD > "$dir/commit" 2>/dev/null || echo unknown > "$dir/commit"
+}
+
+if [ "${1:-}" = "--pack" ]; then
+    dir="${2:-gpu-pack}"
+    echo "== release builds of the benchmark (wgpu, then vulkan): long the first time" >&2
+    cargo build --release -p bench --features wgpu
+    cp "$target/release/bench" "$target/release/bench-wgpu-pack"
+    cargo build --release -p bench --features vulkan
+    pack "$dir" "$target/release/bench-wgpu-pack" "$target/release/bench"
+    echo "== Debian's Vulkan loader, for a machine without one" >&2
+    lists=$(mktemp -d)
+    mkdir -p "$lists/partial" "$dir/debs"
+    o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 "-oDir::State::Lists=$lists")
+    apt-get "${o[@]}" update -qq
+    (cd "$dir/debs" && apt-get "${o[@]}" download libvulkan1)
+    size=$(du -sb "$dir" | cut -f1)
+    ls -l "$dir" "$dir/debs" >&2
+    if [ "$size" -ge $((64 << 20)) ]; then
+        echo "error: $dir holds $size bytes, over the 64 MiB a run may carry" >&2
+        exit 1
+    fi
+    echo "== $dir: $size bytes, ready: scripts/gpu_table.sh --run $dir OUT on the GPU machine" >&2
+    exit 0
+fi
+
+# OUT must be new or empty: results of an earlier run would mix into the table.
+fresh_out() {
+    if [ -d "$1" ] && [ -n "$(ls -A "$1")" ]; then
+        echo "error: $1 is not empty (an earlier run's results?); name a new folder" >&2
+        exit 2
+    fi
+}
+
+dry=0
+case "${1:-}" in
+    --run)
+        pack_dir="${2:?--run PACK OUT}"
+        out="${3:?--run PACK OUT}"
+        fresh_out "$out"
+        ;;
+    --dry-run)
+        dry=1
+        out="${2:?--dry-run OUT}"
+        fresh_out "$out"
+        pack_dir="$out/pack"
+        xz_level=0
+        bin="$target/debug/bench"
+        [ -x "$bin" ] || cargo build -q -p bench --features ndarray,wgpu
+        mkdir -p "$out"
+        pack "$pack_dir" "$bin"
+        ;;
+    *)
+        sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2
+        exit 2
+        ;;
+esac
+
+started=$SECONDS
+budget="${MHA_GPU_TABLE_BUDGET:-540}"
+mkdir -p "$out"
+: > "$out/steps.tsv"
+export CUBECL_AUTOTUNE_LEVEL=minimal
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
+failed=0
+
+# Rewrites the table and the archive of everything under OUT.
+archive() {
+    python3 scripts/gpu_table.py "$out" > /dev/null || echo "warning: the table could not be merged" >&2
+    # Written beside the results, in a folder the archive leaves out, then moved in place:
+    # the archive on disk is always a whole one.
+    mkdir -p "$out/.archive"
+    if tar czf "$out/.archive/part" --exclude=./gpu_table.tar.gz --exclude=./.archive \
+        --exclude=./pack --exclude="./bench-*" -C "$out" .; then
+        mv "$out/.archive/part" "$out/gpu_table.tar.gz"
+    else
+        echo "warning: the archive could not be written" >&2
+    fi
+}
+
+# `step NAME SECONDS CMD...`: CMD in a process of its own under a limit of SECONDS (and of
+# what is left of the budget), its output in OUT/NAME.log; then the table and archive.
+step() {
+    local name="$1" limit="$2"
+    shift 2
+    local left=$((budget - (SECONDS - started)))
+    if [ "$left" -lt 20 ]; then
+        echo "== $name: skipped, ${left}s left of the budget" >&2
+        printf '%s\tskipped: budget spent\t0\n' "$name" >> "$out/steps.tsv"
+        return
+    fi
+    [ "$limit" -le "$left" ] || limit=$left
+    echo "== $name (at most ${limit}s)" >&2
+    local t0=$SECONDS status rc=0
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1 || rc=$?
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="timed out after ${limit}s"; failed=1 ;;
+        *) status="failed (exit $rc)"; failed=1 ;;
+    esac
+    echo "   $status" >&2
+    printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" >> "$out/steps.tsv"
+    archive
+}
+
+# `skip NAME REASON`: a step that cannot run here, recorded as such.
+skip() {
+    echo "== $1: not run: $2" >&2
+    printf '%s\tnot run: %s\t0\n' "$1" "$2" >> "$out/steps.tsv"
+}
+
+if [ "$dry" -eq 1 ]; then
+    shapes=tiny
+    runs=1
+    long=256
+    limit=900
+    budget="${MHA_GPU_TABLE_BUDGET:-1800}"
+else
+    shapes=small,base,long
+    runs=7
+    long=16384
+    limit=110
+fi
+
+{
+    echo "commit $(cat "$pack_dir/commit" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+    nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+} > "$out/machine.txt"
+
+# The Vulkan loader, where the machine has none.
+if ! ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1'; then
+    if ls "$pack_dir"/debs/*.deb > /dev/null 2>&1; then
+        echo "== installing the packed Vulkan loader" >&2
+        for f in "$pack_dir"/debs/*.deb; do dpkg -x "$f" /; done
+        ldconfig
+    else
+        echo "warning: no Vulkan loader here and none packed" >&2
+    fi
+fi
+# NVIDIA's Vulkan driver where the loader does not find it by itself.
+nvidia_icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$nvidia_icd" ] \
+    && ! ls /usr/share/vulkan/icd.d/nvidia_icd*.json /etc/vulkan/icd.d/nvidia_icd*.json > /dev/null 2>&1; then
+    export VK_DRIVER_FILES="$nvidia_icd"
+fi
+
+# PyTorch on CUDA first: it needs no Vulkan and no binary of ours.
+if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
+    step pytorch "$limit" python3 scripts/bench_pytorch.py --device cuda --shapes "$shapes" \
+        --runs "$runs" --dtype f32,f16,bf16 --long-core "$long" --json "$out/pytorch.json"
+else
+    skip pytorch "no CUDA PyTorch on this machine"
+fi
+
+# Each build and dtype in a process of its own: WGSL (every wgpu device), then SPIR-V
+# (Vulkan; lavapipe crashes creating SPIR-V pipelines, so the dry run has no such build).
+for build in wgsl spirv; do
+    packed="$pack_dir/bench-$build.xz"
+    if [ ! -f "$packed" ]; then
+        skip "mha-$build" "no $build build in $pack_dir"
+        continue
+    fi
+    exe="$out/bench-$build"
+    xz -dc "$packed" > "$exe"
+    chmod +x "$exe"
+    for dtype in f32 f16; do
+        step "mha-$build-$dtype" "$limit" "$exe" --backend wgpu --shapes "$shapes" --runs "$runs" \
+            --dtype "$dtype" --no-train --long-core "$long" --json "$out/mha-$build-$dtype.json"
+    done
+    rm -f "$exe"
+done
+
+archive
+cat "$out/gpu_table.md"
+echo "== $out/gpu_table.md and $out/gpu_table.tar.gz, $((SECONDS - started))s" >&2
+if [ "$dry" -eq 1 ] && [ "$failed" -ne 0 ]; then
+    echo "error: a step of the dry run failed (see $out/steps.tsv and its log)" >&2
+    exit 1
+fi
