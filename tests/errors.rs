@@ -345,10 +345,7 @@ fn unreadable_files_name_the_file() {
         "{err}"
     );
     // A truncated file.
-    let path = format!(
-        "{}/tests/fixtures/mha_causal_self.safetensors",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let path = crate::util::root().join("tests/fixtures/mha_causal_self.safetensors");
     let bytes = std::fs::read(path).unwrap();
     let err =
         PyTorchWeights::from_bytes(&bytes[..bytes.len() / 2], "half.safetensors").unwrap_err();

@@ -158,6 +158,15 @@ pub fn first_device() -> Device {
     backends().next().expect("a backend").device
 }
 
+/// The repository's root: the one `cargo test` runs the tests from (it sets
+/// `CARGO_MANIFEST_DIR` at run time too), else the one they were built in. A test binary
+/// reused from a build cache shared by several clones reads the files of its own clone.
+pub fn root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
+        .into()
+}
+
 /// A PyTorch fixture written by scripts/golden.py.
 pub struct Fixture {
     pub name: &'static str,
@@ -166,10 +175,7 @@ pub struct Fixture {
 
 impl Fixture {
     pub fn load(name: &'static str) -> Self {
-        let path = format!(
-            "{}/tests/fixtures/{name}.safetensors",
-            env!("CARGO_MANIFEST_DIR")
-        );
+        let path = root().join(format!("tests/fixtures/{name}.safetensors"));
         let weights = PyTorchWeights::from_file(&path).unwrap_or_else(|e| panic!("{e}"));
         Self { name, weights }
     }

@@ -820,7 +820,10 @@ mod tests {
         // A synthetic task keeps the synthetic defaults.
         assert_eq!(TrainConfig::defaults(Task::Reverse), TrainConfig::default());
         // The larger preset, nanoGPT's GPU recipe.
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/text-gpu.json");
+        // The clone `cargo test` runs in, which may not be the one a cached build was made in.
+        let root = std::env::var_os("CARGO_MANIFEST_DIR")
+            .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into());
+        let path = Path::new(&root).join("configs/text-gpu.json");
         let gpu = TrainConfig::load(&path).unwrap();
         let m = &gpu.model;
         assert_eq!(
