@@ -162,7 +162,8 @@ impl TileProduct for Registers {
         let c0 = col0(p) / 4;
         let mut av = Array::<f32>::new(comptime!(rows * 4));
         let mut bv = Array::<f32>::new(comptime!(4 * cols));
-        #[unroll]
+        // Rolled: only the unit's block needs compile-time indices. Unrolled over `k` too,
+        // the kernels took several times longer to compile (lavapipe runs no faster).
         for kq in 0..comptime!(p.k.div_ceil(4)) {
             // A's rows at steps 4·kq ..: a quad along the steps, or a quad of rows per step.
             #[comptime]
@@ -184,7 +185,7 @@ impl TileProduct for Registers {
                     for t in 0..4usize {
                         #[unroll]
                         for i4 in 0..comptime!(rows / 4) {
-                            let q = a[comptime!((kq * 4 + t) * a_row) + r0 / 4 + i4];
+                            let q = a[(kq * 4 + t) * a_row + r0 / 4 + i4];
                             #[unroll]
                             for ii in 0..4usize {
                                 av[comptime!((i4 * 4 + ii) * 4 + t)] =
@@ -198,7 +199,7 @@ impl TileProduct for Registers {
             for t in 0..4usize {
                 #[unroll]
                 for j4 in 0..comptime!(cols / 4) {
-                    let q = b[comptime!((kq * 4 + t) * b_row) + c0 + j4];
+                    let q = b[(kq * 4 + t) * b_row + c0 + j4];
                     #[unroll]
                     for jj in 0..4usize {
                         bv[comptime!(t * cols + j4 * 4 + jj)] = f32::cast_from(q.extract(jj));
