@@ -10,12 +10,13 @@
 #        scripts/gpu_table.sh --pack [PACK]
 #    builds the benchmark in release twice (`--features wgpu`, `--features vulkan`; the
 #    cuda backend cannot be built without network: its build downloads an LLVM), strips
-#    and compresses both, downloads Debian's Vulkan loader (libvulkan1) for a machine that
-#    lacks one, and checks that PACK (default gpu-pack/) holds under 64 MiB.
+#    and compresses both, downloads Debian's Vulkan loader and the GL dispatch libraries
+#    NVIDIA's driver links to (libvulkan1, libglvnd0, ...) for a machine that lacks them,
+#    and checks that PACK (default gpu-pack/) holds under 64 MiB.
 # 2. On the GPU machine, from the repository's root with PACK beside scripts/, OUT a new
 #    or empty folder:
 #        scripts/gpu_table.sh --run PACK OUT
-#    unpacks the binaries (and the loader where `ldconfig` finds none), then runs PyTorch
+#    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
 #    on CUDA first, then each build and dtype in a process of its own under its own time
 #    limit, so that a crash or a timeout loses one step; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
@@ -32,6 +33,10 @@ cd "$(dirname "$0")/.."
 
 target="${CARGO_TARGET_DIR:-target}"
 xz_level=9
+# What NVIDIA's Vulkan driver needs beside itself: the loader, and the GL dispatch
+# libraries its ICD (libGLX_nvidia) links to. Without the second, the loader finds the
+# ICD and no adapter ("no adapter found on the requested graphics API"; H200, 2026-11-27).
+loader_debs="libvulkan1 libglvnd0 libglx0 libegl1 libgl1 libgles2 libopengl0"
 
 # `pack PACK WGPU_BIN [VULKAN_BIN]`: the binaries stripped and compressed into PACK.
 pack() {
@@ -51,12 +56,12 @@ if [ "${1:-}" = "--pack" ]; then
     cp "$target/release/bench" "$target/release/bench-wgpu-pack"
     cargo build --release -p bench --features vulkan
     pack "$dir" "$target/release/bench-wgpu-pack" "$target/release/bench"
-    echo "== Debian's Vulkan loader, for a machine without one" >&2
+    echo "== Debian's Vulkan loader and GL dispatch libraries, for a machine without them" >&2
     lists=$(mktemp -d)
     mkdir -p "$lists/partial" "$dir/debs"
     o=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 "-oDir::State::Lists=$lists")
     apt-get "${o[@]}" update -qq
-    (cd "$dir/debs" && apt-get "${o[@]}" download libvulkan1)
+    (cd "$dir/debs" && apt-get "${o[@]}" download $loader_debs)
     size=$(du -sb "$dir" | cut -f1)
     ls -l "$dir" "$dir/debs" >&2
     if [ "$size" -ge $((64 << 20)) ]; then
@@ -162,7 +167,8 @@ else
     shapes=small,base,long
     runs=7
     long=16384
-    limit=110
+    # WGSL took 80 s a dtype on an H200 (2026-11-27), SPIR-V f16 about 150 s (5 runs).
+    limit=150
 fi
 
 {
@@ -170,21 +176,25 @@ fi
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
 } > "$out/machine.txt"
 
-# The Vulkan loader, where the machine has none.
-if ! ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1'; then
+# The Vulkan loader and the GL dispatch libraries, where the machine lacks either.
+if ! ldconfig -p 2>/dev/null | grep -q 'libvulkan.so.1' \
+    || ! ldconfig -p 2>/dev/null | grep -q 'libGLdispatch.so.0'; then
     if ls "$pack_dir"/debs/*.deb > /dev/null 2>&1; then
-        echo "== installing the packed Vulkan loader" >&2
+        echo "== installing the packed Vulkan loader and GL dispatch libraries" >&2
         for f in "$pack_dir"/debs/*.deb; do dpkg -x "$f" /; done
         ldconfig
     else
-        echo "warning: no Vulkan loader here and none packed" >&2
+        echo "warning: no Vulkan loader or GL dispatch here and none packed" >&2
     fi
 fi
-# NVIDIA's Vulkan driver where the loader does not find it by itself.
-nvidia_icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$nvidia_icd" ] \
+# NVIDIA's Vulkan driver (and its EGL vendor file) where the loader does not find it.
+nvidia=/usr/local/nvidia/share
+if [ -z "${VK_DRIVER_FILES:-}" ] && [ -f "$nvidia/vulkan/icd.d/nvidia_icd.json" ] \
     && ! ls /usr/share/vulkan/icd.d/nvidia_icd*.json /etc/vulkan/icd.d/nvidia_icd*.json > /dev/null 2>&1; then
-    export VK_DRIVER_FILES="$nvidia_icd"
+    export VK_DRIVER_FILES="$nvidia/vulkan/icd.d/nvidia_icd.json"
+fi
+if [ -z "${__EGL_VENDOR_LIBRARY_FILENAMES:-}" ] && [ -f "$nvidia/glvnd/egl_vendor.d/10_nvidia.json" ]; then
+    export __EGL_VENDOR_LIBRARY_FILENAMES="$nvidia/glvnd/egl_vendor.d/10_nvidia.json"
 fi
 
 # PyTorch on CUDA first: it needs no Vulkan and no binary of ours.
@@ -206,7 +216,9 @@ for build in wgsl spirv; do
     exe="$out/bench-$build"
     xz -dc "$packed" > "$exe"
     chmod +x "$exe"
-    for dtype in f32 f16; do
+    # f16 first: the SPIR-V build's f32 step outran 170 s at the base shape on an H200
+    # (2026-11-27), where its f16 step took 150 s.
+    for dtype in f16 f32; do
         step "mha-$build-$dtype" "$limit" "$exe" --backend wgpu --shapes "$shapes" --runs "$runs" \
             --dtype "$dtype" --no-train --long-core "$long" --json "$out/mha-$build-$dtype.json"
     done
