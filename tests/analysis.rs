@@ -5,7 +5,9 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use mha::analysis::{HeadImportance, HeadMask, HeadReport, Heads, Inspect, LayerStats, PrunePlan};
+use mha::analysis::{
+    HeadImportance, HeadMask, HeadReport, Heads, Inspect, LayerStats, LayerStatsBuilder, PrunePlan,
+};
 use mha::{
     AttentionMask, AttentionWeights, Decoder, DecoderBlockConfig, DecoderConfig,
     EncoderBlockConfig, EncoderConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
@@ -176,6 +178,53 @@ fn padding_rows_and_fully_blocked_rows_are_left_out() {
             "[{}] {stats:?}",
             be.name
         );
+    }
+}
+
+#[test]
+fn statistics_gathered_batch_by_batch_are_those_of_all_rows_at_once() {
+    for be in backends() {
+        let w = fixed_weights();
+        let full = Tensor::<4>::from_data(TensorData::new(w.clone(), [1, 4, 4, 4]), &be.device);
+        // The same weights at 3 positions (a causal row gives the 4th key nothing).
+        let short: Vec<f32> = (0..4)
+            .flat_map(|h| (0..3).flat_map(move |q| (0..3).map(move |k| h * 16 + q * 4 + k)))
+            .map(|i| w[i])
+            .collect();
+        let short = Tensor::<4>::from_data(TensorData::new(short, [1, 4, 3, 3]), &be.device);
+        // All at once: the second row padded to 4, its last query left out.
+        let joined = Tensor::<4>::from_data(
+            TensorData::new([w.clone(), w].concat(), [2, 4, 4, 4]),
+            &be.device,
+        );
+        let want = LayerStats::from_weights("l", joined, &AttentionMask::causal(), Some(&[4, 3]));
+        // The shorter batch first: the links grow to the longer one's.
+        let mut builder = LayerStatsBuilder::new("l");
+        builder.add(short, &AttentionMask::causal(), None);
+        builder.add(full, &AttentionMask::causal(), None);
+        let got = builder.finish();
+        assert_eq!(got.heads.len(), 4);
+        for (g, w) in got.heads.iter().zip(&want.heads) {
+            let what = |field: &str| format!("[{}] head {} {field}", be.name, w.head);
+            assert_eq!(g.rows, w.rows, "{}", what("rows"));
+            for (field, a, b) in [
+                ("entropy", g.entropy, w.entropy),
+                (
+                    "normalized entropy",
+                    g.normalized_entropy,
+                    w.normalized_entropy,
+                ),
+                ("distance", g.distance, w.distance),
+                ("same", g.same, w.same),
+                ("previous", g.previous, w.previous),
+                ("first", g.first, w.first),
+            ] {
+                close(&what(field), a, b);
+            }
+            let (gs, ws) = (g.strongest.unwrap(), w.strongest.unwrap());
+            assert_eq!((gs.query, gs.key), (ws.query, ws.key), "{}", what("link"));
+            close(&what("link weight"), gs.weight, ws.weight);
+        }
     }
 }
 
@@ -581,6 +630,28 @@ fn importance_ranks_first_the_head_that_decides_the_loss() {
             loss(mask, i).into_scalar::<f64>()
         });
         let gradient = HeadImportance::by_gradient(&counts, &device, 2, loss);
+        // Means over the batches, not sums: the same two batches twice score the same, and
+        // the baseline is the mean of the batches' losses.
+        let twice = HeadImportance::by_ablation(&counts, &device, 4, |mask, i| {
+            loss(mask, i % 2).into_scalar::<f64>()
+        });
+        let kept = HeadMask::keep_all(&counts, &device);
+        let mean = (0..2)
+            .map(|i| loss(&kept, i).into_scalar::<f64>())
+            .sum::<f64>()
+            / 2.0;
+        for (name, got, want) in [
+            ("ablation baseline", ablation.baseline_loss, mean),
+            ("gradient baseline", gradient.baseline_loss, mean),
+            ("baseline of 4 batches", twice.baseline_loss, mean),
+            (
+                "head 2 over 4 batches",
+                twice.scores[0][2],
+                ablation.scores[0][2],
+            ),
+        ] {
+            close(&format!("[{}] {name}", be.name), got, want);
+        }
         for importance in [&ablation, &gradient] {
             let ranking = importance.ranking();
             assert_eq!(

@@ -28,22 +28,25 @@ pub struct HeadImportance {
     pub method: ImportanceMethod,
     /// `scores[layer][head]`.
     pub scores: Vec<Vec<f64>>,
-    /// The loss with every head kept, summed over the batches.
+    /// The loss with every head kept: the mean of the batches' losses.
     pub baseline_loss: f64,
 }
 
 impl HeadImportance {
-    /// Each head's ablation score: the loss over `batches` batches with that head masked
-    /// (weight 0) minus the loss with every head kept. `counts` are the heads per attention
-    /// layer ([`Heads::head_counts`](super::Heads::head_counts)); `loss(mask, i)` is the
-    /// model's loss on batch `i` under `mask`. One forward per batch and head, plus one.
+    /// Each head's ablation score: the loss with that head masked (weight 0) minus the loss
+    /// with every head kept, each the mean of the losses of `batches` batches (so a score
+    /// does not grow with the number of batches; give batches of one size for the mean
+    /// over examples). `counts` are the heads per attention layer
+    /// ([`Heads::head_counts`](super::Heads::head_counts)); `loss(mask, i)` is the model's
+    /// (mean) loss on batch `i` under `mask`. One forward per batch and head, plus one.
     pub fn by_ablation(
         counts: &[usize],
         device: &Device,
         batches: usize,
         mut loss: impl FnMut(&HeadMask, usize) -> f64,
     ) -> Self {
-        let mut total = |mask: &HeadMask| (0..batches).map(|i| loss(mask, i)).sum::<f64>();
+        let n = batches.max(1) as f64;
+        let mut total = |mask: &HeadMask| (0..batches).map(|i| loss(mask, i)).sum::<f64>() / n;
         let baseline = total(&HeadMask::keep_all(counts, device));
         let scores = counts
             .iter()
@@ -96,6 +99,7 @@ impl HeadImportance {
                 }
             }
         }
+        baseline /= batches.max(1) as f64;
         for row in &mut scores {
             let norm = row.iter().map(|s| s * s).sum::<f64>().sqrt();
             if norm > 0.0 {

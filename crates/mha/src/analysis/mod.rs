@@ -16,4 +16,4 @@ pub use crate::inspect::{HeadMask, Inspect};
 pub use crate::mha::PrunedFrom;
 pub use importance::{HeadImportance, ImportanceMethod};
 pub use prune::{Heads, PrunePlan};
-pub use stats::{HeadReport, HeadStats, LayerStats, Link};
+pub use stats::{HeadReport, HeadStats, LayerStats, LayerStatsBuilder, Link};

@@ -73,6 +73,44 @@ impl LayerStats {
         mask: &AttentionMask,
         query_lengths: Option<&[usize]>,
     ) -> Self {
+        let mut stats = LayerStatsBuilder::new(name);
+        stats.add(weights, mask, query_lengths);
+        stats.finish()
+    }
+}
+
+/// The statistics of one attention layer gathered batch by batch, so that a report over
+/// many examples holds one batch's weights at a time: [`add`](Self::add) each batch's
+/// weights, then [`finish`](Self::finish) gives what [`LayerStats::from_weights`] would
+/// give on all the batches' rows at once (the batches may differ in size and length).
+#[derive(Clone, Debug)]
+pub struct LayerStatsBuilder {
+    name: String,
+    heads: Vec<Accumulator>,
+}
+
+impl LayerStatsBuilder {
+    /// No rows yet, for the layer `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            heads: Vec::new(),
+        }
+    }
+
+    /// Adds the rows of one batch: the weights `[B, H, Tq, Tk]` the layer computed under
+    /// `mask`, over the first `query_lengths[b]` query rows of batch row `b` (all rows
+    /// when `None`).
+    ///
+    /// # Panics
+    /// If `query_lengths` does not have `B` entries, the mask does not broadcast to the
+    /// weights, or `H` differs from an earlier batch's.
+    pub fn add(
+        &mut self,
+        weights: Tensor<4>,
+        mask: &AttentionMask,
+        query_lengths: Option<&[usize]>,
+    ) {
         let dims = weights.dims();
         let [batch, heads, queries, keys] = dims;
         if let Some(lengths) = query_lengths {
@@ -83,6 +121,17 @@ impl LayerStats {
                 lengths.len()
             );
         }
+        if self.heads.is_empty() {
+            self.heads = (0..heads)
+                .map(|_| Accumulator::new(queries, keys))
+                .collect();
+        }
+        assert_eq!(
+            self.heads.len(),
+            heads,
+            "LayerStatsBuilder::add: weights of {heads} heads after batches of {}",
+            self.heads.len()
+        );
         let blocked: Option<Vec<bool>> =
             mask.to_blocked(queries, keys, &weights.device())
                 .map(|b: Tensor<4, Bool>| {
@@ -102,9 +151,8 @@ impl LayerStats {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .expect("a float tensor converts to f32");
-        let mut stats = Vec::with_capacity(heads);
-        for h in 0..heads {
-            let mut acc = Accumulator::new(queries, keys);
+        for (h, acc) in self.heads.iter_mut().enumerate() {
+            acc.fit(queries, keys);
             for b in 0..batch {
                 let rows = query_lengths.map_or(queries, |l| l[b].min(queries));
                 for q in 0..rows {
@@ -118,16 +166,25 @@ impl LayerStats {
                     }
                 }
             }
-            stats.push(acc.finish(h));
         }
-        Self {
-            name: name.into(),
-            heads: stats,
+    }
+
+    /// The layer's statistics over every row added.
+    pub fn finish(self) -> LayerStats {
+        LayerStats {
+            name: self.name,
+            heads: self
+                .heads
+                .into_iter()
+                .enumerate()
+                .map(|(h, acc)| acc.finish(h))
+                .collect(),
         }
     }
 }
 
 /// Sums over the rows of one head.
+#[derive(Clone, Debug)]
 struct Accumulator {
     keys: usize,
     rows: usize,
@@ -158,6 +215,24 @@ impl Accumulator {
         }
     }
 
+    /// Makes room for the links of `queries` x `keys` weights (a batch longer than the
+    /// earlier ones).
+    fn fit(&mut self, queries: usize, keys: usize) {
+        let old_queries = self.links.len() / self.keys.max(1);
+        if queries <= old_queries && keys <= self.keys {
+            return;
+        }
+        let (new_queries, new_keys) = (queries.max(old_queries), keys.max(self.keys));
+        let mut links = vec![(0.0, 0); new_queries * new_keys];
+        for q in 0..old_queries {
+            for k in 0..self.keys {
+                links[q * new_keys + k] = self.links[q * self.keys + k];
+            }
+        }
+        self.links = links;
+        self.keys = new_keys;
+    }
+
     fn row(&mut self, q: usize, weights: &[f32], visible: usize) {
         let mut entropy = 0.0;
         let mut distance = 0.0;
@@ -180,7 +255,7 @@ impl Accumulator {
         }
         self.distance += distance;
         self.same += weights.get(q).map_or(0.0, |&p| p as f64);
-        if q >= 1 && q - 1 < self.keys {
+        if q >= 1 && q - 1 < weights.len() {
             self.previous += weights[q - 1] as f64;
             self.previous_rows += 1;
         }
