@@ -75,6 +75,7 @@ pub struct InspectArgs {
 
 /// The flags of `generate`.
 #[derive(clap::Args, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct GenerateArgs {
     /// The run directory [default: runs/<task>].
     #[arg(long)]
@@ -88,19 +89,44 @@ pub struct GenerateArgs {
     /// Text runs: the text the model continues [default: a newline].
     #[arg(long, conflicts_with = "input")]
     pub prompt: Option<String>,
-    /// Text runs: characters to write after the prompt.
-    #[arg(long, default_value_t = 500)]
-    pub tokens: usize,
+    /// Text runs: characters to write after the prompt [default: 500].
+    #[arg(long)]
+    pub tokens: Option<usize>,
     /// Text runs: the logits are divided by it before the softmax; 0 is greedy (the most
-    /// likely character every time).
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f64,
+    /// likely character every time) [default: 0.8].
+    #[arg(long)]
+    pub temperature: Option<f64>,
     /// Text runs: draw among the K most likely characters only [default: all].
     #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
-    /// Text runs: the seed of the draws (the same seed, the same text).
-    #[arg(long, default_value_t = 1)]
-    pub seed: u64,
+    /// Text runs: the seed of the draws (the same seed, the same text) [default: 1].
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl GenerateArgs {
+    /// Characters written after the prompt.
+    pub const TOKENS: usize = 500;
+    /// The sampling temperature.
+    pub const TEMPERATURE: f64 = 0.8;
+    /// The seed of the draws.
+    pub const SEED: u64 = 1;
+
+    /// The flags given that only text runs take, as typed (`--top-k 0`).
+    pub fn text_flags(&self) -> Vec<String> {
+        [
+            self.prompt
+                .as_ref()
+                .map(|p| format!("--prompt {}", echo(p))),
+            self.tokens.map(|n| format!("--tokens {n}")),
+            self.temperature.map(|t| format!("--temperature {t}")),
+            self.top_k.map(|k| format!("--top-k {k}")),
+            self.seed.map(|s| format!("--seed {s}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
 }
 
 /// The flags of a training run. Each setting overrides `--config`'s value (or the
@@ -117,10 +143,12 @@ pub struct TrainArgs {
     /// Continue the run in --out from its last complete checkpoint, with its own
     /// configuration. --epochs may extend it (the extra epochs train at the schedule's floor,
     /// lr/100 for the synthetic tasks, lr/10 for text) or shorten
-    /// it (its decay then ends with it); --eval-examples and --fixed-shapes may change too.
+    /// it (its decay then ends with it); --eval-examples and --fixed-shapes may change too
+    /// (a finished run given another --eval-examples is evaluated again).
     #[arg(long, conflicts_with_all = ["config", "overwrite"])]
     pub resume: bool,
-    /// Start the new run in --out even if it holds a run, whose files are deleted.
+    /// Start the new run in --out even if it holds a run, whose files (those the trainer
+    /// wrote; yours stay) are deleted. A folder that holds no run is never touched.
     #[arg(long)]
     pub overwrite: bool,
     /// Steps between two progress lines.

@@ -17,9 +17,9 @@ use serde_json::{Map, Value};
 use crate::backend::{Backend, Devices};
 use crate::batch::FixedShape;
 use crate::fields::{
-    self, ADAM_BETA2, ADAM_EPSILON, BATCH_SIZE, DECAY_STEPS, DEVICES, DTYPE, EPOCHS, EVAL_EXAMPLES,
-    GRAD_CLIP, LR, MIN_LR_RATIO, MODEL_KIND, PACK, STEPS_PER_EPOCH, VALID_EXAMPLES, WARMUP_STEPS,
-    WEIGHT_DECAY,
+    self, ADAM_BETA2, ADAM_EPSILON, BATCH_SIZE, DATA, DECAY_STEPS, DEVICES, DTYPE, EPOCHS,
+    EVAL_EXAMPLES, GRAD_CLIP, LR, MIN_LR_RATIO, MODEL_KIND, PACK, STEPS_PER_EPOCH, VALID_EXAMPLES,
+    WARMUP_STEPS, WEIGHT_DECAY,
 };
 use crate::model::{Model, ModelConfig, ModelKind, PositionKind};
 use crate::precision::Precision;
@@ -176,6 +176,8 @@ impl TrainConfig {
     /// Checks every value, the task's and the model's included, before anything is built
     /// or written; the error names the flag and the field.
     pub fn validate(&self) -> anyhow::Result<()> {
+        self.check_paths()?;
+        self.check_scope()?;
         self.task.validate()?;
         self.model.validate()?;
         if self.task.task.is_text() {
@@ -237,6 +239,23 @@ impl TrainConfig {
             WEIGHT_DECAY.name(),
             self.weight_decay
         );
+        // Every step's examples are numbered: (epoch x steps + step) x batch + row.
+        let examples = self
+            .epochs
+            .checked_mul(self.steps_per_epoch)
+            .and_then(|steps| steps.checked_mul(self.batch_size))
+            .filter(|&n| n < 1 << 53);
+        anyhow::ensure!(
+            examples.is_some(),
+            "{} {} x {} {} x {} {} is more training examples than can be counted (at most \
+             2^53)",
+            EPOCHS.name(),
+            self.epochs,
+            STEPS_PER_EPOCH.name(),
+            self.steps_per_epoch,
+            BATCH_SIZE.name(),
+            self.batch_size
+        );
         if let Some(warmup) = self.warmup_steps {
             anyhow::ensure!(
                 warmup < self.total_steps(),
@@ -281,6 +300,47 @@ impl TrainConfig {
                 DTYPE.name(),
                 DEVICES.name(),
                 self.devices
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuses a field that has no effect on the run's task (`--block-size` on a synthetic
+    /// task, `--max-len` on text, ...; the table is [`fields::TEXT_ONLY`] and
+    /// [`fields::SYNTHETIC_ONLY`]): set to anything but the task's default, it would be
+    /// stored and ignored.
+    fn check_scope(&self) -> anyhow::Result<()> {
+        let text = self.task.task.is_text();
+        let (ignored, task) = match text {
+            true => (fields::SYNTHETIC_ONLY, "the text task".to_string()),
+            false => (
+                fields::TEXT_ONLY,
+                format!("the {} task", self.task.task.name()),
+            ),
+        };
+        let [given, defaults] = [self, &Self::defaults(self.task.task)]
+            .map(|c| serde_json::to_value(c).unwrap_or(Value::Null));
+        for field in ignored {
+            let value = lookup(&given, field.path);
+            if value == lookup(&defaults, field.path) {
+                continue;
+            }
+            let value = value.map(|v| match v {
+                Value::String(text) => echo(text),
+                v => echo(&v.to_string()),
+            });
+            anyhow::bail!(
+                "{} = {}: has no effect on {task} ({}); leave it out{}",
+                field.name(),
+                value.unwrap_or_default(),
+                match text {
+                    true => "it is a setting of the synthetic tasks",
+                    false => "it is a setting of the text task",
+                },
+                match text {
+                    true => "",
+                    false => ", or train on text with --task text",
+                }
             );
         }
         Ok(())
@@ -403,7 +463,9 @@ impl TrainConfig {
     pub fn read_as(path: &Path, task: Option<Task>) -> anyhow::Result<Self> {
         let what = path.display();
         let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {what}"))?;
-        Self::from_json_as(&text, task).with_context(|| format!("{what}"))
+        // A byte-order mark, which some editors write first, is not part of the JSON.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        Self::from_json_as(text, task).with_context(|| format!("{what}"))
     }
 
     /// Parses a configuration: a JSON object with any subset of the fields, the task and
@@ -424,6 +486,7 @@ impl TrainConfig {
     pub fn from_json_as(text: &str, task: Option<Task>) -> anyhow::Result<Self> {
         let mut given: Value =
             serde_json::from_str(text).context("not JSON (a training configuration)")?;
+        check_unique_keys(text)?;
         if let Value::Object(fields) = &mut given {
             for (key, inner) in [("task", "task"), ("model", "kind")] {
                 if let Some(name @ Value::String(_)) = fields.get_mut(key) {
@@ -464,8 +527,29 @@ impl TrainConfig {
     }
 
     /// The configuration as `config.json` holds it.
-    pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("a config serialises") + "\n"
+    ///
+    /// # Errors
+    /// When a path in it is not UTF-8, which JSON cannot hold (naming the flag).
+    pub fn to_json(&self) -> anyhow::Result<String> {
+        self.check_paths()?;
+        serde_json::to_string_pretty(self)
+            .map(|json| json + "\n")
+            .map_err(|e| anyhow::anyhow!("the configuration cannot be written as JSON: {e}"))
+    }
+
+    /// Checks that the paths of the configuration are UTF-8, as `config.json` must hold
+    /// them.
+    fn check_paths(&self) -> anyhow::Result<()> {
+        if let Some(data) = &self.task.data {
+            anyhow::ensure!(
+                data.to_str().is_some(),
+                "{} {}: the path is not UTF-8, and a run's config.json (JSON) cannot hold it; \
+                 rename the file or a folder on its path",
+                DATA.name(),
+                echo(&data.to_string_lossy())
+            );
+        }
+        Ok(())
     }
 
     /// The dotted paths of the fields whose values differ between `self` and `other`.
@@ -487,6 +571,11 @@ impl TrainConfig {
     /// As [`check_resume`](Self::check_resume); when `--epochs` asks for no more epochs
     /// than are done; and naming a value [`validate`](Self::validate) rejects.
     pub fn resumed(&self, mut requested: Self, done: usize) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            requested.epochs >= 1,
+            "{} must be at least 1, got 0",
+            EPOCHS.name()
+        );
         self.check_resume(&requested)?;
         if requested.epochs != self.epochs {
             anyhow::ensure!(
@@ -583,6 +672,17 @@ fn check_type(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
     }
     let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
     let optional = lookup(&defaults, path).is_some_and(Value::is_null);
+    if known.is_u64()
+        && let Some(big) = given
+            .as_f64()
+            .filter(|v| *v >= u64::MAX as f64 && v.fract() == 0.0)
+    {
+        anyhow::bail!(
+            "`{path}` = {}: too large, at most {}",
+            echo(&format!("{big:.0}")),
+            u64::MAX
+        );
+    }
     let (fits, wanted) = match known {
         Value::Bool(_) => (given.is_boolean(), "true or false"),
         Value::Number(n) if n.is_u64() => (given.is_u64(), "a whole number, 0 or more"),
@@ -600,6 +700,66 @@ fn check_type(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
         json_type(given)
     );
     Ok(())
+}
+
+/// Refuses a key given twice in one object of the JSON `text` (which a JSON reader would
+/// otherwise settle silently, the last one winning), naming it.
+fn check_unique_keys(text: &str) -> anyhow::Result<()> {
+    use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+    /// Walks a value, failing on a repeated key; `path` is where it is.
+    struct Unique(String);
+    impl<'de> DeserializeSeed<'de> for Unique {
+        type Value = ();
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Unique {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_str<E>(self, _: &str) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_unit<E>(self) -> Result<(), E> {
+            Ok(())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+            while seq.next_element_seed(Unique(self.0.clone()))?.is_some() {}
+            Ok(())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            while let Some(key) = map.next_key::<String>()? {
+                let full = join(&self.0, &key);
+                if !seen.insert(key) {
+                    return Err(serde::de::Error::custom(format!(
+                        "`{}` is given twice; give each field once",
+                        echo(&full)
+                    )));
+                }
+                map.next_value_seed(Unique(full))?;
+            }
+            Ok(())
+        }
+    }
+    let mut reader = serde_json::Deserializer::from_str(text);
+    Unique(String::new())
+        .deserialize(&mut reader)
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// A JSON value as a message names it: "a string (\"64\")", "an array".
@@ -842,7 +1002,7 @@ mod tests {
             fixed_shapes: Some(true),
             ..TrainConfig::default()
         };
-        assert_eq!(load(&config.to_json()).unwrap(), config);
+        assert_eq!(load(&config.to_json().unwrap()).unwrap(), config);
     }
 
     #[test]

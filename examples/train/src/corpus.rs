@@ -98,6 +98,8 @@ impl Corpus {
                 bytes[at]
             )
         })?;
+        // A byte-order mark, which some editors write first, is not a character of the text.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         Self::new(text, &what, block)
     }
 

@@ -168,6 +168,13 @@ pub const FIELDS: &[Field] = &[
     FIXED_SHAPES,
 ];
 
+/// The fields that only the text task reads: set on a synthetic task, they are refused.
+pub const TEXT_ONLY: &[Field] = &[BLOCK_SIZE, DATA, VOCAB];
+
+/// The fields that only the synthetic tasks read: set on the text task (whose examples are
+/// windows of its text, validated by their loss), they are refused.
+pub const SYNTHETIC_ONLY: &[Field] = &[MIN_LEN, MAX_LEN, N_SYMBOLS, EVAL_EXAMPLES, FIXED_SHAPES];
+
 impl Field {
     /// How messages name the field: its flag and its path, e.g. "`--warmup`
     /// (`warmup_steps`)", or its path alone when no flag sets it.

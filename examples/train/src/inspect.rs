@@ -41,8 +41,8 @@ impl By {
     }
 }
 
-/// Held-out examples per batch of the importance passes.
-const BATCH: usize = 64;
+/// Held-out examples per batch of the statistics and importance passes, at most.
+pub const BATCH: usize = 64;
 
 /// What `inspect` found, as `inspect/heads.json` keeps it.
 #[derive(Serialize)]
@@ -110,13 +110,25 @@ pub fn inspect(
     let held_out: Vec<Example> = (0..examples.max(1))
         .map(|i| config.task.example(config.seed, Split::Valid, i))
         .collect();
-    let chunks: Vec<Vec<Example>> = held_out.chunks(BATCH).map(<[_]>::to_vec).collect();
+    // Batches of one size (within one example): the importances are means over batches.
+    let batches = held_out.len().div_ceil(BATCH);
+    let chunks: Vec<Vec<Example>> = (0..batches)
+        .map(|b| {
+            let at = |b: usize| b * held_out.len() / batches;
+            held_out[at(b)..at(b + 1)].to_vec()
+        })
+        .collect();
     let batcher = SeqBatcher::default();
 
     let what = plural(held_out.len(), "held-out example");
-    let phase = Phase::new(format!("head statistics on {what}"), 1);
-    let report =
-        HeadReport::new(model.head_stats(batcher.batch(held_out.clone(), device), &held_out));
+    // A batch at a time: the weights of every layer, [B, H, T, T], are held for one.
+    let mut phase = Phase::new(format!("head statistics on {what}"), chunks.len());
+    let mut layers = Vec::new();
+    for chunk in &chunks {
+        phase.step();
+        model.head_stats(batcher.batch(chunk.clone(), device), chunk, &mut layers);
+    }
+    let report = HeadReport::new(layers.into_iter().map(|l| l.finish()).collect());
     phase.end();
     let heads: usize = counts.iter().sum();
     let mut phase = Phase::new(
@@ -191,7 +203,7 @@ fn check_prune(counts: &[usize], prune: &[usize]) -> anyhow::Result<()> {
 }
 
 /// One phase of `inspect`, on stderr: once it has run a second, how far it is (in place
-/// in a terminal, else a line every ten seconds), and at its end how long it took.
+/// in a terminal, else a line every five seconds), and at its end how long it took.
 struct Phase {
     what: String,
     total: usize,
@@ -224,7 +236,7 @@ impl Phase {
         self.done += 1;
         let every = match self.interactive {
             true => Duration::from_millis(100),
-            false => Duration::from_secs(10),
+            false => Duration::from_secs(5),
         };
         let due = self.shown.map_or(Duration::from_secs(1), |_| every);
         let since = self.shown.unwrap_or(self.started);

@@ -32,11 +32,14 @@ const BLOCK_ACTIVATIONS: f64 = 20.0;
 /// Copies of a layer's attention weights `inspect` holds while it computes the head
 /// statistics: the weights returned, the scores, and the statistics' temporaries.
 const INSPECT_ATTENTION_COPIES: f64 = 4.0;
-/// Activations `[B, T, d]` a block holds at once in `inspect`'s forward, which keeps none
-/// for a backward pass.
-const INSPECT_ACTIVATIONS: f64 = 2.0;
-/// The process itself: the binary, the backend's pools, the data.
-const BASE: f64 = 100e6;
+/// Bytes an example of `t` tokens takes, held twice (the list and its batches): its input
+/// and output as `usize` tokens and their two vectors' headers.
+fn example_bytes(t: f64) -> f64 {
+    2.0 * (t * 8.0 + 48.0)
+}
+/// The process itself: the binary, the backend's pools, the data (a tiny run's peak
+/// was 72 to 102 MB on flex, 2026-11-27).
+const BASE: f64 = 80e6;
 
 /// A term of an estimate: what it is, its bytes, the flags that make it larger.
 #[derive(Clone, Debug)]
@@ -185,38 +188,46 @@ pub fn training(config: &TrainConfig) -> Estimate {
     }
 }
 
-/// The memory `inspect` needs to compute the head statistics of `examples` held-out
-/// examples of a run of `config`, which go through the model as one batch whose every
-/// attention layer's weights it keeps.
+/// The memory `inspect` needs to measure the heads of a run of `config` on `examples`
+/// held-out examples: all of them held, and the tensors of one batch of at most
+/// [`crate::inspect::BATCH`] (every attention layer's weights kept for the statistics).
 pub fn inspecting(config: &TrainConfig, examples: usize) -> Estimate {
     let s = Shape::of(config);
-    let n = examples as f64;
+    // Every pass holds one batch's tensors; the examples themselves are all held.
+    let batch = examples.min(crate::inspect::BATCH);
+    let b = batch as f64;
     Estimate {
         doing: format!("inspect --examples {examples}"),
         parts: vec![
             Part {
                 what: format!(
-                    "attention weights [{examples}, {}, {}, {}] in {} layers",
+                    "attention weights [{batch}, {}, {}, {}] in {} layers",
                     config.model.n_heads,
                     config.max_len(),
                     config.max_len(),
                     s.attention_layers
                 ),
-                bytes: s.attention_layers * n * s.h * s.t * s.t * F32 * INSPECT_ATTENTION_COPIES,
+                bytes: s.attention_layers * b * s.h * s.t * s.t * F32 * INSPECT_ATTENTION_COPIES,
                 flags: &["--examples"],
             },
             Part {
                 what: format!(
-                    "logits [{examples}, {}, {}]",
+                    "logits [{batch}, {}, {}]",
                     config.max_len(),
                     config.task.vocab_size()
                 ),
-                bytes: n * s.t * s.v * F32 * 2.0,
+                bytes: b * s.t * s.v * F32 * 2.0,
                 flags: &["--examples"],
             },
             Part {
+                // The importance by gradient keeps them for its backward pass.
                 what: "the blocks' activations".into(),
-                bytes: s.blocks * n * s.t * s.d * F32 * INSPECT_ACTIVATIONS,
+                bytes: s.blocks * b * s.t * s.d * F32 * BLOCK_ACTIVATIONS,
+                flags: &["--examples"],
+            },
+            Part {
+                what: format!("{examples} held-out examples, held twice"),
+                bytes: examples as f64 * example_bytes(s.t),
                 flags: &["--examples"],
             },
         ],
@@ -338,18 +349,26 @@ mod tests {
             ),
             "{err}"
         );
-        let err = inspecting(&small, 100_000)
+        // inspect holds one batch's tensors whatever --examples is, and every example.
+        inspecting(&small, 256)
+            .check_against(1_000_000_000)
+            .unwrap();
+        let batch = inspecting(&small, 64).total();
+        assert_eq!(
+            inspecting(&small, 100_000).parts[0].bytes,
+            inspecting(&small, 64).parts[0].bytes
+        );
+        assert!(inspecting(&small, 100_000).total() < batch + 1e8);
+        let err = inspecting(&small, 100_000_000)
             .check_against(8_000_000_000)
             .unwrap_err()
             .to_string();
         assert!(
-            err.starts_with("inspect --examples 100000 needs about"),
+            err.starts_with("inspect --examples 100000000 needs about"),
             "{err}"
         );
+        assert!(err.contains("100000000 held-out examples"), "{err}");
         assert!(err.ends_with("lower --examples"), "{err}");
-        inspecting(&small, 256)
-            .check_against(1_000_000_000)
-            .unwrap();
     }
 
     #[test]

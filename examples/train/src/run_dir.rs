@@ -59,6 +59,75 @@ fn is_trainers(name: &str) -> bool {
             .is_some_and(|n| n.parse::<usize>().is_ok())
 }
 
+/// Whether the trainer writes a file at `parts` (its path in a run directory, by
+/// component): the top's files, a checkpoint's parts, the metric logs, what `inspect`
+/// writes.
+fn written_by_trainer(parts: &[String]) -> bool {
+    let epoch = |name: &str| {
+        name.strip_prefix("epoch-")
+            .is_some_and(|n| n.parse::<usize>().is_ok())
+    };
+    let partial = |name: &str| name.strip_suffix(".partial").unwrap_or(name).to_string();
+    let names: Vec<&str> = parts.iter().map(String::as_str).collect();
+    match names.as_slice() {
+        [top] => is_trainers(top),
+        ["checkpoints", e, file] => {
+            epoch(e) && PARTS.iter().any(|p| partial(file) == format!("{p}.bpk"))
+        }
+        ["train" | "valid", e, file] => epoch(e) && file.ends_with(".log"),
+        ["inspect", file] => {
+            let file = partial(file);
+            file == "heads.json"
+                || file
+                    .strip_prefix("attention-")
+                    .and_then(|rest| rest.rsplit_once('.'))
+                    .is_some_and(|(n, ext)| {
+                        n.parse::<usize>().is_ok() && (ext == "png" || ext == "svg")
+                    })
+        }
+        ["inspect", pruned, file] => {
+            pruned
+                .strip_prefix("pruned-")
+                .is_some_and(|k| k.parse::<usize>().is_ok())
+                && ["model.bpk", "plan.json"].contains(&partial(file).as_str())
+        }
+        _ => false,
+    }
+}
+
+/// Sorts what is at `parts` under `root` (a path by component) into the files the
+/// trainer wrote (`removed`), the others (`kept`, as paths relative to `root`) and the
+/// folders on the way (`folders`, parents first), recursively.
+fn sort_out(
+    root: &Path,
+    parts: &[String],
+    removed: &mut Vec<PathBuf>,
+    kept: &mut Vec<String>,
+    folders: &mut Vec<PathBuf>,
+) -> anyhow::Result<()> {
+    let path = parts.iter().fold(root.to_path_buf(), |p, c| p.join(c));
+    let is_folder = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+    if !is_folder {
+        match written_by_trainer(parts) {
+            true => removed.push(path),
+            false => kept.push(parts.join("/")),
+        }
+        return Ok(());
+    }
+    folders.push(path.clone());
+    let entries =
+        std::fs::read_dir(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut names: Vec<String> = entries
+        .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+        .collect();
+    names.sort();
+    for name in names {
+        let inner: Vec<String> = parts.iter().cloned().chain([name]).collect();
+        sort_out(root, &inner, removed, kept, folders)?;
+    }
+    Ok(())
+}
+
 /// `a, b, c`, or the first few and how many more.
 fn list(names: &[String]) -> String {
     const SHOWN: usize = 5;
@@ -114,9 +183,87 @@ impl RunDir {
         self.epoch(epoch).join("model.bpk")
     }
 
-    /// Whether the directory holds a run (its `config.json`).
+    /// Whether the directory has a `config.json` (a run's or not: [`Self::stored`] says).
     pub fn holds_run(&self) -> bool {
         self.config().exists()
+    }
+
+    /// The run's configuration as its `config.json` holds it (unchecked values included):
+    /// `None` without one; an error when the file is not a run's configuration, so that
+    /// the directory is not a run.
+    pub fn stored(&self) -> Option<anyhow::Result<TrainConfig>> {
+        self.holds_run().then(|| TrainConfig::read(&self.config()))
+    }
+
+    /// The epochs of the model in `model.bpk` as the summary records them (its
+    /// `model_epochs`, or the steps of a finished run); `None` without a model or a record.
+    pub fn model_epochs(&self, config: &TrainConfig) -> Option<usize> {
+        if !self.model().exists() {
+            return None;
+        }
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(self.summary()).ok()?).ok()?;
+        if let Some(epochs) = summary.get("model_epochs").and_then(|v| v.as_u64()) {
+            return Some(epochs as usize);
+        }
+        let finished = summary.get("status").and_then(|v| v.as_str()) == Some("finished");
+        let steps = summary.get("steps_done")?.as_u64()? as usize;
+        finished.then(|| steps / config.steps_per_epoch.max(1))
+    }
+
+    /// Whether the run's summary says its loss became NaN or infinite.
+    pub fn diverged(&self) -> bool {
+        std::fs::read_to_string(self.summary())
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .is_some_and(|s| s.get("status").and_then(|v| v.as_str()) == Some("diverged"))
+    }
+
+    /// Checks that every folder the trainer writes in (the directory, `train/`, `valid/`,
+    /// `checkpoints/`, `inspect/` and the folders inside them) can be written, and that
+    /// none of them is a file: before anything is written or removed, so that a command
+    /// either does all it writes or stops with nothing changed.
+    ///
+    /// # Errors
+    /// Naming the folder and why it cannot be written.
+    pub fn check_writable(&self) -> anyhow::Result<()> {
+        if !self.0.exists() {
+            return Ok(());
+        }
+        let mut folders = vec![self.0.clone()];
+        for name in ["train", "valid", "checkpoints", "inspect"] {
+            let path = self.0.join(name);
+            if path.exists() && !path.is_dir() {
+                anyhow::bail!(
+                    "{} is a file where the trainer writes a folder: move it away",
+                    path.display()
+                );
+            }
+            let Ok(entries) = std::fs::read_dir(&path) else {
+                continue;
+            };
+            folders.push(path);
+            folders.extend(
+                entries
+                    .filter_map(|e| Some(e.ok()?.path()))
+                    .filter(|p| p.is_dir()),
+            );
+        }
+        for folder in folders {
+            let probe = folder.join(format!(".write-check-{}", std::process::id()));
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&probe)
+                .and_then(|_| std::fs::remove_file(&probe))
+                .with_context(|| {
+                    format!(
+                        "cannot write in {} (the trainer writes its files there)",
+                        folder.display()
+                    )
+                })?;
+        }
+        Ok(())
     }
 
     /// Locks the directory for this process (making it if absent) until the lock is
@@ -151,7 +298,7 @@ impl RunDir {
             let holder = std::fs::read_to_string(&path).unwrap_or_default();
             let pid = holder.trim().parse::<u32>().ok();
             match pid {
-                Some(pid) if pid != me && process_runs(pid) => anyhow::bail!(
+                Some(pid) if pid != me && trainer_runs(pid) => anyhow::bail!(
                     "{dir} is in use by another command of the trainer (process {pid}): wait \
                      for it to end, or stop it; if no such process runs, delete {}",
                     path.display()
@@ -168,9 +315,9 @@ impl RunDir {
                 }
                 _ => {
                     eprintln!(
-                        "note: {dir} was locked by process {}, which no longer runs (it was \
-                         killed or crashed): taking the lock over",
-                        holder.trim()
+                        "note: {dir} was locked by process {}, which no longer runs the trainer \
+                         (it was killed or crashed): taking the lock over",
+                        crate::text::echo(holder.trim())
                     );
                     remove(&path)?;
                 }
@@ -228,16 +375,7 @@ impl RunDir {
         let mut epochs = self.complete_epochs();
         epochs.sort_unstable_by(|a, b| b.cmp(a));
         for epoch in epochs {
-            let usable = self
-                .check_checkpoint(config, epoch, device)
-                .and_then(|model| {
-                    anyhow::ensure!(
-                        is_finite(&model),
-                        "{}: its weights are not finite (the loss had become NaN or infinite)",
-                        self.checkpoint(epoch).display()
-                    );
-                    Ok(())
-                });
+            let usable = self.check_checkpoint(config, epoch, device).map(|_| ());
             match usable {
                 Ok(()) => return Some(epoch),
                 Err(e) => eprintln!("warning: passing over the checkpoint of epoch {epoch}: {e:#}"),
@@ -247,42 +385,61 @@ impl RunDir {
     }
 
     /// Makes the directory ready for a new run: absent or empty, or (with `overwrite`)
-    /// holding a run, whose files (the trainer's own: the run's, `inspect/` and the
-    /// pictures) are removed, while any other file stays where it is. Everything is
-    /// decided before anything is removed. Call it once every setting is checked, with the
-    /// directory's lock held.
+    /// holding a run (a `config.json` that is a run's), whose files are removed: those the
+    /// trainer writes, by name and place (a checkpoint's parts, the metric logs, `inspect/`'s
+    /// findings), while any other file stays where it is, named. Everything is decided and
+    /// every folder checked writable before anything is removed. Call it once every
+    /// setting is checked, with the directory's lock held.
     ///
     /// # Errors
     /// When `--out` is a file; when it holds a run and `overwrite` is off (naming
-    /// `--resume` and `--overwrite`); when it holds no run but other files (never removed).
+    /// `--resume` and `--overwrite`); when its `config.json` is not a run's, or it holds
+    /// no run but other files (never removed); when a folder cannot be written.
     pub fn prepare_new(&self, overwrite: bool) -> anyhow::Result<()> {
         let dir = self.0.display();
         let (ours, others) = self.entries()?;
-        if self.holds_run() {
-            anyhow::ensure!(
-                overwrite,
-                "{dir} already holds a run{}: continue it with --resume, or start a new one \
-                 with --overwrite (which deletes it) or with another --out",
-                self.describe()
-            );
-            if !others.is_empty() {
-                eprintln!(
-                    "note: --overwrite removes the run in {dir} and keeps what the trainer did \
-                     not write: {}",
-                    list(&others)
+        match self.stored() {
+            None => {
+                let all: Vec<String> = ours.into_iter().chain(others).collect();
+                anyhow::ensure!(
+                    all.is_empty(),
+                    "{dir} is not empty ({}) and holds no run (no config.json): choose an empty \
+                     or new --out",
+                    list(&all)
                 );
+                return Ok(());
             }
-            for name in ours {
-                remove(&self.0.join(name))?;
-            }
-            return Ok(());
+            Some(Err(err)) => anyhow::bail!(
+                "{dir} is not a run: its config.json is not a run's configuration ({err:#}); \
+                 --overwrite removes only a run, so choose an empty or new --out"
+            ),
+            Some(Ok(_)) => {}
         }
-        let all: Vec<String> = ours.into_iter().chain(others).collect();
         anyhow::ensure!(
-            all.is_empty(),
-            "{dir} is not empty ({}) and holds no run: choose an empty or new --out",
-            list(&all)
+            overwrite,
+            "{dir} already holds a run{}: continue it with --resume, or start a new one with \
+             --overwrite (which deletes it) or with another --out",
+            self.describe()
         );
+        self.check_writable()?;
+        let (mut removed, mut kept, mut folders) = (Vec::new(), others, Vec::new());
+        for name in ours {
+            sort_out(&self.0, &[name], &mut removed, &mut kept, &mut folders)?;
+        }
+        if !kept.is_empty() {
+            eprintln!(
+                "note: --overwrite removes the run in {dir} and keeps what the trainer did not \
+                 write: {}",
+                list(&kept)
+            );
+        }
+        for path in removed {
+            remove(&path)?;
+        }
+        // The trainer's folders, deepest first, where nothing of the user's is left in them.
+        for folder in folders.iter().rev() {
+            let _ = std::fs::remove_dir(folder);
+        }
         Ok(())
     }
 
@@ -339,7 +496,7 @@ impl RunDir {
 
     /// Writes `config.json`.
     pub fn write_config(&self, config: &TrainConfig) -> anyhow::Result<()> {
-        write_atomically(&self.config(), config.to_json().as_bytes())
+        write_atomically(&self.config(), config.to_json()?.as_bytes())
     }
 
     /// The checkpointer of one part (`model`, `optim` or `scheduler`) of each epoch's
@@ -401,7 +558,8 @@ impl RunDir {
 }
 
 /// Loads model weights from `path` into a model of `config`, with an error naming the
-/// file and what is wrong.
+/// file and what is wrong: one that does not load, or whose weights are not all finite
+/// (a damaged file, or a checkpoint of a run that diverged).
 pub fn load_model(
     config: &TrainConfig,
     path: &Path,
@@ -409,10 +567,26 @@ pub fn load_model(
 ) -> anyhow::Result<Model> {
     use burn::module::Module;
     anyhow::ensure!(path.exists(), "{}: no such model", path.display());
-    config
+    let model = config
         .init_model(device)?
         .try_load_file(path)
-        .map_err(|e| anyhow::anyhow!("{}: cannot load the model ({e})", path.display()))
+        .map_err(|e| anyhow::anyhow!("{}: cannot load the model ({e})", path.display()))?;
+    // The run directory: the file's folder, or (a checkpoint) two above it.
+    let diverged = path
+        .ancestors()
+        .skip(1)
+        .take(3)
+        .any(|dir| RunDir(dir.to_path_buf()).diverged());
+    anyhow::ensure!(
+        is_finite(&model),
+        "{}: its weights are not all finite (NaN or infinite): {}",
+        path.display(),
+        match diverged {
+            true => "the run's loss had become NaN or infinite",
+            false => "the file is damaged",
+        }
+    );
+    Ok(model)
 }
 
 /// Whether every weight of `model` is finite.
@@ -432,11 +606,26 @@ pub fn is_finite(model: &Model) -> bool {
     finite.0
 }
 
-/// Whether a process `pid` runs (on systems without `/proc`, every process is taken to
-/// run: a stale lock is then removed by hand, as its error says).
-fn process_runs(pid: u32) -> bool {
+/// Whether a process `pid` runs this program (a process id may be reused by another
+/// program once the trainer that held a lock is gone). Where `/proc` cannot say, a process
+/// that runs is taken to be the trainer (a stale lock is then removed by hand, as its
+/// error says).
+fn trainer_runs(pid: u32) -> bool {
     let proc = Path::new("/proc");
-    !proc.is_dir() || proc.join(pid.to_string()).exists()
+    if !proc.is_dir() {
+        return true;
+    }
+    let process = proc.join(pid.to_string());
+    if !process.exists() {
+        return false;
+    }
+    match (
+        std::fs::read_link(process.join("exe")),
+        std::fs::read_link(proc.join("self/exe")),
+    ) {
+        (Ok(theirs), Ok(mine)) => theirs == mine,
+        _ => true,
+    }
 }
 
 /// The lock of a run directory (see [`RunDir::lock`]); dropping it unlocks.
@@ -501,9 +690,15 @@ impl PartCheckpointer {
 impl<R: Checkpoint> Checkpointer<R> for PartCheckpointer {
     fn save(&self, epoch: usize, record: R) -> Result<(), CheckpointerError> {
         let path = self.path(epoch);
-        std::fs::create_dir_all(self.run.epoch(epoch)).map_err(CheckpointerError::IOError)?;
-        record.save(partial(&path))?;
-        std::fs::rename(partial(&path), &path).map_err(CheckpointerError::IOError)
+        let named = |what: &Path, e: &dyn std::fmt::Display| {
+            CheckpointerError::Unknown(format!("cannot write {}: {e}", what.display()))
+        };
+        let folder = self.run.epoch(epoch);
+        std::fs::create_dir_all(&folder).map_err(|e| named(&folder, &e))?;
+        record
+            .save(partial(&path))
+            .map_err(|e| named(&partial(&path), &e))?;
+        std::fs::rename(partial(&path), &path).map_err(|e| named(&path, &e))
     }
 
     fn restore(&self, epoch: usize) -> Result<R, CheckpointerError> {

@@ -52,6 +52,10 @@ pub enum Status {
     /// Stopped at the first step whose training loss was not finite (NaN or infinite);
     /// `last_checkpoint_epoch` is the newest checkpoint with finite weights.
     Diverged,
+    /// Being trained or evaluated by a command now, or killed while it was (then
+    /// `--resume` continues it from its last complete checkpoint): written when training
+    /// starts, replaced when the command ends.
+    Running,
 }
 
 /// What a run did, written as `summary.json`.
@@ -113,6 +117,10 @@ pub struct Summary {
     pub longer_exact_accuracy: Option<f64>,
     /// Output tokens of `longer_lengths` right, greedy decoding.
     pub longer_token_accuracy: Option<f64>,
+    /// The epochs the model in `model.bpk` was trained for, when there is one (a run being
+    /// extended keeps its finished model until the new one replaces it).
+    #[serde(default)]
+    pub model_epochs: Option<usize>,
     /// Training wall time of this invocation, in seconds.
     pub wall_seconds: f64,
     /// Non-padding tokens trained on per second in this invocation.
@@ -288,10 +296,24 @@ pub fn train(
     let result = training.launch(Learner::new(model, optim, schedule(config)?));
     let wall = started.elapsed().as_secs_f64();
     interrupt::unwatch();
-    if let Some(err) = result.error {
-        bail!("training failed: {err}");
-    }
     let reached = *reached.lock().expect("not poisoned");
+    if let Some(err) = result.error {
+        // Where the run got to, for --resume, before the error.
+        let summary = Summary {
+            steps_done: reached.step,
+            first_loss: reached.first_loss,
+            final_loss: reached.epoch_loss,
+            ..Summary::unfinished(config, run, backend)
+        };
+        let written = write_summary(run, &summary)
+            .map(|()| format!("; summary: {}", run.summary().display()))
+            .unwrap_or_default();
+        bail!(
+            "training failed at step {} of {}: {err}{written}",
+            reached.step,
+            config.total_steps()
+        );
+    }
     let steps = reached
         .step
         .saturating_sub(start_epoch * config.steps_per_epoch);
@@ -320,6 +342,7 @@ pub fn train(
         return Ok(summary);
     }
     save_model(&result.model, run)?;
+    summary.model_epochs = Some(config.epochs);
     match text {
         true => finish_text(config, run, &mut summary),
         false => finish(&result.model, config, fixed, device, &mut summary),
@@ -385,7 +408,7 @@ pub fn trained_summary(config: &TrainConfig, run: &RunDir, backend: Backend) -> 
     let written = std::fs::read_to_string(run.summary())
         .ok()
         .and_then(|text| serde_json::from_str::<Summary>(&text).ok());
-    if let Some(summary) = written {
+    if let Some(summary) = written.filter(|s| s.status != Status::Running) {
         return Summary {
             backend,
             eval_examples: config.eval_examples,
@@ -409,6 +432,20 @@ pub fn trained_summary(config: &TrainConfig, run: &RunDir, backend: Backend) -> 
 }
 
 impl Summary {
+    /// The summary written while a command trains the run from epoch `start_epoch`.
+    pub fn running(
+        config: &TrainConfig,
+        run: &RunDir,
+        backend: Backend,
+        start_epoch: usize,
+    ) -> Self {
+        Self {
+            status: Status::Running,
+            steps_done: start_epoch * config.steps_per_epoch,
+            ..Self::unfinished(config, run, backend)
+        }
+    }
+
     /// The summary of a run of `config` in `run` that has not finished: interrupted,
     /// nothing done or measured yet.
     fn unfinished(config: &TrainConfig, run: &RunDir, backend: Backend) -> Self {
@@ -435,6 +472,7 @@ impl Summary {
             longer_lengths: None,
             longer_exact_accuracy: None,
             longer_token_accuracy: None,
+            model_epochs: run.model_epochs(config),
             wall_seconds: 0.0,
             tokens_per_second: 0.0,
         }
@@ -510,59 +548,61 @@ pub fn evaluate(
 ) -> Option<(f64, f64)> {
     let dtype = config.dtype.for_inference(device);
     let model = compute_copy(&model.valid().to_device(device), dtype);
-    let examples: Vec<_> = (0..config.eval_examples)
-        .map(|i| task.example(config.seed, Split::Valid, i))
-        .collect();
+    let n = config.eval_examples;
     let rows = config.batch_size.max(64);
-    let groups: Vec<Vec<&Example>> = match fixed {
-        Some(_) => examples.chunks(rows).map(|c| c.iter().collect()).collect(),
-        None => {
-            let mut by_len: std::collections::BTreeMap<usize, Vec<&Example>> = Default::default();
-            for ex in &examples {
-                by_len.entry(ex.input.len()).or_default().push(ex);
-            }
-            by_len
-                .into_values()
-                .flat_map(|g| g.chunks(rows).map(<[_]>::to_vec).collect::<Vec<_>>())
-                .collect()
-        }
-    };
+    // The examples are made a window at a time (memory bounded whatever their number),
+    // and without a fixed shape decoded by input length within each window (no padding).
+    let window = rows * 16;
     let (mut exact, mut right, mut total) = (0usize, 0usize, 0usize);
     println!(
-        "evaluating {} held-out sequences (inputs of {}..={}), greedy decoding",
-        examples.len(),
-        task.min_len,
-        task.max_len
+        "evaluating {n} held-out sequences (inputs of {}..={}), greedy decoding",
+        task.min_len, task.max_len
     );
-    let (started, mut shown, mut done) = (Instant::now(), Instant::now(), 0);
-    for chunk in groups {
-        if interrupt::requested() {
-            return None;
-        }
-        if shown.elapsed().as_secs_f64() >= 2.0 {
-            println!(
-                "evaluated {done} of {} ({:.0} s)",
-                examples.len(),
-                started.elapsed().as_secs_f64()
-            );
-            shown = Instant::now();
-        }
-        done += chunk.len();
-        let mut inputs: Vec<Vec<usize>> = chunk.iter().map(|e| e.input.clone()).collect();
-        if fixed.is_some() {
-            inputs.resize(rows, inputs[0].clone());
-        }
-        let outputs = model.generate(&inputs, task.max_output(), fixed, device);
-        for (ex, out) in chunk.iter().zip(outputs) {
-            exact += usize::from(out == ex.output);
-            right += ex.output.iter().zip(&out).filter(|(a, b)| a == b).count();
-            total += ex.output.len();
+    let (started, mut shown) = (Instant::now(), Instant::now());
+    for first in (0..n).step_by(window) {
+        let examples: Vec<Example> = (first..n.min(first + window))
+            .map(|i| task.example(config.seed, Split::Valid, i))
+            .collect();
+        let groups: Vec<Vec<&Example>> = match fixed {
+            Some(_) => examples.chunks(rows).map(|c| c.iter().collect()).collect(),
+            None => {
+                let mut by_len: std::collections::BTreeMap<usize, Vec<&Example>> =
+                    Default::default();
+                for ex in &examples {
+                    by_len.entry(ex.input.len()).or_default().push(ex);
+                }
+                by_len
+                    .into_values()
+                    .flat_map(|g| g.chunks(rows).map(<[_]>::to_vec).collect::<Vec<_>>())
+                    .collect()
+            }
+        };
+        let mut done = first;
+        for chunk in groups {
+            if interrupt::requested() {
+                return None;
+            }
+            if shown.elapsed().as_secs_f64() >= 2.0 {
+                println!(
+                    "evaluated {done} of {n} ({:.0} s)",
+                    started.elapsed().as_secs_f64()
+                );
+                shown = Instant::now();
+            }
+            done += chunk.len();
+            let mut inputs: Vec<Vec<usize>> = chunk.iter().map(|e| e.input.clone()).collect();
+            if fixed.is_some() {
+                inputs.resize(rows, inputs[0].clone());
+            }
+            let outputs = model.generate(&inputs, task.max_output(), fixed, device);
+            for (ex, out) in chunk.iter().zip(outputs) {
+                exact += usize::from(out == ex.output);
+                right += ex.output.iter().zip(&out).filter(|(a, b)| a == b).count();
+                total += ex.output.len();
+            }
         }
     }
-    Some((
-        exact as f64 / examples.len() as f64,
-        right as f64 / total.max(1) as f64,
-    ))
+    Some((exact as f64 / n as f64, right as f64 / total.max(1) as f64))
 }
 
 /// Where item `index` of an epoch's training items goes: `(step, row)` of the epoch's

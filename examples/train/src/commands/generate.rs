@@ -26,12 +26,20 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
         "{dir}: no run here (no config.json); train one, or name its directory with --out"
     );
     let config = TrainConfig::load(&run.config())?;
+    super::check_task(&run, args.task, &config)?;
     if config.task.task.is_text() {
         return sample(args, backend, &run, &config);
     }
+    let text_flags = args.text_flags();
     anyhow::ensure!(
-        args.prompt.is_none(),
-        "--prompt is for text runs; {dir} is a {} run: give its input as `generate \"...\"`",
+        text_flags.is_empty(),
+        "{} {} for text runs (sampling); {dir} is a {} run, answered by greedy decoding: \
+         give its input as `generate \"...\"`",
+        text_flags.join(" "),
+        match text_flags.len() {
+            1 => "is",
+            _ => "are",
+        },
         config.task.task.name()
     );
     let input = args.input.as_deref().ok_or_else(|| {
@@ -40,18 +48,54 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
              5\"`)"
         )
     })?;
-    let tokens = config.task.parse(input)?;
+    // A model whose positions read longer inputs answers those of the run's length test
+    // too (as long again as half the longest trained on), with a warning.
+    let longer = config.longer_task();
+    let reads = longer.as_ref().unwrap_or(&config.task);
+    let unbounded = crate::tasks::TaskConfig {
+        max_len: usize::MAX,
+        ..config.task.clone()
+    };
+    let tokens = unbounded.parse(input)?;
+    let rules = config.task.task.rules();
+    let len = rules.length_of(&tokens);
+    let positions = config.model.positions.name();
+    anyhow::ensure!(
+        len <= reads.max_len,
+        "the input has {}; this run was trained on at most {}{}",
+        rules.count(len),
+        config.task.max_len,
+        match &longer {
+            Some(longer) => format!(
+                ", and its {positions} positions read up to {}",
+                longer.max_len
+            ),
+            None => String::new(),
+        }
+    );
     if let Some(warning) = config.task.length_warning(&tokens) {
         eprintln!("warning: {warning}");
+    }
+    if len > config.task.max_len {
+        eprintln!(
+            "warning: the input has {}; this run was trained on at most {}, and its {positions} \
+             positions read longer inputs: summary.json has its accuracy on lengths {}..={}",
+            rules.count(len),
+            config.task.max_len,
+            reads.min_len,
+            reads.max_len
+        );
     }
     let backend = Backend::or_best(backend)?;
     let device = backend.device()?;
     warn_if_software(backend, &device);
     let model = load(&run, &config, &device)?;
-    let fixed = config.fixed_shape(backend);
+    let fixed = config
+        .fixed_shape(backend)
+        .map(|_| crate::batch::FixedShape::of(reads));
     // On a CPU backend's pool: a decoding step is many small operations.
     let output = mha::on_cpu_workers(&device, || {
-        model.generate(&[tokens], config.task.max_output(), fixed, &device)
+        model.generate(&[tokens], reads.max_output(), fixed, &device)
     })
     .remove(0);
     match output.is_empty() {
@@ -125,7 +169,12 @@ fn sample(
         .into_iter()
         .map(|id| id as usize)
         .collect();
-    let mut sampler = Sampler::new(args.temperature, args.top_k, args.seed)?;
+    let mut sampler = Sampler::new(
+        args.temperature.unwrap_or(GenerateArgs::TEMPERATURE),
+        args.top_k,
+        args.seed.unwrap_or(GenerateArgs::SEED),
+    )?;
+    let tokens = args.tokens.unwrap_or(GenerateArgs::TOKENS);
     let backend = Backend::or_best(backend)?;
     let device = backend.device()?;
     warn_if_software(backend, &device);
@@ -136,11 +185,11 @@ fn sample(
         let mut out = std::io::stdout().lock();
         write!(out, "{prompt}")?;
         let mut logits = decoder.feed(&ids);
-        for written in 0..args.tokens {
+        for written in 0..tokens {
             let next = sampler.pick(&logits);
             write!(out, "{}", corpus.vocab[next])?;
             out.flush()?;
-            if written + 1 < args.tokens {
+            if written + 1 < tokens {
                 logits = decoder.feed(&[next]);
             }
         }

@@ -16,11 +16,20 @@ pub fn inspect(args: &InspectArgs, backend: Option<Backend>) -> anyhow::Result<(
         "{dir}: no run here (no config.json); train one, or name its directory with --out"
     );
     let config = TrainConfig::load(&run.config())?;
+    super::check_task(&run, args.task, &config)?;
+    // Inspection writes inspect/: one command at a time on a run.
+    let _lock = run.lock()?;
     anyhow::ensure!(
         !config.task.task.is_text(),
         "{dir}: a text run; inspect measures heads on a synthetic task's held-out examples \
          and does not read text runs (sample this one with `generate --prompt`)"
     );
+    if !run.model().exists() && run.diverged() {
+        anyhow::bail!(
+            "{dir}: the run diverged (its loss became NaN or infinite) and has no model; \
+             start a new run with a lower --lr"
+        );
+    }
     if !run.model().exists() {
         let checkpoint = match run.last_complete_epoch() {
             Some(epoch) => format!(
@@ -34,8 +43,7 @@ pub fn inspect(args: &InspectArgs, backend: Option<Backend>) -> anyhow::Result<(
              --resume --out {dir}, then inspect it"
         );
     }
-    // Inspection writes inspect/: one command at a time on a run.
-    let _lock = run.lock()?;
+    run.check_writable()?;
     let examples = examples(&config, args.examples)?;
     let backend = Backend::or_best(backend)?;
     crate::memory::inspecting(&config, examples).check(backend)?;

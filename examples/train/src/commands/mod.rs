@@ -68,6 +68,24 @@ fn run_dir(out: &Option<PathBuf>, task: Option<Task>) -> anyhow::Result<RunDir> 
     Ok(RunDir(dir))
 }
 
+/// Refuses a `--task` that is not the task of the run in `--out` (given both, the run
+/// would be read whatever `--task` says).
+///
+/// # Errors
+/// Naming both tasks.
+fn check_task(run: &RunDir, task: Option<Task>, config: &TrainConfig) -> anyhow::Result<()> {
+    match task {
+        Some(task) if task != config.task.task => anyhow::bail!(
+            "--task {}: {} is a {} run; leave --task out to read it, or name another run's \
+             directory with --out",
+            task.name(),
+            run.0.display(),
+            config.task.task.name()
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Warns when a GPU backend runs on a software adapter.
 fn warn_if_software(backend: Backend, device: &burn::tensor::Device) {
     if let Some(adapter) = backend.software_adapter(device) {

@@ -25,6 +25,10 @@ enum Start {
 
 /// Trains a new run or resumes one; `false` when a Ctrl-C stopped it.
 pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool> {
+    anyhow::ensure!(
+        args.log_every >= 1,
+        "--log-every must be at least 1 (steps between two progress lines), got 0"
+    );
     let backend = Backend::or_best(backend)?;
     // The default directory is the task's: the flag's, else the config file's.
     let task = args.task.or_else(|| {
@@ -119,6 +123,7 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
     if devices.len() > 1 {
         println!("{}", devices_line(backend, &devices, config.batch_size));
     }
+    training::write_summary(&run, &Summary::running(&config, &run, backend, start_epoch))?;
     let summary = training::train(
         &config,
         &run,
@@ -166,15 +171,36 @@ fn prepare_resume(
     backend: Backend,
 ) -> anyhow::Result<(TrainConfig, Start, Vec<Device>, RunLock)> {
     let dir = run.0.display();
-    anyhow::ensure!(
-        run.holds_run(),
-        "{dir}: no run to resume (no config.json); start one without --resume"
-    );
+    let stored = match run.stored() {
+        None => {
+            anyhow::bail!("{dir}: no run to resume (no config.json); start one without --resume")
+        }
+        Some(Err(err)) => anyhow::bail!(
+            "{dir} is not a run: its config.json is not a run's configuration ({err:#})"
+        ),
+        Some(Ok(_)) => TrainConfig::load(&run.config())?,
+    };
     let lock = run.lock()?;
-    let stored = TrainConfig::load(&run.config())?;
+    run.check_writable()?;
     let device = backend.device()?;
     let complete = run.last_complete_epoch();
     let done = run.newest_usable_checkpoint(&stored, &device).unwrap_or(0);
+    // A finished model is replaced only by training past it, never by training it again.
+    // (Without the summary's record of its epochs: at least one.)
+    let recorded = run.model_epochs(&stored);
+    if run.model().exists() && done < recorded.unwrap_or(1) {
+        let why = match complete {
+            None => "its checkpoints are gone".to_string(),
+            Some(_) if done == 0 => "none of its checkpoints can be used".to_string(),
+            Some(_) => format!("its newest usable checkpoint is epoch {done}"),
+        };
+        anyhow::bail!(
+            "{dir}: the run finished{} (model.bpk), but {why}: --resume would train again \
+             from epoch {done} and replace the finished model; keep it and start a new run \
+             with another --out, or replace it with --overwrite",
+            recorded.map_or(String::new(), |n| format!(" {}", plural(n, "epoch")))
+        );
+    }
     if complete.is_some_and(|epoch| epoch > done) {
         match done {
             0 => eprintln!("warning: no checkpoint of {dir} can be used: training starts over"),
@@ -213,12 +239,15 @@ fn prepare_resume(
     run.check_metric_logs(done)?;
     if done == config.epochs {
         let summary = training::trained_summary(&config, run, backend);
+        // A finished run is evaluated again when asked to on other examples.
+        let again = config.eval_examples != stored.eval_examples;
         anyhow::ensure!(
-            summary.status != Status::Finished,
+            summary.status != Status::Finished || again,
             "{dir}: the run already finished its {}; extend it with --resume --epochs N (N \
-             above {})",
+             above {}), or evaluate it again with --resume --eval-examples N (N other than {})",
             plural(config.epochs, "epoch"),
-            config.epochs
+            config.epochs,
+            config.eval_examples
         );
         if config != stored {
             run.write_config(&config)?;
@@ -262,11 +291,18 @@ fn evaluate_trained(
     backend: Backend,
     device: &Device,
 ) -> anyhow::Result<bool> {
-    println!(
-        "finishing the evaluation of the run in {}: its {} epochs are trained",
-        run.0.display(),
-        config.epochs
-    );
+    match summary.status {
+        Status::Finished => println!(
+            "evaluating the finished run in {} again, on {} held-out sequences",
+            run.0.display(),
+            config.eval_examples
+        ),
+        _ => println!(
+            "finishing the evaluation of the run in {}: its {} epochs are trained",
+            run.0.display(),
+            config.epochs
+        ),
+    }
     let model = match load_model(config, &run.model(), device) {
         Ok(model) => model,
         Err(e) => {
@@ -275,6 +311,7 @@ fn evaluate_trained(
             }
             let model = load_model(config, &run.checkpoint(config.epochs), device)?;
             training::save_model(&model, run)?;
+            summary.model_epochs = Some(config.epochs);
             model
         }
     };
@@ -333,8 +370,8 @@ fn report(
     if config.task.task.is_text() {
         let loss = summary.valid_loss.unwrap_or(f64::NAN);
         println!(
-            "validation loss {loss:.4} nats per character ({:.3} bits) on {}; final training \
-             loss {:.4}; {:.1} s, {:.0} characters/s on {}",
+            "validation loss {loss:.4} nats per character ({:.3} bits) on {}; the last \
+             epoch's mean training loss {:.4}; {:.1} s, {:.0} characters/s on {}",
             loss / std::f64::consts::LN_2,
             plural(crate::lm::valid_windows(config), "window"),
             summary.final_loss.unwrap_or(f64::NAN),
@@ -352,8 +389,8 @@ fn report(
         );
     } else {
         println!(
-            "held-out exact accuracy {:.2}% (token accuracy {:.2}%) on {} sequences; final loss {:.4}; \
-         {:.1} s, {:.0} tokens/s on {}",
+            "held-out exact accuracy {:.2}% (token accuracy {:.2}%) on {} sequences; the last \
+             epoch's mean training loss {:.4}; {:.1} s, {:.0} tokens/s on {}",
             100.0 * summary.exact_accuracy.unwrap_or(0.0),
             100.0 * summary.token_accuracy.unwrap_or(0.0),
             summary.eval_examples,

@@ -4,7 +4,7 @@
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::SequenceOutput;
-use mha::analysis::{Heads, Inspect, LayerStats, PrunePlan};
+use mha::analysis::{Heads, Inspect, LayerStatsBuilder, PrunePlan};
 use mha::{AttentionMask, PruneError, StackInput};
 
 use super::{DecoderOnly, EncoderDecoder, Model, output_loss, uncached};
@@ -201,11 +201,20 @@ impl Model {
         }
     }
 
-    /// The statistics of every attention layer over `batch`, the padded batch of
-    /// `examples` (each row's padding and the keys its mask blocks left out).
-    pub fn head_stats(&self, batch: SeqBatch, examples: &[Example]) -> Vec<LayerStats> {
+    /// Adds to `layers` (one per attention layer, made on the first call) the statistics
+    /// of every attention layer over `batch`, the padded batch of `examples` (each row's
+    /// padding and the keys its mask blocks left out).
+    pub fn head_stats(
+        &self,
+        batch: SeqBatch,
+        examples: &[Example],
+        layers: &mut Vec<LayerStatsBuilder>,
+    ) {
         let device = batch.joined.device();
         let names = self.attention_layer_names();
+        if layers.is_empty() {
+            *layers = names.iter().map(LayerStatsBuilder::new).collect();
+        }
         let source_lengths = batch.source_lengths.clone();
         let [_, source_len] = batch.source.dims();
         let (_, weights) = self.forward_inspect(batch, &Inspect::new().weights());
@@ -215,19 +224,15 @@ impl Model {
             .collect();
         let decoder: Vec<usize> = examples.iter().map(|e| e.output.len() + 1).collect();
         let padding = AttentionMask::key_lengths(&source_lengths, source_len, &device);
-        weights
-            .into_iter()
-            .zip(names)
-            .map(|(w, name)| {
-                let (mask, rows) = match (self, name.as_str()) {
-                    (Model::DecoderOnly(_), _) => (AttentionMask::causal(), &joined),
-                    (_, n) if n.starts_with("encoder") => (padding.clone(), &source_lengths),
-                    (_, n) if n.ends_with("self") => (AttentionMask::causal(), &decoder),
-                    _ => (padding.clone(), &decoder),
-                };
-                LayerStats::from_weights(name, w, &mask, Some(rows))
-            })
-            .collect()
+        for ((w, name), layer) in weights.into_iter().zip(names).zip(layers.iter_mut()) {
+            let (mask, rows) = match (self, name.as_str()) {
+                (Model::DecoderOnly(_), _) => (AttentionMask::causal(), &joined),
+                (_, n) if n.starts_with("encoder") => (padding.clone(), &source_lengths),
+                (_, n) if n.ends_with("self") => (AttentionMask::causal(), &decoder),
+                _ => (padding.clone(), &decoder),
+            };
+            layer.add(w, &mask, Some(rows));
+        }
     }
 
     /// The model without the heads `plan` removes (attention layers in the order of
