@@ -1,4 +1,5 @@
-//! What a run prints while it trains: a line every `log_every` steps (step, epoch, loss,
+//! What a run prints while it trains: a line every `log_every` steps (and off a terminal at
+//! least every 5 seconds) (step, epoch, loss,
 //! token accuracy, learning rate, tokens per second, time left) and one per epoch (the
 //! epoch's training and validation loss and accuracy); in a terminal, a status line
 //! between them that updates in place. The learner's summary (the model and its metrics
@@ -76,6 +77,9 @@ struct SplitMeans {
     loss: Mean,
     accuracy: Mean,
 }
+
+/// The longest a run off a terminal stays silent between two step lines.
+const QUIET_AT_MOST: Duration = Duration::from_secs(5);
 
 /// The renderer the trainer gives the learner.
 pub struct Progress {
@@ -336,7 +340,12 @@ impl TrainingProgressLogger for Progress {
                 crate::interrupt::stop_learner("the training loss is not finite");
             }
         }
-        if step.is_multiple_of(self.plan.log_every.max(1)) || step == self.total_steps() {
+        // Every `log_every` steps, and off a terminal at least every few seconds whatever
+        // the steps take.
+        let due = step.is_multiple_of(self.plan.log_every.max(1))
+            || step == self.total_steps()
+            || (!self.interactive && self.drawn.elapsed() >= QUIET_AT_MOST);
+        if due {
             self.print(&self.status());
             self.drawn = Instant::now();
         } else if self.interactive && self.drawn.elapsed() > Duration::from_millis(100) {

@@ -656,6 +656,9 @@ fn a_run_directory_is_locked_and_a_damaged_metric_log_is_named() {
         std::fs::read_to_string(dir.join("config.json")).unwrap(),
         before
     );
+    // inspect too, before it looks at the run (which has no model yet).
+    let out = run(on_flex(&["inspect", "--out"]).arg(&dir));
+    assert_error(&out, &["is in use by another command", &pid]);
     // Killed, it leaves its lock, which the next command takes over.
     first.kill().unwrap();
     first.wait().unwrap();
@@ -780,9 +783,14 @@ fn a_non_finite_loss_stops_the_run_at_its_step() {
     assert!((1..=5).contains(&step), "{s}");
     assert!(s["last_checkpoint_epoch"].is_null(), "{s}");
     assert!(!dir.join("model.bpk").exists());
-    // No answer from weights that are not finite.
+    // No answer from weights that are not finite, and no inspection.
     let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
     assert_error(&out, &["no model or usable checkpoint"]);
+    let out = run(on_flex(&["inspect", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &["the run diverged", "start a new run with a lower --lr"],
+    );
 }
 
 /// Leaves the finished three-epoch run in `dir` as if killed after epoch 2's checkpoint.

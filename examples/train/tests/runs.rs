@@ -88,6 +88,11 @@ fn a_finished_model_is_replaced_only_with_overwrite() {
     assert!(out.status.success(), "{}", stderr(&out));
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("evaluating the finished run"), "{text}");
+    // The loss it reports is what it is: the last epoch's mean, not the last step's.
+    assert!(
+        text.contains("the last epoch's mean training loss"),
+        "{text}"
+    );
     let s = summary(&dir);
     assert_eq!(
         (s["status"].clone(), s["eval_examples"].clone()),
@@ -462,5 +467,44 @@ fn inspect_reports_means_that_do_not_grow_with_the_examples() {
     assert!(
         (0.5..2.0).contains(&(five / one)),
         "baseline loss {one} on 64 examples, {five} on 320"
+    );
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_is_named_and_the_run_summarised() {
+    let dir = scratch("checkpoint-error").join("run");
+    finished(&dir, "1");
+    // A folder of the user's where epoch 1's optimizer state goes: --overwrite keeps it,
+    // and the new run cannot write its checkpoint there.
+    let optim = dir.join("checkpoints/epoch-1/optim.bpk");
+    std::fs::remove_file(&optim).unwrap();
+    std::fs::create_dir(&optim).unwrap();
+    std::fs::write(optim.join("mine.txt"), "mine").unwrap();
+    let out = run(on_flex(TINY)
+        .args([
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "20",
+            "--overwrite",
+            "--out",
+        ])
+        .arg(&dir));
+    assert_fails(
+        &out,
+        &[
+            "training failed at step 20 of 20",
+            "epoch-1/optim.bpk",
+            "summary: ",
+        ],
+    );
+    let s = summary(&dir);
+    assert_eq!(
+        (s["status"].clone(), s["steps_done"].clone()),
+        ("interrupted".into(), 20.into())
+    );
+    assert_eq!(
+        std::fs::read_to_string(optim.join("mine.txt")).unwrap(),
+        "mine"
     );
 }
