@@ -128,6 +128,11 @@ fn sort_out(
     Ok(())
 }
 
+/// The `status` of a summary read as JSON.
+fn status(summary: &serde_json::Value) -> Option<&str> {
+    summary.get("status")?.as_str()
+}
+
 /// `a, b, c`, or the first few and how many more.
 fn list(names: &[String]) -> String {
     const SHOWN: usize = 5;
@@ -201,22 +206,25 @@ impl RunDir {
         if !self.model().exists() {
             return None;
         }
-        let summary: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(self.summary()).ok()?).ok()?;
+        let summary = self.written_summary()?;
         if let Some(epochs) = summary.get("model_epochs").and_then(|v| v.as_u64()) {
             return Some(epochs as usize);
         }
-        let finished = summary.get("status").and_then(|v| v.as_str()) == Some("finished");
+        let finished = status(&summary) == Some("finished");
         let steps = summary.get("steps_done")?.as_u64()? as usize;
         finished.then(|| steps / config.steps_per_epoch.max(1))
     }
 
     /// Whether the run's summary says its loss became NaN or infinite.
     pub fn diverged(&self) -> bool {
-        std::fs::read_to_string(self.summary())
-            .ok()
-            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
-            .is_some_and(|s| s.get("status").and_then(|v| v.as_str()) == Some("diverged"))
+        self.written_summary()
+            .is_some_and(|s| status(&s) == Some("diverged"))
+    }
+
+    /// `summary.json` as written, read as plain JSON (this layer is below the summary's
+    /// type, in `training`); `None` when absent or unreadable.
+    fn written_summary(&self) -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(self.summary()).ok()?).ok()
     }
 
     /// Checks that every folder the trainer writes in (the directory, `train/`, `valid/`,

@@ -9,26 +9,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Output;
 
 use common::*;
-
-/// Asserts exit code 1, no panic, and a last line `error: ...` containing every one of
-/// `wanted` (warnings may come before it).
-fn assert_fails(out: &Output, wanted: &[&str]) {
-    let err = stderr(out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
-    let last = err
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("");
-    assert!(last.starts_with("error: "), "{err}");
-    for w in wanted {
-        assert!(last.contains(w), "{w:?} missing from: {err}");
-    }
-}
 
 /// A finished tiny run of `epochs` of 20 steps in `dir`.
 fn finished(dir: &Path, epochs: &str) {

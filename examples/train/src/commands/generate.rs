@@ -52,12 +52,9 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
     // too (as long again as half the longest trained on), with a warning.
     let longer = config.longer_task();
     let reads = longer.as_ref().unwrap_or(&config.task);
-    let unbounded = crate::tasks::TaskConfig {
-        max_len: usize::MAX,
-        ..config.task.clone()
-    };
-    let tokens = unbounded.parse(input)?;
+    // The grammar alone: the length is checked against what the positions read, below.
     let rules = config.task.task.rules();
+    let tokens = rules.parse(&config.task, input)?;
     let len = rules.length_of(&tokens);
     let positions = config.model.positions.name();
     anyhow::ensure!(

@@ -90,6 +90,23 @@ pub fn assert_error(out: &Output, wanted: &[&str]) {
     }
 }
 
+/// Asserts exit code 1, no panic, and a last line `error: ...` containing every one of
+/// `wanted` (warnings may come before it).
+pub fn assert_fails(out: &Output, wanted: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let last = err
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    assert!(last.starts_with("error: "), "{err}");
+    for w in wanted {
+        assert!(last.contains(w), "{w:?} missing from: {err}");
+    }
+}
+
 /// Every file under `dir` and a hash of its bytes.
 pub fn checksums(dir: &Path) -> BTreeMap<PathBuf, u64> {
     let mut sums = BTreeMap::new();
