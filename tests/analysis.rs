@@ -849,6 +849,15 @@ mod maps {
             a.save(dir.join("map.bmp")),
             Err(MapError::Format(_))
         ));
+        // Saving over a map replaces it whole, through a temporary file that is gone after.
+        b.save(dir.join("map.png")).unwrap();
+        assert_ne!(std::fs::read(dir.join("map.png")).unwrap(), png);
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["map.png", "map.svg"]);
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::batch::SeqBatcher;
 use crate::config::TrainConfig;
 use crate::model::Model;
-use crate::run_dir::{RunDir, load_model, write_atomically};
+use crate::run_dir::{RunDir, install_weights, load_model, verify, write_atomically};
 use crate::tasks::{Example, Split};
 use crate::text::plural;
 use crate::{plots, training};
@@ -308,10 +308,12 @@ fn prune_and_compare(
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
     let pruned = model.prune(&plan)?;
     let file = out.join("model.bpk");
+    let written = out.join("model.bpk.partial");
     pruned
         .clone()
-        .save_file(&file)
-        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", file.display()))?;
+        .save_file(&written)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", written.display()))?;
+    install_weights(&written, &file)?;
     let json = serde_json::to_string_pretty(&plan).context("a plan serialises")?;
     write_atomically(&out.join("plan.json"), json.as_bytes())?;
     let reloaded = load_pruned(config, model_path, &out, device)?;
@@ -373,6 +375,7 @@ pub fn load_pruned(
     )
     .with_context(|| format!("{}: not a pruning plan", plan_path.display()))?;
     let file = dir.join("model.bpk");
+    verify(&file)?;
     let skeleton = load_model(config, model_path, device)?.prune(&plan)?;
     skeleton
         .try_load_file(&file)

@@ -2,6 +2,7 @@
 //! attention maps (mha's [`AttentionMap`]: every head a labelled grid with tokens on the
 //! axes) of a finished run and of `inspect`, all drawn by [`attention_maps`].
 
+use anyhow::Context;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
@@ -109,7 +110,11 @@ pub fn loss_curve(
         .fold(0.1, f64::max)
         * 1.05;
 
-    let root = BitMapBackend::new(path, (900, 560)).into_drawing_area();
+    // Drawn under a temporary name (`loss.partial.png`: the extension says the format),
+    // then renamed.
+    let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+    let drawn = path.with_file_name(format!("{stem}.partial.png"));
+    let root = BitMapBackend::new(&drawn, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(err(path))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, (FAMILY, 24))
@@ -151,7 +156,9 @@ pub fn loss_curve(
         .draw()
         .map_err(err(path))?;
     root.present().map_err(err(path))?;
-    Ok(())
+    drop(chart);
+    drop(root);
+    std::fs::rename(&drawn, path).with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// The heatmaps of the first held-out example, one PNG per layer, from the run's model

@@ -136,6 +136,15 @@ impl Progress {
         }
     }
 
+    /// Whether step `step` (just done) gets a line: every `log_every` steps and the last,
+    /// and off a terminal whenever the last line is [`QUIET_AT_MOST`] old, whatever the
+    /// steps take.
+    fn line_due(&self, step: usize) -> bool {
+        step.is_multiple_of(self.plan.log_every.max(1))
+            || step == self.total_steps()
+            || (!self.interactive && self.drawn.elapsed() >= QUIET_AT_MOST)
+    }
+
     fn total_steps(&self) -> usize {
         self.plan.epochs * self.plan.steps_per_epoch
     }
@@ -340,12 +349,7 @@ impl TrainingProgressLogger for Progress {
                 crate::interrupt::stop_learner("the training loss is not finite");
             }
         }
-        // Every `log_every` steps, and off a terminal at least every few seconds whatever
-        // the steps take.
-        let due = step.is_multiple_of(self.plan.log_every.max(1))
-            || step == self.total_steps()
-            || (!self.interactive && self.drawn.elapsed() >= QUIET_AT_MOST);
-        if due {
+        if self.line_due(step) {
             self.print(&self.status());
             self.drawn = Instant::now();
         } else if self.interactive && self.drawn.elapsed() > Duration::from_millis(100) {
@@ -399,5 +403,27 @@ mod tests {
         assert_eq!(clock(3723.0), "1:02:03");
         assert_eq!(per_second(46_728.0), "46.7k tok/s");
         assert_eq!(per_second(812.0), "812 tok/s");
+    }
+
+    #[test]
+    fn off_a_terminal_a_line_comes_at_least_every_five_seconds() {
+        let plan = Plan {
+            epochs: 2,
+            steps_per_epoch: 1000,
+            batch_size: 8,
+            tokens_per_step: 64.0,
+            log_every: 100,
+            shares: 1,
+        };
+        let file = std::env::temp_dir().join("mha-progress-unused.txt");
+        let mut progress = Progress::new(plan, file, Arc::default());
+        progress.interactive = false;
+        assert!(progress.line_due(100) && progress.line_due(2000));
+        assert!(!progress.line_due(101), "a line just drawn");
+        progress.drawn = Instant::now() - QUIET_AT_MOST;
+        assert!(progress.line_due(101), "five seconds without a line");
+        // In a terminal the status line updates in place instead.
+        progress.interactive = true;
+        assert!(!progress.line_due(101));
     }
 }

@@ -13,7 +13,9 @@
 //! ```
 //!
 //! Every file is written to a temporary name and renamed, so a crash or a kill leaves the
-//! previous version whole. A directory belongs to one run: a new run refuses a directory
+//! previous version whole. Each weights file (`*.bpk`) has its checksum beside it
+//! (`*.bpk.sum`), checked whenever it is read: a file damaged since it was written is
+//! named, never used. A directory belongs to one run: a new run refuses a directory
 //! that holds another (unless told to overwrite it) or that holds anything else.
 
 use std::path::{Path, PathBuf};
@@ -49,10 +51,22 @@ const ENTRIES: &[&str] = &[
 /// The lock file of a run directory, while a command uses it.
 const LOCK: &str = ".lock";
 
+/// The name a file being written will have: `x.partial` and `x.partial.png` (a picture,
+/// whose extension says its format) are `x` and `x.png`.
+fn unwritten(name: &str) -> String {
+    let name = name.strip_suffix(".partial").unwrap_or(name);
+    match name.rsplit_once(".partial.") {
+        Some((stem, ext)) if !ext.contains('.') => format!("{stem}.{ext}"),
+        _ => name.to_string(),
+    }
+}
+
 /// Whether the trainer writes an entry of this name at the top of a run directory.
 fn is_trainers(name: &str) -> bool {
+    let name = unwritten(name);
+    let name = name.as_str();
     ENTRIES.contains(&name)
-        || name.ends_with(".partial")
+        || name == "model.bpk.sum"
         || name
             .strip_prefix("attention-layer")
             .and_then(|rest| rest.strip_suffix(".png"))
@@ -67,7 +81,11 @@ fn written_by_trainer(parts: &[String]) -> bool {
         name.strip_prefix("epoch-")
             .is_some_and(|n| n.parse::<usize>().is_ok())
     };
-    let partial = |name: &str| name.strip_suffix(".partial").unwrap_or(name).to_string();
+    // A file being written, or a weights file's checksum (`.sum`).
+    let partial = |name: &str| {
+        let name = unwritten(name);
+        name.strip_suffix(".sum").unwrap_or(&name).to_string()
+    };
     let names: Vec<&str> = parts.iter().map(String::as_str).collect();
     match names.as_slice() {
         [top] => is_trainers(top),
@@ -551,10 +569,12 @@ impl RunDir {
         use burn::optim::OptimizerRecord;
         use burn::optim::lr_scheduler::LrSchedulerRecord;
         let optim = self.epoch(epoch).join("optim.bpk");
+        verify(&optim)?;
         <OptimizerRecord as Checkpoint>::load(optim.clone()).map_err(|e| {
             anyhow::anyhow!("{}: cannot load the optimizer state ({e})", optim.display())
         })?;
         let scheduler = self.epoch(epoch).join("scheduler.bpk");
+        verify(&scheduler)?;
         <LrSchedulerRecord as Checkpoint>::load(scheduler.clone()).map_err(|e| {
             anyhow::anyhow!(
                 "{}: cannot load the scheduler state ({e})",
@@ -575,6 +595,7 @@ pub fn load_model(
 ) -> anyhow::Result<Model> {
     use burn::module::Module;
     anyhow::ensure!(path.exists(), "{}: no such model", path.display());
+    verify(path)?;
     let model = config
         .init_model(device)?
         .try_load_file(path)
@@ -662,6 +683,61 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Puts the complete weights file `written` at `path`, its checksum beside it. The old
+/// checksum goes first: a crash between the steps leaves a file without a checksum (read
+/// unchecked), never a file beside another's checksum.
+///
+/// # Errors
+/// Naming the file that cannot be read, removed or written.
+pub fn install_weights(written: &Path, path: &Path) -> anyhow::Result<()> {
+    let bytes =
+        std::fs::read(written).with_context(|| format!("cannot read {}", written.display()))?;
+    let sum = checksum_file(path);
+    remove(&sum)?;
+    std::fs::rename(written, path).with_context(|| format!("cannot write {}", path.display()))?;
+    write_atomically(&sum, checksum(&bytes).as_bytes())
+}
+
+/// Checks the weights file `path` against the checksum written with it, when it has one
+/// (a file written before checksums were kept has none).
+///
+/// # Errors
+/// When the file or its checksum cannot be read, or they differ: the file was damaged
+/// after the trainer wrote it.
+pub fn verify(path: &Path) -> anyhow::Result<()> {
+    let sum = checksum_file(path);
+    let expected = match std::fs::read_to_string(&sum) {
+        Ok(expected) => expected,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", sum.display())),
+    };
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    anyhow::ensure!(
+        checksum(&bytes).trim() == expected.trim(),
+        "{}: the file is damaged: its contents are not what the trainer wrote (their \
+         checksum differs from {})",
+        path.display(),
+        sum.display()
+    );
+    Ok(())
+}
+
+/// Where the checksum of the weights file `path` is kept.
+fn checksum_file(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".sum");
+    path.with_file_name(name)
+}
+
+/// `bytes`' checksum as written beside a weights file: the 64-bit FNV-1a hash and the
+/// length, `fnv1a-64 <hash> <bytes>`.
+fn checksum(bytes: &[u8]) -> String {
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("fnv1a-64 {hash:016x} {}\n", bytes.len())
+}
+
 /// Where `path` is written before it is renamed into place.
 fn partial(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -706,11 +782,14 @@ impl<R: Checkpoint> Checkpointer<R> for PartCheckpointer {
         record
             .save(partial(&path))
             .map_err(|e| named(&partial(&path), &e))?;
-        std::fs::rename(partial(&path), &path).map_err(|e| named(&path, &e))
+        install_weights(&partial(&path), &path)
+            .map_err(|e| CheckpointerError::Unknown(format!("{e:#}")))
     }
 
     fn restore(&self, epoch: usize) -> Result<R, CheckpointerError> {
-        R::load(self.path(epoch))
+        let path = self.path(epoch);
+        verify(&path).map_err(|e| CheckpointerError::Unknown(format!("{e:#}")))?;
+        R::load(path)
     }
 
     fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {
@@ -718,5 +797,51 @@ impl<R: Checkpoint> Checkpointer<R> for PartCheckpointer {
         // The last part out removes the epoch's folder.
         let _ = std::fs::remove_dir(self.run.epoch(epoch));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trainers(path: &str) -> bool {
+        let parts: Vec<String> = path.split('/').map(str::to_string).collect();
+        written_by_trainer(&parts)
+    }
+
+    #[test]
+    fn the_trainers_files_are_known_by_name_and_place() {
+        for ours in [
+            "config.json",
+            "model.bpk",
+            "model.bpk.sum",
+            "model.bpk.partial",
+            "model.bpk.sum.partial",
+            "loss.partial.png",
+            "attention-layer1.png",
+            "attention-layer1.partial.png",
+            "checkpoints/epoch-3/optim.bpk",
+            "checkpoints/epoch-3/optim.bpk.sum",
+            "checkpoints/epoch-3/model.bpk.partial",
+            "train/epoch-2/Loss.log",
+            "inspect/heads.json.partial",
+            "inspect/attention-0.partial.svg",
+            "inspect/pruned-2/model.bpk.sum",
+        ] {
+            assert!(trainers(ours), "{ours}");
+        }
+        for theirs in [
+            "notes.txt",
+            "notes.txt.partial",
+            "notes.partial.txt",
+            "model.pt",
+            "checkpoints/epoch-3/mine.pt",
+            "checkpoints/mine/model.bpk",
+            "inspect/plan.json",
+            "inspect/pruned-2/notes.sum",
+            "loss.partial.png.bak",
+        ] {
+            assert!(!trainers(theirs), "{theirs}");
+        }
     }
 }

@@ -370,8 +370,7 @@ pub fn save_model(model: &Model, run: &RunDir) -> anyhow::Result<()> {
         .clone()
         .save_file(&partial)
         .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", partial.display()))?;
-    std::fs::rename(&partial, run.model())
-        .with_context(|| format!("cannot write {}", run.model().display()))
+    crate::run_dir::install_weights(&partial, &run.model())
 }
 
 /// The final evaluation of a trained model: the held-out accuracies at the training

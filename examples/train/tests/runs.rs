@@ -210,24 +210,40 @@ fn every_check_comes_before_anything_is_written_or_removed() {
     assert_eq!(checksums(&dir), before);
     std::fs::remove_file(dir.join("train")).unwrap();
     std::fs::rename(&logs, dir.join("train")).unwrap();
-    // A read-only folder (the permission bits bind every user but root).
+    // A read-only folder. The permission bits bind every user but root: as root, the
+    // trainer runs as `nobody` (a copy of it that user can run, in a run directory it can
+    // lock).
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        let mode = |path: &std::path::Path, mode: u32| {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap()
+        };
         let train = dir.join("train");
-        std::fs::set_permissions(&train, std::fs::Permissions::from_mode(0o555)).unwrap();
+        mode(&train, 0o555);
         let root_user = std::fs::write(train.join("probe"), "").is_ok();
         let _ = std::fs::remove_file(train.join("probe"));
-        match root_user {
-            true => println!("read-only train/: not checked (root writes in it anyway)"),
-            false => {
-                let before = checksums(&dir);
-                let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
-                assert_fails(&out, &["cannot write in", "train"]);
-                assert_eq!(checksums(&dir), before);
+        let mut resume = match root_user {
+            false => on_flex(&[]),
+            true => {
+                let copy = root.join("trainer");
+                std::fs::copy(env!("CARGO_BIN_EXE_train"), &copy).unwrap();
+                mode(&copy, 0o755);
+                mode(&dir, 0o777);
+                let mut cmd = std::process::Command::new(&copy);
+                cmd.uid(65534).gid(65534).args(["--backend", "flex"]);
+                cmd
             }
-        }
-        std::fs::set_permissions(&train, std::fs::Permissions::from_mode(0o755)).unwrap();
+        };
+        let before = checksums(&dir);
+        let out = run(resume
+            .args(["--resume", "--epochs", "2", "--out"])
+            .arg(&dir));
+        assert_fails(&out, &["cannot write in", "train"]);
+        assert_eq!(checksums(&dir), before);
+        mode(&train, 0o755);
+        mode(&dir, 0o755);
     }
     // With the folder back, the run resumes and extends.
     let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
@@ -239,23 +255,48 @@ fn every_check_comes_before_anything_is_written_or_removed() {
 fn a_damaged_model_is_named_not_used() {
     let dir = scratch("damaged-model").join("run");
     finished(&dir, "1");
-    // Weights overwritten with NaN bit patterns (0xff bytes), in the middle of the file.
+    // Bytes overwritten in the middle of a weights file with `fill`.
+    let damage = |path: &Path, fill: u8| {
+        let mut bytes = std::fs::read(path).unwrap();
+        let (middle, len) = (bytes.len() / 2, 5000.min(bytes.len() / 4));
+        bytes[middle..middle + len].fill(fill);
+        std::fs::write(path, bytes).unwrap();
+    };
     let path = dir.join("model.bpk");
-    let mut bytes = std::fs::read(&path).unwrap();
-    let middle = bytes.len() / 2;
-    bytes[middle..middle + 5000].fill(0xff);
-    std::fs::write(&path, bytes).unwrap();
+    let whole = std::fs::read(&path).unwrap();
+    // 0x3f bytes decode to finite weights (0.747 as f32): only the checksum written with
+    // the file shows the damage.
+    damage(&path, 0x3f);
     let before = checksums(&dir);
-    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
-    assert_fails(
-        &out,
-        &["model.bpk", "not all finite", "the file is damaged"],
-    );
-    let out = run(on_flex(&["inspect", "--out"]).arg(&dir));
-    assert_fails(
-        &out,
-        &["model.bpk", "not all finite", "the file is damaged"],
-    );
+    let generate = || run(on_flex(&["generate", "--out"]).arg(&dir).arg("1 2 3 4"));
+    let inspect = || run(on_flex(&["inspect", "--out"]).arg(&dir));
+    for out in [generate(), inspect()] {
+        assert_fails(&out, &["model.bpk", "the file is damaged", "model.bpk.sum"]);
+    }
+    assert_eq!(checksums(&dir), before);
+    // A file without its checksum (as written before they were kept) is read only with
+    // finite weights: NaN bit patterns (0xff bytes) are named.
+    std::fs::remove_file(dir.join("model.bpk.sum")).unwrap();
+    std::fs::write(&path, &whole).unwrap();
+    damage(&path, 0xff);
+    let before = checksums(&dir);
+    for out in [generate(), inspect()] {
+        assert_fails(
+            &out,
+            &["model.bpk", "not all finite", "the file is damaged"],
+        );
+    }
+    assert_eq!(checksums(&dir), before);
+    // A checkpoint's optimizer state damaged the same way: named, not resumed from, and
+    // the finished model kept.
+    std::fs::write(&path, &whole).unwrap();
+    let optim = dir.join("checkpoints/epoch-1/optim.bpk");
+    damage(&optim, 0x3f);
+    let before = checksums(&dir);
+    let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
+    assert_fails(&out, &["the run finished", "but none of its checkpoints"]);
+    let named = format!("{}: the file is damaged", optim.display());
+    assert!(stderr(&out).contains(&named), "{}", stderr(&out));
     assert_eq!(checksums(&dir), before);
 }
 
@@ -489,4 +530,63 @@ fn a_checkpoint_that_cannot_be_written_is_named_and_the_run_summarised() {
         std::fs::read_to_string(optim.join("mine.txt")).unwrap(),
         "mine"
     );
+}
+
+#[test]
+#[cfg(unix)]
+fn ctrl_c_stops_inspect_at_once_and_the_next_inspect_runs() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::time::{Duration, Instant};
+    let dir = scratch("inspect-ctrl-c").join("run");
+    finished(&dir, "1");
+    // What inspect does not write: the run's own files.
+    let runs = |dir: &Path| {
+        let mut sums = checksums(dir);
+        sums.retain(|path, _| !path.starts_with(dir.join("inspect")) && !path.ends_with(".lock"));
+        sums
+    };
+    let before = runs(&dir);
+    let mut child = on_flex(&["inspect", "--prune", "1", "--out"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The lock is its first write; the ablations come after it.
+    wait_for(&dir.join(".lock"), &mut child);
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    assert!(kill.unwrap().success());
+    let sent = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(10),
+            "inspect ignored Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(
+        status.signal(),
+        Some(2),
+        "inspect ended before the Ctrl-C reached it: {status}"
+    );
+    assert_eq!(runs(&dir), before);
+    // Its lock left behind names a process that is gone: the next inspect takes it over
+    // and writes whole findings.
+    let out = run(on_flex(&["inspect", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let heads = std::fs::read_to_string(dir.join("inspect/heads.json")).unwrap();
+    let heads: serde_json::Value = serde_json::from_str(&heads).unwrap();
+    assert!(
+        heads["ablation"]["baseline_loss"]
+            .as_f64()
+            .unwrap()
+            .is_finite(),
+        "{heads}"
+    );
+    assert_eq!(runs(&dir), before);
 }

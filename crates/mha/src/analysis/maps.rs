@@ -158,11 +158,24 @@ impl AttentionMap {
             .and_then(|e| e.to_str())
             .map(str::to_ascii_lowercase);
         let size = self.size();
-        match extension.as_deref() {
-            Some("png") => self.draw(BitMapBackend::new(path, size).into_drawing_area()),
-            Some("svg") => self.draw(SVGBackend::new(path, size).into_drawing_area()),
-            _ => Err(MapError::Format(path.display().to_string())),
-        }
+        // Drawn under a temporary name beside the file (its extension kept: it says the
+        // format), then renamed: a crash leaves the old file or none, never half a map.
+        let stem = path.file_stem().unwrap_or_default().to_string_lossy();
+        let ext = path.extension().unwrap_or_default().to_string_lossy();
+        let drawn = path.with_file_name(format!("{stem}.partial.{ext}"));
+        let result = match extension.as_deref() {
+            Some("png") => self.draw(BitMapBackend::new(&drawn, size).into_drawing_area()),
+            Some("svg") => self.draw(SVGBackend::new(&drawn, size).into_drawing_area()),
+            _ => return Err(MapError::Format(path.display().to_string())),
+        };
+        result
+            .and_then(|()| {
+                std::fs::rename(&drawn, path)
+                    .map_err(|e| MapError::Draw(format!("cannot write {}: {e}", path.display())))
+            })
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&drawn);
+            })
     }
 
     /// The map as SVG text.

@@ -31,19 +31,19 @@ pub fn context_start(start: usize, len: usize, fed: usize, block: usize) -> usiz
     }
 }
 
-/// A text being decoded: every character read so far, the context the model sees, and
-/// its cache.
+/// A text being decoded: how many characters were read, the context the model sees, and
+/// its cache. What it holds is bounded by the block whatever the length of the text.
 pub struct TextDecoder<'a> {
     model: &'a DecoderOnly,
     block: usize,
     /// Positions past the block are read through a sliding cache (all but learned).
     sliding: bool,
     cache: StackCache,
-    /// Every character read, as ids.
-    text: Vec<usize>,
-    /// Where the context (and the cache's position 0) starts in `text`; always 0 with a
-    /// sliding cache.
-    start: usize,
+    /// The characters of the context (the cache's position 0 first), as ids; empty with a
+    /// sliding cache, which needs none of them again.
+    context: Vec<usize>,
+    /// Characters read so far.
+    read: usize,
     device: Device,
 }
 
@@ -56,6 +56,7 @@ impl<'a> TextDecoder<'a> {
         let Model::DecoderOnly(model) = model else {
             panic!("the text task's model is decoder-only");
         };
+        assert!(block > 0, "a block of 0 characters");
         let sliding = model.embed.kind.reads_longer_inputs();
         let cache = match sliding {
             true => KvCache::sliding(block),
@@ -66,49 +67,66 @@ impl<'a> TextDecoder<'a> {
             model,
             block,
             sliding,
-            text: Vec::new(),
-            start: 0,
+            context: Vec::new(),
+            read: 0,
             device: device.clone(),
         }
     }
 
-    /// Every character read so far.
-    pub fn text(&self) -> &[usize] {
-        &self.text
+    /// How many characters were read so far.
+    pub fn read(&self) -> usize {
+        self.read
     }
 
     /// Reads `ids` (at least one) after the text so far: the logits of the next
-    /// character, one per character of the vocabulary.
+    /// character, one per character of the vocabulary. A sliding model reads a long input
+    /// a block at a time (the same logits as in one pass, in memory bounded by the
+    /// block); a model with learned positions reads at most the last block of it.
     ///
     /// # Panics
     /// If `ids` is empty.
     pub fn feed(&mut self, ids: &[usize]) -> Vec<f32> {
         assert!(!ids.is_empty(), "nothing to read");
-        self.text.extend_from_slice(ids);
-        let len = self.text.len();
-        let mut first = len - ids.len();
-        if !self.sliding {
-            let start = context_start(self.start, len, ids.len(), self.block);
-            if start != self.start {
-                self.start = start;
-                self.cache.reset();
-                first = start;
+        if self.sliding {
+            let mut chunks = ids.chunks(self.block).peekable();
+            while let Some(chunk) = chunks.next() {
+                let positions: Vec<usize> = (self.read..self.read + chunk.len()).collect();
+                self.read += chunk.len();
+                let h = self.forward(chunk, positions);
+                if chunks.peek().is_none() {
+                    return last_logits(self.model, h);
+                }
             }
+            unreachable!("at least one chunk");
         }
-        let read = &self.text[first..];
-        let positions: Vec<usize> = (first - self.start..len - self.start).collect();
+        self.read += ids.len();
+        self.context.extend_from_slice(ids);
+        let len = self.context.len();
+        let mut first = len - ids.len();
+        let start = context_start(0, len, ids.len(), self.block);
+        if start != 0 {
+            self.context.drain(..start);
+            self.cache.reset();
+            first = 0;
+        }
+        let read = self.context[first..].to_vec();
+        let positions: Vec<usize> = (first..self.context.len()).collect();
+        let h = self.forward(&read, positions);
+        last_logits(self.model, h)
+    }
+
+    /// The hidden states `[1, T, D]` of `ids` read at `positions` after the cache.
+    fn forward(&mut self, ids: &[usize], positions: Vec<usize>) -> Tensor<3> {
         let x = self
             .model
             .embed
-            .forward_at(padded(&[read.to_vec()], None, &self.device), &[positions]);
+            .forward_at(padded(&[ids.to_vec()], None, &self.device), &[positions]);
         let input = StackInput::new(x).cache(&mut self.cache);
-        let h = self
-            .model
+        self.model
             .blocks
             .forward(input)
             .expect("the context never outgrows the cache")
-            .output;
-        last_logits(self.model, h)
+            .output
     }
 }
 
@@ -208,8 +226,10 @@ mod tests {
                     assert_eq!(next, argmax(cached.last().unwrap()));
                     calls.push(vec![next]);
                     cached.push(decoder.feed(&[next]));
+                    // What it holds stays within the block however long the text grows.
+                    assert!(decoder.context.len() <= block);
                 }
-                assert_eq!(decoder.text().len(), 24);
+                assert_eq!(decoder.read(), 24);
                 let recomputed = recomputed_logits(&model, &calls, block, &device);
                 for (step, (a, b)) in cached.iter().zip(&recomputed).enumerate() {
                     assert_eq!(a.len(), vocab);
@@ -223,20 +243,25 @@ mod tests {
                         "{backend} {positions:?}: step {step}: logits differ by {worst}"
                     );
                 }
-                // A prompt longer than the block reads its last block.
+                // A prompt longer than the block: its last block (learned positions), or
+                // a block at a time (a sliding model: 20 is two blocks and a half).
                 let long: Vec<usize> = (0..20).map(|i| i % vocab).collect();
                 let mut decoder = TextDecoder::new(&model, block, &device);
-                let logits = decoder.feed(&long);
-                let again = recomputed_logits(&model, &[long], block, &device);
-                let worst = logits
-                    .iter()
-                    .zip(&again[0])
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0.0f32, f32::max);
-                assert!(
-                    worst <= 1e-4,
-                    "{backend} {positions:?}: long prompt {worst}"
-                );
+                let calls = [long, vec![3], vec![7], vec![2]];
+                let cached: Vec<Vec<f32>> = calls.iter().map(|ids| decoder.feed(ids)).collect();
+                assert_eq!(decoder.read(), 23);
+                let again = recomputed_logits(&model, &calls, block, &device);
+                for (step, (a, b)) in cached.iter().zip(&again).enumerate() {
+                    let worst = a
+                        .iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0f32, f32::max);
+                    assert!(
+                        worst <= 1e-4,
+                        "{backend} {positions:?}: long prompt, step {step}: {worst}"
+                    );
+                }
             }
         }
     }
