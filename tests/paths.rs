@@ -1,6 +1,7 @@
 //! Every attention path against attention computed in f64 (`reference.rs`), on every
 //! backend compiled in: the CPU tiles (flex and ndarray in f32, without weights), the
-//! explicit path (with weights, on the GPU backends, in other dtypes) in one pass and in
+//! GPU kernels (wgpu, without weights), the explicit path (with weights, in other
+//! dtypes) in one pass and in
 //! query chunks, with and without autodiff: outputs, weights and the gradients of the
 //! query, key, value and bias.
 

@@ -1,15 +1,16 @@
 //! The one place that decides how an operation runs. Each choice is a pure function of a
 //! small description of the call (which backend the device is, whether it
 //! differentiates, the dtypes, the sizes), unit-tested without devices; nothing else in
-//! the crate asks which backend a device is. The choices were measured: the README's
-//! benchmarks give the numbers.
+//! the crate asks which backend a device is. The choices were measured: the project's
+//! `docs/benchmarks.md` gives the numbers.
 //!
 //! - Attention ([`attention`]): the tiles of our own on flex and ndarray in f32
 //!   (`ops::attention` over `cpu::attention`), the kernels of our own on the GPU backends
 //!   (`gpu`), else the explicit path (matmul, mask,
 //!   softmax, matmul) in query chunks, or in one pass keeping the weights when they are
 //!   returned or dropout acts on them.
-//! - The row operations ([`row`]: linear, layer norm, GELU, cross-entropy): one operation
+//! - The row operations ([`row`]: linear, layer norm, GELU, cross-entropy, AdamW's step,
+//!   the sum of squares behind gradient clipping, the residual add): one operation
 //!   of our own with its own backward on flex and ndarray in f32, else Burn's operations,
 //!   in f32 where the input's half precision would lose too much (layer norm in f16, as
 //!   Burn's own module does).
@@ -37,8 +38,8 @@ pub(crate) enum Backend {
     /// Burn's ndarray: our CPU kernels.
     #[cfg(feature = "ndarray")]
     NdArray,
-    /// A CubeCL backend (wgpu, cuda): Burn's operations.
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    /// A CubeCL backend (wgpu, cuda): attention in our kernels, the rest Burn's operations.
+    #[cfg(feature = "gpu-kernels")]
     Gpu,
     /// Any other backend: Burn's operations.
     Other,
@@ -58,14 +59,14 @@ impl Backend {
             DispatchDevice::Flex(_) => Backend::Flex,
             #[cfg(feature = "ndarray")]
             DispatchDevice::NdArray(_) => Backend::NdArray,
-            #[cfg(any(feature = "wgpu", feature = "cuda"))]
+            #[cfg(feature = "gpu-kernels")]
             DispatchDevice::Cube(_) => Backend::Gpu,
             _ => Backend::Other,
         }
     }
 
     /// Whether our CPU kernels (tiles and fused row operations) run on it.
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg(feature = "cpu-kernels")]
     pub(crate) fn has_cpu_kernels(self) -> bool {
         match self {
             #[cfg(feature = "flex")]
@@ -83,7 +84,7 @@ pub(crate) enum AttentionPath {
     /// The CPU tiles (`ops::attention`): flex and ndarray, every float tensor f32 and the
     /// boolean mask stored as bytes, with autodiff or not; the backward pass recomputes
     /// the weights.
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     Tiles,
     /// Matmul, mask, softmax, matmul, in query chunks of `chunk` rows (`chunk >= Tq`: one
     /// pass). Chunks from `2 * MIN_CHUNK` queries on when the mask blocks by position
@@ -95,7 +96,7 @@ pub(crate) enum AttentionPath {
     /// The GPU kernels of our own (`gpu`): a CubeCL device (wgpu, cuda), every float
     /// tensor of one dtype, f32, f16 or bf16 (computing in f32), every mask kind; with autodiff or not, the backward pass recomputing
     /// the weights.
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    #[cfg(feature = "gpu-kernels")]
     Gpu,
     /// The explicit path in one pass, keeping the weights: they are returned, or dropout
     /// acts on them (whatever the backend: only this path has the weights).
@@ -122,16 +123,16 @@ pub(crate) struct AttentionCall {
     backend: Backend,
     autodiff: bool,
     /// Every float tensor is f32 and the boolean mask is stored as bytes.
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
     /// bf16, the head dims are not 0, and every tensor is small enough for the kernels'
     /// 32-bit indices: what the GPU kernels take.
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    #[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
     gpu_kernels: bool,
     /// The storage buffers the device binds to one kernel (0 off the CubeCL devices): the
     /// GPU kernels need [`crate::gpu::MOST_BINDINGS`].
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    #[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
     gpu_bindings: u32,
     queries: usize,
     /// No key, or no output element.
@@ -173,7 +174,7 @@ impl AttentionCall {
         Self {
             backend,
             gpu_bindings: match backend {
-                #[cfg(any(feature = "wgpu", feature = "cuda"))]
+                #[cfg(feature = "gpu-kernels")]
                 Backend::Gpu => gpu_bindings(device.as_dispatch()),
                 _ => 0,
             },
@@ -193,7 +194,7 @@ impl AttentionCall {
 }
 
 /// The storage buffers a CubeCL device binds to one kernel.
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
+#[cfg(feature = "gpu-kernels")]
 fn gpu_bindings(device: &DispatchDevice) -> u32 {
     #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
     match device {
@@ -231,11 +232,11 @@ pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
     if call.weights {
         return AttentionPath::Weights;
     }
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     if call.backend.has_cpu_kernels() && call.f32_bytes {
         return AttentionPath::Tiles;
     }
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    #[cfg(feature = "gpu-kernels")]
     if call.backend == Backend::Gpu
         && call.gpu_kernels
         && call.gpu_bindings >= crate::gpu::MOST_BINDINGS
@@ -263,15 +264,15 @@ pub(crate) enum RowOp {
     CrossEntropy,
     /// AdamW's step over a parameter (an optimizer's, outside autodiff); asked only where
     /// the CPU kernels are built, since elsewhere every step is Burn's.
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     AdamW,
     /// The sum of the squares of a gradient's elements (gradient clipping's norm, outside
     /// autodiff); asked only where the CPU kernels are built, as [`RowOp::AdamW`].
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     SquareSum,
     /// The sum of two tensors of one shape (a residual connection); asked only where the
     /// CPU kernels are built, as [`RowOp::AdamW`].
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     Add,
 }
 
@@ -279,7 +280,7 @@ pub(crate) enum RowOp {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum RowPath {
     /// One operation of our own with its own backward (`ops`): flex and ndarray in f32.
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     Fused,
     /// Burn's operations in the input's dtype.
     Burn,
@@ -295,7 +296,7 @@ pub(crate) enum RowPath {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RowCall {
     op: RowOp,
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     backend: Backend,
     dtype: DType,
     /// The input has no element.
@@ -319,7 +320,7 @@ pub(crate) fn row(call: RowCall) -> RowPath {
     if call.empty {
         return RowPath::Empty;
     }
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     if call.backend.has_cpu_kernels() && call.dtype == DType::F32 {
         return RowPath::Fused;
     }
@@ -365,7 +366,7 @@ mod tests {
         backends.push(Backend::Flex);
         #[cfg(feature = "ndarray")]
         backends.push(Backend::NdArray);
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        #[cfg(feature = "gpu-kernels")]
         backends.push(Backend::Gpu);
         backends
     }
@@ -417,7 +418,7 @@ mod tests {
         }
     }
 
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     #[test]
     fn the_cpu_backends_take_the_tiles_and_fused_rows_in_f32_only() {
         let mut backends = Vec::new();
@@ -525,7 +526,7 @@ mod tests {
         }
     }
 
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    #[cfg(feature = "gpu-kernels")]
     #[test]
     fn devices_binding_too_few_buffers_for_the_gpu_kernels_take_the_explicit_path() {
         let fits = call(Backend::Gpu, true, 100, true);

@@ -34,7 +34,7 @@ pub fn apply<const D: usize>(x: Tensor<D>, prob: f64) -> Tensor<D> {
         "dropout: the probability must be in [0, 1), got {prob}"
     );
     let keep = 1.0 - prob;
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     if crate::dispatch::Backend::of(&x.device()).has_cpu_kernels() {
         return cpu::apply(x, keep);
     }
@@ -42,7 +42,7 @@ pub fn apply<const D: usize>(x: Tensor<D>, prob: f64) -> Tensor<D> {
     x * mask / keep
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
     use rayon::prelude::*;

@@ -503,7 +503,7 @@ impl Visibility {
     /// [`keys_of`](Self::keys_of) themselves: query `i` sees keys `i + offset - before
     /// ..= i + offset + after`, cut to `0..Tk` (`None`: no bound on that side), and, with
     /// packed sequences, cut further to its sequence's ([`sequences`](Self::sequences)).
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
+    #[cfg(any(test, feature = "gpu-kernels"))] // The GPU kernels' (and the tests').
     pub(crate) fn band(&self) -> Band {
         // The causal part sees nothing after the own position, whatever the window.
         let after = match self.causal {
@@ -522,7 +522,7 @@ impl Visibility {
     /// padding past a row's last sequence has the empty `[T, T]`. Both bounds never
     /// decrease along a row, so the positions that rows `i0 ..= i1` see between them lie
     /// in `lo[i0] .. hi[i1]`. `None` without packed sequences.
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
+    #[cfg(any(test, feature = "gpu-kernels"))] // The GPU kernels' (and the tests').
     pub(crate) fn sequences(&self) -> Option<Vec<i32>> {
         let packed = self.packed.as_ref()?;
         let len = self.queries;
@@ -555,7 +555,7 @@ impl Visibility {
     }
 
     /// The queries of batch row `b` that see key `key`.
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg(feature = "cpu-kernels")]
     pub(crate) fn queries_of(&self, b: usize, key: usize) -> Range<usize> {
         let k = key as i64;
         let (mut lo, mut hi) = (0i64, self.queries as i64);
@@ -593,7 +593,7 @@ impl Visibility {
     }
 
     /// The queries that see the keys `keys` of batch row `b` between them.
-    #[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+    #[cfg(feature = "cpu-kernels")]
     pub(crate) fn queries_of_keys(&self, b: usize, keys: Range<usize>) -> Range<usize> {
         span(keys.map(|k| self.queries_of(b, k)))
     }
@@ -672,7 +672,7 @@ impl Visibility {
 /// Which keys each query sees, as a band around its own position (see
 /// [`Visibility::band`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
+#[cfg(any(test, feature = "gpu-kernels"))] // The GPU kernels' (and the tests').
 pub(crate) struct Band {
     /// The key at query 0's own position.
     pub(crate) offset: i64,
@@ -706,7 +706,7 @@ pub(crate) const BLOCKED: f32 = -1.0e30;
 /// See [`BLOCKED`].
 pub(crate) const DEAD_ROW: f32 = -5.0e29;
 /// See [`BLOCKED`].
-#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+#[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
 pub(crate) const DEAD_LSE: f32 = 1.0e30;
 
 /// The blocked-score sentinels of one float dtype: [`BLOCKED`] and [`DEAD_ROW`] where

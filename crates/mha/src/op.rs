@@ -47,7 +47,7 @@ pub(crate) trait Op<B: Backend>: Sized + 'static {
 }
 
 /// `op` over `inputs` on a backend without autodiff.
-#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) fn forward<B: Backend, O: Op<B>>(op: O, inputs: Vec<FloatTensor<B>>) -> FloatTensor<B> {
     op.output(inputs)
 }
@@ -131,7 +131,7 @@ impl<B: Backend, O: Op<B>, const N: usize> Backward<B, N> for Node<O> {
 ///
 /// # Panics
 /// If there are not `N` (a call that does not match its operation).
-#[cfg_attr(not(any(feature = "flex", feature = "ndarray")), allow(dead_code))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) fn inputs<T, const N: usize>(inputs: Vec<T>) -> [T; N] {
     let n = inputs.len();
     inputs

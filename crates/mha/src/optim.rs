@@ -39,7 +39,7 @@ use burn::tensor::{Device, FloatDType, Tensor};
 
 use crate::error::{Check, ConfigError};
 use crate::ops::adamw;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 use crate::ops::squares;
 
 /// The numbers of an [`AdamW`]: the moments' decays, epsilon and the weight decay.
@@ -160,7 +160,7 @@ impl Optimizer for AdamW {
                     && adamw::is_fused(&[&tensor, &grad, &momentum.moment_1, &momentum.moment_2])
             }
         };
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         if ours {
             // Burn's numbers, each rounded to f32 where Burn rounds it.
             let time = state.as_ref().map_or(1, |s| s.momentum.time + 1);
@@ -179,7 +179,7 @@ impl Optimizer for AdamW {
             let momentum = AdaptiveMomentumState::new(time, moment_1, moment_2);
             return (param, Some(AdamWState::new(momentum)));
         }
-        #[cfg(not(any(feature = "flex", feature = "ndarray")))]
+        #[cfg(not(feature = "cpu-kernels"))]
         let _ = ours;
         self.burn.step(lr, tensor, grad, state)
     }
@@ -280,7 +280,7 @@ impl ModuleVisitor for SquareSums<'_> {
         if grad.dims().contains(&0) {
             return;
         }
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         if squares::is_fused(&grad) {
             self.host += f64::from(squares::square_sum(grad));
             return;

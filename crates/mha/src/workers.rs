@@ -17,7 +17,8 @@ use burn::tensor::Device;
 /// again a system call on each side, where a step's operations come microseconds apart:
 /// inside `f` the other workers instead wait for work by spinning, as OpenMP's threads
 /// (PyTorch's on the CPU) do. Each shortened the trainer's text steps on 2 cores, with the
-/// same numbers to the last digit (the README has the measurements). Wrap a whole step
+/// same numbers to the last digit (the project's `docs/benchmarks.md` has the
+/// measurements). Wrap a whole step
 /// (forward, backward, optimizer), not each call: the hand-over is then paid once; and
 /// not a loop that waits on something else: the spinning workers keep their cores busy
 /// for as long as `f` runs. One call spins at a time. Steps run at once from several
@@ -37,19 +38,16 @@ use burn::tensor::Device;
 /// let y = mha::on_cpu_workers(&device, || x.clone().matmul(x).sum());
 /// assert_eq!(y.into_scalar::<f32>(), 64.0 * 64.0 * 64.0);
 /// ```
-#[cfg_attr(
-    not(any(feature = "flex", feature = "ndarray")),
-    allow(unused_variables)
-)]
+#[cfg_attr(not(feature = "cpu-kernels"), allow(unused_variables))]
 pub fn on_cpu_workers<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     if crate::dispatch::Backend::of(device).has_cpu_kernels() {
         return pool::run(f);
     }
     f()
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod pool {
     use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -111,7 +109,7 @@ mod pool {
     }
 }
 
-#[cfg(all(test, any(feature = "flex", feature = "ndarray")))]
+#[cfg(all(test, feature = "cpu-kernels"))]
 mod tests {
     use std::panic::AssertUnwindSafe;
     use std::sync::atomic::{AtomicBool, Ordering};

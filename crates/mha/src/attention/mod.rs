@@ -7,13 +7,15 @@
 //!   autodiff or not, attention is one operation of the backend whose backward pass
 //!   recomputes the weights from each row's log-sum-exp instead of keeping them; both
 //!   passes run in cache-sized tiles (FlashAttention's scheme on the CPU);
-//! - **gpu** (`crate::gpu`): on the CubeCL backends (wgpu, cuda) in f32, the same scheme
+//! - **gpu** (`crate::gpu`): on the CubeCL backends (wgpu, cuda) in f32, f16 and bf16
+//!   (computing in f32), the same scheme
 //!   in kernels of our own: a forward pass that keeps each row's log-sum-exp and a backward
 //!   pass that recomputes the weights, for every mask kind (bias and position-table
 //!   gradients included), soft cap and GQA;
 //! - **explicit** (`explicit`): matmul, mask, softmax, matmul: when the weights are
 //!   wanted or dropout is on, and for other dtypes.
-//!   From 256 queries on it runs in query chunks when the mask is causal (a chunk reads
+//!   From 256 queries on it runs in query chunks when the mask blocks by position (causal,
+//!   windows, packed sequences: a chunk reads
 //!   only the keys it can see, forward and backward) or the device does not differentiate
 //!   (no more than one chunk's scores exist at a time).
 //!
@@ -22,8 +24,8 @@
 //!   gradients of every input's shape under autodiff, on every backend.
 //!
 //! Grouped-query attention (GQA/MQA) takes keys and values with fewer heads than queries:
-//! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. Both
-//! paths read the shared head where it lies instead of copying it per query head.
+//! query head `h` reads key/value head `h / (H / Hkv)`, PyTorch's `enable_gqa=True`. Every
+//! path reads the shared head where it lies instead of copying it per query head.
 
 mod empty;
 mod explicit;
@@ -161,9 +163,9 @@ pub fn scaled_dot_product_attention(
             let (context, weights) = empty::attention(inputs, mask, scores, options.weights);
             return AttentionOutput { context, weights };
         }
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         AttentionPath::Tiles => (crate::ops::attention::attention(inputs, mask, scores), None),
-        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        #[cfg(feature = "gpu-kernels")]
         AttentionPath::Gpu => (crate::gpu::attention(inputs, mask, scores), None),
         AttentionPath::Explicit { chunk } => (explicit::context(inputs, mask, scores, chunk), None),
         AttentionPath::Weights => {

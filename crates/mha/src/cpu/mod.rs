@@ -8,7 +8,7 @@
 //! | `gemm` | the attention tiles' matrix kernel, per instruction set, tested against f64 |
 //! | `math` | a vectorised `exp` and dot product |
 //! | `attention` | attention in tiles, forward and backward |
-//! | `rows` | the row kernels of the other layers: GELU, layer norm, cross-entropy |
+//! | `rows` | the row kernels of the other layers: GELU, layer norm, cross-entropy, AdamW's step, the residual add, the sum of squares |
 //! | `linear` | the linear layers' products, through the `gemm` crate |
 //! | `blocks` | a parallel loop over a few large blocks whose caller waits by spinning |
 //!

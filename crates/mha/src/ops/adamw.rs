@@ -4,30 +4,27 @@
 
 use burn::tensor::Tensor;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use crate::cpu::rows::adamw::AdamWStep;
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::{AdamWOp, adamw_step};
 
 /// Whether the step over these tensors (a parameter, its gradient, its moments) is ours:
 /// every one on flex or ndarray in f32, none empty.
-#[cfg_attr(
-    not(any(feature = "flex", feature = "ndarray")),
-    allow(unused_variables)
-)]
+#[cfg_attr(not(feature = "cpu-kernels"), allow(unused_variables))]
 pub(crate) fn is_fused<const D: usize>(tensors: &[&Tensor<D>]) -> bool {
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     {
         use crate::dispatch::{self, RowCall, RowOp, RowPath};
         tensors
             .iter()
             .all(|x| dispatch::row(RowCall::of(RowOp::AdamW, x)) == RowPath::Fused)
     }
-    #[cfg(not(any(feature = "flex", feature = "ndarray")))]
+    #[cfg(not(feature = "cpu-kernels"))]
     false
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
     use burn::tensor::Tensor;

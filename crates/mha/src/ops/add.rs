@@ -5,7 +5,7 @@
 
 use burn::tensor::Tensor;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
 
 /// `x + y`, of one shape.
@@ -18,7 +18,7 @@ pub(crate) fn add<const D: usize>(x: Tensor<D>, y: Tensor<D>) -> Tensor<D> {
         y.dims(),
         "a residual connection adds tensors of one shape"
     );
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     if y.dtype() == x.dtype() && dispatch::row(RowCall::of(RowOp::Add, &x)) == RowPath::Fused {
         let dims = x.dims();
         let floats = vec![super::rows(x), super::rows(y)];
@@ -27,10 +27,10 @@ pub(crate) fn add<const D: usize>(x: Tensor<D>, y: Tensor<D>) -> Tensor<D> {
     x + y
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::AddOp;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
 

@@ -17,10 +17,10 @@
 //! dtable[h, c] = dS summed over the scores whose distance falls in bucket c
 //! ```
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::{AttentionOp, Spec, attention};
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::{BoolTensor, FloatTensor};
     use burn::tensor::Tensor;

@@ -13,7 +13,7 @@ use crate::dispatch::{self, RowCall, RowOp, RowPath};
 /// `x Φ(x)`, elementwise, with its gradient under autodiff.
 pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     match dispatch::row(RowCall::of(RowOp::Gelu, &x)) {
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {
             let dims = x.dims();
             let out = super::run(super::FusedOp::Gelu, vec![super::rows(x)], None);
@@ -33,10 +33,10 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     }
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::GeluOp;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
 

@@ -29,7 +29,7 @@ pub(crate) fn forward<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D
 /// # Panics
 /// If the last axis of `x` is not the layer's `d_input` (the message names both).
 pub(crate) fn forward_gelu<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
-    #[cfg(any(feature = "flex", feature = "ndarray"))]
+    #[cfg(feature = "cpu-kernels")]
     if dispatch::row(RowCall::of(RowOp::Linear, &x)) == RowPath::Fused {
         let weight = linear.weight.val();
         let [d_in, d_out] = weight.dims();
@@ -76,7 +76,7 @@ pub(crate) fn columns<const D: usize>(
     // backward writes the gradient into zeros of the whole.
     let columns = columns.filter(|&c| c != [0, d_all]);
     match dispatch::row(RowCall::of(RowOp::Linear, &x)) {
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {
             let mut dims = x.dims();
             // The weight and bias reshaped whole (views) before their columns are taken
@@ -116,10 +116,10 @@ pub(crate) fn columns<const D: usize>(
     }
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::{LinearGeluOp, LinearOp};
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
 

@@ -10,10 +10,7 @@ use crate::dispatch::{self, RowCall, RowOp, RowPath};
 /// The mean cross-entropy of `logits` `[N, C]` against `targets` `[N]` (whose values,
 /// read once by the caller and checked, are `values`) over the rows whose target is not
 /// `ignore_index`, as a `[1]` tensor; 0 when every row is ignored.
-#[cfg_attr(
-    not(any(feature = "flex", feature = "ndarray")),
-    allow(unused_variables)
-)]
+#[cfg_attr(not(feature = "cpu-kernels"), allow(unused_variables))]
 pub(crate) fn cross_entropy(
     logits: Tensor<2>,
     targets: Tensor<1, Int>,
@@ -22,7 +19,7 @@ pub(crate) fn cross_entropy(
 ) -> Tensor<1> {
     let [n, classes] = logits.dims();
     match dispatch::row(RowCall::of(RowOp::CrossEntropy, &logits)) {
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {
             let ignored = crate::cpu::rows::loss::IGNORED;
             let targets = values
@@ -62,10 +59,10 @@ pub(crate) fn cross_entropy(
     }
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::CrossEntropyOp;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use std::sync::Arc;
 

@@ -28,13 +28,13 @@ pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod squares;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 use burn::tensor::Tensor;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use fused::{FusedOp, run};
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod fused {
     use burn::backend::autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
     use burn::backend::{
@@ -217,7 +217,7 @@ mod fused {
 }
 
 /// `x` `[.., cols]` as the `[1, 1, rows, cols]` the row operations take.
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 fn rows<const D: usize>(x: Tensor<D>) -> Tensor<4> {
     let dims = x.dims();
     let cols = dims[D - 1];

@@ -19,7 +19,7 @@ pub(crate) fn layer_norm<const D: usize>(
     epsilon: f64,
 ) -> Tensor<D> {
     match dispatch::row(RowCall::of(RowOp::LayerNorm, &x)) {
-        #[cfg(any(feature = "flex", feature = "ndarray"))]
+        #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {
             let dims = x.dims();
             let d = dims[D - 1];
@@ -46,10 +46,10 @@ pub(crate) fn layer_norm<const D: usize>(
     }
 }
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::LayerNormOp;
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
 

@@ -2,10 +2,10 @@
 //! ([`crate::optim::clip_grad_norm`]): on the CPU backends (f32) one parallel pass
 //! (`cpu::rows::squares`), where Burn squares into a new tensor and sums it on one thread.
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::{SquareSumOp, is_fused, square_sum};
 
-#[cfg(any(feature = "flex", feature = "ndarray"))]
+#[cfg(feature = "cpu-kernels")]
 mod cpu {
     use burn::backend::tensor::FloatTensor;
     use burn::tensor::Tensor;

@@ -172,7 +172,6 @@ impl PositionBias {
     /// The bias of each query head at the `count` distances `first ..` (key minus the
     /// query's own position), `[H, count]`: a learned table's gradient flows through a
     /// select of those columns.
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))] // The GPU kernels'.
     pub(crate) fn per_distance(&self, first: i64, count: usize, device: &Device) -> Tensor<2> {
         let h = self.heads();
         let distances = (0..count as i64).map(|c| first + c);
