@@ -193,3 +193,44 @@ fn check_cast<M: Module>(
         assert_eq!(param_grads(&cast, &grads).len(), params, "{label}");
     }
 }
+
+#[test]
+fn a_module_of_one_dtype_refuses_an_input_of_another_by_name() {
+    use burn::tensor::Distribution;
+    use mha::ModuleDType;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    for b in backends() {
+        let device = b.device.clone();
+        let x = Tensor::<3>::random([2, 3, 8], Distribution::Default, &device);
+        let norm = mha::LayerNorm::new(&burn::nn::LayerNormConfig::new(8), &device);
+        let attention = mha::MultiHeadAttentionConfig::new(8, 2).init(&device);
+        // A dtype the device computes in other than the input's f32.
+        let Some(dtype) = [FloatDType::F16, FloatDType::F64]
+            .into_iter()
+            .find(|&d| norm.clone().try_to_dtype(d).is_ok())
+        else {
+            panic!("{}: computes in neither f16 nor f64", b.name);
+        };
+        let other = format!("{:?}", DType::from(dtype));
+        let (norm, attention) = (norm.to_dtype(dtype), attention.to_dtype(dtype));
+        let norm = catch_unwind(AssertUnwindSafe(|| norm.forward(x.clone())));
+        let attention = catch_unwind(AssertUnwindSafe(|| {
+            attention.causal_self_attention(x.clone())
+        }));
+        for (what, result) in [
+            ("LayerNorm", norm.map(|_| ())),
+            ("Linear", attention.map(|_| ())),
+        ] {
+            let message = result.expect_err("a call of mixed dtypes is refused");
+            let message = message
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default();
+            assert!(
+                message.starts_with(what) && message.contains("F32") && message.contains(&other),
+                "{}: {message}",
+                b.name
+            );
+        }
+    }
+}

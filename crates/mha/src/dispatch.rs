@@ -78,6 +78,14 @@ impl Backend {
     }
 }
 
+/// Whether `device`'s work runs on the CPU kernels' thread pool (flex and ndarray): there
+/// dropout draws its mask in parallel, and [`crate::on_cpu_workers`] hands a step to one
+/// of the pool's workers.
+#[cfg(feature = "cpu-kernels")]
+pub(crate) fn cpu_pool(device: &Device) -> bool {
+    Backend::of(device).has_cpu_kernels()
+}
+
 /// How one attention call runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum AttentionPath {
@@ -122,7 +130,8 @@ pub(crate) struct AttentionCall {
     )]
     backend: Backend,
     autodiff: bool,
-    /// Every float tensor is f32 and the boolean mask is stored as bytes.
+    /// Every float tensor (a learned position table too) is f32 and the boolean mask is
+    /// stored as bytes: what the CPU tiles take.
     #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
@@ -153,16 +162,19 @@ impl AttentionCall {
     ) -> Self {
         let device = query.device();
         let floats = [query, key, value].into_iter().chain(mask.additive_bias());
-        let f32 = floats.clone().all(|t| t.dtype() == DType::F32);
+        // A learned position table is read by the kernels too, in their dtype.
+        let table = match mask.position() {
+            Some(crate::PositionBias::Learned { table, .. }) => Some(table.dtype()),
+            _ => None,
+        };
+        let f32 = floats.clone().all(|t| t.dtype() == DType::F32)
+            && table.is_none_or(|t| t == DType::F32);
         // The GPU kernels read one float dtype, f32, f16 or bf16, and compute in f32.
         let dtype = query.dtype();
         let one_float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
             && floats.clone().all(|t| t.dtype() == dtype);
         let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
-        let table_too = match mask.position() {
-            Some(crate::PositionBias::Learned { table, .. }) => table.dtype() == dtype,
-            _ => true,
-        };
+        let table_too = table.is_none_or(|t| t == dtype);
         let indexed = gpu_indexed([query.dims(), key.dims(), value.dims()], mask);
         let bool_bytes = mask.blocked().is_none_or(|blocked| {
             matches!(
@@ -256,24 +268,42 @@ pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
 pub(crate) enum RowOp {
     /// `x W + b`.
     Linear,
+    /// `GELU(x W + b)`, the feed-forward's first layer: one operation where it is ours.
+    LinearGelu,
     /// Layer normalisation.
     LayerNorm,
     /// The exact GELU.
     Gelu,
     /// Cross-entropy over rows of logits.
     CrossEntropy,
-    /// AdamW's step over a parameter (an optimizer's, outside autodiff); asked only where
-    /// the CPU kernels are built, since elsewhere every step is Burn's.
-    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
+    /// AdamW's step over a parameter (an optimizer's, outside autodiff).
     AdamW,
+    /// AdamW's step over a state that keeps AMSGrad's maximum (saved by Burn's optimizer):
+    /// always Burn's step, which has AMSGrad (ours has not).
+    AdamWAmsgrad,
     /// The sum of the squares of a gradient's elements (gradient clipping's norm, outside
-    /// autodiff); asked only where the CPU kernels are built, as [`RowOp::AdamW`].
-    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
+    /// autodiff).
     SquareSum,
     /// The sum of two tensors of one shape (a residual connection); asked only where the
-    /// CPU kernels are built, as [`RowOp::AdamW`].
+    /// CPU kernels are built (elsewhere it is Burn's `+`).
     #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     Add,
+}
+
+impl RowOp {
+    /// Every row operation: the dispatcher's tests go over this list.
+    #[cfg(test)]
+    const ALL: [RowOp; 9] = [
+        RowOp::Linear,
+        RowOp::LinearGelu,
+        RowOp::LayerNorm,
+        RowOp::Gelu,
+        RowOp::CrossEntropy,
+        RowOp::AdamW,
+        RowOp::AdamWAmsgrad,
+        RowOp::SquareSum,
+        RowOp::Add,
+    ];
 }
 
 /// How a row operation runs.
@@ -299,6 +329,9 @@ pub(crate) struct RowCall {
     #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
     backend: Backend,
     dtype: DType,
+    /// Another tensor of the call (a weight, a bias, the other summand, a moment) is of
+    /// another dtype than the input.
+    mixed: bool,
     /// The input has no element.
     empty: bool,
 }
@@ -310,8 +343,17 @@ impl RowCall {
             op,
             backend: Backend::of(&x.device()),
             dtype: x.dtype(),
+            mixed: false,
             empty: x.dims().contains(&0),
         }
+    }
+
+    /// The call with the dtypes of its other tensors (a weight, a bias, the other
+    /// summand, the moments): one unlike the input's makes it mixed, which our operations
+    /// do not take.
+    pub(crate) fn with(mut self, dtypes: impl IntoIterator<Item = DType>) -> Self {
+        self.mixed |= dtypes.into_iter().any(|dtype| dtype != self.dtype);
+        self
     }
 }
 
@@ -321,7 +363,11 @@ pub(crate) fn row(call: RowCall) -> RowPath {
         return RowPath::Empty;
     }
     #[cfg(feature = "cpu-kernels")]
-    if call.backend.has_cpu_kernels() && call.dtype == DType::F32 {
+    if call.backend.has_cpu_kernels()
+        && call.dtype == DType::F32
+        && !call.mixed
+        && call.op != RowOp::AdamWAmsgrad
+    {
         return RowPath::Fused;
     }
     match (call.op, call.dtype) {
@@ -355,6 +401,7 @@ mod tests {
             op,
             backend,
             dtype,
+            mixed: false,
             empty: false,
         }
     }
@@ -441,22 +488,25 @@ mod tests {
                     AttentionPath::Explicit { chunk: 128 }
                 );
             }
-            for op in [
-                RowOp::Linear,
-                RowOp::LayerNorm,
-                RowOp::Gelu,
-                RowOp::CrossEntropy,
-                RowOp::AdamW,
-                RowOp::SquareSum,
-                RowOp::Add,
-            ] {
+            for op in RowOp::ALL {
                 let empty = RowCall {
                     empty: true,
                     ..row_call(op, backend, DType::F32)
                 };
                 assert_eq!(row(empty), RowPath::Empty);
-                assert_eq!(row(row_call(op, backend, DType::F32)), RowPath::Fused);
+                // Ours in f32, but for a state of AMSGrad's, which only Burn's AdamW steps.
+                let f32 = match op {
+                    RowOp::AdamWAmsgrad => RowPath::Burn,
+                    _ => RowPath::Fused,
+                };
+                assert_eq!(row(row_call(op, backend, DType::F32)), f32, "{op:?}");
                 assert_eq!(row(row_call(op, backend, DType::F64)), RowPath::Burn);
+                // A weight, bias, summand or moment of another dtype than the input:
+                // Burn's, whose operations take mixed dtypes.
+                let mixed = row_call(op, backend, DType::F32).with([DType::F16]);
+                assert_eq!(row(mixed), RowPath::Burn, "{op:?}");
+                let same = row_call(op, backend, DType::F32).with([DType::F32, DType::F32]);
+                assert_eq!(row(same), f32, "{op:?}");
             }
         }
     }
@@ -473,15 +523,7 @@ mod tests {
 
     #[test]
     fn half_precision_layer_norm_runs_in_f32_elsewhere() {
-        for op in [
-            RowOp::Linear,
-            RowOp::LayerNorm,
-            RowOp::Gelu,
-            RowOp::CrossEntropy,
-            RowOp::AdamW,
-            RowOp::SquareSum,
-            RowOp::Add,
-        ] {
+        for op in RowOp::ALL {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);
             assert_eq!(row_of(DType::BF16), RowPath::Burn);
@@ -499,6 +541,7 @@ mod tests {
         use burn::tensor::Distribution;
         for device in [Device::flex(), Device::flex().autodiff()] {
             assert_eq!(Backend::of(&device), Backend::Flex);
+            assert!(cpu_pool(&device));
             let x = Tensor::<4>::random([1, 2, 300, 4], Distribution::Default, &device);
             let causal = AttentionMask::causal();
             let call = AttentionCall::of([&x, &x, &x], &causal, false);
@@ -510,6 +553,18 @@ mod tests {
             let call = AttentionCall::of([&x, &x, &x], &bias, false);
             assert!(!call.f32_bytes && !call.by_position);
             assert_eq!(call.autodiff, device.is_autodiff());
+            // A learned position table is read by the tiles too: in f32 only.
+            let table = |dtype| {
+                AttentionMask::position_bias(crate::PositionBias::Learned {
+                    table: Tensor::<2>::zeros([2, 9], &device).cast(dtype),
+                    buckets: crate::Buckets::Clipped { max: 4 },
+                })
+            };
+            let call = AttentionCall::of([&x, &x, &x], &table(DType::F32), false);
+            assert_eq!(attention(call), AttentionPath::Tiles);
+            let call = AttentionCall::of([&x, &x, &x], &table(DType::F64), false);
+            assert!(!call.f32_bytes);
+            assert!(matches!(attention(call), AttentionPath::Explicit { .. }));
         }
     }
 
@@ -550,6 +605,8 @@ mod tests {
         let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
         for device in [device.clone(), device.autodiff()] {
             assert_eq!(Backend::of(&device), Backend::Gpu);
+            #[cfg(feature = "cpu-kernels")]
+            assert!(!cpu_pool(&device));
             // Read from the device: lavapipe binds 31.
             let bindings = gpu_bindings(device.as_dispatch());
             assert!(bindings >= crate::gpu::MOST_BINDINGS, "{bindings}");

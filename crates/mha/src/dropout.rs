@@ -35,7 +35,7 @@ pub fn apply<const D: usize>(x: Tensor<D>, prob: f64) -> Tensor<D> {
     );
     let keep = 1.0 - prob;
     #[cfg(feature = "cpu-kernels")]
-    if crate::dispatch::Backend::of(&x.device()).has_cpu_kernels() {
+    if crate::dispatch::cpu_pool(&x.device()) {
         return cpu::apply(x, keep);
     }
     let mask = x.random_like(Distribution::Bernoulli(keep));

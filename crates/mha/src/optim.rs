@@ -37,10 +37,10 @@ use burn::optim::{
 };
 use burn::tensor::{Device, FloatDType, Tensor};
 
+use crate::dispatch::{self, RowCall, RowOp, RowPath};
 use crate::error::{Check, ConfigError};
-use crate::ops::adamw;
 #[cfg(feature = "cpu-kernels")]
-use crate::ops::squares;
+use crate::ops::{adamw, squares};
 
 /// The numbers of an [`AdamW`]: the moments' decays, epsilon and the weight decay.
 /// Defaults are PyTorch's `torch.optim.AdamW`'s (Burn's `AdamWConfig` has epsilon 1e-5 and
@@ -145,23 +145,28 @@ impl Optimizer for AdamW {
         grad: Tensor<D>,
         state: Option<AdamWState<D>>,
     ) -> (Tensor<D>, Option<AdamWState<D>>) {
+        // A state of AMSGrad's (from Burn's optimizer) keeps a third moment.
+        let (op, moments) = match &state {
+            None => (RowOp::AdamW, vec![]),
+            Some(AdamWState { momentum }) => (
+                match momentum.max_moment_2 {
+                    Some(_) => RowOp::AdamWAmsgrad,
+                    None => RowOp::AdamW,
+                },
+                vec![momentum.moment_1.dtype(), momentum.moment_2.dtype()],
+            ),
+        };
+        let call = RowCall::of(op, &tensor).with([grad.dtype()]).with(moments);
+        let path = dispatch::row(call);
         // A parameter without elements: nothing to compute, on any backend (Burn's
         // operations are not all defined on empty tensors). Its moments are as empty.
-        if tensor.dims().contains(&0) {
+        if path == RowPath::Empty {
             let time = state.map_or(1, |s| s.momentum.time + 1);
             let momentum = AdaptiveMomentumState::new(time, grad.clone(), grad);
             return (tensor, Some(AdamWState::new(momentum)));
         }
-        // A state of AMSGrad's (from Burn's optimizer) keeps a third moment: Burn's step.
-        let ours = match &state {
-            None => adamw::is_fused(&[&tensor, &grad]),
-            Some(AdamWState { momentum }) => {
-                momentum.max_moment_2.is_none()
-                    && adamw::is_fused(&[&tensor, &grad, &momentum.moment_1, &momentum.moment_2])
-            }
-        };
         #[cfg(feature = "cpu-kernels")]
-        if ours {
+        if path == RowPath::Fused {
             // Burn's numbers, each rounded to f32 where Burn rounds it.
             let time = state.as_ref().map_or(1, |s| s.momentum.time + 1);
             let t = i32::try_from(time).unwrap_or(i32::MAX);
@@ -179,8 +184,6 @@ impl Optimizer for AdamW {
             let momentum = AdaptiveMomentumState::new(time, moment_1, moment_2);
             return (param, Some(AdamWState::new(momentum)));
         }
-        #[cfg(not(feature = "cpu-kernels"))]
-        let _ = ours;
         self.burn.step(lr, tensor, grad, state)
     }
 
@@ -277,13 +280,14 @@ impl ModuleVisitor for SquareSums<'_> {
             return;
         };
         self.first.get_or_insert_with(|| grad.device());
-        if grad.dims().contains(&0) {
-            return;
-        }
-        #[cfg(feature = "cpu-kernels")]
-        if squares::is_fused(&grad) {
-            self.host += f64::from(squares::square_sum(grad));
-            return;
+        match dispatch::row(RowCall::of(RowOp::SquareSum, &grad)) {
+            RowPath::Empty => return,
+            #[cfg(feature = "cpu-kernels")]
+            RowPath::Fused => {
+                self.host += f64::from(squares::square_sum(grad));
+                return;
+            }
+            RowPath::Burn | RowPath::BurnInF32 => {}
         }
         let sum = grad.cast(FloatDType::F32).square().sum();
         self.device = Some(match self.device.take() {

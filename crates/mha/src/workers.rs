@@ -41,7 +41,7 @@ use burn::tensor::Device;
 #[cfg_attr(not(feature = "cpu-kernels"), allow(unused_variables))]
 pub fn on_cpu_workers<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
     #[cfg(feature = "cpu-kernels")]
-    if crate::dispatch::Backend::of(device).has_cpu_kernels() {
+    if crate::dispatch::cpu_pool(device) {
         return pool::run(f);
     }
     f()
@@ -126,7 +126,7 @@ mod tests {
         assert_eq!(rayon::current_thread_index(), None);
         for device in crate::testing::devices() {
             let index = on_cpu_workers(&device, rayon::current_thread_index);
-            let cpu = crate::dispatch::Backend::of(&device).has_cpu_kernels();
+            let cpu = crate::dispatch::cpu_pool(&device);
             assert_eq!(index.is_some(), cpu, "{device:?}");
         }
         // The first device is flex's or ndarray's. Nested: stays on the worker it was

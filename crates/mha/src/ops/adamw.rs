@@ -2,27 +2,10 @@
 //! it is one operation: one parallel pass over the parameter, its gradient and its two
 //! moments (`cpu::rows::adamw`). Elsewhere the optimizer runs Burn's AdamW.
 
-use burn::tensor::Tensor;
-
 #[cfg(feature = "cpu-kernels")]
 pub(crate) use crate::cpu::rows::adamw::AdamWStep;
 #[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::{AdamWOp, adamw_step};
-
-/// Whether the step over these tensors (a parameter, its gradient, its moments) is ours:
-/// every one on flex or ndarray in f32, none empty.
-#[cfg_attr(not(feature = "cpu-kernels"), allow(unused_variables))]
-pub(crate) fn is_fused<const D: usize>(tensors: &[&Tensor<D>]) -> bool {
-    #[cfg(feature = "cpu-kernels")]
-    {
-        use crate::dispatch::{self, RowCall, RowOp, RowPath};
-        tensors
-            .iter()
-            .all(|x| dispatch::row(RowCall::of(RowOp::AdamW, x)) == RowPath::Fused)
-    }
-    #[cfg(not(feature = "cpu-kernels"))]
-    false
-}
 
 #[cfg(feature = "cpu-kernels")]
 mod cpu {

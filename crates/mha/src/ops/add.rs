@@ -19,7 +19,7 @@ pub(crate) fn add<const D: usize>(x: Tensor<D>, y: Tensor<D>) -> Tensor<D> {
         "a residual connection adds tensors of one shape"
     );
     #[cfg(feature = "cpu-kernels")]
-    if y.dtype() == x.dtype() && dispatch::row(RowCall::of(RowOp::Add, &x)) == RowPath::Fused {
+    if dispatch::row(RowCall::of(RowOp::Add, &x).with([y.dtype()])) == RowPath::Fused {
         let dims = x.dims();
         let floats = vec![super::rows(x), super::rows(y)];
         return super::run(super::FusedOp::Add, floats, None).reshape(dims);

@@ -14,10 +14,19 @@ use crate::empty::zero_of;
 /// `linear`'s output for `x` `[.., d_in]`.
 ///
 /// # Panics
-/// If the last axis of `x` is not the layer's `d_input` (the message names both).
+/// If the last axis of `x` is not the layer's `d_input`, or the layer is of another dtype
+/// (the message names both).
 pub(crate) fn forward<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     let bias = linear.bias.as_ref().map(|b| b.val());
     columns(x, linear.weight.val(), bias, None)
+}
+
+/// The dtypes of `linear`'s weight and bias.
+fn dtypes(linear: &Linear) -> Vec<burn::tensor::DType> {
+    let bias = linear.bias.as_ref().map(|b| b.val().dtype());
+    std::iter::once(linear.weight.val().dtype())
+        .chain(bias)
+        .collect()
 }
 
 /// `GELU(x W + b)` for `x` `[.., d_in]` (the exact GELU, as [`super::gelu::gelu`]). On
@@ -27,38 +36,46 @@ pub(crate) fn forward<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D
 /// then the GELU.
 ///
 /// # Panics
-/// If the last axis of `x` is not the layer's `d_input` (the message names both).
+/// If the last axis of `x` is not the layer's `d_input`, or the layer is of another dtype
+/// (the message names both).
 pub(crate) fn forward_gelu<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
-    #[cfg(feature = "cpu-kernels")]
-    if dispatch::row(RowCall::of(RowOp::Linear, &x)) == RowPath::Fused {
-        let weight = linear.weight.val();
-        let [d_in, d_out] = weight.dims();
-        let mut dims = x.dims();
-        assert!(
-            dims[D - 1] == d_in,
-            "Linear: the input's last axis is {} wide (shape {dims:?}), the layer's d_input \
-             is {d_in}",
-            dims[D - 1],
-        );
-        dims[D - 1] = d_out;
-        let bias = linear
-            .bias
-            .as_ref()
-            .map(|b| b.val().reshape([1, 1, 1, d_out]));
-        let floats = [super::rows(x), weight.reshape([1, 1, d_in, d_out])]
-            .into_iter()
-            .chain(bias)
-            .collect();
-        return super::run(super::FusedOp::LinearGelu, floats, None).reshape(dims);
+    super::check_dtypes("Linear", x.dtype(), dtypes(linear));
+    match dispatch::row(RowCall::of(RowOp::LinearGelu, &x)) {
+        #[cfg(feature = "cpu-kernels")]
+        RowPath::Fused => {
+            let weight = linear.weight.val();
+            let [d_in, d_out] = weight.dims();
+            let mut dims = x.dims();
+            assert!(
+                dims[D - 1] == d_in,
+                "Linear: the input's last axis is {} wide (shape {dims:?}), the layer's \
+                 d_input is {d_in}",
+                dims[D - 1],
+            );
+            dims[D - 1] = d_out;
+            let bias = linear
+                .bias
+                .as_ref()
+                .map(|b| b.val().reshape([1, 1, 1, d_out]));
+            let floats = [super::rows(x), weight.reshape([1, 1, d_in, d_out])]
+                .into_iter()
+                .chain(bias)
+                .collect();
+            super::run(super::FusedOp::LinearGelu, floats, None).reshape(dims)
+        }
+        // Empty too: the layer's own empty case, then GELU's.
+        RowPath::Burn | RowPath::BurnInF32 | RowPath::Empty => {
+            super::gelu::gelu(forward(linear, x))
+        }
     }
-    super::gelu::gelu(forward(linear, x))
 }
 
 /// `x W[:, c] + b[c]` for the columns `c` in `start..start + len` of the weight `[d_in,
 /// d_all]` and bias `[d_all]` (all of them when `columns` is `None`).
 ///
 /// # Panics
-/// If the last axis of `x` is not `d_in` (the message names both).
+/// If the last axis of `x` is not `d_in`, or the weight or bias is of another dtype than
+/// `x` (the message names both).
 pub(crate) fn columns<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
@@ -75,6 +92,8 @@ pub(crate) fn columns<const D: usize>(
     // Narrowed only when asked: a slice, even of every column, records a step whose
     // backward writes the gradient into zeros of the whole.
     let columns = columns.filter(|&c| c != [0, d_all]);
+    let others = [Some(weight.dtype()), bias.as_ref().map(Tensor::dtype)];
+    super::check_dtypes("Linear", x.dtype(), others.into_iter().flatten());
     match dispatch::row(RowCall::of(RowOp::Linear, &x)) {
         #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {

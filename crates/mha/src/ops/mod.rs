@@ -216,6 +216,23 @@ mod fused {
     }
 }
 
+/// Panics unless every one of `params` is `input`'s dtype, naming `layer` and both: a
+/// module and its input in two dtypes are the caller's mistake, named here rather than
+/// deep inside a backend.
+pub(crate) fn check_dtypes(
+    layer: &str,
+    input: burn::tensor::DType,
+    params: impl IntoIterator<Item = burn::tensor::DType>,
+) {
+    for dtype in params {
+        assert!(
+            dtype == input,
+            "{layer}: the input is {input:?} and the layer's parameters {dtype:?}; cast the \
+             input, or the module (`ModuleDType::to_dtype`), to one dtype"
+        );
+    }
+}
+
 /// `x` `[.., cols]` as the `[1, 1, rows, cols]` the row operations take.
 #[cfg(feature = "cpu-kernels")]
 fn rows<const D: usize>(x: Tensor<D>) -> Tensor<4> {

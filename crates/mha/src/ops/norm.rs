@@ -18,6 +18,8 @@ pub(crate) fn layer_norm<const D: usize>(
     beta: Option<Tensor<1>>,
     epsilon: f64,
 ) -> Tensor<D> {
+    let others = [Some(gamma.dtype()), beta.as_ref().map(Tensor::dtype)];
+    super::check_dtypes("LayerNorm", x.dtype(), others.into_iter().flatten());
     match dispatch::row(RowCall::of(RowOp::LayerNorm, &x)) {
         #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {

@@ -3,7 +3,7 @@
 //! (`cpu::rows::squares`), where Burn squares into a new tensor and sums it on one thread.
 
 #[cfg(feature = "cpu-kernels")]
-pub(crate) use cpu::{SquareSumOp, is_fused, square_sum};
+pub(crate) use cpu::{SquareSumOp, square_sum};
 
 #[cfg(feature = "cpu-kernels")]
 mod cpu {
@@ -12,14 +12,8 @@ mod cpu {
 
     use crate::cpu::CpuTensors;
     use crate::cpu::rows::squares;
-    use crate::dispatch::{self, RowCall, RowOp, RowPath};
     use crate::op::Op;
     use crate::ops::{FusedOp, run};
-
-    /// Whether the sum over `x` is ours: on flex or ndarray in f32, not empty.
-    pub(crate) fn is_fused<const D: usize>(x: &Tensor<D>) -> bool {
-        dispatch::row(RowCall::of(RowOp::SquareSum, x)) == RowPath::Fused
-    }
 
     /// `Σ x²` over the elements of `x` (flex or ndarray, f32), on the host.
     pub(crate) fn square_sum<const D: usize>(x: Tensor<D>) -> f32 {

@@ -1,0 +1,131 @@
+//! The importers of layers built on attention: layer norm, the feed-forward, PyTorch's
+//! transformer encoder and decoder layers and their stacks.
+
+use super::*;
+
+impl LoadPyTorch for LayerNorm {
+    /// Keys of `nn.LayerNorm`: `weight` (`γ`), `bias` (`β`; refused when the norm has
+    /// none).
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        let [d] = self.gamma.shape().dims::<1>();
+        let mut norm = self;
+        let gamma = Place::of(&norm.gamma).load(weights, &format!("{prefix}weight"), [d])?;
+        norm.gamma = set(norm.gamma, gamma);
+        norm.beta = match norm.beta {
+            Some(beta) => {
+                let value = Place::of(&beta).load(weights, &format!("{prefix}bias"), [d])?;
+                Some(set(beta, value))
+            }
+            None => {
+                weights.reject(
+                    format!("{prefix}bias"),
+                    "the module was configured without bias",
+                )?;
+                None
+            }
+        };
+        Ok(norm)
+    }
+}
+
+impl LoadPyTorch for FeedForward {
+    /// Keys: `linear1.*`, `linear2.*` (PyTorch's layer keeps them at the layer's top).
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        self.linear1 = load_linear(self.linear1, weights, &format!("{prefix}linear1."))?;
+        self.linear2 = load_linear(self.linear2, weights, &format!("{prefix}linear2."))?;
+        Ok(self)
+    }
+}
+
+impl LoadPyTorch for EncoderBlock {
+    /// Keys of `nn.TransformerEncoderLayer`: `self_attn.*`, `linear1.*`, `linear2.*`,
+    /// `norm1.*`, `norm2.*`.
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        self.self_attn = self
+            .self_attn
+            .load_pytorch(weights, &format!("{prefix}self_attn."))?;
+        self.feed_forward = self.feed_forward.load_pytorch(weights, prefix)?;
+        self.norm1 = self
+            .norm1
+            .load_pytorch(weights, &format!("{prefix}norm1."))?;
+        self.norm2 = self
+            .norm2
+            .load_pytorch(weights, &format!("{prefix}norm2."))?;
+        Ok(self)
+    }
+}
+
+impl LoadPyTorch for DecoderBlock {
+    /// Keys of `nn.TransformerDecoderLayer`: `self_attn.*`, `multihead_attn.*`,
+    /// `linear1.*`, `linear2.*`, `norm1.*`, `norm2.*`, `norm3.*`.
+    fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        self.self_attn = self
+            .self_attn
+            .load_pytorch(weights, &format!("{prefix}self_attn."))?;
+        self.cross_attn = self
+            .cross_attn
+            .load_pytorch(weights, &format!("{prefix}multihead_attn."))?;
+        self.feed_forward = self.feed_forward.load_pytorch(weights, prefix)?;
+        self.norm1 = self
+            .norm1
+            .load_pytorch(weights, &format!("{prefix}norm1."))?;
+        self.norm2 = self
+            .norm2
+            .load_pytorch(weights, &format!("{prefix}norm2."))?;
+        self.norm3 = self
+            .norm3
+            .load_pytorch(weights, &format!("{prefix}norm3."))?;
+        Ok(self)
+    }
+}
+
+/// Loads `layers.{i}.*` and, when the stack has one, `norm.*`.
+fn load_stack<L: LoadPyTorch>(
+    layers: Vec<L>,
+    norm: Option<LayerNorm>,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<(Vec<L>, Option<LayerNorm>), ImportError> {
+    let layers = layers
+        .into_iter()
+        .enumerate()
+        .map(|(i, layer)| layer.load_pytorch(weights, &format!("{prefix}layers.{i}.")))
+        .collect::<Result<_, _>>()?;
+    let norm = match norm {
+        Some(norm) => Some(norm.load_pytorch(weights, &format!("{prefix}norm."))?),
+        None => {
+            weights.reject(
+                format!("{prefix}norm.weight"),
+                "the stack has no final norm (post-norm configuration)",
+            )?;
+            None
+        }
+    };
+    Ok((layers, norm))
+}
+
+impl LoadPyTorch for Encoder {
+    /// Keys of `nn.TransformerEncoder`: `layers.{i}.*`, `norm.*` (PyTorch's stack has no
+    /// positions: the stack's own, if any, keep their values).
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        let (layers, norm) = load_stack(self.layers, self.norm, weights, prefix)?;
+        Ok(Self {
+            layers,
+            norm,
+            positions: self.positions,
+        })
+    }
+}
+
+impl LoadPyTorch for Decoder {
+    /// Keys of `nn.TransformerDecoder`: `layers.{i}.*`, `norm.*` (PyTorch's stack has no
+    /// positions: the stack's own, if any, keep their values).
+    fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
+        let (layers, norm) = load_stack(self.layers, self.norm, weights, prefix)?;
+        Ok(Self {
+            layers,
+            norm,
+            positions: self.positions,
+        })
+    }
+}
