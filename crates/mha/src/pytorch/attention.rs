@@ -8,7 +8,7 @@ impl LoadPyTorch for MultiHeadAttention {
     /// `k_proj_weight`, `v_proj_weight` when `kdim`/`vdim` differ), `in_proj_bias`,
     /// `out_proj.weight`, `out_proj.bias`; or those of Hugging Face's `T5Attention`
     /// (`q.weight`, `k.weight`, `v.weight`, `o.weight`), when `q.weight` is there and
-    /// `in_proj_weight` is not (see the [module docs](self) for what T5 needs).
+    /// `in_proj_weight` is not (see the [module docs](crate::pytorch) for what T5 needs).
     ///
     /// A module with a learned relative-position table ([`Positions::Relative`],
     /// [`Positions::T5`]) loads it too, from `position_table` `[H, buckets]` or T5's
