@@ -9,7 +9,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -485,10 +484,7 @@ fn ctrl_c_stops_cleanly_and_resume_continues() {
         .spawn()
         .unwrap();
     wait_for(&dir.join("checkpoints/epoch-2/scheduler.bpk"), &mut child);
-    let kill = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status();
-    assert!(kill.unwrap().success());
+    ctrl_c(&child);
     let out = child.wait_with_output().unwrap();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{err}");
@@ -723,10 +719,7 @@ fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
     assert!(peak_kb < 1_000_000, "peak {peak_kb} kB while evaluating");
-    let kill = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status();
-    assert!(kill.unwrap().success());
+    ctrl_c(&child);
     let out = child.wait_with_output().unwrap();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{err}");

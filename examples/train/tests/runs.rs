@@ -554,10 +554,7 @@ fn ctrl_c_stops_inspect_at_once_and_the_next_inspect_runs() {
         .unwrap();
     // The lock is its first write; the ablations come after it.
     wait_for(&dir.join(".lock"), &mut child);
-    let kill = std::process::Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status();
-    assert!(kill.unwrap().success());
+    ctrl_c(&child);
     let sent = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {

@@ -198,6 +198,14 @@ mod tests {
         assert_eq!(context_start(0, 2, 1, 1), 1);
     }
 
+    /// The largest difference between two lists of logits.
+    fn worst(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max)
+    }
+
     #[test]
     fn cached_and_recomputed_decoding_give_the_same_logits_past_the_block() {
         let (vocab, block) = (11, 8);
@@ -233,11 +241,7 @@ mod tests {
                 let recomputed = recomputed_logits(&model, &calls, block, &device);
                 for (step, (a, b)) in cached.iter().zip(&recomputed).enumerate() {
                     assert_eq!(a.len(), vocab);
-                    let worst = a
-                        .iter()
-                        .zip(b)
-                        .map(|(x, y)| (x - y).abs())
-                        .fold(0.0f32, f32::max);
+                    let worst = worst(a, b);
                     assert!(
                         worst <= 1e-4,
                         "{backend} {positions:?}: step {step}: logits differ by {worst}"
@@ -252,11 +256,7 @@ mod tests {
                 assert_eq!(decoder.read(), 23);
                 let again = recomputed_logits(&model, &calls, block, &device);
                 for (step, (a, b)) in cached.iter().zip(&again).enumerate() {
-                    let worst = a
-                        .iter()
-                        .zip(b)
-                        .map(|(x, y)| (x - y).abs())
-                        .fold(0.0f32, f32::max);
+                    let worst = worst(a, b);
                     assert!(
                         worst <= 1e-4,
                         "{backend} {positions:?}: long prompt, step {step}: {worst}"

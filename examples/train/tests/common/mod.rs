@@ -139,6 +139,14 @@ pub fn tiny_run(dir: &Path, epochs: &str) {
     assert!(out.status.success());
 }
 
+/// Sends `child` a Ctrl-C (SIGINT).
+pub fn ctrl_c(child: &std::process::Child) {
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    assert!(kill.unwrap().success());
+}
+
 /// Waits until `path` exists (while `child` runs), then a moment for it to be complete.
 pub fn wait_for(path: &Path, child: &mut std::process::Child) {
     let started = Instant::now();
