@@ -19,7 +19,7 @@
 //! (`gpu`) in f32, f16 and bf16, else the explicit path.
 
 use burn::backend::DispatchDevice;
-use burn::tensor::{BoolStore, DType, Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::mask::AttentionMask;
 
@@ -119,29 +119,21 @@ pub(crate) enum AttentionPath {
 /// What the path of an attention call depends on.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct AttentionCall {
-    #[cfg_attr(
-        not(any(
-            feature = "flex",
-            feature = "ndarray",
-            feature = "wgpu",
-            feature = "cuda"
-        )),
-        allow(dead_code)
-    )]
+    #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
     backend: Backend,
     autodiff: bool,
     /// Every float tensor (a learned position table too) is f32 and the boolean mask is
     /// stored as bytes: what the CPU tiles take.
-    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
+    #[cfg(feature = "cpu-kernels")]
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
     /// bf16, the head dims are not 0, and every tensor is small enough for the kernels'
     /// 32-bit indices: what the GPU kernels take.
-    #[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
+    #[cfg(feature = "gpu-kernels")]
     gpu_kernels: bool,
     /// The storage buffers the device binds to one kernel (0 off the CubeCL devices): the
     /// GPU kernels need [`crate::gpu::MOST_BINDINGS`].
-    #[cfg_attr(not(feature = "gpu-kernels"), allow(dead_code))]
+    #[cfg(feature = "gpu-kernels")]
     gpu_bindings: u32,
     queries: usize,
     /// No key, or no output element.
@@ -161,38 +153,46 @@ impl AttentionCall {
         weights: bool,
     ) -> Self {
         let device = query.device();
+        #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
+        let backend = Backend::of(&device);
         let floats = [query, key, value].into_iter().chain(mask.additive_bias());
         // A learned position table is read by the kernels too, in their dtype.
         let table = match mask.position() {
             Some(crate::PositionBias::Learned { table, .. }) => Some(table.dtype()),
             _ => None,
         };
-        let f32 = floats.clone().all(|t| t.dtype() == DType::F32)
-            && table.is_none_or(|t| t == DType::F32);
-        // The GPU kernels read one float dtype, f32, f16 or bf16, and compute in f32.
-        let dtype = query.dtype();
-        let one_float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-            && floats.clone().all(|t| t.dtype() == dtype);
-        let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
-        let table_too = table.is_none_or(|t| t == dtype);
-        let indexed = gpu_indexed([query.dims(), key.dims(), value.dims()], mask);
-        let bool_bytes = mask.blocked().is_none_or(|blocked| {
-            matches!(
-                blocked.dtype(),
-                DType::Bool(BoolStore::Native | BoolStore::U8)
-            )
-        });
-        let backend = Backend::of(&device);
         Self {
+            #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
             backend,
+            #[cfg(feature = "gpu-kernels")]
             gpu_bindings: match backend {
-                #[cfg(feature = "gpu-kernels")]
                 Backend::Gpu => gpu_bindings(device.as_dispatch()),
                 _ => 0,
             },
             autodiff: device.is_autodiff(),
-            f32_bytes: bool_bytes && f32,
-            gpu_kernels: one_float && table_too && indexed && d_k > 0 && d_v > 0,
+            #[cfg(feature = "cpu-kernels")]
+            f32_bytes: {
+                let f32 = floats.clone().all(|t| t.dtype() == DType::F32)
+                    && table.is_none_or(|t| t == DType::F32);
+                let bool_bytes = mask.blocked().is_none_or(|blocked| {
+                    matches!(
+                        blocked.dtype(),
+                        DType::Bool(burn::tensor::BoolStore::Native | burn::tensor::BoolStore::U8)
+                    )
+                });
+                f32 && bool_bytes
+            },
+            // The GPU kernels read one float dtype, f32, f16 or bf16, and compute in f32.
+            #[cfg(feature = "gpu-kernels")]
+            gpu_kernels: {
+                let dtype = query.dtype();
+                let one_float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+                    && floats.clone().all(|t| t.dtype() == dtype);
+                let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
+                let table_too = table.is_none_or(|t| t == dtype);
+                let indexed = gpu_indexed([query.dims(), key.dims(), value.dims()], mask);
+                one_float && table_too && indexed && d_k > 0 && d_v > 0
+            },
             queries: query.dims()[2],
             empty: {
                 let [batch, heads, queries, _] = query.dims();
@@ -216,6 +216,7 @@ fn gpu_bindings(device: &DispatchDevice) -> u32 {
     }
 }
 
+#[cfg(feature = "gpu-kernels")]
 /// Whether the GPU kernels' 32-bit indices reach every element of a call over `[query,
 /// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, and the bias's
 /// and boolean mask's own sizes): past `i32::MAX` elements a call takes the explicit path.
@@ -263,9 +264,25 @@ pub(crate) fn attention(call: AttentionCall) -> AttentionPath {
     AttentionPath::Explicit { chunk }
 }
 
-/// An operation over rows with an operation of its own on the CPU backends.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum RowOp {
+/// Declares [`RowOp`] and, for the tests, `RowOp::ALL`, the list of every variant: a row
+/// operation is registered here once.
+macro_rules! row_ops {
+    ($($(#[doc = $doc:literal])* $(#[cfg($cfg:meta)])? $op:ident,)*) => {
+        /// An operation over rows with an operation of its own on the CPU backends.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub(crate) enum RowOp {
+            $($(#[doc = $doc])* $(#[cfg($cfg)])? $op,)*
+        }
+
+        impl RowOp {
+            /// Every row operation (of this build): the dispatcher's tests go over this list.
+            #[cfg(test)]
+            const ALL: &[RowOp] = &[$($(#[cfg($cfg)])? RowOp::$op,)*];
+        }
+    };
+}
+
+row_ops! {
     /// `x W + b`.
     Linear,
     /// `GELU(x W + b)`, the feed-forward's first layer: one operation where it is ours.
@@ -286,24 +303,8 @@ pub(crate) enum RowOp {
     SquareSum,
     /// The sum of two tensors of one shape (a residual connection); asked only where the
     /// CPU kernels are built (elsewhere it is Burn's `+`).
-    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
+    #[cfg(feature = "cpu-kernels")]
     Add,
-}
-
-impl RowOp {
-    /// Every row operation: the dispatcher's tests go over this list.
-    #[cfg(test)]
-    const ALL: [RowOp; 9] = [
-        RowOp::Linear,
-        RowOp::LinearGelu,
-        RowOp::LayerNorm,
-        RowOp::Gelu,
-        RowOp::CrossEntropy,
-        RowOp::AdamW,
-        RowOp::AdamWAmsgrad,
-        RowOp::SquareSum,
-        RowOp::Add,
-    ];
 }
 
 /// How a row operation runs.
@@ -326,7 +327,7 @@ pub(crate) enum RowPath {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RowCall {
     op: RowOp,
-    #[cfg_attr(not(feature = "cpu-kernels"), allow(dead_code))]
+    #[cfg(feature = "cpu-kernels")]
     backend: Backend,
     dtype: DType,
     /// Another tensor of the call (a weight, a bias, the other summand, a moment) is of
@@ -341,6 +342,7 @@ impl RowCall {
     pub(crate) fn of<const D: usize>(op: RowOp, x: &Tensor<D>) -> Self {
         Self {
             op,
+            #[cfg(feature = "cpu-kernels")]
             backend: Backend::of(&x.device()),
             dtype: x.dtype(),
             mixed: false,
@@ -382,11 +384,17 @@ mod tests {
     use super::*;
 
     fn call(backend: Backend, autodiff: bool, queries: usize, by_position: bool) -> AttentionCall {
+        #[cfg(not(any(feature = "cpu-kernels", feature = "gpu-kernels")))]
+        let _ = backend;
         AttentionCall {
+            #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
             backend,
             autodiff,
+            #[cfg(feature = "cpu-kernels")]
             f32_bytes: true,
+            #[cfg(feature = "gpu-kernels")]
             gpu_kernels: true,
+            #[cfg(feature = "gpu-kernels")]
             gpu_bindings: 31,
             queries,
             empty: false,
@@ -397,8 +405,11 @@ mod tests {
 
     /// `op` over a non-empty input of `dtype` on `backend`.
     fn row_call(op: RowOp, backend: Backend, dtype: DType) -> RowCall {
+        #[cfg(not(feature = "cpu-kernels"))]
+        let _ = backend;
         RowCall {
             op,
+            #[cfg(feature = "cpu-kernels")]
             backend,
             dtype,
             mixed: false,
@@ -488,7 +499,7 @@ mod tests {
                     AttentionPath::Explicit { chunk: 128 }
                 );
             }
-            for op in RowOp::ALL {
+            for &op in RowOp::ALL {
                 let empty = RowCall {
                     empty: true,
                     ..row_call(op, backend, DType::F32)
@@ -511,6 +522,7 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "gpu-kernels")]
     #[test]
     fn calls_past_the_gpu_kernels_32_bit_indices_are_not_theirs() {
         let none = AttentionMask::none();
@@ -523,7 +535,7 @@ mod tests {
 
     #[test]
     fn half_precision_layer_norm_runs_in_f32_elsewhere() {
-        for op in RowOp::ALL {
+        for &op in RowOp::ALL {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);
             assert_eq!(row_of(DType::BF16), RowPath::Burn);

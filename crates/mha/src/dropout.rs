@@ -12,15 +12,25 @@
 //! Burn's.
 
 use burn::nn::Dropout;
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Device, Distribution, Tensor};
 
 /// `layer` applied to `x`: `x` as it is outside training or at probability 0, else
 /// [`apply`].
 pub fn forward<const D: usize>(layer: &Dropout, x: Tensor<D>) -> Tensor<D> {
-    if !layer.training.is_enabled() || !x.device().is_autodiff() || layer.prob == 0.0 {
+    let prob = probability(layer, &x.device());
+    if prob == 0.0 {
         return x;
     }
-    apply(x, layer.prob)
+    apply(x, prob)
+}
+
+/// The probability `layer` drops an element with on `device`: its own in training (its
+/// training flag on, on a device with autodiff), else 0.
+pub fn probability(layer: &Dropout, device: &Device) -> f64 {
+    match layer.training.is_enabled() && device.is_autodiff() {
+        true => layer.prob,
+        false => 0.0,
+    }
 }
 
 /// `x` with each element kept with probability `1 - prob` and scaled by `1 / (1 - prob)`,

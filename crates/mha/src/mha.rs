@@ -382,8 +382,7 @@ impl MultiHeadAttention {
             true => self.positioned(q, k, mask, [0, 0]),
             false => (q, k, mask),
         };
-        let training = self.dropout.training.is_enabled() && q.device().is_autodiff();
-        let dropout = if training { self.dropout.prob } else { 0.0 };
+        let dropout = crate::dropout::probability(&self.dropout, &q.device());
         self.attend([q, k, v], &mask, weights, dropout, head_mask)
     }
 

@@ -154,50 +154,65 @@ mod fused {
         ) -> FloatTensor<Self>;
     }
 
+    /// What runs an operation once [`FusedOp::run`] has built it: its forward pass alone
+    /// ([`Plain`]), or one autodiff node ([`Tracked`]).
+    trait Runner<B: Backend> {
+        type Output;
+        fn run<O: op::Op<B>>(self, op: O) -> Self::Output;
+    }
+
+    /// The inputs of an operation on a backend without autodiff.
+    struct Plain<B: Backend>(Vec<FloatTensor<B>>);
+
+    impl<B: Backend> Runner<B> for Plain<B> {
+        type Output = FloatTensor<B>;
+        fn run<O: op::Op<B>>(self, op: O) -> FloatTensor<B> {
+            op::forward::<B, O>(op, self.0)
+        }
+    }
+
+    /// The inputs of an operation under autodiff.
+    struct Tracked<B: Backend, C: CheckpointStrategy>(Vec<FloatTensor<Autodiff<B, C>>>);
+
+    impl<B: Backend, C: CheckpointStrategy> Runner<B> for Tracked<B, C> {
+        type Output = FloatTensor<Autodiff<B, C>>;
+        fn run<O: op::Op<B>>(self, op: O) -> Self::Output {
+            op::autodiff::<B, C, O>(op, self.0)
+        }
+    }
+
+    impl FusedOp {
+        /// Builds the operation (its `mask` read by attention alone) and hands it to
+        /// `runner`: the one place that maps each `FusedOp` to its [`op::Op`].
+        fn run<B: CpuTensors, R: Runner<B>>(
+            self,
+            mask: Option<BoolTensor<B>>,
+            runner: R,
+        ) -> R::Output {
+            match self {
+                FusedOp::Attention(spec) => runner.run(attention::AttentionOp::<B> { spec, mask }),
+                FusedOp::Linear => runner.run(linear::LinearOp),
+                FusedOp::LinearGelu => runner.run(linear::LinearGeluOp),
+                FusedOp::LayerNorm { epsilon } => runner.run(norm::LayerNormOp { epsilon }),
+                FusedOp::Gelu => runner.run(gelu::GeluOp),
+                FusedOp::CrossEntropy { targets } => runner.run(loss::CrossEntropyOp { targets }),
+                FusedOp::AdamW(step) => runner.run(adamw::AdamWOp(step)),
+                FusedOp::SquareSum => runner.run(squares::SquareSumOp),
+                FusedOp::Add => runner.run(add::AddOp),
+            }
+        }
+    }
+
     impl<B: CpuTensors> Fused for B {
         fn fused(op: FusedOp, floats: Floats<B>, mask: Mask<B>) -> FloatTensor<B> {
-            let (floats, mask) = (floats.into_vec(), mask.into_option());
-            match op {
-                FusedOp::Attention(spec) => {
-                    op::forward::<B, _>(attention::AttentionOp::<B> { spec, mask }, floats)
-                }
-                FusedOp::Linear => op::forward::<B, _>(linear::LinearOp, floats),
-                FusedOp::LinearGelu => op::forward::<B, _>(linear::LinearGeluOp, floats),
-                FusedOp::LayerNorm { epsilon } => {
-                    op::forward::<B, _>(norm::LayerNormOp { epsilon }, floats)
-                }
-                FusedOp::Gelu => op::forward::<B, _>(gelu::GeluOp, floats),
-                FusedOp::CrossEntropy { targets } => {
-                    op::forward::<B, _>(loss::CrossEntropyOp { targets }, floats)
-                }
-                FusedOp::AdamW(step) => op::forward::<B, _>(adamw::AdamWOp(step), floats),
-                FusedOp::SquareSum => op::forward::<B, _>(squares::SquareSumOp, floats),
-                FusedOp::Add => op::forward::<B, _>(add::AddOp, floats),
-            }
+            op.run::<B, _>(mask.into_option(), Plain(floats.into_vec()))
         }
     }
 
     /// Under autodiff, each operation is one node whose backward pass is its own.
     impl<B: CpuTensors, C: CheckpointStrategy> Fused for Autodiff<B, C> {
         fn fused(op: FusedOp, floats: Floats<Self>, mask: Mask<Self>) -> FloatTensor<Self> {
-            let (floats, mask) = (floats.into_vec(), mask.into_option());
-            match op {
-                FusedOp::Attention(spec) => {
-                    op::autodiff::<B, C, _>(attention::AttentionOp::<B> { spec, mask }, floats)
-                }
-                FusedOp::Linear => op::autodiff::<B, C, _>(linear::LinearOp, floats),
-                FusedOp::LinearGelu => op::autodiff::<B, C, _>(linear::LinearGeluOp, floats),
-                FusedOp::LayerNorm { epsilon } => {
-                    op::autodiff::<B, C, _>(norm::LayerNormOp { epsilon }, floats)
-                }
-                FusedOp::Gelu => op::autodiff::<B, C, _>(gelu::GeluOp, floats),
-                FusedOp::CrossEntropy { targets } => {
-                    op::autodiff::<B, C, _>(loss::CrossEntropyOp { targets }, floats)
-                }
-                FusedOp::AdamW(step) => op::autodiff::<B, C, _>(adamw::AdamWOp(step), floats),
-                FusedOp::SquareSum => op::autodiff::<B, C, _>(squares::SquareSumOp, floats),
-                FusedOp::Add => op::autodiff::<B, C, _>(add::AddOp, floats),
-            }
+            op.run::<B, _>(mask.into_option(), Tracked::<B, C>(floats.into_vec()))
         }
     }
 
