@@ -4,6 +4,8 @@
 //! Read top to bottom:
 //!
 //! - [`tasks`]: the tasks (one file each), their held-out split, their input grammar;
+//! - [`kind`]: what the trainer does differently for a synthetic task and for the text
+//!   task, in one place;
 //! - [`corpus`]: a text as characters, its vocabulary, split and windows (Shakespeare's
 //!   plays in the repository);
 //! - [`lm`]: the text task: its training stream and validation windows, its batches,
@@ -39,6 +41,7 @@ pub mod corpus;
 pub mod fields;
 pub mod inspect;
 pub mod interrupt;
+pub mod kind;
 pub mod lm;
 pub mod memory;
 pub mod model;

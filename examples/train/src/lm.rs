@@ -21,10 +21,23 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use crate::batch::SeqBatch;
+use std::path::PathBuf;
+
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::train::metric::store::Split as MetricSplit;
+
+use crate::backend::Backend;
+use crate::batch::{FixedShape, SeqBatch};
 use crate::config::TrainConfig;
 use crate::corpus::{Corpus, TextSplit, batch_start, splitmix64, valid_starts};
+use crate::fields::{self, BLOCK_SIZE, Field, MODEL_KIND, PACK, VOCAB};
+use crate::kind::{Data, Decoding, TaskKind};
+use crate::model::{Model, ModelConfig, ModelKind, PositionKind};
 use crate::precision::Mixed;
+use crate::run_dir::RunDir;
+use crate::tasks::{Task, TaskConfig};
+use crate::text::{echo, plural};
+use crate::training::{Status, Summary, epoch_finals};
 
 /// A window of `block + 1` characters, as ids.
 pub type Window = Vec<u32>;
@@ -180,11 +193,10 @@ pub fn corpus(config: &TrainConfig) -> anyhow::Result<Corpus> {
 
 /// Reads the corpus of a text run and sets the run's vocabulary to its characters; a
 /// vocabulary the configuration gives already (a resumed run's) must be the corpus's.
-/// The corpus.
 ///
 /// # Errors
 /// As [`corpus`], and when the text's characters are not the run's vocabulary.
-pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<Corpus> {
+pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
     let corpus = corpus(config)?;
     let vocab: String = corpus.vocab.iter().collect();
     match &config.task.vocab {
@@ -222,7 +234,289 @@ pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<Corpus> {
         Some(_) => {}
         None => config.task.vocab = Some(vocab),
     }
-    Ok(corpus)
+    Ok(())
+}
+
+/// The text task as a kind of task: language modelling on windows of a text with the
+/// decoder-only model, its head tied to the embedding, validated by its loss on fixed
+/// windows and sampled by `generate`.
+pub struct Text;
+
+impl TaskKind for Text {
+    /// nanoGPT's CPU recipe for its character-level Shakespeare (4 layers, 4 heads, width
+    /// 128, learned positions, block 64, batch 12, 2000 steps (8 epochs of 250, the
+    /// validation after each), lr 1e-3 with 100 steps of warmup (a tenth of a shorter
+    /// run) and a cosine decay to lr/10, AdamW betas 0.9/0.99 and epsilon 1e-8, weight
+    /// decay 0.1 on the matrices and embeddings, the gradients' global norm clipped at 1,
+    /// no dropout), validated on 1024 fixed windows.
+    fn defaults(&self, task: Task) -> TrainConfig {
+        let default = TrainConfig::default();
+        TrainConfig {
+            task: TaskConfig {
+                task,
+                ..default.task
+            },
+            model: ModelConfig {
+                d_model: 128,
+                n_layers: 4,
+                n_heads: 4,
+                dropout: 0.0,
+                positions: PositionKind::Learned,
+                ..default.model
+            },
+            batch_size: 12,
+            lr: 1e-3,
+            min_lr_ratio: 0.1,
+            adam_beta2: 0.99,
+            adam_epsilon: 1e-8,
+            weight_decay: 0.1,
+            decay_vectors: false,
+            grad_clip: 1.0,
+            clip_global: true,
+            steps_per_epoch: 250,
+            epochs: 8,
+            valid_examples: 1024,
+            ..default
+        }
+    }
+
+    /// A block of at least one character, and a vocabulary (when given) of distinct
+    /// characters in order.
+    fn validate_task(&self, task: &TaskConfig) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            task.block_size >= 1,
+            "{} must be at least 1, got 0",
+            BLOCK_SIZE.name()
+        );
+        if let Some(vocab) = &task.vocab {
+            let chars: Vec<char> = vocab.chars().collect();
+            anyhow::ensure!(
+                !chars.is_empty() && chars.windows(2).all(|w| w[0] < w[1]),
+                "{} must be distinct characters in order (the text's, as the trainer writes them), got \"{}\"",
+                VOCAB.name(),
+                echo(vocab)
+            );
+        }
+        Ok(())
+    }
+
+    /// The decoder-only model, without packing.
+    fn validate(&self, config: &TrainConfig) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            config.model.kind == ModelKind::DecoderOnly,
+            "{} = {}: the text task trains the decoder-only model (a language model)",
+            MODEL_KIND.name(),
+            config.model.kind.name()
+        );
+        anyhow::ensure!(
+            !config.pack,
+            "{}: the text task's windows are all --block-size long; there is nothing to \
+             pack",
+            PACK.name()
+        );
+        Ok(())
+    }
+
+    fn ignored_fields(&self) -> (&'static [Field], &'static str, &'static str) {
+        (
+            fields::SYNTHETIC_ONLY,
+            "it is a setting of the synthetic tasks",
+            "",
+        )
+    }
+
+    /// nanoGPT's.
+    fn most_warmup(&self) -> usize {
+        100
+    }
+
+    /// The text's characters (0 until the run's vocabulary is set).
+    fn vocab_size(&self, task: &TaskConfig) -> usize {
+        task.vocab.as_ref().map_or(0, |v| v.chars().count())
+    }
+
+    /// The block.
+    fn max_len(&self, task: &TaskConfig) -> usize {
+        task.block_size
+    }
+
+    fn longer_task(&self, _config: &TrainConfig) -> Option<TaskConfig> {
+        None
+    }
+
+    /// The windows all have one shape: none.
+    fn fixed_shape(&self, _config: &TrainConfig, _backend: Backend) -> Option<FixedShape> {
+        None
+    }
+
+    /// nanoGPT's language model (the head tied to the token embedding, its
+    /// initialisation) over the run's vocabulary.
+    fn init_model(&self, config: &TrainConfig, device: &Device) -> anyhow::Result<Model> {
+        anyhow::ensure!(
+            config.task.vocab_size() > 0,
+            "the text task's model needs the run's vocabulary (`task.vocab`)"
+        );
+        config
+            .model
+            .init_language_model(config.task.vocab_size(), config.max_len(), device)
+    }
+
+    /// The embedding alone: the head is tied to it.
+    fn head_parameters(&self, v: f64, d: f64) -> f64 {
+        v * d
+    }
+
+    /// The vocabulary is the text's.
+    fn size_flags(&self) -> (&'static [&'static str], &'static str) {
+        (&[], "--block-size")
+    }
+
+    /// Reads the text's vocabulary into the run's (or checks it against the run's).
+    fn prepare(&self, config: &mut TrainConfig) -> anyhow::Result<()> {
+        load_vocab(config)
+    }
+
+    fn describe(&self, config: &TrainConfig, model: &str) -> String {
+        format!(
+            "task text ({}, a vocabulary of {}, windows of {}), {model}, {} of {} ({} each), \
+             validating on {} after each",
+            config
+                .task
+                .data
+                .as_ref()
+                .map_or("the Shakespeare corpus".into(), |p| p.display().to_string()),
+            plural(config.task.vocab_size(), "character"),
+            plural(config.task.block_size, "character"),
+            plural(config.epochs, "epoch"),
+            plural(config.steps_per_epoch, "step"),
+            plural(config.batch_size, "window"),
+            plural(valid_windows(config), "fixed window"),
+        )
+    }
+
+    fn model_note(&self) -> &'static str {
+        ", head tied to the embedding"
+    }
+
+    fn warnings(&self, _config: &TrainConfig) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn data(
+        &self,
+        config: &TrainConfig,
+        epoch: Arc<AtomicUsize>,
+        shares: usize,
+        _backend: Backend,
+    ) -> anyhow::Result<Data> {
+        let mixed = config.dtype.mixed();
+        let corpus = Arc::new(corpus(config)?);
+        let block = config.task.block_size;
+        let stream = TextStream {
+            corpus: corpus.clone(),
+            block,
+            seed: config.seed,
+            batch: config.batch_size,
+            steps_per_epoch: config.steps_per_epoch,
+            epoch,
+            shares,
+        };
+        let valid = ValidWindows::new(corpus, block, config.valid_examples);
+        let batcher = |mixed, shares| TextBatcher { mixed, shares };
+        Ok(Data {
+            train: DataLoaderBuilder::new(batcher(mixed.clone(), shares))
+                .batch_size(config.batch_size / shares)
+                .build(stream),
+            // Validation batches of 64 whatever the training's: the loss is the mean over
+            // the windows either way, and larger batches cost less per window.
+            valid: DataLoaderBuilder::new(batcher(mixed.as_ref().map(Mixed::inference), 1))
+                .batch_size(64)
+                .build(valid),
+            tokens_per_step: (config.batch_size * block) as f64,
+        })
+    }
+
+    /// The loss says it all.
+    fn token_accuracy(&self) -> bool {
+        false
+    }
+
+    /// The validation loss of the last epoch (on the fixed windows, with the final
+    /// weights).
+    fn finish(
+        &self,
+        _model: &Model,
+        config: &TrainConfig,
+        run: &RunDir,
+        _backend: Backend,
+        _device: &Device,
+        summary: &mut Summary,
+    ) {
+        let valid = epoch_finals(&run.0, config.epochs, &MetricSplit::Valid);
+        summary.valid_loss = valid.last().copied();
+        summary.valid_bits_per_char = summary.valid_loss.map(|l| l / std::f64::consts::LN_2);
+        summary.status = Status::Finished;
+    }
+
+    fn result_lines(&self, config: &TrainConfig, run: &RunDir, summary: &Summary) -> Vec<String> {
+        let loss = summary.valid_loss.unwrap_or(f64::NAN);
+        vec![
+            format!(
+                "validation loss {loss:.4} nats per character ({:.3} bits) on {}; the last \
+                 epoch's mean training loss {:.4}; {:.1} s, {:.0} characters/s on {}",
+                loss / std::f64::consts::LN_2,
+                plural(valid_windows(config), "window"),
+                summary.final_loss.unwrap_or(f64::NAN),
+                summary.wall_seconds,
+                summary.tokens_per_second,
+                summary.backend,
+            ),
+            format!(
+                "sample it: train generate --out {}{} --tokens 500",
+                run.0.display(),
+                match config.task.data {
+                    None => " --prompt \"ROMEO:\"",
+                    Some(_) => "",
+                }
+            ),
+        ]
+    }
+
+    /// The training loss per step and the validation loss of each epoch, over its fixed
+    /// windows; no attention maps.
+    fn draw(
+        &self,
+        config: &TrainConfig,
+        run: &RunDir,
+        _device: &Device,
+    ) -> anyhow::Result<Vec<PathBuf>> {
+        let valid: Vec<Vec<f64>> = epoch_finals(&run.0, config.epochs, &MetricSplit::Valid)
+            .into_iter()
+            .map(|loss| vec![loss])
+            .collect();
+        let title = format!(
+            "text, {} characters: loss per step (nats per character)",
+            config.task.block_size
+        );
+        crate::plots::loss_curve(
+            &run.loss_curve(),
+            &crate::plots::losses(config, run, &MetricSplit::Train),
+            &valid,
+            &title,
+        )?;
+        Ok(Vec::new())
+    }
+
+    fn decoding(&self) -> Decoding {
+        Decoding::Sampling
+    }
+
+    fn not_inspected(&self) -> Option<&'static str> {
+        Some(
+            "a text run; inspect measures heads on a synthetic task's held-out examples and \
+             does not read text runs (sample this one with `generate --prompt`)",
+        )
+    }
 }
 
 /// Chooses the next character from a position's logits.

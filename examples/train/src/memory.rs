@@ -49,7 +49,7 @@ pub struct Part {
     /// Its bytes.
     pub bytes: f64,
     /// The flags it grows with.
-    pub flags: &'static [&'static str],
+    pub flags: Vec<&'static str>,
 }
 
 /// The memory a command is estimated to need, by its largest terms.
@@ -103,26 +103,25 @@ impl Shape {
             blocks,
             // Token embeddings and the LM head (the text task's is the embedding), then
             // the blocks (and learned positions).
-            parameters: match config.task.task.is_text() {
-                true => v * d,
-                false => 2.0 * v * d + v,
-            } + blocks * per_block
-                + t * d,
+            parameters: config.kind().head_parameters(v, d) + blocks * per_block + t * d,
         }
     }
 }
 
-/// The flags that drive a part of an estimate: a synthetic task's, or the text task's
-/// (whose vocabulary is its text's and whose length is `--block-size`).
-fn by_task(
-    config: &TrainConfig,
-    synthetic: &'static [&'static str],
-    text: &'static [&'static str],
-) -> &'static [&'static str] {
-    match config.task.task.is_text() {
-        true => text,
-        false => synthetic,
-    }
+/// The flags the run's vocabulary grows with (a synthetic task's `--symbols`; the text
+/// task's is its text's), then `more`.
+fn with_vocab(config: &TrainConfig, more: Vec<&'static str>) -> Vec<&'static str> {
+    let mut flags = config.kind().size_flags().0.to_vec();
+    flags.extend(more);
+    flags
+}
+
+/// `--batch-size` and the flag the sequence length grows with (`--max-len`, or the text
+/// task's `--block-size`), then `more`.
+fn per_sequence(config: &TrainConfig, more: Vec<&'static str>) -> Vec<&'static str> {
+    let mut flags = vec!["--batch-size", config.kind().size_flags().1];
+    flags.extend(more);
+    flags
 }
 
 /// The memory a training run of `config` needs at its peak, one step's.
@@ -139,11 +138,7 @@ pub fn training(config: &TrainConfig) -> Estimate {
                     s.parameters / 1e6
                 ),
                 bytes: s.parameters * F32 * PARAMETER_COPIES,
-                flags: by_task(
-                    config,
-                    &["--symbols", "--d-model", "--layers"],
-                    &["--d-model", "--layers"],
-                ),
+                flags: with_vocab(config, vec!["--d-model", "--layers"]),
             },
             Part {
                 what: format!(
@@ -153,11 +148,7 @@ pub fn training(config: &TrainConfig) -> Estimate {
                     config.task.vocab_size()
                 ),
                 bytes: tokens * s.v * F32 * LOGIT_COPIES,
-                flags: by_task(
-                    config,
-                    &["--symbols", "--batch-size", "--max-len"],
-                    &["--batch-size", "--block-size"],
-                ),
+                flags: with_vocab(config, per_sequence(config, vec![])),
             },
             Part {
                 what: format!(
@@ -169,20 +160,12 @@ pub fn training(config: &TrainConfig) -> Estimate {
                     s.attention_layers
                 ),
                 bytes: s.attention_layers * b * s.h * s.t * s.t * F32 * ATTENTION_COPIES,
-                flags: by_task(
-                    config,
-                    &["--batch-size", "--max-len", "--heads", "--layers"],
-                    &["--batch-size", "--block-size", "--heads", "--layers"],
-                ),
+                flags: per_sequence(config, vec!["--heads", "--layers"]),
             },
             Part {
                 what: "the blocks' activations".into(),
                 bytes: s.blocks * tokens * s.d * F32 * BLOCK_ACTIVATIONS,
-                flags: by_task(
-                    config,
-                    &["--batch-size", "--max-len", "--d-model", "--layers"],
-                    &["--batch-size", "--block-size", "--d-model", "--layers"],
-                ),
+                flags: per_sequence(config, vec!["--d-model", "--layers"]),
             },
         ],
     }
@@ -208,7 +191,7 @@ pub fn inspecting(config: &TrainConfig, examples: usize) -> Estimate {
                     s.attention_layers
                 ),
                 bytes: s.attention_layers * b * s.h * s.t * s.t * F32 * INSPECT_ATTENTION_COPIES,
-                flags: &["--examples"],
+                flags: vec!["--examples"],
             },
             Part {
                 what: format!(
@@ -217,18 +200,18 @@ pub fn inspecting(config: &TrainConfig, examples: usize) -> Estimate {
                     config.task.vocab_size()
                 ),
                 bytes: b * s.t * s.v * F32 * 2.0,
-                flags: &["--examples"],
+                flags: vec!["--examples"],
             },
             Part {
                 // The importance by gradient keeps them for its backward pass.
                 what: "the blocks' activations".into(),
                 bytes: s.blocks * b * s.t * s.d * F32 * BLOCK_ACTIVATIONS,
-                flags: &["--examples"],
+                flags: vec!["--examples"],
             },
             Part {
                 what: format!("{examples} held-out examples, held twice"),
                 bytes: examples as f64 * example_bytes(s.t),
-                flags: &["--examples"],
+                flags: vec!["--examples"],
             },
         ],
     }
@@ -269,7 +252,7 @@ impl Estimate {
             .map(|p| format!("{} {}", p.what, bytes(p.bytes)))
             .collect();
         let mut flags: Vec<&str> = Vec::new();
-        for flag in parts.iter().flat_map(|p| p.flags) {
+        for flag in parts.iter().flat_map(|p| &p.flags) {
             if !flags.contains(flag) {
                 flags.push(flag);
             }

@@ -27,52 +27,25 @@ fn err<E: std::fmt::Debug>(what: &Path) -> impl FnOnce(E) -> anyhow::Error + '_ 
     move |e| anyhow::anyhow!("cannot draw {}: {e:?}", what.display())
 }
 
-/// A finished run's pictures: its loss curve, from the learner's logs, and (synthetic
-/// tasks) its attention heatmaps; returns the heatmaps' files.
+/// A finished run's pictures, as its kind draws them: its loss curve, from the learner's
+/// logs, and (synthetic tasks) its attention heatmaps; returns the heatmaps' files.
 pub fn draw_run(
     config: &TrainConfig,
     run: &RunDir,
     device: &Device,
 ) -> anyhow::Result<Vec<PathBuf>> {
     register_font()?;
-    let losses = |split: &MetricSplit| {
-        let devices = match split {
-            MetricSplit::Train => config.devices.count(),
-            _ => 1,
-        };
-        training::epoch_losses(&run.0, config.epochs, split, devices)
+    config.kind().draw(config, run, device)
+}
+
+/// Each epoch's per-step losses of `split`, as the learner logged them (on several
+/// devices, the mean of each step's shares).
+pub fn losses(config: &TrainConfig, run: &RunDir, split: &MetricSplit) -> Vec<Vec<f64>> {
+    let devices = match split {
+        MetricSplit::Train => config.devices.count(),
+        _ => 1,
     };
-    if config.task.task.is_text() {
-        // The validation loss of each epoch, over its fixed windows.
-        let valid: Vec<Vec<f64>> =
-            training::epoch_finals(&run.0, config.epochs, &MetricSplit::Valid)
-                .into_iter()
-                .map(|loss| vec![loss])
-                .collect();
-        let title = format!(
-            "text, {} characters: loss per step (nats per character)",
-            config.task.block_size
-        );
-        loss_curve(
-            &run.loss_curve(),
-            &losses(&MetricSplit::Train),
-            &valid,
-            &title,
-        )?;
-        return Ok(Vec::new());
-    }
-    let title = format!(
-        "{}, {}: loss per step",
-        config.task.task.name(),
-        config.model.kind.name()
-    );
-    loss_curve(
-        &run.loss_curve(),
-        &losses(&MetricSplit::Train),
-        &losses(&MetricSplit::Valid),
-        &title,
-    )?;
-    attention_heatmaps(config, run, device)
+    training::epoch_losses(&run.0, config.epochs, split, devices)
 }
 
 /// Training loss per step (a point per step) and validation loss per epoch (at the

@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use burn::data::dataloader::{DataLoader, DataLoaderBuilder, DataLoaderIterator};
+use burn::data::dataloader::{DataLoader, DataLoaderIterator};
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::module::Module;
 use burn::module::ParamGroup;
@@ -25,20 +25,23 @@ use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::logger::FileMetricLogger;
 use burn::train::metric::store::Split as MetricSplit;
 use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric, NumericEntry};
-use burn::train::{ExecutionStrategy, Interrupter, Learner, MultiDeviceOptim, SupervisedTraining};
+use burn::train::{
+    ExecutionStrategy, Interrupter, Learner, LearningResult, MultiDeviceOptim, SupervisedTraining,
+};
 use serde::{Deserialize, Serialize};
 
 use mha::optim::AdamWConfig;
 
 use crate::backend::Backend;
-use crate::batch::{FixedShape, SeqBatch, SeqBatcher};
+use crate::batch::{FixedShape, SeqBatch};
 use crate::config::TrainConfig;
 use crate::interrupt;
+use crate::kind::Data;
 use crate::model::{Model, ModelKind, PositionKind, Stepping};
-use crate::precision::{Mixed, Precision, compute_copy};
+use crate::precision::{Precision, compute_copy};
 use crate::progress::{Plan, Progress, Reached};
 use crate::run_dir::{RunDir, write_atomically};
-use crate::tasks::{Example, PAD, Split, Task, TaskConfig, TaskDataset};
+use crate::tasks::{Example, PAD, Split, Task, TaskConfig};
 
 /// How a run ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -158,91 +161,29 @@ pub fn train(
 ) -> anyhow::Result<Summary> {
     let device = devices.first().context("no device to train on")?;
     let shares = devices.len();
-    let fixed = config.fixed_shape(backend);
     let mixed = config.dtype.mixed();
     let train_device = device.clone().autodiff();
     let model = config.init_model(&train_device)?.with_stepping(Stepping {
         global_clip: config.clip_global.then_some(config.grad_clip),
         devices: shares,
     });
-    let optim = optimizer(config);
-    // Each device's loader batches its share of every step.
-    let share_batch = config.batch_size / shares;
 
     // Fresh examples every epoch, each epoch's a function of the seed and its number
     // alone: a resumed run trains on the batches the uninterrupted one would have.
     let epoch = Arc::new(AtomicUsize::new(start_epoch));
-    let text = config.task.task.is_text();
-    let (train_batches, loader_valid, tokens_per_step) = match text {
-        true => {
-            let corpus = Arc::new(crate::lm::corpus(config)?);
-            let block = config.task.block_size;
-            let stream = crate::lm::TextStream {
-                corpus: corpus.clone(),
-                block,
-                seed: config.seed,
-                batch: config.batch_size,
-                steps_per_epoch: config.steps_per_epoch,
-                epoch: epoch.clone(),
-                shares,
-            };
-            let valid = crate::lm::ValidWindows::new(corpus, block, config.valid_examples);
-            let batcher = |mixed, shares| crate::lm::TextBatcher { mixed, shares };
-            (
-                DataLoaderBuilder::new(batcher(mixed.clone(), shares))
-                    .batch_size(share_batch)
-                    .build(stream),
-                // Validation batches of 64 whatever the training's: the loss is the mean
-                // over the windows either way, and larger batches cost less per window.
-                DataLoaderBuilder::new(batcher(mixed.as_ref().map(Mixed::inference), 1))
-                    .batch_size(64)
-                    .build(valid),
-                (config.batch_size * block) as f64,
-            )
-        }
-        false => {
-            let train_set = TrainStream {
-                task: config.task.clone(),
-                seed: config.seed,
-                steps: config.steps_per_epoch,
-                batch: config.batch_size,
-                shares,
-                epoch: epoch.clone(),
-            };
-            let valid_set = TaskDataset::new(
-                config.task.clone(),
-                config.seed,
-                Split::Valid,
-                config.valid_examples,
-            );
-            (
-                DataLoaderBuilder::new(SeqBatcher {
-                    fixed,
-                    pack: config.pack_width(),
-                    mixed: mixed.clone(),
-                    shares,
-                })
-                .batch_size(share_batch)
-                .build(train_set),
-                DataLoaderBuilder::new(SeqBatcher {
-                    fixed,
-                    pack: None,
-                    mixed: mixed.as_ref().map(Mixed::inference),
-                    shares: 1,
-                })
-                .batch_size(config.batch_size)
-                .build(valid_set),
-                config.batch_size as f64 * config.task.mean_tokens(),
-            )
-        }
+    // Each device's loader batches its share of every step.
+    let data = config.kind().data(config, epoch.clone(), shares, backend)?;
+    let tokens_per_step = data.tokens_per_step;
+    let data = Data {
+        train: Arc::new(EpochLoader {
+            inner: data.train,
+            epoch,
+            advances: true,
+            seed: config.seed,
+            device: train_device.clone(),
+        }),
+        ..data
     };
-    let loader_train: Arc<dyn DataLoader<SeqBatch>> = Arc::new(EpochLoader {
-        inner: train_batches,
-        epoch,
-        advances: true,
-        seed: config.seed,
-        device: train_device.clone(),
-    });
 
     let plan = Plan {
         epochs: config.epochs,
@@ -257,45 +198,8 @@ pub fn train(
         ..Reached::default()
     }));
     let progress = Progress::new(plan, run.learner_summary(), reached.clone());
-    let interrupter = Interrupter::new();
-    let mut training = SupervisedTraining::new(&run.0, loader_train, loader_valid)
-        .num_epochs(config.epochs)
-        .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new());
-    // Token accuracy on the synthetic tasks' outputs (the text task's loss says it all).
-    if !text {
-        training = training
-            .metric_train_numeric(AccuracyMetric::new().with_pad_token(PAD))
-            .metric_valid_numeric(AccuracyMetric::new().with_pad_token(PAD));
-    }
-    let mut training = training
-        .metric_train_numeric(LearningRateMetric::new())
-        .with_custom_checkpointers(
-            run.checkpointer("model"),
-            run.checkpointer("optim"),
-            run.checkpointer("scheduler"),
-        )
-        .with_checkpointing_strategy(KeepLastNCheckpoints::new(2))
-        .with_interrupter(interrupter.clone())
-        .renderer(Box::new(progress))
-        .summary();
-    if start_epoch > 0 {
-        training = training.checkpoint(start_epoch);
-    }
-    if shares > 1 {
-        // Burn's data-parallel strategy: a worker per device steps on its share, and the
-        // gradients are summed on the first device, where the optimizer steps and the
-        // validation runs.
-        training = training.with_training_strategy(
-            ExecutionStrategy::multi(devices.to_vec(), MultiDeviceOptim::OptimMainDevice).into(),
-        );
-    }
-
-    interrupt::watch(&interrupter);
-    let started = Instant::now();
-    let result = training.launch(Learner::new(model, optim, schedule(config)?));
-    let wall = started.elapsed().as_secs_f64();
-    interrupt::unwatch();
+    let learner = Learner::new(model, optimizer(config), schedule(config)?);
+    let (result, wall) = launch(config, run, start_epoch, devices, data, progress, learner);
     let reached = *reached.lock().expect("not poisoned");
     if let Some(err) = result.error {
         // Where the run got to, for --resume, before the error.
@@ -343,21 +247,63 @@ pub fn train(
     }
     save_model(&result.model, run)?;
     summary.model_epochs = Some(config.epochs);
-    match text {
-        true => finish_text(config, run, &mut summary),
-        false => finish(&result.model, config, fixed, device, &mut summary),
-    }
+    config
+        .kind()
+        .finish(&result.model, config, run, backend, device, &mut summary);
     Ok(summary)
 }
 
-/// The end of a text run, all of whose epochs are trained: the validation loss of its
-/// last epoch (on the fixed windows, with the final weights) into `summary`, which is
-/// then finished.
-pub fn finish_text(config: &TrainConfig, run: &RunDir, summary: &mut Summary) {
-    let valid = epoch_finals(&run.0, config.epochs, &MetricSplit::Valid);
-    summary.valid_loss = valid.last().copied();
-    summary.valid_bits_per_char = summary.valid_loss.map(|l| l / std::f64::consts::LN_2);
-    summary.status = Status::Finished;
+/// Trains `learner` on `data` from the checkpoint of epoch `start_epoch` (0: none) on
+/// `devices`, with Burn's learner and the run's metrics (the loss, the token accuracy if
+/// the task's kind logs it, the learning rate), checkpoints, progress lines and Ctrl-C;
+/// returns what it learned and the seconds it took.
+fn launch(
+    config: &TrainConfig,
+    run: &RunDir,
+    start_epoch: usize,
+    devices: &[Device],
+    data: Data,
+    progress: Progress,
+    learner: Learner<Model>,
+) -> (LearningResult<Model>, f64) {
+    let interrupter = Interrupter::new();
+    let mut training = SupervisedTraining::new(&run.0, data.train, data.valid)
+        .num_epochs(config.epochs)
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new());
+    if config.kind().token_accuracy() {
+        training = training
+            .metric_train_numeric(AccuracyMetric::new().with_pad_token(PAD))
+            .metric_valid_numeric(AccuracyMetric::new().with_pad_token(PAD));
+    }
+    let mut training = training
+        .metric_train_numeric(LearningRateMetric::new())
+        .with_custom_checkpointers(
+            run.checkpointer("model"),
+            run.checkpointer("optim"),
+            run.checkpointer("scheduler"),
+        )
+        .with_checkpointing_strategy(KeepLastNCheckpoints::new(2))
+        .with_interrupter(interrupter.clone())
+        .renderer(Box::new(progress))
+        .summary();
+    if start_epoch > 0 {
+        training = training.checkpoint(start_epoch);
+    }
+    if devices.len() > 1 {
+        // Burn's data-parallel strategy: a worker per device steps on its share, and the
+        // gradients are summed on the first device, where the optimizer steps and the
+        // validation runs.
+        training = training.with_training_strategy(
+            ExecutionStrategy::multi(devices.to_vec(), MultiDeviceOptim::OptimMainDevice).into(),
+        );
+    }
+    interrupt::watch(&interrupter);
+    let started = Instant::now();
+    let result = training.launch(learner);
+    let wall = started.elapsed().as_secs_f64();
+    interrupt::unwatch();
+    (result, wall)
 }
 
 /// Writes the trained model to `model.bpk`.
@@ -623,17 +569,19 @@ pub fn step_row(index: usize, steps: usize, batch: usize, shares: usize) -> (usi
 /// The training examples of the epoch `epoch` holds: example `(step, row)` of epoch `e`
 /// (from 1) is the task's training example number `((e - 1) · steps + step) · batch +
 /// row` ([`step_row`]), a function of the seed, the epoch and the item alone.
-struct TrainStream {
-    task: TaskConfig,
-    seed: u64,
+pub struct TrainStream {
+    /// The task.
+    pub task: TaskConfig,
+    /// The run's seed.
+    pub seed: u64,
     /// Steps per epoch.
-    steps: usize,
+    pub steps: usize,
     /// Sequences per step.
-    batch: usize,
+    pub batch: usize,
     /// The devices each step's batch is shared among.
-    shares: usize,
+    pub shares: usize,
     /// The epoch being trained, set by [`EpochLoader`].
-    epoch: Arc<AtomicUsize>,
+    pub epoch: Arc<AtomicUsize>,
 }
 
 impl Dataset<Example> for TrainStream {

@@ -11,6 +11,7 @@ use crate::backend::Backend;
 use crate::cli::GenerateArgs;
 use crate::config::TrainConfig;
 use crate::corpus::Corpus;
+use crate::kind::Decoding;
 use crate::lm::Sampler;
 use crate::model::Model;
 use crate::model::text::TextDecoder;
@@ -27,7 +28,7 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
     );
     let config = TrainConfig::load(&run.config())?;
     super::check_task(&run, args.task, &config)?;
-    if config.task.task.is_text() {
+    if config.kind().decoding() == Decoding::Sampling {
         return sample(args, backend, &run, &config);
     }
     let text_flags = args.text_flags();

@@ -19,11 +19,9 @@ pub fn inspect(args: &InspectArgs, backend: Option<Backend>) -> anyhow::Result<(
     super::check_task(&run, args.task, &config)?;
     // Inspection writes inspect/: one command at a time on a run.
     let _lock = run.lock()?;
-    anyhow::ensure!(
-        !config.task.task.is_text(),
-        "{dir}: a text run; inspect measures heads on a synthetic task's held-out examples \
-         and does not read text runs (sample this one with `generate --prompt`)"
-    );
+    if let Some(why) = config.kind().not_inspected() {
+        anyhow::bail!("{dir}: {why}");
+    }
     if !run.model().exists() && run.diverged() {
         anyhow::bail!(
             "{dir}: the run diverged (its loss became NaN or infinite) and has no model; \

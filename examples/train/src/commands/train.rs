@@ -61,14 +61,8 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
             100.0 * padded
         );
     }
-    if !config.task.task.is_text()
-        && let Some([_, valid]) = config.task.split_sizes()
-        && valid < 20
-    {
-        eprintln!(
-            "warning: the held-out split has only {valid} distinct inputs; its accuracy says \
-             little"
-        );
+    for warning in config.kind().warnings(&config) {
+        eprintln!("warning: {warning}");
     }
     let start = match start_epoch {
         0 => "training".to_string(),
@@ -81,37 +75,12 @@ pub fn train(args: &TrainArgs, backend: Option<Backend>) -> anyhow::Result<bool>
         plural(config.model.n_layers, "layer"),
         plural(config.model.n_heads, "head"),
         config.model.positions.name(),
-        match config.task.task.is_text() {
-            true => ", head tied to the embedding",
-            false => "",
-        }
+        config.kind().model_note()
     );
-    match config.task.task.is_text() {
-        true => println!(
-            "{start} on {backend}: task text ({}, a vocabulary of {}, windows of {}), {model}, \
-             {} of {} ({} each), validating on {} after each, in {dir}",
-            config
-                .task
-                .data
-                .as_ref()
-                .map_or("the Shakespeare corpus".into(), |p| p.display().to_string()),
-            plural(config.task.vocab_size(), "character"),
-            plural(config.task.block_size, "character"),
-            plural(config.epochs, "epoch"),
-            plural(config.steps_per_epoch, "step"),
-            plural(config.batch_size, "window"),
-            plural(crate::lm::valid_windows(&config), "fixed window"),
-        ),
-        false => println!(
-            "{start} on {backend}: task {} (lengths {}..={}, {}), {model}, {} of {}, in {dir}",
-            config.task.task.name(),
-            config.task.min_len,
-            config.task.max_len,
-            plural(config.task.n_symbols, "symbol"),
-            plural(config.epochs, "epoch"),
-            plural(config.steps_per_epoch, "step"),
-        ),
-    }
+    println!(
+        "{start} on {backend}: {}, in {dir}",
+        config.kind().describe(&config, &model)
+    );
     match config.dtype {
         Precision::F32 => {}
         Precision::F16 => println!(
@@ -150,9 +119,7 @@ fn prepare_new(
     };
     let mut config = args.apply(base);
     config.validate()?;
-    if config.task.task.is_text() {
-        crate::lm::load_vocab(&mut config)?;
-    }
+    config.kind().prepare(&mut config)?;
     crate::memory::training(&config).check(backend)?;
     let devices = backend.devices(&config.devices)?;
     config.dtype.check(backend, &devices[0])?;
@@ -211,9 +178,7 @@ fn prepare_resume(
     }
     let mut config = stored.resumed(args.apply(stored.clone()), done)?;
     let devices = backend.devices(&config.devices)?;
-    if config.task.task.is_text() {
-        crate::lm::load_vocab(&mut config)?;
-    }
+    config.kind().prepare(&mut config)?;
     config.dtype.check(backend, &device).map_err(|err| {
         let others: Vec<&str> = Backend::compiled()
             .into_iter()
@@ -315,16 +280,9 @@ fn evaluate_trained(
             model
         }
     };
-    match config.task.task.is_text() {
-        true => training::finish_text(config, run, &mut summary),
-        false => training::finish(
-            &model,
-            config,
-            config.fixed_shape(backend),
-            device,
-            &mut summary,
-        ),
-    }
+    config
+        .kind()
+        .finish(&model, config, run, backend, device, &mut summary);
     training::write_summary(run, &summary)?;
     report(config, run, &summary, device)?;
     Ok(summary.status == Status::Finished)
@@ -367,38 +325,8 @@ fn report(
         return Ok(());
     }
     let heatmaps = plots::draw_run(config, run, device)?;
-    if config.task.task.is_text() {
-        let loss = summary.valid_loss.unwrap_or(f64::NAN);
-        println!(
-            "validation loss {loss:.4} nats per character ({:.3} bits) on {}; the last \
-             epoch's mean training loss {:.4}; {:.1} s, {:.0} characters/s on {}",
-            loss / std::f64::consts::LN_2,
-            plural(crate::lm::valid_windows(config), "window"),
-            summary.final_loss.unwrap_or(f64::NAN),
-            summary.wall_seconds,
-            summary.tokens_per_second,
-            summary.backend,
-        );
-        println!(
-            "sample it: train generate --out {}{} --tokens 500",
-            run.0.display(),
-            match config.task.data {
-                None => " --prompt \"ROMEO:\"",
-                Some(_) => "",
-            }
-        );
-    } else {
-        println!(
-            "held-out exact accuracy {:.2}% (token accuracy {:.2}%) on {} sequences; the last \
-             epoch's mean training loss {:.4}; {:.1} s, {:.0} tokens/s on {}",
-            100.0 * summary.exact_accuracy.unwrap_or(0.0),
-            100.0 * summary.token_accuracy.unwrap_or(0.0),
-            summary.eval_examples,
-            summary.final_loss.unwrap_or(f64::NAN),
-            summary.wall_seconds,
-            summary.tokens_per_second,
-            summary.backend,
-        );
+    for line in config.kind().result_lines(config, run, summary) {
+        println!("{line}");
     }
     if let (Some([min, max]), Some(exact)) = (summary.longer_lengths, summary.longer_exact_accuracy)
     {

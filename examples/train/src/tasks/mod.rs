@@ -15,7 +15,7 @@ pub mod sort;
 use burn::data::dataset::{Dataset, DatasetError};
 use serde::{Deserialize, Serialize};
 
-use crate::fields::{BLOCK_SIZE, MAX_LEN, MIN_LEN, N_SYMBOLS, VOCAB};
+use crate::fields::{MAX_LEN, MIN_LEN, N_SYMBOLS};
 use crate::text::{echo, plural};
 
 /// Padding: ignored by the loss and the metrics.
@@ -55,8 +55,8 @@ impl Task {
     /// What the task is: its examples, and how its inputs and outputs are written.
     ///
     /// # Panics
-    /// For [`Task::Text`], which is not drawn from rules: every command checks
-    /// [`is_text`](Self::is_text) before it reads a synthetic task.
+    /// For [`Task::Text`], which is not drawn from rules: only the synthetic tasks' kind
+    /// ([`crate::kind::Synthetic`]) and what it calls read the rules.
     pub fn rules(self) -> &'static dyn TaskRules {
         match self {
             Task::Copy => &copy::CopyTask,
@@ -73,11 +73,6 @@ impl Task {
             Task::Text => "text",
             task => task.rules().name(),
         }
-    }
-
-    /// Whether it is the text task (language modelling) rather than a synthetic one.
-    pub fn is_text(self) -> bool {
-        self == Task::Text
     }
 }
 
@@ -197,12 +192,14 @@ const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQR
 const ENUMERABLE: u128 = 1 << 20;
 
 impl TaskConfig {
-    /// Checks the values, and that both splits have inputs; the error names the flag and
-    /// the field.
+    /// Checks the values (as the task's kind does); the error names the flag and the
+    /// field.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.task.is_text() {
-            return self.validate_text();
-        }
+        self.task.kind().validate_task(self)
+    }
+
+    /// A synthetic task's values, and that both splits have inputs.
+    pub(crate) fn validate_synthetic(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
             self.min_len >= 1,
             "{} must be at least 1, got 0",
@@ -271,33 +268,10 @@ impl TaskConfig {
         Some(sizes)
     }
 
-    /// The text task's values: a block of at least one character, and a vocabulary (when
-    /// given) of distinct characters in order.
-    fn validate_text(&self) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            self.block_size >= 1,
-            "{} must be at least 1, got 0",
-            BLOCK_SIZE.name()
-        );
-        if let Some(vocab) = &self.vocab {
-            let chars: Vec<char> = vocab.chars().collect();
-            anyhow::ensure!(
-                !chars.is_empty() && chars.windows(2).all(|w| w[0] < w[1]),
-                "{} must be distinct characters in order (the text's, as the trainer writes them), got \"{}\"",
-                VOCAB.name(),
-                echo(vocab)
-            );
-        }
-        Ok(())
-    }
-
     /// Tokens in the vocabulary: PAD, SEP, EOS, the symbols and the task's own; for the
     /// text task, its characters (0 until the run's vocabulary is set).
     pub fn vocab_size(&self) -> usize {
-        if self.task.is_text() {
-            return self.vocab.as_ref().map_or(0, |v| v.chars().count());
-        }
-        FIRST + self.n_symbols + self.task.rules().own_tokens().len()
+        self.task.kind().vocab_size(self)
     }
 
     /// Longest input, in tokens.
