@@ -355,6 +355,108 @@ def layer_norm():
         save(name, norm, {"x": x}, norm(x))
 
 
+def rms_norm():
+    """Hugging Face's `LlamaRMSNorm` (transformers; Mistral's, Qwen2's and Qwen3's are the
+    same) over rows of 67 (no multiple of 8) at scales from 0.3 to 3.3 around means up
+    to 10, with a learned scale and Llama's epsilon 1e-6: values and gradients of the
+    input and the scale. It normalises in f32 (as it does for any input), from f64
+    inputs and weights."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(23)
+    d = 67
+    norm = LlamaRMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d) * 0.5 + 1.0)
+    x = torch.randn(3, 5, d) * (torch.rand(3, 5, 1) * 3 + 0.3) + torch.randn(3, 5, 1) * 10
+    norm, x = norm.double(), x.double().requires_grad_(True)
+    save("rms_norm", norm, {"x": x}, norm(x))
+
+
+def activations():
+    """GPT-2's `gelu_new` (transformers' `NewGELUActivation`, GELU's tanh approximation)
+    and SiLU (`F.silu`, Llama's `hidden_act`), values and gradients over inputs spread to
+    their tails (|x| up to 12), in f64 from f32 inputs."""
+    from transformers.activations import NewGELUActivation
+
+    torch.manual_seed(29)
+    for name, f in (("gelu_tanh", NewGELUActivation()), ("silu", F.silu)):
+        x = torch.randn(3, 5, 67) * 3
+        x[0, 0, :6] = torch.tensor([0.0, -12.0, 12.0, -5.5, 5.5, 1e-4])
+        x = x.double().requires_grad_(True)
+        save(name, None, {"x": x}, f(x))
+
+
+class GatedFeedForward(nn.Module):
+    """Hugging Face's `LlamaMLP` (`down_proj(act(gate_proj(x)) * up_proj(x))`, SiLU) under
+    mha's names for its three layers: `linear1` (`gate_proj`), `up` (`up_proj`), `linear2`
+    (`down_proj`). The MLP itself is not a submodule, so each weight has one name."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.linear1, self.up, self.linear2 = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        object.__setattr__(self, "mlp", mlp)
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+def gated_feed_forward():
+    """Llama's feed-forward (transformers' `LlamaMLP`: SwiGLU, no biases), width 24 to 40,
+    random weights: values and gradients of the input and the three layers, in f64."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    torch.manual_seed(31)
+    config = LlamaConfig(
+        hidden_size=24, intermediate_size=40, hidden_act="silu", num_attention_heads=4
+    )
+    model = GatedFeedForward(LlamaMLP(config)).double()
+    x = torch.randn(2, 7, 24, dtype=torch.float64).requires_grad_(True)
+    save("gated_feed_forward", model, {"x": x}, model(x))
+
+
+def hf_attention(name, family, seed):
+    """The attention of Hugging Face's Qwen2 (biases on q, k and v, none on o) or Qwen3
+    (an RMS norm over each head's queries and keys before RoPE, no biases), transformers'
+    own module, tiny and random: 4 query heads and 2 key/value heads of 8, RoPE with
+    theta 500, causal, eager attention. Values and gradients of the input and of every
+    parameter, in f64 (the norms normalise in f32, as they do for any input)."""
+    if family == "qwen2":
+        from transformers import Qwen2Config as Config
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention as Attention
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding as Rotary
+    else:
+        from transformers import Qwen3Config as Config
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention as Attention
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
+
+    torch.manual_seed(seed)
+    config = Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+    )
+    config._attn_implementation = "eager"
+    attention = Attention(config, layer_idx=0)
+    with torch.no_grad():
+        for p in attention.parameters():
+            if p.dim() == 1:  # the biases and the norms' scales, zeros and ones at first
+                p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if p.numel() == 8 else 0.0))
+    attention = attention.double()
+    B, T = 2, 9
+    x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
+    positions = torch.arange(T)[None].expand(B, -1)
+    cos, sin = Rotary(config)(x, positions)
+    blocked = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+    out = attention(x, (cos, sin), mask)[0]
+    save(name, attention, {"x": x}, out)
+
+
 def cross_entropy():
     """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
     ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
@@ -438,6 +540,11 @@ FIXTURES = {
     "position_tables": position_tables,
     "gelu": gelu,
     "layer_norm": layer_norm,  # and layer_norm_no_bias
+    "rms_norm": rms_norm,
+    "activations": activations,  # gelu_tanh and silu
+    "gated_feed_forward": gated_feed_forward,
+    "qwen2_attention": lambda: hf_attention("qwen2_attention", "qwen2", 37),
+    "qwen3_attention": lambda: hf_attention("qwen3_attention", "qwen3", 38),
     "cross_entropy": cross_entropy,
     "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
     "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),

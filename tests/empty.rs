@@ -198,18 +198,21 @@ fn stacks_and_cached_decoding_take_zero_sized_inputs() {
 }
 
 #[test]
-fn layer_norm_and_cross_entropy_take_no_rows() {
+fn layer_and_rms_norms_and_cross_entropy_take_no_rows() {
     for be in backends() {
         let ad = be.autodiff();
         for [b, t, _] in SHAPES {
             let what = format!("{} [B {b}, T {t}]", be.name);
-            let norm = LayerNorm::new(&burn::nn::LayerNormConfig::new(16), &ad);
-            let x = randn([b, t, 16], 1, &ad).require_grad();
-            let y = norm.forward(x.clone());
-            assert_eq!(y.dims(), [b, t, 16], "{what}");
-            let grads = y.sum().backward();
-            assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
-            check_params(&what, &norm, &grads, b * t == 0);
+            let layer = LayerNorm::new(&burn::nn::LayerNormConfig::new(16), &ad);
+            for norm in [layer, LayerNorm::rms(16, 1e-6, &ad)] {
+                let what = format!("{what} {:?}", norm.kind());
+                let x = randn([b, t, 16], 1, &ad).require_grad();
+                let y = norm.forward(x.clone());
+                assert_eq!(y.dims(), [b, t, 16], "{what}");
+                let grads = y.sum().backward();
+                assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+                check_params(&what, &norm, &grads, b * t == 0);
+            }
             if b * t > 0 {
                 continue;
             }

@@ -339,6 +339,83 @@ fn check_positioned(fixture: &'static str, positions: Positions) {
     }
 }
 
+/// The attention of transformers' Qwen2 (`qwen2`: biases on q, k and v, none on o) or
+/// Qwen3 (QK-norm, no biases): 32 wide, 4 query heads and 2 key/value heads, RoPE with
+/// theta 500 in Hugging Face's layout.
+fn qwen_attention(qwen3: bool) -> MultiHeadAttentionConfig {
+    let config = MultiHeadAttentionConfig::new(32, 4)
+        .with_n_kv_heads(Some(2))
+        .with_positions(Positions::Rope {
+            theta: 500.0,
+            layout: RopeLayout::HalfSplit,
+        });
+    match qwen3 {
+        true => config.with_bias(false).with_qk_norm_eps(Some(1e-6)),
+        false => config.with_out_bias(Some(false)),
+    }
+}
+
+#[test]
+fn qwen_attention_with_qk_norm_or_biases_on_qkv_matches_transformers() {
+    for (fixture, qwen3) in [("qwen2_attention", false), ("qwen3_attention", true)] {
+        let f = Fixture::load(fixture);
+        let config = qwen_attention(qwen3);
+        for b in backends() {
+            let dev = b.autodiff();
+            let mha = config
+                .init(&dev)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap_or_else(|e| panic!("{e}"));
+            let x = f.io("x", [2, 9, 32], &dev).require_grad();
+            let out = mha.causal_self_attention(x.clone());
+            check_forward(&b, &f, "out", out.clone(), "out");
+            let grads = backward(&f, &out, &dev);
+            check_input_grad(&b, &f, "x", &x, &grads);
+            check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
+
+            // Decoding token by token through the cache gives the whole forward's rows.
+            let mha = config
+                .init(&b.device)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap_or_else(|e| panic!("{e}"));
+            let x = f.io("x", [2, 9, 32], &b.device);
+            let mut cache = mha::KvCache::new(9);
+            let steps: Vec<Tensor<3>> = (0..9)
+                .map(|t| {
+                    let token = x.clone().slice([0..2, t..t + 1, 0..32]);
+                    mha.forward_cached(token, &mut cache, AttentionMask::none())
+                        .unwrap_or_else(|e| panic!("{e}"))
+                })
+                .collect();
+            let label = format!("{fixture} [{}] decoded token by token", b.name);
+            let want = f.io("out", [2, 9, 32], &b.device);
+            assert_close(&label, Tensor::cat(steps, 1), want, b.forward_tol());
+        }
+    }
+    // A module without QK-norm refuses Qwen3's norms, and one whose output projection has
+    // a bias needs one.
+    let device = Device::default();
+    let qwen3 = Fixture::load("qwen3_attention");
+    let err = qwen_attention(false)
+        .with_bias(false)
+        .init(&device)
+        .load_pytorch(&qwen3.weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.q_norm.weight") && err.contains("qk_norm_eps"),
+        "{err}"
+    );
+    let qwen2 = Fixture::load("qwen2_attention");
+    let err = qwen_attention(false)
+        .with_out_bias(None)
+        .init(&device)
+        .load_pytorch(&qwen2.weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.o_proj.bias"), "{err}");
+}
+
 #[test]
 fn rope_in_both_layouts_matches_pytorch() {
     let rope = |theta, layout| Positions::Rope { theta, layout };
@@ -524,6 +601,124 @@ fn layer_norm_values_and_gradients_match_pytorch_with_and_without_autodiff() {
             assert_close(&label, load(&b.device).forward(x), want, b.forward_tol());
         }
     }
+}
+
+#[test]
+fn tanh_gelu_and_silu_match_transformers_with_and_without_autodiff() {
+    // GPT-2's gelu_new and Llama's SiLU, written with Burn's operations on every backend.
+    for (name, activation) in [
+        ("gelu_tanh", FeedForwardActivation::GeluTanh),
+        ("silu", FeedForwardActivation::Silu),
+    ] {
+        let f = Fixture::load(name);
+        let shape = [3, 5, 67];
+        for b in backends() {
+            check_forward(
+                &b,
+                &f,
+                name,
+                activation.forward(f.io("x", shape, &b.device)),
+                "out",
+            );
+            let device = b.autodiff();
+            let x = f.io("x", shape, &device).require_grad();
+            let out = activation.forward(x.clone());
+            let grads = backward(&f, &out, &device);
+            check_forward(&b, &f, &format!("{name} under autodiff"), out, "out");
+            check_input_grad(&b, &f, "x", &x, &grads);
+        }
+    }
+}
+
+#[test]
+fn rms_norm_matches_transformers_with_and_without_autodiff() {
+    // Hugging Face's LlamaRMSNorm: the fused operation (not centred) on flex and ndarray,
+    // Burn's operations on wgpu; rows of 67 at scales 0.3 to 3.3.
+    let f = Fixture::load("rms_norm");
+    let (d, shape) = (67, [3, 5, 67]);
+    for b in backends() {
+        let load = |device: &Device| {
+            mha::LayerNorm::rms(d, 1e-6, device)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let norm = load(&b.device);
+        check_forward(
+            &b,
+            &f,
+            "rms norm",
+            norm.forward(f.io("x", shape, &b.device)),
+            "out",
+        );
+
+        let device = b.autodiff();
+        let norm = load(&device);
+        let x = f.io("x", shape, &device).require_grad();
+        let out = norm.forward(x.clone());
+        let grads = backward(&f, &out, &device);
+        check_forward(&b, &f, "rms norm under autodiff", out, "out");
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &norm, mha::LayerNorm::rms(d, 1e-6, &device), &grads);
+
+        // A view that is not contiguous (the first two axes swapped) reads the same.
+        let x = f.io("x", shape, &b.device).swap_dims(0, 1);
+        let want = f.io("out", shape, &b.device).swap_dims(0, 1);
+        let label = format!("[{}] rms norm of a view", b.name);
+        assert_close(&label, load(&b.device).forward(x), want, b.forward_tol());
+    }
+}
+
+#[test]
+fn gated_feed_forward_matches_llamas_mlp() {
+    // transformers' LlamaMLP (SwiGLU, no biases) as a block's gated feed-forward.
+    let f = Fixture::load("gated_feed_forward");
+    let shape = [2, 7, 24];
+    let feed_forward = |device: &Device| {
+        EncoderBlockConfig::new(24, 4)
+            .with_d_ff(Some(40))
+            .with_dropout(0.0)
+            .with_activation(FeedForwardActivation::Silu)
+            .with_gated(true)
+            .with_bias(false)
+            .init(device)
+            .feed_forward
+    };
+    for b in backends() {
+        let load = |device: &Device| {
+            feed_forward(device)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let ff = load(&b.device);
+        check_forward(
+            &b,
+            &f,
+            "gated feed-forward",
+            ff.forward(f.io("x", shape, &b.device)),
+            "out",
+        );
+
+        let device = b.autodiff();
+        let ff = load(&device);
+        let x = f.io("x", shape, &device).require_grad();
+        let out = ff.forward(x.clone());
+        let grads = backward(&f, &out, &device);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &ff, feed_forward(&device), &grads);
+    }
+    // A feed-forward that is not gated refuses the weights of one that is.
+    let err = EncoderBlockConfig::new(24, 4)
+        .with_d_ff(Some(40))
+        .with_bias(false)
+        .init(&Device::default())
+        .feed_forward
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.up.weight") && err.contains("gated"),
+        "{err}"
+    );
 }
 
 #[test]

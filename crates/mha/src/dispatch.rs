@@ -289,6 +289,9 @@ row_ops! {
     LinearGelu,
     /// Layer normalisation.
     LayerNorm,
+    /// RMS normalisation (Llama's RMSNorm): in f32 whatever the input's dtype, as Hugging
+    /// Face computes it.
+    RmsNorm,
     /// The exact GELU.
     Gelu,
     /// Cross-entropy over rows of logits.
@@ -375,6 +378,8 @@ pub(crate) fn row(call: RowCall) -> RowPath {
     match (call.op, call.dtype) {
         // Burn's layer norm sums the squares in the input's dtype: f16 overflows past 256.
         (RowOp::LayerNorm, DType::F16) => RowPath::BurnInF32,
+        // Hugging Face's RMSNorm normalises in f32, then scales in the input's dtype.
+        (RowOp::RmsNorm, DType::F16 | DType::BF16) => RowPath::BurnInF32,
         _ => RowPath::Burn,
     }
 }
@@ -534,16 +539,19 @@ mod tests {
     }
 
     #[test]
-    fn half_precision_layer_norm_runs_in_f32_elsewhere() {
+    fn half_precision_norms_run_in_f32_elsewhere() {
         for &op in RowOp::ALL {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);
-            assert_eq!(row_of(DType::BF16), RowPath::Burn);
-            let f16 = match op {
-                RowOp::LayerNorm => RowPath::BurnInF32,
-                _ => RowPath::Burn,
+            // Layer norm in f16 (Burn's overflows past 256); the RMS norm in both halves
+            // (Hugging Face's normalises in f32).
+            let [f16, bf16] = match op {
+                RowOp::LayerNorm => [RowPath::BurnInF32, RowPath::Burn],
+                RowOp::RmsNorm => [RowPath::BurnInF32; 2],
+                _ => [RowPath::Burn; 2],
             };
-            assert_eq!(row_of(DType::F16), f16);
+            assert_eq!(row_of(DType::F16), f16, "{op:?}");
+            assert_eq!(row_of(DType::BF16), bf16, "{op:?}");
         }
     }
 

@@ -54,7 +54,7 @@ pub use error::{CacheError, ConfigError, DTypeError, PruneError};
 pub use inspect::{HeadMask, Inspect};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
-pub use norm::LayerNorm;
+pub use norm::{LayerNorm, NormKind};
 pub use positions::{Buckets, PositionBias, Positions, Rope, RopeLayout};
 pub use pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
 pub use stack::{Decoder, DecoderConfig, Encoder, EncoderConfig};

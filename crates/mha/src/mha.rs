@@ -13,6 +13,7 @@ use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attenti
 use crate::cache::{KvCache, MemoryKv};
 use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
+use crate::norm::LayerNorm;
 use crate::positions::{PositionBias, Positions, Rope, alibi_slopes};
 
 /// Configuration of [`MultiHeadAttention`].
@@ -36,6 +37,15 @@ pub struct MultiHeadAttentionConfig {
     /// Whether the projections have a bias. Default: `true`, as in PyTorch.
     #[config(default = true)]
     pub bias: bool,
+    /// Whether the output projection has a bias, when it differs from the input
+    /// projections' (Qwen2 has biases on q, k and v, none on o). Default: `bias`.
+    #[config(default = "None")]
+    pub out_bias: Option<bool>,
+    /// An RMS norm over each head's queries and each head's keys, with this epsilon,
+    /// before RoPE (Qwen3's and Gemma 3's `q_norm` and `k_norm`; Hugging Face's
+    /// `rms_norm_eps`). Default: none.
+    #[config(default = "None")]
+    pub qk_norm_eps: Option<f64>,
     /// Dropout on the attention weights after the softmax, in training only. Default: 0.
     #[config(default = 0.0)]
     pub dropout: f64,
@@ -112,6 +122,10 @@ pub struct MultiHeadAttention {
     pub scale: f64,
     /// Soft cap of the scores, if any.
     pub softcap: Option<f64>,
+    /// The RMS norm of each query head, `[Dh]`, before RoPE (QK-norm), if any.
+    pub q_norm: Option<LayerNorm>,
+    /// The RMS norm of each key head, `[Dh]`, before RoPE (QK-norm), if any.
+    pub k_norm: Option<LayerNorm>,
     /// How self-attention knows where tokens are (cross-attention refuses a module with
     /// positions, see [`MultiHeadAttentionConfig::positions`]).
     #[module(skip)]
@@ -261,6 +275,9 @@ impl MultiHeadAttentionConfig {
         if let Some(cap) = self.softcap {
             check.positive("softcap", cap)?;
         }
+        if let Some(epsilon) = self.qk_norm_eps {
+            check.positive("qk_norm_eps", epsilon)?;
+        }
         let head_dim = self.d_model / self.n_heads;
         self.positions
             .validate("MultiHeadAttentionConfig", head_dim)?;
@@ -297,9 +314,13 @@ impl MultiHeadAttentionConfig {
         };
         let out_proj = zero_bias(
             LinearConfig::new(q_width, self.d_model)
-                .with_bias(self.bias)
+                .with_bias(self.out_bias.unwrap_or(self.bias))
                 .init(device),
         );
+        let qk_norm = || {
+            self.qk_norm_eps
+                .map(|epsilon| LayerNorm::rms(head_dim, epsilon, device))
+        };
         Ok(MultiHeadAttention {
             in_proj,
             out_proj,
@@ -311,6 +332,8 @@ impl MultiHeadAttentionConfig {
             vdim,
             scale: self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt()),
             softcap: self.softcap,
+            q_norm: qk_norm(),
+            k_norm: qk_norm(),
             positions: self.positions.clone(),
             // Zeros: every distance starts alike, and training tells them apart.
             position_table: self
@@ -375,8 +398,8 @@ impl MultiHeadAttention {
         }
         let self_attention = matches!(source, Source::SelfAttention);
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
-        let q = self.split_heads(q, self.n_heads); // [B, H, Tq, Dh]
-        let k = self.split_heads(k, self.n_kv_heads); // [B, Hkv, Tk, Dh]
+        let q = self.query_heads(q); // [B, H, Tq, Dh]
+        let k = self.key_heads(k); // [B, Hkv, Tk, Dh]
         let v = self.split_heads(v, self.n_kv_heads); // [B, Hkv, Tk, Dh]
         let (q, k, mask) = match self_attention {
             true => self.positioned(q, k, mask, [0, 0]),
@@ -431,8 +454,8 @@ impl MultiHeadAttention {
             return Err(CacheError::Packed);
         }
         let (q, k, v) = self.project(x, Source::SelfAttention);
-        let q = self.split_heads(q, self.n_heads); // [B, H, T, Dh]
-        let k = self.split_heads(k, self.n_kv_heads); // [B, Hkv, T, Dh]
+        let q = self.query_heads(q); // [B, H, T, Dh]
+        let k = self.key_heads(k); // [B, Hkv, T, Dh]
         let v = self.split_heads(v, self.n_kv_heads);
         let offset = cache.len();
         let (q, k, mask) = self.positioned(q, k, mask, [offset, offset]);
@@ -454,7 +477,7 @@ impl MultiHeadAttention {
         let batch = memory.dims()[0];
         let (k, v) = self.project_kv(memory, batch);
         MemoryKv {
-            keys: self.split_heads(k, self.n_kv_heads),
+            keys: self.key_heads(k),
             values: self.split_heads(v, self.n_kv_heads),
         }
     }
@@ -495,7 +518,7 @@ impl MultiHeadAttention {
             "MultiHeadAttention: the query's batch is {batch}, the memory's {memory_batch}"
         );
         let q = self.project_q(x);
-        let q = self.split_heads(q, self.n_heads);
+        let q = self.query_heads(q);
         let (k, v) = (memory.keys.clone(), memory.values.clone());
         self.attend([q, k, v], &mask, weights, 0.0, head_mask)
     }
@@ -713,6 +736,24 @@ impl MultiHeadAttention {
                  Moonshine's no RoPE)",
                 self.positions
             );
+        }
+    }
+
+    /// Queries `[B, T, H·Dh]` as heads `[B, H, T, Dh]`, each normalised by `q_norm`.
+    fn query_heads(&self, q: Tensor<3>) -> Tensor<4> {
+        let q = self.split_heads(q, self.n_heads);
+        match &self.q_norm {
+            Some(norm) => norm.forward(q),
+            None => q,
+        }
+    }
+
+    /// Keys `[B, T, Hkv·Dh]` as heads `[B, Hkv, T, Dh]`, each normalised by `k_norm`.
+    fn key_heads(&self, k: Tensor<3>) -> Tensor<4> {
+        let k = self.split_heads(k, self.n_kv_heads);
+        match &self.k_norm {
+            Some(norm) => norm.forward(k),
+            None => k,
         }
     }
 

@@ -193,6 +193,9 @@ fn prune_attention(
         vdim: attention.vdim,
         scale: attention.scale,
         softcap: attention.softcap,
+        // A norm of each head's features, the same for every head.
+        q_norm: attention.q_norm.as_ref().map(detached),
+        k_norm: attention.k_norm.as_ref().map(detached),
         positions: attention.positions.clone(),
         position_table: attention
             .position_table
@@ -200,6 +203,13 @@ fn prune_attention(
             .map(|t| Param::from_tensor(select(t.val(), 0, &kept))),
         pruned_from: Some(original),
     })
+}
+
+/// `norm` with its scale as a new leaf.
+fn detached(norm: &crate::norm::LayerNorm) -> crate::norm::LayerNorm {
+    let mut norm = norm.clone();
+    norm.gamma = Param::from_tensor(norm.gamma.val().detach());
+    norm
 }
 
 fn gcd(a: usize, b: usize) -> usize {

@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use super::{DecoderBlock, EncoderBlock, FeedForward, FeedForwardActivation};
 use crate::error::{Check, ConfigError};
 use crate::mha::{MultiHeadAttention, MultiHeadAttentionConfig};
-use crate::norm::LayerNorm;
+use crate::norm::{LayerNorm, NormKind};
 use crate::positions::Positions;
 
 /// A block configuration: the hyperparameters both blocks share, then `$own` fields.
@@ -35,11 +35,20 @@ macro_rules! block_config {
             /// Feed-forward activation. Default: GELU.
             #[config(default = "FeedForwardActivation::Gelu")]
             pub activation: FeedForwardActivation,
+            /// A gated feed-forward (`linear2(activation(linear1(x)) · up(x))`, SwiGLU
+            /// with SiLU: Llama's MLP) instead of PyTorch's two layers. Default: false.
+            #[config(default = false)]
+            pub gated: bool,
             /// Pre-norm (`x + f(norm(x))`, PyTorch's `norm_first=True`) when true,
             /// post-norm (`norm(x + f(x))`) when false. Default: true.
             #[config(default = true)]
             pub norm_first: bool,
-            /// LayerNorm epsilon. Default: 1e-5.
+            /// The norms' kind: layer normalisation, or RMS normalisation (Llama's
+            /// `RMSNorm`, which has no shift whatever `bias` says). Default: layer.
+            #[config(default = "NormKind::Layer")]
+            pub norm: NormKind,
+            /// The norms' epsilon (Hugging Face's `layer_norm_eps` or `rms_norm_eps`).
+            /// Default: 1e-5.
             #[config(default = 1e-5)]
             pub layer_norm_eps: f64,
             /// Bias in the linear layers and LayerNorms. Default: true.
@@ -58,7 +67,9 @@ macro_rules! block_config {
                     d_ff: self.d_ff.unwrap_or(4 * self.d_model),
                     dropout: self.dropout,
                     activation: self.activation,
+                    gated: self.gated,
                     norm_first: self.norm_first,
+                    norm: self.norm,
                     layer_norm_eps: self.layer_norm_eps,
                     bias: self.bias,
                 }
@@ -107,7 +118,9 @@ struct Parts {
     d_ff: usize,
     dropout: f64,
     activation: FeedForwardActivation,
+    gated: bool,
     norm_first: bool,
+    norm: NormKind,
     layer_norm_eps: f64,
     bias: bool,
 }
@@ -135,10 +148,15 @@ impl Parts {
     }
 
     fn norm(&self, device: &Device) -> LayerNorm {
-        let config = LayerNormConfig::new(self.d_model)
-            .with_epsilon(self.layer_norm_eps)
-            .with_bias(self.bias);
-        LayerNorm::new(&config, device)
+        match self.norm {
+            NormKind::Layer => {
+                let config = LayerNormConfig::new(self.d_model)
+                    .with_epsilon(self.layer_norm_eps)
+                    .with_bias(self.bias);
+                LayerNorm::new(&config, device)
+            }
+            NormKind::Rms => LayerNorm::rms(self.d_model, self.layer_norm_eps, device),
+        }
     }
 
     fn dropout(&self) -> Dropout {
@@ -154,6 +172,7 @@ impl Parts {
         FeedForward {
             linear1: linear(self.d_model, self.d_ff),
             activation: self.activation,
+            up: self.gated.then(|| linear(self.d_model, self.d_ff)),
             dropout: self.dropout(),
             linear2: linear(self.d_ff, self.d_model),
         }

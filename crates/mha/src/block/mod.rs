@@ -31,6 +31,12 @@ pub enum FeedForwardActivation {
     Gelu,
     /// ReLU, PyTorch's `"relu"` (its default).
     Relu,
+    /// GELU's tanh approximation, `x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))`: GPT-2's
+    /// `gelu_new`, PyTorch's `gelu(x, approximate="tanh")`.
+    GeluTanh,
+    /// SiLU (swish), `x · σ(x)`: Llama's, Mistral's and Qwen's `hidden_act = "silu"`, in
+    /// a gated feed-forward (SwiGLU).
+    Silu,
 }
 
 impl FeedForwardActivation {
@@ -43,21 +49,34 @@ impl FeedForwardActivation {
         match self {
             Self::Gelu => crate::ops::gelu::gelu(x),
             Self::Relu => burn::tensor::activation::relu(x),
+            Self::GeluTanh => {
+                // √(2/π); x³ as a product (a power of a negative base is NaN on some GPUs).
+                const SQRT_2_OVER_PI: f64 =
+                    core::f64::consts::FRAC_2_SQRT_PI * core::f64::consts::FRAC_1_SQRT_2;
+                let cube = x.clone() * x.clone() * x.clone();
+                let inner = (x.clone() + cube * 0.044715) * SQRT_2_OVER_PI;
+                x * (inner.tanh() + 1.0) * 0.5
+            }
+            Self::Silu => burn::tensor::activation::silu(x),
         }
     }
 }
 
-/// `linear2(dropout(activation(linear1(x))))`.
+/// `linear2(dropout(activation(linear1(x))))`, or gated (a GLU, SwiGLU with SiLU:
+/// Llama's MLP) `linear2(dropout(activation(linear1(x)) · up(x)))`.
 #[derive(Module, Debug)]
 pub struct FeedForward {
-    /// `[d_model, d_ff]`.
+    /// `[d_model, d_ff]` (Hugging Face's `gate_proj` when gated).
     pub linear1: Linear,
-    /// GELU or ReLU.
+    /// The activation of `linear1`'s output.
     #[module(skip)]
     pub activation: FeedForwardActivation,
+    /// `[d_model, d_ff]`, the gated feed-forward's other branch (Hugging Face's
+    /// `up_proj`); `None` for PyTorch's two-layer feed-forward.
+    pub up: Option<Linear>,
     /// Dropout on the hidden layer.
     pub dropout: Dropout,
-    /// `[d_ff, d_model]`.
+    /// `[d_ff, d_model]` (Hugging Face's `down_proj` when gated).
     pub linear2: Linear,
 }
 
@@ -65,10 +84,18 @@ impl FeedForward {
     /// # Shapes
     /// `[B, T, d_model]` -> `[B, T, d_model]`.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let up = self
+            .up
+            .as_ref()
+            .map(|up| crate::ops::linear::forward(up, x.clone()));
         // [B, T, d_ff]; GELU in the first layer's operation (see `ops::linear`).
         let hidden = match self.activation {
             FeedForwardActivation::Gelu => crate::ops::linear::forward_gelu(&self.linear1, x),
             activation => activation.forward(crate::ops::linear::forward(&self.linear1, x)),
+        };
+        let hidden = match up {
+            Some(up) => hidden * up,
+            None => hidden,
         };
         crate::ops::linear::forward(
             &self.linear2,

@@ -9,7 +9,7 @@
 //! |---|---|
 //! | [`attention`] | matmul, mask, softmax, matmul and their backward, which keep the `[B, H, Tq, Tk]` weights |
 //! | [`linear`] | Burn's `linear` (its matmul allocates each result twice) |
-//! | [`norm`] | the nine elementwise steps of Burn's `layer_norm` |
+//! | [`norm`] | the nine elementwise steps of Burn's `layer_norm`, and of an RMS norm |
 //! | [`gelu`] | `erf` and four elementwise steps, each with a backward |
 //! | [`loss`] | `log_softmax`, a gather and a masked mean |
 //! | [`adamw`] | the fifteen elementwise steps of Burn's AdamW over a parameter |
@@ -56,8 +56,8 @@ mod fused {
         Linear,
         /// [`linear::LinearGeluOp`].
         LinearGelu,
-        /// [`norm::LayerNormOp`].
-        LayerNorm { epsilon: f64 },
+        /// [`norm::LayerNormOp`] (the RMS norm unless `center`).
+        LayerNorm { epsilon: f64, center: bool },
         /// [`gelu::GeluOp`].
         Gelu,
         /// [`loss::CrossEntropyOp`].
@@ -193,7 +193,9 @@ mod fused {
                 FusedOp::Attention(spec) => runner.run(attention::AttentionOp::<B> { spec, mask }),
                 FusedOp::Linear => runner.run(linear::LinearOp),
                 FusedOp::LinearGelu => runner.run(linear::LinearGeluOp),
-                FusedOp::LayerNorm { epsilon } => runner.run(norm::LayerNormOp { epsilon }),
+                FusedOp::LayerNorm { epsilon, center } => {
+                    runner.run(norm::LayerNormOp { epsilon, center })
+                }
                 FusedOp::Gelu => runner.run(gelu::GeluOp),
                 FusedOp::CrossEntropy { targets } => runner.run(loss::CrossEntropyOp { targets }),
                 FusedOp::AdamW(step) => runner.run(adamw::AdamWOp(step)),

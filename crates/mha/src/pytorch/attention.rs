@@ -8,21 +8,47 @@ impl LoadPyTorch for MultiHeadAttention {
     /// `k_proj_weight`, `v_proj_weight` when `kdim`/`vdim` differ), `in_proj_bias`,
     /// `out_proj.weight`, `out_proj.bias`; or those of Hugging Face's `T5Attention`
     /// (`q.weight`, `k.weight`, `v.weight`, `o.weight`), when `q.weight` is there and
-    /// `in_proj_weight` is not (see the [module docs](crate::pytorch) for what T5 needs).
+    /// `in_proj_weight` is not (see the [module docs](crate::pytorch) for what T5 needs);
+    /// or those of Hugging Face's Llama-family attention (Llama, Mistral, Qwen2, Qwen3:
+    /// `q_proj.*`, `k_proj.*`, `v_proj.*`, `o_proj.*`, each with its bias where the model
+    /// has one), when `q_proj.weight` is there and `in_proj_weight` is not.
     ///
     /// A module with a learned relative-position table ([`Positions::Relative`],
     /// [`Positions::T5`]) loads it too, from `position_table` `[H, buckets]` or T5's
     /// `relative_attention_bias.weight` `[buckets, H]`: weights without one are an error,
-    /// not a table of zeros.
+    /// not a table of zeros. A module with QK-norm loads `q_norm.weight` and
+    /// `k_norm.weight` `[Dh]` (Qwen3's names); one without refuses them.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
-        let t5 = weights.contains(&format!("{prefix}q.weight"))
-            && !weights.contains(&format!("{prefix}in_proj_weight"));
-        let mut mha = match t5 {
-            true => load_t5(self, weights, prefix)?,
-            false => load_torch_mha(self, weights, prefix)?,
+        let has = |key: &str| weights.contains(&format!("{prefix}{key}"));
+        let packed = has("in_proj_weight");
+        let mut mha = match () {
+            _ if has("q.weight") && !packed => load_t5(self, weights, prefix)?,
+            _ if has("q_proj.weight") && !packed => load_hf(self, weights, prefix)?,
+            _ => load_torch_mha(self, weights, prefix)?,
         };
         mha.position_table = load_position_table(&mha, weights, prefix)?;
+        mha.q_norm = load_qk_norm(mha.q_norm, weights, &format!("{prefix}q_norm."))?;
+        mha.k_norm = load_qk_norm(mha.k_norm, weights, &format!("{prefix}k_norm."))?;
         Ok(mha)
+    }
+}
+
+/// A QK-norm's scale from `{prefix}weight`, or, for a module without QK-norm, that key
+/// refused.
+fn load_qk_norm(
+    norm: Option<LayerNorm>,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<Option<LayerNorm>, ImportError> {
+    match norm {
+        Some(norm) => norm.load_pytorch(weights, prefix).map(Some),
+        None => {
+            weights.reject(
+                format!("{prefix}weight"),
+                "the module was configured without QK-norm (`qk_norm_eps`)",
+            )?;
+            Ok(None)
+        }
     }
 }
 
@@ -93,7 +119,7 @@ fn load_torch_mha(
 /// `d_model / n_heads = d_kv` wide; anything else is an [`ImportError::Convention`]
 /// saying what to change, since the numbers would differ.
 fn load_t5(
-    mut mha: MultiHeadAttention,
+    mha: MultiHeadAttention,
     weights: &PyTorchWeights,
     prefix: &str,
 ) -> Result<MultiHeadAttention, ImportError> {
@@ -119,7 +145,6 @@ fn load_t5(
     }
     let d_model = mha.d_model();
     let q_width = mha.n_heads * mha.head_dim;
-    let kv_width = mha.n_kv_heads * mha.head_dim;
     if let Some(&[inner, width]) = weights.shape(&key("q.weight")).as_deref()
         && width == d_model
         && inner != q_width
@@ -131,21 +156,85 @@ fn load_t5(
             mha.n_heads, mha.n_heads, mha.head_dim
         )));
     }
-    let [q, k, v, o] = ["q.", "k.", "v.", "o."].map(key);
+    load_projections(mha, weights, ["q.", "k.", "v.", "o."].map(key))
+}
+
+/// The projections of Hugging Face's Llama-family attention (`LlamaAttention`,
+/// `MistralAttention`, `Qwen2Attention`, `Qwen3Attention`): `q_proj`, `k_proj`, `v_proj`
+/// `[heads · head_dim, d_model]` and `o_proj` `[d_model, H · head_dim]`, with biases where
+/// the model has them (Qwen2 on q, k and v: configure the module `with_out_bias(Some(false))`).
+/// Their scores are scaled by `1/sqrt(head_dim)`, as the module's default; heads of
+/// another width than `d_model / n_heads` (a `head_dim` in the model's configuration)
+/// have no counterpart and are an [`ImportError::Convention`].
+fn load_hf(
+    mha: MultiHeadAttention,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<MultiHeadAttention, ImportError> {
+    let key = |name: &str| format!("{prefix}{name}");
+    let d_model = mha.d_model();
+    let q_width = mha.n_heads * mha.head_dim;
+    if let Some(&[rows, width]) = weights.shape(&key("q_proj.weight")).as_deref()
+        && width == d_model
+        && rows != q_width
+    {
+        return Err(ImportError::Convention {
+            key: key("q_proj.weight"),
+            message: format!(
+                "the model's queries are {rows} wide (num_attention_heads · head_dim), \
+                 MultiHeadAttention's n_heads · d_model / n_heads = {q_width}: heads of \
+                 another width than hidden_size / num_attention_heads have no counterpart"
+            ),
+        });
+    }
+    load_projections(
+        mha,
+        weights,
+        ["q_proj.", "k_proj.", "v_proj.", "o_proj."].map(key),
+    )
+}
+
+/// The query, key, value and output projections from four separate linears (`{at}weight`
+/// `[out, in]` and `{at}bias` `[out]` for each `at` of `[q, k, v, o]`), packed into the
+/// module's one input projection where it has one.
+fn load_projections(
+    mut mha: MultiHeadAttention,
+    weights: &PyTorchWeights,
+    [q, k, v, o]: [String; 4],
+) -> Result<MultiHeadAttention, ImportError> {
+    let q_width = mha.n_heads * mha.head_dim;
+    let kv_width = mha.n_kv_heads * mha.head_dim;
     mha.in_proj = match mha.in_proj {
         InputProjection::Packed(proj) => {
-            let weight = Place::of(&proj.weight);
             let [d_in, _] = proj.weight.shape().dims::<2>();
-            let parts = [(&q, q_width), (&k, kv_width), (&v, kv_width)]
-                .into_iter()
-                .map(|(at, rows)| weight.load(weights, &format!("{at}weight"), [rows, d_in]))
+            let weight = Place::of(&proj.weight);
+            let parts = [(&q, q_width), (&k, kv_width), (&v, kv_width)];
+            let loaded = parts
+                .iter()
+                .map(|(at, rows)| weight.load(weights, &format!("{at}weight"), [*rows, d_in]))
                 .collect::<Result<Vec<_>, _>>()?;
-            for at in [&q, &k, &v] {
-                weights.reject(format!("{at}bias"), "T5Attention has no biases")?;
-            }
+            let bias = match proj.bias {
+                Some(bias) => {
+                    let place = Place::of(&bias);
+                    let loaded = parts
+                        .iter()
+                        .map(|(at, rows)| place.load(weights, &format!("{at}bias"), [*rows]))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Some(set(bias, Tensor::cat(loaded, 0)))
+                }
+                None => {
+                    for (at, _) in parts {
+                        weights.reject(
+                            format!("{at}bias"),
+                            "the module was configured without bias",
+                        )?;
+                    }
+                    None
+                }
+            };
             InputProjection::Packed(Linear {
-                weight: set(proj.weight, Tensor::cat(parts, 0).transpose()),
-                bias: None,
+                weight: set(proj.weight, Tensor::cat(loaded, 0).transpose()),
+                bias,
             })
         }
         InputProjection::Separate(p) => InputProjection::Separate(SeparateProjection {

@@ -5,7 +5,7 @@ use super::*;
 
 impl LoadPyTorch for LayerNorm {
     /// Keys of `nn.LayerNorm`: `weight` (`γ`), `bias` (`β`; refused when the norm has
-    /// none).
+    /// none); of an RMS norm (`LlamaRMSNorm`, `nn.RMSNorm`): `weight`.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         let [d] = self.gamma.shape().dims::<1>();
         let mut norm = self;
@@ -17,10 +17,11 @@ impl LoadPyTorch for LayerNorm {
                 Some(set(beta, value))
             }
             None => {
-                weights.reject(
-                    format!("{prefix}bias"),
-                    "the module was configured without bias",
-                )?;
+                let reason = match norm.kind() {
+                    NormKind::Layer => "the module was configured without bias",
+                    NormKind::Rms => "an RMS norm has no shift",
+                };
+                weights.reject(format!("{prefix}bias"), reason)?;
                 None
             }
         };
@@ -29,9 +30,20 @@ impl LoadPyTorch for LayerNorm {
 }
 
 impl LoadPyTorch for FeedForward {
-    /// Keys: `linear1.*`, `linear2.*` (PyTorch's layer keeps them at the layer's top).
+    /// Keys: `linear1.*`, `linear2.*` (PyTorch's layer keeps them at the layer's top), and
+    /// a gated feed-forward's `up.*` (refused for one that is not gated).
     fn load_pytorch(mut self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         self.linear1 = load_linear(self.linear1, weights, &format!("{prefix}linear1."))?;
+        self.up = match self.up {
+            Some(up) => Some(load_linear(up, weights, &format!("{prefix}up."))?),
+            None => {
+                weights.reject(
+                    format!("{prefix}up.weight"),
+                    "the feed-forward was configured without gating (`gated`)",
+                )?;
+                None
+            }
+        };
         self.linear2 = load_linear(self.linear2, weights, &format!("{prefix}linear2."))?;
         Ok(self)
     }

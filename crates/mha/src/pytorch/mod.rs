@@ -42,8 +42,30 @@
 //! `[heads, buckets]`; the import transposes. T5 keeps the table in the first layer of a
 //! stack and lends it to the others; each mha module has its own: give the others the
 //! first one's (`layer.position_table = first.position_table.clone()`). T5's layer norms
-//! are RMS norms without a shift, which the blocks do not have: the import covers T5's
-//! attention, not its blocks.
+//! are RMS norms without a shift computed in the input's dtype, unlike Llama's (see
+//! [`NormKind::Rms`](crate::NormKind)): the import covers T5's attention, not its blocks.
+//!
+//! The attention of Hugging Face's Llama family (`LlamaAttention`, `MistralAttention`,
+//! `Qwen2Attention`, `Qwen3Attention`: keys `q_proj.*`, `k_proj.*`, `v_proj.*`,
+//! `o_proj.*`, and Qwen3's `q_norm.weight`, `k_norm.weight`) loads into a
+//! [`MultiHeadAttention`] configured as the model computes:
+//!
+//! ```
+//! # use burn::tensor::Device;
+//! use mha::{MultiHeadAttentionConfig, Positions, RopeLayout};
+//! // Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+//! // head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6); Qwen2's: with_out_bias(Some(false))
+//! // instead of the last two lines (biases on q, k, v only).
+//! let qwen3 = MultiHeadAttentionConfig::new(1024, 16) // head_dim = hidden / heads
+//!     .with_n_kv_heads(Some(8))
+//!     .with_positions(Positions::Rope { theta: 1e6, layout: RopeLayout::HalfSplit })
+//!     .with_bias(false) // attention_bias = False
+//!     .with_qk_norm_eps(Some(1e-6));
+//! # qwen3.init(&Device::default());
+//! ```
+//!
+//! Heads of another width than `hidden_size / num_attention_heads` (Qwen3's larger models
+//! set `head_dim` apart) are an [`ImportError::Convention`].
 //!
 //! Learned relative-position tables of other PyTorch code load from the key
 //! `position_table`, in mha's layout and convention: `[heads, buckets]`, indexed by the
@@ -67,7 +89,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::block::{DecoderBlock, EncoderBlock, FeedForward};
 use crate::mha::{InputProjection, MultiHeadAttention, SeparateProjection};
-use crate::norm::LayerNorm;
+use crate::norm::{LayerNorm, NormKind};
 use crate::positions::Positions;
 use crate::stack::{Decoder, Encoder};
 

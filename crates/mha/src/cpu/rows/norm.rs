@@ -2,7 +2,8 @@
 //! single pass over the data: a task takes a block of whole rows, and each row is read
 //! from memory once and worked on while it is in the cache. Differentiated op by op
 //! (mean, centre, square, mean, add, square root, divide, scale, shift), a layer norm
-//! walks its input nine times forward and twice as often backward.
+//! walks its input nine times forward and twice as often backward. The RMS norm (Llama's
+//! RMSNorm) is the same without centring: `μ = 0` below, and no `Σg / d` term in `dx`.
 //!
 //! Forward, per row of `d` values: `μ = Σx / d`, `σ⁻¹ = 1 / √(Σ(x - μ)² / d + ε)`,
 //! `y = (x - μ) σ⁻¹ γ + β`; `μ` and `σ⁻¹` are kept for the backward pass. Backward, with
@@ -61,13 +62,15 @@ fn vector<B: CpuTensors>(v: &FloatTensor<B>, d: usize) -> Vec<f32> {
     B::floats(&v).contiguous([1, 1, 1, d]).into_owned()
 }
 
-/// Layer norm of the rows of `x` (rank 4, normalised over the last axis) with scale
-/// `gamma` and shift `beta` (`[1, 1, 1, d]`): the output and each row's statistics.
+/// Layer norm (the RMS norm unless `center`) of the rows of `x` (rank 4, normalised over
+/// the last axis) with scale `gamma` and shift `beta` (`[1, 1, 1, d]`): the output and
+/// each row's statistics.
 pub(crate) fn layer_norm_forward<B: CpuTensors>(
     x: &FloatTensor<B>,
     gamma: &FloatTensor<B>,
     beta: &FloatTensor<B>,
     epsilon: f64,
+    center: bool,
 ) -> (FloatTensor<B>, RowStats) {
     let x = B::readable(x);
     let dims = dims_of::<B>(&x);
@@ -86,6 +89,7 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
             gamma: &gamma,
             beta: &beta,
             epsilon: epsilon as f32,
+            center,
         };
         let isa = Isa::best();
         let ys = Chunks::new(out, per * d);
@@ -112,14 +116,15 @@ pub(crate) fn layer_norm_forward<B: CpuTensors>(
     (B::from_rows(out, dims), stats)
 }
 
-/// The gradients of [`layer_norm_forward`] given the upstream gradient `grad` (the
-/// output's shape); the input's gradient only when `want_x`.
+/// The gradients of [`layer_norm_forward`] (with the same `center`) given the upstream
+/// gradient `grad` (the output's shape); the input's gradient only when `want_x`.
 pub(crate) fn layer_norm_backward<B: CpuTensors>(
     x: &FloatTensor<B>,
     gamma: &FloatTensor<B>,
     stats: &RowStats,
     grad: &FloatTensor<B>,
     want_x: bool,
+    center: bool,
 ) -> NormGrads<B> {
     let (x, grad) = (B::readable(x), B::readable(grad));
     let dims = dims_of::<B>(&x);
@@ -155,6 +160,7 @@ pub(crate) fn layer_norm_backward<B: CpuTensors>(
                 dy: &upstream[at * d..(at + n) * d],
                 mean: &stats.mean[at..at + n],
                 rstd: &stats.rstd[at..at + n],
+                center,
             };
             // SAFETY: each block takes its own chunk of dx, once.
             task(rows, want_x.then(|| unsafe { dxs.take(c) }))
@@ -186,19 +192,23 @@ fn add(sum: &mut [f32], part: &[f32]) {
     }
 }
 
-/// The scale, shift and `ε` of a layer norm.
+/// The scale, shift and `ε` of a layer norm, and whether it centres its rows (false: the
+/// RMS norm).
 struct Params<'a> {
     gamma: &'a [f32],
     beta: &'a [f32],
     epsilon: f32,
+    center: bool,
 }
 
-/// A block of rows of the input and the upstream gradient, with their statistics.
+/// A block of rows of the input and the upstream gradient, with their statistics, and
+/// whether the norm centred them.
 struct Rows<'a> {
     x: &'a [f32],
     dy: &'a [f32],
     mean: &'a [f32],
     rstd: &'a [f32],
+    center: bool,
 }
 
 /// The forward pass over a block of rows: their outputs and statistics.
@@ -315,7 +325,10 @@ fn forward_rows<A: Arch, const R: usize>(
     let n = d as f32;
     let (gamma, beta) = (p.gamma, &p.beta[..d]);
     let rows: [&[f32]; R] = std::array::from_fn(|r| &x[(first + r) * d..(first + r + 1) * d]);
-    let mu = lane_sums::<A, R>(rows, rows, gamma, |_, x, _, _| x).map(|s| s / n);
+    let mu = match p.center {
+        true => lane_sums::<A, R>(rows, rows, gamma, |_, x, _, _| x).map(|s| s / n),
+        false => [0.0; R],
+    };
     let var = lane_sums::<A, R>(rows, rows, gamma, |r, x, _, _| (x - mu[r]) * (x - mu[r]));
     for r in 0..R {
         let rstd = 1.0 / (var[r] / n + p.epsilon).sqrt();
@@ -367,7 +380,11 @@ fn backward_rows<A: Arch, const R: usize>(
     let dy: [&[f32]; R] = std::array::from_fn(|r| &rows.dy[at(r)]);
     let mu: [f32; R] = std::array::from_fn(|r| rows.mean[first + r]);
     let s: [f32; R] = std::array::from_fn(|r| rows.rstd[first + r]);
-    let sum_g = lane_sums::<A, R>(dy, x, gamma, |_, dy, _, g| dy * g);
+    // Centring makes each output independent of its row's mean: dx loses its mean.
+    let sum_g = match rows.center {
+        true => lane_sums::<A, R>(dy, x, gamma, |_, dy, _, g| dy * g),
+        false => [0.0; R],
+    };
     let sum_gx = lane_sums::<A, R>(dy, x, gamma, |r, dy, x, g| dy * g * ((x - mu[r]) * s[r]));
     for r in 0..R {
         let (mu, s) = (mu[r], s[r]);
@@ -401,11 +418,21 @@ mod tests {
         values.iter().map(|x| unsafe { x.assume_init() }).collect()
     }
 
-    /// Layer norm of one row and its gradients, in f64.
-    fn reference(x: &[f32], dy: &[f32], g: &[f32], b: &[f32], eps: f64) -> [Vec<f64>; 4] {
+    /// Layer norm (the RMS norm unless `center`) of one row and its gradients, in f64.
+    fn reference(
+        x: &[f32],
+        dy: &[f32],
+        g: &[f32],
+        b: &[f32],
+        eps: f64,
+        center: bool,
+    ) -> [Vec<f64>; 4] {
         let d = x.len() as f64;
         let x: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        let mu = x.iter().sum::<f64>() / d;
+        let mu = match center {
+            true => x.iter().sum::<f64>() / d,
+            false => 0.0,
+        };
         let var = x.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / d;
         let s = 1.0 / (var + eps).sqrt();
         let xhat: Vec<f64> = x.iter().map(|v| (v - mu) * s).collect();
@@ -413,7 +440,10 @@ mod tests {
             .map(|i| xhat[i] * g[i] as f64 + b[i] as f64)
             .collect();
         let gg: Vec<f64> = (0..x.len()).map(|i| dy[i] as f64 * g[i] as f64).collect();
-        let a = gg.iter().sum::<f64>() / d;
+        let a = match center {
+            true => gg.iter().sum::<f64>() / d,
+            false => 0.0,
+        };
         let c = (0..x.len()).map(|i| gg[i] * xhat[i]).sum::<f64>() / d;
         let dx = (0..x.len())
             .map(|i| s * (gg[i] - a - xhat[i] * c))
@@ -424,20 +454,24 @@ mod tests {
     }
 
     #[test]
-    fn rows_of_every_length_match_f64() {
-        for d in [1, 3, 8, 13, 64, 127] {
+    fn rows_of_every_length_match_f64_centred_or_not() {
+        for (d, center) in [1, 3, 8, 13, 64, 127]
+            .into_iter()
+            .flat_map(|d| [(d, true), (d, false)])
+        {
             let x: Vec<f32> = (0..d)
                 .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7 + 3.0)
                 .collect();
             let dy: Vec<f32> = (0..d).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.3).collect();
             let g: Vec<f32> = (0..d).map(|i| 1.0 + i as f32 * 0.01).collect();
             let b: Vec<f32> = (0..d).map(|i| i as f32 * -0.02).collect();
-            let want = reference(&x, &dy, &g, &b, 1e-5);
+            let want = reference(&x, &dy, &g, &b, 1e-5, center);
             for fma in [false, true] {
                 let p = Params {
                     gamma: &g,
                     beta: &b,
                     epsilon: 1e-5,
+                    center,
                 };
                 let nan = MaybeUninit::new(f32::NAN);
                 let (mut y, mut mean, mut rstd) = (vec![nan; d], [0.0], [0.0]);
@@ -455,6 +489,7 @@ mod tests {
                     dy: &dy,
                     mean: &mean,
                     rstd: &rstd,
+                    center,
                 };
                 let dp = [&mut dg[..], &mut db[..]];
                 match fma {
@@ -468,7 +503,10 @@ mod tests {
                 for (got, want) in [&y, &dx, &dg, &db].into_iter().zip(&want) {
                     for (i, (&got, &want)) in got.iter().zip(want).enumerate() {
                         let error = (got as f64 - want).abs() / want.abs().max(1.0);
-                        assert!(error < 2e-6, "d {d} fma {fma} [{i}]: {got} vs {want}");
+                        assert!(
+                            error < 2e-6,
+                            "d {d} center {center} fma {fma} [{i}]: {got} vs {want}"
+                        );
                     }
                 }
             }
@@ -505,6 +543,7 @@ mod speed {
             gamma: &g,
             beta: &b,
             epsilon: 1e-5,
+            center: true,
         };
         let reps = 2000;
         let t = Instant::now();
@@ -529,6 +568,7 @@ mod speed {
                     dy: &dy,
                     mean: &mean,
                     rstd: &rstd,
+                    center: true,
                 },
                 gamma: &g,
                 dx: Some(&mut y),
