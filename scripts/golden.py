@@ -457,6 +457,55 @@ def hf_attention(name, family, seed):
     save(name, attention, {"x": x}, out)
 
 
+def hf_decoder_layer(name, family, seed):
+    """A decoder layer of Hugging Face's Llama, Mistral, Qwen2 or Qwen3, transformers' own
+    module built from a tiny random configuration offline (32 wide, 4 query heads and 2
+    key/value heads of 8, feed-forward 48, RoPE with theta 500, RMS norms with random
+    scales), causal with the last two keys of batch row 1 padding, eager attention.
+    Values and gradients of the input and of every parameter, in f64; the configuration
+    is written beside the fixture as `<name>.json`, as `save_pretrained` writes it."""
+    import importlib
+    import json
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    Config = getattr(importlib.import_module("transformers"), f"{prefix}Config")
+    torch.manual_seed(seed)
+    config = Config(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+        vocab_size=50,
+        sliding_window=None,
+    )
+    config._attn_implementation = "eager"
+    layer = getattr(module, f"{prefix}DecoderLayer")(config, layer_idx=0)
+    with torch.no_grad():
+        for key, p in layer.named_parameters():
+            if p.dim() == 1:  # norms' scales (ones at first) and Qwen2's biases (zeros)
+                p.copy_(torch.randn(p.shape) * 0.3 + (0.0 if key.endswith("bias") else 1.0))
+    layer = layer.double()
+    B, T = 2, 9
+    x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
+    positions = torch.arange(T)[None].expand(B, -1)
+    cos, sin = getattr(module, f"{prefix}RotaryEmbedding")(config)(x, positions)
+    blocked = torch.ones(T, T, dtype=torch.bool).triu(1).expand(B, 1, T, T).clone()
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[1, 7:] = True
+    blocked |= padding[:, None, None, :]
+    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+    out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
+    out = out[0] if isinstance(out, tuple) else out
+    save(name, layer, {"x": x}, out, extra={"key_padding": padding})
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        f.write(config.to_json_string())
+
+
 def cross_entropy():
     """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
     ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
@@ -545,6 +594,10 @@ FIXTURES = {
     "gated_feed_forward": gated_feed_forward,
     "qwen2_attention": lambda: hf_attention("qwen2_attention", "qwen2", 37),
     "qwen3_attention": lambda: hf_attention("qwen3_attention", "qwen3", 38),
+    "llama_layer": lambda: hf_decoder_layer("llama_layer", "llama", 43),
+    "mistral_layer": lambda: hf_decoder_layer("mistral_layer", "mistral", 44),
+    "qwen2_layer": lambda: hf_decoder_layer("qwen2_layer", "qwen2", 45),
+    "qwen3_layer": lambda: hf_decoder_layer("qwen3_layer", "qwen3", 46),
     "cross_entropy": cross_entropy,
     "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
     "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),

@@ -4,6 +4,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
+use mha::hf::{HfConfig, load_decoder_layer};
 use mha::{
     AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlockConfig,
     EncoderConfig, FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig,
@@ -27,11 +28,23 @@ fn check_param_grads<M: Module + LoadPyTorch>(
     fresh: M,
     grads: &Gradients,
 ) {
-    let ours = param_grads(module, grads);
     let reference = fresh
         .load_pytorch(&f.weights, "io.grad.model.")
         .unwrap_or_else(|e| panic!("{e}"));
-    let expected = param_values(&reference);
+    check_grads_against(b, f, module, &reference, grads);
+}
+
+/// Compares the gradient of every parameter of `module` with `reference`'s values (a
+/// module of the same configuration holding PyTorch's gradients).
+fn check_grads_against<M: Module>(
+    b: &Backend,
+    f: &Fixture,
+    module: &M,
+    reference: &M,
+    grads: &Gradients,
+) {
+    let ours = param_grads(module, grads);
+    let expected = param_values(reference);
     assert_eq!(ours.len(), expected.len());
     let worst = ours
         .into_iter()
@@ -414,6 +427,95 @@ fn qwen_attention_with_qk_norm_or_biases_on_qkv_matches_transformers() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("model.o_proj.bias"), "{err}");
+}
+
+#[test]
+fn hugging_face_decoder_layers_match_transformers() {
+    // transformers' LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer and
+    // Qwen3DecoderLayer, configured from their config.json, loaded under their own names.
+    for name in ["llama_layer", "mistral_layer", "qwen2_layer", "qwen3_layer"] {
+        let f = Fixture::load(name);
+        let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
+        let config = HfConfig::from_file(&json).unwrap_or_else(|e| panic!("{e}"));
+        let block = config.block().unwrap_or_else(|e| panic!("{e}"));
+        for b in backends() {
+            let dev = b.autodiff();
+            let load = |prefix: &str| {
+                load_decoder_layer(block.init(&dev), &f.weights, prefix)
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            let layer = load("model.");
+            let x = f.io("x", [2, 9, 32], &dev).require_grad();
+            let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 9], &dev));
+            let out = layer
+                .forward(BlockInput::new(x.clone()).mask(padding))
+                .unwrap_or_else(|e| panic!("{e}"))
+                .output;
+            check_forward(&b, &f, "out", out.clone(), "out");
+            let grads = backward(&f, &out, &dev);
+            check_input_grad(&b, &f, "x", &x, &grads);
+            check_grads_against(&b, &f, &layer, &load("io.grad.model."), &grads);
+        }
+    }
+}
+
+#[test]
+fn configurations_the_blocks_cannot_compute_are_named() {
+    let json = std::fs::read(crate::util::root().join("tests/fixtures/llama_layer.json")).unwrap();
+    let base: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let with = |key: &str, value: serde_json::Value| {
+        let mut config = base.clone();
+        config[key] = value;
+        let bytes = serde_json::to_vec(&config).unwrap();
+        HfConfig::from_json(&bytes, "config.json")
+            .and_then(|c| c.block())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let err = with("head_dim", 16.into());
+    assert!(
+        err.contains("`head_dim` of config.json: 16") && err.contains("32 / 4 = 8"),
+        "{err}"
+    );
+    let err = with("hidden_act", "gelu".into());
+    assert!(
+        err.contains("`hidden_act`") && err.contains("silu"),
+        "{err}"
+    );
+    let err = with("model_type", "gpt2".into());
+    assert!(
+        err.contains("`model_type`") && err.contains("gpt2"),
+        "{err}"
+    );
+    let err = with("sliding_window", 4096.into());
+    assert!(
+        err.contains("`sliding_window`") && err.contains("4096"),
+        "{err}"
+    );
+    let yarn = serde_json::json!({"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0});
+    let err = with("rope_parameters", yarn);
+    assert!(
+        err.contains("`rope_parameters`") && err.contains("yarn"),
+        "{err}"
+    );
+    let mut missing = base.clone();
+    missing.as_object_mut().unwrap().remove("hidden_size");
+    let bytes = serde_json::to_vec(&missing).unwrap();
+    let err = HfConfig::from_json(&bytes, "config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("config.json") && err.contains("`hidden_size`"),
+        "{err}"
+    );
+    // A block that is not configured as such a layer is refused before any key is read.
+    let f = Fixture::load("llama_layer");
+    let block = EncoderBlockConfig::new(32, 4).init(&Device::default());
+    let err = load_decoder_layer(block, &f.weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("causal and pre-norm"), "{err}");
 }
 
 #[test]

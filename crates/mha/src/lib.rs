@@ -21,18 +21,14 @@ mod empty;
 pub mod error;
 #[cfg(feature = "gpu-kernels")]
 mod gpu;
+pub mod hf;
 pub mod inspect;
 pub mod linear;
 pub mod loss;
 pub mod mask;
 pub mod mha;
 pub mod norm;
-#[cfg(any(
-    feature = "flex",
-    feature = "ndarray",
-    feature = "wgpu",
-    feature = "cuda"
-))]
+#[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
 mod op;
 mod ops;
 pub mod optim;

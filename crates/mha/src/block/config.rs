@@ -54,6 +54,18 @@ macro_rules! block_config {
             /// Bias in the linear layers and LayerNorms. Default: true.
             #[config(default = true)]
             pub bias: bool,
+            /// Bias in the attention's query, key and value projections, when it differs
+            /// from `bias` (Qwen2: yes, in a model without other biases). Default: `bias`.
+            #[config(default = "None")]
+            pub attention_bias: Option<bool>,
+            /// Bias in the attention's output projection, when it differs from the other
+            /// projections' (Qwen2: no). Default: as the query, key and value's.
+            #[config(default = "None")]
+            pub attention_out_bias: Option<bool>,
+            /// QK-norm in the self-attention: an RMS norm of each query and key head with
+            /// this epsilon, before RoPE (Qwen3's). Default: none.
+            #[config(default = "None")]
+            pub qk_norm_eps: Option<f64>,
             $($own)*
         }
 
@@ -72,6 +84,9 @@ macro_rules! block_config {
                     norm: self.norm,
                     layer_norm_eps: self.layer_norm_eps,
                     bias: self.bias,
+                    attention_bias: self.attention_bias.unwrap_or(self.bias),
+                    attention_out_bias: self.attention_out_bias,
+                    qk_norm_eps: self.qk_norm_eps,
                 }
             }
 
@@ -123,6 +138,9 @@ struct Parts {
     norm: NormKind,
     layer_norm_eps: f64,
     bias: bool,
+    attention_bias: bool,
+    attention_out_bias: Option<bool>,
+    qk_norm_eps: Option<f64>,
 }
 
 impl Parts {
@@ -133,18 +151,29 @@ impl Parts {
         check.positive("layer_norm_eps", self.layer_norm_eps)
     }
 
-    /// Attention with these hyperparameters and `positions`.
-    fn attention(
+    /// The self-attention: these hyperparameters, `positions` and the QK-norm.
+    fn self_attention(
         &self,
         positions: Positions,
         device: &Device,
     ) -> Result<MultiHeadAttention, ConfigError> {
+        self.attention(positions)
+            .with_qk_norm_eps(self.qk_norm_eps)
+            .try_init(device)
+    }
+
+    /// The cross-attention: these hyperparameters, no positions.
+    fn cross_attention(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
+        self.attention(Positions::None).try_init(device)
+    }
+
+    fn attention(&self, positions: Positions) -> MultiHeadAttentionConfig {
         MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
             .with_n_kv_heads(self.n_kv_heads)
-            .with_bias(self.bias)
+            .with_bias(self.attention_bias)
+            .with_out_bias(self.attention_out_bias)
             .with_dropout(self.dropout)
             .with_positions(positions)
-            .try_init(device)
     }
 
     fn norm(&self, device: &Device) -> LayerNorm {
@@ -189,7 +218,7 @@ impl EncoderBlockConfig {
         let parts = self.parts();
         parts.validate("EncoderBlockConfig")?;
         Ok(EncoderBlock {
-            self_attn: parts.attention(self.positions.clone(), device)?,
+            self_attn: parts.self_attention(self.positions.clone(), device)?,
             feed_forward: parts.feed_forward(device),
             norm1: parts.norm(device),
             norm2: parts.norm(device),
@@ -218,8 +247,8 @@ impl DecoderBlockConfig {
         let parts = self.parts();
         parts.validate("DecoderBlockConfig")?;
         Ok(DecoderBlock {
-            self_attn: parts.attention(self.positions.clone(), device)?,
-            cross_attn: parts.attention(Positions::None, device)?,
+            self_attn: parts.self_attention(self.positions.clone(), device)?,
+            cross_attn: parts.cross_attention(device)?,
             feed_forward: parts.feed_forward(device),
             norm1: parts.norm(device),
             norm2: parts.norm(device),

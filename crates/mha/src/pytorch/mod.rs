@@ -150,6 +150,14 @@ pub enum ImportError {
         /// What differs and what to configure.
         message: String,
     },
+    /// A model's configuration (`config.json`) could not be read, or asks for what the
+    /// modules cannot compute (see [`crate::hf`]).
+    Config {
+        /// The file, or the field: "`head_dim` of config.json".
+        what: String,
+        /// What is wrong, and what the modules take.
+        message: String,
+    },
     /// A tensor was asked for in a dtype its device does not compute in.
     DeviceDtype {
         /// The full key.
@@ -182,6 +190,7 @@ impl fmt::Display for ImportError {
                 write!(f, "key `{key}`: expected a float tensor, found {dtype}")
             }
             Self::Convention { key, message } => write!(f, "key `{key}`: {message}"),
+            Self::Config { what, message } => write!(f, "{what}: {message}"),
             Self::DeviceDtype { key, dtype, device } => write!(
                 f,
                 "key `{key}`: {}, which the device {device} does not compute in (ask for \
@@ -459,7 +468,7 @@ fn load_linear_from(
     Ok(Linear { weight, bias })
 }
 
-fn load_linear(
+pub(crate) fn load_linear(
     linear: Linear,
     weights: &PyTorchWeights,
     prefix: &str,
