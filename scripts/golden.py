@@ -506,6 +506,44 @@ def hf_decoder_layer(name, family, seed):
         f.write(config.to_json_string())
 
 
+def hf_causal_lm(name, family, seed, tied):
+    """A 2-layer `LlamaForCausalLM` or `Qwen3ForCausalLM` (transformers' own model from a
+    tiny random configuration, offline: 32 wide, 4 query heads and 2 key/value heads of
+    8, feed-forward 48, a vocabulary of 50, RoPE with theta 500; the head tied to the
+    embedding when `tied`), eager attention: the logits of two sequences of 9 tokens and
+    the gradients of every parameter, in f64; the configuration beside it as
+    `<name>.json`."""
+    import importlib
+
+    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[family]
+    transformers = importlib.import_module("transformers")
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{prefix}Config")(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+        vocab_size=50,
+        tie_word_embeddings=tied,
+    )
+    config._attn_implementation = "eager"
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            if p.dim() == 1:  # the norms' scales, ones at first
+                p.copy_(torch.randn(p.shape) * 0.3 + 1.0)
+    model = model.double().eval()
+    ids = torch.randint(0, 50, (2, 9))
+    out = model(input_ids=ids).logits
+    save(name, model, {"ids": ids}, out)
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        f.write(config.to_json_string())
+
+
 def cross_entropy():
     """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
     ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
@@ -598,6 +636,8 @@ FIXTURES = {
     "mistral_layer": lambda: hf_decoder_layer("mistral_layer", "mistral", 44),
     "qwen2_layer": lambda: hf_decoder_layer("qwen2_layer", "qwen2", 45),
     "qwen3_layer": lambda: hf_decoder_layer("qwen3_layer", "qwen3", 46),
+    "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
+    "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True),
     "cross_entropy": cross_entropy,
     "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
     "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),

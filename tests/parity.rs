@@ -4,7 +4,7 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
-use mha::hf::{HfConfig, load_decoder_layer};
+use mha::hf::{HfConfig, load_causal_lm, load_decoder_layer};
 use mha::{
     AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlockConfig,
     EncoderConfig, FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig,
@@ -455,6 +455,45 @@ fn hugging_face_decoder_layers_match_transformers() {
             let grads = backward(&f, &out, &dev);
             check_input_grad(&b, &f, "x", &x, &grads);
             check_grads_against(&b, &f, &layer, &load("io.grad.model."), &grads);
+        }
+    }
+}
+
+#[test]
+fn hugging_face_causal_lms_match_transformers_and_decode_through_the_cache() {
+    // A 2-layer LlamaForCausalLM (its own head) and Qwen3ForCausalLM (the head tied to the
+    // embedding): the logits and every parameter's gradient, then decoding token by token.
+    for name in ["llama_lm", "qwen3_lm"] {
+        let f = Fixture::load(name);
+        let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
+        let config = HfConfig::from_file(&json).unwrap_or_else(|e| panic!("{e}"));
+        for b in backends() {
+            let load = |device: &Device, prefix: &str| {
+                let lm = config
+                    .init_causal_lm(device)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                load_causal_lm(lm, &f.weights, prefix).unwrap_or_else(|e| panic!("{e}"))
+            };
+            let ids = |device: &Device| f.io::<2>("ids", [2, 9], device).int();
+            let dev = b.autodiff();
+            let lm = load(&dev, "model.");
+            let logits = lm.forward(ids(&dev), AttentionMask::none());
+            check_forward(&b, &f, "logits", logits.clone(), "out");
+            let grads = backward(&f, &logits, &dev);
+            check_grads_against(&b, &f, &lm, &load(&dev, "io.grad.model."), &grads);
+
+            let lm = load(&b.device, "model.");
+            let mut cache = lm.cache(9);
+            let steps: Vec<Tensor<3>> = (0..9)
+                .map(|t| {
+                    let token = ids(&b.device).slice([0..2, t..t + 1]);
+                    lm.forward_cached(token, &mut cache)
+                        .unwrap_or_else(|e| panic!("{e}"))
+                })
+                .collect();
+            let label = format!("{name} [{}] decoded token by token", b.name);
+            let want = f.io("out", [2, 9, 50], &b.device);
+            assert_close(&label, Tensor::cat(steps, 1), want, b.forward_tol());
         }
     }
 }

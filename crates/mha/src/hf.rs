@@ -2,7 +2,8 @@
 //! `Qwen2DecoderLayer`, `Qwen3DecoderLayer` of `transformers`) as causal
 //! [`EncoderBlock`]s: the block's configuration from the model's `config.json`
 //! ([`HfConfig::block`]), and a layer's weights under their own names
-//! ([`load_decoder_layer`]).
+//! ([`load_decoder_layer`]); the whole language model ([`CausalLm`]: the embedding, the
+//! layers, the final norm and the head) with [`load_causal_lm`].
 //!
 //! ```no_run
 //! use burn::tensor::Device;
@@ -30,13 +31,19 @@
 use std::path::Path;
 
 use burn::config::Config;
-use burn::tensor::Device;
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::block::{EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
+use crate::block::{BlockInput, EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
+use crate::cache::{KvCache, StackCache};
+use crate::error::CacheError;
+use crate::mask::AttentionMask;
 use crate::norm::{LayerNorm, NormKind};
 use crate::positions::{Positions, RopeLayout};
-use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights};
+use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, set};
+use crate::stack::Encoder;
 
 /// The fields of a Llama-family `config.json` that shape a decoder layer (the others
 /// are read past). Field names are Hugging Face's.
@@ -88,6 +95,9 @@ pub struct HfConfig {
     pub hidden_act: String,
     /// Tokens in the vocabulary.
     pub vocab_size: usize,
+    /// Whether the language-model head is the token embedding (no `lm_head.weight`).
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
 }
 
 /// RoPE's settings in `config.json` (`rope_parameters`, or the older `rope_scaling`).
@@ -288,4 +298,134 @@ pub fn load_decoder_layer(
     ff.up = Some(load(ff.up.take().expect("gated"), "mlp.up_proj.")?);
     ff.linear2 = load(ff.linear2.clone(), "mlp.down_proj.")?;
     Ok(block)
+}
+
+/// A Llama-family causal language model (`LlamaForCausalLM` and its kin): the token
+/// embedding, the decoder layers with the final RMS norm, and the head (the embedding
+/// itself when `tie_word_embeddings`). Build it with [`HfConfig::init_causal_lm`], load it
+/// with [`load_causal_lm`].
+#[derive(Module, Debug)]
+pub struct CausalLm {
+    /// `[vocab_size, hidden_size]` (`model.embed_tokens.weight`).
+    pub embed_tokens: Embedding,
+    /// The decoder layers and the final norm (`model.layers.N.*`, `model.norm.weight`).
+    pub model: Encoder,
+    /// The head `[hidden_size, vocab_size]` (`lm_head.weight`), or `None` when it is the
+    /// embedding.
+    pub lm_head: Option<Linear>,
+}
+
+impl CausalLm {
+    /// The logits of every position of `tokens` `[B, T]` under `mask` (key padding, say;
+    /// the layers are causal).
+    ///
+    /// # Shapes
+    /// `tokens`: `[B, T]` -> `[B, T, vocab_size]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>, mask: AttentionMask) -> Tensor<3> {
+        let x = self.embed_tokens.forward(tokens);
+        let input = BlockInput::new(x).mask(mask);
+        let hidden = self
+            .model
+            .forward(input)
+            .expect("a stack without a cache has no cache error")
+            .output;
+        self.logits(hidden)
+    }
+
+    /// The logits of the next tokens `tokens` `[B, T]` against `cache`, which holds the
+    /// keys and values of the tokens before them (from [`cache`](Self::cache)): a prompt,
+    /// then one token per call; equal to those rows of [`forward`](Self::forward) over the
+    /// whole sequence.
+    ///
+    /// # Errors
+    /// The cache's ([`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)).
+    pub fn forward_cached(
+        &self,
+        tokens: Tensor<2, Int>,
+        cache: &mut StackCache,
+    ) -> Result<Tensor<3>, CacheError> {
+        let x = self.embed_tokens.forward(tokens);
+        let hidden = self.model.forward(BlockInput::new(x).cache(cache))?.output;
+        Ok(self.logits(hidden))
+    }
+
+    /// Caches for every layer, each holding up to `capacity` tokens.
+    pub fn cache(&self, capacity: usize) -> StackCache {
+        self.model.cache(KvCache::new(capacity))
+    }
+
+    /// `[B, T, hidden_size]` -> `[B, T, vocab_size]`.
+    fn logits(&self, hidden: Tensor<3>) -> Tensor<3> {
+        match &self.lm_head {
+            Some(head) => crate::ops::linear::forward(head, hidden),
+            None => {
+                let embedding = self.embed_tokens.weight.val().transpose();
+                crate::linear::linear(hidden, embedding, None)
+            }
+        }
+    }
+}
+
+impl HfConfig {
+    /// The causal language model, initialised (load its weights with
+    /// [`load_causal_lm`]).
+    ///
+    /// # Errors
+    /// As [`block`](Self::block).
+    pub fn init_causal_lm(&self, device: &Device) -> Result<CausalLm, ImportError> {
+        let block = self.block()?;
+        let model = crate::stack::EncoderConfig::new(block, self.num_hidden_layers)
+            .try_init(device)
+            .map_err(|err| ImportError::Config {
+                what: "config.json".into(),
+                message: err.to_string(),
+            })?;
+        let (vocab, width) = (self.vocab_size, self.hidden_size);
+        Ok(CausalLm {
+            embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
+            model,
+            lm_head: (!self.tie_word_embeddings.unwrap_or(false)).then(|| {
+                LinearConfig::new(width, vocab)
+                    .with_bias(false)
+                    .init(device)
+            }),
+        })
+    }
+}
+
+/// Loads a Llama-family causal language model stored under `prefix` (`""` for a
+/// `model.safetensors` as Hugging Face writes it): `{prefix}model.embed_tokens.weight`,
+/// each layer's `{prefix}model.layers.N.*` ([`load_decoder_layer`]),
+/// `{prefix}model.norm.weight` and `{prefix}lm_head.weight` (not read when the head is the
+/// embedding, whose copy it then is).
+///
+/// # Errors
+/// As [`load_decoder_layer`], for every key.
+pub fn load_causal_lm(
+    mut lm: CausalLm,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<CausalLm, ImportError> {
+    let at = |name: &str| format!("{prefix}{name}");
+    let table = &lm.embed_tokens.weight;
+    let shape = table.shape().dims::<2>();
+    let value = Place::of(table).load(weights, &at("model.embed_tokens.weight"), shape)?;
+    lm.embed_tokens.weight = set(lm.embed_tokens.weight, value);
+    lm.model.layers = lm
+        .model
+        .layers
+        .into_iter()
+        .enumerate()
+        .map(|(i, layer)| load_decoder_layer(layer, weights, &at(&format!("model.layers.{i}."))))
+        .collect::<Result<_, _>>()?;
+    lm.model.norm = match lm.model.norm {
+        Some(norm) => Some(norm.load_pytorch(weights, &at("model.norm."))?),
+        None => None,
+    };
+    // A tied head is the embedding: `save_pretrained` leaves its key out, PyTorch's
+    // `state_dict` repeats the embedding under it; either way there is nothing to read.
+    if let Some(head) = lm.lm_head {
+        lm.lm_head = Some(crate::pytorch::load_linear(head, weights, &at("lm_head."))?);
+    }
+    Ok(lm)
 }

@@ -375,19 +375,19 @@ pub trait LoadPyTorch: Sized {
 }
 
 /// Replaces a parameter's value, keeping its id and whether it is trained.
-fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> Param<Tensor<D>> {
+pub(crate) fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> Param<Tensor<D>> {
     param.map(|old| value.set_require_grad(old.is_require_grad()))
 }
 
 /// Where a parameter lives: the device and dtype a loaded value takes, as PyTorch's
 /// `load_state_dict` copies into the parameter's own dtype.
-struct Place {
+pub(crate) struct Place {
     device: Device,
     dtype: DType,
 }
 
 impl Place {
-    fn of<const D: usize>(param: &Param<Tensor<D>>) -> Self {
+    pub(crate) fn of<const D: usize>(param: &Param<Tensor<D>>) -> Self {
         let value = param.val();
         Self {
             device: value.device(),
@@ -396,7 +396,7 @@ impl Place {
     }
 
     /// The tensor under `key`, of shape `shape`, in this place's dtype.
-    fn load<const D: usize>(
+    pub(crate) fn load<const D: usize>(
         &self,
         weights: &PyTorchWeights,
         key: &str,
