@@ -544,6 +544,50 @@ def hf_causal_lm(name, family, seed, tied):
         f.write(config.to_json_string())
 
 
+def hf_gpt2_bert(name, family, seed):
+    """GPT-2's block (`GPT2Block`: causal, pre-norm, packed `c_attn` in Conv1D layout,
+    `gelu_new`) or BERT's layer (`BertLayer`: bidirectional, post-norm, exact GELU),
+    transformers' own modules from tiny random configurations offline (32 wide, 4 heads,
+    feed-forward 48, random norm scales and biases), the last two keys of batch row 1
+    padding, eager attention: values and gradients of the input and every parameter, in
+    f64; the configuration beside it as `<name>.json`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=32, n_head=4, n_layer=1, n_inner=48, vocab_size=50, n_positions=16,
+            bos_token_id=0, eos_token_id=0,
+        )
+        config._attn_implementation = "eager"
+        layer = transformers.models.gpt2.modeling_gpt2.GPT2Block(config, layer_idx=0)
+    else:
+        config = transformers.BertConfig(
+            hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48,
+            vocab_size=50, layer_norm_eps=1e-12,
+        )
+        config._attn_implementation = "eager"
+        layer = transformers.models.bert.modeling_bert.BertLayer(config)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if p.numel() == 32 else 0.0))
+    layer = layer.double().eval()
+    B, T = 2, 9
+    x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[1, 7:] = True
+    blocked = padding[:, None, None, :].expand(B, 1, T, T).clone()
+    if family == "gpt2":
+        blocked |= torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+    out = layer(x, attention_mask=mask)
+    out = out[0] if isinstance(out, tuple) else out
+    save(name, layer, {"x": x}, out, extra={"key_padding": padding})
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        f.write(config.to_json_string())
+
+
 def cross_entropy():
     """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
     ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
@@ -636,6 +680,8 @@ FIXTURES = {
     "mistral_layer": lambda: hf_decoder_layer("mistral_layer", "mistral", 44),
     "qwen2_layer": lambda: hf_decoder_layer("qwen2_layer", "qwen2", 45),
     "qwen3_layer": lambda: hf_decoder_layer("qwen3_layer", "qwen3", 46),
+    "gpt2_block": lambda: hf_gpt2_bert("gpt2_block", "gpt2", 49),
+    "bert_layer": lambda: hf_gpt2_bert("bert_layer", "bert", 50),
     "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
     "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True),
     "cross_entropy": cross_entropy,

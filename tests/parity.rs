@@ -4,11 +4,14 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
-use mha::hf::{HfConfig, load_causal_lm, load_decoder_layer};
+use mha::hf::{
+    BertConfig, Gpt2Config, HfConfig, load_bert_layer, load_causal_lm, load_decoder_layer,
+    load_gpt2_block,
+};
 use mha::{
-    AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlockConfig,
-    EncoderConfig, FeedForwardActivation, LoadPyTorch, MhaInput, MultiHeadAttentionConfig,
-    Positions, RopeLayout, SdpaOptions, scaled_dot_product_attention,
+    AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlock,
+    EncoderBlockConfig, EncoderConfig, FeedForwardActivation, ImportError, LoadPyTorch, MhaInput,
+    MultiHeadAttentionConfig, Positions, RopeLayout, SdpaOptions, scaled_dot_product_attention,
 };
 
 use crate::util::{Backend, Fixture, assert_close, backends, param_grads, param_values};
@@ -457,6 +460,52 @@ fn hugging_face_decoder_layers_match_transformers() {
             check_grads_against(&b, &f, &layer, &load("io.grad.model."), &grads);
         }
     }
+}
+
+#[test]
+fn gpt2_blocks_and_bert_layers_match_transformers() {
+    // transformers' GPT2Block (Conv1D weights, packed c_attn, gelu_new, causal) and
+    // BertLayer (post-norm, bidirectional), configured from their config.json, loaded
+    // under their own names, with key padding.
+    type Load = fn(EncoderBlock, &mha::PyTorchWeights, &str) -> Result<EncoderBlock, ImportError>;
+    let gpt2 = |path: &std::path::Path| Gpt2Config::from_file(path).and_then(|c| c.block());
+    let bert = |path: &std::path::Path| BertConfig::from_file(path).and_then(|c| c.block());
+    type Block = fn(&std::path::Path) -> Result<EncoderBlockConfig, ImportError>;
+    let cases: [(&str, Block, Load); 2] = [
+        ("gpt2_block", gpt2, load_gpt2_block),
+        ("bert_layer", bert, load_bert_layer),
+    ];
+    for (name, block, load_block) in cases {
+        let f = Fixture::load(name);
+        let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
+        let block = block(&json).unwrap_or_else(|e| panic!("{e}"));
+        for b in backends() {
+            let dev = b.autodiff();
+            let load = |prefix: &str| {
+                load_block(block.init(&dev), &f.weights, prefix).unwrap_or_else(|e| panic!("{e}"))
+            };
+            let layer = load("model.");
+            let x = f.io("x", [2, 9, 32], &dev).require_grad();
+            let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 9], &dev));
+            let out = layer
+                .forward(BlockInput::new(x.clone()).mask(padding))
+                .unwrap_or_else(|e| panic!("{e}"))
+                .output;
+            check_forward(&b, &f, "out", out.clone(), "out");
+            let grads = backward(&f, &out, &dev);
+            check_input_grad(&b, &f, "x", &x, &grads);
+            check_grads_against(&b, &f, &layer, &load("io.grad.model."), &grads);
+        }
+    }
+    // Each refuses a block configured as the other's.
+    let device = Device::default();
+    let gpt2_json = crate::util::root().join("tests/fixtures/gpt2_block.json");
+    let as_gpt2 = gpt2(&gpt2_json).unwrap().init(&device);
+    let bert_weights = Fixture::load("bert_layer").weights;
+    let err = load_bert_layer(as_gpt2, &bert_weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("bidirectional and post-norm"), "{err}");
 }
 
 #[test]

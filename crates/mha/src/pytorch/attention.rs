@@ -197,7 +197,7 @@ fn load_hf(
 /// The query, key, value and output projections from four separate linears (`{at}weight`
 /// `[out, in]` and `{at}bias` `[out]` for each `at` of `[q, k, v, o]`), packed into the
 /// module's one input projection where it has one.
-fn load_projections(
+pub(crate) fn load_projections(
     mut mha: MultiHeadAttention,
     weights: &PyTorchWeights,
     [q, k, v, o]: [String; 4],

@@ -96,6 +96,8 @@ use crate::stack::{Decoder, Encoder};
 mod attention;
 mod blocks;
 
+pub(crate) use attention::load_projections;
+
 /// Why weights could not be imported.
 #[derive(Debug)]
 pub enum ImportError {

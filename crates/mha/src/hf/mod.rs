@@ -1,4 +1,7 @@
-//! Hugging Face's Llama-family decoder layers (`LlamaDecoderLayer`, `MistralDecoderLayer`,
+//! Hugging Face's architectures in mha's modules, each read from the model's own
+//! `config.json` and `model.safetensors` under its own names: GPT-2's blocks
+//! ([`Gpt2Config`], [`load_gpt2_block`]), BERT's layers ([`BertConfig`],
+//! [`load_bert_layer`]), and the Llama family's decoder layers (`LlamaDecoderLayer`, `MistralDecoderLayer`,
 //! `Qwen2DecoderLayer`, `Qwen3DecoderLayer` of `transformers`) as causal
 //! [`EncoderBlock`]s: the block's configuration from the model's `config.json`
 //! ([`HfConfig::block`]), and a layer's weights under their own names
@@ -44,6 +47,29 @@ use crate::norm::{LayerNorm, NormKind};
 use crate::positions::{Positions, RopeLayout};
 use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, set};
 use crate::stack::Encoder;
+
+mod bert;
+mod gpt2;
+
+pub use bert::{BertConfig, load_bert_layer};
+pub use gpt2::{Gpt2Config, load_gpt2_block};
+
+/// Reads a `config.json` of `family` into `C`.
+fn read_config<C: Config>(path: &Path, family: &str) -> Result<C, ImportError> {
+    let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    parse_config(&bytes, &path.display().to_string(), family)
+}
+
+/// Parses the JSON of a `config.json` of `family`; `source` names it in errors.
+fn parse_config<C: Config>(json: &[u8], source: &str, family: &str) -> Result<C, ImportError> {
+    C::load_binary(json).map_err(|err| ImportError::Config {
+        what: source.to_string(),
+        message: format!("not a {family} config.json ({err})"),
+    })
+}
 
 /// The fields of a Llama-family `config.json` that shape a decoder layer (the others
 /// are read past). Field names are Hugging Face's.
@@ -127,12 +153,7 @@ impl HfConfig {
     /// [`ImportError::Io`] when the file cannot be read, [`ImportError::Config`] when it
     /// is not a configuration with the fields above.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
-        let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json(&bytes, &path.display().to_string())
+        read_config(path.as_ref(), "Llama-family")
     }
 
     /// Parses the JSON of a `config.json`; `source` names it in errors.
@@ -140,10 +161,7 @@ impl HfConfig {
     /// # Errors
     /// [`ImportError::Config`] when it is not a configuration with the fields above.
     pub fn from_json(json: &[u8], source: &str) -> Result<Self, ImportError> {
-        Self::load_binary(json).map_err(|err| ImportError::Config {
-            what: source.to_string(),
-            message: format!("not a Llama-family config.json ({err})"),
-        })
+        parse_config(json, source, "Llama-family")
     }
 
     /// The configuration of one decoder layer as a causal [`EncoderBlock`].

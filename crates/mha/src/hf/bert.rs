@@ -1,0 +1,156 @@
+//! BERT's layer (`BertLayer` of `transformers`) as a bidirectional post-norm
+//! [`EncoderBlock`]: `attention.self.{query,key,value}`, `attention.output.dense` and its
+//! `LayerNorm`, `intermediate.dense`, `output.dense` and its `LayerNorm`, exact GELU,
+//! biases everywhere. Its positions (learned, with token types) are added to the input
+//! once, outside the layers.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::read_config;
+use crate::block::{EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
+use crate::norm::NormKind;
+use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_linear};
+
+/// The fields of BERT's `config.json` that shape a layer (the others are read past).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BertConfig {
+    /// Model width.
+    pub hidden_size: usize,
+    /// Heads.
+    pub num_attention_heads: usize,
+    /// Layers.
+    pub num_hidden_layers: usize,
+    /// The feed-forward's hidden width.
+    pub intermediate_size: usize,
+    /// The feed-forward's activation: `gelu`.
+    #[serde(default = "gelu")]
+    pub hidden_act: String,
+    /// The layer norms' epsilon.
+    pub layer_norm_eps: f64,
+    /// `absolute` (a learned table added to the input).
+    #[serde(default = "absolute")]
+    pub position_embedding_type: String,
+    /// Whether the layers are a decoder's.
+    #[serde(default)]
+    pub is_decoder: bool,
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+}
+
+fn gelu() -> String {
+    "gelu".into()
+}
+
+fn absolute() -> String {
+    "absolute".into()
+}
+
+impl burn::config::Config for BertConfig {}
+
+impl BertConfig {
+    /// Reads BERT's `config.json`.
+    ///
+    /// # Errors
+    /// [`ImportError::Io`] when the file cannot be read, [`ImportError::Config`] when it
+    /// is not BERT's configuration.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
+        read_config(path.as_ref(), "BERT")
+    }
+
+    /// The configuration of one layer as a bidirectional post-norm [`EncoderBlock`].
+    ///
+    /// # Errors
+    /// [`ImportError::Config`] naming the field the blocks cannot express: another
+    /// activation, relative position embeddings, a decoder.
+    pub fn block(&self) -> Result<EncoderBlockConfig, ImportError> {
+        let refuse = |field: &str, message: String| ImportError::Config {
+            what: format!("`{field}` of config.json"),
+            message,
+        };
+        let activation = match self.hidden_act.as_str() {
+            "gelu" => FeedForwardActivation::Gelu,
+            "gelu_new" => FeedForwardActivation::GeluTanh,
+            "relu" => FeedForwardActivation::Relu,
+            other => {
+                return Err(refuse(
+                    "hidden_act",
+                    format!("`{other}`: the layers take gelu, gelu_new or relu"),
+                ));
+            }
+        };
+        if self.position_embedding_type != "absolute" {
+            return Err(refuse(
+                "position_embedding_type",
+                format!(
+                    "`{}`: BERT's relative position embeddings have no counterpart",
+                    self.position_embedding_type
+                ),
+            ));
+        }
+        if self.is_decoder {
+            return Err(refuse(
+                "is_decoder",
+                "BERT as a decoder (cross-attention) is not covered".into(),
+            ));
+        }
+        Ok(
+            EncoderBlockConfig::new(self.hidden_size, self.num_attention_heads)
+                .with_d_ff(Some(self.intermediate_size))
+                .with_dropout(0.0)
+                .with_activation(activation)
+                .with_norm_first(false)
+                .with_layer_norm_eps(self.layer_norm_eps),
+        )
+    }
+}
+
+/// Loads a `BertLayer` stored under `prefix` (such as `bert.encoder.layer.0.`):
+/// `attention.self.{query,key,value}.*`, `attention.output.dense.*`,
+/// `attention.output.LayerNorm.*`, `intermediate.dense.*`, `output.dense.*`,
+/// `output.LayerNorm.*`.
+///
+/// # Errors
+/// [`ImportError::Convention`] when `block` is not configured as BERT's (bidirectional,
+/// post-norm, layer norms, not gated: see [`BertConfig::block`]), and the import's errors
+/// naming a key.
+pub fn load_bert_layer(
+    mut block: EncoderBlock,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<EncoderBlock, ImportError> {
+    let at = |name: &str| format!("{prefix}{name}");
+    let gated = block.feed_forward.up.is_some();
+    if block.causal || block.norm_first || gated || block.norm1.kind() != NormKind::Layer {
+        return Err(ImportError::Convention {
+            key: at("attention.self.query.weight"),
+            message: "BERT's layer is bidirectional and post-norm, with layer norms and a \
+                      feed-forward of two layers; configure the block as BertConfig::block \
+                      does"
+                .into(),
+        });
+    }
+    // BERT's names, under the ones the attention's import reads.
+    let attention = at("attention.");
+    block.self_attn = crate::pytorch::load_projections(
+        block.self_attn,
+        weights,
+        [
+            format!("{attention}self.query."),
+            format!("{attention}self.key."),
+            format!("{attention}self.value."),
+            format!("{attention}output.dense."),
+        ],
+    )?;
+    block.norm1 = block
+        .norm1
+        .load_pytorch(weights, &at("attention.output.LayerNorm."))?;
+    block.norm2 = block
+        .norm2
+        .load_pytorch(weights, &at("output.LayerNorm."))?;
+    let ff = &mut block.feed_forward;
+    ff.linear1 = load_linear(ff.linear1.clone(), weights, &at("intermediate.dense."))?;
+    ff.linear2 = load_linear(ff.linear2.clone(), weights, &at("output.dense."))?;
+    Ok(block)
+}

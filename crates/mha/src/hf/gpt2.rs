@@ -1,0 +1,171 @@
+//! GPT-2's block (`GPT2Block` of `transformers`) as a causal [`EncoderBlock`]: pre-norm
+//! with layer norms, one packed `c_attn` projection and `c_proj`, a feed-forward with
+//! GELU's tanh approximation (`gelu_new`), biases everywhere; its linears are `Conv1D`s,
+//! whose weights are stored `[in, out]` as Burn's are (no transpose). Its positions are a
+//! learned table added to the input once (`wpe`), outside the blocks.
+
+use serde::{Deserialize, Serialize};
+
+use super::read_config;
+use crate::block::{EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
+use crate::mha::InputProjection;
+use crate::norm::NormKind;
+use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, set};
+use burn::nn::Linear;
+use std::path::Path;
+
+/// The fields of GPT-2's `config.json` that shape a block (the others are read past).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Gpt2Config {
+    /// Model width.
+    pub n_embd: usize,
+    /// Heads.
+    pub n_head: usize,
+    /// Blocks.
+    pub n_layer: usize,
+    /// The feed-forward's hidden width; `4 · n_embd` when absent.
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// The layer norms' epsilon.
+    pub layer_norm_epsilon: f64,
+    /// The feed-forward's activation: `gelu_new` (GELU's tanh approximation) or `gelu`.
+    #[serde(default = "gelu_new")]
+    pub activation_function: String,
+    /// Whether the scores are scaled by `1/sqrt(head_dim)`.
+    #[serde(default = "yes")]
+    pub scale_attn_weights: bool,
+    /// Whether layer `i`'s scores are also divided by `i + 1`.
+    #[serde(default)]
+    pub scale_attn_by_inverse_layer_idx: bool,
+    /// Whether the blocks have cross-attention.
+    #[serde(default)]
+    pub add_cross_attention: bool,
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Positions with a learned embedding.
+    pub n_positions: usize,
+}
+
+fn gelu_new() -> String {
+    "gelu_new".into()
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl burn::config::Config for Gpt2Config {}
+
+impl Gpt2Config {
+    /// Reads GPT-2's `config.json`.
+    ///
+    /// # Errors
+    /// [`ImportError::Io`] when the file cannot be read, [`ImportError::Config`] when it
+    /// is not GPT-2's configuration.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
+        read_config(path.as_ref(), "GPT-2")
+    }
+
+    /// The configuration of one block as a causal [`EncoderBlock`].
+    ///
+    /// # Errors
+    /// [`ImportError::Config`] naming the field the blocks cannot express: another
+    /// activation, unscaled scores or scores scaled by the layer's index, cross-attention.
+    pub fn block(&self) -> Result<EncoderBlockConfig, ImportError> {
+        let refuse = |field: &str, message: String| ImportError::Config {
+            what: format!("`{field}` of config.json"),
+            message,
+        };
+        let activation = match self.activation_function.as_str() {
+            "gelu_new" | "gelu_pytorch_tanh" => FeedForwardActivation::GeluTanh,
+            "gelu" => FeedForwardActivation::Gelu,
+            other => {
+                return Err(refuse(
+                    "activation_function",
+                    format!("`{other}`: the blocks take gelu_new, gelu_pytorch_tanh or gelu"),
+                ));
+            }
+        };
+        if !self.scale_attn_weights || self.scale_attn_by_inverse_layer_idx {
+            return Err(refuse(
+                "scale_attn_weights",
+                "scores scaled otherwise than by 1/sqrt(head_dim) have no counterpart".into(),
+            ));
+        }
+        if self.add_cross_attention {
+            return Err(refuse(
+                "add_cross_attention",
+                "blocks with cross-attention load as DecoderBlock, which this import does not \
+                 cover"
+                    .into(),
+            ));
+        }
+        Ok(EncoderBlockConfig::new(self.n_embd, self.n_head)
+            .with_d_ff(Some(self.n_inner.unwrap_or(4 * self.n_embd)))
+            .with_dropout(0.0)
+            .with_activation(activation)
+            .with_norm(NormKind::Layer)
+            .with_layer_norm_eps(self.layer_norm_epsilon)
+            .with_causal(true))
+    }
+}
+
+/// Loads a `GPT2Block` stored under `prefix` (such as `h.0.` or `transformer.h.0.`):
+/// `ln_1.*`, `attn.c_attn.*` (the packed query, key and value projection, `[n_embd, 3 ·
+/// n_embd]`), `attn.c_proj.*`, `ln_2.*`, `mlp.c_fc.*`, `mlp.c_proj.*`.
+///
+/// # Errors
+/// [`ImportError::Convention`] when `block` is not configured as GPT-2's (causal,
+/// pre-norm, layer norms, biases, a packed projection, not gated: see
+/// [`Gpt2Config::block`]), and the import's errors naming a key.
+pub fn load_gpt2_block(
+    mut block: EncoderBlock,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<EncoderBlock, ImportError> {
+    let at = |name: &str| format!("{prefix}{name}");
+    let gated = block.feed_forward.up.is_some();
+    let packed = matches!(block.self_attn.in_proj, InputProjection::Packed(_));
+    let layer = block.norm1.kind() == NormKind::Layer && block.norm1.beta.is_some();
+    if !block.causal || !block.norm_first || gated || !packed || !layer {
+        return Err(ImportError::Convention {
+            key: at("attn.c_attn.weight"),
+            message: "GPT-2's block is causal and pre-norm, with layer norms, biases, one \
+                      packed projection and a feed-forward of two layers; configure the block \
+                      as Gpt2Config::block does"
+                .into(),
+        });
+    }
+    block.norm1 = block.norm1.load_pytorch(weights, &at("ln_1."))?;
+    block.norm2 = block.norm2.load_pytorch(weights, &at("ln_2."))?;
+    block.self_attn.in_proj = match block.self_attn.in_proj {
+        InputProjection::Packed(linear) => {
+            InputProjection::Packed(conv1d(linear, weights, &at("attn.c_attn."))?)
+        }
+        separate => separate,
+    };
+    let attention = &mut block.self_attn;
+    attention.out_proj = conv1d(attention.out_proj.clone(), weights, &at("attn.c_proj."))?;
+    let ff = &mut block.feed_forward;
+    ff.linear1 = conv1d(ff.linear1.clone(), weights, &at("mlp.c_fc."))?;
+    ff.linear2 = conv1d(ff.linear2.clone(), weights, &at("mlp.c_proj."))?;
+    Ok(block)
+}
+
+/// A linear from a `Conv1D`'s `{prefix}weight` `[in, out]` (Burn's layout) and
+/// `{prefix}bias` `[out]`.
+fn conv1d(linear: Linear, weights: &PyTorchWeights, prefix: &str) -> Result<Linear, ImportError> {
+    let Linear { weight, bias } = linear;
+    let shape = weight.shape().dims::<2>();
+    let w = Place::of(&weight).load(weights, &format!("{prefix}weight"), shape)?;
+    let weight = set(weight, w);
+    let bias = match bias {
+        Some(bias) => {
+            let shape = bias.shape().dims::<1>();
+            let b = Place::of(&bias).load(weights, &format!("{prefix}bias"), shape)?;
+            Some(set(bias, b))
+        }
+        None => None,
+    };
+    Ok(Linear { weight, bias })
+}
