@@ -457,10 +457,11 @@ def hf_attention(name, family, seed):
     save(name, attention, {"x": x}, out)
 
 
-def hf_decoder_layer(name, family, seed):
+def hf_decoder_layer(name, family, seed, head_dim=8):
     """A decoder layer of Hugging Face's Llama, Mistral, Qwen2 or Qwen3, transformers' own
     module built from a tiny random configuration offline (32 wide, 4 query heads and 2
-    key/value heads of 8, feed-forward 48, RoPE with theta 500, RMS norms with random
+    key/value heads of `head_dim` (Qwen3's 16: heads wider than hidden_size /
+    num_attention_heads, as in its released models), feed-forward 48, RoPE with theta 500, RMS norms with random
     scales), causal with the last two keys of batch row 1 padding, eager attention.
     Values and gradients of the input and of every parameter, in f64; the configuration
     is written beside the fixture as `<name>.json`, as `save_pretrained` writes it."""
@@ -477,7 +478,7 @@ def hf_decoder_layer(name, family, seed):
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         rms_norm_eps=1e-6,
         rope_theta=500.0,
         vocab_size=50,
@@ -506,10 +507,10 @@ def hf_decoder_layer(name, family, seed):
         f.write(config.to_json_string())
 
 
-def hf_causal_lm(name, family, seed, tied):
+def hf_causal_lm(name, family, seed, tied, head_dim=8):
     """A 2-layer `LlamaForCausalLM` or `Qwen3ForCausalLM` (transformers' own model from a
     tiny random configuration, offline: 32 wide, 4 query heads and 2 key/value heads of
-    8, feed-forward 48, a vocabulary of 50, RoPE with theta 500; the head tied to the
+    `head_dim` (Qwen3's 16), feed-forward 48, a vocabulary of 50, RoPE with theta 500; the head tied to the
     embedding when `tied`), eager attention: the logits of two sequences of 9 tokens and
     the gradients of every parameter, in f64; the configuration beside it as
     `<name>.json`."""
@@ -524,7 +525,7 @@ def hf_causal_lm(name, family, seed, tied):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         rms_norm_eps=1e-6,
         rope_theta=500.0,
         vocab_size=50,
@@ -679,11 +680,11 @@ FIXTURES = {
     "llama_layer": lambda: hf_decoder_layer("llama_layer", "llama", 43),
     "mistral_layer": lambda: hf_decoder_layer("mistral_layer", "mistral", 44),
     "qwen2_layer": lambda: hf_decoder_layer("qwen2_layer", "qwen2", 45),
-    "qwen3_layer": lambda: hf_decoder_layer("qwen3_layer", "qwen3", 46),
+    "qwen3_layer": lambda: hf_decoder_layer("qwen3_layer", "qwen3", 46, head_dim=16),
     "gpt2_block": lambda: hf_gpt2_bert("gpt2_block", "gpt2", 49),
     "bert_layer": lambda: hf_gpt2_bert("bert_layer", "bert", 50),
     "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
-    "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True),
+    "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True, head_dim=16),
     "cross_entropy": cross_entropy,
     "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
     "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),

@@ -538,7 +538,6 @@ fn t5_and_position_table_imports_name_what_cannot_match() {
     assert_eq!(
         err.to_string(),
         "key `q.weight`: T5's heads are 48 / 6 = d_kv wide (48 = num_heads · d_kv), \
-         MultiHeadAttention's d_model / n_heads = 24 / 6 = 4: T5 with num_heads · d_kv != \
-         d_model has no counterpart"
+         MultiHeadAttention's are 4: configure the module with_head_dim(Some(d_kv))"
     );
 }

@@ -21,13 +21,20 @@ use crate::positions::{PositionBias, Positions, Rope, alibi_slopes};
 pub struct MultiHeadAttentionConfig {
     /// Model width (PyTorch's `embed_dim`): width of the query input and of the output.
     pub d_model: usize,
-    /// Number of query heads `H`; the head width is `d_model / n_heads`.
+    /// Number of query heads `H`; the head width is `head_dim`, by default
+    /// `d_model / n_heads`.
     pub n_heads: usize,
     /// Number of key/value heads `Hkv`: `n_heads` is classic multi-head attention, fewer
     /// is grouped-query attention (GQA), 1 is multi-query attention (MQA). Default:
     /// `n_heads`.
     #[config(default = "None")]
     pub n_kv_heads: Option<usize>,
+    /// Head width `Dh`, when the heads together are not `d_model` wide (Qwen3's and
+    /// Gemma's `head_dim`): the queries are `n_heads · head_dim` wide and the output
+    /// projection takes them back to `d_model`. Default: `d_model / n_heads`, which must
+    /// then divide evenly.
+    #[config(default = "None")]
+    pub head_dim: Option<usize>,
     /// Width of the key input (PyTorch's `kdim`). Default: `d_model`.
     #[config(default = "None")]
     pub kdim: Option<usize>,
@@ -49,7 +56,7 @@ pub struct MultiHeadAttentionConfig {
     /// Dropout on the attention weights after the softmax, in training only. Default: 0.
     #[config(default = 0.0)]
     pub dropout: f64,
-    /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(d_model / n_heads)`.
+    /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(head_dim)`.
     #[config(default = "None")]
     pub scale: Option<f64>,
     /// Logit soft-capping: the scaled scores become `cap · tanh(s / cap)` (Gemma 2 uses
@@ -266,7 +273,9 @@ impl MultiHeadAttentionConfig {
         check.nonzero("n_kv_heads", n_kv_heads)?;
         check.nonzero("kdim", kdim)?;
         check.nonzero("vdim", vdim)?;
-        check.divisible("d_model", self.d_model, "n_heads", self.n_heads)?;
+        if self.head_dim.is_none() {
+            check.divisible("d_model", self.d_model, "n_heads", self.n_heads)?;
+        }
         check.divisible("n_heads", self.n_heads, "n_kv_heads", n_kv_heads)?;
         check.probability("dropout", self.dropout)?;
         if let Some(scale) = self.scale {
@@ -278,7 +287,8 @@ impl MultiHeadAttentionConfig {
         if let Some(epsilon) = self.qk_norm_eps {
             check.positive("qk_norm_eps", epsilon)?;
         }
-        let head_dim = self.d_model / self.n_heads;
+        let head_dim = self.head_dim.unwrap_or(self.d_model / self.n_heads);
+        check.nonzero("head_dim", head_dim)?;
         self.positions
             .validate("MultiHeadAttentionConfig", head_dim)?;
         if self.positions.is_absolute() {

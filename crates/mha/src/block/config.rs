@@ -25,6 +25,10 @@ macro_rules! block_config {
             /// Key/value heads (GQA). Default: `n_heads`.
             #[config(default = "None")]
             pub n_kv_heads: Option<usize>,
+            /// Head width, when the heads together are not `d_model` wide (see
+            /// [`MultiHeadAttentionConfig::head_dim`]). Default: `d_model / n_heads`.
+            #[config(default = "None")]
+            pub head_dim: Option<usize>,
             /// Hidden width of the feed-forward. Default: `4 · d_model`.
             #[config(default = "None")]
             pub d_ff: Option<usize>,
@@ -76,6 +80,7 @@ macro_rules! block_config {
                     d_model: self.d_model,
                     n_heads: self.n_heads,
                     n_kv_heads: self.n_kv_heads,
+                    head_dim: self.head_dim,
                     d_ff: self.d_ff.unwrap_or(4 * self.d_model),
                     dropout: self.dropout,
                     activation: self.activation,
@@ -130,6 +135,7 @@ struct Parts {
     d_model: usize,
     n_heads: usize,
     n_kv_heads: Option<usize>,
+    head_dim: Option<usize>,
     d_ff: usize,
     dropout: f64,
     activation: FeedForwardActivation,
@@ -170,6 +176,7 @@ impl Parts {
     fn attention(&self, positions: Positions) -> MultiHeadAttentionConfig {
         MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
             .with_n_kv_heads(self.n_kv_heads)
+            .with_head_dim(self.head_dim)
             .with_bias(self.attention_bias)
             .with_out_bias(self.attention_out_bias)
             .with_dropout(self.dropout)

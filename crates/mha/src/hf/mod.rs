@@ -26,8 +26,7 @@
 //! A layer is pre-norm: `x + attention(rms_norm(x))`, then `x + mlp(rms_norm(x))`, with a
 //! causal self-attention under RoPE in Hugging Face's half-split layout and a gated SiLU
 //! feed-forward (SwiGLU). What the modules cannot express is an [`ImportError::Config`]
-//! naming the field of `config.json`: heads of another width than `hidden_size /
-//! num_attention_heads`, RoPE scaling (`rope_type` other than `default`), an activation
+//! naming the field of `config.json`: RoPE scaling (`rope_type` other than `default`), an activation
 //! other than SiLU, a sliding window (Mistral's first release; `sliding_window: null` and
 //! Qwen2's `use_sliding_window: false` load).
 
@@ -187,17 +186,6 @@ impl HfConfig {
                 format!("`{}`: the gated feed-forward takes silu", self.hidden_act),
             ));
         }
-        let width = self.hidden_size / self.num_attention_heads.max(1);
-        if let Some(head_dim) = self.head_dim.filter(|&d| d != width) {
-            return Err(convention(
-                "head_dim",
-                format!(
-                    "{head_dim}: heads of another width than hidden_size / \
-                     num_attention_heads = {} / {} = {width} have no counterpart",
-                    self.hidden_size, self.num_attention_heads
-                ),
-            ));
-        }
         let sliding = match family {
             "qwen2" | "qwen3" => self.use_sliding_window.unwrap_or(false),
             _ => true,
@@ -233,6 +221,7 @@ impl HfConfig {
         let attention_bias = self.attention_bias.unwrap_or(false);
         let config = EncoderBlockConfig::new(self.hidden_size, self.num_attention_heads)
             .with_n_kv_heads(self.num_key_value_heads)
+            .with_head_dim(self.head_dim)
             .with_d_ff(Some(self.intermediate_size))
             .with_dropout(0.0)
             .with_activation(FeedForwardActivation::Silu)

@@ -151,9 +151,8 @@ fn load_t5(
     {
         return Err(convention(format!(
             "T5's heads are {inner} / {} = d_kv wide ({inner} = num_heads · d_kv), \
-             MultiHeadAttention's d_model / n_heads = {d_model} / {} = {}: T5 with \
-             num_heads · d_kv != d_model has no counterpart",
-            mha.n_heads, mha.n_heads, mha.head_dim
+             MultiHeadAttention's are {}: configure the module with_head_dim(Some(d_kv))",
+            mha.n_heads, mha.head_dim
         )));
     }
     load_projections(mha, weights, ["q.", "k.", "v.", "o."].map(key))
@@ -164,8 +163,8 @@ fn load_t5(
 /// `[heads · head_dim, d_model]` and `o_proj` `[d_model, H · head_dim]`, with biases where
 /// the model has them (Qwen2 on q, k and v: configure the module `with_out_bias(Some(false))`).
 /// Their scores are scaled by `1/sqrt(head_dim)`, as the module's default; heads of
-/// another width than `d_model / n_heads` (a `head_dim` in the model's configuration)
-/// have no counterpart and are an [`ImportError::Convention`].
+/// another width than the module's (`head_dim` in the model's configuration, which
+/// `with_head_dim` sets) are an [`ImportError::Convention`].
 fn load_hf(
     mha: MultiHeadAttention,
     weights: &PyTorchWeights,
@@ -182,8 +181,9 @@ fn load_hf(
             key: key("q_proj.weight"),
             message: format!(
                 "the model's queries are {rows} wide (num_attention_heads · head_dim), \
-                 MultiHeadAttention's n_heads · d_model / n_heads = {q_width}: heads of \
-                 another width than hidden_size / num_attention_heads have no counterpart"
+                 MultiHeadAttention's {} heads of {} = {q_width}: configure the module \
+                 with_head_dim(Some(head_dim))",
+                mha.n_heads, mha.head_dim
             ),
         });
     }

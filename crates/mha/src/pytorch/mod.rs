@@ -53,10 +53,11 @@
 //! ```
 //! # use burn::tensor::Device;
 //! use mha::{MultiHeadAttentionConfig, Positions, RopeLayout};
-//! // Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
-//! // head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6); Qwen2's: with_out_bias(Some(false))
-//! // instead of the last two lines (biases on q, k, v only).
-//! let qwen3 = MultiHeadAttentionConfig::new(1024, 16) // head_dim = hidden / heads
+//! // Qwen3-0.6B: Qwen3Config(hidden_size=1024, num_attention_heads=16,
+//! // num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6); Qwen2's:
+//! // with_out_bias(Some(false)) instead of the last two lines (biases on q, k, v only).
+//! let qwen3 = MultiHeadAttentionConfig::new(1024, 16)
+//!     .with_head_dim(Some(128)) // 16 heads of 128: wider than 1024 / 16
 //!     .with_n_kv_heads(Some(8))
 //!     .with_positions(Positions::Rope { theta: 1e6, layout: RopeLayout::HalfSplit })
 //!     .with_bias(false) // attention_bias = False
@@ -64,8 +65,9 @@
 //! # qwen3.init(&Device::default());
 //! ```
 //!
-//! Heads of another width than `hidden_size / num_attention_heads` (Qwen3's larger models
-//! set `head_dim` apart) are an [`ImportError::Convention`].
+//! Heads of another width than `hidden_size / num_attention_heads` (Qwen3's released
+//! models set `head_dim` apart) take `with_head_dim(Some(head_dim))`; heads of another
+//! width than the module's are an [`ImportError::Convention`].
 //!
 //! Learned relative-position tables of other PyTorch code load from the key
 //! `position_table`, in mha's layout and convention: `[heads, buckets]`, indexed by the
