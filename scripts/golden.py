@@ -589,6 +589,33 @@ def hf_gpt2_bert(name, family, seed):
         f.write(config.to_json_string())
 
 
+def gpt2_lm():
+    """A 2-layer `GPT2LMHeadModel` (transformers' own, a tiny random configuration
+    offline: 32 wide, 4 heads, 16 learned positions, a vocabulary of 50, the head tied to
+    the token embedding), eager attention: the logits of two sequences of 9 tokens and
+    the gradients of every parameter, in f64; the configuration beside it as
+    `gpt2_lm.json`."""
+    import transformers
+
+    torch.manual_seed(51)
+    config = transformers.GPT2Config(
+        n_embd=32, n_head=4, n_layer=2, n_inner=48, vocab_size=50, n_positions=16,
+        bos_token_id=0, eos_token_id=0,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if p.numel() == 32 else 0.0))
+    model = model.double().eval()
+    ids = torch.randint(0, 50, (2, 9))
+    out = model(input_ids=ids).logits
+    save("gpt2_lm", model, {"ids": ids}, out)
+    with open(os.path.join(OUT, "gpt2_lm.json"), "w") as f:
+        f.write(config.to_json_string())
+
+
 def cross_entropy():
     """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
     ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
@@ -683,6 +710,7 @@ FIXTURES = {
     "qwen3_layer": lambda: hf_decoder_layer("qwen3_layer", "qwen3", 46, head_dim=16),
     "gpt2_block": lambda: hf_gpt2_bert("gpt2_block", "gpt2", 49),
     "bert_layer": lambda: hf_gpt2_bert("bert_layer", "bert", 50),
+    "gpt2_lm": gpt2_lm,
     "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
     "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True, head_dim=16),
     "cross_entropy": cross_entropy,

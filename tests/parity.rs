@@ -6,7 +6,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
 use mha::hf::{
     BertConfig, Gpt2Config, HfConfig, load_bert_layer, load_causal_lm, load_decoder_layer,
-    load_gpt2_block,
+    load_gpt2_block, load_gpt2_lm,
 };
 use mha::{
     AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlock,
@@ -510,18 +510,26 @@ fn gpt2_blocks_and_bert_layers_match_transformers() {
 
 #[test]
 fn hugging_face_causal_lms_match_transformers_and_decode_through_the_cache() {
-    // A 2-layer LlamaForCausalLM (its own head) and Qwen3ForCausalLM (the head tied to the
-    // embedding): the logits and every parameter's gradient, then decoding token by token.
-    for name in ["llama_lm", "qwen3_lm"] {
+    // A 2-layer LlamaForCausalLM (its own head), Qwen3ForCausalLM (heads wider than
+    // hidden / heads, the head tied to the embedding) and GPT2LMHeadModel (learned
+    // positions, tied): the logits and every parameter's gradient, then decoding token by
+    // token.
+    for name in ["llama_lm", "qwen3_lm", "gpt2_lm"] {
         let f = Fixture::load(name);
         let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
-        let config = HfConfig::from_file(&json).unwrap_or_else(|e| panic!("{e}"));
         for b in backends() {
             let load = |device: &Device, prefix: &str| {
-                let lm = config
-                    .init_causal_lm(device)
-                    .unwrap_or_else(|e| panic!("{e}"));
-                load_causal_lm(lm, &f.weights, prefix).unwrap_or_else(|e| panic!("{e}"))
+                let loaded = match name {
+                    "gpt2_lm" => Gpt2Config::from_file(&json)
+                        .and_then(|c| c.init_causal_lm(device))
+                        .and_then(|lm| {
+                            load_gpt2_lm(lm, &f.weights, &format!("{prefix}transformer."))
+                        }),
+                    _ => HfConfig::from_file(&json)
+                        .and_then(|c| c.init_causal_lm(device))
+                        .and_then(|lm| load_causal_lm(lm, &f.weights, prefix)),
+                };
+                loaded.unwrap_or_else(|e| panic!("{e}"))
             };
             let ids = |device: &Device| f.io::<2>("ids", [2, 9], device).int();
             let dev = b.autodiff();

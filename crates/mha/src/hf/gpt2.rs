@@ -4,15 +4,19 @@
 //! whose weights are stored `[in, out]` as Burn's are (no transpose). Its positions are a
 //! learned table added to the input once (`wpe`), outside the blocks.
 
+use std::path::Path;
+
+use burn::nn::{EmbeddingConfig, Linear};
+use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-use super::read_config;
+use super::{CausalLm, read_config};
 use crate::block::{EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
 use crate::mha::InputProjection;
 use crate::norm::NormKind;
+use crate::positions::{AbsolutePositions, Positions};
 use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, set};
-use burn::nn::Linear;
-use std::path::Path;
+use crate::stack::EncoderConfig;
 
 /// The fields of GPT-2's `config.json` that shape a block (the others are read past).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -108,6 +112,75 @@ impl Gpt2Config {
             .with_layer_norm_eps(self.layer_norm_epsilon)
             .with_causal(true))
     }
+}
+
+impl Gpt2Config {
+    /// GPT-2's language model (`GPT2LMHeadModel`): the token embedding (`wte`), the learned
+    /// positions (`wpe`, added to the input by the stack), the blocks, the final norm
+    /// (`ln_f`) and the head, which is the token embedding. Load it with [`load_gpt2_lm`].
+    ///
+    /// # Errors
+    /// As [`block`](Self::block).
+    pub fn init_causal_lm(&self, device: &Device) -> Result<CausalLm, ImportError> {
+        let block = self.block()?.with_positions(Positions::Learned {
+            max_len: self.n_positions,
+        });
+        let model = EncoderConfig::new(block, self.n_layer)
+            .try_init(device)
+            .map_err(|err| ImportError::Config {
+                what: "config.json".into(),
+                message: err.to_string(),
+            })?;
+        Ok(CausalLm {
+            embed_tokens: EmbeddingConfig::new(self.vocab_size, self.n_embd).init(device),
+            model,
+            lm_head: None,
+        })
+    }
+}
+
+/// Loads GPT-2's language model stored under `prefix` (`""` for the original checkpoint's
+/// keys, `transformer.` for `GPT2LMHeadModel`'s): `wte.weight`, `wpe.weight`, each block's
+/// `h.N.*` ([`load_gpt2_block`]) and `ln_f.*`; the head is `wte` (a `lm_head.weight`
+/// beside it is its copy, not read).
+///
+/// # Errors
+/// As [`load_gpt2_block`], for every key; [`ImportError::Convention`] for a model without
+/// learned positions (build it with [`Gpt2Config::init_causal_lm`]).
+pub fn load_gpt2_lm(
+    mut lm: CausalLm,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<CausalLm, ImportError> {
+    let at = |name: &str| format!("{prefix}{name}");
+    let table = &lm.embed_tokens.weight;
+    let shape = table.shape().dims::<2>();
+    let value = Place::of(table).load(weights, &at("wte.weight"), shape)?;
+    lm.embed_tokens.weight = set(lm.embed_tokens.weight, value);
+    let Some(AbsolutePositions::Learned(positions)) = &mut lm.model.positions else {
+        return Err(ImportError::Convention {
+            key: at("wpe.weight"),
+            message: "GPT-2 adds learned positions to its input; build the model with \
+                      Gpt2Config::init_causal_lm"
+                .into(),
+        });
+    };
+    let table = &positions.embedding.weight;
+    let shape = table.shape().dims::<2>();
+    let value = Place::of(table).load(weights, &at("wpe.weight"), shape)?;
+    positions.embedding.weight = set(positions.embedding.weight.clone(), value);
+    lm.model.layers = lm
+        .model
+        .layers
+        .into_iter()
+        .enumerate()
+        .map(|(i, block)| load_gpt2_block(block, weights, &at(&format!("h.{i}."))))
+        .collect::<Result<_, _>>()?;
+    lm.model.norm = match lm.model.norm {
+        Some(norm) => Some(norm.load_pytorch(weights, &at("ln_f."))?),
+        None => None,
+    };
+    Ok(lm)
 }
 
 /// Loads a `GPT2Block` stored under `prefix` (such as `h.0.` or `transformer.h.0.`):

@@ -1,6 +1,6 @@
 //! Hugging Face's architectures in mha's modules, each read from the model's own
-//! `config.json` and `model.safetensors` under its own names: GPT-2's blocks
-//! ([`Gpt2Config`], [`load_gpt2_block`]), BERT's layers ([`BertConfig`],
+//! `config.json` and `model.safetensors` under its own names: GPT-2's blocks and language
+//! model ([`Gpt2Config`], [`load_gpt2_block`], [`load_gpt2_lm`]), BERT's layers ([`BertConfig`],
 //! [`load_bert_layer`]), and the Llama family's decoder layers (`LlamaDecoderLayer`, `MistralDecoderLayer`,
 //! `Qwen2DecoderLayer`, `Qwen3DecoderLayer` of `transformers`) as causal
 //! [`EncoderBlock`]s: the block's configuration from the model's `config.json`
@@ -51,7 +51,7 @@ mod bert;
 mod gpt2;
 
 pub use bert::{BertConfig, load_bert_layer};
-pub use gpt2::{Gpt2Config, load_gpt2_block};
+pub use gpt2::{Gpt2Config, load_gpt2_block, load_gpt2_lm};
 
 /// Reads a `config.json` of `family` into `C`.
 fn read_config<C: Config>(path: &Path, family: &str) -> Result<C, ImportError> {
