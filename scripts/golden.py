@@ -507,16 +507,16 @@ def hf_decoder_layer(name, family, seed, head_dim=8):
         f.write(config.to_json_string())
 
 
-def hf_causal_lm(name, family, seed, tied, head_dim=8):
+def hf_causal_lm(name, family, seed, tied, head_dim=8, window=None):
     """A 2-layer `LlamaForCausalLM` or `Qwen3ForCausalLM` (transformers' own model from a
     tiny random configuration, offline: 32 wide, 4 query heads and 2 key/value heads of
-    `head_dim` (Qwen3's 16), feed-forward 48, a vocabulary of 50, RoPE with theta 500; the head tied to the
+    `head_dim` (Qwen3's 16), Mistral's sliding window of 4 when `window`, feed-forward 48, a vocabulary of 50, RoPE with theta 500; the head tied to the
     embedding when `tied`), eager attention: the logits of two sequences of 9 tokens and
     the gradients of every parameter, in f64; the configuration beside it as
     `<name>.json`."""
     import importlib
 
-    prefix = {"llama": "Llama", "qwen3": "Qwen3"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen3": "Qwen3"}[family]
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
     config = getattr(transformers, f"{prefix}Config")(
@@ -530,6 +530,7 @@ def hf_causal_lm(name, family, seed, tied, head_dim=8):
         rope_theta=500.0,
         vocab_size=50,
         tie_word_embeddings=tied,
+        sliding_window=window,
     )
     config._attn_implementation = "eager"
     model = getattr(transformers, f"{prefix}ForCausalLM")(config)
@@ -711,6 +712,7 @@ FIXTURES = {
     "gpt2_block": lambda: hf_gpt2_bert("gpt2_block", "gpt2", 49),
     "bert_layer": lambda: hf_gpt2_bert("bert_layer", "bert", 50),
     "gpt2_lm": gpt2_lm,
+    "mistral_lm": lambda: hf_causal_lm("mistral_lm", "mistral", 52, tied=False, window=4),
     "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
     "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True, head_dim=16),
     "cross_entropy": cross_entropy,

@@ -541,3 +541,40 @@ fn t5_and_position_table_imports_name_what_cannot_match() {
          MultiHeadAttention's are 4: configure the module with_head_dim(Some(d_kv))"
     );
 }
+
+#[test]
+fn a_windowed_block_is_causal_and_decodes_through_a_sliding_cache() {
+    let d = dev();
+    let err = EncoderBlockConfig::new(16, 2)
+        .with_window(Some(4))
+        .try_init(&d)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("window") && err.contains("must be causal"),
+        "{err}"
+    );
+    let block = EncoderBlockConfig::new(16, 2)
+        .with_causal(true)
+        .with_window(Some(4))
+        .init(&d);
+    let x = randn([1, 3, 16], 1, &d);
+    for (mut cache, other) in [
+        (mha::KvCache::new(8), "does not slide"),
+        (mha::KvCache::sliding(3), "slides over 3"),
+    ] {
+        let err = block
+            .forward(BlockInput::new(x.clone()).cache(&mut cache))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!(
+                "EncoderBlock: it attends to a sliding window of 4 tokens, and its cache \
+                 {other}: decode it with KvCache::sliding(4)"
+            )
+        );
+    }
+    let mut cache = mha::KvCache::sliding(4);
+    assert!(block.forward(BlockInput::new(x).cache(&mut cache)).is_ok());
+}

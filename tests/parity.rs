@@ -511,10 +511,11 @@ fn gpt2_blocks_and_bert_layers_match_transformers() {
 #[test]
 fn hugging_face_causal_lms_match_transformers_and_decode_through_the_cache() {
     // A 2-layer LlamaForCausalLM (its own head), Qwen3ForCausalLM (heads wider than
-    // hidden / heads, the head tied to the embedding) and GPT2LMHeadModel (learned
-    // positions, tied): the logits and every parameter's gradient, then decoding token by
-    // token.
-    for name in ["llama_lm", "qwen3_lm", "gpt2_lm"] {
+    // hidden / heads, the head tied to the embedding), GPT2LMHeadModel (learned positions,
+    // tied) and MistralForCausalLM (a sliding window of 4 over 9 tokens): the logits and
+    // every parameter's gradient, then decoding token by token (Mistral's through a ring
+    // of 4).
+    for name in ["llama_lm", "qwen3_lm", "gpt2_lm", "mistral_lm"] {
         let f = Fixture::load(name);
         let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
         for b in backends() {
@@ -579,9 +580,21 @@ fn configurations_the_blocks_cannot_compute_are_named() {
         err.contains("`model_type`") && err.contains("gpt2"),
         "{err}"
     );
-    let err = with("sliding_window", 4096.into());
+    // Mistral's window is the block's; Qwen2's, on some of the layers only, is refused.
+    let mut windowed = base.clone();
+    windowed["sliding_window"] = 4096.into();
+    let bytes = serde_json::to_vec(&windowed).unwrap();
+    let block = HfConfig::from_json(&bytes, "config.json").and_then(|c| c.block());
+    assert_eq!(block.unwrap().window, Some(4096));
+    windowed["model_type"] = "qwen2".into();
+    windowed["use_sliding_window"] = true.into();
+    let bytes = serde_json::to_vec(&windowed).unwrap();
+    let err = HfConfig::from_json(&bytes, "config.json")
+        .and_then(|c| c.block())
+        .unwrap_err()
+        .to_string();
     assert!(
-        err.contains("`sliding_window`") && err.contains("4096"),
+        err.contains("`use_sliding_window`") && err.contains("4096"),
         "{err}"
     );
     let yarn = serde_json::json!({"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0});

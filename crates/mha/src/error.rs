@@ -133,6 +133,14 @@ pub enum CacheError {
         /// The caches given.
         caches: usize,
     },
+    /// A block that attends to a sliding window was given a cache of another window
+    /// (or none).
+    Window {
+        /// The block's window.
+        window: usize,
+        /// The cache's window, if it slides.
+        cache: Option<usize>,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -173,6 +181,15 @@ impl fmt::Display for CacheError {
             CacheError::Layers { layers, caches } => write!(
                 f,
                 "StackCache: {caches} layer cache(s) for a stack of {layers} layers"
+            ),
+            CacheError::Window { window, cache } => write!(
+                f,
+                "EncoderBlock: it attends to a sliding window of {window} tokens, and its cache \
+                 {}: decode it with KvCache::sliding({window})",
+                match cache {
+                    Some(other) => format!("slides over {other}"),
+                    None => "does not slide".into(),
+                }
             ),
         }
     }

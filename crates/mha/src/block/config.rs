@@ -111,6 +111,11 @@ block_config!(
         /// Whether the self-attention is causal. Default: false.
         #[config(default = false)]
         pub causal: bool,
+        /// A causal block's sliding window: each token attends to the last `window`
+        /// tokens, itself included (Mistral's `sliding_window`); decode it with
+        /// [`KvCache::sliding`](crate::KvCache::sliding). Default: none.
+        #[config(default = "None")]
+        pub window: Option<usize>,
         /// How the self-attention knows where tokens are (see [`Positions`]); a stack
         /// adds absolute positions to its input once. Default: none.
         #[config(default = "Positions::None")]
@@ -224,6 +229,20 @@ impl EncoderBlockConfig {
     pub fn try_init(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
         let parts = self.parts();
         parts.validate("EncoderBlockConfig")?;
+        if let Some(window) = self.window {
+            let check = Check("EncoderBlockConfig");
+            check.nonzero("window", window)?;
+            if !self.causal {
+                return Err(ConfigError {
+                    config: "EncoderBlockConfig",
+                    field: "window",
+                    message: format!(
+                        "a sliding window of {window} slides over the tokens before each one: \
+                         the block must be causal"
+                    ),
+                });
+            }
+        }
         Ok(EncoderBlock {
             self_attn: parts.self_attention(self.positions.clone(), device)?,
             feed_forward: parts.feed_forward(device),
@@ -233,6 +252,7 @@ impl EncoderBlockConfig {
             dropout2: parts.dropout(),
             norm_first: self.norm_first,
             causal: self.causal,
+            window: self.window,
         })
     }
 

@@ -144,6 +144,8 @@ pub struct EncoderBlock {
     pub norm_first: bool,
     /// Causal self-attention when true.
     pub causal: bool,
+    /// The causal self-attention's sliding window, if it has one.
+    pub window: Option<usize>,
 }
 
 impl EncoderBlock {
@@ -184,9 +186,22 @@ impl EncoderBlock {
                 module: "EncoderBlock",
             });
         }
+        if let (Some(window), Some(cache)) = (self.window, cache.as_deref())
+            && cache.window() != Some(window)
+        {
+            return Err(CacheError::Window {
+                window,
+                cache: cache.window(),
+            });
+        }
         let [head] = head_masks(&inspect, "EncoderBlock", &self.head_counts());
+        let rule = match (self.causal, self.window) {
+            (true, Some(window)) => Some(AttentionMask::sliding_window(window)),
+            (true, None) => Some(AttentionMask::causal()),
+            (false, _) => None,
+        };
         let attention = SelfAttention {
-            causal: self.causal,
+            rule,
             weights,
             head,
         };
@@ -270,7 +285,7 @@ impl DecoderBlock {
         } = input;
         let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
         let attention = SelfAttention {
-            causal: true,
+            rule: Some(AttentionMask::causal()),
             weights,
             head,
         };
@@ -323,7 +338,8 @@ impl DecoderBlock {
 
 /// A block's self-attention: causal or not, the weights it returns, its head mask.
 struct SelfAttention {
-    causal: bool,
+    /// The mask by position a causal block adds (causal, or a sliding window).
+    rule: Option<AttentionMask>,
     weights: AttentionWeights,
     head: Option<Tensor<1>>,
 }
@@ -341,9 +357,9 @@ impl SelfAttention {
         if let Some(cache) = cache {
             return attention.cached(h, cache, mask, self.weights, self.head);
         }
-        let mask = match self.causal {
-            true => mask.and(AttentionMask::causal()),
-            false => mask,
+        let mask = match self.rule {
+            Some(rule) => mask.and(rule),
+            None => mask,
         };
         let input = MhaInput::self_attn(h).mask(mask).weights(self.weights);
         Ok(attention.forward(with_head(input, self.head)))

@@ -24,11 +24,12 @@
 //! ```
 //!
 //! A layer is pre-norm: `x + attention(rms_norm(x))`, then `x + mlp(rms_norm(x))`, with a
-//! causal self-attention under RoPE in Hugging Face's half-split layout and a gated SiLU
-//! feed-forward (SwiGLU). What the modules cannot express is an [`ImportError::Config`]
-//! naming the field of `config.json`: RoPE scaling (`rope_type` other than `default`), an activation
-//! other than SiLU, a sliding window (Mistral's first release; `sliding_window: null` and
-//! Qwen2's `use_sliding_window: false` load).
+//! causal self-attention under RoPE in Hugging Face's half-split layout (over Mistral's
+//! sliding window, the blocks' `window`) and a gated SiLU feed-forward (SwiGLU). What the
+//! modules cannot express is an [`ImportError::Config`] naming the field of
+//! `config.json`: RoPE scaling (`rope_type` other than `default`), an activation other
+//! than SiLU, Qwen2's and Qwen3's windows on some of the layers (`use_sliding_window:
+//! true`).
 
 use std::path::Path;
 
@@ -190,16 +191,20 @@ impl HfConfig {
             "qwen2" | "qwen3" => self.use_sliding_window.unwrap_or(false),
             _ => true,
         };
-        if let (true, Some(window)) = (sliding, self.sliding_window) {
-            return Err(convention(
-                "sliding_window",
-                format!(
-                    "{window}: a layer's window is a mask of the call \
-                     (AttentionMask::sliding_window), not of the block; load without it and \
-                     pass the mask"
-                ),
-            ));
-        }
+        // Qwen2's and Qwen3's windows cover the layers from `max_window_layers` on only.
+        let window = match (family, sliding, self.sliding_window) {
+            (_, false, _) | (_, _, None) => None,
+            ("llama" | "mistral", true, Some(window)) => Some(window),
+            (_, true, Some(window)) => {
+                return Err(convention(
+                    "use_sliding_window",
+                    format!(
+                        "a window of {window} on some of the layers (max_window_layers) has no \
+                         counterpart; mha's blocks take one window for every layer"
+                    ),
+                ));
+            }
+        };
         let rope = [&self.rope_parameters, &self.rope_scaling];
         for (field, parameters) in ["rope_parameters", "rope_scaling"].into_iter().zip(rope) {
             let kind = parameters
@@ -230,6 +235,7 @@ impl HfConfig {
             .with_layer_norm_eps(self.rms_norm_eps)
             .with_bias(self.mlp_bias.unwrap_or(false))
             .with_causal(true)
+            .with_window(window)
             .with_positions(Positions::Rope {
                 theta,
                 layout: RopeLayout::HalfSplit,
@@ -356,9 +362,14 @@ impl CausalLm {
         Ok(self.logits(hidden))
     }
 
-    /// Caches for every layer, each holding up to `capacity` tokens.
+    /// Caches for every layer, each holding up to `capacity` tokens; the last `window`
+    /// tokens, in a ring, when the layers attend to a sliding window.
     pub fn cache(&self, capacity: usize) -> StackCache {
-        self.model.cache(KvCache::new(capacity))
+        let window = self.model.layers.first().and_then(|layer| layer.window);
+        self.model.cache(match window {
+            Some(window) => KvCache::sliding(window),
+            None => KvCache::new(capacity),
+        })
     }
 
     /// `[B, T, hidden_size]` -> `[B, T, vocab_size]`.
