@@ -617,6 +617,37 @@ def gpt2_lm():
         f.write(config.to_json_string())
 
 
+def bert_model():
+    """A 2-layer `BertModel` (transformers' own, a tiny random configuration offline: 32
+    wide, 4 heads, feed-forward 48, 16 positions, two token types, random norm scales),
+    without its pooler, eager attention: the last hidden state of two sequences of 9
+    tokens, two segments, the last two keys of the second padding; the gradients of
+    every parameter, in f64; the configuration beside it as `bert_model.json`."""
+    import transformers
+
+    torch.manual_seed(53)
+    config = transformers.BertConfig(
+        hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=48,
+        vocab_size=50, max_position_embeddings=16, layer_norm_eps=1e-12,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if p.numel() == 32 else 0.0))
+    model = model.double().eval()
+    ids = torch.randint(0, 50, (2, 9))
+    types = torch.zeros(2, 9, dtype=torch.long)
+    types[:, 5:] = 1
+    attending = torch.ones(2, 9, dtype=torch.long)
+    attending[1, 7:] = 0
+    out = model(input_ids=ids, token_type_ids=types, attention_mask=attending).last_hidden_state
+    save("bert_model", model, {"ids": ids, "types": types}, out, extra={"key_padding": attending == 0})
+    with open(os.path.join(OUT, "bert_model.json"), "w") as f:
+        f.write(config.to_json_string())
+
+
 def cross_entropy():
     """`F.cross_entropy` with `ignore_index` over 37 rows of 13 classes (logits spread to
     ±15, a few rows ignored): the loss and its gradient with respect to the logits."""
@@ -712,6 +743,7 @@ FIXTURES = {
     "gpt2_block": lambda: hf_gpt2_bert("gpt2_block", "gpt2", 49),
     "bert_layer": lambda: hf_gpt2_bert("bert_layer", "bert", 50),
     "gpt2_lm": gpt2_lm,
+    "bert_model": bert_model,
     "mistral_lm": lambda: hf_causal_lm("mistral_lm", "mistral", 52, tied=False, window=4),
     "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
     "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True, head_dim=16),

@@ -5,8 +5,8 @@
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Gradients, Tensor};
 use mha::hf::{
-    BertConfig, Gpt2Config, HfConfig, load_bert_layer, load_causal_lm, load_decoder_layer,
-    load_gpt2_block, load_gpt2_lm,
+    BertConfig, Gpt2Config, HfConfig, load_bert_layer, load_bert_model, load_causal_lm,
+    load_decoder_layer, load_gpt2_block, load_gpt2_lm,
 };
 use mha::{
     AttentionMask, AttentionWeights, BlockInput, Buckets, DecoderBlockConfig, EncoderBlock,
@@ -506,6 +506,30 @@ fn gpt2_blocks_and_bert_layers_match_transformers() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("bidirectional and post-norm"), "{err}");
+}
+
+#[test]
+fn bert_model_matches_transformers() {
+    // A 2-layer BertModel: embeddings of tokens, positions and two segments, normalised,
+    // then post-norm layers, under key padding; the last hidden state and every gradient.
+    let f = Fixture::load("bert_model");
+    let json = crate::util::root().join("tests/fixtures/bert_model.json");
+    let config = BertConfig::from_file(&json).unwrap_or_else(|e| panic!("{e}"));
+    for b in backends() {
+        let dev = b.autodiff();
+        let load = |prefix: &str| {
+            let model = config.init_model(&dev).unwrap_or_else(|e| panic!("{e}"));
+            load_bert_model(model, &f.weights, prefix).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let model = load("model.");
+        let ids = f.io::<2>("ids", [2, 9], &dev).int();
+        let types = f.io::<2>("types", [2, 9], &dev).int();
+        let padding = AttentionMask::key_padding(f.io_mask("key_padding", [2, 9], &dev));
+        let out = model.forward(ids, types, padding);
+        check_forward(&b, &f, "out", out.clone(), "out");
+        let grads = backward(&f, &out, &dev);
+        check_grads_against(&b, &f, &model, &load("io.grad.model."), &grads);
+    }
 }
 
 #[test]

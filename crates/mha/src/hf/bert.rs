@@ -6,12 +6,16 @@
 
 use std::path::Path;
 
+use burn::module::Module;
+use burn::nn::{Embedding, EmbeddingConfig, LayerNormConfig};
+use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::read_config;
-use crate::block::{EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
-use crate::norm::NormKind;
-use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_linear};
+use crate::block::{BlockInput, EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
+use crate::mask::AttentionMask;
+use crate::norm::{LayerNorm, NormKind};
+use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, load_linear, set};
 
 /// The fields of BERT's `config.json` that shape a layer (the others are read past).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -37,6 +41,20 @@ pub struct BertConfig {
     pub is_decoder: bool,
     /// Tokens in the vocabulary.
     pub vocab_size: usize,
+    /// Positions with a learned embedding.
+    #[serde(default = "positions")]
+    pub max_position_embeddings: usize,
+    /// Token types (segments) with a learned embedding.
+    #[serde(default = "token_types")]
+    pub type_vocab_size: usize,
+}
+
+fn positions() -> usize {
+    512
+}
+
+fn token_types() -> usize {
+    2
 }
 
 fn gelu() -> String {
@@ -153,4 +171,126 @@ pub fn load_bert_layer(
     ff.linear1 = load_linear(ff.linear1.clone(), weights, &at("intermediate.dense."))?;
     ff.linear2 = load_linear(ff.linear2.clone(), weights, &at("output.dense."))?;
     Ok(block)
+}
+
+/// BERT's encoder (`BertModel` without its pooler): the sum of the token, position and
+/// token-type embeddings, normalised, then the layers. Build it with
+/// [`BertConfig::init_model`], load it with [`load_bert_model`].
+#[derive(Module, Debug)]
+pub struct BertModel {
+    /// `[vocab_size, hidden_size]` (`embeddings.word_embeddings.weight`).
+    pub word_embeddings: Embedding,
+    /// `[max_position_embeddings, hidden_size]`.
+    pub position_embeddings: Embedding,
+    /// `[type_vocab_size, hidden_size]`.
+    pub token_type_embeddings: Embedding,
+    /// The norm of the summed embeddings (`embeddings.LayerNorm`).
+    pub embeddings_norm: LayerNorm,
+    /// The layers (`encoder.layer.N`).
+    pub layers: Vec<EncoderBlock>,
+}
+
+impl BertModel {
+    /// The last hidden state of `tokens` `[B, T]` of `token_types` `[B, T]` (all 0 for one
+    /// segment) under `mask` (key padding, say).
+    ///
+    /// # Shapes
+    /// `tokens`, `token_types`: `[B, T]` -> `[B, T, hidden_size]`.
+    ///
+    /// # Panics
+    /// If `T` is past `max_position_embeddings`, naming both, and as
+    /// [`EncoderBlock::forward`].
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        token_types: Tensor<2, Int>,
+        mask: AttentionMask,
+    ) -> Tensor<3> {
+        let [batch, len] = tokens.dims();
+        let most = self.position_embeddings.weight.dims()[0];
+        assert!(
+            len <= most,
+            "BertModel: {len} tokens, past its {most} learned positions"
+        );
+        let device = tokens.device();
+        let positions = Tensor::<1, Int>::arange(0..len as i64, &device)
+            .reshape([1, len])
+            .expand([batch, len]);
+        let x = self.word_embeddings.forward(tokens)
+            + self.token_type_embeddings.forward(token_types)
+            + self.position_embeddings.forward(positions);
+        let mut x = self.embeddings_norm.forward(x);
+        for layer in &self.layers {
+            let input = BlockInput::new(x).mask(mask.clone());
+            x = layer
+                .forward(input)
+                .expect("a block without a cache has no cache error")
+                .output;
+        }
+        x
+    }
+}
+
+impl BertConfig {
+    /// BERT's encoder, initialised (load its weights with [`load_bert_model`]).
+    ///
+    /// # Errors
+    /// As [`block`](Self::block).
+    pub fn init_model(&self, device: &Device) -> Result<BertModel, ImportError> {
+        let block = self.block()?;
+        let layers = (0..self.num_hidden_layers)
+            .map(|_| {
+                block.try_init(device).map_err(|err| ImportError::Config {
+                    what: "config.json".into(),
+                    message: err.to_string(),
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let embedding = |n| EmbeddingConfig::new(n, self.hidden_size).init(device);
+        let norm = LayerNormConfig::new(self.hidden_size).with_epsilon(self.layer_norm_eps);
+        Ok(BertModel {
+            word_embeddings: embedding(self.vocab_size),
+            position_embeddings: embedding(self.max_position_embeddings),
+            token_type_embeddings: embedding(self.type_vocab_size),
+            embeddings_norm: LayerNorm::new(&norm, device),
+            layers,
+        })
+    }
+}
+
+/// Loads BERT's encoder stored under `prefix` (`bert.` for `BertForMaskedLM` and its kin,
+/// `""` for `BertModel`): `embeddings.{word,position,token_type}_embeddings.weight`,
+/// `embeddings.LayerNorm.*` and each layer's `encoder.layer.N.*` ([`load_bert_layer`]);
+/// the pooler is not read.
+///
+/// # Errors
+/// As [`load_bert_layer`], for every key.
+pub fn load_bert_model(
+    mut model: BertModel,
+    weights: &PyTorchWeights,
+    prefix: &str,
+) -> Result<BertModel, ImportError> {
+    let at = |name: &str| format!("{prefix}embeddings.{name}");
+    for (table, name) in [
+        (&mut model.word_embeddings, "word_embeddings.weight"),
+        (&mut model.position_embeddings, "position_embeddings.weight"),
+        (
+            &mut model.token_type_embeddings,
+            "token_type_embeddings.weight",
+        ),
+    ] {
+        let shape = table.weight.shape().dims::<2>();
+        let value = Place::of(&table.weight).load(weights, &at(name), shape)?;
+        table.weight = set(table.weight.clone(), value);
+    }
+    model.embeddings_norm = model
+        .embeddings_norm
+        .load_pytorch(weights, &at("LayerNorm."))?;
+    model.layers = model
+        .layers
+        .into_iter()
+        .enumerate()
+        .map(|(i, layer)| load_bert_layer(layer, weights, &format!("{prefix}encoder.layer.{i}.")))
+        .collect::<Result<_, _>>()?;
+    Ok(model)
 }

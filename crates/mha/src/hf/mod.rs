@@ -1,7 +1,7 @@
 //! Hugging Face's architectures in mha's modules, each read from the model's own
 //! `config.json` and `model.safetensors` under its own names: GPT-2's blocks and language
-//! model ([`Gpt2Config`], [`load_gpt2_block`], [`load_gpt2_lm`]), BERT's layers ([`BertConfig`],
-//! [`load_bert_layer`]), and the Llama family's decoder layers (`LlamaDecoderLayer`, `MistralDecoderLayer`,
+//! model ([`Gpt2Config`], [`load_gpt2_block`], [`load_gpt2_lm`]), BERT's layers and encoder ([`BertConfig`],
+//! [`load_bert_layer`], [`BertModel`]), and the Llama family's decoder layers (`LlamaDecoderLayer`, `MistralDecoderLayer`,
 //! `Qwen2DecoderLayer`, `Qwen3DecoderLayer` of `transformers`) as causal
 //! [`EncoderBlock`]s: the block's configuration from the model's `config.json`
 //! ([`HfConfig::block`]), and a layer's weights under their own names
@@ -51,7 +51,7 @@ use crate::stack::Encoder;
 mod bert;
 mod gpt2;
 
-pub use bert::{BertConfig, load_bert_layer};
+pub use bert::{BertConfig, BertModel, load_bert_layer, load_bert_model};
 pub use gpt2::{Gpt2Config, load_gpt2_block, load_gpt2_lm};
 
 /// Reads a `config.json` of `family` into `C`.
