@@ -234,3 +234,87 @@ fn a_module_of_one_dtype_refuses_an_input_of_another_by_name() {
         }
     }
 }
+
+/// A Hugging Face checkpoint in bf16 or f16, as models are published: the weights of
+/// transformers' Llama layer (scripts/golden.py, `llama_layer`) rounded to the half dtype
+/// and stored so. They load into an f32 layer as the stored values exactly (the f32
+/// layer's parameters, rounded to the dtype once), and, where the device computes in the
+/// dtype, into a layer cast to it bit for bit.
+#[test]
+fn half_precision_hugging_face_checkpoints_load_as_stored() {
+    use mha::hf::{HfConfig, load_decoder_layer};
+    let root = crate::util::root();
+    let file = std::fs::read(root.join("tests/fixtures/llama_layer.safetensors")).unwrap();
+    let json = root.join("tests/fixtures/llama_layer.json");
+    let config = HfConfig::from_file(&json).unwrap().block().unwrap();
+    let full = mha::PyTorchWeights::from_bytes(&file, "llama_layer").unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&file).unwrap();
+    for dtype in [FloatDType::BF16, FloatDType::F16] {
+        // The model's weights, each rounded to the dtype once (to nearest, ties to even).
+        let half: Vec<(String, Vec<usize>, Vec<u8>)> = stored
+            .tensors()
+            .into_iter()
+            .filter(|(key, _)| key.starts_with("model."))
+            .map(|(key, view)| {
+                let bytes = view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .flat_map(|x| match dtype {
+                        FloatDType::BF16 => burn::tensor::bf16::from_f32(x).to_le_bytes(),
+                        _ => burn::tensor::f16::from_f32(x).to_le_bytes(),
+                    })
+                    .collect();
+                (key, view.shape().to_vec(), bytes)
+            })
+            .collect();
+        let kind = match dtype {
+            FloatDType::BF16 => safetensors::Dtype::BF16,
+            _ => safetensors::Dtype::F16,
+        };
+        let views: Vec<(String, safetensors::tensor::TensorView)> = half
+            .iter()
+            .map(|(key, shape, bytes)| {
+                let view = safetensors::tensor::TensorView::new(kind, shape.clone(), bytes);
+                (key.clone(), view.unwrap())
+            })
+            .collect();
+        let bytes = safetensors::serialize(views, None).unwrap();
+        let weights = mha::PyTorchWeights::from_bytes(&bytes, "llama_layer in half").unwrap();
+        // The f32 weights rounded by a cast, on the first device that computes in the
+        // dtype (flex computes in both).
+        let host = backends()
+            .into_iter()
+            .find(|b| b.device.supports_dtype(dtype))
+            .expect("flex computes in bf16 and f16")
+            .device;
+        let reference = load_decoder_layer(config.init(&host), &full, "model.")
+            .unwrap()
+            .to_dtype(dtype);
+        let rounded: Vec<Vec<f32>> = param_values(&reference)
+            .into_iter()
+            .map(crate::util::to_vec)
+            .collect();
+        let values = |layer: &mha::EncoderBlock| -> Vec<Vec<f32>> {
+            param_values(layer)
+                .into_iter()
+                .map(crate::util::to_vec)
+                .collect()
+        };
+        for b in backends() {
+            let d = b.device.clone();
+            let label = format!("llama_layer in {dtype:?} [{}]", b.name);
+            let layer = load_decoder_layer(config.init(&d), &weights, "model.").unwrap();
+            assert_eq!(layer.float_dtypes(), [DType::F32], "{label}");
+            assert!(values(&layer) == rounded, "{label}: loaded into f32");
+            if !d.supports_dtype(dtype) {
+                println!("{label}: the device does not compute in {dtype:?}: loaded into f32 only");
+                continue;
+            }
+            let cast =
+                load_decoder_layer(config.init(&d).to_dtype(dtype), &weights, "model.").unwrap();
+            assert_eq!(cast.float_dtypes(), [DType::from(dtype)], "{label}");
+            assert!(values(&cast) == rounded, "{label}: loaded as stored");
+        }
+    }
+}
