@@ -530,6 +530,40 @@ fn bert_model_matches_transformers() {
         let grads = backward(&f, &out, &dev);
         check_grads_against(&b, &f, &model, &load("io.grad.model."), &grads);
     }
+    // `bert-base-uncased` stores its layer norms as `gamma` and `beta` (names from
+    // TensorFlow): they load as `weight` and `bias` do.
+    let file = std::fs::read(crate::util::root().join("tests/fixtures/bert_model.safetensors"));
+    let file = file.unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let renamed: Vec<(String, safetensors::tensor::TensorView)> = stored
+        .tensors()
+        .into_iter()
+        .filter(|(key, _)| key.starts_with("model."))
+        .map(|(key, view)| {
+            let key = match key.contains("LayerNorm.") {
+                true => key.replace(".weight", ".gamma").replace(".bias", ".beta"),
+                false => key,
+            };
+            (key, view)
+        })
+        .collect();
+    assert!(
+        renamed
+            .iter()
+            .any(|(key, _)| key.ends_with("LayerNorm.gamma"))
+    );
+    let bytes = safetensors::serialize(renamed, None).unwrap();
+    let legacy = mha::PyTorchWeights::from_bytes(&bytes, "gamma and beta").unwrap();
+    let device = Device::default();
+    let model = |weights: &mha::PyTorchWeights| {
+        let model = config.init_model(&device).unwrap();
+        let model = load_bert_model(model, weights, "model.").unwrap_or_else(|e| panic!("{e}"));
+        param_values(&model)
+            .into_iter()
+            .map(crate::util::to_vec)
+            .collect::<Vec<_>>()
+    };
+    assert!(model(&legacy) == model(&f.weights));
 }
 
 #[test]
@@ -604,21 +638,32 @@ fn configurations_the_blocks_cannot_compute_are_named() {
         err.contains("`model_type`") && err.contains("gpt2"),
         "{err}"
     );
-    // Mistral's window is the block's; Qwen2's, on some of the layers only, is refused.
-    let mut windowed = base.clone();
-    windowed["sliding_window"] = 4096.into();
-    let bytes = serde_json::to_vec(&windowed).unwrap();
-    let block = HfConfig::from_json(&bytes, "config.json").and_then(|c| c.block());
-    assert_eq!(block.unwrap().window, Some(4096));
-    windowed["model_type"] = "qwen2".into();
-    windowed["use_sliding_window"] = true.into();
-    let bytes = serde_json::to_vec(&windowed).unwrap();
-    let err = HfConfig::from_json(&bytes, "config.json")
-        .and_then(|c| c.block())
-        .unwrap_err()
-        .to_string();
+    // Mistral's window is every block's; Llama has none; Qwen2's covers the layers from
+    // max_window_layers on: every layer (0) or none load, some only is refused.
+    let window = |changes: serde_json::Value| {
+        let mut config = base.clone();
+        config["sliding_window"] = 4096.into();
+        for (key, value) in changes.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        let bytes = serde_json::to_vec(&config).unwrap();
+        HfConfig::from_json(&bytes, "config.json").and_then(|c| c.block())
+    };
+    use serde_json::json;
+    assert_eq!(
+        window(json!({"model_type": "mistral"})).unwrap().window,
+        Some(4096)
+    );
+    assert_eq!(window(json!({})).unwrap().window, None);
+    let qwen2 = |from: usize| {
+        window(json!({"model_type": "qwen2", "use_sliding_window": true,
+                      "max_window_layers": from, "num_hidden_layers": 4}))
+    };
+    assert_eq!(qwen2(0).unwrap().window, Some(4096));
+    assert_eq!(qwen2(4).unwrap().window, None);
+    let err = qwen2(2).unwrap_err().to_string();
     assert!(
-        err.contains("`use_sliding_window`") && err.contains("4096"),
+        err.contains("`max_window_layers` of config.json: 2") && err.contains("4096"),
         "{err}"
     );
     let yarn = serde_json::json!({"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0});

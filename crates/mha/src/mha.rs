@@ -49,8 +49,8 @@ pub struct MultiHeadAttentionConfig {
     #[config(default = "None")]
     pub out_bias: Option<bool>,
     /// An RMS norm over each head's queries and each head's keys, with this epsilon,
-    /// before RoPE (Qwen3's and Gemma 3's `q_norm` and `k_norm`; Hugging Face's
-    /// `rms_norm_eps`). Default: none.
+    /// before RoPE (Qwen3's `q_norm` and `k_norm`; Hugging Face's `rms_norm_eps`).
+    /// Default: none.
     #[config(default = "None")]
     pub qk_norm_eps: Option<f64>,
     /// Dropout on the attention weights after the softmax, in training only. Default: 0.
@@ -261,8 +261,9 @@ impl MultiHeadAttentionConfig {
     ///
     /// # Errors
     /// A [`ConfigError`] naming the field and values when a size is zero, `d_model` is
-    /// not divisible by `n_heads`, `n_heads` not by `n_kv_heads`, the dropout is outside
-    /// `[0, 1)` or the scale or the soft cap is not positive and finite.
+    /// not divisible by `n_heads` (without a `head_dim`), `n_heads` not by `n_kv_heads`,
+    /// the dropout is outside `[0, 1)`, or the scale, the soft cap or `qk_norm_eps` is not
+    /// positive and finite.
     pub fn try_init(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
         let check = Check("MultiHeadAttentionConfig");
         let n_kv_heads = self.n_kv_heads.unwrap_or(self.n_heads);

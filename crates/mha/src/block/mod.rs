@@ -159,8 +159,10 @@ impl EncoderBlock {
     /// - weights: `[B, H, T, T]` (`[B, H, T, keys seen]`), when asked for
     ///
     /// # Errors
-    /// With a cache: [`CacheError::NotCausal`] for a block that is not causal, and the
-    /// cache's errors ([`MultiHeadAttention::forward_cached`]). Without a cache, none.
+    /// With a cache: [`CacheError::NotCausal`] for a block that is not causal,
+    /// [`CacheError::Window`] for a block with a window and a cache that does not slide
+    /// over it, and the cache's errors ([`MultiHeadAttention::forward_cached`]). Without a
+    /// cache, none.
     ///
     /// # Panics
     /// If `x` is not `[B, T, d_model]`, the mask does not broadcast, the input has a

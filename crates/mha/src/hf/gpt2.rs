@@ -153,6 +153,14 @@ pub fn load_gpt2_lm(
     prefix: &str,
 ) -> Result<CausalLm, ImportError> {
     let at = |name: &str| format!("{prefix}{name}");
+    if lm.lm_head.is_some() {
+        return Err(ImportError::Convention {
+            key: at("wte.weight"),
+            message: "GPT-2's head is its token embedding, and the model has a head of its \
+                      own; build it with Gpt2Config::init_causal_lm"
+                .into(),
+        });
+    }
     let table = &lm.embed_tokens.weight;
     let shape = table.shape().dims::<2>();
     let value = Place::of(table).load(weights, &at("wte.weight"), shape)?;
@@ -197,16 +205,31 @@ pub fn load_gpt2_block(
     prefix: &str,
 ) -> Result<EncoderBlock, ImportError> {
     let at = |name: &str| format!("{prefix}{name}");
-    let gated = block.feed_forward.up.is_some();
-    let packed = matches!(block.self_attn.in_proj, InputProjection::Packed(_));
-    let layer = block.norm1.kind() == NormKind::Layer && block.norm1.beta.is_some();
-    if !block.causal || !block.norm_first || gated || !packed || !layer {
+    let differs = [
+        (!block.causal, "causal"),
+        (!block.norm_first, "pre-norm (norm_first)"),
+        (
+            block.feed_forward.up.is_some(),
+            "a feed-forward of two layers (not gated)",
+        ),
+        (
+            !matches!(block.self_attn.in_proj, InputProjection::Packed(_)),
+            "one packed projection",
+        ),
+        (
+            block.norm1.kind() != NormKind::Layer || block.norm1.beta.is_none(),
+            "layer norms with biases",
+        ),
+    ];
+    let wanted: Vec<&str> = differs.iter().filter(|d| d.0).map(|d| d.1).collect();
+    if !wanted.is_empty() {
         return Err(ImportError::Convention {
             key: at("attn.c_attn.weight"),
-            message: "GPT-2's block is causal and pre-norm, with layer norms, biases, one \
-                      packed projection and a feed-forward of two layers; configure the block \
-                      as Gpt2Config::block does"
-                .into(),
+            message: format!(
+                "GPT-2's block is {}, which the block is not; configure it as \
+                 Gpt2Config::block does",
+                wanted.join(", ")
+            ),
         });
     }
     block.norm1 = block.norm1.load_pytorch(weights, &at("ln_1."))?;

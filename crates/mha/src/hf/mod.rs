@@ -28,8 +28,8 @@
 //! sliding window, the blocks' `window`) and a gated SiLU feed-forward (SwiGLU). What the
 //! modules cannot express is an [`ImportError::Config`] naming the field of
 //! `config.json`: RoPE scaling (`rope_type` other than `default`), an activation other
-//! than SiLU, Qwen2's and Qwen3's windows on some of the layers (`use_sliding_window:
-//! true`).
+//! than SiLU, Qwen2's and Qwen3's window on some of the layers only (`max_window_layers`
+//! between 0 and `num_hidden_layers`).
 
 use std::path::Path;
 
@@ -88,7 +88,8 @@ pub struct HfConfig {
     /// Key/value heads (GQA); `num_attention_heads` when absent.
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
-    /// Head width; `hidden_size / num_attention_heads` when absent.
+    /// Head width; when absent, Qwen3's 128 and the others' `hidden_size /
+    /// num_attention_heads`.
     #[serde(default)]
     pub head_dim: Option<usize>,
     /// The RMS norms' epsilon.
@@ -103,19 +104,22 @@ pub struct HfConfig {
     /// there is none).
     #[serde(default)]
     pub rope_scaling: Option<RopeParameters>,
-    /// Biases in the attention's projections (Llama, Mistral, Qwen3); Qwen2 has them on
-    /// q, k and v whatever this says.
+    /// Biases in the attention's projections (read for Llama and Qwen3; Mistral has none,
+    /// Qwen2 has them on q, k and v, whatever this says).
     #[serde(default)]
     pub attention_bias: Option<bool>,
-    /// Biases in the feed-forward (Llama's `mlp_bias`).
+    /// Biases in the feed-forward (read for Llama; the others have none).
     #[serde(default)]
     pub mlp_bias: Option<bool>,
     /// The attention's window, if it slides.
     #[serde(default)]
     pub sliding_window: Option<usize>,
-    /// Whether Qwen2's window is used.
+    /// Whether Qwen2's and Qwen3's window is used.
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
+    /// The first of Qwen2's and Qwen3's layers that slide, when the window is used.
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
     /// The feed-forward's activation: `silu`.
     #[serde(default = "silu")]
     pub hidden_act: String,
@@ -187,22 +191,36 @@ impl HfConfig {
                 format!("`{}`: the gated feed-forward takes silu", self.hidden_act),
             ));
         }
-        let sliding = match family {
-            "qwen2" | "qwen3" => self.use_sliding_window.unwrap_or(false),
-            _ => true,
-        };
-        // Qwen2's and Qwen3's windows cover the layers from `max_window_layers` on only.
-        let window = match (family, sliding, self.sliding_window) {
-            (_, false, _) | (_, _, None) => None,
-            ("llama" | "mistral", true, Some(window)) => Some(window),
-            (_, true, Some(window)) => {
-                return Err(convention(
-                    "use_sliding_window",
-                    format!(
-                        "a window of {window} on some of the layers (max_window_layers) has no \
-                         counterpart; mha's blocks take one window for every layer"
-                    ),
-                ));
+        // Mistral's window covers every layer; Llama has none; Qwen2's and Qwen3's, when
+        // used, the layers from `max_window_layers` on.
+        let window = match (family, self.sliding_window) {
+            (_, None) | ("llama", _) => None,
+            ("mistral", window) => window,
+            (_, Some(window)) => {
+                let layers = self.num_hidden_layers;
+                match (self.use_sliding_window, self.max_window_layers) {
+                    (Some(true), Some(0)) => Some(window),
+                    (Some(true), Some(from)) if from < layers => {
+                        return Err(convention(
+                            "max_window_layers",
+                            format!(
+                                "{from}: a window of {window} on layers {from}.. of {layers} \
+                                 only has no counterpart; the blocks of one configuration \
+                                 share their window"
+                            ),
+                        ));
+                    }
+                    (Some(true), None) => {
+                        return Err(convention(
+                            "max_window_layers",
+                            format!(
+                                "absent: use_sliding_window is true and which layers slide \
+                                 over {window} is not said"
+                            ),
+                        ));
+                    }
+                    _ => None,
+                }
             }
         };
         let rope = [&self.rope_parameters, &self.rope_scaling];
@@ -223,17 +241,28 @@ impl HfConfig {
             .and_then(|p| p.rope_theta)
             .or(self.rope_theta)
             .unwrap_or(10_000.0);
-        let attention_bias = self.attention_bias.unwrap_or(false);
+        // The fields each family reads: Llama both biases, Qwen3 the attention's, Mistral
+        // and Qwen2 neither (transformers fixes theirs).
+        let attention_bias = match family {
+            "llama" | "qwen3" => self.attention_bias.unwrap_or(false),
+            _ => false,
+        };
+        let mlp_bias = family == "llama" && self.mlp_bias.unwrap_or(false);
+        // Qwen3's heads are 128 wide unless the file says otherwise.
+        let head_dim = match family {
+            "qwen3" => Some(self.head_dim.unwrap_or(128)),
+            _ => self.head_dim,
+        };
         let config = EncoderBlockConfig::new(self.hidden_size, self.num_attention_heads)
             .with_n_kv_heads(self.num_key_value_heads)
-            .with_head_dim(self.head_dim)
+            .with_head_dim(head_dim)
             .with_d_ff(Some(self.intermediate_size))
             .with_dropout(0.0)
             .with_activation(FeedForwardActivation::Silu)
             .with_gated(true)
             .with_norm(NormKind::Rms)
             .with_layer_norm_eps(self.rms_norm_eps)
-            .with_bias(self.mlp_bias.unwrap_or(false))
+            .with_bias(mlp_bias)
             .with_causal(true)
             .with_window(window)
             .with_positions(Positions::Rope {

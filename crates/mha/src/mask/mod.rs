@@ -29,7 +29,7 @@ use crate::positions::PositionBias;
 
 mod geometry;
 
-#[cfg(any(test, feature = "gpu-kernels"))]
+#[cfg(feature = "gpu-kernels")]
 pub(crate) use geometry::Band;
 #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
 pub(crate) use geometry::DEAD_LSE;

@@ -115,9 +115,9 @@ fn load_torch_mha(
 /// `k.weight`, `v.weight` `[num_heads · d_kv, d_model]` and `o.weight`
 /// `[d_model, num_heads · d_kv]`, without biases. Its scores are not scaled (T5 folds
 /// `1/sqrt(d_kv)` into its initialisation) and its heads are `d_kv` wide: the module must
-/// be configured `with_bias(false)` and `with_scale(Some(1.0))`, with heads
-/// `d_model / n_heads = d_kv` wide; anything else is an [`ImportError::Convention`]
-/// saying what to change, since the numbers would differ.
+/// be configured `with_bias(false)` and `with_scale(Some(1.0))`, with heads `d_kv` wide
+/// (`with_head_dim` where `num_heads · d_kv != d_model`); anything else is an
+/// [`ImportError::Convention`] saying what to change, since the numbers would differ.
 fn load_t5(
     mha: MultiHeadAttention,
     weights: &PyTorchWeights,
@@ -128,7 +128,11 @@ fn load_t5(
         key: key("q.weight"),
         message,
     };
-    if mha.out_proj.bias.is_some() {
+    let in_bias = match &mha.in_proj {
+        InputProjection::Packed(p) => p.bias.is_some(),
+        InputProjection::Separate(p) => p.q_proj.bias.is_some(),
+    };
+    if in_bias || mha.out_proj.bias.is_some() {
         return Err(convention(
             "Hugging Face's T5Attention has no biases in q, k, v and o; configure the \
              module with_bias(false)"

@@ -5,15 +5,24 @@ use super::*;
 
 impl LoadPyTorch for LayerNorm {
     /// Keys of `nn.LayerNorm`: `weight` (`γ`), `bias` (`β`; refused when the norm has
-    /// none); of an RMS norm (`LlamaRMSNorm`, `nn.RMSNorm`): `weight`.
+    /// none); of an RMS norm (`LlamaRMSNorm`, `nn.RMSNorm`): `weight`. Where `weight` is
+    /// absent, the names of checkpoints converted from TensorFlow (`bert-base-uncased`'s),
+    /// `gamma` and `beta`, as `transformers` reads them.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         let [d] = self.gamma.shape().dims::<1>();
+        let legacy = !weights.contains(&format!("{prefix}weight"))
+            && weights.contains(&format!("{prefix}gamma"));
+        let [scale, shift] = match legacy {
+            true => ["gamma", "beta"],
+            false => ["weight", "bias"],
+        }
+        .map(|name| format!("{prefix}{name}"));
         let mut norm = self;
-        let gamma = Place::of(&norm.gamma).load(weights, &format!("{prefix}weight"), [d])?;
+        let gamma = Place::of(&norm.gamma).load(weights, &scale, [d])?;
         norm.gamma = set(norm.gamma, gamma);
         norm.beta = match norm.beta {
             Some(beta) => {
-                let value = Place::of(&beta).load(weights, &format!("{prefix}bias"), [d])?;
+                let value = Place::of(&beta).load(weights, &shift, [d])?;
                 Some(set(beta, value))
             }
             None => {
@@ -21,7 +30,7 @@ impl LoadPyTorch for LayerNorm {
                     NormKind::Layer => "the module was configured without bias",
                     NormKind::Rms => "an RMS norm has no shift",
                 };
-                weights.reject(format!("{prefix}bias"), reason)?;
+                weights.reject(shift, reason)?;
                 None
             }
         };

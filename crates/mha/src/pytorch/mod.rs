@@ -41,9 +41,9 @@
 //! Hugging Face's embedding is `[buckets, heads]`, [`MultiHeadAttention::position_table`]
 //! `[heads, buckets]`; the import transposes. T5 keeps the table in the first layer of a
 //! stack and lends it to the others; each mha module has its own: give the others the
-//! first one's (`layer.position_table = first.position_table.clone()`). T5's layer norms
-//! are RMS norms without a shift computed in the input's dtype, unlike Llama's (see
-//! [`NormKind::Rms`](crate::NormKind)): the import covers T5's attention, not its blocks.
+//! first one's (`layer.position_table = first.position_table.clone()`). The import covers
+//! T5's attention, not its blocks (whose table lives in the first layer of a stack and
+//! whose feed-forward has no biases), nor its stacks.
 //!
 //! The attention of Hugging Face's Llama family (`LlamaAttention`, `MistralAttention`,
 //! `Qwen2Attention`, `Qwen3Attention`: keys `q_proj.*`, `k_proj.*`, `v_proj.*`,
