@@ -103,13 +103,15 @@ pub trait TaskKind: Sync {
     fn warnings(&self, config: &TrainConfig) -> Vec<String>;
 
     /// The training and validation examples; `epoch` is the epoch being trained (the
-    /// training loader's epochs read it), `shares` the devices a step is shared among.
+    /// training loader's epochs read it), `shares` the devices a step is shared among,
+    /// `mixed` the run's half precision (its loss scale the one the run reports).
     fn data(
         &self,
         config: &TrainConfig,
         epoch: Arc<AtomicUsize>,
         shares: usize,
         backend: Backend,
+        mixed: Option<&Mixed>,
     ) -> anyhow::Result<Data>;
 
     /// Whether the learner logs token accuracy beside the loss.
@@ -274,9 +276,9 @@ impl TaskKind for Synthetic {
         epoch: Arc<AtomicUsize>,
         shares: usize,
         backend: Backend,
+        mixed: Option<&Mixed>,
     ) -> anyhow::Result<Data> {
         let fixed = config.fixed_shape(backend);
-        let mixed = config.dtype.mixed();
         let train = TrainStream {
             task: config.task.clone(),
             seed: config.seed,
@@ -295,7 +297,7 @@ impl TaskKind for Synthetic {
             train: DataLoaderBuilder::new(SeqBatcher {
                 fixed,
                 pack: config.pack_width(),
-                mixed: mixed.clone(),
+                mixed: mixed.cloned(),
                 shares,
             })
             .batch_size(config.batch_size / shares)
@@ -303,7 +305,7 @@ impl TaskKind for Synthetic {
             valid: DataLoaderBuilder::new(SeqBatcher {
                 fixed,
                 pack: None,
-                mixed: mixed.as_ref().map(Mixed::inference),
+                mixed: mixed.map(Mixed::inference),
                 shares: 1,
             })
             .batch_size(config.batch_size)

@@ -408,8 +408,8 @@ impl TaskKind for Text {
         epoch: Arc<AtomicUsize>,
         shares: usize,
         _backend: Backend,
+        mixed: Option<&Mixed>,
     ) -> anyhow::Result<Data> {
-        let mixed = config.dtype.mixed();
         let corpus = Arc::new(corpus(config)?);
         let block = config.task.block_size;
         let stream = TextStream {
@@ -424,12 +424,12 @@ impl TaskKind for Text {
         let valid = ValidWindows::new(corpus, block, config.valid_examples);
         let batcher = |mixed, shares| TextBatcher { mixed, shares };
         Ok(Data {
-            train: DataLoaderBuilder::new(batcher(mixed.clone(), shares))
+            train: DataLoaderBuilder::new(batcher(mixed.cloned(), shares))
                 .batch_size(config.batch_size / shares)
                 .build(stream),
             // Validation batches of 64 whatever the training's: the loss is the mean over
             // the windows either way, and larger batches cost less per window.
-            valid: DataLoaderBuilder::new(batcher(mixed.as_ref().map(Mixed::inference), 1))
+            valid: DataLoaderBuilder::new(batcher(mixed.map(Mixed::inference), 1))
                 .batch_size(64)
                 .build(valid),
             tokens_per_step: (config.batch_size * block) as f64,

@@ -172,7 +172,10 @@ pub fn train(
     // alone: a resumed run trains on the batches the uninterrupted one would have.
     let epoch = Arc::new(AtomicUsize::new(start_epoch));
     // Each device's loader batches its share of every step.
-    let data = config.kind().data(config, epoch.clone(), shares, backend)?;
+    // The batches' loss scale is the run's: the summary reads it back.
+    let data = config
+        .kind()
+        .data(config, epoch.clone(), shares, backend, mixed.as_ref())?;
     let tokens_per_step = data.tokens_per_step;
     let data = Data {
         train: Arc::new(EpochLoader {
