@@ -416,6 +416,41 @@ def gated_feed_forward():
     save("gated_feed_forward", model, {"x": x}, model(x))
 
 
+def tiny_llama_config(Config, **overrides):
+    """A tiny Llama-family configuration for eager attention: 32 wide, 4 query heads and 2
+    key/value heads of 8, RMS norms with epsilon 1e-6, RoPE with theta 500; with
+    `overrides`."""
+    fields = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=500.0,
+    )
+    config = Config(**{**fields, **overrides})
+    config._attn_implementation = "eager"
+    return config
+
+
+def additive_mask(B, T, causal, padding=None):
+    """The `[B, 1, T, T]` float64 mask transformers' eager attention adds: the float64
+    minimum where a key is after the query (when `causal`) or is padding (`padding`
+    `[B, T]`, True = padding), 0 elsewhere."""
+    blocked = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    if causal:
+        blocked |= torch.ones(T, T, dtype=torch.bool).triu(1)
+    if padding is not None:
+        blocked |= padding[:, None, None, :]
+    return torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+
+
+def write_config(name, config):
+    """The configuration of fixture `name` beside it, as `<name>.json`."""
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        f.write(config.to_json_string())
+
+
 def hf_attention(name, family, seed):
     """The attention of Hugging Face's Qwen2 (biases on q, k and v, none on o) or Qwen3
     (an RMS norm over each head's queries and keys before RoPE, no biases), transformers'
@@ -432,15 +467,7 @@ def hf_attention(name, family, seed):
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
 
     torch.manual_seed(seed)
-    config = Config(
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=500.0,
-    )
-    config._attn_implementation = "eager"
+    config = tiny_llama_config(Config)
     attention = Attention(config, layer_idx=0)
     with torch.no_grad():
         for p in attention.parameters():
@@ -451,8 +478,7 @@ def hf_attention(name, family, seed):
     x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
     positions = torch.arange(T)[None].expand(B, -1)
     cos, sin = Rotary(config)(x, positions)
-    blocked = torch.ones(T, T, dtype=torch.bool).triu(1)
-    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+    mask = additive_mask(B, T, causal=True)
     out = attention(x, (cos, sin), mask)[0]
     save(name, attention, {"x": x}, out)
 
@@ -472,19 +498,14 @@ def hf_decoder_layer(name, family, seed, head_dim=8):
     prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     Config = getattr(importlib.import_module("transformers"), f"{prefix}Config")
     torch.manual_seed(seed)
-    config = Config(
-        hidden_size=32,
+    config = tiny_llama_config(
+        Config,
         intermediate_size=48,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=head_dim,
-        rms_norm_eps=1e-6,
-        rope_theta=500.0,
         vocab_size=50,
         sliding_window=None,
     )
-    config._attn_implementation = "eager"
     layer = getattr(module, f"{prefix}DecoderLayer")(config, layer_idx=0)
     with torch.no_grad():
         for key, p in layer.named_parameters():
@@ -495,16 +516,13 @@ def hf_decoder_layer(name, family, seed, head_dim=8):
     x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
     positions = torch.arange(T)[None].expand(B, -1)
     cos, sin = getattr(module, f"{prefix}RotaryEmbedding")(config)(x, positions)
-    blocked = torch.ones(T, T, dtype=torch.bool).triu(1).expand(B, 1, T, T).clone()
     padding = torch.zeros(B, T, dtype=torch.bool)
     padding[1, 7:] = True
-    blocked |= padding[:, None, None, :]
-    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+    mask = additive_mask(B, T, causal=True, padding=padding)
     out = layer(x, attention_mask=mask, position_embeddings=(cos, sin))
     out = out[0] if isinstance(out, tuple) else out
     save(name, layer, {"x": x}, out, extra={"key_padding": padding})
-    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
-        f.write(config.to_json_string())
+    write_config(name, config)
 
 
 def hf_causal_lm(name, family, seed, tied, head_dim=8, window=None):
@@ -519,20 +537,15 @@ def hf_causal_lm(name, family, seed, tied, head_dim=8, window=None):
     prefix = {"llama": "Llama", "mistral": "Mistral", "qwen3": "Qwen3"}[family]
     transformers = importlib.import_module("transformers")
     torch.manual_seed(seed)
-    config = getattr(transformers, f"{prefix}Config")(
-        hidden_size=32,
+    config = tiny_llama_config(
+        getattr(transformers, f"{prefix}Config"),
         intermediate_size=48,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=head_dim,
-        rms_norm_eps=1e-6,
-        rope_theta=500.0,
         vocab_size=50,
         tie_word_embeddings=tied,
         sliding_window=window,
     )
-    config._attn_implementation = "eager"
     model = getattr(transformers, f"{prefix}ForCausalLM")(config)
     with torch.no_grad():
         for key, p in model.named_parameters():
@@ -542,8 +555,7 @@ def hf_causal_lm(name, family, seed, tied, head_dim=8, window=None):
     ids = torch.randint(0, 50, (2, 9))
     out = model(input_ids=ids).logits
     save(name, model, {"ids": ids}, out)
-    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
-        f.write(config.to_json_string())
+    write_config(name, config)
 
 
 def hf_gpt2_bert(name, family, seed):
@@ -579,15 +591,11 @@ def hf_gpt2_bert(name, family, seed):
     x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
     padding = torch.zeros(B, T, dtype=torch.bool)
     padding[1, 7:] = True
-    blocked = padding[:, None, None, :].expand(B, 1, T, T).clone()
-    if family == "gpt2":
-        blocked |= torch.ones(T, T, dtype=torch.bool).triu(1)
-    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(blocked, torch.finfo(torch.float64).min)
+    mask = additive_mask(B, T, causal=family == "gpt2", padding=padding)
     out = layer(x, attention_mask=mask)
     out = out[0] if isinstance(out, tuple) else out
     save(name, layer, {"x": x}, out, extra={"key_padding": padding})
-    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
-        f.write(config.to_json_string())
+    write_config(name, config)
 
 
 def gpt2_lm():
@@ -613,8 +621,7 @@ def gpt2_lm():
     ids = torch.randint(0, 50, (2, 9))
     out = model(input_ids=ids).logits
     save("gpt2_lm", model, {"ids": ids}, out)
-    with open(os.path.join(OUT, "gpt2_lm.json"), "w") as f:
-        f.write(config.to_json_string())
+    write_config("gpt2_lm", config)
 
 
 def bert_model():
@@ -644,8 +651,7 @@ def bert_model():
     attending[1, 7:] = 0
     out = model(input_ids=ids, token_type_ids=types, attention_mask=attending).last_hidden_state
     save("bert_model", model, {"ids": ids, "types": types}, out, extra={"key_padding": attending == 0})
-    with open(os.path.join(OUT, "bert_model.json"), "w") as f:
-        f.write(config.to_json_string())
+    write_config("bert_model", config)
 
 
 def cross_entropy():

@@ -837,44 +837,50 @@ fn gelu_values_and_gradient_match_pytorch_with_and_without_autodiff() {
     }
 }
 
+/// A norm of `fixture` over rows of `d`, built by `norm` and loaded from the fixture: its
+/// values with and without autodiff, the gradients of the input and the parameters, and
+/// a view that is not contiguous (the first two axes swapped).
+fn check_norm(fixture: &'static str, d: usize, norm: impl Fn(&Device) -> mha::LayerNorm) {
+    let f = Fixture::load(fixture);
+    let shape = [3, 5, d];
+    for b in backends() {
+        let load = |device: &Device| {
+            norm(device)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let layer = load(&b.device);
+        check_forward(
+            &b,
+            &f,
+            "norm",
+            layer.forward(f.io("x", shape, &b.device)),
+            "out",
+        );
+
+        let device = b.autodiff();
+        let layer = load(&device);
+        let x = f.io("x", shape, &device).require_grad();
+        let out = layer.forward(x.clone());
+        let grads = backward(&f, &out, &device);
+        check_forward(&b, &f, "norm under autodiff", out, "out");
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &layer, norm(&device), &grads);
+
+        let x = f.io("x", shape, &b.device).swap_dims(0, 1);
+        let want = f.io("out", shape, &b.device).swap_dims(0, 1);
+        let label = format!("[{}] {fixture} of a view", b.name);
+        assert_close(&label, load(&b.device).forward(x), want, b.forward_tol());
+    }
+}
+
 #[test]
 fn layer_norm_values_and_gradients_match_pytorch_with_and_without_autodiff() {
     // The fused operation on flex and ndarray, Burn's layer_norm on wgpu; with and without
     // a shift, a row whose variance is 0, rows of 67 and 128.
     for (name, d, bias) in [("layer_norm", 67, true), ("layer_norm_no_bias", 128, false)] {
-        let f = Fixture::load(name);
-        let shape = [3, 5, d];
         let config = burn::nn::LayerNormConfig::new(d).with_bias(bias);
-        for b in backends() {
-            let load = |device: &Device| {
-                mha::LayerNorm::new(&config, device)
-                    .load_pytorch(&f.weights, "model.")
-                    .unwrap_or_else(|e| panic!("{e}"))
-            };
-            let norm = load(&b.device);
-            check_forward(
-                &b,
-                &f,
-                "layer norm",
-                norm.forward(f.io("x", shape, &b.device)),
-                "out",
-            );
-
-            let device = b.autodiff();
-            let norm = load(&device);
-            let x = f.io("x", shape, &device).require_grad();
-            let out = norm.forward(x.clone());
-            let grads = backward(&f, &out, &device);
-            check_forward(&b, &f, "layer norm under autodiff", out, "out");
-            check_input_grad(&b, &f, "x", &x, &grads);
-            check_param_grads(&b, &f, &norm, mha::LayerNorm::new(&config, &device), &grads);
-
-            // A view that is not contiguous (the first two axes swapped) reads the same.
-            let x = f.io("x", shape, &b.device).swap_dims(0, 1);
-            let want = f.io("out", shape, &b.device).swap_dims(0, 1);
-            let label = format!("[{}] {name} of a view", b.name);
-            assert_close(&label, load(&b.device).forward(x), want, b.forward_tol());
-        }
+        check_norm(name, d, |device| mha::LayerNorm::new(&config, device));
     }
 }
 
@@ -909,38 +915,9 @@ fn tanh_gelu_and_silu_match_transformers_with_and_without_autodiff() {
 fn rms_norm_matches_transformers_with_and_without_autodiff() {
     // Hugging Face's LlamaRMSNorm: the fused operation (not centred) on flex and ndarray,
     // Burn's operations on wgpu; rows of 67 at scales 0.3 to 3.3.
-    let f = Fixture::load("rms_norm");
-    let (d, shape) = (67, [3, 5, 67]);
-    for b in backends() {
-        let load = |device: &Device| {
-            mha::LayerNorm::rms(d, 1e-6, device)
-                .load_pytorch(&f.weights, "model.")
-                .unwrap_or_else(|e| panic!("{e}"))
-        };
-        let norm = load(&b.device);
-        check_forward(
-            &b,
-            &f,
-            "rms norm",
-            norm.forward(f.io("x", shape, &b.device)),
-            "out",
-        );
-
-        let device = b.autodiff();
-        let norm = load(&device);
-        let x = f.io("x", shape, &device).require_grad();
-        let out = norm.forward(x.clone());
-        let grads = backward(&f, &out, &device);
-        check_forward(&b, &f, "rms norm under autodiff", out, "out");
-        check_input_grad(&b, &f, "x", &x, &grads);
-        check_param_grads(&b, &f, &norm, mha::LayerNorm::rms(d, 1e-6, &device), &grads);
-
-        // A view that is not contiguous (the first two axes swapped) reads the same.
-        let x = f.io("x", shape, &b.device).swap_dims(0, 1);
-        let want = f.io("out", shape, &b.device).swap_dims(0, 1);
-        let label = format!("[{}] rms norm of a view", b.name);
-        assert_close(&label, load(&b.device).forward(x), want, b.forward_tol());
-    }
+    check_norm("rms_norm", 67, |device| {
+        mha::LayerNorm::rms(67, 1e-6, device)
+    });
 }
 
 #[test]

@@ -15,7 +15,7 @@ use super::read_config;
 use crate::block::{BlockInput, EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
 use crate::mask::AttentionMask;
 use crate::norm::{LayerNorm, NormKind};
-use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, load_linear, set};
+use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_linear, load_param};
 
 /// The fields of BERT's `config.json` that shape a layer (the others are read past).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -239,12 +239,7 @@ impl BertConfig {
     pub fn init_model(&self, device: &Device) -> Result<BertModel, ImportError> {
         let block = self.block()?;
         let layers = (0..self.num_hidden_layers)
-            .map(|_| {
-                block.try_init(device).map_err(|err| ImportError::Config {
-                    what: "config.json".into(),
-                    message: err.to_string(),
-                })
-            })
+            .map(|_| block.try_init(device).map_err(super::unbuildable))
             .collect::<Result<_, _>>()?;
         let embedding = |n| EmbeddingConfig::new(n, self.hidden_size).init(device);
         let norm = LayerNormConfig::new(self.hidden_size).with_epsilon(self.layer_norm_eps);
@@ -279,9 +274,7 @@ pub fn load_bert_model(
             "token_type_embeddings.weight",
         ),
     ] {
-        let shape = table.weight.shape().dims::<2>();
-        let value = Place::of(&table.weight).load(weights, &at(name), shape)?;
-        table.weight = set(table.weight.clone(), value);
+        table.weight = load_param(table.weight.clone(), weights, &at(name))?;
     }
     model.embeddings_norm = model
         .embeddings_norm

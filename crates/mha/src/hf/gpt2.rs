@@ -15,7 +15,7 @@ use crate::block::{EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
 use crate::mha::InputProjection;
 use crate::norm::NormKind;
 use crate::positions::{AbsolutePositions, Positions};
-use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, set};
+use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_param};
 use crate::stack::EncoderConfig;
 
 /// The fields of GPT-2's `config.json` that shape a block (the others are read past).
@@ -127,10 +127,7 @@ impl Gpt2Config {
         });
         let model = EncoderConfig::new(block, self.n_layer)
             .try_init(device)
-            .map_err(|err| ImportError::Config {
-                what: "config.json".into(),
-                message: err.to_string(),
-            })?;
+            .map_err(super::unbuildable)?;
         Ok(CausalLm {
             embed_tokens: EmbeddingConfig::new(self.vocab_size, self.n_embd).init(device),
             model,
@@ -161,10 +158,7 @@ pub fn load_gpt2_lm(
                 .into(),
         });
     }
-    let table = &lm.embed_tokens.weight;
-    let shape = table.shape().dims::<2>();
-    let value = Place::of(table).load(weights, &at("wte.weight"), shape)?;
-    lm.embed_tokens.weight = set(lm.embed_tokens.weight, value);
+    lm.embed_tokens.weight = load_param(lm.embed_tokens.weight, weights, &at("wte.weight"))?;
     let Some(AbsolutePositions::Learned(positions)) = &mut lm.model.positions else {
         return Err(ImportError::Convention {
             key: at("wpe.weight"),
@@ -173,10 +167,8 @@ pub fn load_gpt2_lm(
                 .into(),
         });
     };
-    let table = &positions.embedding.weight;
-    let shape = table.shape().dims::<2>();
-    let value = Place::of(table).load(weights, &at("wpe.weight"), shape)?;
-    positions.embedding.weight = set(positions.embedding.weight.clone(), value);
+    let table = positions.embedding.weight.clone();
+    positions.embedding.weight = load_param(table, weights, &at("wpe.weight"))?;
     lm.model.layers = lm
         .model
         .layers
@@ -252,16 +244,11 @@ pub fn load_gpt2_block(
 /// `{prefix}bias` `[out]`.
 fn conv1d(linear: Linear, weights: &PyTorchWeights, prefix: &str) -> Result<Linear, ImportError> {
     let Linear { weight, bias } = linear;
-    let shape = weight.shape().dims::<2>();
-    let w = Place::of(&weight).load(weights, &format!("{prefix}weight"), shape)?;
-    let weight = set(weight, w);
-    let bias = match bias {
-        Some(bias) => {
-            let shape = bias.shape().dims::<1>();
-            let b = Place::of(&bias).load(weights, &format!("{prefix}bias"), shape)?;
-            Some(set(bias, b))
-        }
-        None => None,
-    };
-    Ok(Linear { weight, bias })
+    Ok(Linear {
+        weight: load_param(weight, weights, &format!("{prefix}weight"))?,
+        bias: match bias {
+            Some(bias) => Some(load_param(bias, weights, &format!("{prefix}bias"))?),
+            None => None,
+        },
+    })
 }

@@ -45,7 +45,7 @@ use crate::error::CacheError;
 use crate::mask::AttentionMask;
 use crate::norm::{LayerNorm, NormKind};
 use crate::positions::{Positions, RopeLayout};
-use crate::pytorch::{ImportError, LoadPyTorch, Place, PyTorchWeights, set};
+use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_param};
 use crate::stack::Encoder;
 
 mod bert;
@@ -61,6 +61,14 @@ fn read_config<C: Config>(path: &Path, family: &str) -> Result<C, ImportError> {
         source,
     })?;
     parse_config(&bytes, &path.display().to_string(), family)
+}
+
+/// The error of a block or stack built from a `config.json`'s numbers.
+fn unbuildable(err: crate::error::ConfigError) -> ImportError {
+    ImportError::Config {
+        what: "config.json".into(),
+        message: err.to_string(),
+    }
 }
 
 /// Parses the JSON of a `config.json` of `family`; `source` names it in errors.
@@ -279,22 +287,6 @@ impl HfConfig {
             _ => config.with_attention_bias(Some(attention_bias)),
         })
     }
-
-    /// The decoder layers, initialised (load their weights with [`load_decoder_layer`]).
-    ///
-    /// # Errors
-    /// As [`block`](Self::block), and the block's own configuration errors.
-    pub fn init_layers(&self, device: &Device) -> Result<Vec<EncoderBlock>, ImportError> {
-        let config = self.block()?;
-        (0..self.num_hidden_layers)
-            .map(|_| {
-                config.try_init(device).map_err(|err| ImportError::Config {
-                    what: "config.json".into(),
-                    message: err.to_string(),
-                })
-            })
-            .collect()
-    }
 }
 
 /// Loads the weights of a Llama-family decoder layer stored under `prefix` (such as
@@ -423,10 +415,7 @@ impl HfConfig {
         let block = self.block()?;
         let model = crate::stack::EncoderConfig::new(block, self.num_hidden_layers)
             .try_init(device)
-            .map_err(|err| ImportError::Config {
-                what: "config.json".into(),
-                message: err.to_string(),
-            })?;
+            .map_err(unbuildable)?;
         let (vocab, width) = (self.vocab_size, self.hidden_size);
         Ok(CausalLm {
             embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
@@ -454,10 +443,8 @@ pub fn load_causal_lm(
     prefix: &str,
 ) -> Result<CausalLm, ImportError> {
     let at = |name: &str| format!("{prefix}{name}");
-    let table = &lm.embed_tokens.weight;
-    let shape = table.shape().dims::<2>();
-    let value = Place::of(table).load(weights, &at("model.embed_tokens.weight"), shape)?;
-    lm.embed_tokens.weight = set(lm.embed_tokens.weight, value);
+    let table = lm.embed_tokens.weight;
+    lm.embed_tokens.weight = load_param(table, weights, &at("model.embed_tokens.weight"))?;
     lm.model.layers = lm
         .model
         .layers

@@ -9,7 +9,6 @@ impl LoadPyTorch for LayerNorm {
     /// absent, the names of checkpoints converted from TensorFlow (`bert-base-uncased`'s),
     /// `gamma` and `beta`, as `transformers` reads them.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
-        let [d] = self.gamma.shape().dims::<1>();
         let legacy = !weights.contains(&format!("{prefix}weight"))
             && weights.contains(&format!("{prefix}gamma"));
         let [scale, shift] = match legacy {
@@ -18,13 +17,9 @@ impl LoadPyTorch for LayerNorm {
         }
         .map(|name| format!("{prefix}{name}"));
         let mut norm = self;
-        let gamma = Place::of(&norm.gamma).load(weights, &scale, [d])?;
-        norm.gamma = set(norm.gamma, gamma);
+        norm.gamma = load_param(norm.gamma, weights, &scale)?;
         norm.beta = match norm.beta {
-            Some(beta) => {
-                let value = Place::of(&beta).load(weights, &shift, [d])?;
-                Some(set(beta, value))
-            }
+            Some(beta) => Some(load_param(beta, weights, &shift)?),
             None => {
                 let reason = match norm.kind() {
                     NormKind::Layer => "the module was configured without bias",

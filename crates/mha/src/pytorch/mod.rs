@@ -383,6 +383,18 @@ pub(crate) fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> 
     param.map(|old| value.set_require_grad(old.is_require_grad()))
 }
 
+/// `param` with the value under `key`, of the parameter's own shape, in its dtype and on
+/// its device.
+pub(crate) fn load_param<const D: usize>(
+    param: Param<Tensor<D>>,
+    weights: &PyTorchWeights,
+    key: &str,
+) -> Result<Param<Tensor<D>>, ImportError> {
+    let shape = param.shape().dims::<D>();
+    let value = Place::of(&param).load(weights, key, shape)?;
+    Ok(set(param, value))
+}
+
 /// Where a parameter lives: the device and dtype a loaded value takes, as PyTorch's
 /// `load_state_dict` copies into the parameter's own dtype.
 pub(crate) struct Place {
