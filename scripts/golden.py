@@ -483,6 +483,80 @@ def hf_attention(name, family, seed):
     save(name, attention, {"x": x}, out)
 
 
+def sdpa_sinks():
+    """transformers' gpt-oss eager attention (`eager_attention_forward`, the reference of
+    its attention sinks) on raw queries, keys and values: 4 query heads and 2 key/value
+    heads of 8, 9 positions, a causal window of 4 keys, the last two keys of batch row 1
+    padding and query 3 of batch row 0 seeing no key; random sinks. Values, weights (the
+    sink's column dropped, as transformers returns them) and the gradients of the query,
+    key, value and sinks, in f64. `io.blocked` holds the padding and the blind row only:
+    the window is the mask's rule."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(53)
+    B, H, HKV, T, D = 2, 4, 2, 9, 8
+
+    class Sinks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sinks = nn.Parameter(torch.randn(H, dtype=torch.float64) * 1.5)
+            self.num_key_value_groups = H // HKV
+
+    module = Sinks().eval()
+    q = torch.randn(B, H, T, D, dtype=torch.float64).requires_grad_(True)
+    k = torch.randn(B, HKV, T, D, dtype=torch.float64).requires_grad_(True)
+    v = torch.randn(B, HKV, T, D, dtype=torch.float64).requires_grad_(True)
+    blocked = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    blocked[1, :, :, 7:] = True
+    blocked[0, :, 3, :] = True
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    window = (j > i) | (j <= i - 4)
+    mask = torch.zeros(B, 1, T, T, dtype=torch.float64).masked_fill(
+        blocked | window, torch.finfo(torch.float64).min)
+    out, w = eager_attention_forward(module, q, k, v, mask, scaling=D ** -0.5)
+    out = out.transpose(1, 2)  # transformers returns [B, T, H, D]
+    save("sdpa_sinks", module, {"q": q, "k": k, "v": v}, out, w.detach().float(),
+         extra={"blocked": blocked})
+
+
+def gpt_oss_attention():
+    """The attention of Hugging Face's gpt-oss, transformers' own `GptOssAttention`, tiny
+    and random: 32 wide, 4 query heads and 2 key/value heads of 8, biases on every
+    projection, attention sinks, a sliding window of 4 (`layer_types`), RoPE with theta
+    500 (default RoPE: the released models' YaRN scaling is not among what loads), eager
+    attention, the last two keys of batch row 1 padding. Values and gradients of the
+    input and of every parameter (the sinks included), in f64."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
+
+    torch.manual_seed(54)
+    config = tiny_llama_config(
+        GptOssConfig,
+        num_hidden_layers=1,
+        sliding_window=4,
+        layer_types=["sliding_attention"],
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )
+    attention = GptOssAttention(config, layer_idx=0)
+    with torch.no_grad():
+        for p in attention.parameters():
+            if p.dim() == 1:  # the biases and the sinks
+                p.copy_(torch.randn(p.shape) * (1.5 if p.numel() == 4 else 0.3))
+    attention = attention.double()
+    B, T = 2, 9
+    x = torch.randn(B, T, 32, dtype=torch.float64).requires_grad_(True)
+    positions = torch.arange(T)[None].expand(B, -1)
+    cos, sin = GptOssRotaryEmbedding(config)(x, positions)
+    padding = torch.zeros(B, T, dtype=torch.bool)
+    padding[1, 7:] = True
+    mask = additive_mask(B, T, causal=True, padding=padding)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    mask = mask.masked_fill(j <= i - 4, torch.finfo(torch.float64).min)
+    out = attention(x, (cos, sin), mask)[0]
+    save("gpt_oss_attention", attention, {"x": x}, out, extra={"key_padding": padding})
+
+
 def hf_decoder_layer(name, family, seed, head_dim=8):
     """A decoder layer of Hugging Face's Llama, Mistral, Qwen2 or Qwen3, transformers' own
     module built from a tiny random configuration offline (32 wide, 4 query heads and 2
@@ -742,6 +816,8 @@ FIXTURES = {
     "gated_feed_forward": gated_feed_forward,
     "qwen2_attention": lambda: hf_attention("qwen2_attention", "qwen2", 37),
     "qwen3_attention": lambda: hf_attention("qwen3_attention", "qwen3", 38),
+    "sdpa_sinks": sdpa_sinks,
+    "gpt_oss_attention": gpt_oss_attention,
     "llama_layer": lambda: hf_decoder_layer("llama_layer", "llama", 43),
     "mistral_layer": lambda: hf_decoder_layer("mistral_layer", "mistral", 44),
     "qwen2_layer": lambda: hf_decoder_layer("qwen2_layer", "qwen2", 45),

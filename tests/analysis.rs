@@ -335,6 +335,18 @@ fn assert_pruned_equals_masked(
             .select(0, index),
         be.grad_tol(),
     );
+    if let (Some(pruned_sinks), Some(sinks)) = (&pruned.sinks, &m.sinks) {
+        let kept = Tensor::<1, burn::tensor::Int>::from_data(
+            TensorData::new(kept.iter().map(|&h| h as i64).collect(), [kept.len()]),
+            &device,
+        );
+        assert_close(
+            &format!("{what}: sinks' gradient"),
+            pruned_sinks.val().grad(&grads_pruned).unwrap(),
+            sinks.val().grad(&grads_masked).unwrap().select(0, kept),
+            be.grad_tol(),
+        );
+    }
 }
 
 #[test]
@@ -356,7 +368,11 @@ fn a_pruned_attention_equals_the_masked_one_in_values_and_gradients() {
                 "[{}] {heads}:{kv} {positions:?} without {remove:?}",
                 be.name
             );
-            let m = attention(*heads, *kv, positions.clone(), &be.autodiff());
+            let mut m = attention(*heads, *kv, positions.clone(), &be.autodiff());
+            if n % 3 == 1 {
+                // Attention sinks follow their heads.
+                m.sinks = Some(Param::from_tensor(randn([*heads], 9, &be.autodiff())));
+            }
             let plan = PrunePlan {
                 remove: vec![remove.clone()],
             };

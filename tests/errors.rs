@@ -250,10 +250,26 @@ fn masks_by_position_that_cannot_hold_panic_naming_the_values() {
             ),
             "softcap must be positive and finite, got 0",
         ),
+        (
+            run(
+                AttentionMask::sinks(randn([3], 2, &d)),
+                SdpaOptions::default(),
+            ),
+            "the attention sinks have 3 logits, one per head of the scores [B, H, Tq, Tk] = [2, 1, 6, 6]",
+        ),
     ];
     for (message, expected) in cases {
         assert!(message.contains(expected), "{message:?} lacks {expected:?}");
     }
+    let sinks = [randn([1], 2, &d), randn([1], 3, &d)];
+    let message = panic_message(move || {
+        let [a, b] = sinks;
+        let _ = AttentionMask::sinks(a).and(AttentionMask::sinks(b));
+    });
+    assert!(
+        message.contains("AttentionMask::and: both masks have attention sinks"),
+        "{message:?}"
+    );
     let message = panic_message(|| {
         AttentionMask::sliding_window(0);
     });

@@ -276,13 +276,8 @@ fn sdpa_paths(
                 weights,
                 ..SdpaOptions::default()
             };
-            let out = scaled_dot_product_attention(
-                qt.clone(),
-                kt.clone(),
-                vt.clone(),
-                &mask(&f, &dev),
-                options,
-            );
+            let m = mask(&f, &dev);
+            let out = scaled_dot_product_attention(qt.clone(), kt.clone(), vt.clone(), &m, options);
             check_forward(&b, &f, &format!("{path} out"), out.context.clone(), "out");
             if let Some(w) = out.weights {
                 check_forward(&b, &f, "weights", w, "weights");
@@ -290,6 +285,9 @@ fn sdpa_paths(
             let grads = backward(&f, &out.context, &dev);
             for (name, x) in [("q", &qt), ("k", &kt), ("v", &vt)] {
                 check_input_grad(&b, &f, name, x, &grads);
+            }
+            if let Some(sinks) = m.sink_logits() {
+                check_input_grad(&b, &f, "model.sinks", sinks, &grads);
             }
         }
         // Without autodiff the fused op runs the backend's own kernel (flash on flex/wgpu).
@@ -318,6 +316,28 @@ fn sdpa_gqa_additive_bias_custom_scale() {
         mask,
         Some(0.3),
     );
+}
+
+/// Attention sinks against transformers' gpt-oss eager attention: GQA, a causal window,
+/// key padding and a row that sees no key (zeros here, as there), with the sinks'
+/// gradient, on the fused and explicit paths.
+#[test]
+fn sdpa_attention_sinks_match_gpt_oss() {
+    let mask = |f: &Fixture, dev: &Device| {
+        let sinks = f.weights.tensor("model.sinks", [4], dev).unwrap();
+        let sinks = match dev.is_autodiff() {
+            true => sinks.require_grad(),
+            false => sinks,
+        };
+        AttentionMask::sliding_window(4)
+            .and(AttentionMask::blocking(f.io_mask(
+                "blocked",
+                [2, 1, 9, 9],
+                dev,
+            )))
+            .and(AttentionMask::sinks(sinks))
+    };
+    sdpa_paths("sdpa_sinks", [2, 4, 9, 8], [2, 2, 9, 8], mask, None);
 }
 
 #[test]
@@ -353,6 +373,67 @@ fn check_positioned(fixture: &'static str, positions: Positions) {
         check_input_grad(&b, &f, "x", &x, &grads);
         check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
     }
+}
+
+/// transformers' `GptOssAttention`: biases on every projection, attention sinks, a
+/// sliding window of 4, GQA 4:2, RoPE with theta 500, key padding; every gradient, the
+/// sinks' included; decoded token by token through a sliding cache; and a module without
+/// sinks refuses them by name.
+#[test]
+fn gpt_oss_attention_with_sinks_matches_transformers() {
+    let f = Fixture::load("gpt_oss_attention");
+    let config = MultiHeadAttentionConfig::new(32, 4)
+        .with_n_kv_heads(Some(2))
+        .with_positions(Positions::Rope {
+            theta: 500.0,
+            layout: RopeLayout::HalfSplit,
+        })
+        .with_sinks(true);
+    for b in backends() {
+        let dev = b.autodiff();
+        let mha = config
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let x = f.io("x", [2, 9, 32], &dev).require_grad();
+        let padding = f.io_mask("key_padding", [2, 9], &dev);
+        let mask = AttentionMask::sliding_window(4).and(AttentionMask::key_padding(padding));
+        let out = mha.self_attention(x.clone(), mask);
+        check_forward(&b, &f, "out", out.clone(), "out");
+        let grads = backward(&f, &out, &dev);
+        check_input_grad(&b, &f, "x", &x, &grads);
+        check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
+
+        // Batch row 0 (no padding) decoded token by token through a cache of the window.
+        let mha = config
+            .init(&b.device)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let x = f.io("x", [2, 9, 32], &b.device).slice([0..1, 0..9, 0..32]);
+        let mut cache = mha::KvCache::sliding(4);
+        let steps: Vec<Tensor<3>> = (0..9)
+            .map(|t| {
+                let token = x.clone().slice([0..1, t..t + 1, 0..32]);
+                mha.forward_cached(token, &mut cache, AttentionMask::none())
+                    .unwrap_or_else(|e| panic!("{e}"))
+            })
+            .collect();
+        let want = f
+            .io("out", [2, 9, 32], &b.device)
+            .slice([0..1, 0..9, 0..32]);
+        let label = format!("gpt_oss_attention [{}] decoded token by token", b.name);
+        assert_close(&label, Tensor::cat(steps, 1), want, b.forward_tol());
+    }
+    let err = config
+        .with_sinks(false)
+        .init(&Device::default())
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.sinks") && err.contains("sinks"),
+        "{err}"
+    );
 }
 
 /// The attention of transformers' Qwen2 (`qwen2`: biases on q, k and v, none on o) or

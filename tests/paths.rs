@@ -140,6 +140,27 @@ fn small_cases() -> Vec<Case> {
                 },
             ),
             all,
+            case(
+                "sinks, GQA causal",
+                [2, 4, 2, 6, 6, 8, 8],
+                MaskSpec {
+                    sinks: Some(vec![-1.0, 0.0, 0.5, 2.0]),
+                    ..MaskSpec::causal()
+                },
+            ),
+            case(
+                "sinks, bias and rows without a key",
+                [2, 2, 2, 5, 5, 4, 4],
+                MaskSpec {
+                    blocked: Some(Part {
+                        values: dead.clone(),
+                        dims: [2, 1, 5, 5],
+                    }),
+                    bias: Some(bias([1, 2, 5, 5], 5)),
+                    sinks: Some(vec![1.0, f32::NEG_INFINITY]),
+                    ..MaskSpec::default()
+                },
+            ),
             case("Dk != Dv, causal", [2, 4, 2, 6, 6, 8, 5], causal),
             case(
                 "rows without a key (boolean and -inf bias)",
@@ -358,6 +379,19 @@ fn long_cases() -> Vec<Case> {
                 ..MaskSpec::default()
             },
         });
+        if (tq, tk) == (300, 260) {
+            // Sinks over tiles and chunks, with padding and a window.
+            cases.push(Case {
+                name: format!("sinks, sliding window 70, padding, Tq {tq}, Tk {tk}"),
+                sizes: sizes(dims),
+                mask: MaskSpec {
+                    rule: Rule::Sliding(70),
+                    blocked: pad(),
+                    sinks: Some(vec![3.0, -2.0, 0.0, 6.0]),
+                    ..MaskSpec::default()
+                },
+            });
+        }
         cases.push(Case {
             name: format!("local 50 top-left, Tq {tq}, Tk {tk}"),
             sizes: sizes(dims),
@@ -487,7 +521,7 @@ fn check(
 
     let device = &be.autodiff();
     let built = case.mask.build(device, dtype, true);
-    let (mask, bias, table) = (built.mask, built.bias, built.table);
+    let (mask, bias, table, sinks) = (built.mask, built.bias, built.table, built.sinks);
     let [q, k, v] = [(q, s.query()), (k, s.key()), (v, s.value())]
         .map(|(x, dims)| tensor(x, dims, device, dtype).require_grad());
     let out = scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
@@ -521,6 +555,19 @@ fn check(
         let [atol, rtol] = grad_tol;
         let tol = [atol, rtol.max(1e-5)];
         close(&format!("{what}: dtable"), got, want, tol);
+    }
+    if let (Some(sinks), Some(want)) = (sinks, &want.dsinks) {
+        let got = sinks
+            .grad(&grads)
+            .unwrap_or_else(|| panic!("{what}: no gradient of the sinks"));
+        // Each sums a column over every row of its head, as a bucket does.
+        let [atol, rtol] = grad_tol;
+        close(
+            &format!("{what}: dsinks"),
+            got,
+            want,
+            [atol, rtol.max(1e-5)],
+        );
     }
 }
 
@@ -569,8 +616,8 @@ fn rounded(values: &[f32], dtype: FloatDType) -> Vec<f32> {
 
 #[test]
 fn other_dtypes_match_f64_attention_at_their_precision() {
-    // Long calls in query chunks (causal, and a band with a soft cap) and one with rows
-    // that see no key; the reference
+    // Long calls in query chunks (causal, a band with a soft cap, a band with sinks) and
+    // one with rows that see no key; the reference
     // takes the inputs as the dtype holds them, so that the comparison measures the
     // computation, not the rounding of its inputs.
     let cases: Vec<Case> = long_cases()
@@ -578,6 +625,7 @@ fn other_dtypes_match_f64_attention_at_their_precision() {
         .filter(|c| {
             c.name == "causal + padding + bias, Tq 300, Tk 260"
                 || c.name == "sliding window 70, soft cap 3, Tq 300, Tk 260"
+                || c.name == "sinks, sliding window 70, padding, Tq 300, Tk 260"
         })
         .chain(
             small_cases()
@@ -585,7 +633,7 @@ fn other_dtypes_match_f64_attention_at_their_precision() {
                 .filter(|c| c.name.starts_with("rows without")),
         )
         .collect();
-    assert_eq!(cases.len(), 3);
+    assert_eq!(cases.len(), 4);
     for (n, case) in cases.iter().enumerate() {
         let s = case.sizes;
         let inputs = [s.query(), s.key(), s.value(), s.output()]
@@ -669,6 +717,13 @@ fn mask_kinds(dims: [usize; 7]) -> Vec<Case> {
             MaskSpec {
                 position: Some(table(heads, t5(true), 11)),
                 ..MaskSpec::default()
+            },
+        ),
+        case(
+            "sinks",
+            MaskSpec {
+                sinks: Some((0..heads).map(|h| h as f32 - 1.0).collect()),
+                ..MaskSpec::causal()
             },
         ),
     ]

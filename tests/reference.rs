@@ -11,7 +11,9 @@
 //! and passes no gradient. A soft cap makes the scaled score `cap · tanh(s / cap)` before
 //! the bias. A bias by position adds `-slope_h · |j - p|` (ALiBi) or `table[h, bucket(j -
 //! p)]` (a learned table; the buckets are the library's, checked against PyTorch's by the
-//! parity tests).
+//! parity tests). An attention sink `z_h` adds `exp(z_h)` to the softmax's denominator of
+//! every row of head `h` that sees a key; its gradient is its column's: `-p_sink ·
+//! rowsum(dO ⊙ O)`.
 
 use burn::tensor::{Bool, Device, FloatDType, Tensor, TensorData};
 use mha::{AttentionMask, Buckets, CausalAlignment, PositionBias};
@@ -65,6 +67,8 @@ pub struct MaskSpec {
     /// `true = blocked`.
     pub blocked: Option<Part<bool>>,
     pub bias: Option<Part<f32>>,
+    /// Attention sinks' logits, one per query head.
+    pub sinks: Option<Vec<f32>>,
 }
 
 impl MaskSpec {
@@ -176,7 +180,23 @@ impl MaskSpec {
                 table = Some(t);
             }
         }
-        Built { mask, bias, table }
+        let sinks = self.sinks.as_ref().map(|values| {
+            let data = TensorData::new(values.clone(), [values.len()]);
+            let t = Tensor::<1>::from_data(data, device).cast(dtype);
+            match bias_grad && device.is_autodiff() {
+                true => t.require_grad(),
+                false => t,
+            }
+        });
+        if let Some(sinks) = &sinks {
+            mask = mask.and(AttentionMask::sinks(sinks.clone()));
+        }
+        Built {
+            mask,
+            bias,
+            table,
+            sinks,
+        }
     }
 }
 
@@ -185,6 +205,7 @@ pub struct Built {
     pub mask: AttentionMask,
     pub bias: Option<Tensor<4>>,
     pub table: Option<Tensor<2>>,
+    pub sinks: Option<Tensor<1>>,
 }
 
 /// Sizes and scale of one call: query `[B, H, Tq, Dk]`, key `[B, Hkv, Tk, Dk]`, value
@@ -232,6 +253,8 @@ pub struct Reference {
     pub dbias: Option<Vec<f64>>,
     /// `[H, buckets]`, for a learned table.
     pub dtable: Option<Vec<f64>>,
+    /// `[H]`, for sinks.
+    pub dsinks: Option<Vec<f64>>,
 }
 
 /// Row `at` of `len` values.
@@ -254,6 +277,7 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
             Some(Position::Table(table, _)) => Some(vec![0.0; table.len()]),
             _ => None,
         },
+        dsinks: mask.sinks.as_ref().map(|z| vec![0.0; z.len()]),
     };
     let [q, k, v, grad] = [q, k, v, grad].map(|x| x.iter().map(|&x| x as f64).collect::<Vec<_>>());
     for b in 0..s.batch {
@@ -287,8 +311,14 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                 if scores.is_empty() {
                     continue;
                 }
-                let max = scores.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = scores.iter().map(|x| (x.1 - max).exp()).sum();
+                let sink = mask.sinks.as_ref().map(|z| z[h] as f64);
+                let max = scores
+                    .iter()
+                    .map(|x| x.1)
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let sink = sink.map_or(0.0, |z| (z - max).exp());
+                let sum: f64 = sink + scores.iter().map(|x| (x.1 - max).exp()).sum::<f64>();
                 let p: Vec<(usize, f64, f64)> = scores
                     .iter()
                     .map(|&(j, x, slope)| (j, (x - max).exp() / sum, slope))
@@ -304,6 +334,9 @@ pub fn attention(s: Sizes, mask: &MaskSpec, [q, k, v, grad]: [&[f32]; 4]) -> Ref
                 // Backward: dP = dO Vᵀ, dS = P (dP - rowsum(dO O)).
                 let go = row(&grad, qi_at, s.d_v);
                 let row_dot: f64 = (0..s.d_v).map(|c| go[c] * r.output[out_at + c]).sum();
+                if let Some(dsinks) = r.dsinks.as_mut() {
+                    dsinks[h] -= sink / sum * row_dot;
+                }
                 for &(j, pj, slope) in &p {
                     let vj = row(&v, kvh * s.keys + j, s.d_v);
                     let kj = row(&k, kvh * s.keys + j, s.d_k);

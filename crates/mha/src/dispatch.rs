@@ -156,11 +156,14 @@ impl AttentionCall {
         #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
         let backend = Backend::of(&device);
         let floats = [query, key, value].into_iter().chain(mask.additive_bias());
-        // A learned position table is read by the kernels too, in their dtype.
-        let table = match mask.position() {
+        // A learned position table and the sinks are read by the kernels' operation too,
+        // in its dtype.
+        let learned = match mask.position() {
             Some(crate::PositionBias::Learned { table, .. }) => Some(table.dtype()),
             _ => None,
         };
+        let sinks = mask.sink_logits().map(|sinks| sinks.dtype());
+        let table = [learned, sinks].into_iter().flatten();
         Self {
             #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
             backend,
@@ -173,7 +176,7 @@ impl AttentionCall {
             #[cfg(feature = "cpu-kernels")]
             f32_bytes: {
                 let f32 = floats.clone().all(|t| t.dtype() == DType::F32)
-                    && table.is_none_or(|t| t == DType::F32);
+                    && table.clone().all(|t| t == DType::F32);
                 let bool_bytes = mask.blocked().is_none_or(|blocked| {
                     matches!(
                         blocked.dtype(),
@@ -189,7 +192,7 @@ impl AttentionCall {
                 let one_float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
                     && floats.clone().all(|t| t.dtype() == dtype);
                 let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
-                let table_too = table.is_none_or(|t| t == dtype);
+                let table_too = table.clone().all(|t| t == dtype);
                 let indexed = gpu_indexed([query.dims(), key.dims(), value.dims()], mask);
                 one_float && table_too && indexed && d_k > 0 && d_v > 0
             },

@@ -35,6 +35,8 @@ pub mod optim;
 pub mod positions;
 mod problem;
 pub mod pytorch;
+#[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
+mod sinks;
 pub mod stack;
 mod workers;
 

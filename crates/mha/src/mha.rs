@@ -53,6 +53,11 @@ pub struct MultiHeadAttentionConfig {
     /// Default: none.
     #[config(default = "None")]
     pub qk_norm_eps: Option<f64>,
+    /// Attention sinks: a learned logit per query head that joins every row's softmax
+    /// as a key without a value (gpt-oss's `sinks`; see
+    /// [`AttentionMask::sinks`]), initialised to 0. Default: none.
+    #[config(default = false)]
+    pub sinks: bool,
     /// Dropout on the attention weights after the softmax, in training only. Default: 0.
     #[config(default = 0.0)]
     pub dropout: f64,
@@ -144,6 +149,9 @@ pub struct MultiHeadAttention {
     /// Hugging Face's T5 stores it transposed, `[buckets, H]`;
     /// [`LoadPyTorch`](crate::LoadPyTorch) reads either.
     pub position_table: Option<Param<Tensor<2>>>,
+    /// The attention sinks' logits, `[H]`, if any: each head's softmax over a row's keys
+    /// includes `exp(sinks[h])` for a key without a value (see [`AttentionMask::sinks`]).
+    pub sinks: Option<Param<Tensor<1>>>,
     /// For a module made by [`Heads::prune`](crate::analysis::Heads::prune), where its
     /// heads came from; `None` otherwise.
     #[module(skip)]
@@ -351,6 +359,9 @@ impl MultiHeadAttentionConfig {
                 .positions
                 .buckets()
                 .map(|buckets| Initializer::Zeros.init([self.n_heads, buckets.len()], device)),
+            sinks: self
+                .sinks
+                .then(|| Initializer::Zeros.init([self.n_heads], device)),
             pruned_from: None,
         })
     }
@@ -554,6 +565,14 @@ impl MultiHeadAttention {
             );
         }
         let [batch, _, queries, _] = q.dims();
+        let with_sinks;
+        let mask = match &self.sinks {
+            Some(sinks) => {
+                with_sinks = mask.clone().and(AttentionMask::sinks(sinks.val()));
+                &with_sinks
+            }
+            None => mask,
+        };
         let options = SdpaOptions {
             scale: Some(self.scale),
             dropout,

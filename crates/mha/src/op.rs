@@ -56,7 +56,7 @@ pub(crate) fn forward<B: Backend, O: Op<B>>(op: O, inputs: Vec<FloatTensor<B>>) 
 /// [`Op::backward`] from what [`Op::forward`] saved, when an input is tracked.
 ///
 /// # Panics
-/// If the operation has no input or more than five.
+/// If the operation has no input or more than six.
 pub(crate) fn autodiff<B: Backend, C: CheckpointStrategy, O: Op<B>>(
     op: O,
     inputs: Vec<FloatTensor<Autodiff<B, C>>>,
@@ -71,7 +71,8 @@ pub(crate) fn autodiff<B: Backend, C: CheckpointStrategy, O: Op<B>>(
         3 => node::<B, C, O, 3>(op, nodes, inputs),
         4 => node::<B, C, O, 4>(op, nodes, inputs),
         5 => node::<B, C, O, 5>(op, nodes, inputs),
-        n => panic!("an operation of {n} inputs (1 to 5 are supported)"),
+        6 => node::<B, C, O, 6>(op, nodes, inputs),
+        n => panic!("an operation of {n} inputs (1 to 6 are supported)"),
     }
 }
 

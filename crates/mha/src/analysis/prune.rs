@@ -201,6 +201,10 @@ fn prune_attention(
             .position_table
             .as_ref()
             .map(|t| Param::from_tensor(select(t.val(), 0, &kept))),
+        sinks: attention
+            .sinks
+            .as_ref()
+            .map(|t| Param::from_tensor(select(t.val(), 0, &kept))),
         pruned_from: Some(original),
     })
 }

@@ -1,7 +1,7 @@
 //! Attention where there is nothing to compute: no key (`Tk = 0`: every row is a fully
 //! blocked row, whose output is 0), or an output without elements (`B`, `H`, `Tq` or `Dv`
 //! is 0): zeros of the output's shape through `crate::empty`, with a zero gradient into
-//! the query, key, value, bias and position table.
+//! the query, key, value, bias, position table and sinks.
 
 use burn::tensor::Tensor;
 
@@ -49,6 +49,7 @@ pub(super) fn attention(
         .into_iter()
         .chain(mask.additive_bias().cloned())
         .map(zero_of)
-        .chain(table.into_iter().map(zero_of));
+        .chain(table.into_iter().map(zero_of))
+        .chain(mask.sink_logits().cloned().map(zero_of));
     (crate::empty::zeros(shape, &device, inputs), weights)
 }

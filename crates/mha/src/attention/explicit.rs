@@ -66,7 +66,20 @@ pub(super) fn weights(
         Some(blocked) => s.mask_fill(blocked, sentinels.blocked),
         None => s,
     };
-    let weights = softmax(s.clone(), 3);
+    let weights = match mask.sink_logits() {
+        // The sinks join the softmax as one more column, dropped after it.
+        Some(sinks) => {
+            let [batch, heads, queries, keys] = s.dims();
+            let sinks = sinks
+                .clone()
+                .cast(query_dtype)
+                .reshape([1, heads, 1, 1])
+                .expand([batch, heads, queries, 1]);
+            let with_sinks = softmax(Tensor::cat(vec![s.clone(), sinks], 3), 3);
+            with_sinks.slice([0..batch, 0..heads, 0..queries, 0..keys])
+        }
+        None => softmax(s.clone(), 3),
+    };
     if !may_block_rows(mask) {
         return weights;
     }

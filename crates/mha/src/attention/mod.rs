@@ -117,7 +117,7 @@ pub struct AttentionOutput {
 /// an output without elements is an empty tensor of its shape; with no key (`Tk = 0`)
 /// every row is a fully blocked row and gives 0; weights, when asked for, are zeros of
 /// their shape where they have no key or no element. Under autodiff every input (and
-/// the mask's bias and position table) gets a gradient of its own shape, 0.
+/// the mask's bias, position table and sinks) gets a gradient of its own shape, 0.
 ///
 /// # Panics
 /// If the shapes disagree (naming the tensors and their shapes), if `H` is not a multiple

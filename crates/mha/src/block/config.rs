@@ -70,6 +70,11 @@ macro_rules! block_config {
             /// this epsilon, before RoPE (Qwen3's). Default: none.
             #[config(default = "None")]
             pub qk_norm_eps: Option<f64>,
+            /// Attention sinks in the self-attention: a learned logit per head that joins
+            /// every row's softmax without a value (gpt-oss's; see
+            /// [`MultiHeadAttentionConfig::sinks`]). Default: false.
+            #[config(default = false)]
+            pub attention_sinks: bool,
             $($own)*
         }
 
@@ -92,6 +97,7 @@ macro_rules! block_config {
                     attention_bias: self.attention_bias.unwrap_or(self.bias),
                     attention_out_bias: self.attention_out_bias,
                     qk_norm_eps: self.qk_norm_eps,
+                    attention_sinks: self.attention_sinks,
                 }
             }
 
@@ -152,6 +158,7 @@ struct Parts {
     attention_bias: bool,
     attention_out_bias: Option<bool>,
     qk_norm_eps: Option<f64>,
+    attention_sinks: bool,
 }
 
 impl Parts {
@@ -162,7 +169,7 @@ impl Parts {
         check.positive("layer_norm_eps", self.layer_norm_eps)
     }
 
-    /// The self-attention: these hyperparameters, `positions` and the QK-norm.
+    /// The self-attention: these hyperparameters, `positions`, the QK-norm and the sinks.
     fn self_attention(
         &self,
         positions: Positions,
@@ -170,6 +177,7 @@ impl Parts {
     ) -> Result<MultiHeadAttention, ConfigError> {
         self.attention(positions)
             .with_qk_norm_eps(self.qk_norm_eps)
+            .with_sinks(self.attention_sinks)
             .try_init(device)
     }
 

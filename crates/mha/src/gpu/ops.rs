@@ -54,6 +54,13 @@ impl<B: Backend> Extra<B> {
         t.map_or(Extra::None, Extra::Some)
     }
 
+    fn as_option(&self) -> Option<&FloatTensor<B>> {
+        match self {
+            Extra::None => None,
+            Extra::Some(t) => Some(t),
+        }
+    }
+
     fn into_option(self) -> Option<FloatTensor<B>> {
         match self {
             Extra::None => None,
@@ -81,7 +88,8 @@ pub(crate) enum Blocked<B: Backend> {
 
 /// The tensors of a call: `q` `[B, H, Tq, Dk]`, `k` `[B, Hkv, Tk, Dk]`, `v` `[B, Hkv, Tk,
 /// Dv]`, the bias and the mask, each broadcastable to `[B, H, Tq, Tk]`, the bias by
-/// distance (`[1, 1, H, Tq + Tk - 1]`) and packed sequences' bounds.
+/// distance (`[1, 1, H, Tq + Tk - 1]`), packed sequences' bounds and the sinks' logits
+/// (`[1, H, 1, 1]`, applied around the kernels by `crate::sinks`).
 #[derive(ExtensionType)]
 #[extension_type(fusion)]
 pub(crate) struct Inputs<B: Backend> {
@@ -96,6 +104,8 @@ pub(crate) struct Inputs<B: Backend> {
     mask: Blocked<B>,
     #[extension_type]
     seq: Sequences<B>,
+    #[extension_type]
+    sinks: Extra<B>,
 }
 
 /// The output `[B, H, Tq, Dv]` and the log-sum-exp of every row `[B, H, Tq, 1]`.
@@ -106,8 +116,8 @@ pub(crate) struct Forward<B: Backend> {
     lse: FloatTensor<B>,
 }
 
-/// The gradients of the query, key and value, and of the bias and the bias by distance
-/// when asked for (of their own shapes).
+/// The gradients of the query, key and value, and of the bias, the bias by distance and
+/// the sinks when asked for (of their own shapes).
 #[derive(ExtensionType)]
 #[extension_type(fusion)]
 pub(crate) struct Grads<B: Backend> {
@@ -118,6 +128,8 @@ pub(crate) struct Grads<B: Backend> {
     dbias: Extra<B>,
     #[extension_type]
     dpd: Extra<B>,
+    #[extension_type]
+    dsinks: Extra<B>,
 }
 
 /// The output's metadata: `[B, H, Tq, Dv]` in the query's dtype.
@@ -134,6 +146,8 @@ fn forward_meta(_spec: &Spec, inputs: &InputsMetadata) -> ForwardMetadata {
     }
 }
 
+// The backward call's arguments, as the fusion macro passes them.
+#[allow(clippy::too_many_arguments)]
 fn backward_meta(
     _spec: &Spec,
     inputs: &InputsMetadata,
@@ -142,6 +156,7 @@ fn backward_meta(
     _grad: &TensorSpec,
     bias_grad: &bool,
     pd_grad: &bool,
+    sinks_grad: &bool,
 ) -> GradsMetadata {
     let extra = |t: &ExtraMetadata, wanted: bool| match t {
         ExtraMetadata::Some(spec) if wanted => ExtraMetadata::Some(spec.clone()),
@@ -153,6 +168,7 @@ fn backward_meta(
         dv: inputs.v.clone(),
         dbias: extra(&inputs.bias, *bias_grad),
         dpd: extra(&inputs.pd, *pd_grad),
+        dsinks: extra(&inputs.sinks, *sinks_grad),
     }
 }
 
@@ -167,9 +183,10 @@ pub(crate) trait GpuAttention: Backend {
     #[fusion(meta = forward_meta)]
     fn gpu_attention_forward(spec: Spec, #[extension_type] inputs: Inputs<Self>) -> Forward<Self>;
 
-    /// The gradients of the query, key and value, and of the bias and the bias by distance
-    /// where `bias_grad` and `pd_grad` ask for them, from the output `out`, the
-    /// log-sum-exp `lse` and the output's gradient `grad`.
+    /// The gradients of the query, key and value, and of the bias, the bias by distance
+    /// and the sinks where `bias_grad`, `pd_grad` and `sinks_grad` ask for them, from the
+    /// output `out`, the log-sum-exp `lse` (both with the sinks) and the output's gradient
+    /// `grad`.
     #[fusion(meta = backward_meta)]
     #[allow(clippy::too_many_arguments)]
     fn gpu_attention_backward(
@@ -180,6 +197,7 @@ pub(crate) trait GpuAttention: Backend {
         grad: FloatTensor<Self>,
         bias_grad: bool,
         pd_grad: bool,
+        sinks_grad: bool,
     ) -> Grads<Self>;
 }
 
@@ -200,6 +218,7 @@ fn bindings(inputs: Inputs<CubeBackend>) -> launch::Inputs {
         pd,
         mask,
         seq,
+        sinks: _,
     } = inputs;
     let mask = match mask {
         Blocked::None => None,
@@ -288,11 +307,15 @@ impl GpuAttention for CubeBackend {
         let like = inputs.q.clone();
         let [b, h, tq, _] = dims(&inputs.q);
         let d_v = dims(&inputs.v)[3];
+        let sinks = inputs.sinks.as_option().cloned();
         let (out, lse) = launch::forward(&like.client, &bindings(inputs), spec.scoring());
-        Forward {
-            out: heads_inside_of(&like, [b, h, tq, d_v], out),
-            lse: contiguous_of(&like, [b, h, tq, 1], DType::F32, lse),
-        }
+        let out = heads_inside_of(&like, [b, h, tq, d_v], out);
+        let lse = contiguous_of(&like, [b, h, tq, 1], DType::F32, lse);
+        let (out, lse) = match &sinks {
+            Some(sinks) => crate::sinks::apply::<Self>(out, lse, sinks),
+            None => (out, lse),
+        };
+        Forward { out, lse }
     }
 
     fn gpu_attention_backward(
@@ -303,8 +326,14 @@ impl GpuAttention for CubeBackend {
         grad: FloatTensor<Self>,
         bias_grad: bool,
         pd_grad: bool,
+        sinks_grad: bool,
     ) -> Grads<Self> {
         let like = inputs.q.clone();
+        let dsinks = inputs
+            .sinks
+            .as_option()
+            .filter(|_| sinks_grad)
+            .map(|sinks| crate::sinks::grad::<Self>(grad.clone(), out.clone(), lse.clone(), sinks));
         let shapes = [&inputs.q, &inputs.k, &inputs.v].map(dims);
         let extra_shape = |t: &Extra<Self>| match t {
             Extra::Some(t) => dims(t),
@@ -333,6 +362,7 @@ impl GpuAttention for CubeBackend {
                     .dpd
                     .map(|h| contiguous_of(&like, pd_shape, like.dtype, h)),
             ),
+            dsinks: Extra::of(dsinks),
         }
     }
 }
@@ -356,12 +386,14 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
             pd,
             mask,
             seq,
+            sinks,
         } = inputs;
-        let (bias, pd) = (bias.into_option(), pd.into_option());
+        let (bias, pd, sinks) = (bias.into_option(), pd.into_option(), sinks.into_option());
         let op = AttentionOp::<B> {
             spec,
             bias: bias.is_some(),
             pd: pd.is_some(),
+            sinks: sinks.is_some(),
             mask: match mask {
                 Blocked::None => None,
                 Blocked::Some(mask) => Some(mask),
@@ -371,7 +403,12 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
                 Sequences::Some(seq) => Some(seq),
             },
         };
-        let floats = [q, k, v].into_iter().chain(bias).chain(pd).collect();
+        let floats = [q, k, v]
+            .into_iter()
+            .chain(bias)
+            .chain(pd)
+            .chain(sinks)
+            .collect();
         op::autodiff::<B, C, _>(op, floats)
     }
 
@@ -391,10 +428,11 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
         grad: FloatTensor<Self>,
         bias_grad: bool,
         pd_grad: bool,
+        sinks_grad: bool,
     ) -> Grads<Self> {
         let [out, lse, grad] = [out, lse, grad].map(Self::inner);
-        let grads =
-            B::gpu_attention_backward(spec, inner(inputs), out, lse, grad, bias_grad, pd_grad);
+        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let grads = backward_of::<B>(spec, inner(inputs), [out, lse, grad], wanted);
         let outer = |t: Extra<B>| Extra::of(t.into_option().map(Self::from_inner));
         Grads {
             dq: Self::from_inner(grads.dq),
@@ -402,6 +440,7 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
             dv: Self::from_inner(grads.dv),
             dbias: outer(grads.dbias),
             dpd: outer(grads.dpd),
+            dsinks: outer(grads.dsinks),
         }
     }
 }
@@ -416,6 +455,7 @@ fn inner<B: Backend, C: CheckpointStrategy>(inputs: Inputs<Autodiff<B, C>>) -> I
         pd,
         mask,
         seq,
+        sinks,
     } = inputs;
     let inner = |t: Extra<Autodiff<B, C>>| Extra::of(t.into_option().map(Autodiff::<B, C>::inner));
     Inputs {
@@ -432,18 +472,31 @@ fn inner<B: Backend, C: CheckpointStrategy>(inputs: Inputs<Autodiff<B, C>>) -> I
             Sequences::None => Sequences::None,
             Sequences::Some(seq) => Sequences::Some(seq),
         },
+        sinks: inner(sinks),
     }
 }
 
-/// Attention over `[query, key, value, bias?, pd?]`, with the mask and the sequences as
-/// constants.
+/// [`GpuAttention::gpu_attention_backward`] with its tensors and flags in arrays.
+fn backward_of<B: GpuAttention>(
+    spec: Spec,
+    inputs: Inputs<B>,
+    [out, lse, grad]: [FloatTensor<B>; 3],
+    [bias, pd, sinks]: [bool; 3],
+) -> Grads<B> {
+    B::gpu_attention_backward(spec, inputs, out, lse, grad, bias, pd, sinks)
+}
+
+/// Attention over `[query, key, value, bias?, pd?, sinks?]`, with the mask and the
+/// sequences as constants.
 #[derive(Debug)]
 struct AttentionOp<B: Backend> {
     spec: Spec,
     /// The inputs hold a bias after the value.
     bias: bool,
-    /// The inputs hold a bias by distance last.
+    /// The inputs hold a bias by distance after the bias.
     pd: bool,
+    /// The inputs hold the sinks' logits last.
+    sinks: bool,
     mask: Option<BoolTensor<B>>,
     seq: Option<IntTensor<B>>,
 }
@@ -453,18 +506,18 @@ struct AttentionOp<B: Backend> {
 struct Saved<B: Backend> {
     spec: Spec,
     floats: Vec<FloatTensor<B>>,
-    bias: bool,
-    pd: bool,
+    /// Which of the bias, the bias by distance and the sinks the inputs hold.
+    extras: [bool; 3],
     mask: Option<BoolTensor<B>>,
     seq: Option<IntTensor<B>>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
 }
 
-/// `[query, key, value, bias?, pd?]` and the constants as the kernels' inputs.
+/// `[query, key, value, bias?, pd?, sinks?]` and the constants as the kernels' inputs.
 fn inputs_of<B: Backend>(
     floats: Vec<FloatTensor<B>>,
-    [bias, pd]: [bool; 2],
+    [bias, pd, sinks]: [bool; 3],
     mask: Option<BoolTensor<B>>,
     seq: Option<IntTensor<B>>,
 ) -> Inputs<B> {
@@ -479,6 +532,7 @@ fn inputs_of<B: Backend>(
         pd: Extra::of(pd.then(&mut next)),
         mask: mask.map_or(Blocked::None, Blocked::Some),
         seq: seq.map_or(Sequences::None, Sequences::Some),
+        sinks: Extra::of(sinks.then(&mut next)),
     }
 }
 
@@ -486,18 +540,13 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
     type Saved = Saved<B>;
 
     fn forward(self, floats: Vec<FloatTensor<B>>) -> (FloatTensor<B>, Saved<B>) {
-        let inputs = inputs_of(
-            floats.clone(),
-            [self.bias, self.pd],
-            self.mask.clone(),
-            self.seq.clone(),
-        );
+        let extras = [self.bias, self.pd, self.sinks];
+        let inputs = inputs_of(floats.clone(), extras, self.mask.clone(), self.seq.clone());
         let Forward { out, lse } = B::gpu_attention_forward(self.spec, inputs);
         let saved = Saved {
             spec: self.spec,
             floats,
-            bias: self.bias,
-            pd: self.pd,
+            extras,
             mask: self.mask,
             seq: self.seq,
             out: out.clone(),
@@ -514,24 +563,30 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
         let Saved {
             spec,
             floats,
-            bias,
-            pd,
+            extras,
             mask,
             seq,
             out,
             lse,
         } = saved;
-        // The inputs after the query, key and value: the bias, then the bias by distance.
-        let bias_grad = bias && wanted[3];
-        let pd_grad = pd && wanted[3 + usize::from(bias)];
-        let inputs = inputs_of(floats, [bias, pd], mask, seq);
-        let grads = B::gpu_attention_backward(spec, inputs, out, lse, grad, bias_grad, pd_grad);
+        // The inputs after the query, key and value: the bias, the bias by distance, the
+        // sinks, each where the call has it.
+        let mut position = 3;
+        let extra_wanted = extras.map(|present| {
+            let wanted = present && wanted[position];
+            position += usize::from(present);
+            wanted
+        });
+        let inputs = inputs_of(floats, extras, mask, seq);
+        let grads = backward_of::<B>(spec, inputs, [out, lse, grad], extra_wanted);
         let mut in_order = vec![Some(grads.dq), Some(grads.dk), Some(grads.dv)];
-        if bias {
-            in_order.push(grads.dbias.into_option());
-        }
-        if pd {
-            in_order.push(grads.dpd.into_option());
+        for (present, grad) in extras
+            .into_iter()
+            .zip([grads.dbias, grads.dpd, grads.dsinks])
+        {
+            if present {
+                in_order.push(grad.into_option());
+            }
         }
         in_order
             .into_iter()
@@ -594,6 +649,10 @@ pub(crate) fn attention(
             Some(seq) => Sequences::Some(seq.into_dispatch()),
             None => Sequences::None,
         },
+        sinks: Extra::of(mask.sink_logits().map(|sinks| {
+            let heads = sinks.dims()[0];
+            sinks.clone().reshape([1, heads, 1, 1]).into_dispatch()
+        })),
     };
     Tensor::from_dispatch(<Dispatch as GpuAttention>::gpu_attention(spec, inputs))
 }

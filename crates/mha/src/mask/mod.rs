@@ -57,6 +57,8 @@ pub struct AttentionMask {
     bias: Option<Tensor<4>>,
     /// Added to the scores by position: ALiBi, learned relative biases.
     position: Option<PositionBias>,
+    /// One logit per head that joins every row's softmax without a value, `[H]`.
+    sinks: Option<Tensor<1>>,
 }
 
 /// Where the causal rule and the windows put query `i` among the keys: the key at its own
@@ -326,22 +328,44 @@ impl AttentionMask {
         }
     }
 
+    /// Attention sinks (gpt-oss's `sinks`, a streaming decoder's sink token): one logit
+    /// per head `h` that joins every query row's softmax as a key without a value, so
+    /// that the row's weights sum to less than 1 and a row may attend to nothing:
+    /// `weights[j] = exp(s[j]) / (exp(sinks[h]) + Σ_k exp(s[k]))`. The logits are
+    /// differentiated like the other inputs (a module's learned sinks). A row that sees
+    /// no key still gives zeros. Every path computes them from each row's log-sum-exp
+    /// (or, where the weights are made, as one more column of the softmax).
+    ///
+    /// # Shapes
+    /// - `logits`: `[H]`, one per query head, finite (`-inf`: no sink for that head).
+    pub fn sinks(logits: Tensor<1>) -> Self {
+        Self {
+            sinks: Some(logits),
+            ..Self::default()
+        }
+    }
+
     /// Both masks at once: a key is blocked if either blocks it; biases add; windows
     /// intersect.
     ///
     /// # Panics
-    /// If the two align the causal part differently, pack different sequences or both
-    /// have a position bias.
+    /// If the two align the causal part differently, pack different sequences, or both
+    /// have a position bias or both have sinks.
     pub fn and(self, other: Self) -> Self {
         assert!(
             self.position.is_none() || other.position.is_none(),
             "AttentionMask::and: both masks have a position bias"
+        );
+        assert!(
+            self.sinks.is_none() || other.sinks.is_none(),
+            "AttentionMask::and: both masks have attention sinks"
         );
         Self {
             rule: self.rule.and(other.rule),
             blocked: merge(self.blocked, other.blocked, |a, b| a.bool_or(b)),
             bias: merge(self.bias, other.bias, |a, b| a + b),
             position: self.position.or(other.position),
+            sinks: self.sinks.or(other.sinks),
         }
     }
 
@@ -350,12 +374,13 @@ impl AttentionMask {
         self.rule.causal
     }
 
-    /// Whether nothing is blocked and there is no bias.
+    /// Whether nothing is blocked and there is no bias and no sink.
     pub fn is_none(&self) -> bool {
         self.rule.is_none()
             && self.blocked.is_none()
             && self.bias.is_none()
             && self.position.is_none()
+            && self.sinks.is_none()
     }
 
     /// The boolean part (`true = blocked`), without what blocks by position, rank 4
@@ -372,6 +397,11 @@ impl AttentionMask {
     /// The bias by position, if any.
     pub fn position(&self) -> Option<&PositionBias> {
         self.position.as_ref()
+    }
+
+    /// The attention sinks' logits `[H]`, if any (see [`sinks`](Self::sinks)).
+    pub fn sink_logits(&self) -> Option<&Tensor<1>> {
+        self.sinks.as_ref()
     }
 
     /// What blocks by position.
@@ -397,6 +427,14 @@ impl AttentionMask {
                 "attention mask: the position bias has {} heads, the scores [B, H, Tq, Tk] = \
                  {target:?}",
                 position.heads()
+            );
+        }
+        if let Some(sinks) = &self.sinks {
+            let [heads] = sinks.dims();
+            assert!(
+                heads == target[1],
+                "attention mask: the attention sinks have {heads} logits, one per head of the \
+                 scores [B, H, Tq, Tk] = {target:?}"
             );
         }
         if let Some(packed) = &self.rule.packed {
@@ -476,6 +514,7 @@ impl AttentionMask {
             blocked: merge(blocked, rule, |a, b| a.bool_or(b)),
             bias: merge(bias, position, |a, b| a + b),
             position: None,
+            sinks: self.sinks.clone(),
         }
     }
 }

@@ -16,6 +16,9 @@
 //! dbias = dS, summed over the axes the bias broadcasts along
 //! dtable[h, c] = dS summed over the scores whose distance falls in bucket c
 //! ```
+//!
+//! Attention sinks scale the output and move the log-sum-exp after the forward pass, and
+//! take their gradient beside the backward pass (`crate::sinks`); the tiles do not change.
 
 #[cfg(feature = "cpu-kernels")]
 pub(crate) use cpu::{AttentionOp, Spec, attention};
@@ -43,6 +46,8 @@ mod cpu {
         /// The inputs hold an additive bias after the query, key and value.
         bias: bool,
         position: Position,
+        /// The inputs hold the sinks' logits last, `[1, H, 1, 1]`.
+        sinks: bool,
     }
 
     /// The bias by position of a mask.
@@ -79,19 +84,27 @@ mod cpu {
             }
         };
         let bias = mask.additive_bias().cloned();
+        let sinks = mask
+            .sink_logits()
+            .map(|sinks| sinks.clone().reshape([1, sinks.dims()[0], 1, 1]));
         let spec = Spec {
             rule: mask.rule().clone(),
             scores,
             bias: bias.is_some(),
             position,
+            sinks: sinks.is_some(),
         };
-        let floats = [query, key, value].into_iter().chain(bias).chain(table);
+        let floats = [query, key, value]
+            .into_iter()
+            .chain(bias)
+            .chain(table)
+            .chain(sinks);
         let blocked = mask.blocked().cloned();
         crate::ops::run(FusedOp::Attention(spec), floats.collect(), blocked)
     }
 
-    /// Attention over `[query, key, value, bias?, table?]` (a learned table as `[1, 1, H,
-    /// buckets]`) and the boolean `mask` (`true` = blocked), each broadcastable to `[B, H,
+    /// Attention over `[query, key, value, bias?, table?, sinks?]` (a learned table as
+    /// `[1, 1, H, buckets]`, the sinks as `[1, H, 1, 1]`) and the boolean `mask` (`true` = blocked), each broadcastable to `[B, H,
     /// Tq, Tk]`.
     pub(crate) struct AttentionOp<B: CpuTensors> {
         pub(crate) spec: Spec,
@@ -110,13 +123,14 @@ mod cpu {
     }
 
     /// What the backward pass keeps: the problem, the inputs, the output and the row
-    /// log-sum-exp.
+    /// log-sum-exp (both with the sinks, if any), and the sinks.
     #[derive(Debug, Clone)]
     pub(crate) struct Saved<B: CpuTensors> {
         problem: Problem<B>,
         qkv: [FloatTensor<B>; 3],
         output: FloatTensor<B>,
         lse: FloatTensor<B>,
+        sinks: Option<FloatTensor<B>>,
     }
 
     impl<B: CpuTensors> Op<B> for AttentionOp<B> {
@@ -128,6 +142,7 @@ mod cpu {
                 scores,
                 bias,
                 position,
+                sinks,
             } = self.spec;
             let mut floats = floats.into_iter();
             let mut next = || floats.next().expect("attention's inputs");
@@ -144,6 +159,7 @@ mod cpu {
                     Some(next()),
                 ),
             };
+            let sinks = sinks.then(&mut next);
             let problem = Problem {
                 dims,
                 scoring: Scoring {
@@ -163,11 +179,16 @@ mod cpu {
                 problem.blocked.as_ref(),
                 [problem.bias.as_ref(), problem.table.as_ref()],
             );
+            let (output, lse) = match &sinks {
+                Some(sinks) => crate::sinks::apply::<B>(output, lse, sinks),
+                None => (output, lse),
+            };
             let saved = Saved {
                 problem,
                 qkv,
                 output: output.clone(),
                 lse,
+                sinks,
             };
             (output, saved)
         }
@@ -182,11 +203,19 @@ mod cpu {
                 qkv,
                 output,
                 lse,
+                sinks,
             } = saved;
-            // The inputs after the query, key and value: the bias, then the table.
+            // The inputs after the query, key and value: the bias, the table, the sinks.
             let has_bias = problem.bias.is_some();
+            let has_table = problem.table.is_some();
             let bias_grad = has_bias && wanted[3];
-            let table_grad = problem.table.is_some() && wanted[3 + usize::from(has_bias)];
+            let table_grad = has_table && wanted[3 + usize::from(has_bias)];
+            let sinks_grad = sinks
+                .as_ref()
+                .filter(|_| wanted[3 + usize::from(has_bias) + usize::from(has_table)])
+                .map(|sinks| {
+                    crate::sinks::grad::<B>(grad.clone(), output.clone(), lse.clone(), sinks)
+                });
             let grads = tiled_backward::<B>(
                 problem.dims,
                 &problem.scoring,
@@ -200,8 +229,11 @@ mod cpu {
             if has_bias {
                 in_order.push(grads.bias);
             }
-            if problem.table.is_some() {
+            if has_table {
                 in_order.push(grads.table);
+            }
+            if sinks.is_some() {
+                in_order.push(sinks_grad);
             }
             in_order
         }

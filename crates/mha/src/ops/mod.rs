@@ -70,7 +70,7 @@ mod fused {
         Add,
     }
 
-    /// The tensors an operation differentiates, in its order: one to five (a backend
+    /// The tensors an operation differentiates, in its order: one to six (a backend
     /// extension carries tensors in fields, not in a list).
     #[derive(ExtensionType)]
     pub(crate) enum Floats<B: Backend> {
@@ -90,11 +90,19 @@ mod fused {
             FloatTensor<B>,
             FloatTensor<B>,
         ),
+        Six(
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+        ),
     }
 
     impl<B: Backend> Floats<B> {
         /// # Panics
-        /// Unless there are one to five tensors.
+        /// Unless there are one to six tensors.
         fn new(floats: Vec<FloatTensor<B>>) -> Self {
             let n = floats.len();
             let mut it = floats.into_iter();
@@ -105,7 +113,8 @@ mod fused {
                 3 => Floats::Three(next(), next(), next()),
                 4 => Floats::Four(next(), next(), next(), next()),
                 5 => Floats::Five(next(), next(), next(), next(), next()),
-                n => panic!("an operation of {n} inputs (1 to 5 are supported)"),
+                6 => Floats::Six(next(), next(), next(), next(), next(), next()),
+                n => panic!("an operation of {n} inputs (1 to 6 are supported)"),
             }
         }
 
@@ -116,6 +125,7 @@ mod fused {
                 Floats::Three(a, b, c) => vec![a, b, c],
                 Floats::Four(a, b, c, d) => vec![a, b, c, d],
                 Floats::Five(a, b, c, d, e) => vec![a, b, c, d, e],
+                Floats::Six(a, b, c, d, e, f) => vec![a, b, c, d, e, f],
             }
         }
     }

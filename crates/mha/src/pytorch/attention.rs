@@ -17,7 +17,8 @@ impl LoadPyTorch for MultiHeadAttention {
     /// [`Positions::T5`]) loads it too, from `position_table` `[H, buckets]` or T5's
     /// `relative_attention_bias.weight` `[buckets, H]`: weights without one are an error,
     /// not a table of zeros. A module with QK-norm loads `q_norm.weight` and
-    /// `k_norm.weight` `[Dh]` (Qwen3's names); one without refuses them.
+    /// `k_norm.weight` `[Dh]` (Qwen3's names); one without refuses them. A module with
+    /// attention sinks loads `sinks` `[H]` (gpt-oss's name); one without refuses it.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError> {
         let has = |key: &str| weights.contains(&format!("{prefix}{key}"));
         let packed = has("in_proj_weight");
@@ -29,7 +30,30 @@ impl LoadPyTorch for MultiHeadAttention {
         mha.position_table = load_position_table(&mha, weights, prefix)?;
         mha.q_norm = load_qk_norm(mha.q_norm, weights, &format!("{prefix}q_norm."))?;
         mha.k_norm = load_qk_norm(mha.k_norm, weights, &format!("{prefix}k_norm."))?;
+        mha.sinks = load_sinks(&mha, weights, &format!("{prefix}sinks"))?;
         Ok(mha)
+    }
+}
+
+/// The attention sinks' logits `[H]` from `key`, or, for a module without sinks, that key
+/// refused.
+fn load_sinks(
+    mha: &MultiHeadAttention,
+    weights: &PyTorchWeights,
+    key: &str,
+) -> Result<Option<Param<Tensor<1>>>, ImportError> {
+    match &mha.sinks {
+        Some(sinks) => {
+            let loaded = Place::of(sinks).load(weights, key, [mha.n_heads])?;
+            Ok(Some(set(sinks.clone(), loaded)))
+        }
+        None => {
+            weights.reject(
+                key.to_string(),
+                "the module was configured without attention sinks (`sinks`)",
+            )?;
+            Ok(None)
+        }
     }
 }
 
