@@ -6,7 +6,8 @@
 //! [`EncoderBlock`]s: the block's configuration from the model's `config.json`
 //! ([`HfConfig::block`]), and a layer's weights under their own names
 //! ([`load_decoder_layer`]); the whole language model ([`CausalLm`]: the embedding, the
-//! layers, the final norm and the head) with [`load_causal_lm`].
+//! layers, the final norm and the head) with [`load_causal_lm`], or from the model's
+//! directory with [`load_pretrained`].
 //!
 //! ```no_run
 //! use burn::tensor::Device;
@@ -427,6 +428,44 @@ impl HfConfig {
             }),
         })
     }
+}
+
+/// The index of a checkpoint in shards (`model.safetensors.index.json`): which file holds
+/// each key.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct ShardIndex {
+    weight_map: std::collections::BTreeMap<String, String>,
+}
+
+impl Config for ShardIndex {}
+
+/// A Llama-family causal language model from a directory as `save_pretrained` writes it
+/// (or as the Hugging Face Hub holds it): its `config.json`, and its weights in
+/// `model.safetensors` or in the shards `model.safetensors.index.json` lists; the
+/// parameters in f32, loaded from the stored dtype (cast the module, `to_dtype`, to
+/// compute in another). Returns the configuration with the model.
+///
+/// # Errors
+/// [`ImportError::Io`] naming a file that cannot be read, and the errors of
+/// [`HfConfig::from_file`], [`HfConfig::init_causal_lm`] and [`load_causal_lm`].
+pub fn load_pretrained(
+    dir: impl AsRef<Path>,
+    device: &Device,
+) -> Result<(HfConfig, CausalLm), ImportError> {
+    let dir = dir.as_ref();
+    let config = HfConfig::from_file(dir.join("config.json"))?;
+    let single = dir.join("model.safetensors");
+    let weights = match single.exists() {
+        true => PyTorchWeights::from_file(&single)?,
+        false => {
+            let path = dir.join("model.safetensors.index.json");
+            let index: ShardIndex = read_config(&path, "safetensors index")?;
+            let files: std::collections::BTreeSet<&String> = index.weight_map.values().collect();
+            PyTorchWeights::from_files(files.into_iter().map(|file| dir.join(file)))?
+        }
+    };
+    let lm = load_causal_lm(config.init_causal_lm(device)?, &weights, "")?;
+    Ok((config, lm))
 }
 
 /// Loads a Llama-family causal language model stored under `prefix` (`""` for a

@@ -238,6 +238,38 @@ impl PyTorchWeights {
         Self::from_bytes(&bytes, &path.display().to_string())
     }
 
+    /// Reads the shards of one checkpoint (Hugging Face's `model-00001-of-00004.safetensors`
+    /// and the others) as one set of weights.
+    ///
+    /// # Errors
+    /// As [`from_file`](Self::from_file) for each file, and [`ImportError::Config`] when
+    /// two files hold the same key (naming it and both files).
+    pub fn from_files<P: AsRef<Path>>(
+        paths: impl IntoIterator<Item = P>,
+    ) -> Result<Self, ImportError> {
+        let mut all = Self {
+            tensors: HashMap::new(),
+            others: HashMap::new(),
+        };
+        let mut origin: HashMap<String, String> = HashMap::new();
+        for path in paths {
+            let path = path.as_ref();
+            let shard = Self::from_file(path)?;
+            let name = path.display().to_string();
+            for key in shard.keys() {
+                if let Some(first) = origin.insert(key.to_string(), name.clone()) {
+                    return Err(ImportError::Config {
+                        what: name,
+                        message: format!("key `{key}` is also in {first}"),
+                    });
+                }
+            }
+            all.tensors.extend(shard.tensors);
+            all.others.extend(shard.others);
+        }
+        Ok(all)
+    }
+
     /// Parses safetensors bytes; `source` names them in errors.
     ///
     /// # Errors
