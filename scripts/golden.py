@@ -632,6 +632,81 @@ def hf_causal_lm(name, family, seed, tied, head_dim=8, window=None):
     write_config(name, config)
 
 
+def hf_tiny_llama():
+    """A whole Hugging Face model directory for `examples/hf`: a 2-layer `LlamaForCausalLM`
+    (32 wide, 4 query heads and 2 key/value heads of 8, feed-forward 48, RoPE with theta
+    500, weights drawn wider than transformers' 0.02 so that greedy decoding has clear
+    winners) saved with `save_pretrained` (f32 `model.safetensors`, `config.json`), a
+    byte-level BPE `tokenizer.json` of 300 tokens trained here on a few sentences (`<s>`
+    prepended, `</s>` ends), and `expected.json`: a prompt, its token ids, and the tokens
+    and text transformers' `generate` gives greedily (the margin between the two most
+    likely tokens of every step is checked to be at least 1e-2, so that rounding cannot
+    swap them)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = os.path.join(OUT, "hf_tiny_llama")
+    os.makedirs(out, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Attention is all you need, and a cache of keys and values.",
+        "Burn is a deep learning framework written in Rust.",
+        "Once upon a time there was a tiny model that spoke in tokens.",
+    ] * 20
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+    vocab = tokenizer.get_vocab_size()
+    prompt = "Once upon a time the fox"
+    ids = tokenizer.encode(prompt).ids
+    for seed in range(60, 100):
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            intermediate_size=48, num_hidden_layers=2, vocab_size=vocab, rms_norm_eps=1e-6,
+            rope_theta=500.0, initializer_range=0.3, tie_word_embeddings=False,
+            bos_token_id=tokenizer.token_to_id("<s>"), eos_token_id=tokenizer.token_to_id("</s>"),
+            max_position_embeddings=128)
+        config._attn_implementation = "eager"
+        model = LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                output_scores=True, return_dict_in_generate=True, pad_token_id=config.eos_token_id)
+        margins = [s[0].topk(2).values for s in generated.scores]
+        if min(float(m[0] - m[1]) for m in margins) >= 1e-2:
+            break
+    else:
+        sys.exit("hf_tiny_llama: no seed gave clear winners")
+    new = generated.sequences[0, len(ids):].tolist()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save(os.path.join(out, "tokenizer.json"))
+    for extra in ("generation_config.json",):
+        path = os.path.join(out, extra)
+        if os.path.exists(path):
+            os.remove(path)
+    expected = {
+        "prompt": prompt,
+        "prompt_ids": ids,
+        "tokens": 24,
+        "generated_ids": new,
+        "text": tokenizer.decode(new, skip_special_tokens=True),
+        "seed": seed,
+    }
+    with open(os.path.join(out, "expected.json"), "w") as f:
+        json.dump(expected, f, indent=2)
+        f.write("\n")
+    print(f"{out}: seed {seed}, generated {new}")
+
+
 def hf_gpt2_bert(name, family, seed):
     """GPT-2's block (`GPT2Block`: causal, pre-norm, packed `c_attn` in Conv1D layout,
     `gelu_new`) or BERT's layer (`BertLayer`: bidirectional, post-norm, exact GELU),
@@ -829,6 +904,7 @@ FIXTURES = {
     "mistral_lm": lambda: hf_causal_lm("mistral_lm", "mistral", 52, tied=False, window=4),
     "llama_lm": lambda: hf_causal_lm("llama_lm", "llama", 47, tied=False),
     "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True, head_dim=16),
+    "hf_tiny_llama": hf_tiny_llama,
     "cross_entropy": cross_entropy,
     "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
     "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),
