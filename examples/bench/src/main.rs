@@ -21,9 +21,12 @@
 //! `--decode` adds the cost of one decoding step with mha's cache, by recomputing the
 //! prefix, and with Burn's `MhaCache`; `--window` adds sliding-window attention against
 //! full causal attention at long lengths, time and peak memory (see `decode.rs`);
-//! `--prune` adds attention pruned to fewer heads against the full module (`prune.rs`).
+//! `--prune` adds attention pruned to fewer heads against the full module (`prune.rs`);
+//! `--llama` a Llama-family language model through `mha::hf`, a forward and a decoding
+//! step (`llama.rs`; `scripts/bench_hf.py` runs it beside transformers).
 
 mod decode;
+mod llama;
 #[cfg(feature = "wgpu")]
 mod overhead;
 mod prune;
@@ -93,6 +96,10 @@ struct Cli {
     /// at the base shape.
     #[arg(long)]
     prune: bool,
+    /// Also time a 2-layer Llama-family model through `mha::hf` (width 512, 8 query heads
+    /// and 2 key/value heads): the forward of 512 tokens, one decoding step after 512.
+    #[arg(long)]
+    llama: bool,
     /// Float dtypes of the attention measurements, comma-separated: f32, f16, bf16 (a
     /// backend that does not compute in one is skipped for it, saying so).
     #[arg(long, value_delimiter = ',', default_value = "f32")]
@@ -756,6 +763,9 @@ fn main() -> anyhow::Result<()> {
         if cli.prune {
             prune::bench_prune(cli.runs, backend, &device, &mut mine)?;
         }
+        if cli.llama {
+            llama::bench_llama(cli.runs, backend, &device, &mut mine)?;
+        }
         if let Some(seq) = cli.long_core {
             for &dtype in &computed {
                 eprintln!(
@@ -789,6 +799,9 @@ fn main() -> anyhow::Result<()> {
         }
         if cli.prune {
             prune::print_prune(backend, &mine);
+        }
+        if cli.llama {
+            llama::print_llama(backend, &mine);
         }
         records.extend(mine);
     }
