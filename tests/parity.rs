@@ -1130,3 +1130,62 @@ fn cross_entropy_loss_and_gradient_match_pytorch_with_and_without_autodiff() {
         );
     }
 }
+
+/// A checkpoint in shards (`model.safetensors.index.json` and the files it names) loads
+/// as the single file does, parameter for parameter; a key in two shards, or a directory
+/// with neither form, is an error that names it.
+#[test]
+fn a_checkpoint_in_shards_loads_as_its_single_file() {
+    use mha::hf::load_pretrained;
+    let model = crate::util::root().join("tests/fixtures/hf_tiny_llama");
+    let file = std::fs::read(model.join("model.safetensors")).unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let dir = std::env::temp_dir().join(format!("mha-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(model.join("config.json"), dir.join("config.json")).unwrap();
+    // Layer 0 and the embedding in the first shard, the rest in the second; the embedding
+    // in both when `twice`.
+    let write = |twice: bool| {
+        let mut map = serde_json::Map::new();
+        for (n, name) in ["model-00001-of-00002", "model-00002-of-00002"]
+            .iter()
+            .enumerate()
+        {
+            let first = |key: &str| key.contains("layers.0.") || key.contains("embed_tokens");
+            let views: Vec<_> = stored
+                .tensors()
+                .into_iter()
+                .filter(|(key, _)| first(key) == (n == 0) || (twice && key.contains("embed")))
+                .collect();
+            for (key, _) in &views {
+                map.insert(key.clone(), format!("{name}.safetensors").into());
+            }
+            let bytes = safetensors::serialize(views, None).unwrap();
+            std::fs::write(dir.join(format!("{name}.safetensors")), bytes).unwrap();
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    };
+    let device = Device::default();
+    let values = |lm: &mha::hf::CausalLm| -> Vec<Vec<f32>> {
+        param_values(lm)
+            .into_iter()
+            .map(crate::util::to_vec)
+            .collect()
+    };
+    write(false);
+    let (_, whole) = load_pretrained(&model, &device).unwrap();
+    let (_, sharded) = load_pretrained(&dir, &device).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(values(&sharded), values(&whole));
+
+    write(true);
+    let err = load_pretrained(&dir, &device).unwrap_err().to_string();
+    assert!(
+        err.contains("model.embed_tokens.weight") && err.contains("is also in"),
+        "{err}"
+    );
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
+    let err = load_pretrained(&dir, &device).unwrap_err().to_string();
+    assert!(err.contains("model.safetensors.index.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
