@@ -375,6 +375,37 @@ fn check_positioned(fixture: &'static str, positions: Positions) {
     }
 }
 
+/// The first `rows` batch rows of a causal attention fixture's input `x` `[2, 9, 32]`,
+/// decoded token by token through `cache` by the module of `config` loaded from it, give
+/// the whole forward's output.
+fn check_decoded(
+    b: &Backend,
+    f: &Fixture,
+    config: &MultiHeadAttentionConfig,
+    mut cache: mha::KvCache,
+    rows: usize,
+) {
+    let mha = config
+        .init(&b.device)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let x = f
+        .io("x", [2, 9, 32], &b.device)
+        .slice([0..rows, 0..9, 0..32]);
+    let steps: Vec<Tensor<3>> = (0..9)
+        .map(|t| {
+            let token = x.clone().slice([0..rows, t..t + 1, 0..32]);
+            mha.forward_cached(token, &mut cache, AttentionMask::none())
+                .unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect();
+    let want = f
+        .io("out", [2, 9, 32], &b.device)
+        .slice([0..rows, 0..9, 0..32]);
+    let label = format!("{} [{}] decoded token by token", f.name, b.name);
+    assert_close(&label, Tensor::cat(steps, 1), want, b.forward_tol());
+}
+
 /// transformers' `GptOssAttention`: biases on every projection, attention sinks, a
 /// sliding window of 4, GQA 4:2, RoPE with theta 500, key padding; every gradient, the
 /// sinks' included; decoded token by token through a sliding cache; and a module without
@@ -405,24 +436,7 @@ fn gpt_oss_attention_with_sinks_matches_transformers() {
         check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
 
         // Batch row 0 (no padding) decoded token by token through a cache of the window.
-        let mha = config
-            .init(&b.device)
-            .load_pytorch(&f.weights, "model.")
-            .unwrap_or_else(|e| panic!("{e}"));
-        let x = f.io("x", [2, 9, 32], &b.device).slice([0..1, 0..9, 0..32]);
-        let mut cache = mha::KvCache::sliding(4);
-        let steps: Vec<Tensor<3>> = (0..9)
-            .map(|t| {
-                let token = x.clone().slice([0..1, t..t + 1, 0..32]);
-                mha.forward_cached(token, &mut cache, AttentionMask::none())
-                    .unwrap_or_else(|e| panic!("{e}"))
-            })
-            .collect();
-        let want = f
-            .io("out", [2, 9, 32], &b.device)
-            .slice([0..1, 0..9, 0..32]);
-        let label = format!("gpt_oss_attention [{}] decoded token by token", b.name);
-        assert_close(&label, Tensor::cat(steps, 1), want, b.forward_tol());
+        check_decoded(&b, &f, &config, mha::KvCache::sliding(4), 1);
     }
     let err = config
         .with_sinks(false)
@@ -471,22 +485,7 @@ fn qwen_attention_with_qk_norm_or_biases_on_qkv_matches_transformers() {
             check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
 
             // Decoding token by token through the cache gives the whole forward's rows.
-            let mha = config
-                .init(&b.device)
-                .load_pytorch(&f.weights, "model.")
-                .unwrap_or_else(|e| panic!("{e}"));
-            let x = f.io("x", [2, 9, 32], &b.device);
-            let mut cache = mha::KvCache::new(9);
-            let steps: Vec<Tensor<3>> = (0..9)
-                .map(|t| {
-                    let token = x.clone().slice([0..2, t..t + 1, 0..32]);
-                    mha.forward_cached(token, &mut cache, AttentionMask::none())
-                        .unwrap_or_else(|e| panic!("{e}"))
-                })
-                .collect();
-            let label = format!("{fixture} [{}] decoded token by token", b.name);
-            let want = f.io("out", [2, 9, 32], &b.device);
-            assert_close(&label, Tensor::cat(steps, 1), want, b.forward_tol());
+            check_decoded(&b, &f, &config, mha::KvCache::new(9), 2);
         }
     }
     // A module without QK-norm refuses Qwen3's norms, and one whose output projection has
