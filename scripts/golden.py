@@ -639,7 +639,7 @@ def hf_tiny_llama():
     winners) saved with `save_pretrained` (f32 `model.safetensors`, `config.json`), a
     byte-level BPE `tokenizer.json` of 300 tokens trained here on a few sentences (`<s>`
     prepended, `</s>` ends), and `expected.json`: a prompt, its token ids, and the tokens
-    and text transformers' `generate` gives greedily (the margin between the two most
+    transformers' `generate` gives greedily with the text they add to the prompt's (the margin between the two most
     likely tokens of every step is checked to be at least 1e-2, so that rounding cannot
     swap them)."""
     import json
@@ -687,6 +687,11 @@ def hf_tiny_llama():
     else:
         sys.exit("hf_tiny_llama: no seed gave clear winners")
     new = generated.sequences[0, len(ids):].tolist()
+    # The text the new tokens add after the prompt, decoded together with it.
+    before = tokenizer.decode(ids, skip_special_tokens=True)
+    after = tokenizer.decode(ids + new, skip_special_tokens=True)
+    assert after.startswith(before)
+    added = after[len(before):]
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save(os.path.join(out, "tokenizer.json"))
     for extra in ("generation_config.json",):
@@ -698,7 +703,7 @@ def hf_tiny_llama():
         "prompt_ids": ids,
         "tokens": 24,
         "generated_ids": new,
-        "text": tokenizer.decode(new, skip_special_tokens=True),
+        "text": added,
         "seed": seed,
     }
     with open(os.path.join(out, "expected.json"), "w") as f:

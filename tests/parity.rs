@@ -586,6 +586,20 @@ fn gpt2_blocks_and_bert_layers_match_transformers() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("bidirectional and post-norm"), "{err}");
+    // Neither has attention sinks: a block configured with them is refused, not loaded
+    // with sinks of 0.
+    let bert_json = crate::util::root().join("tests/fixtures/bert_layer.json");
+    let with_sinks = bert(&bert_json).unwrap().with_attention_sinks(true);
+    let err = load_bert_layer(with_sinks.init(&device), &bert_weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no attention sinks"), "{err}");
+    let with_sinks = gpt2(&gpt2_json).unwrap().with_attention_sinks(true);
+    let gpt2_weights = Fixture::load("gpt2_block").weights;
+    let err = load_gpt2_block(with_sinks.init(&device), &gpt2_weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("without QK-norm or attention sinks"), "{err}");
 }
 
 #[test]
@@ -1183,8 +1197,17 @@ fn a_checkpoint_in_shards_loads_as_its_single_file() {
         err.contains("model.embed_tokens.weight") && err.contains("is also in"),
         "{err}"
     );
+    std::fs::write(dir.join("model.safetensors.index.json"), "{}").unwrap();
+    let err = load_pretrained(&dir, &device).unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors.index.json: not a safetensors index with a weight_map"),
+        "{err}"
+    );
     std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
     let err = load_pretrained(&dir, &device).unwrap_err().to_string();
-    assert!(err.contains("model.safetensors.index.json"), "{err}");
+    assert!(
+        err.contains("neither model.safetensors nor model.safetensors.index.json"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -404,7 +404,8 @@ impl MultiHeadAttention {
     /// If an input has the wrong width or batch size, naming the expected and actual
     /// shapes, or if the mask does not broadcast to the scores; if the module has
     /// positions and `input` attends to another sequence ([`MhaInput::cross`],
-    /// [`MhaInput::new`]), naming the positions and the call.
+    /// [`MhaInput::new`]), naming the positions and the call; if the module has attention
+    /// sinks and the mask has its own.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
         let MhaInput {
             query,
@@ -568,6 +569,11 @@ impl MultiHeadAttention {
         let with_sinks;
         let mask = match &self.sinks {
             Some(sinks) => {
+                assert!(
+                    mask.sink_logits().is_none(),
+                    "MultiHeadAttention: the module has attention sinks of its own (`sinks`) \
+                     and the mask has sinks too (AttentionMask::sinks); give one of the two"
+                );
                 with_sinks = mask.clone().and(AttentionMask::sinks(sinks.val()));
                 &with_sinks
             }

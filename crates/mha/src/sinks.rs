@@ -57,8 +57,10 @@ pub(crate) fn grad<B: Backend>(
 ) -> FloatTensor<B> {
     let dtype = sinks.dtype();
     let z = f32_of::<B>(sinks.clone());
-    // rowsum(dO ⊙ out'), in f32.
-    let dot = B::float_sum_dim(f32_of::<B>(B::float_mul(grad, out)), 3); // [B, H, Tq, 1]
+    // rowsum(dO ⊙ out'), each factor in f32 first (a scaled f16 gradient times the
+    // output may not fit in f16).
+    let product = B::float_mul(f32_of::<B>(grad), f32_of::<B>(out));
+    let dot = B::float_sum_dim(product, 3); // [B, H, Tq, 1]
     let weight = B::float_exp(B::float_sub(z, lse)); // 1 - σ, [B, H, Tq, 1]
     let per_row = B::float_mul(dot, weight);
     let per_head = B::float_sum_dim(B::float_sum_dim(per_row, 2), 0); // [1, H, 1, 1]

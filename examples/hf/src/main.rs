@@ -11,8 +11,9 @@
 //! transformers' tokenizer does by default), read in one call, then each new token is
 //! the most likely one (greedy decoding, transformers' `do_sample=False`), fed back one at
 //! a time through the cache, until `--tokens` tokens or an end-of-sequence token
-//! (`eos_token_id` of `config.json` or `generation_config.json`). The text is printed as
-//! it grows.
+//! (`eos_token_id` of `generation_config.json`, else of `config.json`). The text is
+//! printed as it grows: what decoding the prompt and the new tokens together adds to the
+//! decoded prompt (decoded alone, SentencePiece's first piece would lose its space).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -227,6 +228,15 @@ fn main() -> anyhow::Result<()> {
     }
 
     let decode = |ids: &[u32]| tokenizer.decode(ids, true).unwrap_or_default();
+    let prompt_text = decode(&prompt);
+    // The text the generated `ids` add after the prompt.
+    let added = |ids: &[u32]| {
+        let text = decode(&[&prompt[..], ids].concat());
+        match text.strip_prefix(prompt_text.as_str()) {
+            Some(added) => added.to_string(),
+            None => decode(ids),
+        }
+    };
     let mut out = std::io::stdout().lock();
     write!(out, "{}", s.prompt)?;
     out.flush()?;
@@ -235,7 +245,7 @@ fn main() -> anyhow::Result<()> {
     let generated = generate(&lm, &prompt, s.tokens, &end, &device, |ids| {
         // Print what the text gained; a token that ends inside a character waits for the
         // next one.
-        let text = decode(ids);
+        let text = added(ids);
         if let Some(new) = text.strip_prefix(shown.as_str())
             && !new.ends_with('\u{FFFD}')
         {
@@ -244,7 +254,7 @@ fn main() -> anyhow::Result<()> {
             shown = text;
         }
     })?;
-    let text = decode(&generated);
+    let text = added(&generated);
     match text.strip_prefix(shown.as_str()) {
         Some(rest) => writeln!(out, "{rest}")?,
         None => writeln!(out, "\n{text}")?,

@@ -2,6 +2,10 @@
 //! how far it looks, its strongest query-to-key link, and how much of its weight goes to
 //! the same position, the previous one and the first token. [`HeadReport`] prints as an
 //! aligned table and serialises to JSON.
+//!
+//! With attention sinks ([`AttentionMask::sinks`]) a row's weights over the keys sum to
+//! less than 1 (the sink takes the rest) and are read as they are: a head that parks its
+//! weight on its sink has small weights everywhere, and the entropy of what is left.
 
 use core::fmt;
 

@@ -131,8 +131,8 @@ impl BertConfig {
 ///
 /// # Errors
 /// [`ImportError::Convention`] when `block` is not configured as BERT's (bidirectional,
-/// post-norm, layer norms, not gated: see [`BertConfig::block`]), and the import's errors
-/// naming a key.
+/// post-norm, layer norms, not gated, without QK-norm or attention sinks: see
+/// [`BertConfig::block`]), and the import's errors naming a key.
 pub fn load_bert_layer(
     mut block: EncoderBlock,
     weights: &PyTorchWeights,
@@ -140,12 +140,13 @@ pub fn load_bert_layer(
 ) -> Result<EncoderBlock, ImportError> {
     let at = |name: &str| format!("{prefix}{name}");
     let gated = block.feed_forward.up.is_some();
-    if block.causal || block.norm_first || gated || block.norm1.kind() != NormKind::Layer {
+    let extra = block.self_attn.q_norm.is_some() || block.self_attn.sinks.is_some();
+    if block.causal || block.norm_first || gated || extra || block.norm1.kind() != NormKind::Layer {
         return Err(ImportError::Convention {
             key: at("attention.self.query.weight"),
-            message: "BERT's layer is bidirectional and post-norm, with layer norms and a \
-                      feed-forward of two layers; configure the block as BertConfig::block \
-                      does"
+            message: "BERT's layer is bidirectional and post-norm, with layer norms, a \
+                      feed-forward of two layers, no QK-norm and no attention sinks; \
+                      configure the block as BertConfig::block does"
                 .into(),
         });
     }

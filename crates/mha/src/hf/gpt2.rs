@@ -189,7 +189,8 @@ pub fn load_gpt2_lm(
 ///
 /// # Errors
 /// [`ImportError::Convention`] when `block` is not configured as GPT-2's (causal,
-/// pre-norm, layer norms, biases, a packed projection, not gated: see
+/// pre-norm, layer norms, biases, a packed projection, not gated, without QK-norm or
+/// attention sinks: see
 /// [`Gpt2Config::block`]), and the import's errors naming a key.
 pub fn load_gpt2_block(
     mut block: EncoderBlock,
@@ -211,6 +212,10 @@ pub fn load_gpt2_block(
         (
             block.norm1.kind() != NormKind::Layer || block.norm1.beta.is_none(),
             "layer norms with biases",
+        ),
+        (
+            block.self_attn.q_norm.is_some() || block.self_attn.sinks.is_some(),
+            "without QK-norm or attention sinks",
         ),
     ];
     let wanted: Vec<&str> = differs.iter().filter(|d| d.0).map(|d| d.1).collect();

@@ -455,13 +455,28 @@ pub fn load_pretrained(
     let dir = dir.as_ref();
     let config = HfConfig::from_file(dir.join("config.json"))?;
     let single = dir.join("model.safetensors");
-    let weights = match single.exists() {
-        true => PyTorchWeights::from_file(&single)?,
-        false => {
-            let path = dir.join("model.safetensors.index.json");
-            let index: ShardIndex = read_config(&path, "safetensors index")?;
+    let index = dir.join("model.safetensors.index.json");
+    let weights = match (single.exists(), index.exists()) {
+        (true, _) => PyTorchWeights::from_file(&single)?,
+        (false, true) => {
+            let bytes = std::fs::read(&index).map_err(|source| ImportError::Io {
+                path: index.clone(),
+                source,
+            })?;
+            let index = ShardIndex::load_binary(&bytes).map_err(|err| ImportError::Config {
+                what: index.display().to_string(),
+                message: format!("not a safetensors index with a weight_map ({err})"),
+            })?;
             let files: std::collections::BTreeSet<&String> = index.weight_map.values().collect();
             PyTorchWeights::from_files(files.into_iter().map(|file| dir.join(file)))?
+        }
+        (false, false) => {
+            return Err(ImportError::Config {
+                what: dir.display().to_string(),
+                message: "no weights: neither model.safetensors nor model.safetensors.index.json \
+                          (PyTorch pickles, .bin, do not load: convert them to safetensors)"
+                    .into(),
+            });
         }
     };
     let lm = load_causal_lm(config.init_causal_lm(device)?, &weights, "")?;

@@ -334,7 +334,9 @@ impl AttentionMask {
     /// `weights[j] = exp(s[j]) / (exp(sinks[h]) + Σ_k exp(s[k]))`. The logits are
     /// differentiated like the other inputs (a module's learned sinks). A row that sees
     /// no key still gives zeros. Every path computes them from each row's log-sum-exp
-    /// (or, where the weights are made, as one more column of the softmax).
+    /// (or, where the weights are made, as one more column of the softmax). Weights asked
+    /// for are the keys' (as transformers returns them): a row sums to 1 less the sink's
+    /// share.
     ///
     /// # Shapes
     /// - `logits`: `[H]`, one per query head, finite (`-inf`: no sink for that head).

@@ -104,8 +104,8 @@ mod cpu {
     }
 
     /// Attention over `[query, key, value, bias?, table?, sinks?]` (a learned table as
-    /// `[1, 1, H, buckets]`, the sinks as `[1, H, 1, 1]`) and the boolean `mask` (`true` = blocked), each broadcastable to `[B, H,
-    /// Tq, Tk]`.
+    /// `[1, 1, H, buckets]`, the sinks as `[1, H, 1, 1]`) and the boolean `mask` (`true` =
+    /// blocked), each broadcastable to `[B, H, Tq, Tk]`.
     pub(crate) struct AttentionOp<B: CpuTensors> {
         pub(crate) spec: Spec,
         pub(crate) mask: Option<BoolTensor<B>>,

@@ -47,7 +47,8 @@
 //!
 //! The attention of Hugging Face's Llama family (`LlamaAttention`, `MistralAttention`,
 //! `Qwen2Attention`, `Qwen3Attention`: keys `q_proj.*`, `k_proj.*`, `v_proj.*`,
-//! `o_proj.*`, and Qwen3's `q_norm.weight`, `k_norm.weight`) loads into a
+//! `o_proj.*`, Qwen3's `q_norm.weight`, `k_norm.weight`, and gpt-oss's `sinks` into a
+//! module configured `with_sinks(true)`) loads into a
 //! [`MultiHeadAttention`] configured as the model computes:
 //!
 //! ```
@@ -155,7 +156,8 @@ pub enum ImportError {
         message: String,
     },
     /// A model's configuration (`config.json`) could not be read, or asks for what the
-    /// modules cannot compute (see [`crate::hf`]).
+    /// modules cannot compute (see [`crate::hf`]); or a model's files do not fit together
+    /// (a checkpoint's shards that hold one key twice, a directory without weights).
     Config {
         /// The file, or the field: "`head_dim` of config.json".
         what: String,
