@@ -25,7 +25,7 @@
 #    (CUBECL_AUTOTUNE_LEVEL=minimal).
 # 3. In CI, on Mesa's lavapipe:
 #        scripts/gpu_table.sh --dry-run OUT
-#    packs the debug build CI made (`cargo build -p bench --features ndarray,wgpu`), then
+#    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`), then
 #    runs step 2 on it at a tiny shape with one run: the script is known to work before it
 #    meets a GPU. It fails if a step that could run failed.
 set -euo pipefail
@@ -94,7 +94,7 @@ case "${1:-}" in
         pack_dir="$out/pack"
         xz_level=0
         bin="$target/debug/bench"
-        [ -x "$bin" ] || cargo build -q -p bench --features ndarray,wgpu
+        [ -x "$bin" ] || cargo build -q --features ndarray,wgpu --bins
         mkdir -p "$out"
         pack "$pack_dir" "$bin"
         ;;
