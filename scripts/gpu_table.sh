@@ -206,7 +206,8 @@ else
 fi
 
 # Each build and dtype in a process of its own: WGSL (every wgpu device), then SPIR-V
-# (Vulkan; lavapipe crashes creating SPIR-V pipelines, so the dry run has no such build).
+# (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of shared memory on a
+# device without an explicit workgroup layout, so the dry run has no such build).
 for build in wgsl spirv; do
     packed="$pack_dir/bench-$build.xz"
     if [ ! -f "$packed" ]; then

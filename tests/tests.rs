@@ -26,3 +26,6 @@ mod empty;
 // The GPU kernels' launches and memory, each in a process of its own (wgpu).
 #[cfg(feature = "wgpu")]
 mod gpu;
+// The GPU kernels' SPIR-V (the `vulkan` build), compiled without a device, is valid.
+#[cfg(feature = "vulkan")]
+mod spirv;

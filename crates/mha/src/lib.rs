@@ -37,6 +37,8 @@ mod problem;
 pub mod pytorch;
 #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
 mod sinks;
+#[cfg(feature = "vulkan")]
+pub mod spirv;
 pub mod stack;
 mod workers;
 

@@ -29,6 +29,8 @@ pub(crate) mod forward;
 pub(crate) mod launch;
 pub(crate) mod ops;
 pub(crate) mod scores;
+#[cfg(feature = "vulkan")]
+pub(crate) mod spirv;
 #[cfg(all(test, feature = "wgpu"))]
 mod tests;
 pub(crate) mod tile;

@@ -1,0 +1,314 @@
+//! The kernels compiled to SPIR-V without a device, as a Vulkan driver receives them from
+//! the `vulkan` build: for validators (`spirv-val`) and for reports of a driver's bugs.
+//! The public side is [`crate::spirv`].
+
+use std::sync::Arc;
+
+use burn::tensor::DType;
+
+use cubecl::features::Features;
+use cubecl::ir::{DeviceIdentity, HardwareProperties, MemoryDeviceProperties};
+use cubecl::prelude::*;
+use cubecl::wgpu::SpirvCompiler;
+use cubecl::{Compiler, WgpuCompilationOptions};
+
+use super::backward::{BiasSums, delta_kernel, dkv_kernel, dq_kernel, reduce_kernel, zeros_kernel};
+use super::forward::forward_kernel;
+use super::launch::tiles;
+use super::scores::ProblemCompilationArg;
+use super::tile::Registers;
+use crate::problem::Dims;
+use crate::spirv::{Module, Target};
+
+/// A device as the compiler sees it: the limits the kernels' expansion reads.
+fn device(target: &Target) -> Arc<DeviceProperties> {
+    let hardware = HardwareProperties {
+        load_width: 128,
+        vector_register_count: None,
+        plane_size_min: target.subgroup_size,
+        plane_size_max: target.subgroup_size,
+        max_bindings: 31,
+        max_shared_memory_size: 32 * 1024,
+        max_cube_count: (65_535, 65_535, 65_535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: None,
+        num_tensor_cores: None,
+        min_tensor_cores_dim: None,
+        num_cpu_cores: None,
+        last_level_cache_size: None,
+        max_vector_size: 4,
+        cube_mma_reserved_shared_memory: 0,
+    };
+    Arc::new(DeviceProperties::new(
+        Features::default(),
+        MemoryDeviceProperties::new(u64::MAX, 256),
+        hardware,
+        cubecl::profile::TimingMethod::System,
+        DeviceIdentity {
+            name: "offline".into(),
+            fingerprint: "offline".into(),
+            physical: None,
+        },
+    ))
+}
+
+/// The compiler's options for `target`, as cubecl's wgpu runtime sets them from a Vulkan
+/// device's features.
+fn options(target: &Target) -> WgpuCompilationOptions {
+    let mut options = WgpuCompilationOptions {
+        supports_u64: true,
+        supports_vulkan_compiler: true,
+        ..Default::default()
+    };
+    options.vulkan.max_spirv_version = target.spirv_version;
+    options.vulkan.max_vector_size = 4;
+    options.vulkan.push_constant_size = target.push_constant_size;
+    options.vulkan.supports_explicit_smem = target.explicit_shared_memory;
+    options
+}
+
+/// A tensor argument as the compiler sees it.
+fn tensor() -> TensorCompilationArg {
+    TensorCompilationArg {
+        meta: TensorMetaCompilationArg { len: (), rank: () },
+        buffer: BufferCompilationArg { inplace: None },
+    }
+}
+
+/// An optional tensor argument, present or absent.
+fn optional(present: bool) -> ComptimeOptionCompilationArg<OwnedTensor<f32>> {
+    match present {
+        true => ComptimeOptionCompilationArg::Some(tensor()),
+        false => ComptimeOptionCompilationArg::None,
+    }
+}
+
+/// What a call binds beside the query, key and value.
+#[derive(Clone, Copy, Debug)]
+struct Extras {
+    bias: bool,
+    pd: bool,
+    mask: bool,
+    seq: bool,
+}
+
+impl Extras {
+    const NONE: Self = Self {
+        bias: false,
+        pd: false,
+        mask: false,
+        seq: false,
+    };
+    const ALL: Self = Self {
+        bias: true,
+        pd: true,
+        mask: true,
+        seq: true,
+    };
+}
+
+/// The launch argument every kernel reads, as the compiler sees it.
+fn problem<F: Float, M: Int, N: Size>(extras: Extras) -> ProblemCompilationArg<F, M, N> {
+    ProblemCompilationArg {
+        q: tensor(),
+        k: tensor(),
+        v: tensor(),
+        bias: retype(optional(extras.bias)),
+        pd: retype(optional(extras.pd)),
+        mask: retype(optional(extras.mask)),
+        seq: retype(optional(extras.seq)),
+        offset: (),
+        before: (),
+        after: (),
+        group: (),
+        scale: (),
+        softcap: (),
+        blocked: (),
+        order: (),
+    }
+}
+
+/// An optional tensor's argument for any element type (the argument does not depend on
+/// it).
+fn retype<T: CubePrimitive>(
+    arg: ComptimeOptionCompilationArg<OwnedTensor<f32>>,
+) -> ComptimeOptionCompilationArg<OwnedTensor<T>> {
+    match arg {
+        ComptimeOptionCompilationArg::Some(t) => ComptimeOptionCompilationArg::Some(t),
+        ComptimeOptionCompilationArg::None => ComptimeOptionCompilationArg::None,
+    }
+}
+
+/// Compiles `kernel` for `target` under `name`.
+fn compile<K: CubeKernel>(kernel: K, name: String, target: &Target) -> Result<Module, String> {
+    let definition = cubecl::define_kernel(&kernel).map_err(|e| format!("{name}: {e}"))?;
+    let compiled = SpirvCompiler
+        .compile(definition, &options(target))
+        .map_err(|e| format!("{name}: {e}"))?;
+    Ok(Module {
+        name,
+        words: compiled.assembled_module,
+    })
+}
+
+/// The settings of a launch of `units` units per cube, checked or not.
+fn settings(units: usize, checked: bool) -> KernelSettings {
+    let mode = match checked {
+        true => ExecutionMode::Checked,
+        false => ExecutionMode::Unchecked,
+    };
+    KernelSettings::new(*CubeDim::new_1d(units as u32), mode, AddressType::U32)
+}
+
+/// Every kernel the GPU path launches, in the variants a call can ask for, compiled for
+/// `target`.
+pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
+    let mut modules = Vec::new();
+    let float = |dtype: &DType| match dtype {
+        DType::F16 => ("f16", 2, ElemType::Float(cubecl::ir::FloatKind::F16)),
+        DType::BF16 => ("bf16", 2, ElemType::Float(cubecl::ir::FloatKind::BF16)),
+        _ => ("f32", 4, ElemType::Float(cubecl::ir::FloatKind::F32)),
+    };
+    let u32_mask = ElemType::UInt(cubecl::ir::UIntKind::U32);
+    let u8_mask = ElemType::UInt(cubecl::ir::UIntKind::U8);
+    let props = device(target);
+    let targets = || Arc::new(TargetProperties::default());
+    // Head dims of 64 (read four elements at a time) and odd ones (one at a time), in the
+    // tiles the launcher picks for them (`launch::tiles`, within 32 KiB of shared
+    // memory); with no optional input and with all of them (the soft cap and the bias
+    // gradients' sums too); checked (debug builds) and unchecked (release builds).
+    for (dtype, size, elem) in target.dtypes.iter().map(float) {
+        for (d, width) in [(64, 4), (7, 1)] {
+            let dims = Dims::of([[2, 8, 256, d], [2, 2, 256, d], [2, 2, 256, d]]);
+            for (extras, mask) in [(Extras::NONE, u32_mask), (Extras::ALL, u8_mask)] {
+                let softcap = extras.bias;
+                let (forward, mut dq, dkv) = tiles(&dims, size, 32 * 1024, softcap);
+                if extras.bias {
+                    dq.bias = BiasSums::Some {
+                        queries: true,
+                        keys: true,
+                    };
+                    dq.pd = true;
+                }
+                for checked in [true, false] {
+                    let tag = format!(
+                        "{dtype}_d{d}_{}{}",
+                        if extras.bias { "every_input" } else { "plain" },
+                        if checked { "_checked" } else { "" },
+                    );
+                    modules.push(compile(
+                        forward_kernel::ForwardKernel::<Registers>::new(
+                            settings(forward.units, checked),
+                            props.clone(),
+                            targets(),
+                            problem(extras),
+                            tensor(),
+                            tensor(),
+                            width,
+                            forward,
+                            [elem, mask],
+                        ),
+                        format!("forward_{tag}"),
+                        target,
+                    )?);
+                    modules.push(compile(
+                        dq_kernel::DqKernel::<Registers>::new(
+                            settings(dq.units, checked),
+                            props.clone(),
+                            targets(),
+                            problem(extras),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            optional(extras.bias),
+                            optional(extras.pd),
+                            width,
+                            dq,
+                            [elem, mask],
+                        ),
+                        format!("dq_{tag}"),
+                        target,
+                    )?);
+                    modules.push(compile(
+                        dkv_kernel::DkvKernel::<Registers>::new(
+                            settings(dkv.units, checked),
+                            props.clone(),
+                            targets(),
+                            problem(extras),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            tensor(),
+                            width,
+                            dkv,
+                            [elem, mask],
+                        ),
+                        format!("dkv_{tag}"),
+                        target,
+                    )?);
+                }
+            }
+        }
+        modules.push(compile(
+            delta_kernel::DeltaKernel::new(
+                settings(64, true),
+                props.clone(),
+                targets(),
+                tensor(),
+                tensor(),
+                tensor(),
+                64,
+                elem,
+            ),
+            format!("delta_{dtype}"),
+            target,
+        )?);
+        modules.push(compile(
+            reduce_kernel::ReduceKernel::new(
+                settings(64, true),
+                props.clone(),
+                targets(),
+                tensor(),
+                tensor(),
+                (),
+                elem,
+            ),
+            format!("reduce_{dtype}"),
+            target,
+        )?);
+    }
+    modules.push(compile(
+        zeros_kernel::ZerosKernel::new(settings(64, true), props, targets(), tensor(), ()),
+        "zeros".into(),
+        target,
+    )?);
+    Ok(modules)
+}
+
+/// The smallest kernel with shared memory: each unit writes its position to an element
+/// of a shared array and reads its neighbour's back.
+#[cube(launch)]
+fn shared_round_trip(out: &mut Tensor<f32>) {
+    let mut shared = Shared::<[f32]>::new_slice(32usize);
+    let unit = UNIT_POS as usize;
+    shared[unit] = f32::cast_from(unit);
+    sync_cube();
+    out[unit] = shared[(unit + 1) % 32];
+}
+
+/// [`shared_round_trip`] compiled for `target`.
+pub(crate) fn shared_memory_case(target: &Target) -> Result<Module, String> {
+    compile(
+        shared_round_trip::SharedRoundTrip::new(
+            settings(32, false),
+            device(target),
+            Arc::new(TargetProperties::default()),
+            tensor(),
+        ),
+        "shared_round_trip".into(),
+        target,
+    )
+}
