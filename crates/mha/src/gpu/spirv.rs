@@ -77,47 +77,24 @@ fn tensor() -> TensorCompilationArg {
 }
 
 /// An optional tensor argument, present or absent.
-fn optional(present: bool) -> ComptimeOptionCompilationArg<OwnedTensor<f32>> {
+fn optional<T: CubePrimitive>(present: bool) -> ComptimeOptionCompilationArg<OwnedTensor<T>> {
     match present {
         true => ComptimeOptionCompilationArg::Some(tensor()),
         false => ComptimeOptionCompilationArg::None,
     }
 }
 
-/// What a call binds beside the query, key and value.
-#[derive(Clone, Copy, Debug)]
-struct Extras {
-    bias: bool,
-    pd: bool,
-    mask: bool,
-    seq: bool,
-}
-
-impl Extras {
-    const NONE: Self = Self {
-        bias: false,
-        pd: false,
-        mask: false,
-        seq: false,
-    };
-    const ALL: Self = Self {
-        bias: true,
-        pd: true,
-        mask: true,
-        seq: true,
-    };
-}
-
-/// The launch argument every kernel reads, as the compiler sees it.
-fn problem<F: Float, M: Int, N: Size>(extras: Extras) -> ProblemCompilationArg<F, M, N> {
+/// The launch argument every kernel reads, as the compiler sees it: with every optional
+/// input (bias, bias by distance, mask, packed sequences) or with none.
+fn problem<F: Float, M: Int, N: Size>(every_input: bool) -> ProblemCompilationArg<F, M, N> {
     ProblemCompilationArg {
         q: tensor(),
         k: tensor(),
         v: tensor(),
-        bias: retype(optional(extras.bias)),
-        pd: retype(optional(extras.pd)),
-        mask: retype(optional(extras.mask)),
-        seq: retype(optional(extras.seq)),
+        bias: optional(every_input),
+        pd: optional(every_input),
+        mask: optional(every_input),
+        seq: optional(every_input),
         offset: (),
         before: (),
         after: (),
@@ -126,17 +103,6 @@ fn problem<F: Float, M: Int, N: Size>(extras: Extras) -> ProblemCompilationArg<F
         softcap: (),
         blocked: (),
         order: (),
-    }
-}
-
-/// An optional tensor's argument for any element type (the argument does not depend on
-/// it).
-fn retype<T: CubePrimitive>(
-    arg: ComptimeOptionCompilationArg<OwnedTensor<f32>>,
-) -> ComptimeOptionCompilationArg<OwnedTensor<T>> {
-    match arg {
-        ComptimeOptionCompilationArg::Some(t) => ComptimeOptionCompilationArg::Some(t),
-        ComptimeOptionCompilationArg::None => ComptimeOptionCompilationArg::None,
     }
 }
 
@@ -173,7 +139,7 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
     let u32_mask = ElemType::UInt(cubecl::ir::UIntKind::U32);
     let u8_mask = ElemType::UInt(cubecl::ir::UIntKind::U8);
     let props = device(target);
-    let targets = || Arc::new(TargetProperties::default());
+    let runtime = || Arc::new(TargetProperties::default());
     // Head dims of 64 (read four elements at a time) and odd ones (one at a time), in the
     // tiles the launcher picks for them (`launch::tiles`, within 32 KiB of shared
     // memory); with no optional input and with all of them (the soft cap and the bias
@@ -181,10 +147,9 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
     for (dtype, size, elem) in target.dtypes.iter().map(float) {
         for (d, width) in [(64, 4), (7, 1)] {
             let dims = Dims::of([[2, 8, 256, d], [2, 2, 256, d], [2, 2, 256, d]]);
-            for (extras, mask) in [(Extras::NONE, u32_mask), (Extras::ALL, u8_mask)] {
-                let softcap = extras.bias;
-                let (forward, mut dq, dkv) = tiles(&dims, size, 32 * 1024, softcap);
-                if extras.bias {
+            for (every_input, mask) in [(false, u32_mask), (true, u8_mask)] {
+                let (forward, mut dq, dkv) = tiles(&dims, size, 32 * 1024, every_input);
+                if every_input {
                     dq.bias = BiasSums::Some {
                         queries: true,
                         keys: true,
@@ -194,15 +159,15 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
                 for checked in [true, false] {
                     let tag = format!(
                         "{dtype}_d{d}_{}{}",
-                        if extras.bias { "every_input" } else { "plain" },
+                        if every_input { "every_input" } else { "plain" },
                         if checked { "_checked" } else { "" },
                     );
                     modules.push(compile(
                         forward_kernel::ForwardKernel::<Registers>::new(
                             settings(forward.units, checked),
                             props.clone(),
-                            targets(),
-                            problem(extras),
+                            runtime(),
+                            problem(every_input),
                             tensor(),
                             tensor(),
                             width,
@@ -216,14 +181,14 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
                         dq_kernel::DqKernel::<Registers>::new(
                             settings(dq.units, checked),
                             props.clone(),
-                            targets(),
-                            problem(extras),
+                            runtime(),
+                            problem(every_input),
                             tensor(),
                             tensor(),
                             tensor(),
                             tensor(),
-                            optional(extras.bias),
-                            optional(extras.pd),
+                            optional(every_input),
+                            optional(every_input),
                             width,
                             dq,
                             [elem, mask],
@@ -235,8 +200,8 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
                         dkv_kernel::DkvKernel::<Registers>::new(
                             settings(dkv.units, checked),
                             props.clone(),
-                            targets(),
-                            problem(extras),
+                            runtime(),
+                            problem(every_input),
                             tensor(),
                             tensor(),
                             tensor(),
@@ -256,7 +221,7 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
             delta_kernel::DeltaKernel::new(
                 settings(64, true),
                 props.clone(),
-                targets(),
+                runtime(),
                 tensor(),
                 tensor(),
                 tensor(),
@@ -270,7 +235,7 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
             reduce_kernel::ReduceKernel::new(
                 settings(64, true),
                 props.clone(),
-                targets(),
+                runtime(),
                 tensor(),
                 tensor(),
                 (),
@@ -281,7 +246,7 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
         )?);
     }
     modules.push(compile(
-        zeros_kernel::ZerosKernel::new(settings(64, true), props, targets(), tensor(), ()),
+        zeros_kernel::ZerosKernel::new(settings(64, true), props, runtime(), tensor(), ()),
         "zeros".into(),
         target,
     )?);
