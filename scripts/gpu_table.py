@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Merges what `scripts/gpu_table.sh` measured into one table: OUT/gpu_table.md.
 
-Reads OUT/mha-BUILD-DTYPE.json (the benchmark's records, BUILD `wgsl` or `spirv`),
+Reads OUT/mha-BUILD-DTYPE.json (the benchmark's records, BUILD `wgsl`, `spirv` or
+`spirv_portable`: SPIR-V kept off cooperative matrices),
 OUT/pytorch.json (`scripts/bench_pytorch.py --json`) and OUT/steps.tsv (each step's
 name, status and seconds); writes one row per shape, pass and dtype with the median
 milliseconds of mha's module, Burn's module and PyTorch's, their cores, and the ratios,
@@ -50,11 +51,13 @@ def main(out):
     columns = [
         ("mha wgsl", "mha (WGSL)"),
         ("mha spirv", "mha (SPIR-V)"),
+        ("mha spirv_portable", "mha (SPIR-V, portable product)"),
         ("burn wgsl", "Burn (WGSL)"),
         ("burn spirv", "Burn (SPIR-V)"),
         ("pytorch", "PyTorch CUDA"),
         ("mha-core wgsl", "mha core (WGSL)"),
         ("mha-core spirv", "mha core (SPIR-V)"),
+        ("mha-core spirv_portable", "mha core (SPIR-V, portable product)"),
         ("pytorch-core", "PyTorch core"),
     ]
     present = [c for c in columns if any(c[0] in v for v in rows.values())]

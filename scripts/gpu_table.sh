@@ -9,23 +9,25 @@
 # 1. On a machine that builds this repository (a Rust toolchain, Debian's apt):
 #        scripts/gpu_table.sh --pack [PACK]
 #    builds the benchmark in release twice (`--features wgpu`, `--features vulkan`; the
-#    cuda backend cannot be built without network: its build downloads an LLVM), strips
-#    and compresses both, downloads Debian's Vulkan loader and the GL dispatch libraries
+#    cuda backend cannot be built without network: its build downloads an LLVM) and mha's
+#    unit tests in the vulkan build (debug), strips and compresses the three, downloads Debian's Vulkan loader and the GL dispatch libraries
 #    NVIDIA's driver links to (libvulkan1, libglvnd0, ...) for a machine that lacks them,
 #    and checks that PACK (default gpu-pack/) holds under 64 MiB.
 # 2. On the GPU machine, from the repository's root with PACK beside scripts/, OUT a new
 #    or empty folder:
 #        scripts/gpu_table.sh --run PACK OUT
 #    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
-#    on CUDA first, then each build and dtype in a process of its own under its own time
-#    limit, so that a crash or a timeout loses one step; after every step it rewrites
+#    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype
+#    (and SPIR-V f16 again on the portable tile product) in a process of its own under its
+#    own time limit, so that a crash or a timeout loses one step; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
 #    (CUBECL_AUTOTUNE_LEVEL=minimal).
 # 3. In CI, on Mesa's lavapipe:
 #        scripts/gpu_table.sh --dry-run OUT
-#    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`), then
+#    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`, and the
+#    unit tests of `cargo test --features ndarray,wgpu --lib`), then
 #    runs step 2 on it at a tiny shape with one run: the script is known to work before it
 #    meets a GPU. It fails if a step that could run failed.
 set -euo pipefail
@@ -38,15 +40,29 @@ xz_level=9
 # ICD and no adapter ("no adapter found on the requested graphics API"; H200, 2026-11-27).
 loader_debs="libvulkan1 libglvnd0 libglx0 libegl1 libgl1 libgles2 libopengl0"
 
-# `pack PACK WGPU_BIN [VULKAN_BIN]`: the binaries stripped and compressed into PACK.
+# `pack PACK WGPU_BIN [VULKAN_BIN] [TESTS_BIN]`: the binaries stripped and compressed
+# into PACK (an empty VULKAN_BIN: none).
 pack() {
-    local dir="$1" wgpu="$2" vulkan="${3:-}"
+    local dir="$1" wgpu="$2" vulkan="${3:-}" tests="${4:-}"
     rm -rf "$dir"
     mkdir -p "$dir"
     strip -o "$dir/bench-wgsl" "$wgpu"
     if [ -n "$vulkan" ]; then strip -o "$dir/bench-spirv" "$vulkan"; fi
-    xz -T0 "-$xz_level" "$dir"/bench-*
+    if [ -n "$tests" ]; then strip -o "$dir/mha-tests" "$tests"; fi
+    xz -T0 "-$xz_level" "$dir"/bench-* $([ -z "$tests" ] || echo "$dir/mha-tests")
     git rev-parse HEAD > "$dir/commit" 2>/dev/null || echo unknown > "$dir/commit"
+}
+
+# `lib_tests FEATURES`: the path of mha's unit-test binary built with FEATURES (built at
+# the workspace's level, as CI builds it, so that the dependencies' features match).
+lib_tests() {
+    cargo test --features "$1" --lib --no-run --message-format=json 2> /dev/null \
+        | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    exe = m.get("executable") or ""
+    if m.get("target", {}).get("name") == "mha" and exe:
+        print(exe)'
 }
 
 if [ "${1:-}" = "--pack" ]; then
@@ -55,7 +71,10 @@ if [ "${1:-}" = "--pack" ]; then
     cargo build --release -p bench --features wgpu
     cp "$target/release/bench" "$target/release/bench-wgpu-pack"
     cargo build --release -p bench --features vulkan
-    pack "$dir" "$target/release/bench-wgpu-pack" "$target/release/bench"
+    echo "== mha's unit tests in the vulkan build (the cooperative product's check)" >&2
+    tests=$(lib_tests ndarray,wgpu,vulkan)
+    [ -n "$tests" ] || { echo "error: no unit-test binary of mha was built" >&2; exit 1; }
+    pack "$dir" "$target/release/bench-wgpu-pack" "$target/release/bench" "$tests"
     echo "== Debian's Vulkan loader and GL dispatch libraries, for a machine without them" >&2
     lists=$(mktemp -d)
     mkdir -p "$lists/partial" "$dir/debs"
@@ -95,8 +114,9 @@ case "${1:-}" in
         xz_level=0
         bin="$target/debug/bench"
         [ -x "$bin" ] || cargo build -q --features ndarray,wgpu --bins
+        tests=$(lib_tests ndarray,wgpu)
         mkdir -p "$out"
-        pack "$pack_dir" "$bin"
+        pack "$pack_dir" "$bin" "" "$tests"
         ;;
     *)
         sed -n '2,/^set -euo/p' "$0" | sed '$d' >&2
@@ -119,7 +139,7 @@ archive() {
     # the archive on disk is always a whole one.
     mkdir -p "$out/.archive"
     if tar czf "$out/.archive/part" --exclude=./gpu_table.tar.gz --exclude=./.archive \
-        --exclude=./pack --exclude="./bench-*" -C "$out" .; then
+        --exclude=./pack --exclude="./bench-*" --exclude=./mha-tests -C "$out" .; then
         mv "$out/.archive/part" "$out/gpu_table.tar.gz"
     else
         echo "warning: the archive could not be written" >&2
@@ -205,6 +225,18 @@ else
     skip pytorch "no CUDA PyTorch on this machine"
 fi
 
+# The tile product on cooperative matrices (tensor cores) against the portable one and
+# f64, on every mask kind (mha's unit test, the vulkan build): where the device reports
+# none, the test says so and passes.
+if [ -f "$pack_dir/mha-tests.xz" ]; then
+    xz -dc "$pack_dir/mha-tests.xz" > "$out/mha-tests"
+    chmod +x "$out/mha-tests"
+    step cooperative-check 120 "$out/mha-tests" gpu::tests::gpu_cooperative --nocapture
+    rm -f "$out/mha-tests"
+else
+    skip cooperative-check "no unit-test binary in $pack_dir"
+fi
+
 # Each build and dtype in a process of its own: WGSL (every wgpu device), then SPIR-V
 # (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of shared memory on a
 # device without an explicit workgroup layout, so the dry run has no such build).
@@ -222,6 +254,14 @@ for build in wgsl spirv; do
     for dtype in f16 f32; do
         step "mha-$build-$dtype" "$limit" "$exe" --backend wgpu --shapes "$shapes" --runs "$runs" \
             --dtype "$dtype" --no-train --long-core "$long" --json "$out/mha-$build-$dtype.json"
+        # SPIR-V in f16 again on the portable tile product, before f32: the kernels take
+        # cooperative matrices (tensor cores) where the device has them, and this row
+        # is what they gain.
+        if [ "$build" = spirv ] && [ "$dtype" = f16 ]; then
+            MHA_GPU_TILE_PRODUCT=portable step "mha-spirv_portable-f16" "$limit" "$exe" \
+                --backend wgpu --shapes "$shapes" --runs "$runs" --dtype f16 --no-train \
+                --no-builtin --long-core "$long" --json "$out/mha-spirv_portable-f16.json"
+        fi
     done
     rm -f "$exe"
 done

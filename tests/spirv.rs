@@ -17,9 +17,13 @@ use spirv_tools::val::{Validator, ValidatorOptions};
 const SHARED_AS_POINTER: &str =
     "OpInBoundsAccessChain reached non-composite type while indexes still remain to be traversed";
 
+/// `OpCooperativeMatrixMulAddKHR`'s opcode (`SPV_KHR_cooperative_matrix`).
+const COOPERATIVE_MUL_ADD: u32 = 4459;
+
 /// Devices with an explicit workgroup layout (NVIDIA's), with the other features that
 /// change a module: the buffers' addresses in push constants or in a uniform buffer,
-/// subgroups of 32 or 8; f32, f16 and bf16.
+/// subgroups of 32 or 8, cooperative matrices of 16 x 16 x 16 (NVIDIA's) or 8 x 8 x 8
+/// (Mesa's lavapipe since it has them) or none; f32, f16 and bf16.
 fn explicit_targets() -> Vec<(&'static str, Target)> {
     let base = Target {
         explicit_shared_memory: true,
@@ -33,10 +37,37 @@ fn explicit_targets() -> Vec<(&'static str, Target)> {
             Target {
                 push_constant_size: 0,
                 subgroup_size: 8,
+                ..base.clone()
+            },
+        ),
+        (
+            "explicit-cooperative-16",
+            Target {
+                cooperative_matrix: Some([16, 16, 16]),
+                ..base.clone()
+            },
+        ),
+        (
+            "explicit-cooperative-8",
+            Target {
+                cooperative_matrix: Some([8, 8, 8]),
+                subgroup_size: 8,
+                push_constant_size: 0,
                 ..base
             },
         ),
     ]
+}
+
+/// The opcodes of `module`'s instructions.
+fn opcodes(module: &Module) -> impl Iterator<Item = u32> + '_ {
+    let words = &module.words;
+    let mut at = 5; // past the header
+    std::iter::from_fn(move || {
+        let word = *words.get(at)?;
+        at += ((word >> 16) as usize).max(1);
+        Some(word & 0xFFFF)
+    })
 }
 
 /// The validator's complaint about `module`, if any; the module written to
@@ -62,13 +93,26 @@ fn every_kernel_compiles_to_valid_spirv_on_a_device_with_explicit_shared_memory(
     for (name, target) in explicit_targets() {
         let modules = kernels(&target).unwrap_or_else(|e| panic!("{name}: {e}"));
         // Forward, dQ and dK/dV: 2 head dims x 2 sets of inputs x checked or not, then
-        // D and the reduction, per dtype; the zeros.
+        // D and the reduction, per dtype; the zeros. With cooperative matrices, the
+        // three kernels on them too, at head dim 64, for f16 and bf16.
+        let halves = target.dtypes.iter().filter(|d| **d != DType::F32).count();
+        let cooperative = match target.cooperative_matrix {
+            Some(_) => halves * 3 * 4,
+            None => 0,
+        };
         assert_eq!(
             modules.len(),
-            target.dtypes.len() * (3 * 8 + 2) + 1,
+            target.dtypes.len() * (3 * 8 + 2) + 1 + cooperative,
             "{name}"
         );
         for module in &modules {
+            // The kernels on cooperative matrices, and only those, multiply on them.
+            assert_eq!(
+                module.name.contains("_cooperative_"),
+                opcodes(module).any(|op| op == COOPERATIVE_MUL_ADD),
+                "{name}/{}",
+                module.name
+            );
             if let Some(e) = validate(name, module) {
                 failures.push(format!("{name}/{}: {e}", module.name));
             }

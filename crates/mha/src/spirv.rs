@@ -48,11 +48,16 @@ pub struct Target {
     pub subgroup_size: u32,
     /// The float dtypes to compile the kernels for (`F32`, `F16`, `BF16`).
     pub dtypes: Vec<DType>,
+    /// The shape `[m, n, k]` of the device's cooperative matrices
+    /// (`VK_KHR_cooperative_matrix`, subgroup scope) with f16 and bf16 inputs and f32
+    /// sums, if it has them (NVIDIA's drivers: `[16, 16, 16]`): the half dtypes' kernels
+    /// are compiled on them too, as the launcher picks them on such a device.
+    pub cooperative_matrix: Option<[u32; 3]>,
 }
 
 impl Default for Target {
     /// A Vulkan 1.3 device with 128 bytes of push constants, no explicit shared memory
-    /// layout, subgroups of 32, f32 and f16.
+    /// layout, subgroups of 32, no cooperative matrices, f32 and f16.
     fn default() -> Self {
         Self {
             spirv_version: (1, 6),
@@ -60,6 +65,7 @@ impl Default for Target {
             explicit_shared_memory: false,
             subgroup_size: 32,
             dtypes: vec![DType::F32, DType::F16],
+            cooperative_matrix: None,
         }
     }
 }

@@ -33,7 +33,8 @@ use super::scores::{
     queries_of,
 };
 use super::tile::{
-    Product, Quad, Read, Tile, TileProduct, col0, element, row0, stage, write_tile, zero,
+    Fragment, Product, Quad, Read, Tile, TileProduct, col0, element, row0, shared_tile, stage,
+    write_tile, zero,
 };
 
 /// Partial rows one pass of [`reduce_kernel`] sums at most, so that no invocation nears a
@@ -70,6 +71,8 @@ pub(crate) struct DqTiles {
     pub(crate) bias: BiasSums,
     /// The bias by distance's gradient is asked for.
     pub(crate) pd: bool,
+    /// The products' cooperative-matrix fragment, or [`Fragment::NONE`].
+    pub(crate) frag: Fragment,
 }
 
 impl DqTiles {
@@ -91,39 +94,62 @@ impl DqTiles {
             softcap: false,
             bias: BiasSums::None,
             pd: false,
+            frag: Fragment::NONE,
         }
     }
 
-    /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
+    /// These tiles with their products in fragments of `frag`, if every product fits
+    /// them.
+    pub(crate) fn cooperative(self, frag: Fragment) -> Option<Self> {
+        [self.s, self.dp, self.dq]
+            .iter()
+            .all(|p| frag.fits(p))
+            .then_some(Self { frag, ..self })
+    }
+
+    /// Bytes of shared memory a cube takes, with inputs of `size` bytes (and dS in them
+    /// too, in fragments).
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
         let inputs =
             self.qt().quads() + self.dot().quads() + self.v().quads().max(self.k().quads());
-        (inputs * size + self.ds().quads() * 4) * 4 + (self.bq + self.bk) * 4
+        let weights = if self.frag.is_some() { size } else { 4 };
+        (inputs * size + self.ds().quads() * weights + self.scratch() * 4) * 4
+            + (self.bq + self.bk) * 4
+    }
+
+    /// Quads of the products' scratch.
+    fn scratch(&self) -> usize {
+        self.frag.scratch(&[self.s, self.dp, self.dq])
+    }
+
+    /// A tile of `rows` x `cols` as the products read it.
+    fn tile(&self, rows: usize, cols: usize) -> Tile {
+        Tile::aligned(rows, cols, self.frag.align())
     }
 
     /// The block's queries, transposed: `B` of `Sᵀ`.
     fn qt(&self) -> Tile {
-        Tile::new(self.d_k.next_multiple_of(4), self.bq)
+        self.tile(self.d_k.next_multiple_of(4), self.bq)
     }
 
     /// The block's output gradients, transposed: `B` of `dPᵀ`.
     fn dot(&self) -> Tile {
-        Tile::new(self.d_v.next_multiple_of(4), self.bq)
+        self.tile(self.d_v.next_multiple_of(4), self.bq)
     }
 
     /// A tile's values: `A` of `dPᵀ`.
     fn v(&self) -> Tile {
-        Tile::new(self.bk, self.d_v)
+        self.tile(self.bk, self.d_v)
     }
 
     /// A tile's keys: `A` of `Sᵀ`, `B` of `dQ`.
     fn k(&self) -> Tile {
-        Tile::new(self.bk, self.dq.n)
+        self.tile(self.bk, self.dq.n)
     }
 
     /// dS, keys by queries: `A` of `dQ`, read transposed.
     fn ds(&self) -> Tile {
-        Tile::new(self.bk, self.bq)
+        self.tile(self.bk, self.bq)
     }
 }
 
@@ -145,6 +171,8 @@ pub(crate) struct DkvTiles {
     pub(crate) dk: Product,
     /// The scores are soft-capped.
     pub(crate) softcap: bool,
+    /// The products' cooperative-matrix fragment, or [`Fragment::NONE`].
+    pub(crate) frag: Fragment,
 }
 
 impl DkvTiles {
@@ -165,33 +193,55 @@ impl DkvTiles {
             dv: Product::new(bk, padded(d_v, units, bk), bq, units, true),
             dk: Product::new(bk, padded(d_k, units, bk), bq, units, true),
             softcap: false,
+            frag: Fragment::NONE,
         }
     }
 
-    /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
+    /// These tiles with their products in fragments of `frag`, if every product fits
+    /// them.
+    pub(crate) fn cooperative(self, frag: Fragment) -> Option<Self> {
+        [self.s, self.dp, self.dv, self.dk]
+            .iter()
+            .all(|p| frag.fits(p))
+            .then_some(Self { frag, ..self })
+    }
+
+    /// Bytes of shared memory a cube takes, with inputs of `size` bytes (and P and dS in
+    /// them too, in fragments).
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
         let inputs = self.q().quads() + self.d_o().quads() + self.x().quads();
-        (inputs * size + self.pds().quads() * 4) * 4
+        let weights = if self.frag.is_some() { size } else { 4 };
+        (inputs * size + self.pds().quads() * weights + self.scratch() * 4) * 4
+    }
+
+    /// Quads of the products' scratch.
+    fn scratch(&self) -> usize {
+        self.frag.scratch(&[self.s, self.dp, self.dv, self.dk])
+    }
+
+    /// A tile of `rows` x `cols` as the products read it.
+    fn tile(&self, rows: usize, cols: usize) -> Tile {
+        Tile::aligned(rows, cols, self.frag.align())
     }
 
     /// A tile's queries: `A` of `S`, `B` of `dK`.
     fn q(&self) -> Tile {
-        Tile::new(self.bq, self.dk.n)
+        self.tile(self.bq, self.dk.n)
     }
 
     /// A tile's output gradients: `A` of `dP`, `B` of `dV`.
     fn d_o(&self) -> Tile {
-        Tile::new(self.bq, self.dv.n)
+        self.tile(self.bq, self.dv.n)
     }
 
     /// The block's values, then keys, transposed: `B` of `dP`, then of `S`.
     fn x(&self) -> Tile {
-        Tile::new(self.d_k.max(self.d_v).next_multiple_of(4), self.bk)
+        self.tile(self.d_k.max(self.d_v).next_multiple_of(4), self.bk)
     }
 
     /// P, then dS, queries by keys: `A` of `dV` and `dK`, read transposed.
     fn pds(&self) -> Tile {
-        Tile::new(self.bq, self.bk)
+        self.tile(self.bq, self.bk)
     }
 }
 
@@ -277,7 +327,7 @@ fn grad_at<F: Float, M: Int, N: Size>(
 /// 1)]`, row `b · blocks + block`).
 #[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dq_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
+pub(crate) fn dq_kernel<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     p: &Problem<F, M, N>,
     grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
@@ -286,7 +336,7 @@ pub(crate) fn dq_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
     dbias: &mut ComptimeOption<OwnedTensor<f32>>,
     dpd: &mut ComptimeOption<OwnedTensor<f32>>,
     #[comptime] t: DqTiles,
-    #[define(F, M)] _dtypes: [ElemType; 2],
+    #[define(F, M, W)] _dtypes: [ElemType; 3],
 ) {
     let heads = p.q.shape(1);
     let blk = block(
@@ -297,13 +347,13 @@ pub(crate) fn dq_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
         t.bq,
     );
     if blk.live {
-        dq_block::<F, M, N, P>(p, grad, lse, delta, dq, dbias, dpd, &blk, t);
+        dq_block::<F, M, N, W, P>(p, grad, lse, delta, dq, dbias, dpd, &blk, t);
     }
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
+fn dq_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     p: &Problem<F, M, N>,
     grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
@@ -343,8 +393,8 @@ fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
 
     // The block's queries and output gradients, transposed; the key tiles' values, then
     // keys, in one buffer; dS.
-    let mut qt = Shared::<[Quad<F>]>::new_slice(comptime!(t.qt().quads()));
-    let mut dot = Shared::<[Quad<F>]>::new_slice(comptime!(t.dot().quads()));
+    let mut qt = shared_tile::<F>(comptime!(t.qt().quads()));
+    let mut dot = shared_tile::<F>(comptime!(t.dot().quads()));
     let q_at = b * p.q.stride(0) + h * p.q.stride(1);
     let g_at = b * grad.stride(0) + h * grad.stride(1);
     stage(
@@ -371,8 +421,9 @@ fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
         t.d_v,
         t.units,
     );
-    let mut kv = Shared::<[Quad<F>]>::new_slice(comptime!(max(t.v().quads(), t.k().quads())));
-    let mut ds_tile = Shared::<[Quad<f32>]>::new_slice(comptime!(t.ds().quads()));
+    let mut kv = shared_tile::<F>(comptime!(max(t.v().quads(), t.k().quads())));
+    let mut ds_tile = shared_tile::<W>(comptime!(t.ds().quads()));
+    let mut scratch = shared_tile::<f32>(comptime!(t.scratch()));
     let mut ring = Shared::<[f32]>::new_slice(comptime!(t.bq + t.bk));
     let unit = UNIT_POS as usize;
     if unit < comptime!(t.bq + t.bk) {
@@ -408,7 +459,17 @@ fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
         );
         sync_cube();
         zero(&mut dp, t.dp);
-        P::product::<F, F>(&kv, t.v(), Read::AsStored, &dot, t.dot(), &mut dp, t.dp);
+        P::product::<F, F>(
+            &kv,
+            t.v(),
+            Read::AsStored,
+            &dot,
+            t.dot(),
+            &mut dp,
+            t.dp,
+            &mut scratch,
+            t.frag,
+        );
         sync_cube();
         stage(
             &p.k,
@@ -424,7 +485,17 @@ fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
         );
         sync_cube();
         zero(&mut s, t.s);
-        P::product::<F, F>(&kv, t.k(), Read::AsStored, &qt, t.qt(), &mut s, t.s);
+        P::product::<F, F>(
+            &kv,
+            t.k(),
+            Read::AsStored,
+            &qt,
+            t.qt(),
+            &mut s,
+            t.s,
+            &mut scratch,
+            t.frag,
+        );
 
         let whole = t0 >= last.lo && t0 + t.bk as i32 <= first.hi;
         #[unroll]
@@ -472,7 +543,7 @@ fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
             }
             sync_cube();
         }
-        P::product::<f32, F>(
+        P::product::<W, F>(
             &ds_tile,
             t.ds(),
             Read::Transposed,
@@ -480,6 +551,8 @@ fn dq_block<F: Float, M: Int, N: Size, P: TileProduct>(
             t.k(),
             &mut acc,
             t.dq,
+            &mut scratch,
+            t.frag,
         );
         sync_cube();
         t0 += t.bk as i32;
@@ -549,10 +622,10 @@ fn bias_element<F: Float, M: Int, N: Size>(
 /// bias with queries and keys), the block's sum per key (keys only), or, returned, the
 /// unit's query's sum over the tile's keys (no keys; 0 otherwise).
 #[cube]
-fn bias_tile<F: Float, M: Int, N: Size>(
+fn bias_tile<F: Float, M: Int, N: Size, W: Float>(
     p: &Problem<F, M, N>,
     dbias: &mut ComptimeOption<OwnedTensor<f32>>,
-    ds_tile: &Shared<[Quad<f32>]>,
+    ds_tile: &Shared<[Quad<W>]>,
     blk: &Block,
     t0: i32,
     #[comptime] t: DqTiles,
@@ -594,10 +667,10 @@ fn bias_tile<F: Float, M: Int, N: Size>(
                         #[unroll]
                         for r4 in 0..comptime!(t.bq / 4) {
                             let q = ds_tile[unit * comptime!(t.ds().stride() / 4) + r4];
-                            sum += q.extract(0usize)
-                                + q.extract(1usize)
-                                + q.extract(2usize)
-                                + q.extract(3usize);
+                            sum += f32::cast_from(q.extract(0usize))
+                                + f32::cast_from(q.extract(1usize))
+                                + f32::cast_from(q.extract(2usize))
+                                + f32::cast_from(q.extract(3usize));
                         }
                         dbias[at + bias_element(p, blk.b, blk.head, 0, j)] = sum;
                     }
@@ -667,10 +740,10 @@ fn bias_rest<F: Float, M: Int, N: Size>(
 /// others carried in `ring`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn pd_tile<F: Float, M: Int, N: Size>(
+fn pd_tile<F: Float, M: Int, N: Size, W: Float>(
     p: &Problem<F, M, N>,
     dpd: &mut ComptimeOption<OwnedTensor<f32>>,
-    ds_tile: &Shared<[Quad<f32>]>,
+    ds_tile: &Shared<[Quad<W>]>,
     ring: &mut Shared<[f32]>,
     blk: &Block,
     t0: i32,
@@ -763,7 +836,7 @@ fn pd_row<F: Float, M: Int, N: Size>(
 /// key's and the value's shapes, any strides).
 #[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dkv_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
+pub(crate) fn dkv_kernel<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     p: &Problem<F, M, N>,
     grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
@@ -771,7 +844,7 @@ pub(crate) fn dkv_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     #[comptime] t: DkvTiles,
-    #[define(F, M)] _dtypes: [ElemType; 2],
+    #[define(F, M, W)] _dtypes: [ElemType; 3],
 ) {
     let kv_heads = p.k.shape(1);
     let blk = block(
@@ -782,13 +855,13 @@ pub(crate) fn dkv_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
         t.bk,
     );
     if blk.live {
-        dkv_block::<F, M, N, P>(p, grad, lse, delta, dk, dv, &blk, t);
+        dkv_block::<F, M, N, W, P>(p, grad, lse, delta, dk, dv, &blk, t);
     }
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
+fn dkv_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     p: &Problem<F, M, N>,
     grad: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
@@ -807,10 +880,11 @@ fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
     let first = queries_of(p, b, k0);
     let last = queries_of(p, b, blk.last);
 
-    let mut q_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.q().quads()));
-    let mut do_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.d_o().quads()));
-    let mut x_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.x().quads()));
-    let mut pds = Shared::<[Quad<f32>]>::new_slice(comptime!(t.pds().quads()));
+    let mut q_tile = shared_tile::<F>(comptime!(t.q().quads()));
+    let mut do_tile = shared_tile::<F>(comptime!(t.d_o().quads()));
+    let mut x_tile = shared_tile::<F>(comptime!(t.x().quads()));
+    let mut pds = shared_tile::<W>(comptime!(t.pds().quads()));
+    let mut scratch = shared_tile::<f32>(comptime!(t.scratch()));
     let mut s = Array::<f32>::new(comptime!(t.s.len()));
     let mut dp = Array::<f32>::new(comptime!(t.s.len()));
     let mut acc_k = Array::<f32>::new(comptime!(t.dk.len()));
@@ -876,6 +950,8 @@ fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
                 t.x(),
                 &mut dp,
                 t.dp,
+                &mut scratch,
+                t.frag,
             );
             sync_cube();
             stage(
@@ -892,7 +968,17 @@ fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
             );
             sync_cube();
             zero(&mut s, t.s);
-            P::product::<F, F>(&q_tile, t.q(), Read::AsStored, &x_tile, t.x(), &mut s, t.s);
+            P::product::<F, F>(
+                &q_tile,
+                t.q(),
+                Read::AsStored,
+                &x_tile,
+                t.x(),
+                &mut s,
+                t.s,
+                &mut scratch,
+                t.frag,
+            );
 
             // Every query of the tile sees every key of the block, or each score is tested.
             let tile_last = min(start + t.bq, queries) - 1;
@@ -932,7 +1018,7 @@ fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
             }
             write_tile(&mut pds, t.pds(), &s, t.s);
             sync_cube();
-            P::product::<f32, F>(
+            P::product::<W, F>(
                 &pds,
                 t.pds(),
                 Read::Transposed,
@@ -940,11 +1026,13 @@ fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
                 t.d_o(),
                 &mut acc_v,
                 t.dv,
+                &mut scratch,
+                t.frag,
             );
             sync_cube();
             write_tile(&mut pds, t.pds(), &dp, t.s);
             sync_cube();
-            P::product::<f32, F>(
+            P::product::<W, F>(
                 &pds,
                 t.pds(),
                 Read::Transposed,
@@ -952,6 +1040,8 @@ fn dkv_block<F: Float, M: Int, N: Size, P: TileProduct>(
                 t.q(),
                 &mut acc_k,
                 t.dk,
+                &mut scratch,
+                t.frag,
             );
             sync_cube();
             t0 += t.bq as i32;

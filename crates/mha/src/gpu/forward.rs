@@ -18,7 +18,10 @@ use cubecl::prelude::*;
 use super::scores::{
     Block, INVISIBLE, NO_MAX, Problem, QUERIES_LAST_FIRST, block, capped, keys_of, masked,
 };
-use super::tile::{Product, Quad, Read, Tile, TileProduct, col0, row0, stage, write_tile, zero};
+use super::tile::{
+    Fragment, Product, Quad, Read, Tile, TileProduct, col0, row0, shared_tile, stage, write_tile,
+    zero,
+};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
 /// The compile-time shape of the forward kernel.
@@ -38,6 +41,8 @@ pub(crate) struct ForwardTiles {
     pub(crate) o: Product,
     /// The scores are soft-capped.
     pub(crate) softcap: bool,
+    /// The products' cooperative-matrix fragment, or [`Fragment::NONE`].
+    pub(crate) frag: Fragment,
 }
 
 impl ForwardTiles {
@@ -63,47 +68,69 @@ impl ForwardTiles {
             s,
             o,
             softcap: false,
+            frag: Fragment::NONE,
         }
     }
 
-    /// Bytes of shared memory a cube takes, with inputs of `size` bytes.
+    /// These tiles with their products in fragments of `frag`, if every product fits
+    /// them.
+    pub(crate) fn cooperative(self, frag: Fragment) -> Option<Self> {
+        (frag.fits(&self.s) && frag.fits(&self.o)).then_some(Self { frag, ..self })
+    }
+
+    /// Bytes of shared memory a cube takes, with inputs of `size` bytes (and the weights
+    /// in them too, in fragments).
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
         let inputs = self.q().quads() + self.kt().quads().max(self.v().quads());
-        (inputs * size + self.p().quads() * 4) * 4 + self.bq * self.s.ux * 4
+        let weights = if self.frag.is_some() { size } else { 4 };
+        (inputs * size + self.p().quads() * weights + self.scratch() * 4) * 4
+            + self.bq * self.s.ux * 4
+    }
+
+    /// Quads of the products' scratch.
+    fn scratch(&self) -> usize {
+        self.frag.scratch(&[self.s, self.o])
+    }
+
+    /// A tile of `rows` x `cols` as the products read it.
+    fn tile(&self, rows: usize, cols: usize) -> Tile {
+        Tile::aligned(rows, cols, self.frag.align())
     }
 
     /// The block's queries: `A` of `S`.
-    fn q(&self) -> Tile {
-        Tile::new(self.bq, self.d_k)
+    pub(crate) fn q(&self) -> Tile {
+        self.tile(self.bq, self.d_k)
     }
 
     /// A tile's keys, transposed: `B` of `S`.
     fn kt(&self) -> Tile {
-        Tile::new(self.d_k.next_multiple_of(4), self.bk)
+        self.tile(self.d_k.next_multiple_of(4), self.bk)
     }
 
     /// A tile's values: `B` of `O`.
     fn v(&self) -> Tile {
-        Tile::new(self.bk, self.o.n)
+        self.tile(self.bk, self.o.n)
     }
 
-    /// The weights: `A` of `O`.
+    /// The weights: `A` of `O` (in f32, or in the inputs' dtype in fragments).
     fn p(&self) -> Tile {
-        Tile::new(self.bq, self.bk)
+        self.tile(self.bq, self.bk)
     }
 }
 
 /// One cube: query rows `block.first ..` of head `block.bh`; writes `out` `[B, H, Tq, Dv]`
 /// (any strides) in the inputs' dtype and `lse` `[B, H, Tq]` (contiguous) in f32. A row
 /// that sees no key, or only blocked ones (its largest score at or below [`DEAD_ROW`]),
-/// gets zeros and the log-sum-exp [`DEAD_LSE`].
+/// gets zeros and the log-sum-exp [`DEAD_LSE`]. The weights `P` go to shared memory in
+/// `W`: f32 for [`super::tile::Registers`], the inputs' dtype for
+/// [`super::tile::Cooperative`].
 #[cube(launch, launch_unchecked)]
-pub(crate) fn forward_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
+pub(crate) fn forward_kernel<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     p: &Problem<F, M, N>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
     #[comptime] t: ForwardTiles,
-    #[define(F, M)] _dtypes: [ElemType; 2],
+    #[define(F, M, W)] _dtypes: [ElemType; 3],
 ) {
     let heads = p.q.shape(1);
     let queries = p.q.shape(2);
@@ -115,12 +142,12 @@ pub(crate) fn forward_kernel<F: Float, M: Int, N: Size, P: TileProduct>(
         t.bq,
     );
     if blk.live {
-        forward_block::<F, M, N, P>(p, out, lse, &blk, t);
+        forward_block::<F, M, N, W, P>(p, out, lse, &blk, t);
     }
 }
 
 #[cube]
-fn forward_block<F: Float, M: Int, N: Size, P: TileProduct>(
+fn forward_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     p: &Problem<F, M, N>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
@@ -150,7 +177,7 @@ fn forward_block<F: Float, M: Int, N: Size, P: TileProduct>(
     }
 
     // The block's queries, in the inputs' dtype.
-    let mut q_tile = Shared::<[Quad<F>]>::new_slice(comptime!(t.q().quads()));
+    let mut q_tile = shared_tile::<F>(comptime!(t.q().quads()));
     let q_at = b * p.q.stride(0) + h * p.q.stride(1);
     stage(
         &p.q,
@@ -164,8 +191,9 @@ fn forward_block<F: Float, M: Int, N: Size, P: TileProduct>(
         t.d_k,
         t.units,
     );
-    let mut kv_tile = Shared::<[Quad<F>]>::new_slice(comptime!(max(t.kt().quads(), t.v().quads())));
-    let mut p_tile = Shared::<[Quad<f32>]>::new_slice(comptime!(t.p().quads()));
+    let mut kv_tile = shared_tile::<F>(comptime!(max(t.kt().quads(), t.v().quads())));
+    let mut p_tile = shared_tile::<W>(comptime!(t.p().quads()));
+    let mut scratch = shared_tile::<f32>(comptime!(t.scratch()));
     // Each unit's partial row maxima (then sums), a quad of rows at a time: `[ux][bq / 4]`.
     let mut red = Shared::<[Quad<f32>]>::new_slice(comptime!(t.bq / 4 * t.s.ux));
     let quads = comptime!(t.bq / 4);
@@ -210,6 +238,8 @@ fn forward_block<F: Float, M: Int, N: Size, P: TileProduct>(
             t.kt(),
             &mut s,
             t.s,
+            &mut scratch,
+            t.frag,
         );
 
         // The scores, and each row's largest in the unit's columns.
@@ -294,7 +324,17 @@ fn forward_block<F: Float, M: Int, N: Size, P: TileProduct>(
         write_tile(&mut p_tile, t.p(), &s, t.s);
         sync_cube();
 
-        P::product::<f32, F>(&p_tile, t.p(), Read::AsStored, &kv_tile, t.v(), &mut o, t.o);
+        P::product::<W, F>(
+            &p_tile,
+            t.p(),
+            Read::AsStored,
+            &kv_tile,
+            t.v(),
+            &mut o,
+            t.o,
+            &mut scratch,
+            t.frag,
+        );
         sync_cube();
         t0 += t.bk as i32;
     }

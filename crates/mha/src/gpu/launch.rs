@@ -13,21 +13,29 @@ pub(crate) use super::backward::{DkvTiles, DqTiles};
 pub(crate) use super::forward::ForwardTiles;
 use super::forward::forward_kernel;
 use super::scores::{KEYS_LAST_FIRST, ProblemLaunch, QUERIES_LAST_FIRST};
-use super::tile::Registers;
+use super::tile::{Cooperative, Fragment, Registers};
 use crate::mask::Band;
 use crate::problem::Dims;
 
-/// Launches a kernel over the portable tile product: checked (an out-of-bounds index
+/// Launches a kernel over the tile product its fragment `frag` asks for ([`Cooperative`]
+/// where it is one, else the portable [`Registers`]): checked (an out-of-bounds index
 /// clamped to the buffer) in debug builds, where the tests run, unchecked in release,
 /// where it took 6% less device time per kernel on lavapipe (`docs/benchmarks.md`).
 macro_rules! launch {
-    ($kernel:ident($($arg:expr),* $(,)?)) => {
+    ($frag:expr, $kernel:ident($($arg:expr),* $(,)?)) => {
+        if $frag.is_some() {
+            launch!(@ Cooperative, $kernel($($arg),*))
+        } else {
+            launch!(@ Registers, $kernel($($arg),*))
+        }
+    };
+    (@ $product:ident, $kernel:ident($($arg:expr),*)) => {
         if cfg!(debug_assertions) {
-            $kernel::launch::<Registers>($($arg),*)
+            $kernel::launch::<$product>($($arg),*)
         } else {
             // SAFETY: the kernels index within the tensors' shapes, and the tests
             // run them checked with every buffer followed by a guard, at the tiles' edges.
-            unsafe { $kernel::launch_unchecked::<Registers>($($arg),*) }
+            unsafe { $kernel::launch_unchecked::<$product>($($arg),*) }
         }
     };
 }
@@ -43,6 +51,56 @@ pub(crate) const MOST_BINDINGS: u32 = 14;
 /// Shared memory the kernels use at most, whatever the device offers: what the smallest
 /// devices that run them give (Mesa's lavapipe: 32 KiB).
 const SHARED_BUDGET: usize = 32 * 1024;
+
+/// Shared memory the kernels on cooperative matrices use at most: what every device
+/// with them offers (NVIDIA's Vulkan drivers: 48 KiB).
+const COOPERATIVE_BUDGET: usize = 48 * 1024;
+
+/// The cooperative-matrix fragment a device multiplies inputs of `elem` in with f32
+/// sums, read from what it reports (`props.features.matmul.cmma`): the largest of its
+/// shapes with `A` and `B` in `elem` and `C` in f32, where `elem` is f16 or bf16 and the
+/// device runs subgroups of one size (a fragment belongs to one). The kernels take it
+/// where their tiles are whole fragments ([`tiles`]).
+///
+/// # Errors
+/// Why there is none: the dtype, the subgroup sizes, or the shapes the device reports.
+pub(crate) fn fragment(props: &DeviceProperties, elem: ElemType) -> Result<Fragment, String> {
+    use cubecl::ir::FloatKind;
+    if !matches!(elem, ElemType::Float(FloatKind::F16 | FloatKind::BF16)) {
+        return Err(format!(
+            "cooperative matrices take f16 or bf16, not {elem:?}"
+        ));
+    }
+    let hardware = &props.hardware;
+    if hardware.plane_size_min != hardware.plane_size_max || hardware.plane_size_min == 0 {
+        return Err(format!(
+            "the device's subgroups are of {} to {} units",
+            hardware.plane_size_min, hardware.plane_size_max
+        ));
+    }
+    let f32_sums = ElemType::Float(FloatKind::F32);
+    let cmma = &props.features.matmul.cmma;
+    cmma.iter()
+        .filter(|c| c.a_type == elem && c.b_type == elem && c.cd_type == f32_sums)
+        .filter(|c| {
+            [c.m, c.n, c.k]
+                .iter()
+                .all(|&s| s.is_power_of_two() && s <= 16)
+        })
+        .max_by_key(|c| (c.m * c.n * c.k, c.n, c.m))
+        .map(|c| Fragment {
+            m: c.m as usize,
+            n: c.n as usize,
+            k: c.k as usize,
+            plane: hardware.plane_size_max as usize,
+        })
+        .ok_or_else(|| {
+            format!(
+                "the device reports no cooperative matrix of {elem:?} inputs and f32 sums \
+                 of at most 16 x 16 x 16 (it reports {cmma:?})"
+            )
+        })
+}
 
 /// How the scores are made from `Q Kᵀ`, and which keys each query sees.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -188,15 +246,48 @@ pub(crate) const CANDIDATES: [(usize, usize, usize); 6] = [
 ];
 
 /// The tiles of the three kernels for a call of `dims` in elements of `size` bytes: for
-/// each, the first of the candidates (units, queries, keys per tile) whose shared memory
-/// fits the device's and [`SHARED_BUDGET`].
+/// each, the first of the candidates (units, queries, keys per tile) whose products are
+/// whole fragments of `frag` (and whole planes of units) and whose shared
+/// memory fits the device's and [`COOPERATIVE_BUDGET`]; where none is (or `frag` is
+/// [`Fragment::NONE`]), the first that fits [`SHARED_BUDGET`] with the portable product.
 pub(crate) fn tiles(
     dims: &Dims,
     size: usize,
     shared: usize,
     softcap: bool,
+    frag: Fragment,
 ) -> (ForwardTiles, DqTiles, DkvTiles) {
     let (mut forward, mut dq, mut dkv) = sized_tiles(dims, size, shared);
+    #[cfg(test)]
+    let forced = super::tests::FORCE_TILES.get().is_some();
+    #[cfg(not(test))]
+    let forced = false;
+    if forced {
+        // The forced tiles, in fragments where they are whole ones.
+        forward = forward.cooperative(frag).unwrap_or(forward);
+        dq = dq.cooperative(frag).unwrap_or(dq);
+        dkv = dkv.cooperative(frag).unwrap_or(dkv);
+    } else if frag.is_some() {
+        let budget = shared.min(COOPERATIVE_BUDGET);
+        let (d_k, d_v) = (dims.d_k, dims.d_v);
+        let pick = |make: &dyn Fn(usize, usize, usize) -> Option<usize>| {
+            CANDIDATES
+                .into_iter()
+                .find(|&(u, q, k)| make(u, q, k).is_some_and(|bytes| bytes <= budget))
+        };
+        let fwd = |u, q, k| ForwardTiles::new(u, q, k, d_k, d_v).cooperative(frag);
+        if let Some((u, q, k)) = pick(&|u, q, k| fwd(u, q, k).map(|t| t.shared_bytes(size))) {
+            forward = fwd(u, q, k).expect("picked");
+        }
+        let dqt = |u, q, k| DqTiles::new(u, q, k, d_k, d_v).cooperative(frag);
+        if let Some((u, q, k)) = pick(&|u, q, k| dqt(u, q, k).map(|t| t.shared_bytes(size))) {
+            dq = dqt(u, q, k).expect("picked");
+        }
+        let dkvt = |u, q, k| DkvTiles::new(u, q, k, d_k, d_v).cooperative(frag);
+        if let Some((u, q, k)) = pick(&|u, q, k| dkvt(u, q, k).map(|t| t.shared_bytes(size))) {
+            dkv = dkvt(u, q, k).expect("picked");
+        }
+    }
     forward.softcap = softcap;
     dq.softcap = softcap;
     dkv.softcap = softcap;
@@ -231,6 +322,100 @@ fn sized_tiles(dims: &Dims, size: usize, shared: usize) -> (ForwardTiles, DqTile
     (forward, dq, dkv)
 }
 
+/// The environment variable that chooses the tile product: `portable` keeps the kernels
+/// off cooperative matrices where the device has them (to compare, or to step around a
+/// driver's fault); unset or `auto`, they take them where the device has them.
+pub(crate) const TILE_PRODUCT_VAR: &str = "MHA_GPU_TILE_PRODUCT";
+
+/// Whether [`TILE_PRODUCT_VAR`] asks for the portable product.
+///
+/// # Panics
+/// On a value other than `auto` and `portable`, naming it.
+fn portable_asked() -> bool {
+    static PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PORTABLE.get_or_init(|| match std::env::var(TILE_PRODUCT_VAR) {
+        Err(_) => false,
+        Ok(v) if v == "auto" || v.is_empty() => false,
+        Ok(v) if v == "portable" => true,
+        Ok(v) => panic!("{TILE_PRODUCT_VAR}={v:?}: want `auto` or `portable`"),
+    })
+}
+
+/// A device without a client, as the kernels' compiler and the tile choice read it:
+/// subgroups of `subgroup` units, 48 KiB of shared memory, and, with `cooperative`
+/// (`[m, n, k]`), cooperative matrices of that shape with f16 and bf16 inputs and f32
+/// sums.
+#[cfg(any(test, feature = "vulkan"))]
+pub(crate) fn offline_device(subgroup: u32, cooperative: Option<[u32; 3]>) -> DeviceProperties {
+    use cubecl::features::{Features, MmaConfig};
+    use cubecl::ir::{DeviceIdentity, FloatKind, HardwareProperties, MemoryDeviceProperties};
+    let hardware = HardwareProperties {
+        load_width: 128,
+        vector_register_count: None,
+        plane_size_min: subgroup,
+        plane_size_max: subgroup,
+        max_bindings: 31,
+        max_shared_memory_size: 48 * 1024,
+        max_cube_count: (65_535, 65_535, 65_535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: None,
+        num_tensor_cores: None,
+        min_tensor_cores_dim: None,
+        num_cpu_cores: None,
+        last_level_cache_size: None,
+        max_vector_size: 4,
+        cube_mma_reserved_shared_memory: 0,
+    };
+    let mut features = Features::default();
+    if let Some([m, n, k]) = cooperative {
+        for half in [FloatKind::F16, FloatKind::BF16] {
+            features.matmul.cmma.insert(MmaConfig {
+                a_type: ElemType::Float(half),
+                b_type: ElemType::Float(half),
+                cd_type: ElemType::Float(FloatKind::F32),
+                m,
+                n,
+                k,
+            });
+        }
+    }
+    DeviceProperties::new(
+        features,
+        MemoryDeviceProperties::new(u64::MAX, 256),
+        hardware,
+        cubecl::profile::TimingMethod::System,
+        DeviceIdentity {
+            name: "offline".into(),
+            fingerprint: "offline".into(),
+            physical: None,
+        },
+    )
+}
+
+/// The fragment the kernels over `elem` inputs take on `client`'s device
+/// ([`fragment`]), or [`Fragment::NONE`] (none there, or [`TILE_PRODUCT_VAR`] says
+/// `portable`).
+pub(crate) fn cooperative(client: &Client, elem: ElemType) -> Fragment {
+    #[cfg(test)]
+    if super::tests::PORTABLE.get() {
+        return Fragment::NONE;
+    }
+    if portable_asked() {
+        return Fragment::NONE;
+    }
+    fragment(client.properties(), elem).unwrap_or(Fragment::NONE)
+}
+
+/// The dtype the kernels hold the weights `P` and `dS` in shared memory in: the
+/// inputs' for products on cooperative matrices (which multiply that dtype), else f32.
+fn weights(frag: Fragment, elem: ElemType) -> ElemType {
+    match frag.is_some() {
+        true => elem,
+        false => ElemType::Float(cubecl::ir::FloatKind::F32),
+    }
+}
+
 /// A grid of `cubes` cubes along `x`, folded into `y` past the device's limit on `x`
 /// (the kernels number their cubes along `x`, then `y`).
 fn grid(client: &Client, cubes: usize) -> CubeCount {
@@ -254,23 +439,32 @@ fn grid(client: &Client, cubes: usize) -> CubeCount {
 pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Handle, Handle) {
     let n = inputs.dims();
     let shared = client.properties().hardware.max_shared_memory_size;
-    let (t, _, _) = tiles(&n, inputs.size, shared, scoring.softcap.is_some());
+    let (t, _, _) = tiles(
+        &n,
+        inputs.size,
+        shared,
+        scoring.softcap.is_some(),
+        cooperative(client, inputs.elem),
+    );
     let out_shape = [n.batch, n.heads, n.queries, n.d_v];
     let lse_shape = [n.batch, n.heads, n.queries, 1];
     let out = alloc(client, out_shape, inputs.size);
     let lse = alloc(client, lse_shape, 4);
     let cubes = n.queries.div_ceil(t.bq) * n.batch * n.heads;
-    launch!(forward_kernel(
-        client,
-        grid(client, cubes),
-        CubeDim::new_1d(t.units as u32),
-        inputs.width(None),
-        inputs.problem(&n, scoring),
-        heads_inside(out_shape, &out),
-        contiguous(lse_shape, &lse),
-        t,
-        [inputs.elem, inputs.mask_elem],
-    ));
+    launch!(
+        t.frag,
+        forward_kernel(
+            client,
+            grid(client, cubes),
+            CubeDim::new_1d(t.units as u32),
+            inputs.width(None),
+            inputs.problem(&n, scoring),
+            heads_inside(out_shape, &out),
+            contiguous(lse_shape, &lse),
+            t,
+            [inputs.elem, inputs.mask_elem, weights(t.frag, inputs.elem)],
+        )
+    );
     (out, lse)
 }
 
@@ -295,7 +489,13 @@ pub(crate) fn backward(
     let row_shape = [n.batch, n.heads, n.queries, 1];
     assert_laid_out("log-sum-exp", lse, row_shape, contiguous_strides(row_shape));
     let shared = client.properties().hardware.max_shared_memory_size;
-    let (_, mut tq, tkv) = tiles(&n, inputs.size, shared, scoring.softcap.is_some());
+    let (_, mut tq, tkv) = tiles(
+        &n,
+        inputs.size,
+        shared,
+        scoring.softcap.is_some(),
+        cooperative(client, inputs.elem),
+    );
     let row_shape = [n.batch, n.heads, n.queries, 1];
     let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
     let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
@@ -345,35 +545,45 @@ pub(crate) fn backward(
         None => ComptimeOptionArgs::None,
     };
     let width = inputs.width(Some(grad));
-    launch!(dq_kernel(
-        client,
-        grid(client, blocks * n.batch * n.heads),
-        CubeDim::new_1d(tq.units as u32),
-        width,
-        inputs.problem(&n, scoring),
-        grad.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        contiguous(row_shape, &delta),
-        heads_inside(dq_shape, &dq),
-        partial_arg(&bias_partial),
-        partial_arg(&pd_partial),
-        tq,
-        [inputs.elem, inputs.mask_elem],
-    ));
-    launch!(dkv_kernel(
-        client,
-        grid(client, n.keys.div_ceil(tkv.bk) * n.batch * n.kv_heads),
-        CubeDim::new_1d(tkv.units as u32),
-        width,
-        inputs.problem(&n, scoring),
-        grad.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        contiguous(row_shape, &delta),
-        heads_inside(dk_shape, &dk),
-        heads_inside(dv_shape, &dv),
-        tkv,
-        [inputs.elem, inputs.mask_elem],
-    ));
+    launch!(
+        tq.frag,
+        dq_kernel(
+            client,
+            grid(client, blocks * n.batch * n.heads),
+            CubeDim::new_1d(tq.units as u32),
+            width,
+            inputs.problem(&n, scoring),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            contiguous(row_shape, &delta),
+            heads_inside(dq_shape, &dq),
+            partial_arg(&bias_partial),
+            partial_arg(&pd_partial),
+            tq,
+            [inputs.elem, inputs.mask_elem, weights(tq.frag, inputs.elem)],
+        )
+    );
+    launch!(
+        tkv.frag,
+        dkv_kernel(
+            client,
+            grid(client, n.keys.div_ceil(tkv.bk) * n.batch * n.kv_heads),
+            CubeDim::new_1d(tkv.units as u32),
+            width,
+            inputs.problem(&n, scoring),
+            grad.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            contiguous(row_shape, &delta),
+            heads_inside(dk_shape, &dk),
+            heads_inside(dv_shape, &dv),
+            tkv,
+            [
+                inputs.elem,
+                inputs.mask_elem,
+                weights(tkv.frag, inputs.elem)
+            ],
+        )
+    );
     Grads {
         dq,
         dk,
@@ -574,4 +784,94 @@ pub(crate) fn assert_laid_out(
         t.shape,
         t.strides
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use cubecl::features::MmaConfig;
+    use cubecl::ir::FloatKind;
+
+    use super::*;
+
+    const F16: ElemType = ElemType::Float(FloatKind::F16);
+    const BF16: ElemType = ElemType::Float(FloatKind::BF16);
+    const F32: ElemType = ElemType::Float(FloatKind::F32);
+
+    #[test]
+    fn the_fragment_is_the_largest_the_device_reports_for_the_dtype_with_f32_sums() {
+        let mut props = offline_device(32, None);
+        let shapes = [
+            (F16, F32, [16, 8, 16]),
+            (F16, F16, [32, 32, 16]),
+            (F16, F32, [16, 16, 16]),
+        ];
+        for (ab, cd, [m, n, k]) in shapes {
+            props.features.matmul.cmma.insert(MmaConfig {
+                a_type: ab,
+                b_type: ab,
+                cd_type: cd,
+                m,
+                n,
+                k,
+            });
+        }
+        let frag = fragment(&props, F16).expect("f16 fragments");
+        assert_eq!((frag.m, frag.n, frag.k, frag.plane), (16, 16, 16, 32));
+        // No bf16 shape reported; f32 is never multiplied on them.
+        let e = fragment(&props, BF16).unwrap_err();
+        assert!(e.contains("BF16"), "{e}");
+        assert!(fragment(&props, F32).unwrap_err().contains("f16 or bf16"));
+        // Subgroups of varying size: a fragment belongs to one of a known size.
+        props.hardware.plane_size_min = 8;
+        assert!(fragment(&props, F16).unwrap_err().contains("8 to 32"));
+        // None reported (WGSL, lavapipe before it had them).
+        assert!(fragment(&offline_device(32, None), F16).is_err());
+    }
+
+    #[test]
+    fn cooperative_tiles_are_whole_fragments_within_48_kib_or_the_portable_ones() {
+        for (shape, plane) in [([16, 16, 16], 32), ([8, 8, 8], 8)] {
+            let props = offline_device(plane, Some(shape));
+            let frag = fragment(&props, F16).expect("reported");
+            for d in [64, 128] {
+                let dims = Dims::of([[1, 8, 300, d], [1, 2, 300, d], [1, 2, 300, d]]);
+                let (forward, dq, dkv) = tiles(&dims, 2, 48 * 1024, false, frag);
+                assert_eq!(
+                    (forward.frag, dq.frag, dkv.frag),
+                    (frag, frag, frag),
+                    "d {d}"
+                );
+                for p in [
+                    forward.s, forward.o, dq.s, dq.dp, dq.dq, dkv.s, dkv.dp, dkv.dv, dkv.dk,
+                ] {
+                    assert!(frag.fits(&p), "d {d}: {p:?} in {frag:?}");
+                }
+                for bytes in [
+                    forward.shared_bytes(2),
+                    dq.shared_bytes(2),
+                    dkv.shared_bytes(2),
+                ] {
+                    assert!(bytes <= COOPERATIVE_BUDGET, "d {d}: {bytes} bytes");
+                }
+                // The operands' rows 16 bytes apart.
+                assert!(forward.q().stride().is_multiple_of(8));
+                println!(
+                    "{shape:?} d {d}: (units, queries, keys) forward {:?}, dQ {:?}, dK/dV {:?}",
+                    (forward.units, forward.bq, forward.bk),
+                    (dq.units, dq.bq, dq.bk),
+                    (dkv.units, dkv.bq, dkv.bk),
+                );
+            }
+            // A head dim that is no whole fragment: the portable tiles, within 32 KiB.
+            let dims = Dims::of([[1, 8, 300, 20], [1, 2, 300, 20], [1, 2, 300, 20]]);
+            let (forward, dq, dkv) = tiles(&dims, 2, 48 * 1024, false, frag);
+            let portable = tiles(&dims, 2, 48 * 1024, false, Fragment::NONE);
+            assert_eq!(
+                (forward, dq, dkv),
+                portable,
+                "{shape:?}: head dim 20 takes the portable tiles"
+            );
+            assert!(!forward.frag.is_some() && forward.shared_bytes(2) <= SHARED_BUDGET);
+        }
+    }
 }

@@ -2,8 +2,8 @@
 //!
 //! - [`tile`]: the tile product, `C += A · B` on tiles in shared memory with each unit's
 //!   block of `C` in registers: every product of the kernels, behind one interface
-//!   ([`tile::TileProduct`]) so that an implementation on tensor cores can stand beside
-//!   the portable one ([`tile::Registers`]).
+//!   ([`tile::TileProduct`]), portable ([`tile::Registers`]) or on a device's
+//!   cooperative matrices, its tensor cores ([`tile::Cooperative`], SPIR-V only).
 //! - [`scores`]: what every kernel reads: the call as one launch argument, a cube's block
 //!   of rows (the longest first), each row's keys, each score (soft cap, bias, bias by
 //!   distance, boolean mask) by the CPU tiles' rules.
@@ -12,7 +12,8 @@
 //! - [`backward`]: FlashAttention-2's recomputing backward pass (`D`; `dQ` queries outer,
 //!   with the bias gradients' partial sums; `dK`/`dV` keys outer with GQA summed in the
 //!   cube; the partial sums reduced in order).
-//! - [`launch`]: the host side: the tiles that fit the device's shared memory, the grid,
+//! - [`launch`]: the host side: the fragment the device offers, the tiles that fit its
+//!   shared memory, the grid,
 //!   the passes.
 //! - [`ops`]: the backend extension that runs them on `CubeBackend`, under fusion and
 //!   under autodiff, and the function the dispatcher calls.

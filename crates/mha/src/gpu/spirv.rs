@@ -6,50 +6,25 @@ use std::sync::Arc;
 
 use burn::tensor::DType;
 
-use cubecl::features::Features;
-use cubecl::ir::{DeviceIdentity, HardwareProperties, MemoryDeviceProperties};
 use cubecl::prelude::*;
 use cubecl::wgpu::SpirvCompiler;
 use cubecl::{Compiler, WgpuCompilationOptions};
 
 use super::backward::{BiasSums, delta_kernel, dkv_kernel, dq_kernel, reduce_kernel, zeros_kernel};
+use super::backward::{DkvTiles, DqTiles};
+use super::forward::ForwardTiles;
 use super::forward::forward_kernel;
-use super::launch::tiles;
+use super::launch::{fragment, offline_device, tiles};
 use super::scores::ProblemCompilationArg;
-use super::tile::Registers;
+use super::tile::{Cooperative, Fragment, Registers, TileProduct};
 use crate::problem::Dims;
 use crate::spirv::{Module, Target};
 
 /// A device as the compiler sees it: the limits the kernels' expansion reads.
 fn device(target: &Target) -> Arc<DeviceProperties> {
-    let hardware = HardwareProperties {
-        load_width: 128,
-        vector_register_count: None,
-        plane_size_min: target.subgroup_size,
-        plane_size_max: target.subgroup_size,
-        max_bindings: 31,
-        max_shared_memory_size: 32 * 1024,
-        max_cube_count: (65_535, 65_535, 65_535),
-        max_units_per_cube: 1024,
-        max_cube_dim: (1024, 1024, 64),
-        num_streaming_multiprocessors: None,
-        num_tensor_cores: None,
-        min_tensor_cores_dim: None,
-        num_cpu_cores: None,
-        last_level_cache_size: None,
-        max_vector_size: 4,
-        cube_mma_reserved_shared_memory: 0,
-    };
-    Arc::new(DeviceProperties::new(
-        Features::default(),
-        MemoryDeviceProperties::new(u64::MAX, 256),
-        hardware,
-        cubecl::profile::TimingMethod::System,
-        DeviceIdentity {
-            name: "offline".into(),
-            fingerprint: "offline".into(),
-            physical: None,
-        },
+    Arc::new(offline_device(
+        target.subgroup_size,
+        target.cooperative_matrix,
     ))
 }
 
@@ -127,14 +102,85 @@ fn settings(units: usize, checked: bool) -> KernelSettings {
     KernelSettings::new(*CubeDim::new_1d(units as u32), mode, AddressType::U32)
 }
 
+/// The forward, dQ and dK/dV kernels over the tile product `P` in `tiles`, checked or
+/// not, as modules named `{kernel}_{tag}`.
+#[allow(clippy::too_many_arguments)]
+fn attention<P: TileProduct>(
+    target: &Target,
+    props: &Arc<DeviceProperties>,
+    (forward, dq, dkv): (ForwardTiles, DqTiles, DkvTiles),
+    every_input: bool,
+    width: usize,
+    [elem, mask, weights]: [ElemType; 3],
+    checked: bool,
+    tag: &str,
+) -> Result<Vec<Module>, String> {
+    let runtime = || Arc::new(TargetProperties::default());
+    Ok(vec![
+        compile(
+            forward_kernel::ForwardKernel::<P>::new(
+                settings(forward.units, checked),
+                props.clone(),
+                runtime(),
+                problem(every_input),
+                tensor(),
+                tensor(),
+                width,
+                forward,
+                [elem, mask, weights],
+            ),
+            format!("forward_{tag}"),
+            target,
+        )?,
+        compile(
+            dq_kernel::DqKernel::<P>::new(
+                settings(dq.units, checked),
+                props.clone(),
+                runtime(),
+                problem(every_input),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                optional(every_input),
+                optional(every_input),
+                width,
+                dq,
+                [elem, mask, weights],
+            ),
+            format!("dq_{tag}"),
+            target,
+        )?,
+        compile(
+            dkv_kernel::DkvKernel::<P>::new(
+                settings(dkv.units, checked),
+                props.clone(),
+                runtime(),
+                problem(every_input),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                width,
+                dkv,
+                [elem, mask, weights],
+            ),
+            format!("dkv_{tag}"),
+            target,
+        )?,
+    ])
+}
+
 /// Every kernel the GPU path launches, in the variants a call can ask for, compiled for
 /// `target`.
 pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
     let mut modules = Vec::new();
+    let f32_elem = ElemType::Float(cubecl::ir::FloatKind::F32);
     let float = |dtype: &DType| match dtype {
         DType::F16 => ("f16", 2, ElemType::Float(cubecl::ir::FloatKind::F16)),
         DType::BF16 => ("bf16", 2, ElemType::Float(cubecl::ir::FloatKind::BF16)),
-        _ => ("f32", 4, ElemType::Float(cubecl::ir::FloatKind::F32)),
+        _ => ("f32", 4, f32_elem),
     };
     let u32_mask = ElemType::UInt(cubecl::ir::UIntKind::U32);
     let u8_mask = ElemType::UInt(cubecl::ir::UIntKind::U8);
@@ -143,77 +189,58 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
     // Head dims of 64 (read four elements at a time) and odd ones (one at a time), in the
     // tiles the launcher picks for them (`launch::tiles`, within 32 KiB of shared
     // memory); with no optional input and with all of them (the soft cap and the bias
-    // gradients' sums too); checked (debug builds) and unchecked (release builds).
+    // gradients' sums too); checked (debug builds) and unchecked (release builds). On a
+    // target with cooperative matrices, the half dtypes' kernels on them too, in the
+    // tiles the launcher picks for those (head dim 64 only: 7 is no whole fragment).
     for (dtype, size, elem) in target.dtypes.iter().map(float) {
+        let frag = fragment(&props, elem).unwrap_or(Fragment::NONE);
         for (d, width) in [(64, 4), (7, 1)] {
             let dims = Dims::of([[2, 8, 256, d], [2, 2, 256, d], [2, 2, 256, d]]);
             for (every_input, mask) in [(false, u32_mask), (true, u8_mask)] {
-                let (forward, mut dq, dkv) = tiles(&dims, size, 32 * 1024, every_input);
-                if every_input {
-                    dq.bias = BiasSums::Some {
-                        queries: true,
-                        keys: true,
-                    };
-                    dq.pd = true;
-                }
+                let with_sums = |(forward, mut dq, dkv): (ForwardTiles, DqTiles, DkvTiles)| {
+                    if every_input {
+                        dq.bias = BiasSums::Some {
+                            queries: true,
+                            keys: true,
+                        };
+                        dq.pd = true;
+                    }
+                    (forward, dq, dkv)
+                };
+                let portable =
+                    with_sums(tiles(&dims, size, 32 * 1024, every_input, Fragment::NONE));
+                let shared = props.hardware.max_shared_memory_size;
+                let fragments = with_sums(tiles(&dims, size, shared, every_input, frag));
                 for checked in [true, false] {
                     let tag = format!(
                         "{dtype}_d{d}_{}{}",
                         if every_input { "every_input" } else { "plain" },
                         if checked { "_checked" } else { "" },
                     );
-                    modules.push(compile(
-                        forward_kernel::ForwardKernel::<Registers>::new(
-                            settings(forward.units, checked),
-                            props.clone(),
-                            runtime(),
-                            problem(every_input),
-                            tensor(),
-                            tensor(),
-                            width,
-                            forward,
-                            [elem, mask],
-                        ),
-                        format!("forward_{tag}"),
+                    let dtypes = [elem, mask, f32_elem];
+                    modules.extend(attention::<Registers>(
                         target,
+                        &props,
+                        portable,
+                        every_input,
+                        width,
+                        dtypes,
+                        checked,
+                        &tag,
                     )?);
-                    modules.push(compile(
-                        dq_kernel::DqKernel::<Registers>::new(
-                            settings(dq.units, checked),
-                            props.clone(),
-                            runtime(),
-                            problem(every_input),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            optional(every_input),
-                            optional(every_input),
+                    let (forward, dq, dkv) = fragments;
+                    if forward.frag.is_some() && dq.frag.is_some() && dkv.frag.is_some() {
+                        modules.extend(attention::<Cooperative>(
+                            target,
+                            &props,
+                            fragments,
+                            every_input,
                             width,
-                            dq,
-                            [elem, mask],
-                        ),
-                        format!("dq_{tag}"),
-                        target,
-                    )?);
-                    modules.push(compile(
-                        dkv_kernel::DkvKernel::<Registers>::new(
-                            settings(dkv.units, checked),
-                            props.clone(),
-                            runtime(),
-                            problem(every_input),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            tensor(),
-                            width,
-                            dkv,
-                            [elem, mask],
-                        ),
-                        format!("dkv_{tag}"),
-                        target,
-                    )?);
+                            [elem, mask, elem],
+                            checked,
+                            &format!("cooperative_{tag}"),
+                        )?);
+                    }
                 }
             }
         }

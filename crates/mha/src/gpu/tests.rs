@@ -26,6 +26,8 @@ thread_local! {
     pub(crate) static FORCE_TILES: Cell<Option<(usize, usize, usize)>> = const { Cell::new(None) };
     /// Bytes of guard after every buffer this thread's kernels allocate.
     pub(crate) static GUARD: Cell<usize> = const { Cell::new(0) };
+    /// This thread's kernels take the portable tile product, whatever the device has.
+    pub(crate) static PORTABLE: Cell<bool> = const { Cell::new(false) };
 }
 
 /// What a guard holds: NaN in f32 and in f16, read back unchanged unless a kernel wrote
@@ -446,7 +448,13 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Ru
         .get_or_insert_with(HashSet::new)
         .insert(format!(
             "{:?}",
-            launch::tiles(&n, size, 1 << 20, case.softcap.is_some())
+            launch::tiles(
+                &n,
+                size,
+                1 << 20,
+                case.softcap.is_some(),
+                launch::cooperative(client, elem)
+            )
         ));
     let (b, h, hk, tq, tk) = (n.batch, n.heads, n.kv_heads, n.queries, n.keys);
     let (out, lse) = launch::forward(client, &inputs, scoring);
@@ -781,4 +789,117 @@ fn gpu_forward_past_the_loop_cap_of_a_naive_kernel_matches_f64() {
     let got = run(&client, &case, &data, &visibility);
     close(&case, "output", &got.out, &want.out, [1e-5, 1e-5]);
     close(&case, "dk", &got.dk, &want.dk, [2e-5, 1e-4]);
+}
+
+/// The tile product on cooperative matrices (tensor cores), where the device multiplies
+/// f16 on them: every kernel's products in fragments, against f64 and against the
+/// portable product on the same inputs, on every mask kind the suite covers (none,
+/// causal in both alignments, windows, a bias, key padding, a boolean mask, the soft
+/// cap), GQA, and lengths that are not multiples of a tile. Skipped, with the reason
+/// printed, on a device without them (a WGSL device, Mesa's lavapipe before it had
+/// them), where the SPIR-V of these kernels is still validated (`tests/spirv.rs`).
+#[test]
+fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
+    let client = client();
+    let (elem, size, _) = launch::element(DType::F16);
+    let frag = match launch::fragment(client.properties(), elem) {
+        Ok(frag) => frag,
+        Err(why) => {
+            println!("skipped: no cooperative matrices here: {why}");
+            return;
+        }
+    };
+    println!("cooperative matrices: {frag:?}");
+    let causal = AttentionMask::causal;
+    let (b, h, tq, tk) = (2, 2, 35, 41);
+    let cases = [
+        Case::new("none", [2, 3, 3], [77, 77, 64]),
+        Case::new("causal bottom-right", [1, 2, 2], [70, 45, 64]).mask(causal()),
+        Case::new("causal top-left", [1, 2, 2], [40, 100, 64])
+            .mask(causal().aligned(CausalAlignment::TopLeft)),
+        Case::new("gqa 8:2 causal d128", [1, 8, 2], [37, 53, 128]).mask(causal()),
+        Case::new("sliding window 5", [1, 2, 2], [70, 70, 64])
+            .mask(AttentionMask::sliding_window(5)),
+        Case::new("local radius 3 top-left", [1, 2, 2], [30, 90, 64])
+            .mask(AttentionMask::local(3).aligned(CausalAlignment::TopLeft)),
+        Case {
+            bias: Some([1, h, tq, tk]),
+            blocked: Some([b, 1, 1, tk]),
+            dead_batches: 1,
+            ..Case::new("bias + key padding", [b, h, h], [tq, tk, 64])
+        },
+        Case {
+            blocked: Some([1, 1, tq, tk]),
+            ..Case::new("bool [Tq,Tk] causal top-left", [1, h, h], [tq, tk, 64])
+                .mask(causal().aligned(CausalAlignment::TopLeft))
+        },
+        Case {
+            scale: 1.0,
+            softcap: Some(5.0),
+            ..Case::new("softcap 5 scale 1", [1, 2, 2], [33, 47, 64])
+        },
+    ];
+    let shared = client.properties().hardware.max_shared_memory_size;
+    for case in cases {
+        let case = Case {
+            dtype: DType::F16,
+            name: format!("cooperative f16 {} d{}", case.name, case.d_k),
+            ..case
+        };
+        // The launcher takes the fragments for every kernel of the case.
+        let dims = crate::problem::Dims::of([
+            [case.batch, case.heads, case.queries, case.d_k],
+            [case.batch, case.kv_heads, case.keys, case.d_k],
+            [case.batch, case.kv_heads, case.keys, case.d_v],
+        ]);
+        let (forward, dq, dkv) = launch::tiles(&dims, size, shared, case.softcap.is_some(), frag);
+        assert!(
+            forward.frag.is_some() && dq.frag.is_some() && dkv.frag.is_some(),
+            "{}: tiles without fragments: {forward:?} {dq:?} {dkv:?}",
+            case.name
+        );
+        let data = Data::of(&case);
+        check_data(&case, &data);
+        let visibility = case.mask.visibility(case.queries, case.keys);
+        let cooperative = run(&client, &case, &data, &visibility);
+        PORTABLE.set(true);
+        let portable = run(&client, &case, &data, &visibility);
+        PORTABLE.set(false);
+        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+        for (what, got, want, tolerance) in [
+            (
+                "output vs portable",
+                &cooperative.out,
+                &portable.out,
+                [2e-3, 2e-3],
+            ),
+            (
+                "lse vs portable",
+                &cooperative.lse,
+                &portable.lse,
+                [1e-5, 1e-5],
+            ),
+            (
+                "dq vs portable",
+                &cooperative.dq,
+                &portable.dq,
+                [5e-3, 5e-3],
+            ),
+            (
+                "dk vs portable",
+                &cooperative.dk,
+                &portable.dk,
+                [5e-3, 5e-3],
+            ),
+            (
+                "dv vs portable",
+                &cooperative.dv,
+                &portable.dv,
+                [5e-3, 5e-3],
+            ),
+        ] {
+            let worst = close(&case, what, got, &f64s(want), tolerance);
+            println!("{}: {what}: largest difference {worst:.1e}", case.name);
+        }
+    }
 }

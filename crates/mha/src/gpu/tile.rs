@@ -11,9 +11,11 @@
 //! is the portable implementation: for each four steps along the summed dimension a unit
 //! reads a quad of `A` per row it owns and a quad of `B` per step and quad of columns,
 //! then multiplies every pair from registers, so that one read of four elements feeds
-//! `4 · cols` (for `A`) or `4 · rows` (for `B`) multiply-adds. An implementation on
-//! cooperative matrices (tensor cores) computes the same product on fragments and leaves
-//! `C` in the same registers; nothing else changes.
+//! `4 · cols` (for `A`) or `4 · rows` (for `B`) multiply-adds. [`Cooperative`] computes
+//! the same product on a device's cooperative matrices (tensor cores, through SPIR-V's
+//! `SPV_KHR_cooperative_matrix`): each plane multiplies fragments of `A` and `B` read
+//! from the tiles into an f32 accumulator, stores it to a scratch tile, and every unit
+//! adds its block of `C` from there into the same registers; nothing else changes.
 
 use cubecl::prelude::*;
 
@@ -77,23 +79,31 @@ impl Product {
 }
 
 /// A tile in shared memory: `rows` rows of `cols` elements, rows `stride` elements apart
-/// (`cols` rounded up to a quad, and one quad more, so that units reading one column of
-/// several rows reach different banks).
+/// (`cols` rounded up to a multiple of `align`, a quad or two, and `align` more, so that
+/// units reading one column of several rows reach different banks).
 #[derive_cube_comptime]
 pub(crate) struct Tile {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
+    /// Elements the stride is a multiple of: 4, or 8 for the operands of cooperative
+    /// matrices in 2-byte elements (whose rows a device reads 16 bytes apart).
+    pub(crate) align: usize,
 }
 
 impl Tile {
-    /// A tile of `rows` x `cols`.
+    /// A tile of `rows` x `cols`, its rows a whole number of quads apart.
     pub(crate) fn new(rows: usize, cols: usize) -> Self {
-        Self { rows, cols }
+        Self::aligned(rows, cols, 4)
+    }
+
+    /// A tile of `rows` x `cols`, its rows a multiple of `align` elements apart.
+    pub(crate) fn aligned(rows: usize, cols: usize, align: usize) -> Self {
+        Self { rows, cols, align }
     }
 
     /// Elements from one row to the next (a multiple of four).
     pub(crate) fn stride(&self) -> usize {
-        self.cols.next_multiple_of(4) + 4
+        self.cols.next_multiple_of(self.align) + self.align
     }
 
     /// Quads the tile takes.
@@ -129,7 +139,11 @@ pub(crate) trait TileProduct: Send + Sync + 'static {
     /// says), `b` holds `B` (`k x n`, as stored in `b_tile`); both zero past `k` up to its
     /// next multiple of four. `c` holds the unit's [`Product::len`] elements of `C`,
     /// element `(i, j)` (row [`row0`] `+ i`, column [`col0`] `+ j`) at `i · cols + j`.
-    /// Reads shared memory only: the caller synchronises the cube around it.
+    /// Reads the tiles only: the caller synchronises the cube around it. `scratch` (at
+    /// least [`Fragment::scratch`] quads) is the product's own, and `f` the fragment
+    /// shape of [`Cooperative`] ([`Fragment::NONE`] for [`Registers`], which uses
+    /// neither).
+    #[allow(clippy::too_many_arguments)]
     fn product<A: Float, B: Float>(
         a: &Shared<[Quad<A>]>,
         #[comptime] a_tile: Tile,
@@ -138,6 +152,8 @@ pub(crate) trait TileProduct: Send + Sync + 'static {
         #[comptime] b_tile: Tile,
         c: &mut Array<f32>,
         #[comptime] p: Product,
+        scratch: &mut Shared<[Quad<f32>]>,
+        #[comptime] f: Fragment,
     );
 }
 
@@ -146,6 +162,7 @@ pub(crate) struct Registers;
 
 #[cube]
 impl TileProduct for Registers {
+    #[allow(unused_variables)]
     fn product<A: Float, B: Float>(
         a: &Shared<[Quad<A>]>,
         #[comptime] a_tile: Tile,
@@ -154,6 +171,8 @@ impl TileProduct for Registers {
         #[comptime] b_tile: Tile,
         c: &mut Array<f32>,
         #[comptime] p: Product,
+        scratch: &mut Shared<[Quad<f32>]>,
+        #[comptime] f: Fragment,
     ) {
         let rows = comptime!(p.rows());
         let cols = comptime!(p.cols());
@@ -221,6 +240,191 @@ impl TileProduct for Registers {
     }
 }
 
+/// The shape of a cooperative matrix multiply-add, `m x k` times `k x n` into `m x n`,
+/// as a device reports it, and the units of the subgroup (plane) that holds one: what
+/// [`Cooperative`] computes each product in. Zero sizes ([`Fragment::NONE`]): no
+/// cooperative matrices, the [`Registers`] product.
+#[derive_cube_comptime]
+pub(crate) struct Fragment {
+    pub(crate) m: usize,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    pub(crate) plane: usize,
+}
+
+impl Fragment {
+    /// No fragment: the portable product.
+    pub(crate) const NONE: Self = Self {
+        m: 0,
+        n: 0,
+        k: 0,
+        plane: 1,
+    };
+
+    /// Whether this is a fragment (not [`Fragment::NONE`]).
+    pub(crate) fn is_some(&self) -> bool {
+        self.m > 0
+    }
+
+    /// Whether [`Cooperative`] can compute `p` in this fragment: `p` a whole number of
+    /// fragments along each of its three sizes, its units whole planes.
+    pub(crate) fn fits(&self, p: &Product) -> bool {
+        self.is_some()
+            && p.units.is_multiple_of(self.plane)
+            && p.m.is_multiple_of(self.m)
+            && p.n.is_multiple_of(self.n)
+            && p.k.is_multiple_of(self.k)
+    }
+
+    /// The alignment (in elements) of the tiles a product in this fragment reads:
+    /// 8 (16 bytes of 2-byte elements) for a fragment, else 4.
+    pub(crate) fn align(&self) -> usize {
+        if self.is_some() { 8 } else { 4 }
+    }
+
+    /// Quads of scratch [`Cooperative`] takes for the products `ps`: the largest `C`, as
+    /// an f32 tile; one quad for [`Registers`].
+    pub(crate) fn scratch(&self, ps: &[Product]) -> usize {
+        match self.is_some() {
+            true => ps
+                .iter()
+                .map(|p| Tile::new(p.m, p.n).quads())
+                .max()
+                .unwrap_or(1),
+            false => 1,
+        }
+    }
+}
+
+/// The tile product on cooperative matrices: `A` and `B` in f16 or bf16 (the dtypes a
+/// device multiplies, [`Fragment`] the shape it reports for them), the sums in f32. The
+/// cube's planes (units `plane · i ..` of the subgroup size the device reports, known
+/// when the kernel is compiled: cubecl 0.11.3 reads `PLANE_DIM` without declaring the
+/// capability SPIR-V asks for it) take `C`'s fragments in turn (plane `i` fragments `i`, `i + planes`,
+/// ..., row by row), each summing its fragment over `k` from fragments of `A` (row-major
+/// as stored, column-major when read transposed) and `B` read from the tiles in place;
+/// it stores the sum to `scratch` (`C` as an f32 [`Tile`] of `m x n`), and after a
+/// barrier every unit adds its block of `C` (the same map as [`Registers`]) into `c`.
+/// Every tile it reads starts on 16 bytes with rows a multiple of 16 bytes apart
+/// ([`Tile::aligned`] with [`Fragment::align`]).
+pub(crate) struct Cooperative;
+
+#[cube]
+impl TileProduct for Cooperative {
+    fn product<A: Float, B: Float>(
+        a: &Shared<[Quad<A>]>,
+        #[comptime] a_tile: Tile,
+        #[comptime] read: Read,
+        b: &Shared<[Quad<B>]>,
+        #[comptime] b_tile: Tile,
+        c: &mut Array<f32>,
+        #[comptime] p: Product,
+        scratch: &mut Shared<[Quad<f32>]>,
+        #[comptime] f: Fragment,
+    ) {
+        comptime! {
+            assert!(f.fits(&p), "a {p:?} in fragments of {f:?}");
+        }
+        let out = comptime!(Tile::new(p.m, p.n));
+        let (a_row, b_row, c_row) = comptime!((a_tile.stride(), b_tile.stride(), out.stride()));
+        let across = comptime!(p.n / f.n);
+        let count = comptime!(p.m / f.m * across);
+        let planes = comptime!(p.units / f.plane);
+        let mut at = UNIT_POS as usize / f.plane;
+        while at < count {
+            let (r, col) = ((at / across) * f.m, (at % across) * f.n);
+            let acc = cmma::Matrix::<f32>::from_value(
+                cmma::MatrixIdent::Accumulator,
+                f.m,
+                f.n,
+                f.k,
+                cmma::MatrixLayout::Undefined,
+                0.0f32,
+            );
+            for step in 0..comptime!(p.k / f.k) {
+                let kk = step * f.k;
+                let mut fa = unsafe {
+                    cmma::Matrix::<A>::uninitialized(
+                        cmma::MatrixIdent::A,
+                        f.m,
+                        f.n,
+                        f.k,
+                        cmma::MatrixLayout::Undefined,
+                    )
+                };
+                #[comptime]
+                match read {
+                    Read::AsStored => {
+                        let start = (r * a_row + kk) / 4;
+                        cmma::load_with_layout(
+                            &mut fa,
+                            &a[start..comptime!(a_tile.quads())],
+                            a_row as u32,
+                            cmma::MatrixLayout::RowMajor,
+                        );
+                    }
+                    Read::Transposed => {
+                        let start = (kk * a_row + r) / 4;
+                        cmma::load_with_layout(
+                            &mut fa,
+                            &a[start..comptime!(a_tile.quads())],
+                            a_row as u32,
+                            cmma::MatrixLayout::ColMajor,
+                        );
+                    }
+                }
+                let mut fb = unsafe {
+                    cmma::Matrix::<B>::uninitialized(
+                        cmma::MatrixIdent::B,
+                        f.m,
+                        f.n,
+                        f.k,
+                        cmma::MatrixLayout::Undefined,
+                    )
+                };
+                let start = (kk * b_row + col) / 4;
+                cmma::load_with_layout(
+                    &mut fb,
+                    &b[start..comptime!(b_tile.quads())],
+                    b_row as u32,
+                    cmma::MatrixLayout::RowMajor,
+                );
+                cmma::execute(&fa, &fb, &acc, &acc);
+            }
+            let start = (r * c_row + col) / 4;
+            cmma::store(
+                &mut scratch[start..comptime!(out.quads())],
+                &acc,
+                c_row as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+            at += planes;
+        }
+        sync_cube();
+        let (rows, cols) = comptime!((p.rows(), p.cols()));
+        let (r0, c0) = (row0(p), col0(p) / 4);
+        #[unroll]
+        for i in 0..rows {
+            #[unroll]
+            for j4 in 0..comptime!(cols / 4) {
+                let q = scratch[(r0 + i) * comptime!(c_row / 4) + c0 + j4];
+                #[unroll]
+                for jj in 0..4usize {
+                    c[comptime!(i * cols + j4 * 4 + jj)] += q.extract(jj);
+                }
+            }
+        }
+        sync_cube();
+    }
+}
+
+/// A tile of `quads` quads of shared memory, starting on 16 bytes (where cooperative
+/// matrices read it).
+#[cube]
+pub(crate) fn shared_tile<E: Float>(#[comptime] quads: usize) -> Shared<[Quad<E>]> {
+    Shared::<[Quad<E>]>::new_aligned_slice(quads, 16usize)
+}
+
 /// Zeros the unit's elements of `C` under `p`.
 #[cube]
 pub(crate) fn zero(c: &mut Array<f32>, #[comptime] p: Product) {
@@ -230,11 +434,11 @@ pub(crate) fn zero(c: &mut Array<f32>, #[comptime] p: Product) {
     }
 }
 
-/// Writes the unit's elements of `c` under `p` to `tile` (`C` as stored), a quad at a
-/// time.
+/// Writes the unit's elements of `c` under `p` to `tile` (`C` as stored, in its dtype), a
+/// quad at a time.
 #[cube]
-pub(crate) fn write_tile(
-    tile: &mut Shared<[Quad<f32>]>,
+pub(crate) fn write_tile<E: Float>(
+    tile: &mut Shared<[Quad<E>]>,
     #[comptime] t: Tile,
     c: &Array<f32>,
     #[comptime] p: Product,
@@ -246,20 +450,25 @@ pub(crate) fn write_tile(
     for i in 0..rows {
         #[unroll]
         for j4 in 0..comptime!(cols / 4) {
-            let mut q = Quad::<f32>::empty();
+            let mut q = Quad::<E>::empty();
             #[unroll]
             for jj in 0..4usize {
-                q.insert(jj, c[comptime!(i * cols + j4 * 4 + jj)]);
+                q.insert(jj, E::cast_from(c[comptime!(i * cols + j4 * 4 + jj)]));
             }
             tile[(r0 + i) * row + c0 + j4] = q;
         }
     }
 }
 
-/// The element at row `r`, column `c` of `tile`.
+/// The element at row `r`, column `c` of `tile`, in f32.
 #[cube]
-pub(crate) fn element(tile: &Shared<[Quad<f32>]>, #[comptime] t: Tile, r: usize, c: usize) -> f32 {
-    tile[r * comptime!(t.stride() / 4) + c / 4].extract_dynamic(c % 4)
+pub(crate) fn element<E: Float>(
+    tile: &Shared<[Quad<E>]>,
+    #[comptime] t: Tile,
+    r: usize,
+    c: usize,
+) -> f32 {
+    f32::cast_from(tile[r * comptime!(t.stride() / 4) + c / 4].extract_dynamic(c % 4))
 }
 
 /// Stages rows `first .. first + rows` of one head of `src` (its rows along axis 2, its
