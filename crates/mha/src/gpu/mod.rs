@@ -13,8 +13,7 @@
 //!   with the bias gradients' partial sums; `dK`/`dV` keys outer with GQA summed in the
 //!   cube; the partial sums reduced in order).
 //! - [`launch`]: the host side: the fragment the device offers, the tiles that fit its
-//!   shared memory, the grid,
-//!   the passes.
+//!   shared memory, the grid, the passes.
 //! - [`ops`]: the backend extension that runs them on `CubeBackend`, under fusion and
 //!   under autodiff, and the function the dispatcher calls.
 //!

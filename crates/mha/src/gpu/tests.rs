@@ -822,6 +822,10 @@ fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
             .mask(AttentionMask::sliding_window(5)),
         Case::new("local radius 3 top-left", [1, 2, 2], [30, 90, 64])
             .mask(AttentionMask::local(3).aligned(CausalAlignment::TopLeft)),
+        Case::new("sliding window 40 and local 50", [1, 1, 1], [50, 100, 64])
+            .mask(AttentionMask::sliding_window(40).and(AttentionMask::local(50))),
+        Case::new("causal offset 10", [1, 1, 1], [20, 64, 64])
+            .mask(causal().aligned(CausalAlignment::Offset(10))),
         Case {
             bias: Some([1, h, tq, tk]),
             blocked: Some([b, 1, 1, tk]),

@@ -305,7 +305,7 @@ impl Fragment {
 /// as stored, column-major when read transposed) and `B` read from the tiles in place;
 /// it stores the sum to `scratch` (`C` as an f32 [`Tile`] of `m x n`), and after a
 /// barrier every unit adds its block of `C` (the same map as [`Registers`]) into `c`.
-/// Every tile it reads starts on 16 bytes with rows a multiple of 16 bytes apart
+/// Every tile it reads starts on 32 bytes with rows a multiple of 16 bytes apart
 /// ([`Tile::aligned`] with [`Fragment::align`]).
 pub(crate) struct Cooperative;
 
@@ -418,11 +418,11 @@ impl TileProduct for Cooperative {
     }
 }
 
-/// A tile of `quads` quads of shared memory, starting on 16 bytes (where cooperative
-/// matrices read it).
+/// A tile of `quads` quads of shared memory, starting on 32 bytes: where cooperative
+/// matrices read it (Vulkan asks 16 bytes, CUDA's `wmma` 32).
 #[cube]
 pub(crate) fn shared_tile<E: Float>(#[comptime] quads: usize) -> Shared<[Quad<E>]> {
-    Shared::<[Quad<E>]>::new_aligned_slice(quads, 16usize)
+    Shared::<[Quad<E>]>::new_aligned_slice(quads, 32usize)
 }
 
 /// Zeros the unit's elements of `C` under `p`.
