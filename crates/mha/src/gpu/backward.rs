@@ -151,6 +151,12 @@ impl DqTiles {
     fn ds(&self) -> Tile {
         self.tile(self.bk, self.bq)
     }
+
+    /// dS in f32 in the products' scratch, for the bias gradients' sums where `ds`
+    /// holds it in the inputs' dtype (the shape of `Sᵀ`'s `C`, which the scratch holds).
+    fn sums(&self) -> Tile {
+        Tile::new(self.bk, self.bq)
+    }
 }
 
 /// The compile-time shape of [`dkv_kernel`].
@@ -527,12 +533,24 @@ fn dq_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
                 }
             }
         }
+        // The bias gradients' sums take dS in f32: from `ds_tile`, or, where it holds dS
+        // in the inputs' dtype for cooperative matrices, from the products' scratch
+        // (free until the next product).
+        let sums_apart = comptime!(sums && t.frag.is_some());
+        if comptime!(sums_apart) {
+            write_tile(&mut scratch, t.sums(), &s, t.s);
+        }
         write_tile(&mut ds_tile, t.ds(), &s, t.s);
         sync_cube();
         if comptime!(sums) {
-            // The bias gradients' sums take dS; dQ takes it times the cap's slope.
-            row_sum += bias_tile(p, dbias, &ds_tile, blk, t0, t);
-            pd_tile(p, dpd, &ds_tile, &mut ring, blk, t0, n, t);
+            // dQ takes dS times the cap's slope.
+            if comptime!(sums_apart) {
+                row_sum += bias_tile(p, dbias, &scratch, t.sums(), blk, t0, t);
+                pd_tile(p, dpd, &scratch, t.sums(), &mut ring, blk, t0, n, t);
+            } else {
+                row_sum += bias_tile(p, dbias, &ds_tile, t.ds(), blk, t0, t);
+                pd_tile(p, dpd, &ds_tile, t.ds(), &mut ring, blk, t0, n, t);
+            }
             if comptime!(t.softcap) {
                 sync_cube();
                 #[unroll]
@@ -626,6 +644,7 @@ fn bias_tile<F: Float, M: Int, N: Size, W: Float>(
     p: &Problem<F, M, N>,
     dbias: &mut ComptimeOption<OwnedTensor<f32>>,
     ds_tile: &Shared<[Quad<W>]>,
+    #[comptime] ds: Tile,
     blk: &Block,
     t0: i32,
     #[comptime] t: DqTiles,
@@ -651,7 +670,7 @@ fn bias_tile<F: Float, M: Int, N: Size, W: Float>(
                         let (i, j) = (blk.first + r, t0 as usize + c);
                         if e < comptime!(t.bq * t.bk) && i < queries && j < keys {
                             dbias[at + bias_element(p, blk.b, blk.head, i, j)] =
-                                element(ds_tile, t.ds(), c, r);
+                                element(ds_tile, ds, c, r);
                         }
                     }
                 }
@@ -666,7 +685,7 @@ fn bias_tile<F: Float, M: Int, N: Size, W: Float>(
                         let mut sum = 0.0f32;
                         #[unroll]
                         for r4 in 0..comptime!(t.bq / 4) {
-                            let q = ds_tile[unit * comptime!(t.ds().stride() / 4) + r4];
+                            let q = ds_tile[unit * comptime!(ds.stride() / 4) + r4];
                             sum += f32::cast_from(q.extract(0usize))
                                 + f32::cast_from(q.extract(1usize))
                                 + f32::cast_from(q.extract(2usize))
@@ -680,7 +699,7 @@ fn bias_tile<F: Float, M: Int, N: Size, W: Float>(
                         let mut sum = 0.0f32;
                         #[unroll]
                         for c in 0..t.bk {
-                            sum += element(ds_tile, t.ds(), c, unit);
+                            sum += element(ds_tile, ds, c, unit);
                         }
                         row_sum = sum;
                     }
@@ -744,6 +763,7 @@ fn pd_tile<F: Float, M: Int, N: Size, W: Float>(
     p: &Problem<F, M, N>,
     dpd: &mut ComptimeOption<OwnedTensor<f32>>,
     ds_tile: &Shared<[Quad<W>]>,
+    #[comptime] ds: Tile,
     ring: &mut Shared<[f32]>,
     blk: &Block,
     t0: i32,
@@ -761,7 +781,7 @@ fn pd_tile<F: Float, M: Int, N: Size, W: Float>(
                 for r in 0..t.bq {
                     let c = unit as i32 + comptime!(r as i32 - (t.bq as i32 - 1));
                     if c >= 0 && c < t.bk as i32 {
-                        sum += element(ds_tile, t.ds(), c as usize, r);
+                        sum += element(ds_tile, ds, c as usize, r);
                     }
                 }
                 let slot = (n * t.bk + unit) % comptime!(t.bq + t.bk);

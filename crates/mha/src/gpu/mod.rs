@@ -17,8 +17,9 @@
 //! - [`ops`]: the backend extension that runs them on `CubeBackend`, under fusion and
 //!   under autodiff, and the function the dispatcher calls.
 //!
-//! No plane (subgroup) operations and no tensor cores: the kernels run on every CubeCL
-//! runtime, Mesa's software Vulkan included. The scores follow the CPU tiles' rules
+//! No plane (subgroup) operations, and tensor cores only where the device reports
+//! cooperative matrices (the portable product elsewhere): the kernels run on every
+//! CubeCL runtime, Mesa's software Vulkan included. The scores follow the CPU tiles' rules
 //! (`crate::cpu::attention`): a fully blocked row gives zeros, never NaN. Every loop of
 //! an invocation runs once per tile (loops over head dims and tile rows are unrolled at
 //! compile time), so that no invocation nears a driver's cap on loop iterations (Mesa's

@@ -327,6 +327,11 @@ impl TileProduct for Cooperative {
         }
         let out = comptime!(Tile::new(p.m, p.n));
         let (a_row, b_row, c_row) = comptime!((a_tile.stride(), b_tile.stride(), out.stride()));
+        // `A`'s layout, and how far apart its rows and its steps lie in `a`.
+        let (layout, along_r, along_k) = comptime!(match read {
+            Read::AsStored => (cmma::MatrixLayout::RowMajor, a_row, 1),
+            Read::Transposed => (cmma::MatrixLayout::ColMajor, 1, a_row),
+        });
         let across = comptime!(p.n / f.n);
         let count = comptime!(p.m / f.m * across);
         let planes = comptime!(p.units / f.plane);
@@ -343,49 +348,30 @@ impl TileProduct for Cooperative {
             );
             for step in 0..comptime!(p.k / f.k) {
                 let kk = step * f.k;
+                // A fragment names the layout it is read in (SPIR-V reads the load's, CUDA's
+                // wmma and Metal the fragment's): row-major as stored, column-major when
+                // read transposed (`A[r][k]` at `k · a_row + r`).
                 let mut fa = unsafe {
-                    cmma::Matrix::<A>::uninitialized(
-                        cmma::MatrixIdent::A,
-                        f.m,
-                        f.n,
-                        f.k,
-                        cmma::MatrixLayout::Undefined,
-                    )
+                    cmma::Matrix::<A>::uninitialized(cmma::MatrixIdent::A, f.m, f.n, f.k, layout)
                 };
-                #[comptime]
-                match read {
-                    Read::AsStored => {
-                        let start = (r * a_row + kk) / 4;
-                        cmma::load_with_layout(
-                            &mut fa,
-                            &a[start..comptime!(a_tile.quads())],
-                            a_row as u32,
-                            cmma::MatrixLayout::RowMajor,
-                        );
-                    }
-                    Read::Transposed => {
-                        let start = (kk * a_row + r) / 4;
-                        cmma::load_with_layout(
-                            &mut fa,
-                            &a[start..comptime!(a_tile.quads())],
-                            a_row as u32,
-                            cmma::MatrixLayout::ColMajor,
-                        );
-                    }
-                }
+                cmma::load_with_layout(
+                    &mut fa,
+                    &a[(r * along_r + kk * along_k) / 4..comptime!(a_tile.quads())],
+                    a_row as u32,
+                    layout,
+                );
                 let mut fb = unsafe {
                     cmma::Matrix::<B>::uninitialized(
                         cmma::MatrixIdent::B,
                         f.m,
                         f.n,
                         f.k,
-                        cmma::MatrixLayout::Undefined,
+                        cmma::MatrixLayout::RowMajor,
                     )
                 };
-                let start = (kk * b_row + col) / 4;
                 cmma::load_with_layout(
                     &mut fb,
-                    &b[start..comptime!(b_tile.quads())],
+                    &b[(kk * b_row + col) / 4..comptime!(b_tile.quads())],
                     b_row as u32,
                     cmma::MatrixLayout::RowMajor,
                 );
