@@ -142,6 +142,8 @@ struct Case {
     heads_inside: bool,
     /// f32 or f16 (the inputs rounded to it, the reference computed from them).
     dtype: DType,
+    /// The bias's gradient is asked for too (read back, not checked against f64).
+    bias_grad: bool,
 }
 
 impl Case {
@@ -167,6 +169,7 @@ impl Case {
             dead_batches: 0,
             heads_inside: false,
             dtype: DType::F32,
+            bias_grad: false,
         }
     }
 
@@ -359,6 +362,8 @@ struct Run {
     dq: Vec<f32>,
     dk: Vec<f32>,
     dv: Vec<f32>,
+    /// The bias's gradient, where the case asks for it (else empty).
+    dbias: Vec<f32>,
 }
 
 /// The elements of `handle` (laid out as the heads of a `[B, T, heads·D]` tensor) as a
@@ -482,14 +487,22 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Ru
         scoring,
         [&out_binding, &lse_binding],
         &grad,
-        [false, false],
+        [case.bias_grad, false],
     );
+    let dbias = match (grads.dbias, case.bias) {
+        (Some(handle), Some(shape)) => {
+            let len = shape.iter().product::<usize>();
+            to_f32(&read_guarded(client, handle, len * size), size)
+        }
+        _ => Vec::new(),
+    };
     Run {
         out: read_heads(client, out, out_shape, size),
         lse: to_f32(&read_guarded(client, lse, b * h * tq * 4), 4),
         dq: read_heads(client, grads.dq, [b, h, tq, n.d_k], size),
         dk: read_heads(client, grads.dk, [b, hk, tk, n.d_k], size),
         dv: read_heads(client, grads.dv, [b, hk, tk, n.d_v], size),
+        dbias,
     }
 }
 
@@ -830,7 +843,14 @@ fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
             bias: Some([1, h, tq, tk]),
             blocked: Some([b, 1, 1, tk]),
             dead_batches: 1,
+            bias_grad: true,
             ..Case::new("bias + key padding", [b, h, h], [tq, tk, 64])
+        },
+        // The bias's gradient summed over the queries (from dS in f32, not in f16).
+        Case {
+            bias: Some([b, 1, 1, tk]),
+            bias_grad: true,
+            ..Case::new("bias [B,1,1,Tk] causal", [b, h, h], [tq, tk, 64]).mask(causal())
         },
         Case {
             blocked: Some([1, 1, tq, tk]),
@@ -899,6 +919,12 @@ fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
                 "dv vs portable",
                 &cooperative.dv,
                 &portable.dv,
+                [5e-3, 5e-3],
+            ),
+            (
+                "dbias vs portable",
+                &cooperative.dbias,
+                &portable.dbias,
                 [5e-3, 5e-3],
             ),
         ] {
