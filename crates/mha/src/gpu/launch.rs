@@ -13,17 +13,20 @@ pub(crate) use super::backward::{DkvTiles, DqTiles};
 pub(crate) use super::forward::ForwardTiles;
 use super::forward::forward_kernel;
 use super::scores::{KEYS_LAST_FIRST, ProblemLaunch, QUERIES_LAST_FIRST};
-use super::tile::{Cooperative, Fragment, Registers};
+use super::tile::{Cooperative, Emulated, Fragment, Registers};
 use crate::mask::Band;
 use crate::problem::Dims;
 
 /// Launches a kernel over the tile product its fragment `frag` asks for ([`Cooperative`]
-/// where it is one, else the portable [`Registers`]): checked (an out-of-bounds index
+/// where it is one, or its stand-in [`Emulated`] where a test asks for it; else the
+/// portable [`Registers`]): checked (an out-of-bounds index
 /// clamped to the buffer) in debug builds, where the tests run, unchecked in release,
 /// where it took 6% less device time per kernel on lavapipe (`docs/benchmarks.md`).
 macro_rules! launch {
     ($frag:expr, $kernel:ident($($arg:expr),* $(,)?)) => {
-        if $frag.is_some() {
+        if $frag.is_some() && emulated() {
+            launch!(@ Emulated, $kernel($($arg),*))
+        } else if $frag.is_some() {
             launch!(@ Cooperative, $kernel($($arg),*))
         } else {
             launch!(@ Registers, $kernel($($arg),*))
@@ -393,6 +396,14 @@ pub(crate) fn offline_device(subgroup: u32, cooperative: Option<[u32; 3]>) -> De
     )
 }
 
+/// Whether this thread's kernels take [`Emulated`] for their fragments (a test's).
+fn emulated() -> bool {
+    #[cfg(test)]
+    return super::tests::EMULATE.get().is_some();
+    #[cfg(not(test))]
+    false
+}
+
 /// The fragment the kernels over `elem` inputs take on `client`'s device
 /// ([`fragment`]), or [`Fragment::NONE`] (none there, or [`TILE_PRODUCT_VAR`] says
 /// `portable`).
@@ -400,6 +411,10 @@ pub(crate) fn cooperative(client: &Client, elem: ElemType) -> Fragment {
     #[cfg(test)]
     if super::tests::PORTABLE.get() {
         return Fragment::NONE;
+    }
+    #[cfg(test)]
+    if let Some(frag) = super::tests::EMULATE.get() {
+        return frag;
     }
     if portable_asked() {
         return Fragment::NONE;

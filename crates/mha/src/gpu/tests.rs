@@ -28,6 +28,9 @@ thread_local! {
     pub(crate) static GUARD: Cell<usize> = const { Cell::new(0) };
     /// This thread's kernels take the portable tile product, whatever the device has.
     pub(crate) static PORTABLE: Cell<bool> = const { Cell::new(false) };
+    /// This thread's kernels take these fragments in the emulated cooperative product
+    /// (`tile::Emulated`), whatever the device has.
+    pub(crate) static EMULATE: Cell<Option<super::tile::Fragment>> = const { Cell::new(None) };
 }
 
 /// What a guard holds: NaN in f32 and in f16, read back unchanged unless a kernel wrote
@@ -807,22 +810,58 @@ fn gpu_forward_past_the_loop_cap_of_a_naive_kernel_matches_f64() {
 /// The tile product on cooperative matrices (tensor cores), where the device multiplies
 /// f16 on them: every kernel's products in fragments, against f64 and against the
 /// portable product on the same inputs, on every mask kind the suite covers (none,
-/// causal in both alignments, windows, a bias, key padding, a boolean mask, the soft
-/// cap), GQA, and lengths that are not multiples of a tile. Skipped, with the reason
-/// printed, on a device without them (a WGSL device, Mesa's lavapipe before it had
-/// them), where the SPIR-V of these kernels is still validated (`tests/spirv.rs`).
+/// causal in both alignments and at an offset, windows, a bias and its gradient, key
+/// padding, a boolean mask, the soft cap), GQA, and lengths that are not multiples of
+/// a tile. Skipped, with the reason printed, on a device without them (a WGSL device,
+/// Mesa's lavapipe before it had them), where the SPIR-V of these kernels is still
+/// validated (`tests/spirv.rs`) and [`emulated_cooperative_tile_product_matches_the_portable_one_and_f64`]
+/// runs everything around the cooperative operations.
 #[test]
 fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
     let client = client();
-    let (elem, size, _) = launch::element(DType::F16);
-    let frag = match launch::fragment(client.properties(), elem) {
-        Ok(frag) => frag,
-        Err(why) => {
-            println!("skipped: no cooperative matrices here: {why}");
-            return;
+    let (elem, _, _) = launch::element(DType::F16);
+    match launch::fragment(client.properties(), elem) {
+        Ok(frag) => {
+            println!("cooperative matrices: {frag:?}");
+            check_cooperative(&client, frag, &cooperative_cases());
         }
-    };
-    println!("cooperative matrices: {frag:?}");
+        Err(why) => println!("skipped: no cooperative matrices here: {why}"),
+    }
+}
+
+/// [`gpu_cooperative_tile_product_matches_the_portable_one_and_f64`] on the emulated
+/// cooperative product (`tile::Emulated`), which any device runs: the fragments of
+/// NVIDIA's drivers (16 x 16 x 16 in subgroups of 32) on every case, lavapipe's
+/// (8 x 8 x 8 in subgroups of 8) on two, so that everything around the cooperative
+/// operations (the planes' fragments, their offsets and layouts, the scratch, the
+/// weights in f16, the bias gradients' sums, the tiles) is tested in CI.
+#[test]
+fn emulated_cooperative_tile_product_matches_the_portable_one_and_f64() {
+    let client = client();
+    let cases = cooperative_cases();
+    for (frag, cases) in [
+        (fragment(16, 32), &cases[..]),
+        (fragment(8, 8), &cases[3..5]),
+    ] {
+        EMULATE.set(Some(frag));
+        check_cooperative(&client, frag, cases);
+        EMULATE.set(None);
+    }
+}
+
+/// Fragments of `n x n x n` in planes of `plane` units.
+fn fragment(n: usize, plane: usize) -> super::tile::Fragment {
+    super::tile::Fragment {
+        m: n,
+        n,
+        k: n,
+        plane,
+    }
+}
+
+/// The cases of the cooperative product's tests, in f16 at head dims that are whole
+/// fragments.
+fn cooperative_cases() -> Vec<Case> {
     let causal = AttentionMask::causal;
     let (b, h, tq, tk) = (2, 2, 35, 41);
     let cases = [
@@ -830,7 +869,7 @@ fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
         Case::new("causal bottom-right", [1, 2, 2], [70, 45, 64]).mask(causal()),
         Case::new("causal top-left", [1, 2, 2], [40, 100, 64])
             .mask(causal().aligned(CausalAlignment::TopLeft)),
-        Case::new("gqa 8:2 causal d128", [1, 8, 2], [37, 53, 128]).mask(causal()),
+        Case::new("gqa 8:2 causal", [1, 8, 2], [37, 53, 128]).mask(causal()),
         Case::new("sliding window 5", [1, 2, 2], [70, 70, 64])
             .mask(AttentionMask::sliding_window(5)),
         Case::new("local radius 3 top-left", [1, 2, 2], [30, 90, 64])
@@ -863,31 +902,53 @@ fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
             ..Case::new("softcap 5 scale 1", [1, 2, 2], [33, 47, 64])
         },
     ];
-    let shared = client.properties().hardware.max_shared_memory_size;
-    for case in cases {
-        let case = Case {
+    cases
+        .into_iter()
+        .map(|case| Case {
             dtype: DType::F16,
             name: format!("cooperative f16 {} d{}", case.name, case.d_k),
             ..case
+        })
+        .collect()
+}
+
+/// Runs `cases` forward and backward with the kernels in fragments of `frag` (on
+/// cooperative matrices, or emulated where the test asks), against f64 and against the
+/// portable product.
+fn check_cooperative(client: &Client, frag: super::tile::Fragment, cases: &[Case]) {
+    let size = 2;
+    let shared = client.properties().hardware.max_shared_memory_size;
+    for case in cases {
+        let case = &Case {
+            name: format!("{} in {}x{}x{}", case.name, frag.m, frag.n, frag.k),
+            ..case.clone()
         };
-        // The launcher takes the fragments for every kernel of the case.
+        // The kernels whose tiles the device's shared memory holds in fragments take
+        // them (every one on NVIDIA's 48 KiB: `launch::tests`; lavapipe's 32 KiB leaves
+        // dK/dV at head dim 128 portable).
         let dims = crate::problem::Dims::of([
             [case.batch, case.heads, case.queries, case.d_k],
             [case.batch, case.kv_heads, case.keys, case.d_k],
             [case.batch, case.kv_heads, case.keys, case.d_v],
         ]);
         let (forward, dq, dkv) = launch::tiles(&dims, size, shared, case.softcap.is_some(), frag);
-        assert!(
-            forward.frag.is_some() && dq.frag.is_some() && dkv.frag.is_some(),
-            "{}: tiles without fragments: {forward:?} {dq:?} {dkv:?}",
-            case.name
-        );
-        let data = Data::of(&case);
-        check_data(&case, &data);
+        let taken = [
+            ("forward", forward.frag),
+            ("dQ", dq.frag),
+            ("dK/dV", dkv.frag),
+        ]
+        .into_iter()
+        .filter(|(_, f)| f.is_some())
+        .map(|(kernel, _)| kernel)
+        .collect::<Vec<_>>();
+        assert!(!taken.is_empty(), "{}: no kernel in fragments", case.name);
+        println!("{}: in fragments: {}", case.name, taken.join(", "));
+        let data = Data::of(case);
+        check_data(case, &data);
         let visibility = case.mask.visibility(case.queries, case.keys);
-        let cooperative = run(&client, &case, &data, &visibility);
+        let cooperative = run(client, case, &data, &visibility);
         PORTABLE.set(true);
-        let portable = run(&client, &case, &data, &visibility);
+        let portable = run(client, case, &data, &visibility);
         PORTABLE.set(false);
         let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
         for (what, got, want, tolerance) in [
@@ -928,7 +989,7 @@ fn gpu_cooperative_tile_product_matches_the_portable_one_and_f64() {
                 [5e-3, 5e-3],
             ),
         ] {
-            let worst = close(&case, what, got, &f64s(want), tolerance);
+            let worst = close(case, what, got, &f64s(want), tolerance);
             println!("{}: {what}: largest difference {worst:.1e}", case.name);
         }
     }

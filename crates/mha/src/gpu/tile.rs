@@ -386,21 +386,97 @@ impl TileProduct for Cooperative {
             );
             at += planes;
         }
-        sync_cube();
-        let (rows, cols) = comptime!((p.rows(), p.cols()));
-        let (r0, c0) = (row0(p), col0(p) / 4);
+        add_scratch(c, scratch, p);
+    }
+}
+
+/// After a barrier, adds the unit's block of `C` under `p` (as [`Registers`] holds it)
+/// from `scratch` (`C` as an f32 tile of `m x n`) to `c`; then a barrier, after which
+/// `scratch` is free again.
+#[cube]
+fn add_scratch(c: &mut Array<f32>, scratch: &mut Shared<[Quad<f32>]>, #[comptime] p: Product) {
+    sync_cube();
+    let c_row = comptime!(Tile::new(p.m, p.n).stride());
+    let (rows, cols) = comptime!((p.rows(), p.cols()));
+    let (r0, c0) = (row0(p), col0(p) / 4);
+    #[unroll]
+    for i in 0..rows {
         #[unroll]
-        for i in 0..rows {
+        for j4 in 0..comptime!(cols / 4) {
+            let q = scratch[(r0 + i) * comptime!(c_row / 4) + c0 + j4];
             #[unroll]
-            for j4 in 0..comptime!(cols / 4) {
-                let q = scratch[(r0 + i) * comptime!(c_row / 4) + c0 + j4];
-                #[unroll]
-                for jj in 0..4usize {
-                    c[comptime!(i * cols + j4 * 4 + jj)] += q.extract(jj);
-                }
+            for jj in 0..4usize {
+                c[comptime!(i * cols + j4 * 4 + jj)] += q.extract(jj);
             }
         }
-        sync_cube();
+    }
+    sync_cube();
+}
+
+/// [`Cooperative`] on a device without cooperative matrices, for the tests (Mesa's
+/// lavapipe): the same planes and fragments, read at the same offsets in the same
+/// layouts, summed in f32 into the same scratch and added back the same way, but each
+/// fragment's multiply-adds done by its plane's units (unit `l` of a plane sums the
+/// fragment's quads `l`, `l + plane`, ...) from shared memory. Only the cooperative
+/// matrix operations themselves differ.
+pub(crate) struct Emulated;
+
+#[cube]
+impl TileProduct for Emulated {
+    fn product<A: Float, B: Float>(
+        a: &Shared<[Quad<A>]>,
+        #[comptime] a_tile: Tile,
+        #[comptime] read: Read,
+        b: &Shared<[Quad<B>]>,
+        #[comptime] b_tile: Tile,
+        c: &mut Array<f32>,
+        #[comptime] p: Product,
+        scratch: &mut Shared<[Quad<f32>]>,
+        #[comptime] f: Fragment,
+    ) {
+        comptime! {
+            assert!(f.fits(&p), "a {p:?} in fragments of {f:?}");
+        }
+        let (a_row, b_row) = comptime!((a_tile.stride(), b_tile.stride()));
+        let c_row = comptime!(Tile::new(p.m, p.n).stride());
+        let (along_r, along_k) = comptime!(match read {
+            Read::AsStored => (a_row, 1),
+            Read::Transposed => (1, a_row),
+        });
+        let across = comptime!(p.n / f.n);
+        let count = comptime!(p.m / f.m * across);
+        let planes = comptime!(p.units / f.plane);
+        let quads = comptime!(f.m * f.n / 4);
+        let lane = UNIT_POS as usize % f.plane;
+        let mut at = UNIT_POS as usize / f.plane;
+        while at < count {
+            let (r, col) = ((at / across) * f.m, (at % across) * f.n);
+            let mut e = lane;
+            while e < quads {
+                let (i, j4) = (e / comptime!(f.n / 4), e % comptime!(f.n / 4));
+                let mut sum = Quad::<f32>::empty().fill(0.0f32);
+                for step in 0..comptime!(p.k / f.k) {
+                    let kk = step * f.k;
+                    // The fragments' first elements, as `Cooperative` loads them.
+                    let (a0, b0) = (r * along_r + kk * along_k, kk * b_row + col);
+                    #[unroll]
+                    for t in 0..f.k {
+                        let at_a = a0 + i * along_r + t * along_k;
+                        let x = f32::cast_from(a[at_a / 4].extract_dynamic(at_a % 4));
+                        let y = b[(b0 + t * b_row) / 4 + j4];
+                        #[unroll]
+                        for jj in 0..4usize {
+                            let v = sum.extract(jj) + x * f32::cast_from(y.extract(jj));
+                            sum.insert(jj, v);
+                        }
+                    }
+                }
+                scratch[((r + i) * c_row + col) / 4 + j4] = sum;
+                e += f.plane;
+            }
+            at += planes;
+        }
+        add_scratch(c, scratch, p);
     }
 }
 
