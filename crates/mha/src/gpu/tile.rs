@@ -296,12 +296,57 @@ impl Fragment {
     }
 }
 
+/// Where a product's fragments lie, for [`Cooperative`] and [`Emulated`] alike: `C`'s
+/// fragment `i` (row by row, `across` to a row of `C`) is taken by plane `i % planes`;
+/// `A`'s element `(r, k)` lies at `r · along_r + k · along_k` of its tile (row-major as
+/// stored, column-major when read transposed), `B`'s `(k, c)` at `k · b_row + c`, `C`'s
+/// `(r, c)` at `r · c_row + c` of the scratch (`c_quads` quads).
+#[derive_cube_comptime]
+pub(crate) struct Fragments {
+    pub(crate) a_row: usize,
+    pub(crate) along_r: usize,
+    pub(crate) along_k: usize,
+    pub(crate) b_row: usize,
+    pub(crate) c_row: usize,
+    pub(crate) c_quads: usize,
+    pub(crate) across: usize,
+    pub(crate) count: usize,
+    pub(crate) planes: usize,
+}
+
+impl Fragments {
+    /// The fragments of `p` in `f`, `A` in `a_tile` read as `read`, `B` in `b_tile`.
+    ///
+    /// # Panics
+    /// Unless `p` is whole fragments of `f` ([`Fragment::fits`]).
+    pub(crate) fn of(a_tile: Tile, read: Read, b_tile: Tile, p: Product, f: Fragment) -> Self {
+        assert!(f.fits(&p), "a {p:?} in fragments of {f:?}");
+        let a_row = a_tile.stride();
+        let (along_r, along_k) = match read {
+            Read::AsStored => (a_row, 1),
+            Read::Transposed => (1, a_row),
+        };
+        let c = Tile::new(p.m, p.n);
+        Self {
+            a_row,
+            along_r,
+            along_k,
+            b_row: b_tile.stride(),
+            c_row: c.stride(),
+            c_quads: c.quads(),
+            across: p.n / f.n,
+            count: p.m / f.m * (p.n / f.n),
+            planes: p.units / f.plane,
+        }
+    }
+}
+
 /// The tile product on cooperative matrices: `A` and `B` in f16 or bf16 (the dtypes a
 /// device multiplies, [`Fragment`] the shape it reports for them), the sums in f32. The
 /// cube's planes (units `plane · i ..` of the subgroup size the device reports, known
 /// when the kernel is compiled: cubecl 0.11.3 reads `PLANE_DIM` without declaring the
-/// capability SPIR-V asks for it) take `C`'s fragments in turn (plane `i` fragments `i`, `i + planes`,
-/// ..., row by row), each summing its fragment over `k` from fragments of `A` (row-major
+/// capability SPIR-V asks for it) take `C`'s fragments in turn ([`Fragments`]), each
+/// summing its fragment over `k` from fragments of `A` (row-major
 /// as stored, column-major when read transposed) and `B` read from the tiles in place;
 /// it stores the sum to `scratch` (`C` as an f32 [`Tile`] of `m x n`), and after a
 /// barrier every unit adds its block of `C` (the same map as [`Registers`]) into `c`.
@@ -322,22 +367,17 @@ impl TileProduct for Cooperative {
         scratch: &mut Shared<[Quad<f32>]>,
         #[comptime] f: Fragment,
     ) {
-        comptime! {
-            assert!(f.fits(&p), "a {p:?} in fragments of {f:?}");
-        }
-        let out = comptime!(Tile::new(p.m, p.n));
-        let (a_row, b_row, c_row) = comptime!((a_tile.stride(), b_tile.stride(), out.stride()));
-        // `A`'s layout, and how far apart its rows and its steps lie in `a`.
-        let (layout, along_r, along_k) = comptime!(match read {
-            Read::AsStored => (cmma::MatrixLayout::RowMajor, a_row, 1),
-            Read::Transposed => (cmma::MatrixLayout::ColMajor, 1, a_row),
+        let g = comptime!(Fragments::of(a_tile, read, b_tile, p, f));
+        // A fragment names the layout it is read in (SPIR-V reads the load's, CUDA's wmma
+        // and Metal the fragment's): row-major as stored, column-major when read
+        // transposed.
+        let layout = comptime!(match read {
+            Read::AsStored => cmma::MatrixLayout::RowMajor,
+            Read::Transposed => cmma::MatrixLayout::ColMajor,
         });
-        let across = comptime!(p.n / f.n);
-        let count = comptime!(p.m / f.m * across);
-        let planes = comptime!(p.units / f.plane);
         let mut at = UNIT_POS as usize / f.plane;
-        while at < count {
-            let (r, col) = ((at / across) * f.m, (at % across) * f.n);
+        while at < g.count {
+            let (r, col) = ((at / g.across) * f.m, (at % g.across) * f.n);
             let acc = cmma::Matrix::<f32>::from_value(
                 cmma::MatrixIdent::Accumulator,
                 f.m,
@@ -348,16 +388,13 @@ impl TileProduct for Cooperative {
             );
             for step in 0..comptime!(p.k / f.k) {
                 let kk = step * f.k;
-                // A fragment names the layout it is read in (SPIR-V reads the load's, CUDA's
-                // wmma and Metal the fragment's): row-major as stored, column-major when
-                // read transposed (`A[r][k]` at `k · a_row + r`).
                 let mut fa = unsafe {
                     cmma::Matrix::<A>::uninitialized(cmma::MatrixIdent::A, f.m, f.n, f.k, layout)
                 };
                 cmma::load_with_layout(
                     &mut fa,
-                    &a[(r * along_r + kk * along_k) / 4..comptime!(a_tile.quads())],
-                    a_row as u32,
+                    &a[(r * g.along_r + kk * g.along_k) / 4..comptime!(a_tile.quads())],
+                    g.a_row as u32,
                     layout,
                 );
                 let mut fb = unsafe {
@@ -371,20 +408,19 @@ impl TileProduct for Cooperative {
                 };
                 cmma::load_with_layout(
                     &mut fb,
-                    &b[(kk * b_row + col) / 4..comptime!(b_tile.quads())],
-                    b_row as u32,
+                    &b[(kk * g.b_row + col) / 4..comptime!(b_tile.quads())],
+                    g.b_row as u32,
                     cmma::MatrixLayout::RowMajor,
                 );
                 cmma::execute(&fa, &fb, &acc, &acc);
             }
-            let start = (r * c_row + col) / 4;
             cmma::store(
-                &mut scratch[start..comptime!(out.quads())],
+                &mut scratch[(r * g.c_row + col) / 4..g.c_quads],
                 &acc,
-                c_row as u32,
+                g.c_row as u32,
                 cmma::MatrixLayout::RowMajor,
             );
-            at += planes;
+            at += g.planes;
         }
         add_scratch(c, scratch, p);
     }
@@ -434,23 +470,12 @@ impl TileProduct for Emulated {
         scratch: &mut Shared<[Quad<f32>]>,
         #[comptime] f: Fragment,
     ) {
-        comptime! {
-            assert!(f.fits(&p), "a {p:?} in fragments of {f:?}");
-        }
-        let (a_row, b_row) = comptime!((a_tile.stride(), b_tile.stride()));
-        let c_row = comptime!(Tile::new(p.m, p.n).stride());
-        let (along_r, along_k) = comptime!(match read {
-            Read::AsStored => (a_row, 1),
-            Read::Transposed => (1, a_row),
-        });
-        let across = comptime!(p.n / f.n);
-        let count = comptime!(p.m / f.m * across);
-        let planes = comptime!(p.units / f.plane);
+        let g = comptime!(Fragments::of(a_tile, read, b_tile, p, f));
         let quads = comptime!(f.m * f.n / 4);
         let lane = UNIT_POS as usize % f.plane;
         let mut at = UNIT_POS as usize / f.plane;
-        while at < count {
-            let (r, col) = ((at / across) * f.m, (at % across) * f.n);
+        while at < g.count {
+            let (r, col) = ((at / g.across) * f.m, (at % g.across) * f.n);
             let mut e = lane;
             while e < quads {
                 let (i, j4) = (e / comptime!(f.n / 4), e % comptime!(f.n / 4));
@@ -458,12 +483,12 @@ impl TileProduct for Emulated {
                 for step in 0..comptime!(p.k / f.k) {
                     let kk = step * f.k;
                     // The fragments' first elements, as `Cooperative` loads them.
-                    let (a0, b0) = (r * along_r + kk * along_k, kk * b_row + col);
+                    let (a0, b0) = (r * g.along_r + kk * g.along_k, kk * g.b_row + col);
                     #[unroll]
                     for t in 0..f.k {
-                        let at_a = a0 + i * along_r + t * along_k;
+                        let at_a = a0 + i * g.along_r + t * g.along_k;
                         let x = f32::cast_from(a[at_a / 4].extract_dynamic(at_a % 4));
-                        let y = b[(b0 + t * b_row) / 4 + j4];
+                        let y = b[(b0 + t * g.b_row) / 4 + j4];
                         #[unroll]
                         for jj in 0..4usize {
                             let v = sum.extract(jj) + x * f32::cast_from(y.extract(jj));
@@ -471,10 +496,10 @@ impl TileProduct for Emulated {
                         }
                     }
                 }
-                scratch[((r + i) * c_row + col) / 4 + j4] = sum;
+                scratch[((r + i) * g.c_row + col) / 4 + j4] = sum;
                 e += f.plane;
             }
-            at += planes;
+            at += g.planes;
         }
         add_scratch(c, scratch, p);
     }
