@@ -101,10 +101,13 @@ impl DqTiles {
     /// These tiles with their products in fragments of `frag`, if every product fits
     /// them.
     pub(crate) fn cooperative(self, frag: Fragment) -> Option<Self> {
-        [self.s, self.dp, self.dq]
-            .iter()
-            .all(|p| frag.fits(p))
+        frag.fits_all(&self.products())
             .then_some(Self { frag, ..self })
+    }
+
+    /// The kernel's products.
+    fn products(&self) -> [Product; 3] {
+        [self.s, self.dp, self.dq]
     }
 
     /// Bytes of shared memory a cube takes, with inputs of `size` bytes (and dS in them
@@ -112,44 +115,39 @@ impl DqTiles {
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
         let inputs =
             self.qt().quads() + self.dot().quads() + self.v().quads().max(self.k().quads());
-        let weights = if self.frag.is_some() { size } else { 4 };
+        let weights = self.frag.weight_bytes(size);
         (inputs * size + self.ds().quads() * weights + self.scratch() * 4) * 4
             + (self.bq + self.bk) * 4
     }
 
     /// Quads of the products' scratch.
     fn scratch(&self) -> usize {
-        self.frag.scratch(&[self.s, self.dp, self.dq])
-    }
-
-    /// A tile of `rows` x `cols` as the products read it.
-    fn tile(&self, rows: usize, cols: usize) -> Tile {
-        Tile::aligned(rows, cols, self.frag.align())
+        self.frag.scratch(&self.products())
     }
 
     /// The block's queries, transposed: `B` of `Sᵀ`.
     fn qt(&self) -> Tile {
-        self.tile(self.d_k.next_multiple_of(4), self.bq)
+        self.frag.tile(self.d_k.next_multiple_of(4), self.bq)
     }
 
     /// The block's output gradients, transposed: `B` of `dPᵀ`.
     fn dot(&self) -> Tile {
-        self.tile(self.d_v.next_multiple_of(4), self.bq)
+        self.frag.tile(self.d_v.next_multiple_of(4), self.bq)
     }
 
     /// A tile's values: `A` of `dPᵀ`.
     fn v(&self) -> Tile {
-        self.tile(self.bk, self.d_v)
+        self.frag.tile(self.bk, self.d_v)
     }
 
     /// A tile's keys: `A` of `Sᵀ`, `B` of `dQ`.
     fn k(&self) -> Tile {
-        self.tile(self.bk, self.dq.n)
+        self.frag.tile(self.bk, self.dq.n)
     }
 
     /// dS, keys by queries: `A` of `dQ`, read transposed.
     fn ds(&self) -> Tile {
-        self.tile(self.bk, self.bq)
+        self.frag.tile(self.bk, self.bq)
     }
 
     /// dS in f32 in the products' scratch, for the bias gradients' sums where `ds`
@@ -206,48 +204,47 @@ impl DkvTiles {
     /// These tiles with their products in fragments of `frag`, if every product fits
     /// them.
     pub(crate) fn cooperative(self, frag: Fragment) -> Option<Self> {
-        [self.s, self.dp, self.dv, self.dk]
-            .iter()
-            .all(|p| frag.fits(p))
+        frag.fits_all(&self.products())
             .then_some(Self { frag, ..self })
+    }
+
+    /// The kernel's products.
+    fn products(&self) -> [Product; 4] {
+        [self.s, self.dp, self.dv, self.dk]
     }
 
     /// Bytes of shared memory a cube takes, with inputs of `size` bytes (and P and dS in
     /// them too, in fragments).
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
         let inputs = self.q().quads() + self.d_o().quads() + self.x().quads();
-        let weights = if self.frag.is_some() { size } else { 4 };
+        let weights = self.frag.weight_bytes(size);
         (inputs * size + self.pds().quads() * weights + self.scratch() * 4) * 4
     }
 
     /// Quads of the products' scratch.
     fn scratch(&self) -> usize {
-        self.frag.scratch(&[self.s, self.dp, self.dv, self.dk])
-    }
-
-    /// A tile of `rows` x `cols` as the products read it.
-    fn tile(&self, rows: usize, cols: usize) -> Tile {
-        Tile::aligned(rows, cols, self.frag.align())
+        self.frag.scratch(&self.products())
     }
 
     /// A tile's queries: `A` of `S`, `B` of `dK`.
     fn q(&self) -> Tile {
-        self.tile(self.bq, self.dk.n)
+        self.frag.tile(self.bq, self.dk.n)
     }
 
     /// A tile's output gradients: `A` of `dP`, `B` of `dV`.
     fn d_o(&self) -> Tile {
-        self.tile(self.bq, self.dv.n)
+        self.frag.tile(self.bq, self.dv.n)
     }
 
     /// The block's values, then keys, transposed: `B` of `dP`, then of `S`.
     fn x(&self) -> Tile {
-        self.tile(self.d_k.max(self.d_v).next_multiple_of(4), self.bk)
+        self.frag
+            .tile(self.d_k.max(self.d_v).next_multiple_of(4), self.bk)
     }
 
     /// P, then dS, queries by keys: `A` of `dV` and `dK`, read transposed.
     fn pds(&self) -> Tile {
-        self.tile(self.bq, self.bk)
+        self.frag.tile(self.bq, self.bk)
     }
 }
 

@@ -75,46 +75,47 @@ impl ForwardTiles {
     /// These tiles with their products in fragments of `frag`, if every product fits
     /// them.
     pub(crate) fn cooperative(self, frag: Fragment) -> Option<Self> {
-        (frag.fits(&self.s) && frag.fits(&self.o)).then_some(Self { frag, ..self })
+        frag.fits_all(&self.products())
+            .then_some(Self { frag, ..self })
+    }
+
+    /// The kernel's products.
+    fn products(&self) -> [Product; 2] {
+        [self.s, self.o]
     }
 
     /// Bytes of shared memory a cube takes, with inputs of `size` bytes (and the weights
     /// in them too, in fragments).
     pub(crate) fn shared_bytes(&self, size: usize) -> usize {
         let inputs = self.q().quads() + self.kt().quads().max(self.v().quads());
-        let weights = if self.frag.is_some() { size } else { 4 };
+        let weights = self.frag.weight_bytes(size);
         (inputs * size + self.p().quads() * weights + self.scratch() * 4) * 4
             + self.bq * self.s.ux * 4
     }
 
     /// Quads of the products' scratch.
     fn scratch(&self) -> usize {
-        self.frag.scratch(&[self.s, self.o])
-    }
-
-    /// A tile of `rows` x `cols` as the products read it.
-    fn tile(&self, rows: usize, cols: usize) -> Tile {
-        Tile::aligned(rows, cols, self.frag.align())
+        self.frag.scratch(&self.products())
     }
 
     /// The block's queries: `A` of `S`.
     pub(crate) fn q(&self) -> Tile {
-        self.tile(self.bq, self.d_k)
+        self.frag.tile(self.bq, self.d_k)
     }
 
     /// A tile's keys, transposed: `B` of `S`.
     fn kt(&self) -> Tile {
-        self.tile(self.d_k.next_multiple_of(4), self.bk)
+        self.frag.tile(self.d_k.next_multiple_of(4), self.bk)
     }
 
     /// A tile's values: `B` of `O`.
     fn v(&self) -> Tile {
-        self.tile(self.bk, self.o.n)
+        self.frag.tile(self.bk, self.o.n)
     }
 
     /// The weights: `A` of `O` (in f32, or in the inputs' dtype in fragments).
     fn p(&self) -> Tile {
-        self.tile(self.bq, self.bk)
+        self.frag.tile(self.bq, self.bk)
     }
 }
 

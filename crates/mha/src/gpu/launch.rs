@@ -260,69 +260,61 @@ pub(crate) fn tiles(
     softcap: bool,
     frag: Fragment,
 ) -> (ForwardTiles, DqTiles, DkvTiles) {
-    let (mut forward, mut dq, mut dkv) = sized_tiles(dims, size, shared);
-    #[cfg(test)]
-    let forced = super::tests::FORCE_TILES.get().is_some();
-    #[cfg(not(test))]
-    let forced = false;
-    if forced {
-        // The forced tiles, in fragments where they are whole ones.
-        forward = forward.cooperative(frag).unwrap_or(forward);
-        dq = dq.cooperative(frag).unwrap_or(dq);
-        dkv = dkv.cooperative(frag).unwrap_or(dkv);
-    } else if frag.is_some() {
-        let budget = shared.min(COOPERATIVE_BUDGET);
-        let (d_k, d_v) = (dims.d_k, dims.d_v);
-        let pick = |make: &dyn Fn(usize, usize, usize) -> Option<usize>| {
-            CANDIDATES
-                .into_iter()
-                .find(|&(u, q, k)| make(u, q, k).is_some_and(|bytes| bytes <= budget))
-        };
-        let fwd = |u, q, k| ForwardTiles::new(u, q, k, d_k, d_v).cooperative(frag);
-        if let Some((u, q, k)) = pick(&|u, q, k| fwd(u, q, k).map(|t| t.shared_bytes(size))) {
-            forward = fwd(u, q, k).expect("picked");
-        }
-        let dqt = |u, q, k| DqTiles::new(u, q, k, d_k, d_v).cooperative(frag);
-        if let Some((u, q, k)) = pick(&|u, q, k| dqt(u, q, k).map(|t| t.shared_bytes(size))) {
-            dq = dqt(u, q, k).expect("picked");
-        }
-        let dkvt = |u, q, k| DkvTiles::new(u, q, k, d_k, d_v).cooperative(frag);
-        if let Some((u, q, k)) = pick(&|u, q, k| dkvt(u, q, k).map(|t| t.shared_bytes(size))) {
-            dkv = dkvt(u, q, k).expect("picked");
-        }
-    }
+    let mut forward: ForwardTiles = choose(dims, size, shared, frag);
+    let mut dq: DqTiles = choose(dims, size, shared, frag);
+    let mut dkv: DkvTiles = choose(dims, size, shared, frag);
     forward.softcap = softcap;
     dq.softcap = softcap;
     dkv.softcap = softcap;
     (forward, dq, dkv)
 }
 
-/// [`tiles`] without the soft cap.
-fn sized_tiles(dims: &Dims, size: usize, shared: usize) -> (ForwardTiles, DqTiles, DkvTiles) {
-    let budget = shared.min(SHARED_BUDGET);
-    let (d_k, d_v) = (dims.d_k, dims.d_v);
+/// What [`choose`] reads of one kernel's tiles.
+trait KernelTiles: Sized {
+    fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self;
+    fn shared_bytes(&self, size: usize) -> usize;
+    fn cooperative(self, frag: Fragment) -> Option<Self>;
+}
+
+macro_rules! kernel_tiles {
+    ($($tiles:ident),*) => {$(
+        impl KernelTiles for $tiles {
+            fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self {
+                $tiles::new(units, bq, bk, d_k, d_v)
+            }
+            fn shared_bytes(&self, size: usize) -> usize {
+                $tiles::shared_bytes(self, size)
+            }
+            fn cooperative(self, frag: Fragment) -> Option<Self> {
+                $tiles::cooperative(self, frag)
+            }
+        }
+    )*};
+}
+kernel_tiles!(ForwardTiles, DqTiles, DkvTiles);
+
+/// One kernel's tiles as [`tiles`] says (a test's forced tiles first, in fragments where
+/// they are whole ones).
+fn choose<T: KernelTiles + Copy>(dims: &Dims, size: usize, shared: usize, frag: Fragment) -> T {
+    let make = |(u, q, k): (usize, usize, usize)| T::new(u, q, k, dims.d_k, dims.d_v);
     #[cfg(test)]
-    if let Some((u, q, k)) = super::tests::FORCE_TILES.get() {
-        return (
-            ForwardTiles::new(u, q, k, d_k, d_v),
-            DqTiles::new(u, q, k, d_k, d_v),
-            DkvTiles::new(u, q, k, d_k, d_v),
-        );
+    if let Some(forced) = super::tests::FORCE_TILES.get() {
+        let t = make(forced);
+        return t.cooperative(frag).unwrap_or(t);
     }
-    let pick = |fits: &dyn Fn(usize, usize, usize) -> bool| {
+    let budget = shared.min(COOPERATIVE_BUDGET);
+    let cooperative = CANDIDATES
+        .into_iter()
+        .filter_map(|c| make(c).cooperative(frag))
+        .find(|t| t.shared_bytes(size) <= budget);
+    let budget = shared.min(SHARED_BUDGET);
+    cooperative.unwrap_or_else(|| {
         CANDIDATES
             .into_iter()
-            .find(|&(u, q, k)| fits(u, q, k))
-            .unwrap_or(CANDIDATES[CANDIDATES.len() - 1])
-    };
-    let (u, q, k) =
-        pick(&|u, q, k| ForwardTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= budget);
-    let forward = ForwardTiles::new(u, q, k, d_k, d_v);
-    let (u, q, k) = pick(&|u, q, k| DqTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= budget);
-    let dq = DqTiles::new(u, q, k, d_k, d_v);
-    let (u, q, k) = pick(&|u, q, k| DkvTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= budget);
-    let dkv = DkvTiles::new(u, q, k, d_k, d_v);
-    (forward, dq, dkv)
+            .map(make)
+            .find(|t| t.shared_bytes(size) <= budget)
+            .unwrap_or_else(|| make(CANDIDATES[CANDIDATES.len() - 1]))
+    })
 }
 
 /// The environment variable that chooses the tile product: `portable` keeps the kernels

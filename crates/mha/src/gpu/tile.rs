@@ -86,7 +86,8 @@ pub(crate) struct Tile {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
     /// Elements the stride is a multiple of: 4, or 8 for the operands of cooperative
-    /// matrices in 2-byte elements (whose rows a device reads 16 bytes apart).
+    /// matrices in 2-byte elements (whose rows a device reads 16 bytes apart;
+    /// [`Fragment::tile`]).
     pub(crate) align: usize,
 }
 
@@ -276,10 +277,21 @@ impl Fragment {
             && p.k.is_multiple_of(self.k)
     }
 
-    /// The alignment (in elements) of the tiles a product in this fragment reads:
-    /// 8 (16 bytes of 2-byte elements) for a fragment, else 4.
-    pub(crate) fn align(&self) -> usize {
-        if self.is_some() { 8 } else { 4 }
+    /// Whether every one of the products `ps` fits this fragment.
+    pub(crate) fn fits_all(&self, ps: &[Product]) -> bool {
+        ps.iter().all(|p| self.fits(p))
+    }
+
+    /// A tile of `rows` x `cols` as the products in this fragment read it: rows 16 bytes
+    /// of 2-byte elements apart (8 elements) for a fragment, a quad apart otherwise.
+    pub(crate) fn tile(&self, rows: usize, cols: usize) -> Tile {
+        Tile::aligned(rows, cols, if self.is_some() { 8 } else { 4 })
+    }
+
+    /// Bytes of each weight (`P`, `dS`) the kernels stage for products in this fragment:
+    /// in the inputs' dtype (`size` bytes) for a fragment, in f32 otherwise.
+    pub(crate) fn weight_bytes(&self, size: usize) -> usize {
+        if self.is_some() { size } else { 4 }
     }
 
     /// Quads of scratch [`Cooperative`] takes for the products `ps`: the largest `C`, as
@@ -351,7 +363,7 @@ impl Fragments {
 /// it stores the sum to `scratch` (`C` as an f32 [`Tile`] of `m x n`), and after a
 /// barrier every unit adds its block of `C` (the same map as [`Registers`]) into `c`.
 /// Every tile it reads starts on 32 bytes with rows a multiple of 16 bytes apart
-/// ([`Tile::aligned`] with [`Fragment::align`]).
+/// ([`Fragment::tile`]).
 pub(crate) struct Cooperative;
 
 #[cube]
