@@ -9,8 +9,8 @@ use burn::module::Param;
 use burn::tensor::{Int, Tensor};
 use mha::{
     AttentionMask, AttentionWeights, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
-    EncoderConfig, KvCache, LayerNorm, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
-    Positions, StackCache, StackInput,
+    EncoderConfig, FeedForwardActivation, KvCache, LayerNorm, MhaInput, MultiHeadAttention,
+    MultiHeadAttentionConfig, Positions, StackCache, StackInput,
 };
 
 use crate::util::{Backend, backends, param_grads, randn, to_vec};
@@ -150,6 +150,21 @@ fn stacks_and_cached_decoding_take_zero_sized_inputs() {
             assert_eq!(ds.dims(), [b, m, 16], "{what}");
             check_params(&what, &encoder, &grads, b * m == 0 || t == 0);
             check_params(&what, &decoder, &grads, b * t == 0);
+
+            // A gated feed-forward (SwiGLU, Llama's), whose SiLU and product are one
+            // operation on the CPU backends.
+            let block = EncoderBlockConfig::new(16, 2)
+                .with_dropout(0.0)
+                .with_activation(FeedForwardActivation::Silu)
+                .with_gated(true);
+            let gated = EncoderConfig::new(block, 1).init(&ad);
+            let x = randn([b, t, 16], 4, &ad).require_grad();
+            let out = gated.forward(StackInput::new(x.clone())).unwrap().output;
+            assert_eq!(out.dims(), [b, t, 16], "{what}: gated");
+            finite(out.clone());
+            let grads = out.sum().backward();
+            assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+            check_params(&what, &gated, &grads, b * t == 0);
 
             // Decoding: an empty prompt, then a token, with a cache by position and a
             // sliding one: the empty prompt changes nothing (the token decodes as with a

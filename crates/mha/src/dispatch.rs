@@ -297,6 +297,8 @@ row_ops! {
     RmsNorm,
     /// The exact GELU.
     Gelu,
+    /// `SiLU(g) · u`, the gated feed-forward's SwiGLU.
+    SwiGlu,
     /// Cross-entropy over rows of logits.
     CrossEntropy,
     /// AdamW's step over a parameter (an optimizer's, outside autodiff).

@@ -88,19 +88,32 @@ impl FeedForward {
             .up
             .as_ref()
             .map(|up| crate::ops::linear::forward(up, x.clone()));
-        // [B, T, d_ff]; GELU in the first layer's operation (see `ops::linear`).
-        let hidden = match self.activation {
-            FeedForwardActivation::Gelu => crate::ops::linear::forward_gelu(&self.linear1, x),
-            activation => activation.forward(crate::ops::linear::forward(&self.linear1, x)),
-        };
-        let hidden = match up {
-            Some(up) => hidden * up,
-            None => hidden,
+        // [B, T, d_ff]; GELU in the first layer's operation (see `ops::linear`), SwiGLU's
+        // SiLU and product as one (see `ops::swiglu`).
+        let hidden = match (self.activation, up) {
+            (FeedForwardActivation::Silu, Some(up)) => {
+                crate::ops::swiglu::swiglu(crate::ops::linear::forward(&self.linear1, x), up)
+            }
+            (FeedForwardActivation::Gelu, up) => {
+                gated(crate::ops::linear::forward_gelu(&self.linear1, x), up)
+            }
+            (activation, up) => gated(
+                activation.forward(crate::ops::linear::forward(&self.linear1, x)),
+                up,
+            ),
         };
         crate::ops::linear::forward(
             &self.linear2,
             crate::dropout::forward(&self.dropout, hidden),
         )
+    }
+}
+
+/// `hidden · up` for a gated feed-forward, `hidden` for PyTorch's two-layer one.
+fn gated(hidden: Tensor<3>, up: Option<Tensor<3>>) -> Tensor<3> {
+    match up {
+        Some(up) => hidden * up,
+        None => hidden,
     }
 }
 

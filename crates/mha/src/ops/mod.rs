@@ -11,6 +11,7 @@
 //! | [`linear`] | Burn's `linear` (its matmul allocates each result twice) |
 //! | [`norm`] | the nine elementwise steps of Burn's `layer_norm`, and of an RMS norm |
 //! | [`gelu`] | `erf` and four elementwise steps, each with a backward |
+//! | [`swiglu`] | Burn's `silu` (a scalar `exp` per element) and a product, each with a backward |
 //! | [`loss`] | `log_softmax`, a gather and a masked mean |
 //! | [`adamw`] | the fifteen elementwise steps of Burn's AdamW over a parameter |
 //! | [`squares`] | a square and a sum, for the global norm of gradient clipping |
@@ -27,6 +28,7 @@ pub(crate) mod linear;
 pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod squares;
+pub(crate) mod swiglu;
 
 #[cfg(feature = "cpu-kernels")]
 use burn::tensor::Tensor;
@@ -43,7 +45,7 @@ mod fused {
     };
     use burn::tensor::{Bool, Tensor};
 
-    use super::{adamw, add, attention, gelu, linear, loss, norm, squares};
+    use super::{adamw, add, attention, gelu, linear, loss, norm, squares, swiglu};
     use crate::cpu::CpuTensors;
     use crate::op;
 
@@ -60,6 +62,8 @@ mod fused {
         LayerNorm { epsilon: f64, center: bool },
         /// [`gelu::GeluOp`].
         Gelu,
+        /// [`swiglu::SwiGluOp`].
+        SwiGlu,
         /// [`loss::CrossEntropyOp`].
         CrossEntropy { targets: std::sync::Arc<[i64]> },
         /// [`adamw::AdamWOp`].
@@ -207,6 +211,7 @@ mod fused {
                     runner.run(norm::LayerNormOp { epsilon, center })
                 }
                 FusedOp::Gelu => runner.run(gelu::GeluOp),
+                FusedOp::SwiGlu => runner.run(swiglu::SwiGluOp),
                 FusedOp::CrossEntropy { targets } => runner.run(loss::CrossEntropyOp { targets }),
                 FusedOp::AdamW(step) => runner.run(adamw::AdamWOp(step)),
                 FusedOp::SquareSum => runner.run(squares::SquareSumOp),

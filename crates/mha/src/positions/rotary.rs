@@ -3,6 +3,8 @@
 //! depends on the distance between them. Applied after the projections, to the `H` query
 //! heads and the `Hkv` key heads alike (grouped-query attention needs nothing more).
 
+use std::cell::RefCell;
+
 use burn::tensor::{Device, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
@@ -72,22 +74,98 @@ impl Rope {
     /// The cosines and sines of every position's angles, `[rows, 1, T, D/2]`, computed in
     /// f64 on the host (a device's `sin` of a large angle is far less exact).
     fn angles(&self, positions: &[Vec<usize>], device: &Device) -> (Tensor<4>, Tensor<4>) {
-        let half = self.head_dim / 2;
-        let frequencies: Vec<f64> = (0..half)
-            .map(|k| self.theta.powf(-2.0 * k as f64 / self.head_dim as f64))
-            .collect();
         let (rows, len) = (positions.len(), positions[0].len());
-        let mut cos = Vec::with_capacity(rows * len * half);
-        let mut sin = Vec::with_capacity(rows * len * half);
-        for &p in positions.iter().flatten() {
-            for f in &frequencies {
-                let angle = p as f64 * f;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
+        let (cos, sin) = self.host_angles(positions);
+        let half = self.head_dim / 2;
         let tensor =
             |values| Tensor::<4>::from_data(TensorData::new(values, [rows, 1, len, half]), device);
         (tensor(cos), tensor(sin))
+    }
+
+    /// [`angles`](Self::angles)' values, row-major. A model rotates the queries and the
+    /// keys of every layer at the same positions: the last table computed on this thread
+    /// is kept, and a call for the same rotation and positions copies it (the sines and
+    /// cosines took a few percent of a Llama forward's time, computed anew per call).
+    fn host_angles(&self, positions: &[Vec<usize>]) -> (Vec<f32>, Vec<f32>) {
+        thread_local! {
+            static LAST: RefCell<Option<Table>> = const { RefCell::new(None) };
+        }
+        LAST.with_borrow_mut(|last| {
+            if let Some(table) = last
+                .as_ref()
+                .filter(|t| t.rope == *self && t.positions == positions)
+            {
+                return (table.cos.clone(), table.sin.clone());
+            }
+            let half = self.head_dim / 2;
+            let frequencies: Vec<f64> = (0..half)
+                .map(|k| self.theta.powf(-2.0 * k as f64 / self.head_dim as f64))
+                .collect();
+            let (rows, len) = (positions.len(), positions[0].len());
+            let mut cos = Vec::with_capacity(rows * len * half);
+            let mut sin = Vec::with_capacity(rows * len * half);
+            for &p in positions.iter().flatten() {
+                for f in &frequencies {
+                    let (s, c) = (p as f64 * f).sin_cos();
+                    cos.push(c as f32);
+                    sin.push(s as f32);
+                }
+            }
+            let table = Table {
+                rope: *self,
+                positions: positions.to_vec(),
+                cos,
+                sin,
+            };
+            let values = (table.cos.clone(), table.sin.clone());
+            *last = Some(table);
+            values
+        })
+    }
+}
+
+/// The sines and cosines of one rotation at some positions (see [`Rope::host_angles`]).
+struct Table {
+    rope: Rope,
+    positions: Vec<Vec<usize>>,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Rope, RopeLayout};
+
+    /// Each call's table is its own rotation's at its own positions, whatever the call
+    /// before it on the thread computed.
+    #[test]
+    fn the_kept_table_serves_only_the_same_rotation_and_positions() {
+        let rope = |theta, head_dim| Rope {
+            theta,
+            layout: RopeLayout::HalfSplit,
+            head_dim,
+        };
+        let direct = |r: Rope, positions: &[Vec<usize>]| -> (Vec<f32>, Vec<f32>) {
+            let half = r.head_dim / 2;
+            let angles = positions.iter().flatten().flat_map(|&p| {
+                (0..half).map(move |k| p as f64 * r.theta.powf(-2.0 * k as f64 / r.head_dim as f64))
+            });
+            let angles: Vec<f64> = angles.collect();
+            (
+                angles.iter().map(|a| a.cos() as f32).collect(),
+                angles.iter().map(|a| a.sin() as f32).collect(),
+            )
+        };
+        let calls: [(Rope, Vec<Vec<usize>>); 6] = [
+            (rope(10_000.0, 8), vec![vec![0, 1, 2, 3]]),
+            (rope(10_000.0, 8), vec![vec![0, 1, 2, 3]]),
+            (rope(10_000.0, 8), vec![vec![0, 1, 2, 4]]),
+            (rope(500.0, 8), vec![vec![0, 1, 2, 4]]),
+            (rope(500.0, 4), vec![vec![0, 1, 2, 4, 5, 6]]),
+            (rope(500.0, 4), vec![vec![0, 1, 2], vec![4, 5, 6]]),
+        ];
+        for (i, (r, positions)) in calls.iter().enumerate() {
+            assert_eq!(r.host_angles(positions), direct(*r, positions), "call {i}");
+        }
     }
 }

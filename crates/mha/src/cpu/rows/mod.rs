@@ -8,3 +8,4 @@ pub(crate) mod gelu;
 pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod squares;
+pub(crate) mod swiglu;
