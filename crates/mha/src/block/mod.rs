@@ -83,6 +83,10 @@ pub struct FeedForward {
 impl FeedForward {
     /// # Shapes
     /// `[B, T, d_model]` -> `[B, T, d_model]`.
+    ///
+    /// # Panics
+    /// With SiLU and `up`, if `up`'s width is not `linear1`'s (a module built by hand;
+    /// the configuration builds them alike).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let up = self
             .up

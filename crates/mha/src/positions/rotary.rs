@@ -85,7 +85,9 @@ impl Rope {
     /// [`angles`](Self::angles)' values, row-major. A model rotates the queries and the
     /// keys of every layer at the same positions: the last table computed on this thread
     /// is kept, and a call for the same rotation and positions copies it (the sines and
-    /// cosines took a few percent of a Llama forward's time, computed anew per call).
+    /// cosines took a few percent of a Llama forward's time, computed anew per call). A
+    /// table of more than [`KEPT`] values or [`KEPT_POSITIONS`] positions, or of no
+    /// value, is not kept: a thread holds at most 10 MiB.
     fn host_angles(&self, positions: &[Vec<usize>]) -> (Vec<f32>, Vec<f32>) {
         thread_local! {
             static LAST: RefCell<Option<Table>> = const { RefCell::new(None) };
@@ -97,6 +99,8 @@ impl Rope {
             {
                 return (table.cos.clone(), table.sin.clone());
             }
+            #[cfg(test)]
+            tests::COMPUTED.set(tests::COMPUTED.get() + 1);
             let half = self.head_dim / 2;
             let frequencies: Vec<f64> = (0..half)
                 .map(|k| self.theta.powf(-2.0 * k as f64 / self.head_dim as f64))
@@ -117,12 +121,24 @@ impl Rope {
                 cos,
                 sin,
             };
+            let count = positions.iter().map(Vec::len).sum::<usize>();
+            if half == 0 || table.cos.len() > KEPT || count > KEPT_POSITIONS {
+                *last = None;
+                return (table.cos, table.sin);
+            }
             let values = (table.cos.clone(), table.sin.clone());
             *last = Some(table);
             values
         })
     }
 }
+
+/// The most cosines (and as many sines) a thread keeps of its last table: 4 MiB of each,
+/// 16,384 positions of heads 128 wide.
+const KEPT: usize = 1 << 20;
+
+/// The most positions a thread keeps with its last table (2 MiB).
+const KEPT_POSITIONS: usize = 1 << 18;
 
 /// The sines and cosines of one rotation at some positions (see [`Rope::host_angles`]).
 struct Table {
@@ -134,10 +150,18 @@ struct Table {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+
     use super::{Rope, RopeLayout};
 
+    thread_local! {
+        /// Tables computed on this thread (not copied from the kept one).
+        pub(super) static COMPUTED: Cell<usize> = const { Cell::new(0) };
+    }
+
     /// Each call's table is its own rotation's at its own positions, whatever the call
-    /// before it on the thread computed.
+    /// before it on the thread computed; a call like the one before it copies its table,
+    /// any other computes one.
     #[test]
     fn the_kept_table_serves_only_the_same_rotation_and_positions() {
         let rope = |theta, head_dim| Rope {
@@ -156,16 +180,27 @@ mod tests {
                 angles.iter().map(|a| a.sin() as f32).collect(),
             )
         };
-        let calls: [(Rope, Vec<Vec<usize>>); 6] = [
-            (rope(10_000.0, 8), vec![vec![0, 1, 2, 3]]),
-            (rope(10_000.0, 8), vec![vec![0, 1, 2, 3]]),
-            (rope(10_000.0, 8), vec![vec![0, 1, 2, 4]]),
-            (rope(500.0, 8), vec![vec![0, 1, 2, 4]]),
-            (rope(500.0, 4), vec![vec![0, 1, 2, 4, 5, 6]]),
-            (rope(500.0, 4), vec![vec![0, 1, 2], vec![4, 5, 6]]),
+        // Each call, and whether it computes its table.
+        let long = vec![(0..super::KEPT_POSITIONS + 1).collect::<Vec<usize>>()];
+        let calls: Vec<(Rope, Vec<Vec<usize>>, bool)> = vec![
+            (rope(10_000.0, 8), vec![vec![0, 1, 2, 3]], true),
+            (rope(10_000.0, 8), vec![vec![0, 1, 2, 3]], false),
+            (rope(10_000.0, 8), vec![vec![0, 1, 2, 4]], true),
+            (rope(500.0, 8), vec![vec![0, 1, 2, 4]], true),
+            (rope(500.0, 6), vec![vec![0, 1, 2, 4]], true),
+            (rope(500.0, 6), vec![vec![0, 1, 2, 4]], false),
+            (rope(500.0, 4), vec![vec![0, 1, 2, 4, 5, 6]], true),
+            (rope(500.0, 4), vec![vec![0, 1, 2], vec![4, 5, 6]], true),
+            (rope(500.0, 4), vec![vec![0, 1, 2], vec![4, 5, 6]], false),
+            // Past what a thread keeps: computed each time, the last table dropped.
+            (rope(500.0, 2), long.clone(), true),
+            (rope(500.0, 2), long, true),
+            (rope(500.0, 4), vec![vec![0, 1, 2], vec![4, 5, 6]], true),
         ];
-        for (i, (r, positions)) in calls.iter().enumerate() {
+        for (i, (r, positions, computes)) in calls.iter().enumerate() {
+            let before = COMPUTED.get();
             assert_eq!(r.host_angles(positions), direct(*r, positions), "call {i}");
+            assert_eq!(COMPUTED.get() - before, *computes as usize, "call {i}");
         }
     }
 }

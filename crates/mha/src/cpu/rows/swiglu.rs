@@ -22,6 +22,7 @@ pub(crate) fn swiglu_forward<B: CpuTensors>(
 ) -> FloatTensor<B> {
     let (gate, up) = (B::readable(gate), B::readable(up));
     let dims = dims_of::<B>(&gate);
+    debug_assert_eq!(dims_of::<B>(&up), dims, "SwiGLU's inputs are of one shape");
     let (gate, up) = (
         B::floats(&gate).contiguous(dims),
         B::floats(&up).contiguous(dims),
@@ -146,18 +147,28 @@ impl Kernel for Backward<'_> {
     }
 }
 
-/// `σ(x) = 1 / (1 + e^-x)`, branch-free (`e^-x` saturates at about 3e38 for `x` below
-/// -88.7, where σ is below 1e-38 and SiLU's value and slope round to 0 or a subnormal).
+/// `[σ(x), 1 - σ(x)]`, from `e = e^-|x|` (in `(0, 1]`, never overflowing):
+/// `[1/(1+e), e/(1+e)]` for `x ≥ 0`, swapped below. Branch-free (a select), exact 0 where
+/// `e` is (`x` below -87.3), and `1 - σ` without cancellation.
+#[inline(always)]
+fn sigmoid_pair<A: Arch>(x: f32) -> [f32; 2] {
+    let e = A::exp(-x.abs());
+    let r = 1.0 / (1.0 + e);
+    let (big, small) = (r, e * r);
+    if x >= 0.0 { [big, small] } else { [small, big] }
+}
+
+/// `σ(x)`.
 #[inline(always)]
 fn sigmoid<A: Arch>(x: f32) -> f32 {
-    1.0 / (1.0 + A::exp(-x))
+    sigmoid_pair::<A>(x)[0]
 }
 
 /// `[SiLU'(x), SiLU(x)] = [σ(x) (1 + x (1 - σ(x))), x σ(x)]`.
 #[inline(always)]
 fn slope_and_silu<A: Arch>(x: f32) -> [f32; 2] {
-    let s = sigmoid::<A>(x);
-    [A::madd(x * s, 1.0 - s, s), x * s]
+    let [s, one_minus_s] = sigmoid_pair::<A>(x);
+    [A::madd(x * s, one_minus_s, s), x * s]
 }
 
 #[cfg(test)]
@@ -258,6 +269,31 @@ mod tests {
                 worst.iter().all(|&w| w < 1e-6),
                 "worst errors [out, dg, du] {worst:?}"
             );
+        }
+    }
+
+    /// Far past exp's range σ is exactly 0 or 1: below, the value and both gradients are
+    /// 0 (not `g` times a tiny σ, which grows with |g|); above, SiLU is the identity.
+    #[test]
+    fn far_gates_are_exact() {
+        let g = [-f32::MAX, -3e38, -1e10, -1e3, -90.0, 90.0, 1e3, 1e10];
+        let u = [1.5, -0.5, 2.0, -1.25, 0.75, 1.5, -0.5, 2.0];
+        let dy = [0.5, 2.0, -1.5, 1.0, -0.25, 0.5, 2.0, -1.5];
+        #[cfg(target_arch = "x86_64")]
+        let all = [
+            computed::<Portable>(&g, &u, &dy),
+            computed::<Avx2>(&g, &u, &dy),
+        ];
+        #[cfg(not(target_arch = "x86_64"))]
+        let all = [computed::<Portable>(&g, &u, &dy)];
+        for [out, dg, du] in all {
+            for i in 0..g.len() {
+                let want = match g[i] < 0.0 {
+                    true => [0.0; 3],
+                    false => [g[i] * u[i], dy[i] * u[i], dy[i] * g[i]],
+                };
+                assert_eq!([out[i], dg[i], du[i]], want, "g = {}", g[i]);
+            }
         }
     }
 }
