@@ -50,6 +50,7 @@ pub fn on_cpu_workers<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) ->
 #[cfg(feature = "cpu-kernels")]
 mod pool {
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
 
     /// Whether a call keeps the pool's other workers looking for work (one at a time:
     /// several devices' steps may run at once on the CPU).
@@ -97,16 +98,32 @@ mod pool {
     /// threads, PyTorch's on the CPU, wait the same way. A spinner taken up by the thread
     /// that runs the step itself (when it waits inside a `join` of its own, or at the
     /// scope's end) returns at once: it would spin on what it stops.
+    ///
+    /// A spinner also returns after [`IDLE`] without work. Another worker may take it up
+    /// while it waits inside a piece of the step's own work (a `join` whose other half
+    /// was stolen): the piece cannot finish beneath a spinner that waits for the step,
+    /// and the step cannot finish without the piece. Returning when idle ends that wait
+    /// after `IDLE`, where it had been a hang.
     fn spin(done: &AtomicBool, step_thread: Option<usize>) {
         if rayon::current_thread_index() == step_thread {
             return;
         }
+        let mut idle_since = None;
         while !done.load(Ordering::Acquire) {
-            if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                std::hint::spin_loop();
+            if rayon::yield_now() == Some(rayon::Yield::Executed) {
+                idle_since = None;
+                continue;
             }
+            if idle_since.get_or_insert_with(Instant::now).elapsed() > IDLE {
+                return;
+            }
+            std::hint::spin_loop();
         }
     }
+
+    /// How long a spinner waits for work before it returns: far longer than the gaps
+    /// between a step's operations (microseconds).
+    const IDLE: Duration = Duration::from_millis(2);
 }
 
 #[cfg(all(test, feature = "cpu-kernels"))]
