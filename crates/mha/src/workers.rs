@@ -6,7 +6,8 @@ use burn::tensor::Device;
 /// On a flex or ndarray `device` (with autodiff or not), runs `f` on a worker thread of
 /// rayon's pool, the pool over which the CPU backends' kernels (`mha`'s, and flex's and
 /// ndarray's own) split their work, with the pool's other workers spinning for its work
-/// while it runs, and returns what it returns; called on a worker already, it runs `f`
+/// while it runs (each until it finds none for 2 ms, then asleep as usual for the rest of
+/// the call), and returns what it returns; called on a worker already, it runs `f`
 /// there. On any other device it only calls `f`.
 ///
 /// Each parallel operation called from outside the pool hands its work to the pool and
@@ -21,7 +22,7 @@ use burn::tensor::Device;
 /// measurements). Wrap a whole step
 /// (forward, backward, optimizer), not each call: the hand-over is then paid once; and
 /// not a loop that waits on something else: the spinning workers keep their cores busy
-/// for as long as `f` runs. One call spins at a time. Steps run at once from several
+/// for as long as `f` gives them work. One call spins at a time. Steps run at once from several
 /// threads (one per CPU device, say) share the workers, and a spinning worker may take
 /// up another thread's whole step, so a step can wait for the end of another: do not
 /// hold a lock that another thread's step needs across tensor operations.
