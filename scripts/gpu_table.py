@@ -3,11 +3,12 @@
 
 Reads OUT/mha-BUILD-DTYPE.json (the benchmark's records, BUILD `wgsl`, `spirv` or
 `spirv_portable`: SPIR-V kept off cooperative matrices),
-OUT/pytorch.json (`scripts/bench_pytorch.py --json`) and OUT/steps.tsv (each step's
-name, status and seconds); writes one row per shape, pass and dtype with the median
-milliseconds of mha's module, Burn's module and PyTorch's, their cores, and the ratios,
-then the long core, then each step's status. Standard library only: it runs on the GPU
-machine beside PyTorch.
+OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/overhead-BUILD.log (the
+benchmark's `--overhead` tables) and OUT/steps.tsv (each step's name, status and
+seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
+module, Burn's module and PyTorch's, their cores, and the ratios, then the long core,
+then what one call of each module costs around its kernels (kernel by kernel), then each
+step's status. Standard library only: it runs on the GPU machine beside PyTorch.
 
     python3 scripts/gpu_table.py OUT
 """
@@ -82,6 +83,11 @@ def main(out):
         for who, positions, dtype, ms, peak in long_rows:
             peak = "—" if peak is None else f"{peak:.0f}"
             lines.append(f"| {who} | {positions} | {dtype} | {ms:.2f} | {peak} |")
+    for path in sorted(glob.glob(os.path.join(out, "overhead-*.log"))):
+        build = os.path.basename(path)[len("overhead-"):-len(".log")]
+        lines.append(f"\n## Around the kernels ({build}): one call of each module\n")
+        with open(path) as f:
+            lines.extend(line.rstrip("\n") for line in f if line.startswith(("|", "## overhead")))
     steps = os.path.join(out, "steps.tsv")
     if os.path.exists(steps):
         lines.append("\n## Steps\n")

@@ -19,7 +19,8 @@
 #    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
 #    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype
 #    (and SPIR-V f16 again on the portable tile product) in a process of its own under its
-#    own time limit, so that a crash or a timeout loses one step; after every step it rewrites
+#    own time limit, then where each module's call spends the device's time (`--overhead`,
+#    kernel by kernel), so that a crash or a timeout loses one step; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
@@ -179,16 +180,20 @@ skip() {
 
 if [ "$dry" -eq 1 ]; then
     shapes=tiny
+    overhead_shapes=tiny
     runs=1
     long=256
     limit=900
+    overhead_limit=900
     budget="${MHA_GPU_TABLE_BUDGET:-1800}"
 else
     shapes=small,base,long
+    overhead_shapes=base,long
     runs=7
     long=16384
     # WGSL took 80 s a dtype on an H200 (2026-11-27), SPIR-V f16 about 150 s (5 runs).
     limit=150
+    overhead_limit=90
 fi
 
 {
@@ -237,6 +242,14 @@ else
     skip cooperative-check "no unit-test binary in $pack_dir"
 fi
 
+# `overhead BUILD DTYPES`: where one call of mha's module and of Burn's spends the device's
+# time, kernel by kernel, with launches, buffers and the host's time to issue it
+# (`--overhead`), at the base and long shapes.
+overhead() {
+    step "overhead-$1" "$overhead_limit" "$exe" --backend wgpu --shapes "$overhead_shapes" \
+        --runs 1 --dtype "$2" --no-train --overhead
+}
+
 # Each build and dtype in a process of its own: WGSL (every wgpu device), then SPIR-V
 # (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of shared memory on a
 # device without an explicit workgroup layout, so the dry run has no such build).
@@ -261,8 +274,10 @@ for build in wgsl spirv; do
             MHA_GPU_TILE_PRODUCT=portable step "mha-spirv_portable-f16" "$limit" "$exe" \
                 --backend wgpu --shapes "$shapes" --runs "$runs" --dtype f16 --no-train \
                 --no-builtin --long-core "$long" --json "$out/mha-spirv_portable-f16.json"
+            overhead spirv f16
         fi
     done
+    [ "$build" = spirv ] || overhead "$build" f16,f32
     rm -f "$exe"
 done
 

@@ -109,8 +109,9 @@ struct Cli {
     /// (GPU backends: the memory pool's peak since the process started).
     #[arg(long)]
     long_core: Option<usize>,
-    /// Also print what one call of mha's module and of Burn's costs around its kernels,
-    /// at each shape and dtype (GPU backends): launches, buffers, the host's time.
+    /// Instead of timing the shapes, print what one call of mha's module and of Burn's
+    /// costs around its kernels at each shape and dtype (GPU backends): launches, buffers,
+    /// the host's time, and the device's time kernel by kernel.
     #[cfg(feature = "wgpu")]
     #[arg(long)]
     overhead: bool,
@@ -686,6 +687,17 @@ fn shape_named(name: &str) -> anyhow::Result<Shape> {
     })
 }
 
+/// Whether `--overhead` asked for the costs around the kernels in place of the timings.
+fn overhead_only(cli: &Cli) -> bool {
+    #[cfg(feature = "wgpu")]
+    return cli.overhead;
+    #[cfg(not(feature = "wgpu"))]
+    {
+        let _ = cli;
+        false
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     train::alloc::keep_freed_memory();
     let cli = Cli::parse();
@@ -715,7 +727,11 @@ fn main() -> anyhow::Result<()> {
     for backend in backends {
         let device = backend.device()?;
         let mut mine = Vec::new();
-        if !shapes.is_empty() {
+        let timed = match overhead_only(&cli) {
+            true => &[][..],
+            false => &shapes[..],
+        };
+        if !timed.is_empty() {
             bench_matmul(&cli, backend, &device, &mut mine)?;
         }
         // The dtypes the device computes in; the others are named and skipped.
@@ -730,7 +746,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
         for &dtype in &computed {
-            for &shape in &shapes {
+            for &shape in timed {
                 eprintln!("{backend}: {} in {} ...", shape.name, dtype_name(dtype));
                 bench_mha(&cli, backend, &device, (shape, dtype), &mut mine)?;
             }
@@ -785,7 +801,7 @@ fn main() -> anyhow::Result<()> {
                     None => n == 0,
                 })
                 .collect();
-            print_table(backend, name, &these, &shapes);
+            print_table(backend, name, &these, timed);
         }
         if computed.is_empty() {
             print_trainer(&mine.iter().collect::<Vec<_>>());

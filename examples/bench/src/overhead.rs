@@ -5,12 +5,21 @@
 //! leaves allocated while its result is held, the host's time until the call returns
 //! (before the device is done) and until the device is done. A call that reads a tensor
 //! back to the host waits for the device inside it: its time to return is its whole time.
+//!
+//! Then where one more call spends the device's time: each kernel's own time from the
+//! device's timestamps, summed by kernel, against the window from the first kernel's start
+//! to the last one's end. What the window holds beyond the kernels is time the device sat
+//! idle waiting for the host (each launch is bracketed by timestamp queries there, which
+//! adds to that idle time a little: the untimed call's time to finish is the other bound).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use burn::cubecl::logging::{LaunchObservation, LaunchObserver};
+use burn::cubecl::future::block_on;
+use burn::cubecl::logging::{
+    LaunchObservation, LaunchObserver, ProfileDuration, TimingMethod, TimingRequest,
+};
 use burn::nn::attention::{
     MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig,
     generate_autoregressive_mask,
@@ -30,6 +39,160 @@ impl LaunchObserver for Launches {
     }
 }
 
+/// Every launch's measurement, kept unread until the call is over (read at once, as a
+/// length, only where cubecl's profiling logger takes them too).
+#[derive(Default)]
+struct Timings {
+    kept: Mutex<Vec<(&'static str, ProfileDuration)>>,
+    read: Mutex<Vec<(&'static str, Duration, TimingMethod)>>,
+}
+
+impl LaunchObserver for Timings {
+    fn launched(&self, _kernel: &'static str) {}
+
+    fn timing(&self) -> TimingRequest {
+        TimingRequest::Deferred
+    }
+
+    fn profiled(&self, kernel: &'static str, profile: ProfileDuration) {
+        self.kept.lock().unwrap().push((kernel, profile));
+    }
+
+    fn timed(&self, kernel: &'static str, duration: Duration, method: TimingMethod) {
+        self.read.lock().unwrap().push((kernel, duration, method));
+    }
+}
+
+/// Where one call spent the device's time.
+struct Breakdown {
+    /// Per kernel (short name): launches and milliseconds, the longest first.
+    kernels: Vec<(String, usize, f64)>,
+    /// The kernels' times summed.
+    busy_ms: f64,
+    /// From the first kernel's start to the last one's end (`None` where the measurements
+    /// came as lengths only).
+    window_ms: Option<f64>,
+    /// Launches timed on the host's clock (no device timestamps), and launches whose
+    /// window carried no measurement.
+    system_timed: usize,
+    unmeasured: usize,
+}
+
+/// The device time of one more `call`, kernel by kernel.
+fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdown> {
+    let sync = || device.sync().map_err(|e| anyhow::anyhow!("{e:?}"));
+    sync()?;
+    let timings = Arc::new(Timings::default());
+    let watching = LaunchObservation::new(timings.clone());
+    let kept = call();
+    sync()?;
+    drop(watching);
+    drop(kept);
+    let mut spans = Vec::new();
+    let mut system_timed = 0;
+    let mut unmeasured = 0;
+    // Any instant before the first kernel: lengths from it place each kernel.
+    let epoch = Instant::now() - Duration::from_secs(3600);
+    let kept = std::mem::take(&mut *timings.kept.lock().unwrap());
+    for (kernel, profile) in kept {
+        system_timed += usize::from(profile.timing_method() == TimingMethod::System);
+        match block_on(profile.resolve()) {
+            Some(ticks) => spans.push((
+                kernel,
+                ticks.start_duration_since(epoch).as_secs_f64() * 1e3,
+                ticks.end_duration_since(epoch).as_secs_f64() * 1e3,
+            )),
+            None => unmeasured += 1,
+        }
+    }
+    let read = std::mem::take(&mut *timings.read.lock().unwrap());
+    let mut by_name: BTreeMap<String, (usize, f64)> = BTreeMap::new();
+    for &(kernel, start, end) in &spans {
+        let entry = by_name.entry(short_name(kernel)).or_default();
+        *entry = (entry.0 + 1, entry.1 + (end - start));
+    }
+    for &(kernel, duration, method) in &read {
+        system_timed += usize::from(method == TimingMethod::System);
+        let entry = by_name.entry(short_name(kernel)).or_default();
+        *entry = (entry.0 + 1, entry.1 + duration.as_secs_f64() * 1e3);
+    }
+    let mut kernels: Vec<(String, usize, f64)> =
+        by_name.into_iter().map(|(k, (n, ms))| (k, n, ms)).collect();
+    kernels.sort_by(|a, b| b.2.total_cmp(&a.2));
+    let busy_ms = kernels.iter().map(|k| k.2).sum();
+    let window_ms = match (spans.is_empty(), read.is_empty()) {
+        (false, true) => {
+            let first = spans.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+            let last = spans.iter().map(|s| s.2).fold(f64::NEG_INFINITY, f64::max);
+            Some(last - first)
+        }
+        _ => None,
+    };
+    Ok(Breakdown {
+        kernels,
+        busy_ms,
+        window_ms,
+        system_timed,
+        unmeasured,
+    })
+}
+
+/// A kernel's name without its paths and without the generic arguments that only carry
+/// dtypes; a matrix product as `matmul(partitioned_matmul)<FusedMatmulArgs,
+/// Simple<SyncFullCyclic<ColMajor>, ...>>` (its batch strategy, arguments, family and
+/// loaders).
+fn short_name(kernel: &str) -> String {
+    // Every path cut to its last segment.
+    let mut out = String::new();
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        out.push_str(word.rsplit("::").next().unwrap_or(word));
+        word.clear();
+    };
+    for c in kernel.chars() {
+        match c.is_alphanumeric() || c == '_' || c == ':' {
+            true => word.push(c),
+            false => {
+                flush(&mut word, &mut out);
+                out.push(c);
+            }
+        }
+    }
+    flush(&mut word, &mut out);
+    // The dtype placeholders, `DynamicScalar<__Lhs>, ` and the like.
+    for wrapper in ["DynamicScalar<", "DynamicSize<"] {
+        while let Some(at) = out.find(wrapper) {
+            let end = out[at..].find('>').map_or(out.len(), |e| at + e + 1);
+            let end = match out[end..].starts_with(", ") {
+                true => end + 2,
+                false => end,
+            };
+            out.replace_range(at..end, "");
+        }
+    }
+    // cubek's matrix products: their batch strategy (the module under `batch`), family and
+    // loaders, not the words every one repeats.
+    if out.starts_with("MatmulEntry<") {
+        let strategy = kernel
+            .split("::batch::")
+            .nth(1)
+            .and_then(|rest| rest.split("::").next())
+            .unwrap_or("");
+        out = out.replacen("MatmulEntry", &format!("matmul({strategy})"), 1);
+        for (long, short) in [
+            ("MatmulFamily", ""),
+            ("UnitPartitioner, (), ", ""),
+            ("Loading", ""),
+            ("TilingOrder", ""),
+            (", UnitWriterFamily", ""),
+            (", RowMajorGlobalPartitionMatmul", ""),
+        ] {
+            out = out.replace(long, short);
+        }
+    }
+    out.replace(", >", ">")
+}
+
 /// One call's costs.
 struct Cost {
     launches: usize,
@@ -41,8 +204,9 @@ struct Cost {
     total_ms: f64,
 }
 
-/// The costs of `call` (which returns what it keeps), after two warm-up calls.
-fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Cost> {
+/// The costs of `call` (which returns what it keeps), after two warm-up calls, and the
+/// device time of one more call kernel by kernel.
+fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Breakdown)> {
     let sync = || device.sync().map_err(|e| anyhow::anyhow!("{e:?}"));
     for _ in 0..2 {
         drop(call());
@@ -67,7 +231,7 @@ fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Cost> {
             .map(|(_, n)| n)
             .sum()
     };
-    Ok(Cost {
+    let cost = Cost {
         launches: counts.values().sum(),
         copies: of(&["copy", "contiguous", "cast", "into_contiguous"]),
         ours: of(&["mha::gpu"]),
@@ -75,7 +239,41 @@ fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Cost> {
         bytes: after.bytes_in_use as i64 - before.bytes_in_use as i64,
         issue_ms,
         total_ms,
-    })
+    };
+    Ok((cost, breakdown(device, call)?))
+}
+
+/// The kernels that took the device's time in each call, the longest first.
+fn print_breakdowns(breakdowns: &[(&str, &str, Breakdown)]) {
+    println!(
+        "\n| module | pass | ms in kernels | ms from first start to last end | idle between | kernel (launches): ms, the longest first |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for (module, pass, b) in breakdowns {
+        let window = b.window_ms.map_or("—".to_string(), |w| format!("{w:.2}"));
+        let idle = b.window_ms.map_or("—".to_string(), |w| match w > 0.0 {
+            true => format!("{:.0}%", 100.0 * (w - b.busy_ms).max(0.0) / w),
+            false => "—".to_string(),
+        });
+        let top: Vec<String> = b
+            .kernels
+            .iter()
+            .take(8)
+            .map(|(name, n, ms)| format!("`{name}` ({n}): {ms:.2}"))
+            .collect();
+        let mut notes = String::new();
+        if b.system_timed > 0 {
+            notes += &format!(" ({} launches timed on the host's clock)", b.system_timed);
+        }
+        if b.unmeasured > 0 {
+            notes += &format!(" ({} launches unmeasured)", b.unmeasured);
+        }
+        println!(
+            "| {module} | {pass} | {:.2} | {window} | {idle} | {}{notes} |",
+            b.busy_ms,
+            top.join("; ")
+        );
+    }
 }
 
 /// Prints the costs of mha's and Burn's modules at `shape` in `dtype`, forward and
@@ -98,7 +296,9 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
         "| module | pass | launches | of which copies/casts | mha's kernels | live buffers after | MiB after | host ms to return | ms to finish |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    let row = |module: &str, pass: &str, c: Cost| {
+    let mut breakdowns = Vec::new();
+    let mut row = |module: &'static str, pass: &'static str, (c, b): (Cost, Breakdown)| {
+        breakdowns.push((module, pass, b));
         println!(
             "| {module} | {pass} | {} | {} | {} | {} | {:.1} | {:.2} | {:.2} |",
             c.launches,
@@ -162,5 +362,30 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
                 .backward()
         })?,
     );
+    print_breakdowns(&breakdowns);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_name;
+
+    #[test]
+    fn short_names_keep_what_tells_kernels_apart() {
+        let simple = "cubek_matmul::multi_level::components::batch::partitioned_matmul::matmul::matmul_entry::MatmulEntry<cubek_matmul::multi_level::args::TensorArgs, cubecl_core::frontend::element::typemap::DynamicScalar<cubek_matmul::multi_level::args::__Lhs>, cubecl_core::frontend::element::typemap::DynamicSize<cubek_matmul::multi_level::args::__LhsSize>, cubek_matmul::multi_level::components::global::single_stage::simple::setup::SimpleMatmulFamily<cubek_matmul::multi_level::tile::ops::partition::UnitPartitioner, (), cubek_matmul::multi_level::components::global::read::strategy::sync_full_cyclic::SyncFullCyclicLoading<cubek_matmul::multi_level::stage::stage_memory::layout::ColMajorTilingOrder>, cubek_matmul::multi_level::components::global::write::unit::UnitWriterFamily>, cubek_matmul::multi_level::components::batch::partitioned_matmul::partition::matmul::RowMajorGlobalPartitionMatmul>";
+        assert_eq!(
+            short_name(simple),
+            "matmul(partitioned_matmul)<TensorArgs, Simple<SyncFullCyclic<ColMajor>>>"
+        );
+        let gemm = "cubek_matmul::multi_level::components::batch::gemm::matmul::base::matmul_entry::MatmulEntry<cubek_matmul::multi_level::args::TensorArgs, cubecl_core::frontend::element::typemap::DynamicScalar<cubek_matmul::multi_level::args::__Acc>, cubecl_core::frontend::element::typemap::DynamicSize<cubek_matmul::multi_level::args::__AccSize>>";
+        assert_eq!(short_name(gemm), "matmul(gemm)<TensorArgs>");
+        assert_eq!(
+            short_name("mha::gpu::backward::dkv_kernel::DkvKernel<mha::gpu::tile::Registers>"),
+            "DkvKernel<Registers>"
+        );
+        assert_eq!(
+            short_name("cubecl_std::tensor::contiguous::base::copy_kernel::CopyKernel"),
+            "CopyKernel"
+        );
+    }
 }
