@@ -16,8 +16,7 @@ use std::mem::MaybeUninit;
 
 use crate::cpu::{CpuTensors, dims_of, written};
 
-/// Elements per parallel task.
-const CHUNK: usize = 1 << 14;
+use super::{CHUNK, chunks};
 
 /// GELU of a rank-4 f32 tensor (any shape: its rows are read through their strides),
 /// and, when `with_slope`, the derivative at each element, computed in the same pass.
@@ -32,13 +31,7 @@ pub(crate) fn gelu_forward<B: CpuTensors>(
     let len = input.len();
     let mut slope = with_slope.then(|| Vec::<f32>::with_capacity(len));
     // The slope's chunks beside the output's, or none.
-    let slopes: Vec<Option<&mut [MaybeUninit<f32>]>> = match &mut slope {
-        Some(slope) => slope.spare_capacity_mut()[..len]
-            .chunks_mut(CHUNK)
-            .map(Some)
-            .collect(),
-        None => (0..len.div_ceil(CHUNK)).map(|_| None).collect(),
-    };
+    let slopes = chunks(&mut slope, len);
     let fill = |out: &mut [MaybeUninit<f32>]| {
         out.par_chunks_mut(CHUNK)
             .zip(slopes)

@@ -12,8 +12,7 @@ use burn::backend::tensor::FloatTensor;
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::cpu::{CpuTensors, dims_of, written};
 
-/// Elements per parallel task.
-const CHUNK: usize = 1 << 14;
+use super::{CHUNK, chunks};
 
 /// `SiLU(g) · u` of two rank-4 f32 tensors of one shape (read through their strides).
 pub(crate) fn swiglu_forward<B: CpuTensors>(
@@ -76,18 +75,6 @@ pub(crate) fn swiglu_backward<B: CpuTensors>(
             B::from_rows(out, dims)
         })
     })
-}
-
-/// The chunks of `out`'s first `len` elements, or as many `None`s where there is no
-/// `out` (a gradient not wanted).
-fn chunks(out: &mut Option<Vec<f32>>, len: usize) -> Vec<Option<&mut [MaybeUninit<f32>]>> {
-    match out {
-        Some(out) => out.spare_capacity_mut()[..len]
-            .chunks_mut(CHUNK)
-            .map(Some)
-            .collect(),
-        None => (0..len.div_ceil(CHUNK)).map(|_| None).collect(),
-    }
 }
 
 /// `SiLU(gate) · up` into `out` (every element written).
@@ -204,32 +191,21 @@ mod tests {
             out: &mut out,
         }
         .run::<A>();
+        let backward = |dg, du| {
+            Backward {
+                gate: g,
+                up: u,
+                grad: dy,
+                dg,
+                du,
+            }
+            .run::<A>()
+        };
         let (mut dg, mut du) = (fresh(), fresh());
-        Backward {
-            gate: g,
-            up: u,
-            grad: dy,
-            dg: Some(&mut dg),
-            du: Some(&mut du),
-        }
-        .run::<A>();
+        backward(Some(&mut dg), Some(&mut du));
         let (mut dg_alone, mut du_alone) = (fresh(), fresh());
-        Backward {
-            gate: g,
-            up: u,
-            grad: dy,
-            dg: Some(&mut dg_alone),
-            du: None,
-        }
-        .run::<A>();
-        Backward {
-            gate: g,
-            up: u,
-            grad: dy,
-            dg: None,
-            du: Some(&mut du_alone),
-        }
-        .run::<A>();
+        backward(Some(&mut dg_alone), None);
+        backward(None, Some(&mut du_alone));
         let [dg, du] = [read(dg), read(du)];
         assert_eq!(read(dg_alone), dg, "dg alone");
         assert_eq!(read(du_alone), du, "du alone");
