@@ -6,9 +6,10 @@ Reads OUT/mha-BUILD-DTYPE.json (the benchmark's records, BUILD `wgsl`, `spirv` o
 OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/overhead-BUILD.log (the
 benchmark's `--overhead` tables) and OUT/steps.tsv (each step's name, status and
 seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
-module, Burn's module and PyTorch's, their cores, and the ratios, then the long core,
-then what one call of each module costs around its kernels (kernel by kernel), then each
-step's status. Standard library only: it runs on the GPU machine beside PyTorch.
+module, Burn's module and PyTorch's, their cores, the core between other projections
+(`--variants`), and the ratios, then the long core, then what one call of each module
+costs around its kernels (kernel by kernel), then each step's status. Standard library
+only: it runs on the GPU machine beside PyTorch.
 
     python3 scripts/gpu_table.py OUT
 """
@@ -53,6 +54,10 @@ def main(out):
         ("mha wgsl", "mha (WGSL)"),
         ("mha spirv", "mha (SPIR-V)"),
         ("mha spirv_portable", "mha (SPIR-V, portable product)"),
+        ("core+linear wgsl", "core + 3 Linear (WGSL)"),
+        ("core+qkv wgsl", "core + 1 Linear to QKV (WGSL)"),
+        ("core+linear spirv", "core + 3 Linear (SPIR-V)"),
+        ("core+qkv spirv", "core + 1 Linear to QKV (SPIR-V)"),
         ("burn wgsl", "Burn (WGSL)"),
         ("burn spirv", "Burn (SPIR-V)"),
         ("pytorch", "PyTorch CUDA"),

@@ -18,6 +18,7 @@
 #        scripts/gpu_table.sh --run PACK OUT
 #    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
 #    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype
+#    (with `--variants`: mha's core between projections made otherwise than the module's)
 #    (and SPIR-V f16 again on the portable tile product) in a process of its own under its
 #    own time limit, then where each module's call spends the device's time (`--overhead`,
 #    kernel by kernel), so that a crash or a timeout loses one step; after every step it rewrites
@@ -266,7 +267,8 @@ for build in wgsl spirv; do
     # (2026-11-27), where its f16 step took 150 s.
     for dtype in f16 f32; do
         step "mha-$build-$dtype" "$limit" "$exe" --backend wgpu --shapes "$shapes" --runs "$runs" \
-            --dtype "$dtype" --no-train --long-core "$long" --json "$out/mha-$build-$dtype.json"
+            --dtype "$dtype" --no-train --variants --long-core "$long" \
+            --json "$out/mha-$build-$dtype.json"
         # SPIR-V in f16 again on the portable tile product, before f32: the kernels take
         # cooperative matrices (tensor cores) where the device has them, and this row
         # is what they gain.

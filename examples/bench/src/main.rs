@@ -30,6 +30,7 @@ mod llama;
 #[cfg(feature = "wgpu")]
 mod overhead;
 mod prune;
+mod variants;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -115,6 +116,11 @@ struct Cli {
     #[cfg(feature = "wgpu")]
     #[arg(long)]
     overhead: bool,
+    /// Also time, at each shape and dtype, mha's attention core between input
+    /// projections made otherwise than the module's: three `Linear` layers of their own
+    /// (`core+linear`), and one to Q, K and V whose output is cut in three (`core+qkv`).
+    #[arg(long)]
+    variants: bool,
     /// Also write every measurement to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -239,7 +245,8 @@ impl Shape {
 struct Record {
     backend: &'static str,
     shape: Option<Shape>,
-    /// `mha`, `burn` (built-in), `mha-core`, `matmul-2048` or `trainer`.
+    /// `mha`, `burn` (built-in), `mha-core`, `core+linear`, `core+qkv` (`--variants`),
+    /// `matmul-2048` or `trainer`.
     subject: &'static str,
     /// `forward`, `forward+backward` or `train-step`.
     pass: &'static str,
@@ -749,6 +756,10 @@ fn main() -> anyhow::Result<()> {
             for &shape in timed {
                 eprintln!("{backend}: {} in {} ...", shape.name, dtype_name(dtype));
                 bench_mha(&cli, backend, &device, (shape, dtype), &mut mine)?;
+                if cli.variants {
+                    let at = (shape, dtype);
+                    variants::bench_variants(cli.runs, backend.name(), &device, at, &mut mine)?;
+                }
             }
         }
         if !cli.no_train {
@@ -802,6 +813,7 @@ fn main() -> anyhow::Result<()> {
                 })
                 .collect();
             print_table(backend, name, &these, timed);
+            variants::print_variants(backend.name(), name, &these);
         }
         if computed.is_empty() {
             print_trainer(&mine.iter().collect::<Vec<_>>());

@@ -1,0 +1,157 @@
+//! `mha`'s attention core between input projections made another way than the module's
+//! (`--variants`), timed beside the module at the same shape: what the projections cost
+//! around the core, measured in the run that times the module.
+//!
+//! `MultiHeadAttention` keeps PyTorch's packed input weight `[d_model, 3·d_model]` and
+//! multiplies by each third of it (a strided view) in turn. The two compositions here use
+//! `mha::scaled_dot_product_attention` as the module does, with
+//! - `core+linear`: three `burn::nn::Linear` layers of their own (contiguous weights, as
+//!   Burn's module has), three products;
+//! - `core+qkv`: one `Linear` to `3·d_model` (the packed weight whole), one product,
+//!   the queries, keys and values as views of its output.
+
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::{Device, FloatDType, Tensor};
+use mha::{AttentionMask, ModuleDType, SdpaOptions};
+
+use crate::{Record, Shape, dtype_name, randn_as, time};
+
+/// The input projections of a composition.
+enum Projections {
+    /// Queries, keys and values each through a layer of its own.
+    Separate(Box<[Linear; 3]>),
+    /// One layer to all three, its output cut in three.
+    Packed(Linear),
+}
+
+/// Causal self-attention through `mha`'s core between `projections` and `out`.
+struct Composed {
+    projections: Projections,
+    out: Linear,
+    heads: usize,
+}
+
+impl Composed {
+    fn new(shape: Shape, packed: bool, dtype: FloatDType, device: &Device) -> Self {
+        let d = shape.d_model;
+        let linear = |d_out| LinearConfig::new(d, d_out).init(device).to_dtype(dtype);
+        let projections = match packed {
+            true => Projections::Packed(linear(3 * d)),
+            false => Projections::Separate(Box::new([linear(d), linear(d), linear(d)])),
+        };
+        Self {
+            projections,
+            out: linear(d),
+            heads: shape.heads,
+        }
+    }
+
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let h = self.heads;
+        let heads = |y: Tensor<3>| y.reshape([b, t, h, d / h]).swap_dims(1, 2);
+        let [q, k, v] = match &self.projections {
+            Projections::Separate(layers) => [0, 1, 2].map(|i| heads(layers[i].forward(x.clone()))),
+            Projections::Packed(layer) => {
+                let qkv = layer.forward(x);
+                [0, 1, 2].map(|i| heads(qkv.clone().narrow(2, i * d, d)))
+            }
+        };
+        let causal = AttentionMask::causal();
+        let context =
+            mha::scaled_dot_product_attention(q, k, v, &causal, SdpaOptions::default()).context;
+        self.out.forward(context.swap_dims(1, 2).reshape([b, t, d]))
+    }
+}
+
+/// Times both compositions at `shape` in `dtype`, forward and forward+backward, into
+/// `out` (subjects `core+linear` and `core+qkv`).
+pub fn bench_variants(
+    runs: usize,
+    backend: &'static str,
+    device: &Device,
+    (shape, dtype): (Shape, FloatDType),
+    out: &mut Vec<Record>,
+) -> anyhow::Result<()> {
+    let ad = device.clone().autodiff();
+    let [b, t, d] = [shape.batch, shape.seq, shape.d_model];
+    let fwd = shape.mha_flops();
+    for (subject, packed) in [("core+linear", false), ("core+qkv", true)] {
+        let mut record = |pass, (ms, runs): (f64, usize), flops: f64| {
+            out.push(Record {
+                backend,
+                shape: Some(shape),
+                subject,
+                pass,
+                median_ms: ms,
+                runs,
+                gflops: Some(flops / ms / 1e6),
+                tokens_per_second: None,
+                batch: None,
+                context: None,
+                peak_mib: None,
+                heads: None,
+                dtype: Some(dtype_name(dtype)),
+            });
+        };
+        let model = Composed::new(shape, packed, dtype, device);
+        let x = randn_as(dtype, [b, t, d], device);
+        record(
+            "forward",
+            time(runs, device, || drop(model.forward(x.clone())))?,
+            fwd,
+        );
+        let model = Composed::new(shape, packed, dtype, &ad);
+        let x = randn_as(dtype, [b, t, d], &ad).require_grad();
+        record(
+            "forward+backward",
+            time(runs, device, || {
+                drop(model.forward(x.clone()).sum().backward())
+            })?,
+            3.0 * fwd,
+        );
+    }
+    Ok(())
+}
+
+/// The compositions' lines beside the module's, at each shape of `records` that has them.
+pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
+    let of = |shape: &str, subject: &str, pass: &str| {
+        records
+            .iter()
+            .find(|r| {
+                r.shape.is_some_and(|s| s.name == shape) && r.subject == subject && r.pass == pass
+            })
+            .map(|r| r.median_ms)
+    };
+    let mut shapes: Vec<&str> = Vec::new();
+    for r in records.iter().filter(|r| r.subject == "core+qkv") {
+        if let Some(s) = r.shape
+            && !shapes.contains(&s.name)
+        {
+            shapes.push(s.name);
+        }
+    }
+    if shapes.is_empty() {
+        return;
+    }
+    println!(
+        "\n## {backend}, {dtype}: the module against its core between other projections, median ms\n"
+    );
+    println!(
+        "| shape | pass | mha module | core + 3 Linear | core + 1 Linear to Q, K, V | core alone |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let cell = |ms: Option<f64>| ms.map_or("—".to_string(), |ms| format!("{ms:.2}"));
+    for shape in shapes {
+        for pass in ["forward", "forward+backward"] {
+            println!(
+                "| {shape} | {pass} | {} | {} | {} | {} |",
+                cell(of(shape, "mha", pass)),
+                cell(of(shape, "core+linear", pass)),
+                cell(of(shape, "core+qkv", pass)),
+                cell(of(shape, "mha-core", pass)),
+            );
+        }
+    }
+}
