@@ -90,9 +90,16 @@ def main(out):
             lines.append(f"| {who} | {positions} | {dtype} | {ms:.2f} | {peak} |")
     for path in sorted(glob.glob(os.path.join(out, "overhead-*.log"))):
         build = os.path.basename(path)[len("overhead-"):-len(".log")]
-        lines.append(f"\n## Around the kernels ({build}): one call of each module\n")
+        lines.append(f"\n## Around the kernels ({build}): one call of each module")
         with open(path) as f:
-            lines.extend(line.rstrip("\n") for line in f if line.startswith(("|", "## overhead")))
+            for line in f:
+                if line.startswith("## overhead"):
+                    lines.append("\n#" + line.rstrip("\n"))
+                elif line.startswith("| module |"):
+                    # Each table apart from the one before it.
+                    lines.extend(["", line.rstrip("\n")])
+                elif line.startswith("|"):
+                    lines.append(line.rstrip("\n"))
     steps = os.path.join(out, "steps.tsv")
     if os.path.exists(steps):
         lines.append("\n## Steps\n")

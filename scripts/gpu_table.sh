@@ -17,11 +17,12 @@
 #    or empty folder:
 #        scripts/gpu_table.sh --run PACK OUT
 #    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
-#    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype
-#    (with `--variants`: mha's core between projections made otherwise than the module's)
-#    (and SPIR-V f16 again on the portable tile product) in a process of its own under its
-#    own time limit, then where each module's call spends the device's time (`--overhead`,
-#    kernel by kernel), so that a crash or a timeout loses one step; after every step it rewrites
+#    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype in
+#    a process of its own under its own time limit, so that a crash or a timeout loses one
+#    step: WGSL f16 and f32 (with `--variants`, mha's core between projections made
+#    otherwise than the module's), SPIR-V f16, WGSL's costs around the kernels
+#    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
+#    costs around the kernels, SPIR-V f32; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
@@ -243,45 +244,64 @@ else
     skip cooperative-check "no unit-test binary in $pack_dir"
 fi
 
+# `unpack BUILD`: the packed benchmark of BUILD as OUT/bench-BUILD; false (and a step
+# recorded as not run) where the pack has none.
+unpack() {
+    local packed="$pack_dir/bench-$1.xz"
+    if [ ! -f "$packed" ]; then
+        skip "mha-$1" "no $1 build in $pack_dir"
+        return 1
+    fi
+    xz -dc "$packed" > "$out/bench-$1"
+    chmod +x "$out/bench-$1"
+}
+
+# `timed BUILD DTYPE NAME [ARGS...]`: the modules and the core timed at every shape, the
+# long core too, into OUT/NAME.json (rewritten after every shape: a timeout keeps the
+# shapes done).
+timed() {
+    local build="$1" dtype="$2" name="$3"
+    shift 3
+    step "$name" "$limit" "$out/bench-$build" --backend wgpu --shapes "$shapes" --runs "$runs" \
+        --dtype "$dtype" --no-train --long-core "$long" --json "$out/$name.json" "$@"
+}
+
 # `overhead BUILD DTYPES`: where one call of mha's module and of Burn's spends the device's
 # time, kernel by kernel, with launches, buffers and the host's time to issue it
 # (`--overhead`), at the base and long shapes.
 overhead() {
-    step "overhead-$1" "$overhead_limit" "$exe" --backend wgpu --shapes "$overhead_shapes" \
-        --runs 1 --dtype "$2" --no-train --overhead
+    step "overhead-$1" "$overhead_limit" "$out/bench-$1" --backend wgpu \
+        --shapes "$overhead_shapes" --runs 1 --dtype "$2" --no-train --overhead
 }
 
-# Each build and dtype in a process of its own: WGSL (every wgpu device), then SPIR-V
-# (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of shared memory on a
-# device without an explicit workgroup layout, so the dry run has no such build).
-for build in wgsl spirv; do
-    packed="$pack_dir/bench-$build.xz"
-    if [ ! -f "$packed" ]; then
-        skip "mha-$build" "no $build build in $pack_dir"
-        continue
-    fi
-    exe="$out/bench-$build"
-    xz -dc "$packed" > "$exe"
-    chmod +x "$exe"
-    # f16 first: the SPIR-V build's f32 step outran 170 s at the base shape on an H200
-    # (2026-11-27), where its f16 step took 150 s.
-    for dtype in f16 f32; do
-        step "mha-$build-$dtype" "$limit" "$exe" --backend wgpu --shapes "$shapes" --runs "$runs" \
-            --dtype "$dtype" --no-train --variants --long-core "$long" \
-            --json "$out/mha-$build-$dtype.json"
-        # SPIR-V in f16 again on the portable tile product, before f32: the kernels take
-        # cooperative matrices (tensor cores) where the device has them, and this row
-        # is what they gain.
-        if [ "$build" = spirv ] && [ "$dtype" = f16 ]; then
-            MHA_GPU_TILE_PRODUCT=portable step "mha-spirv_portable-f16" "$limit" "$exe" \
-                --backend wgpu --shapes "$shapes" --runs "$runs" --dtype f16 --no-train \
-                --no-builtin --long-core "$long" --json "$out/mha-spirv_portable-f16.json"
-            overhead spirv f16
-        fi
-    done
-    [ "$build" = spirv ] || overhead "$build" f16,f32
-    rm -f "$exe"
-done
+# Each build and dtype in a process of its own, the table's rows first: WGSL (every wgpu
+# device) in f16 and f32, with mha's core between other projections (`--variants`), then
+# SPIR-V in f16 (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of
+# shared memory on a device without an explicit workgroup layout, so the dry run has no
+# such build). Then what is needed to read them: WGSL's costs around the kernels, SPIR-V
+# in f16 on the portable tile product (what cooperative matrices gain) and its costs
+# around the kernels. SPIR-V in f32 last: it outran 170 s at the base shape on an H200
+# (2026-11-27), where its f16 step took 150 s.
+wgsl=0
+spirv=0
+unpack wgsl && wgsl=1
+unpack spirv && spirv=1
+if [ "$wgsl" -eq 1 ]; then
+    timed wgsl f16 mha-wgsl-f16 --variants
+    timed wgsl f32 mha-wgsl-f32 --variants
+fi
+if [ "$spirv" -eq 1 ]; then
+    timed spirv f16 mha-spirv-f16
+fi
+if [ "$wgsl" -eq 1 ]; then
+    overhead wgsl f16,f32
+fi
+if [ "$spirv" -eq 1 ]; then
+    MHA_GPU_TILE_PRODUCT=portable timed spirv f16 mha-spirv_portable-f16 --no-builtin
+    overhead spirv f16
+    timed spirv f32 mha-spirv-f32
+fi
+rm -f "$out"/bench-*
 
 archive
 cat "$out/gpu_table.md"

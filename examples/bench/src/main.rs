@@ -32,7 +32,7 @@ mod overhead;
 mod prune;
 mod variants;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
@@ -119,9 +119,11 @@ struct Cli {
     /// Also time, at each shape and dtype, mha's attention core between input
     /// projections made otherwise than the module's: three `Linear` layers of their own
     /// (`core+linear`), and one to Q, K and V whose output is cut in three (`core+qkv`).
+    /// Nothing is timed with `--overhead`.
     #[arg(long)]
     variants: bool,
-    /// Also write every measurement to this JSON file.
+    /// Also write every measurement to this JSON file (rewritten whole after each
+    /// shape, so that a run stopped midway keeps what it measured).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -271,6 +273,35 @@ struct Record {
     dtype: Option<&'static str>,
 }
 
+impl Record {
+    /// A measurement of attention at `shape` in `dtype`: the median milliseconds and runs
+    /// `timed`, for `flops` of work.
+    fn attention(
+        backend: &'static str,
+        (shape, dtype): (Shape, FloatDType),
+        subject: &'static str,
+        pass: &'static str,
+        (ms, runs): (f64, usize),
+        flops: f64,
+    ) -> Self {
+        Record {
+            backend,
+            shape: Some(shape),
+            subject,
+            pass,
+            median_ms: ms,
+            runs,
+            gflops: Some(flops / ms / 1e6),
+            tokens_per_second: None,
+            batch: None,
+            context: None,
+            peak_mib: None,
+            heads: None,
+            dtype: Some(dtype_name(dtype)),
+        }
+    }
+}
+
 /// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device.
 fn time(runs: usize, device: &Device, mut f: impl FnMut()) -> anyhow::Result<(f64, usize)> {
     let started = Instant::now();
@@ -316,22 +347,15 @@ fn bench_mha(
         ..
     } = shape;
     let ad = device.clone().autodiff();
-    let mut record = |subject, pass, (ms, runs): (f64, usize), flops: f64| {
-        out.push(Record {
-            backend: backend.name(),
-            shape: Some(shape),
+    let mut record = |subject, pass, timed, flops| {
+        out.push(Record::attention(
+            backend.name(),
+            (shape, dtype),
             subject,
             pass,
-            median_ms: ms,
-            runs,
-            gflops: Some(flops / ms / 1e6),
-            tokens_per_second: None,
-            batch: None,
-            context: None,
-            peak_mib: None,
-            heads: None,
-            dtype: Some(dtype_name(dtype)),
-        });
+            timed,
+            flops,
+        ));
     };
     let fwd = shape.mha_flops();
 
@@ -760,6 +784,7 @@ fn main() -> anyhow::Result<()> {
                     let at = (shape, dtype);
                     variants::bench_variants(cli.runs, backend.name(), &device, at, &mut mine)?;
                 }
+                write_json(cli.json.as_deref(), &records, &mine)?;
             }
         }
         if !cli.no_train {
@@ -800,6 +825,7 @@ fn main() -> anyhow::Result<()> {
                     dtype_name(dtype)
                 );
                 bench_long_core(&cli, backend, &device, (seq, dtype), &mut mine)?;
+                write_json(cli.json.as_deref(), &records, &mine)?;
             }
         }
         for (n, &dtype) in computed.iter().enumerate() {
@@ -833,9 +859,19 @@ fn main() -> anyhow::Result<()> {
         }
         records.extend(mine);
     }
-    if let Some(path) = &cli.json {
-        std::fs::write(path, serde_json::to_string_pretty(&records)? + "\n")
-            .with_context(|| format!("cannot write {}", path.display()))?;
-    }
-    Ok(())
+    write_json(cli.json.as_deref(), &records, &[])
+}
+
+/// Writes the measurements `done` and `current` to `path` (if any) as one JSON list,
+/// through a file beside it renamed into place: the file is always a whole list.
+fn write_json(path: Option<&Path>, done: &[Record], current: &[Record]) -> anyhow::Result<()> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    let all: Vec<&Record> = done.iter().chain(current).collect();
+    let part = path.with_extension("json.part");
+    std::fs::write(&part, serde_json::to_string_pretty(&all)? + "\n")
+        .with_context(|| format!("cannot write {}", part.display()))?;
+    std::fs::rename(&part, path)
+        .with_context(|| format!("cannot rename {} to {}", part.display(), path.display()))
 }

@@ -8,9 +8,10 @@
 //!
 //! Then where one more call spends the device's time: each kernel's own time from the
 //! device's timestamps, summed by kernel, against the window from the first kernel's start
-//! to the last one's end. What the window holds beyond the kernels is time the device sat
-//! idle waiting for the host (each launch is bracketed by timestamp queries there, which
-//! adds to that idle time a little: the untimed call's time to finish is the other bound).
+//! to the last one's end. The window's rest is time the device sat idle between kernels;
+//! in this timed call cubecl submits every kernel on its own between its timestamps, so
+//! that share is an upper bound on the untimed call's (whose time to finish, in the first
+//! table, is the other bound).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -29,29 +30,27 @@ use mha::{MhaInput, ModuleDType, MultiHeadAttentionConfig};
 
 use crate::{Shape, dtype_name, randn_as};
 
-/// Counts every kernel launched while installed, by name.
+/// What a call launches while this is installed: every kernel by name, and where
+/// `timing`, each launch's measurement, kept unread until the call is over (read at once,
+/// as a length, where cubecl's profiling logger takes the measurements too).
 #[derive(Default)]
-struct Launches(Mutex<BTreeMap<&'static str, usize>>);
-
-impl LaunchObserver for Launches {
-    fn launched(&self, kernel: &'static str) {
-        *self.0.lock().unwrap().entry(kernel).or_default() += 1;
-    }
-}
-
-/// Every launch's measurement, kept unread until the call is over (read at once, as a
-/// length, only where cubecl's profiling logger takes them too).
-#[derive(Default)]
-struct Timings {
+struct Watch {
+    timing: bool,
+    counts: Mutex<BTreeMap<&'static str, usize>>,
     kept: Mutex<Vec<(&'static str, ProfileDuration)>>,
     read: Mutex<Vec<(&'static str, Duration, TimingMethod)>>,
 }
 
-impl LaunchObserver for Timings {
-    fn launched(&self, _kernel: &'static str) {}
+impl LaunchObserver for Watch {
+    fn launched(&self, kernel: &'static str) {
+        *self.counts.lock().unwrap().entry(kernel).or_default() += 1;
+    }
 
     fn timing(&self) -> TimingRequest {
-        TimingRequest::Deferred
+        match self.timing {
+            true => TimingRequest::Deferred,
+            false => TimingRequest::None,
+        }
     }
 
     fn profiled(&self, kernel: &'static str, profile: ProfileDuration) {
@@ -63,49 +62,73 @@ impl LaunchObserver for Timings {
     }
 }
 
+/// Waits for the device.
+fn sync(device: &Device) -> anyhow::Result<()> {
+    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))
+}
+
+/// One `call` with `watch` installed, the device synced before and after: what it
+/// returned (for the caller to drop) and the host's milliseconds until the call returned
+/// and until the device was done.
+fn watched<T>(
+    device: &Device,
+    watch: &Arc<Watch>,
+    call: impl Fn() -> T,
+) -> anyhow::Result<(T, f64, f64)> {
+    sync(device)?;
+    let watching = LaunchObservation::new(watch.clone());
+    let started = Instant::now();
+    let result = call();
+    let issue_ms = started.elapsed().as_secs_f64() * 1e3;
+    sync(device)?;
+    let total_ms = started.elapsed().as_secs_f64() * 1e3;
+    drop(watching);
+    Ok((result, issue_ms, total_ms))
+}
+
 /// Where one call spent the device's time.
 struct Breakdown {
     /// Per kernel (short name): launches and milliseconds, the longest first.
     kernels: Vec<(String, usize, f64)>,
     /// The kernels' times summed.
     busy_ms: f64,
-    /// From the first kernel's start to the last one's end (`None` where the measurements
-    /// came as lengths only).
+    /// From the first kernel's start to the last one's end (`None` where some
+    /// measurements came as lengths only).
     window_ms: Option<f64>,
-    /// Launches timed on the host's clock (no device timestamps), and launches whose
-    /// window carried no measurement.
+    /// Launches timed on the host's clock (no device timestamps).
     system_timed: usize,
+    /// Launches measured one at a time, as lengths (cubecl's profiling logger is on).
+    read_at_once: usize,
+    /// Launches without a measurement (refused, or a window that carried none).
     unmeasured: usize,
 }
 
 /// The device time of one more `call`, kernel by kernel.
 fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdown> {
-    let sync = || device.sync().map_err(|e| anyhow::anyhow!("{e:?}"));
-    sync()?;
-    let timings = Arc::new(Timings::default());
-    let watching = LaunchObservation::new(timings.clone());
-    let kept = call();
-    sync()?;
-    drop(watching);
-    drop(kept);
+    let watch = Arc::new(Watch {
+        timing: true,
+        ..Watch::default()
+    });
+    // Kernels are placed by their distance from an instant before any of them.
+    let before = Instant::now();
+    let epoch = before.checked_sub(Duration::from_secs(1)).unwrap_or(before);
+    let (result, _, _) = watched(device, &watch, call)?;
+    drop(result);
+    let launches: usize = watch.counts.lock().unwrap().values().sum();
+    let profiles = std::mem::take(&mut *watch.kept.lock().unwrap());
+    let read = std::mem::take(&mut *watch.read.lock().unwrap());
     let mut spans = Vec::new();
     let mut system_timed = 0;
-    let mut unmeasured = 0;
-    // Any instant before the first kernel: lengths from it place each kernel.
-    let epoch = Instant::now() - Duration::from_secs(3600);
-    let kept = std::mem::take(&mut *timings.kept.lock().unwrap());
-    for (kernel, profile) in kept {
+    for (kernel, profile) in profiles {
         system_timed += usize::from(profile.timing_method() == TimingMethod::System);
-        match block_on(profile.resolve()) {
-            Some(ticks) => spans.push((
+        if let Some(ticks) = block_on(profile.resolve()) {
+            spans.push((
                 kernel,
                 ticks.start_duration_since(epoch).as_secs_f64() * 1e3,
                 ticks.end_duration_since(epoch).as_secs_f64() * 1e3,
-            )),
-            None => unmeasured += 1,
+            ));
         }
     }
-    let read = std::mem::take(&mut *timings.read.lock().unwrap());
     let mut by_name: BTreeMap<String, (usize, f64)> = BTreeMap::new();
     for &(kernel, start, end) in &spans {
         let entry = by_name.entry(short_name(kernel)).or_default();
@@ -133,7 +156,8 @@ fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdo
         busy_ms,
         window_ms,
         system_timed,
-        unmeasured,
+        read_at_once: read.len(),
+        unmeasured: launches.saturating_sub(spans.len() + read.len()),
     })
 }
 
@@ -207,23 +231,16 @@ struct Cost {
 /// The costs of `call` (which returns what it keeps), after two warm-up calls, and the
 /// device time of one more call kernel by kernel.
 fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Breakdown)> {
-    let sync = || device.sync().map_err(|e| anyhow::anyhow!("{e:?}"));
     for _ in 0..2 {
         drop(call());
-        sync()?;
+        sync(device)?;
     }
     let before = device.memory_pool_usage().unwrap_or_default();
-    let counts = Arc::new(Launches::default());
-    let watching = LaunchObservation::new(counts.clone());
-    let started = Instant::now();
-    let kept = call();
-    let issue_ms = started.elapsed().as_secs_f64() * 1e3;
-    sync()?;
-    let total_ms = started.elapsed().as_secs_f64() * 1e3;
-    drop(watching);
+    let watch = Arc::new(Watch::default());
+    let (kept, issue_ms, total_ms) = watched(device, &watch, &call)?;
     let after = device.memory_pool_usage().unwrap_or_default();
     drop(kept);
-    let counts = counts.0.lock().unwrap().clone();
+    let counts = watch.counts.lock().unwrap().clone();
     let of = |parts: &[&str]| -> usize {
         counts
             .iter()
@@ -264,6 +281,12 @@ fn print_breakdowns(breakdowns: &[(&str, &str, Breakdown)]) {
         let mut notes = String::new();
         if b.system_timed > 0 {
             notes += &format!(" ({} launches timed on the host's clock)", b.system_timed);
+        }
+        if b.read_at_once > 0 {
+            notes += &format!(
+                " ({} launches measured one at a time: cubecl's profiling logger is on, no window)",
+                b.read_at_once
+            );
         }
         if b.unmeasured > 0 {
             notes += &format!(" ({} launches unmeasured)", b.unmeasured);

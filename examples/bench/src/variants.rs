@@ -14,7 +14,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{AttentionMask, ModuleDType, SdpaOptions};
 
-use crate::{Record, Shape, dtype_name, randn_as, time};
+use crate::{Record, Shape, find, randn_as, time};
 
 /// The input projections of a composition.
 enum Projections {
@@ -77,22 +77,15 @@ pub fn bench_variants(
     let [b, t, d] = [shape.batch, shape.seq, shape.d_model];
     let fwd = shape.mha_flops();
     for (subject, packed) in [("core+linear", false), ("core+qkv", true)] {
-        let mut record = |pass, (ms, runs): (f64, usize), flops: f64| {
-            out.push(Record {
+        let mut record = |pass, timed, flops| {
+            out.push(Record::attention(
                 backend,
-                shape: Some(shape),
+                (shape, dtype),
                 subject,
                 pass,
-                median_ms: ms,
-                runs,
-                gflops: Some(flops / ms / 1e6),
-                tokens_per_second: None,
-                batch: None,
-                context: None,
-                peak_mib: None,
-                heads: None,
-                dtype: Some(dtype_name(dtype)),
-            });
+                timed,
+                flops,
+            ));
         };
         let model = Composed::new(shape, packed, dtype, device);
         let x = randn_as(dtype, [b, t, d], device);
@@ -116,14 +109,7 @@ pub fn bench_variants(
 
 /// The compositions' lines beside the module's, at each shape of `records` that has them.
 pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
-    let of = |shape: &str, subject: &str, pass: &str| {
-        records
-            .iter()
-            .find(|r| {
-                r.shape.is_some_and(|s| s.name == shape) && r.subject == subject && r.pass == pass
-            })
-            .map(|r| r.median_ms)
-    };
+    let of = |shape, subject, pass| find(records, shape, subject, pass).map(|r| r.median_ms);
     let mut shapes: Vec<&str> = Vec::new();
     for r in records.iter().filter(|r| r.subject == "core+qkv") {
         if let Some(s) = r.shape

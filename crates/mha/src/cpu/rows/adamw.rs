@@ -6,10 +6,9 @@ use std::mem::MaybeUninit;
 
 use crate::cpu::blocks::{Chunks, for_each_block};
 use crate::cpu::{CpuTensors, dims_of, written};
-use burn::backend::tensor::FloatTensor;
 
-/// Elements per parallel task.
-const CHUNK: usize = 1 << 14;
+use super::CHUNK;
+use burn::backend::tensor::FloatTensor;
 
 /// The numbers of one step, each in f32 as Burn's AdamW rounds it.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -5,10 +5,9 @@ use std::mem::MaybeUninit;
 
 use crate::cpu::blocks::{Chunks, for_each_block};
 use crate::cpu::{CpuTensors, dims_of, written};
-use burn::backend::tensor::FloatTensor;
 
-/// Elements per parallel task.
-const CHUNK: usize = 1 << 14;
+use super::CHUNK;
+use burn::backend::tensor::FloatTensor;
 
 /// `a + b` for two rank-4 f32 tensors of one shape (each read through its strides).
 pub(crate) fn add<B: CpuTensors>(a: &FloatTensor<B>, b: &FloatTensor<B>) -> FloatTensor<B> {

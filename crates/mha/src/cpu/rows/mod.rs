@@ -12,11 +12,13 @@ pub(crate) mod swiglu;
 
 use std::mem::MaybeUninit;
 
-/// Elements per parallel task of the elementwise row kernels (GELU, SwiGLU).
+/// Elements per parallel task of the row kernels (whole rows of about this many, where a
+/// kernel works row by row).
 pub(crate) const CHUNK: usize = 1 << 14;
 
-/// The chunks of `out`'s first `len` elements (`out` allocated with at least that
-/// capacity), or as many `None`s where there is no `out` (a result not wanted).
+/// The chunks of the first `len` elements of `out`'s spare capacity (`out` an empty
+/// vector of at least that capacity, which the caller fills through the chunks and then
+/// sets to `len`), or as many `None`s where there is no `out` (a result not wanted).
 pub(crate) fn chunks(
     out: &mut Option<Vec<f32>>,
     len: usize,

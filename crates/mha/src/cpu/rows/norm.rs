@@ -18,18 +18,16 @@
 //! the per-task parts of `dγ` and `dβ` are added in task order: results are the same on
 //! every run.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use burn::backend::tensor::FloatTensor;
 
 use crate::cpu::blocks::{Chunks, for_each_block, map_blocks};
 use crate::cpu::isa::{Arch, Isa, Kernel};
-use std::mem::MaybeUninit;
-
 use crate::cpu::{CpuTensors, dims_of, written};
 
-/// Elements per parallel task (whole rows).
-const CHUNK: usize = 1 << 14;
+use super::CHUNK;
 
 /// Lanes of the sums.
 const LANES: usize = 8;

@@ -6,8 +6,7 @@ use burn::backend::tensor::FloatTensor;
 use crate::cpu::blocks::map_blocks;
 use crate::cpu::{CpuTensors, dims_of};
 
-/// Elements per parallel task.
-const CHUNK: usize = 1 << 14;
+use super::CHUNK;
 
 /// `Σ x²` over every element of `x` (any shape of rank 4), as `[1, 1, 1, 1]`: each chunk
 /// summed in f32 lanes, the chunks in f64, the total rounded to f32 once.
