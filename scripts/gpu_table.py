@@ -8,7 +8,8 @@ benchmark's `--overhead` tables) and OUT/steps.tsv (each step's name, status and
 seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
 module, Burn's module and PyTorch's, their cores, the core between other projections
 (`--variants`), and the ratios, then the long core, then what one call of each module
-costs around its kernels (kernel by kernel), then each step's status. Standard library
+costs around its kernels (kernel by kernel), then the core with each tile first
+(OUT/tiles-BUILD-DTYPE-U-Q-K.json and .log, `--tiles`), then each step's status. Standard library
 only: it runs on the GPU machine beside PyTorch.
 
     python3 scripts/gpu_table.py OUT
@@ -100,6 +101,26 @@ def main(out):
                     lines.extend(["", line.rstrip("\n")])
                 elif line.startswith("|"):
                     lines.append(line.rstrip("\n"))
+    tiles = sorted(glob.glob(os.path.join(out, "tiles-*.json")))
+    if tiles:
+        lines.append("\n## The causal core with each tile first (MHA_GPU_TILES), forward+backward\n")
+        lines.append("| build | dtype | tiles first (units, queries, keys) | positions | median ms | kernel (launches): ms |")
+        lines.append("|---|---|---|---|---|---|")
+        for path in tiles:
+            build, dtype, *first = os.path.basename(path)[len("tiles-"):-len(".json")].split("-")
+            kernels = "—"
+            try:
+                with open(path[:-len(".json")] + ".log") as f:
+                    for line in f:
+                        if line.startswith("| core |"):
+                            kernels = line.rstrip("\n").rstrip(" |").split(" | ")[-1]
+            except OSError:
+                pass
+            for r in load(path) or []:
+                if (r.get("shape") or {}).get("name") == "long-core":
+                    lines.append(
+                        f"| {build} | {dtype} | {', '.join(first)} | {r.get('context')} | {r['median_ms']:.2f} | {kernels} |"
+                    )
     steps = os.path.join(out, "steps.tsv")
     if os.path.exists(steps):
         lines.append("\n## Steps\n")

@@ -27,11 +27,16 @@
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
 #    (CUBECL_AUTOTUNE_LEVEL=minimal).
+#        scripts/gpu_table.sh --tiles PACK OUT
+#    instead times the causal core at 4096 positions with each of the kernels' four
+#    largest tiles first in their order of preference (MHA_GPU_TILES), kernel by kernel:
+#    SPIR-V in f16 (cooperative matrices), WGSL in f32 and f16; the same budget.
 # 3. In CI, on Mesa's lavapipe:
 #        scripts/gpu_table.sh --dry-run OUT
 #    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`, and the
 #    unit tests of `cargo test --features ndarray,wgpu --lib`), then
-#    runs step 2 on it at a tiny shape with one run: the script is known to work before it
+#    runs step 2 on it at a tiny shape with one run (and one step of `--tiles`, at 256
+#    positions): the script is known to work before it
 #    meets a GPU. It fails if a step that could run failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -103,10 +108,17 @@ fresh_out() {
 }
 
 dry=0
+tiles_only=0
 case "${1:-}" in
     --run)
         pack_dir="${2:?--run PACK OUT}"
         out="${3:?--run PACK OUT}"
+        fresh_out "$out"
+        ;;
+    --tiles)
+        tiles_only=1
+        pack_dir="${2:?--tiles PACK OUT}"
+        out="${3:?--tiles PACK OUT}"
         fresh_out "$out"
         ;;
     --dry-run)
@@ -187,6 +199,8 @@ if [ "$dry" -eq 1 ]; then
     long=256
     limit=900
     overhead_limit=900
+    tiles_len=256
+    tiles_limit=900
     budget="${MHA_GPU_TABLE_BUDGET:-1800}"
 else
     shapes=small,base,long
@@ -196,6 +210,8 @@ else
     # WGSL took 80 s a dtype on an H200 (2026-11-27), SPIR-V f16 about 150 s (5 runs).
     limit=150
     overhead_limit=90
+    tiles_len=4096
+    tiles_limit=60
 fi
 
 {
@@ -225,7 +241,9 @@ if [ -z "${__EGL_VENDOR_LIBRARY_FILENAMES:-}" ] && [ -f "$nvidia/glvnd/egl_vendo
 fi
 
 # PyTorch on CUDA first: it needs no Vulkan and no binary of ours.
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
+if [ "$tiles_only" -eq 1 ]; then
+    : # the tiles alone
+elif python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
     step pytorch "$limit" python3 scripts/bench_pytorch.py --device cuda --shapes "$shapes" \
         --runs "$runs" --dtype f32,f16,bf16 --long-core "$long" --json "$out/pytorch.json"
 else
@@ -235,7 +253,9 @@ fi
 # The tile product on cooperative matrices (tensor cores) against the portable one and
 # f64, on every mask kind (mha's unit test, the vulkan build): where the device reports
 # none, the test says so and passes.
-if [ -f "$pack_dir/mha-tests.xz" ]; then
+if [ "$tiles_only" -eq 1 ]; then
+    :
+elif [ -f "$pack_dir/mha-tests.xz" ]; then
     xz -dc "$pack_dir/mha-tests.xz" > "$out/mha-tests"
     chmod +x "$out/mha-tests"
     step cooperative-check 120 "$out/mha-tests" gpu::tests::gpu_cooperative --nocapture
@@ -274,6 +294,21 @@ overhead() {
         --shapes "$overhead_shapes" --runs 1 --dtype "$2" --no-train --overhead
 }
 
+# `sweep BUILD DTYPE TILES...`: the causal core at $tiles_len positions, forward+backward,
+# with each of TILES (`units,queries,keys`, one of the kernels' candidates) first in their
+# order of preference (MHA_GPU_TILES), each in a process of its own, with each kernel's
+# device time.
+sweep() {
+    local build="$1" dtype="$2" tiles name
+    shift 2
+    for tiles in "$@"; do
+        name="tiles-$build-$dtype-${tiles//,/-}"
+        MHA_GPU_TILES="$tiles" step "$name" "$tiles_limit" "$out/bench-$build" \
+            --backend wgpu --shapes none --no-train --runs 3 --dtype "$dtype" \
+            --long-core "$tiles_len" --core-kernels --json "$out/$name.json"
+    done
+}
+
 # Each build and dtype in a process of its own, the table's rows first: WGSL (every wgpu
 # device) in f16 and f32, with mha's core between other projections (`--variants`), then
 # SPIR-V in f16 (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of
@@ -286,6 +321,23 @@ wgsl=0
 spirv=0
 unpack wgsl && wgsl=1
 unpack spirv && spirv=1
+# The largest four candidates (the smaller ones are for devices with little shared memory).
+candidates="128,64,64 128,64,32 64,32,32 32,16,32"
+if [ "$tiles_only" -eq 1 ]; then
+    # Cooperative matrices first (SPIR-V f16), then the portable product in f32 and f16.
+    if [ "$spirv" -eq 1 ]; then
+        sweep spirv f16 $candidates
+    fi
+    if [ "$wgsl" -eq 1 ]; then
+        sweep wgsl f32 $candidates
+        sweep wgsl f16 $candidates
+    fi
+    wgsl=0
+    spirv=0
+elif [ "$dry" -eq 1 ] && [ "$wgsl" -eq 1 ]; then
+    # The sweep's plumbing, once.
+    sweep wgsl f32 128,64,64
+fi
 if [ "$wgsl" -eq 1 ]; then
     timed wgsl f16 mha-wgsl-f16 --variants
     timed wgsl f32 mha-wgsl-f32 --variants

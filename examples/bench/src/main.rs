@@ -116,6 +116,11 @@ struct Cli {
     #[cfg(feature = "wgpu")]
     #[arg(long)]
     overhead: bool,
+    /// With `--long-core`, also print where one of its calls spends the device's time,
+    /// kernel by kernel (GPU backends).
+    #[cfg(feature = "wgpu")]
+    #[arg(long)]
+    core_kernels: bool,
     /// Also time, at each shape and dtype, mha's attention core between input
     /// projections made otherwise than the module's: three `Linear` layers of their own
     /// (`core+linear`), and one to Q, K and V whose output is cut in three (`core+qkv`).
@@ -158,6 +163,24 @@ fn bench_long_core(
             mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
         drop(out.context.sum().backward());
     })?;
+    #[cfg(feature = "wgpu")]
+    if cli.core_kernels {
+        let one = overhead::breakdown(device, || {
+            let out = mha::scaled_dot_product_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &causal,
+                options,
+            );
+            out.context.sum().backward()
+        })?;
+        println!(
+            "\n## {backend}: the causal core at {seq} positions in {}, kernel by kernel",
+            dtype_name(dtype)
+        );
+        overhead::print_breakdowns(&[("core", "forward+backward", one)]);
+    }
     let peak_mib = device.memory_pool_report().map(|pools| {
         let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
         bytes as f64 / (1 << 20) as f64

@@ -87,7 +87,7 @@ fn watched<T>(
 }
 
 /// Where one call spent the device's time.
-struct Breakdown {
+pub struct Breakdown {
     /// Per kernel (short name): launches and milliseconds, the longest first.
     kernels: Vec<(String, usize, f64)>,
     /// The kernels' times summed.
@@ -104,7 +104,7 @@ struct Breakdown {
 }
 
 /// The device time of one more `call`, kernel by kernel.
-fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdown> {
+pub fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdown> {
     let watch = Arc::new(Watch {
         timing: true,
         ..Watch::default()
@@ -261,7 +261,7 @@ fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Break
 }
 
 /// The kernels that took the device's time in each call, the longest first.
-fn print_breakdowns(breakdowns: &[(&str, &str, Breakdown)]) {
+pub fn print_breakdowns(breakdowns: &[(&str, &str, Breakdown)]) {
     println!(
         "\n| module | pass | ms in kernels | ms from first start to last end | idle between | kernel (launches): ms, the longest first |"
     );

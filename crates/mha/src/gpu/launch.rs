@@ -302,14 +302,15 @@ fn choose<T: KernelTiles + Copy>(dims: &Dims, size: usize, shared: usize, frag: 
         let t = make(forced);
         return t.cooperative(frag).unwrap_or(t);
     }
+    let order = preference(tiles_asked());
     let budget = shared.min(COOPERATIVE_BUDGET);
-    let cooperative = CANDIDATES
+    let cooperative = order
         .into_iter()
         .filter_map(|c| make(c).cooperative(frag))
         .find(|t| t.shared_bytes(size) <= budget);
     let budget = shared.min(SHARED_BUDGET);
     cooperative.unwrap_or_else(|| {
-        CANDIDATES
+        order
             .into_iter()
             .map(make)
             .find(|t| t.shared_bytes(size) <= budget)
@@ -317,10 +318,71 @@ fn choose<T: KernelTiles + Copy>(dims: &Dims, size: usize, shared: usize, frag: 
     })
 }
 
+/// The environment variable that puts one of [`CANDIDATES`] first in every kernel's
+/// order of preference, as `units,queries,keys` (`128,64,32`): to measure tiles against
+/// each other on a device (`scripts/gpu_table.sh --tiles`). A kernel whose products or
+/// shared memory the tiles do not fit takes the next candidate that fits, as without
+/// it. Unset or `auto`: the order of [`CANDIDATES`].
+pub(crate) const TILES_VAR: &str = "MHA_GPU_TILES";
+
+/// The candidate [`TILES_VAR`] puts first, if any.
+///
+/// # Panics
+/// On a value that is not `auto` or one of [`CANDIDATES`], naming it and them.
+fn tiles_asked() -> Option<(usize, usize, usize)> {
+    static FIRST: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
+    *FIRST.get_or_init(|| match std::env::var(TILES_VAR) {
+        Err(_) => None,
+        Ok(v) => parse_tiles(&v).unwrap_or_else(|| {
+            panic!(
+                "{TILES_VAR}={v:?}: want `auto` or one of {} (units, queries, keys)",
+                CANDIDATES
+                    .map(|(u, q, k)| format!("`{u},{q},{k}`"))
+                    .join(", ")
+            )
+        }),
+    })
+}
+
+/// `auto` (or nothing) as `Some(None)`, `units,queries,keys` as `Some(Some(..))` where it
+/// is one of [`CANDIDATES`], anything else as `None`.
+fn parse_tiles(v: &str) -> Option<Option<(usize, usize, usize)>> {
+    let v = v.trim();
+    if v.is_empty() || v == "auto" {
+        return Some(None);
+    }
+    let parts: Vec<usize> = v
+        .split(',')
+        .map(|p| p.trim().parse().ok())
+        .collect::<Option<_>>()?;
+    let &[u, q, k] = parts.as_slice() else {
+        return None;
+    };
+    CANDIDATES.contains(&(u, q, k)).then_some(Some((u, q, k)))
+}
+
+/// [`CANDIDATES`] with `first` (one of them) moved to the front.
+fn preference(first: Option<(usize, usize, usize)>) -> [(usize, usize, usize); CANDIDATES.len()] {
+    let mut order = CANDIDATES;
+    if let Some(at) = first.and_then(|f| order.iter().position(|&c| c == f)) {
+        order[..=at].rotate_right(1);
+    }
+    order
+}
+
 /// The environment variable that chooses the tile product: `portable` keeps the kernels
 /// off cooperative matrices where the device has them (to compare, or to step around a
 /// driver's fault); unset or `auto`, they take them where the device has them.
 pub(crate) const TILE_PRODUCT_VAR: &str = "MHA_GPU_TILE_PRODUCT";
+
+/// Reads [`TILE_PRODUCT_VAR`] and [`TILES_VAR`] (once in a process).
+///
+/// # Panics
+/// On a value either refuses, naming it.
+pub(crate) fn check_settings() {
+    portable_asked();
+    tiles_asked();
+}
 
 /// Whether [`TILE_PRODUCT_VAR`] asks for the portable product.
 ///
@@ -803,6 +865,24 @@ mod tests {
     const F16: ElemType = ElemType::Float(FloatKind::F16);
     const BF16: ElemType = ElemType::Float(FloatKind::BF16);
     const F32: ElemType = ElemType::Float(FloatKind::F32);
+
+    #[test]
+    fn asked_tiles_are_one_of_the_candidates_and_go_first() {
+        assert_eq!(parse_tiles(""), Some(None));
+        assert_eq!(parse_tiles("auto"), Some(None));
+        assert_eq!(parse_tiles(" 64, 32,32 "), Some(Some((64, 32, 32))));
+        for wrong in ["64,32", "64,32,32,1", "64,32,x", "64,64,64", "-1,32,32"] {
+            assert_eq!(parse_tiles(wrong), None, "{wrong:?}");
+        }
+        assert_eq!(preference(None), CANDIDATES);
+        for (at, &first) in CANDIDATES.iter().enumerate() {
+            let order = preference(Some(first));
+            assert_eq!(order[0], first);
+            // The others keep their order behind it.
+            let rest: Vec<_> = CANDIDATES.iter().copied().filter(|&c| c != first).collect();
+            assert_eq!(order[1..], rest[..], "candidate {at}");
+        }
+    }
 
     #[test]
     fn the_fragment_is_the_largest_the_device_reports_for_the_dtype_with_f32_sums() {

@@ -610,6 +610,9 @@ pub(crate) fn attention(
     mask: &AttentionMask,
     scores: Scores,
 ) -> Tensor<4> {
+    // On the caller's thread: the kernels are launched on the device's, where a panic
+    // would not reach the caller.
+    launch::check_settings();
     let device = query.device();
     let (queries, keys) = (query.dims()[2], key.dims()[2]);
     let visibility = mask.rule().visibility(queries, keys);
