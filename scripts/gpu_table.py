@@ -9,7 +9,8 @@ seconds); writes one row per shape, pass and dtype with the median milliseconds 
 module, Burn's module and PyTorch's, their cores, the core between other projections
 (`--variants`), and the ratios, then the long core, then what one call of each module
 costs around its kernels (kernel by kernel), then the core with each tile first
-(OUT/tiles-BUILD-DTYPE-U-Q-K.json and .log, `--tiles`), then each step's status. Standard library
+(OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
+JSON too), then each step's status. Standard library
 only: it runs on the GPU machine beside PyTorch.
 
     python3 scripts/gpu_table.py OUT
@@ -57,8 +58,6 @@ def main(out):
         ("mha spirv_portable", "mha (SPIR-V, portable product)"),
         ("core+linear wgsl", "core + 3 Linear (WGSL)"),
         ("core+qkv wgsl", "core + 1 Linear to QKV (WGSL)"),
-        ("core+linear spirv", "core + 3 Linear (SPIR-V)"),
-        ("core+qkv spirv", "core + 1 Linear to QKV (SPIR-V)"),
         ("burn wgsl", "Burn (WGSL)"),
         ("burn spirv", "Burn (SPIR-V)"),
         ("pytorch", "PyTorch CUDA"),
@@ -101,26 +100,29 @@ def main(out):
                     lines.extend(["", line.rstrip("\n")])
                 elif line.startswith("|"):
                     lines.append(line.rstrip("\n"))
-    tiles = sorted(glob.glob(os.path.join(out, "tiles-*.json")))
-    if tiles:
+    def tiles_key(path):
+        build, dtype, *first = os.path.basename(path)[len("tiles-"):-len(".log")].split("-")
+        return (build, dtype, [int(x) if x.isdigit() else 0 for x in first])
+
+    tile_logs = sorted(glob.glob(os.path.join(out, "tiles-*.log")), key=tiles_key)
+    if tile_logs:
         lines.append("\n## The causal core with each tile first (MHA_GPU_TILES), forward+backward\n")
-        lines.append("| build | dtype | tiles first (units, queries, keys) | positions | median ms | kernel (launches): ms |")
-        lines.append("|---|---|---|---|---|---|")
-        for path in tiles:
-            build, dtype, *first = os.path.basename(path)[len("tiles-"):-len(".json")].split("-")
-            kernels = "—"
-            try:
-                with open(path[:-len(".json")] + ".log") as f:
-                    for line in f:
-                        if line.startswith("| core |"):
-                            kernels = line.rstrip("\n").rstrip(" |").split(" | ")[-1]
-            except OSError:
-                pass
-            for r in load(path) or []:
-                if (r.get("shape") or {}).get("name") == "long-core":
-                    lines.append(
-                        f"| {build} | {dtype} | {', '.join(first)} | {r.get('context')} | {r['median_ms']:.2f} | {kernels} |"
-                    )
+        lines.append("| build | dtype | tiles first | tiles taken | positions | median ms | kernel (launches): ms |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for log in tile_logs:
+            build, dtype, first = tiles_key(log)
+            taken, kernels = "—", "—"
+            with open(log) as f:
+                for line in f:
+                    if line.startswith("| core |"):
+                        kernels = line.rstrip("\n").rstrip(" |").split(" | ")[-1]
+                    elif "tiles taken" in line and taken == "—":
+                        taken = line.split(": ", 2)[-1].strip()
+            records = [r for r in load(log[:-len(".log")] + ".json") or [] if (r.get("shape") or {}).get("name") == "long-core"]
+            first = ",".join(map(str, first))
+            for r in records or [{}]:
+                ms = f"{r['median_ms']:.2f}" if "median_ms" in r else "—"
+                lines.append(f"| {build} | {dtype} | {first} | {taken} | {r.get('context', '—')} | {ms} | {kernels} |")
     steps = os.path.join(out, "steps.tsv")
     if os.path.exists(steps):
         lines.append("\n## Steps\n")

@@ -163,24 +163,6 @@ fn bench_long_core(
             mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
         drop(out.context.sum().backward());
     })?;
-    #[cfg(feature = "wgpu")]
-    if cli.core_kernels {
-        let one = overhead::breakdown(device, || {
-            let out = mha::scaled_dot_product_attention(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                &causal,
-                options,
-            );
-            out.context.sum().backward()
-        })?;
-        println!(
-            "\n## {backend}: the causal core at {seq} positions in {}, kernel by kernel",
-            dtype_name(dtype)
-        );
-        overhead::print_breakdowns(&[("core", "forward+backward", one)]);
-    }
     let peak_mib = device.memory_pool_report().map(|pools| {
         let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
         bytes as f64 / (1 << 20) as f64
@@ -207,6 +189,33 @@ fn bench_long_core(
         heads: Some(8),
         dtype: Some(dtype_name(dtype)),
     });
+    Ok(())
+}
+
+/// Where one call of the causal core at `seq` positions (as [`bench_long_core`]) spends
+/// the device's time, kernel by kernel (`--core-kernels`).
+#[cfg(feature = "wgpu")]
+fn print_core_kernels(
+    backend: Backend,
+    device: &Device,
+    (seq, dtype): (usize, FloatDType),
+) -> anyhow::Result<()> {
+    let ad = device.clone().autodiff();
+    let dims = [1, 8, seq, 64];
+    let grad = || randn(dims, &ad).cast(dtype).require_grad();
+    let (q, k, v) = (grad(), grad(), grad());
+    let causal = AttentionMask::causal();
+    let options = SdpaOptions::default();
+    let one = overhead::breakdown(device, || {
+        let out =
+            mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
+        out.context.sum().backward()
+    })?;
+    println!(
+        "\n## {backend}: the causal core at {seq} positions in {}, kernel by kernel",
+        dtype_name(dtype)
+    );
+    overhead::print_breakdowns(&[("core", "forward+backward", one)]);
     Ok(())
 }
 
@@ -849,6 +858,10 @@ fn main() -> anyhow::Result<()> {
                 );
                 bench_long_core(&cli, backend, &device, (seq, dtype), &mut mine)?;
                 write_json(cli.json.as_deref(), &records, &mine)?;
+                #[cfg(feature = "wgpu")]
+                if cli.core_kernels {
+                    print_core_kernels(backend, &device, (seq, dtype))?;
+                }
             }
         }
         for (n, &dtype) in computed.iter().enumerate() {

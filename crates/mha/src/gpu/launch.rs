@@ -249,10 +249,12 @@ pub(crate) const CANDIDATES: [(usize, usize, usize); 6] = [
 ];
 
 /// The tiles of the three kernels for a call of `dims` in elements of `size` bytes: for
-/// each, the first of the candidates (units, queries, keys per tile) whose products are
-/// whole fragments of `frag` (and whole planes of units) and whose shared
-/// memory fits the device's and [`COOPERATIVE_BUDGET`]; where none is (or `frag` is
-/// [`Fragment::NONE`]), the first that fits [`SHARED_BUDGET`] with the portable product.
+/// each, the first of the candidates (units, queries, keys per tile; [`CANDIDATES`], or
+/// the one [`TILES_VAR`] asks for first) whose products are whole fragments of `frag`
+/// (and whole planes of units) and whose shared memory fits the device's and
+/// [`COOPERATIVE_BUDGET`]; where none is (or `frag` is [`Fragment::NONE`]), the first
+/// that fits [`SHARED_BUDGET`] with the portable product. Where [`TILES_VAR`] is set,
+/// the tiles taken are written to the standard error, once for each call's sizes.
 pub(crate) fn tiles(
     dims: &Dims,
     size: usize,
@@ -266,6 +268,34 @@ pub(crate) fn tiles(
     forward.softcap = softcap;
     dq.softcap = softcap;
     dkv.softcap = softcap;
+    if let Some(asked) = tiles_asked() {
+        let taken = [
+            (
+                forward.units,
+                forward.bq,
+                forward.bk,
+                forward.frag.is_some(),
+            ),
+            (dq.units, dq.bq, dq.bk, dq.frag.is_some()),
+            (dkv.units, dkv.bq, dkv.bk, dkv.frag.is_some()),
+        ];
+        type Key = (usize, usize, usize, [(usize, usize, usize, bool); 3]);
+        static SAID: std::sync::Mutex<Vec<Key>> = std::sync::Mutex::new(Vec::new());
+        let key = (dims.d_k, dims.d_v, size, taken);
+        let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+        if !said.contains(&key) {
+            said.push(key);
+            let [f, q, kv] = taken.map(|(u, bq, bk, cooperative)| match cooperative {
+                true => format!("{u},{bq},{bk} cooperative"),
+                false => format!("{u},{bq},{bk} portable"),
+            });
+            eprintln!(
+                "{TILES_VAR}={},{},{}: tiles taken (units, queries, keys) at head dims \
+                 {}/{} in {size}-byte inputs: forward {f}, dQ {q}, dK/dV {kv}",
+                asked.0, asked.1, asked.2, dims.d_k, dims.d_v
+            );
+        }
+    }
     (forward, dq, dkv)
 }
 
@@ -332,7 +362,8 @@ pub(crate) const TILES_VAR: &str = "MHA_GPU_TILES";
 fn tiles_asked() -> Option<(usize, usize, usize)> {
     static FIRST: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
     *FIRST.get_or_init(|| match std::env::var(TILES_VAR) {
-        Err(_) => None,
+        Err(std::env::VarError::NotPresent) => None,
+        Err(std::env::VarError::NotUnicode(v)) => panic!("{TILES_VAR}={v:?}: not UTF-8"),
         Ok(v) => parse_tiles(&v).unwrap_or_else(|| {
             panic!(
                 "{TILES_VAR}={v:?}: want `auto` or one of {} (units, queries, keys)",
@@ -391,7 +422,10 @@ pub(crate) fn check_settings() {
 fn portable_asked() -> bool {
     static PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PORTABLE.get_or_init(|| match std::env::var(TILE_PRODUCT_VAR) {
-        Err(_) => false,
+        Err(std::env::VarError::NotPresent) => false,
+        Err(std::env::VarError::NotUnicode(v)) => {
+            panic!("{TILE_PRODUCT_VAR}={v:?}: not UTF-8")
+        }
         Ok(v) if v == "auto" || v.is_empty() => false,
         Ok(v) if v == "portable" => true,
         Ok(v) => panic!("{TILE_PRODUCT_VAR}={v:?}: want `auto` or `portable`"),
