@@ -28,19 +28,11 @@ fn record(
     peak_mib: Option<f64>,
 ) -> Record {
     Record {
-        backend: backend.name(),
-        shape: None,
-        subject,
-        pass,
-        median_ms: ms,
-        runs,
-        gflops: None,
         tokens_per_second: Some(tokens as f64 / ms * 1e3),
         batch: Some(batch),
         context: Some(context),
         peak_mib,
-        heads: None,
-        dtype: None,
+        ..Record::new(backend.name(), subject, pass, (ms, runs))
     }
 }
 

@@ -33,19 +33,11 @@ pub const TOKENS: usize = 512;
 /// A record of the model at [`TOKENS`] positions.
 fn record(backend: Backend, pass: &'static str, (ms, runs): (f64, usize), tokens: usize) -> Record {
     Record {
-        backend: backend.name(),
-        shape: None,
-        subject: "llama",
-        pass,
-        median_ms: ms,
-        runs,
-        gflops: None,
         tokens_per_second: Some(tokens as f64 / ms * 1e3),
         batch: Some(1),
         context: Some(TOKENS),
-        peak_mib: None,
-        heads: None,
         dtype: Some("f32"),
+        ..Record::new(backend.name(), "llama", pass, (ms, runs))
     }
 }
 

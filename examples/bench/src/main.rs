@@ -174,20 +174,21 @@ fn bench_long_core(
         d_model: 512,
         heads: 8,
     };
+    let flops = 3.0 * shape.core_flops();
+    let at = (shape, dtype);
     out.push(Record {
-        backend: backend.name(),
-        shape: Some(shape),
-        subject: "mha-core",
-        pass: "forward+backward",
-        median_ms: ms,
-        runs,
-        gflops: Some(3.0 * shape.core_flops() / ms / 1e6),
-        tokens_per_second: None,
         batch: Some(1),
         context: Some(seq),
         peak_mib,
         heads: Some(8),
-        dtype: Some(dtype_name(dtype)),
+        ..Record::attention(
+            backend.name(),
+            at,
+            "mha-core",
+            "forward+backward",
+            (ms, runs),
+            flops,
+        )
     });
     Ok(())
 }
@@ -306,6 +307,31 @@ struct Record {
 }
 
 impl Record {
+    /// A measurement of `subject`'s `pass`: the median milliseconds and runs `timed`,
+    /// nothing else (the callers add what they know, `..Record::new(..)`).
+    fn new(
+        backend: &'static str,
+        subject: &'static str,
+        pass: &'static str,
+        (ms, runs): (f64, usize),
+    ) -> Self {
+        Record {
+            backend,
+            shape: None,
+            subject,
+            pass,
+            median_ms: ms,
+            runs,
+            gflops: None,
+            tokens_per_second: None,
+            batch: None,
+            context: None,
+            peak_mib: None,
+            heads: None,
+            dtype: None,
+        }
+    }
+
     /// A measurement of attention at `shape` in `dtype`: the median milliseconds and runs
     /// `timed`, for `flops` of work.
     fn attention(
@@ -313,23 +339,14 @@ impl Record {
         (shape, dtype): (Shape, FloatDType),
         subject: &'static str,
         pass: &'static str,
-        (ms, runs): (f64, usize),
+        timed: (f64, usize),
         flops: f64,
     ) -> Self {
         Record {
-            backend,
             shape: Some(shape),
-            subject,
-            pass,
-            median_ms: ms,
-            runs,
-            gflops: Some(flops / ms / 1e6),
-            tokens_per_second: None,
-            batch: None,
-            context: None,
-            peak_mib: None,
-            heads: None,
+            gflops: Some(flops / timed.0 / 1e6),
             dtype: Some(dtype_name(dtype)),
+            ..Record::new(backend, subject, pass, timed)
         }
     }
 }
@@ -464,19 +481,8 @@ fn bench_matmul(
     let flops = 2.0 * (n as f64).powi(3);
     let (ms, runs) = time(cli.runs, device, || drop(a.clone().matmul(b.clone())))?;
     out.push(Record {
-        backend: backend.name(),
-        shape: None,
-        subject: "matmul-2048",
-        pass: "forward",
-        median_ms: ms,
-        runs,
         gflops: Some(flops / ms / 1e6),
-        tokens_per_second: None,
-        batch: None,
-        context: None,
-        peak_mib: None,
-        heads: None,
-        dtype: None,
+        ..Record::new(backend.name(), "matmul-2048", "forward", (ms, runs))
     });
     Ok(())
 }
@@ -582,20 +588,11 @@ fn bench_trainer(
     device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let seconds = started.elapsed().as_secs_f64();
     drop(model);
+    let timed = (seconds * 1e3 / cli.train_steps as f64, cli.train_steps);
     out.push(Record {
-        backend: backend.name(),
-        shape: None,
-        subject,
-        pass: "train-step",
-        median_ms: seconds * 1e3 / cli.train_steps as f64,
-        runs: cli.train_steps,
-        gflops: None,
         tokens_per_second: Some(tokens as f64 / seconds),
         batch: Some(config.batch_size),
-        context: None,
-        peak_mib: None,
-        heads: None,
-        dtype: None,
+        ..Record::new(backend.name(), subject, "train-step", timed)
     });
     Ok(())
 }

@@ -33,19 +33,11 @@ pub fn bench_prune(
         };
         let mut record = |pass, (ms, runs): (f64, usize)| {
             out.push(Record {
-                backend: backend.name(),
-                shape: None,
-                subject: "mha-pruned",
-                pass,
-                median_ms: ms,
-                runs,
-                gflops: None,
                 tokens_per_second: Some((BATCH * SEQ) as f64 / ms * 1e3),
                 batch: Some(BATCH),
                 context: Some(SEQ),
-                peak_mib: None,
                 heads: Some(kept),
-                dtype: None,
+                ..Record::new(backend.name(), "mha-pruned", pass, (ms, runs))
             });
         };
         let module = config.init(device).prune(&plan)?;

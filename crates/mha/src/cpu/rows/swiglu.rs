@@ -177,6 +177,14 @@ mod tests {
 
     /// The three values for the inputs `g`, `u`, `dy` by `A`'s kernels, every gradient
     /// wanted, and each alone (which must give the same numbers).
+    /// [`computed`] by each instruction set this build has kernels for.
+    fn on_every_isa(g: &[f32], u: &[f32], dy: &[f32]) -> Vec<[Vec<f32>; 3]> {
+        #[cfg(target_arch = "x86_64")]
+        return vec![computed::<Portable>(g, u, dy), computed::<Avx2>(g, u, dy)];
+        #[cfg(not(target_arch = "x86_64"))]
+        vec![computed::<Portable>(g, u, dy)]
+    }
+
     fn computed<A: Arch>(g: &[f32], u: &[f32], dy: &[f32]) -> [Vec<f32>; 3] {
         let len = g.len();
         let fresh = || vec![MaybeUninit::new(f32::NAN); len];
@@ -222,13 +230,7 @@ mod tests {
         let dy: Vec<f32> = (0..g.len())
             .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.02)
             .collect();
-        #[cfg(target_arch = "x86_64")]
-        let all = [
-            computed::<Portable>(&g, &u, &dy),
-            computed::<Avx2>(&g, &u, &dy),
-        ];
-        #[cfg(not(target_arch = "x86_64"))]
-        let all = [computed::<Portable>(&g, &u, &dy)];
+        let all = on_every_isa(&g, &u, &dy);
         for got in all {
             let mut worst = [0.0f64; 3];
             for i in 0..g.len() {
@@ -255,13 +257,7 @@ mod tests {
         let g = [-f32::MAX, -3e38, -1e10, -1e3, -90.0, 90.0, 1e3, 1e10];
         let u = [1.5, -0.5, 2.0, -1.25, 0.75, 1.5, -0.5, 2.0];
         let dy = [0.5, 2.0, -1.5, 1.0, -0.25, 0.5, 2.0, -1.5];
-        #[cfg(target_arch = "x86_64")]
-        let all = [
-            computed::<Portable>(&g, &u, &dy),
-            computed::<Avx2>(&g, &u, &dy),
-        ];
-        #[cfg(not(target_arch = "x86_64"))]
-        let all = [computed::<Portable>(&g, &u, &dy)];
+        let all = on_every_isa(&g, &u, &dy);
         for [out, dg, du] in all {
             for i in 0..g.len() {
                 let want = match g[i] < 0.0 {
