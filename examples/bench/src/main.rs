@@ -143,6 +143,24 @@ fn dtype_name(dtype: FloatDType) -> &'static str {
     }
 }
 
+/// One forward+backward of the causal attention core at `seq` positions (batch 1, 8
+/// heads of 64) in `dtype`, on inputs made once.
+fn long_core(
+    device: &Device,
+    (seq, dtype): (usize, FloatDType),
+) -> impl Fn() -> burn::tensor::Gradients {
+    let ad = device.clone().autodiff();
+    let dims = [1, 8, seq, 64];
+    let grad = || randn(dims, &ad).cast(dtype).require_grad();
+    let (q, k, v) = (grad(), grad(), grad());
+    let causal = AttentionMask::causal();
+    move || {
+        let (q, k, v) = (q.clone(), k.clone(), v.clone());
+        let out = mha::scaled_dot_product_attention(q, k, v, &causal, SdpaOptions::default());
+        out.context.sum().backward()
+    }
+}
+
 /// The causal attention core alone at `seq` positions (batch 1, 8 heads of 64),
 /// forward+backward in `dtype`, with the device's peak memory where it reports one.
 fn bench_long_core(
@@ -152,17 +170,8 @@ fn bench_long_core(
     (seq, dtype): (usize, FloatDType),
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
-    let ad = device.clone().autodiff();
-    let dims = [1, 8, seq, 64];
-    let grad = || randn(dims, &ad).cast(dtype).require_grad();
-    let (q, k, v) = (grad(), grad(), grad());
-    let causal = AttentionMask::causal();
-    let options = SdpaOptions::default();
-    let (ms, runs) = time(cli.runs.min(3), device, || {
-        let out =
-            mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
-        drop(out.context.sum().backward());
-    })?;
+    let call = long_core(device, (seq, dtype));
+    let (ms, runs) = time(cli.runs.min(3), device, || drop(call()))?;
     let peak_mib = device.memory_pool_report().map(|pools| {
         let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
         bytes as f64 / (1 << 20) as f64
@@ -201,17 +210,7 @@ fn print_core_kernels(
     device: &Device,
     (seq, dtype): (usize, FloatDType),
 ) -> anyhow::Result<()> {
-    let ad = device.clone().autodiff();
-    let dims = [1, 8, seq, 64];
-    let grad = || randn(dims, &ad).cast(dtype).require_grad();
-    let (q, k, v) = (grad(), grad(), grad());
-    let causal = AttentionMask::causal();
-    let options = SdpaOptions::default();
-    let one = overhead::breakdown(device, || {
-        let out =
-            mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
-        out.context.sum().backward()
-    })?;
+    let one = overhead::breakdown(device, long_core(device, (seq, dtype)))?;
     println!(
         "\n## {backend}: the causal core at {seq} positions in {}, kernel by kernel",
         dtype_name(dtype)
