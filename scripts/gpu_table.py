@@ -30,21 +30,33 @@ def load(path):
         return None
 
 
+def ms_of(r):
+    """A record's median milliseconds, or "failed" where the benchmark could not time it."""
+    return "failed" if r.get("failed") or r.get("median_ms") is None else r["median_ms"]
+
+
+def cell(value):
+    return f"{value:.2f}" if isinstance(value, (int, float)) else str(value)
+
+
 def main(out):
-    # (shape, pass, dtype) -> {column: ms}
+    # (shape, pass, dtype) -> {column: ms or "failed"}
     rows = {}
     long_rows = []
+    failures = []
     for path in sorted(glob.glob(os.path.join(out, "mha-*.json"))):
         build = os.path.basename(path)[len("mha-"):].split("-")[0]
         for r in load(path) or []:
             shape = (r.get("shape") or {}).get("name")
             if not shape or not r.get("dtype"):
                 continue
+            if r.get("failed"):
+                failures.append((build, r["subject"], r["pass"], shape, r["dtype"], r["failed"]))
             column = f"{r['subject']} {build}"
             if shape == "long-core":
-                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], r["median_ms"], r.get("peak_mib")))
+                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), r.get("peak_mib")))
                 continue
-            rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = r["median_ms"]
+            rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r)
     torch = load(os.path.join(out, "pytorch.json"))
     for r in (torch or {}).get("records", []):
         if r.get("shape") == "long-core":
@@ -76,18 +88,20 @@ def main(out):
     lines.append("|" + "---|" * len(header))
     order = {"tiny": 0, "small": 1, "base": 2, "long": 3}
     for (shape, pass_, dtype), cells in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][0], kv[0][1], kv[0][2])):
-        mine = min((cells[k] for k in ("mha wgsl", "mha spirv") if k in cells), default=None)
-        burn = min((cells[k] for k in ("burn wgsl", "burn spirv") if k in cells), default=None)
+        timed = lambda keys: [cells[k] for k in keys if isinstance(cells.get(k), (int, float))]
+        mine = min(timed(("mha wgsl", "mha spirv")), default=None)
+        burn = min(timed(("burn wgsl", "burn spirv")), default=None)
+        torch_ms = cells.get("pytorch") if isinstance(cells.get("pytorch"), (int, float)) else None
         ratio = lambda other: f"{other / mine:.2f}" if mine and other else "—"
-        values = [f"{cells[key]:.2f}" if key in cells else "—" for key, _ in present]
-        lines.append("| " + " | ".join([shape, pass_, dtype] + values + [ratio(burn), ratio(cells.get("pytorch"))]) + " |")
+        values = [cell(cells[key]) if key in cells else "—" for key, _ in present]
+        lines.append("| " + " | ".join([shape, pass_, dtype] + values + [ratio(burn), ratio(torch_ms)]) + " |")
     if long_rows:
         lines.append("\n## Causal core alone, batch 1, 8 heads of 64, forward+backward\n")
         lines.append("| who | positions | dtype | median ms | peak MiB |")
         lines.append("|---|---|---|---|---|")
         for who, positions, dtype, ms, peak in long_rows:
             peak = "—" if peak is None else f"{peak:.0f}"
-            lines.append(f"| {who} | {positions} | {dtype} | {ms:.2f} | {peak} |")
+            lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {peak} |")
     for path in sorted(glob.glob(os.path.join(out, "overhead-*.log"))):
         build = os.path.basename(path)[len("overhead-"):-len(".log")]
         lines.append(f"\n## Around the kernels ({build}): one call of each module")
@@ -121,8 +135,14 @@ def main(out):
             records = [r for r in load(log[:-len(".log")] + ".json") or [] if (r.get("shape") or {}).get("name") == "long-core"]
             first = ",".join(map(str, first))
             for r in records or [{}]:
-                ms = f"{r['median_ms']:.2f}" if "median_ms" in r else "—"
+                ms = cell(ms_of(r)) if "median_ms" in r else "—"
                 lines.append(f"| {build} | {dtype} | {first} | {taken} | {r.get('context', '—')} | {ms} | {kernels} |")
+    if failures:
+        lines.append("\n## Measurements that failed (the device did not complete the call, or its result was not finite)\n")
+        lines.append("| build | subject | pass | shape | dtype | why |")
+        lines.append("|---|---|---|---|---|---|")
+        for failure in failures:
+            lines.append("| " + " | ".join(str(x).replace("|", "/") for x in failure) + " |")
     steps = os.path.join(out, "steps.tsv")
     if os.path.exists(steps):
         lines.append("\n## Steps\n")

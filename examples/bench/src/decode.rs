@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use mha::{AttentionMask, KvCache, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use train::backend::Backend;
 
-use crate::{Record, randn, time};
+use crate::{Record, grad_of, randn, time};
 
 /// Model width and heads of the decoding benchmark (the base shape's).
 const D_MODEL: usize = 512;
@@ -80,14 +80,14 @@ pub fn bench_decode(
             drop(ours.forward_cached(prompt, &mut cache, AttentionMask::none())?);
             let ms = time(runs, device, || {
                 let step = ours.forward_cached(token.clone(), &mut cache, AttentionMask::none());
-                drop(step.expect("the cache has room for every step"));
+                step.expect("the cache has room for every step")
             })?;
             out.push(decode_record(backend, "mha-cached", batch, context, ms));
 
             let prefix = x.clone().narrow(1, 0, context);
             let ms = time(runs, device, || {
                 let all = ours.forward(MhaInput::causal(prefix.clone())).context;
-                drop(all.narrow(1, context - 1, 1));
+                all.narrow(1, context - 1, 1)
             })?;
             out.push(decode_record(backend, "mha-recompute", batch, context, ms));
 
@@ -98,9 +98,12 @@ pub fn bench_decode(
             let mut len = context;
             let ms = time(runs, device, || {
                 let input = BurnMhaInput::self_attn(x.clone().narrow(1, 0, len));
-                let all = theirs.forward_cache(input, &mut cache).context;
-                drop(all.narrow(1, len - 1, 1));
+                let last = theirs
+                    .forward_cache(input, &mut cache)
+                    .context
+                    .narrow(1, len - 1, 1);
                 len += 1;
+                last
             })?;
             out.push(decode_record(backend, "burn-cache", batch, context, ms));
         }
@@ -145,7 +148,8 @@ pub fn bench_window(
                     &mask,
                     SdpaOptions::default(),
                 );
-                drop(out.context.sum().backward());
+                let grads = out.context.sum().backward();
+                [&q, &k, &v].map(|x| grad_of(x, &grads))
             })?;
             let peak_mib = before.and_then(|before| Some(peak::read()? - before));
             let what = (subject, "forward+backward");

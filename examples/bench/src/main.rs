@@ -13,6 +13,9 @@
 //!
 //! Each number is the median of `--runs` timed runs after one warm-up run; the device is
 //! synchronised after each run, so GPU numbers include the kernels, not only their launch.
+//! The warm-up's result and the last run's are read back (outside the timings): a
+//! measurement whose call the device did not complete, or whose result is not finite, is
+//! `failed` (with the reason, and `"failed"` in the JSON), not timed.
 //! Ratios are "Burn's built-in time / mha's time", measured back to back. GFLOP/s count
 //! the useful work of causal attention: the four projections (`8·B·T·D²`) and the two
 //! attention products over the visible half of the scores (`2·B·T²·D`), forward; a
@@ -144,20 +147,19 @@ fn dtype_name(dtype: FloatDType) -> &'static str {
 }
 
 /// One forward+backward of the causal attention core at `seq` positions (batch 1, 8
-/// heads of 64) in `dtype`, on inputs made once.
-fn long_core(
-    device: &Device,
-    (seq, dtype): (usize, FloatDType),
-) -> impl Fn() -> burn::tensor::Gradients {
+/// heads of 64) in `dtype`, on inputs made once: the gradients of Q, K and V.
+fn long_core(device: &Device, (seq, dtype): (usize, FloatDType)) -> impl Fn() -> [Tensor<4>; 3] {
     let ad = device.clone().autodiff();
     let dims = [1, 8, seq, 64];
     let grad = || randn(dims, &ad).cast(dtype).require_grad();
     let (q, k, v) = (grad(), grad(), grad());
     let causal = AttentionMask::causal();
     move || {
-        let (q, k, v) = (q.clone(), k.clone(), v.clone());
-        let out = mha::scaled_dot_product_attention(q, k, v, &causal, SdpaOptions::default());
-        out.context.sum().backward()
+        let options = SdpaOptions::default();
+        let out =
+            mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
+        let grads = out.context.sum().backward();
+        [&q, &k, &v].map(|x| grad_of(x, &grads))
     }
 }
 
@@ -171,7 +173,7 @@ fn bench_long_core(
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
     let call = long_core(device, (seq, dtype));
-    let (ms, runs) = time(cli.runs.min(3), device, || drop(call()))?;
+    let timed = time(cli.runs.min(3), device, &call);
     let peak_mib = device.memory_pool_report().map(|pools| {
         let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
         bytes as f64 / (1 << 20) as f64
@@ -195,7 +197,7 @@ fn bench_long_core(
             at,
             "mha-core",
             "forward+backward",
-            (ms, runs),
+            timed,
             flops,
         )
     });
@@ -303,6 +305,10 @@ struct Record {
     /// The float dtype of the attention measurements (`f32`, `f16`, `bf16`).
     #[serde(skip_serializing_if = "Option::is_none")]
     dtype: Option<&'static str>,
+    /// Why the measurement has no time (its median is then not a number, `null` in the
+    /// JSON): the device did not complete the call, or its result was not finite.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    failed: Option<String>,
 }
 
 impl Record {
@@ -328,43 +334,141 @@ impl Record {
             peak_mib: None,
             heads: None,
             dtype: None,
+            failed: None,
         }
     }
 
     /// A measurement of attention at `shape` in `dtype`: the median milliseconds and runs
-    /// `timed`, for `flops` of work.
+    /// `timed`, for `flops` of work, or why there is none (written to the standard error
+    /// too, whole).
     fn attention(
         backend: &'static str,
         (shape, dtype): (Shape, FloatDType),
         subject: &'static str,
         pass: &'static str,
-        timed: (f64, usize),
+        timed: anyhow::Result<(f64, usize)>,
         flops: f64,
     ) -> Self {
+        let (ms, runs, failed) = match timed {
+            Ok((ms, runs)) => (ms, runs, None),
+            Err(e) => {
+                eprintln!(
+                    "{backend}: {subject} {pass} at {} in {}: failed: {e:#}",
+                    shape.name,
+                    dtype_name(dtype)
+                );
+                (f64::NAN, 0, Some(format!("{e:#}")))
+            }
+        };
         Record {
             shape: Some(shape),
-            gflops: Some(flops / timed.0 / 1e6),
+            gflops: failed.is_none().then(|| flops / ms / 1e6),
             dtype: Some(dtype_name(dtype)),
-            ..Record::new(backend, subject, pass, timed)
+            failed,
+            ..Record::new(backend, subject, pass, (ms, runs))
+        }
+    }
+
+    /// The cell of a table: the median milliseconds (and GFLOP/s where `gflops`), or
+    /// `failed`.
+    fn cell(&self, gflops: bool) -> String {
+        match (&self.failed, gflops) {
+            (Some(_), _) => "failed".into(),
+            (None, true) => format!("{:.1} ({:.0})", self.median_ms, self.gflops.unwrap_or(0.0)),
+            (None, false) => format!("{:.2}", self.median_ms),
         }
     }
 }
 
-/// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device.
-fn time(runs: usize, device: &Device, mut f: impl FnMut()) -> anyhow::Result<(f64, usize)> {
+/// What a timed call returns: the tensors of its result, which [`time`] reads back after
+/// the warm-up run and after the last timed run (outside the timings). A GPU backend
+/// reports a call it could not complete (an allocation refused, a kernel that failed)
+/// only when a result is read, and syncing says nothing: without this a call that did
+/// none of its work would be given a time.
+pub trait Outcome {
+    /// Reads the result back: an error if the device did not complete the call, or if a
+    /// value is not finite.
+    fn check(self) -> anyhow::Result<()>;
+}
+
+impl<const D: usize> Outcome for Tensor<D> {
+    fn check(self) -> anyhow::Result<()> {
+        let values = self
+            .try_into_vec_as::<f32>()
+            .map_err(|e| anyhow::anyhow!("{}", one_line(&e.to_string())))?;
+        let bad = values.iter().filter(|v| !v.is_finite()).count();
+        anyhow::ensure!(
+            bad == 0,
+            "{bad} of the {} values of its result are not finite",
+            values.len()
+        );
+        Ok(())
+    }
+}
+
+impl<const D: usize, const N: usize> Outcome for [Tensor<D>; N] {
+    fn check(self) -> anyhow::Result<()> {
+        self.into_iter().try_for_each(Outcome::check)
+    }
+}
+
+/// A backward's gradients, held, and what is read back of them.
+impl<O: Outcome> Outcome for (burn::tensor::Gradients, O) {
+    fn check(self) -> anyhow::Result<()> {
+        self.1.check()
+    }
+}
+
+/// A device error's text on one line: the error and its causes, without the notes on
+/// backtraces and skipped operations that follow them.
+fn one_line(text: &str) -> String {
+    let mut parts = Vec::new();
+    for line in text.lines().map(str::trim) {
+        let frame = line
+            .split_once(": ")
+            .is_some_and(|(n, _)| n.parse::<u32>().is_ok());
+        if frame || line.starts_with("No backtrace") || line.starts_with("stack backtrace") {
+            break;
+        }
+        let note = line.starts_with("skipped `") || line.starts_with('(');
+        if !(line.is_empty() || line == "Caused by:" || note) {
+            parts.push(line);
+        }
+    }
+    parts.join(": ")
+}
+
+/// The gradient of `x` in `grads`: what a forward+backward measurement reads back.
+fn grad_of<const D: usize>(x: &Tensor<D>, grads: &burn::tensor::Gradients) -> Tensor<D> {
+    x.grad(grads)
+        .expect("the measured input requires its gradient")
+}
+
+/// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device;
+/// the warm-up's and the last run's results are read back ([`Outcome`]), an error if the
+/// call did not complete or produced a value that is not finite.
+fn time<O: Outcome>(
+    runs: usize,
+    device: &Device,
+    mut f: impl FnMut() -> O,
+) -> anyhow::Result<(f64, usize)> {
     let started = Instant::now();
-    f();
+    let warm_up = f();
     device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let runs = match started.elapsed().as_secs_f64() > 2.0 {
         true => runs.min(3),
         false => runs,
     };
+    warm_up.check().context("the warm-up run")?;
     let mut samples = Vec::with_capacity(runs);
-    for _ in 0..runs {
+    for run in 0..runs {
         let started = Instant::now();
-        f();
+        let result = f();
         device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
         samples.push(started.elapsed().as_secs_f64() * 1e3);
+        if run + 1 == runs {
+            result.check().context("the last timed run")?;
+        }
     }
     samples.sort_by(f64::total_cmp);
     Ok((samples[samples.len() / 2], runs))
@@ -411,19 +515,15 @@ fn bench_mha(
     let ours = config.init(device).to_dtype(dtype);
     let x = randn_as(dtype, [b, t, d], device);
     let ms = time(cli.runs, device, || {
-        drop(ours.forward(MhaInput::causal(x.clone())).context);
-    })?;
+        ours.forward(MhaInput::causal(x.clone())).context
+    });
     record("mha", "forward", ms, fwd);
     let ours = config.init(&ad).to_dtype(dtype);
     let x = randn_as(dtype, [b, t, d], &ad).require_grad();
     let ms = time(cli.runs, device, || {
-        drop(
-            ours.forward(MhaInput::causal(x.clone()))
-                .context
-                .sum()
-                .backward(),
-        );
-    })?;
+        let loss = ours.forward(MhaInput::causal(x.clone())).context.sum();
+        grad_of(&x, &loss.backward())
+    });
     record("mha", "forward+backward", ms, 3.0 * fwd);
 
     if !cli.no_builtin {
@@ -433,16 +533,16 @@ fn bench_mha(
         let mask = generate_autoregressive_mask(b, t, device);
         let ms = time(cli.runs, device, || {
             let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
-            drop(theirs.forward(input).context);
-        })?;
+            theirs.forward(input).context
+        });
         record("burn", "forward", ms, fwd);
         let theirs = config.init(&ad).to_dtype(dtype);
         let x = randn_as(dtype, [b, t, d], &ad).require_grad();
         let mask = generate_autoregressive_mask(b, t, &ad);
         let ms = time(cli.runs, device, || {
             let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
-            drop(theirs.forward(input).context.sum().backward());
-        })?;
+            grad_of(&x, &theirs.forward(input).context.sum().backward())
+        });
         record("burn", "forward+backward", ms, 3.0 * fwd);
     }
 
@@ -458,11 +558,14 @@ fn bench_mha(
         randn_as(dtype, dims, device),
         randn_as(dtype, dims, device),
     );
-    let ms = time(cli.runs, device, || drop(sdpa(&q, &k, &v)))?;
+    let ms = time(cli.runs, device, || sdpa(&q, &k, &v));
     record("mha-core", "forward", ms, core);
     let grad = || randn_as(dtype, dims, &ad).require_grad();
     let (q, k, v) = (grad(), grad(), grad());
-    let ms = time(cli.runs, device, || drop(sdpa(&q, &k, &v).sum().backward()))?;
+    let ms = time(cli.runs, device, || {
+        let grads = sdpa(&q, &k, &v).sum().backward();
+        [&q, &k, &v].map(|x| grad_of(x, &grads))
+    });
     record("mha-core", "forward+backward", ms, 3.0 * core);
     Ok(())
 }
@@ -478,7 +581,7 @@ fn bench_matmul(
     let n = 2048;
     let (a, b) = (randn([n, n], device), randn([n, n], device));
     let flops = 2.0 * (n as f64).powi(3);
-    let (ms, runs) = time(cli.runs, device, || drop(a.clone().matmul(b.clone())))?;
+    let (ms, runs) = time(cli.runs, device, || a.clone().matmul(b.clone()))?;
     out.push(Record {
         gflops: Some(flops / ms / 1e6),
         ..Record::new(backend.name(), "matmul-2048", "forward", (ms, runs))
@@ -605,6 +708,23 @@ fn find<'a>(records: &[&'a Record], shape: &str, subject: &str, pass: &str) -> O
         .copied()
 }
 
+/// Why each failed measurement of `records` has no time.
+fn print_failures(records: &[&Record]) {
+    for r in records {
+        if let (Some(why), Some(shape)) = (&r.failed, r.shape) {
+            let at = match shape.name {
+                "long-core" => format!("{} positions", shape.seq),
+                name => name.to_string(),
+            };
+            println!(
+                "
+{} {} at {at} failed: {why}",
+                r.subject, r.pass
+            );
+        }
+    }
+}
+
 /// The causal core's lines at a long length, if it was measured.
 fn print_long_core(backend: Backend, records: &[Record]) {
     let long: Vec<&Record> = records
@@ -619,16 +739,20 @@ fn print_long_core(backend: Backend, records: &[Record]) {
     );
     println!("| positions | dtype | median ms | GFLOP/s | peak memory (MiB) |");
     println!("|---|---|---|---|---|");
-    for r in long {
+    for r in &long {
+        let gflops = r.gflops.map_or("—".into(), |g| format!("{g:.0}"));
+        let ms = match r.failed {
+            Some(_) => "failed".into(),
+            None => format!("{:.1}", r.median_ms),
+        };
         println!(
-            "| {} | {} | {:.1} | {:.0} | {} |",
+            "| {} | {} | {ms} | {gflops} | {} |",
             r.context.unwrap_or(0),
             r.dtype.unwrap_or("f32"),
-            r.median_ms,
-            r.gflops.unwrap_or(0.0),
             r.peak_mib.map_or("—".into(), |m| format!("{m:.0}"))
         );
     }
+    print_failures(&long);
 }
 
 fn print_table(backend: Backend, dtype: &str, records: &[&Record], shapes: &[Shape]) {
@@ -640,12 +764,11 @@ fn print_table(backend: Backend, dtype: &str, records: &[&Record], shapes: &[Sha
         "| shape (B, T, D, H) | mha fwd | Burn fwd | Burn/mha | mha fwd+bwd | Burn fwd+bwd | Burn/mha | core fwd | core fwd+bwd |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    let cell = |r: Option<&Record>| match r {
-        Some(r) => format!("{:.1} ({:.0})", r.median_ms, r.gflops.unwrap_or(0.0)),
-        None => "—".into(),
-    };
+    let cell = |r: Option<&Record>| r.map_or("—".into(), |r| r.cell(true));
     let ratio = |a: Option<&Record>, b: Option<&Record>| match (a, b) {
-        (Some(a), Some(b)) => format!("{:.2}x", b.median_ms / a.median_ms),
+        (Some(a), Some(b)) if a.failed.is_none() && b.failed.is_none() => {
+            format!("{:.2}x", b.median_ms / a.median_ms)
+        }
         _ => "—".into(),
     };
     for s in shapes {
@@ -872,6 +995,7 @@ fn main() -> anyhow::Result<()> {
                 .collect();
             print_table(backend, name, &these, timed);
             variants::print_variants(backend.name(), name, &these);
+            print_failures(&these);
         }
         if computed.is_empty() {
             print_trainer(&mine.iter().collect::<Vec<_>>());
@@ -906,4 +1030,74 @@ fn write_json(path: Option<&Path>, done: &[Record], current: &[Record]) -> anyho
         .with_context(|| format!("cannot write {}", part.display()))?;
     std::fs::rename(&part, path)
         .with_context(|| format!("cannot rename {} to {}", part.display(), path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_error_is_told_on_one_line_without_its_notes() {
+        let text = "An error happened during execution\nCaused by:\n  Several failures at once\n\
+            Caused by:\n  The bytes were never written (failure #14347, still claiming 3 buffer(s))\n  \
+            skipped `ElemwiseFuse`: it needed memory ManagedMemoryId { value: 563 }, which carried the failure\n  \
+            (9 older skip record(s) were dropped; the walk may stop before the root)\n\
+            Caused by:\n  An IO error happened\nCaused by:\n  can't allocate buffer of size: 536870912\n\
+            No backtrace available\nAsked at:\nNo backtrace available";
+        assert_eq!(
+            one_line(text),
+            "An error happened during execution: Several failures at once: The bytes were never \
+             written (failure #14347, still claiming 3 buffer(s)): An IO error happened: can't \
+             allocate buffer of size: 536870912"
+        );
+        let framed = "An IO error happened\nCaused by:\n  can't allocate\n   0: cubecl_runtime::x\n  at y.rs:1";
+        assert_eq!(one_line(framed), "An IO error happened: can't allocate");
+    }
+
+    #[cfg(feature = "flex")]
+    #[test]
+    fn a_call_whose_result_is_not_finite_gets_no_time() {
+        let device = Device::flex();
+        let x = Tensor::<1>::from_floats([1.0, 0.0, -1.0], &device);
+        let timed = time(3, &device, || x.clone().div_scalar(0.0));
+        let why = format!("{:#}", timed.expect_err("1/0 is not finite"));
+        assert!(
+            why.contains("the warm-up run") && why.contains("3 of the 3 values"),
+            "{why}"
+        );
+        let (ms, runs) = time(3, &device, || x.clone().mul_scalar(2.0)).unwrap();
+        assert!(ms >= 0.0 && runs == 3);
+
+        let shape = shape_named("tiny").unwrap();
+        let failed = Record::attention(
+            "flex",
+            (shape, FloatDType::F32),
+            "mha",
+            "forward",
+            Err(anyhow::anyhow!("refused")),
+            1.0,
+        );
+        assert_eq!(failed.cell(true), "failed");
+        let json = serde_json::to_value(&failed).unwrap();
+        assert!(
+            json["median_ms"].is_null() && json["gflops"].is_null(),
+            "{json}"
+        );
+        assert_eq!(json["failed"], "refused");
+        let timed = Record::attention(
+            "flex",
+            (shape, FloatDType::F32),
+            "mha",
+            "forward",
+            Ok((2.0, 3)),
+            4e6,
+        );
+        assert_eq!(timed.cell(true), "2.0 (2)");
+        assert!(
+            serde_json::to_value(&timed)
+                .unwrap()
+                .get("failed")
+                .is_none()
+        );
+    }
 }

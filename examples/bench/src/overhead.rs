@@ -28,7 +28,7 @@ use burn::nn::attention::{
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{MhaInput, ModuleDType, MultiHeadAttentionConfig};
 
-use crate::{Shape, dtype_name, randn_as};
+use crate::{Outcome, Shape, dtype_name, grad_of, randn_as};
 
 /// What a call launches while this is installed: every kernel by name, and where
 /// `timing`, each launch's measurement, kept unread until the call is over (read at once,
@@ -101,10 +101,12 @@ pub struct Breakdown {
     read_at_once: usize,
     /// Launches without a measurement (refused, or a window that carried none).
     unmeasured: usize,
+    /// Why the call's result could not be read back, or was not finite.
+    failed: Option<String>,
 }
 
 /// The device time of one more `call`, kernel by kernel.
-pub fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdown> {
+pub fn breakdown<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Breakdown> {
     let watch = Arc::new(Watch {
         timing: true,
         ..Watch::default()
@@ -113,7 +115,7 @@ pub fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Bre
     let before = Instant::now();
     let epoch = before.checked_sub(Duration::from_secs(1)).unwrap_or(before);
     let (result, _, _) = watched(device, &watch, call)?;
-    drop(result);
+    let failed = result.check().err().map(|e| format!("{e:#}"));
     let launches: usize = watch.counts.lock().unwrap().values().sum();
     let profiles = std::mem::take(&mut *watch.kept.lock().unwrap());
     let read = std::mem::take(&mut *watch.read.lock().unwrap());
@@ -158,6 +160,7 @@ pub fn breakdown<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<Bre
         system_timed,
         read_at_once: read.len(),
         unmeasured: launches.saturating_sub(spans.len() + read.len()),
+        failed,
     })
 }
 
@@ -226,11 +229,13 @@ struct Cost {
     bytes: i64,
     issue_ms: f64,
     total_ms: f64,
+    /// Why the call's result could not be read back, or was not finite.
+    failed: Option<String>,
 }
 
-/// The costs of `call` (which returns what it keeps), after two warm-up calls, and the
-/// device time of one more call kernel by kernel.
-fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Breakdown)> {
+/// The costs of `call` (which returns what it keeps, read back after the measurement),
+/// after two warm-up calls, and the device time of one more call kernel by kernel.
+fn cost<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Breakdown)> {
     for _ in 0..2 {
         drop(call());
         sync(device)?;
@@ -239,7 +244,7 @@ fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Break
     let watch = Arc::new(Watch::default());
     let (kept, issue_ms, total_ms) = watched(device, &watch, &call)?;
     let after = device.memory_pool_usage().unwrap_or_default();
-    drop(kept);
+    let failed = kept.check().err().map(|e| format!("{e:#}"));
     let counts = watch.counts.lock().unwrap().clone();
     let of = |parts: &[&str]| -> usize {
         counts
@@ -256,6 +261,7 @@ fn cost<T>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Break
         bytes: after.bytes_in_use as i64 - before.bytes_in_use as i64,
         issue_ms,
         total_ms,
+        failed,
     };
     Ok((cost, breakdown(device, call)?))
 }
@@ -291,6 +297,9 @@ pub fn print_breakdowns(breakdowns: &[(&str, &str, Breakdown)]) {
         if b.unmeasured > 0 {
             notes += &format!(" ({} launches unmeasured)", b.unmeasured);
         }
+        if let Some(why) = &b.failed {
+            notes += &format!(" (the call failed: {why})");
+        }
         println!(
             "| {module} | {pass} | {:.2} | {window} | {idle} | {}{notes} |",
             b.busy_ms,
@@ -322,8 +331,11 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
     let mut breakdowns = Vec::new();
     let mut row = |module: &'static str, pass: &'static str, (c, b): (Cost, Breakdown)| {
         breakdowns.push((module, pass, b));
+        let failed = c
+            .failed
+            .map_or(String::new(), |why| format!(" (failed: {why})"));
         println!(
-            "| {module} | {pass} | {} | {} | {} | {} | {:.1} | {:.2} | {:.2} |",
+            "| {module} | {pass} | {} | {} | {} | {} | {:.1} | {:.2} | {:.2}{failed} |",
             c.launches,
             c.copies,
             c.ours,
@@ -351,10 +363,13 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
         "mha",
         "forward+backward",
         cost(device, || {
-            mine.forward(MhaInput::causal(x.clone()))
+            let grads = mine
+                .forward(MhaInput::causal(x.clone()))
                 .context
                 .sum()
-                .backward()
+                .backward();
+            let dx = grad_of(&x, &grads);
+            (grads, dx)
         })?,
     );
 
@@ -378,11 +393,10 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
         "Burn",
         "forward+backward",
         cost(device, || {
-            theirs
-                .forward(BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone()))
-                .context
-                .sum()
-                .backward()
+            let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
+            let grads = theirs.forward(input).context.sum().backward();
+            let dx = grad_of(&x, &grads);
+            (grads, dx)
         })?,
     );
     print_breakdowns(&breakdowns);

@@ -8,7 +8,7 @@ use mha::analysis::{Heads, PrunePlan};
 use mha::{MhaInput, MultiHeadAttentionConfig};
 use train::backend::Backend;
 
-use crate::{Record, randn, time};
+use crate::{Record, grad_of, randn, time};
 
 const BATCH: usize = 8;
 const SEQ: usize = 512;
@@ -43,14 +43,14 @@ pub fn bench_prune(
         let module = config.init(device).prune(&plan)?;
         let x = randn([BATCH, SEQ, D_MODEL], device);
         let ms = time(runs, device, || {
-            drop(module.forward(MhaInput::causal(x.clone())).context);
+            module.forward(MhaInput::causal(x.clone())).context
         })?;
         record("forward", ms);
         let module = config.init(&ad).prune(&plan)?;
         let x = randn([BATCH, SEQ, D_MODEL], &ad).require_grad();
         let ms = time(runs, device, || {
             let out = module.forward(MhaInput::causal(x.clone())).context;
-            drop(out.sum().backward());
+            grad_of(&x, &out.sum().backward())
         })?;
         record("forward+backward", ms);
     }

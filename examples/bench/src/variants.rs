@@ -14,7 +14,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{AttentionMask, ModuleDType, SdpaOptions};
 
-use crate::{Record, Shape, find, randn_as, time};
+use crate::{Record, Shape, find, grad_of, randn_as, time};
 
 /// The input projections of a composition.
 enum Projections {
@@ -91,7 +91,7 @@ pub fn bench_variants(
         let x = randn_as(dtype, [b, t, d], device);
         record(
             "forward",
-            time(runs, device, || drop(model.forward(x.clone())))?,
+            time(runs, device, || model.forward(x.clone())),
             fwd,
         );
         let model = Composed::new(shape, packed, dtype, &ad);
@@ -99,8 +99,8 @@ pub fn bench_variants(
         record(
             "forward+backward",
             time(runs, device, || {
-                drop(model.forward(x.clone()).sum().backward())
-            })?,
+                grad_of(&x, &model.forward(x.clone()).sum().backward())
+            }),
             3.0 * fwd,
         );
     }
@@ -109,7 +109,7 @@ pub fn bench_variants(
 
 /// The compositions' lines beside the module's, at each shape of `records` that has them.
 pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
-    let of = |shape, subject, pass| find(records, shape, subject, pass).map(|r| r.median_ms);
+    let of = |shape, subject, pass| find(records, shape, subject, pass).map(|r| r.cell(false));
     let mut shapes: Vec<&str> = Vec::new();
     for r in records.iter().filter(|r| r.subject == "core+qkv") {
         if let Some(s) = r.shape
@@ -128,7 +128,7 @@ pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
         "| shape | pass | mha module | core + 3 Linear | core + 1 Linear to Q, K, V | core alone |"
     );
     println!("|---|---|---|---|---|---|");
-    let cell = |ms: Option<f64>| ms.map_or("—".to_string(), |ms| format!("{ms:.2}"));
+    let cell = |ms: Option<String>| ms.unwrap_or_else(|| "—".into());
     for shape in shapes {
         for pass in ["forward", "forward+backward"] {
             println!(
