@@ -70,6 +70,7 @@ def main(out):
         ("mha spirv_portable", "mha (SPIR-V, portable product)"),
         ("core+linear wgsl", "core + 3 Linear (WGSL)"),
         ("core+qkv wgsl", "core + 1 Linear to QKV (WGSL)"),
+        ("core-bthd wgsl", "mha core on [B, T, H, Dh] views (WGSL)"),
         ("burn wgsl", "Burn (WGSL)"),
         ("burn spirv", "Burn (SPIR-V)"),
         ("pytorch", "PyTorch CUDA"),

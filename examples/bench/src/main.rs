@@ -126,8 +126,9 @@ struct Cli {
     core_kernels: bool,
     /// Also time, at each shape and dtype, mha's attention core between input
     /// projections made otherwise than the module's: three `Linear` layers of their own
-    /// (`core+linear`), and one to Q, K and V whose output is cut in three (`core+qkv`).
-    /// Nothing is timed with `--overhead`.
+    /// (`core+linear`), and one to Q, K and V whose output is cut in three (`core+qkv`);
+    /// and the core alone on inputs laid out as the module's projections give them, `[B,
+    /// T, H, Dh]` in memory (`core-bthd`). Nothing is timed with `--overhead`.
     #[arg(long)]
     variants: bool,
     /// Also write every measurement to this JSON file (rewritten whole after each
@@ -281,8 +282,8 @@ impl Shape {
 struct Record {
     backend: &'static str,
     shape: Option<Shape>,
-    /// `mha`, `burn` (built-in), `mha-core`, `core+linear`, `core+qkv` (`--variants`),
-    /// `matmul-2048` or `trainer`.
+    /// `mha`, `burn` (built-in), `mha-core`, `core+linear`, `core+qkv`, `core-bthd`
+    /// (`--variants`), `matmul-2048` or `trainer`.
     subject: &'static str,
     /// `forward`, `forward+backward` or `train-step`.
     pass: &'static str,

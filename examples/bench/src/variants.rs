@@ -8,7 +8,12 @@
 //! - `core+linear`: three `burn::nn::Linear` layers of their own (contiguous weights, as
 //!   Burn's module has), three products;
 //! - `core+qkv`: one `Linear` to `3·d_model` (the packed weight whole), one product,
-//!   the queries, keys and values as views of its output.
+//!   the queries, keys and values as views of its output;
+//!
+//! and the core alone on inputs laid out as the module's projections give them
+//! (`core-bthd`: the heads of `[B, T, H·Dh]` tensors, `[B, T, H, Dh]` in memory), beside
+//! the core alone on contiguous `[B, H, T, Dh]` inputs (`mha-core`): what the layout
+//! costs the kernels, apart from any projection.
 
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, FloatDType, Tensor};
@@ -64,8 +69,9 @@ impl Composed {
     }
 }
 
-/// Times both compositions at `shape` in `dtype`, forward and forward+backward, into
-/// `out` (subjects `core+linear` and `core+qkv`).
+/// Times both compositions and the core on the module's layout at `shape` in `dtype`,
+/// forward and forward+backward, into `out` (subjects `core+linear`, `core+qkv` and
+/// `core-bthd`).
 pub fn bench_variants(
     runs: usize,
     backend: &'static str,
@@ -104,6 +110,35 @@ pub fn bench_variants(
             3.0 * fwd,
         );
     }
+
+    // The core on the heads of `[B, T, H·Dh]` tensors, as the module calls it.
+    let h = shape.heads;
+    let heads = |x: &Tensor<3>| x.clone().reshape([b, t, h, d / h]).swap_dims(1, 2);
+    let causal = AttentionMask::causal();
+    let core = |[q, k, v]: &[Tensor<3>; 3]| {
+        let options = SdpaOptions::default();
+        mha::scaled_dot_product_attention(heads(q), heads(k), heads(v), &causal, options).context
+    };
+    let mut record = |pass, timed, flops| {
+        let at = (shape, dtype);
+        out.push(Record::attention(
+            backend,
+            at,
+            "core-bthd",
+            pass,
+            timed,
+            flops,
+        ));
+    };
+    let qkv = [0; 3].map(|_| randn_as(dtype, [b, t, d], device));
+    let flops = shape.core_flops();
+    record("forward", time(runs, device, || core(&qkv)), flops);
+    let qkv = [0; 3].map(|_| randn_as(dtype, [b, t, d], &ad).require_grad());
+    let timed = time(runs, device, || {
+        let grads = core(&qkv).sum().backward();
+        qkv.each_ref().map(|x| grad_of(x, &grads))
+    });
+    record("forward+backward", timed, 3.0 * flops);
     Ok(())
 }
 
@@ -125,18 +160,19 @@ pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
         "\n## {backend}, {dtype}: the module against its core between other projections, median ms\n"
     );
     println!(
-        "| shape | pass | mha module | core + 3 Linear | core + 1 Linear to Q, K, V | core alone |"
+        "| shape | pass | mha module | core + 3 Linear | core + 1 Linear to Q, K, V | core alone | core alone on [B, T, H, Dh] |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let cell = |ms: Option<String>| ms.unwrap_or_else(|| "—".into());
     for shape in shapes {
         for pass in ["forward", "forward+backward"] {
             println!(
-                "| {shape} | {pass} | {} | {} | {} | {} |",
+                "| {shape} | {pass} | {} | {} | {} | {} | {} |",
                 cell(of(shape, "mha", pass)),
                 cell(of(shape, "core+linear", pass)),
                 cell(of(shape, "core+qkv", pass)),
                 cell(of(shape, "mha-core", pass)),
+                cell(of(shape, "core-bthd", pass)),
             );
         }
     }
