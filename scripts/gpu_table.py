@@ -10,8 +10,10 @@ module, Burn's module and PyTorch's, their cores, the core between other project
 (`--variants`), and the ratios, then the long core, then what one call of each module
 costs around its kernels (kernel by kernel), then the core with each tile first
 (OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
-JSON too), then each step's status. Standard library
-only: it runs on the GPU machine beside PyTorch.
+JSON too), then the trainer's steps and runs (`--trainer`: OUT/trainer-BACKEND.json,
+OUT/pytorch-trainer.json, OUT/train-BUILD/summary.json), then the measurements that
+failed and why, then each step's status. Standard library only: it runs on the GPU
+machine beside PyTorch.
 
     python3 scripts/gpu_table.py OUT
 """
@@ -37,6 +39,62 @@ def ms_of(r):
 
 def cell(value):
     return f"{value:.2f}" if isinstance(value, (int, float)) else str(value)
+
+
+TRAINER_ROWS = [
+    # the benchmark's subject, PyTorch's, what the row is
+    ("trainer", "pytorch-trainer-default", "default size (d_model 64, 2 layers), inputs of 8 to 16, padded"),
+    ("trainer-packed", None, "default size, inputs of 8 to 16, packed"),
+    ("trainer-mixed", None, "default size, inputs of 1 to 16, padded"),
+    ("trainer-mixed-packed", None, "default size, inputs of 1 to 16, packed"),
+    ("trainer-reference", "pytorch-trainer-reference", "reference size (d_model 128, 3 layers)"),
+]
+
+
+def training(out):
+    """The trainer's lines (`--trainer`): its steps on wgpu, on the CPU and PyTorch's on CUDA,
+    then each whole default run's summary."""
+    lines = []
+    steps = {}
+    for name, column in (("trainer-wgsl", "wgpu (WGSL)"), ("trainer-flex", "flex (this CPU)")):
+        for r in load(os.path.join(out, name + ".json")) or []:
+            if r.get("pass") == "train-step":
+                steps.setdefault(r["subject"], {})[column] = r
+    torch = load(os.path.join(out, "pytorch-trainer.json")) or {}
+    for r in torch.get("records", []):
+        steps.setdefault(r["subject"], {})["PyTorch CUDA"] = r
+    if steps:
+        lines.append("\n## Training steps, batch 64: ms per step (tokens/s)\n")
+        columns = ["wgpu (WGSL)", "flex (this CPU)", "PyTorch CUDA"]
+        lines.append("| steps | " + " | ".join(columns) + " |")
+        lines.append("|---|" + "---|" * len(columns))
+        for subject, torch_subject, what in TRAINER_ROWS:
+            cells = dict(steps.get(subject, {}))
+            if torch_subject in steps:
+                cells.update(steps[torch_subject])
+            if not cells:
+                continue
+            row = []
+            for c in columns:
+                r = cells.get(c)
+                row.append("—" if r is None else f"{cell(ms_of(r))} ({r.get('tokens_per_second') or 0:.0f})")
+            lines.append(f"| {what} | " + " | ".join(row) + " |")
+    runs = sorted(glob.glob(os.path.join(out, "train-*", "summary.json")))
+    if runs:
+        lines.append("\n## The trainer's whole run on wgpu (the default task, reverse; 1000 steps unless the dry run)\n")
+        lines.append("| build | status | steps | held-out exact accuracy | token accuracy | training s | steps/s | tokens/s |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for path in runs:
+            build = os.path.basename(os.path.dirname(path))[len("train-"):]
+            r = load(path) or {}
+            pct = lambda x: "—" if x is None else f"{100 * x:.2f}%"
+            wall = r.get("wall_seconds") or 0
+            rate = f"{r.get('steps_done', 0) / wall:.1f}" if wall else "—"
+            lines.append(
+                f"| {build} | {r.get('status', '—')} | {r.get('steps_done', '—')} | {pct(r.get('exact_accuracy'))} "
+                f"| {pct(r.get('token_accuracy'))} | {wall:.1f} | {rate} | {r.get('tokens_per_second') or 0:.0f} |"
+            )
+    return lines
 
 
 def main(out):
@@ -138,6 +196,7 @@ def main(out):
             for r in records or [{}]:
                 ms = cell(ms_of(r)) if "median_ms" in r else "—"
                 lines.append(f"| {build} | {dtype} | {first} | {taken} | {r.get('context', '—')} | {ms} | {kernels} |")
+    lines.extend(training(out))
     if failures:
         lines.append("\n## Measurements that failed (the device did not complete the call, or its result was not finite)\n")
         lines.append("| build | subject | pass | shape | dtype | why |")

@@ -31,13 +31,19 @@
 #    instead times the causal core at 4096 positions with each of the kernels' tiles that
 #    fit first in their order of preference (MHA_GPU_TILES), kernel by kernel: SPIR-V in
 #    f16 (cooperative matrices), WGSL in f32 and f16; the same budget.
+#        scripts/gpu_table.sh --trainer PACK OUT
+#    instead times the trainer: PyTorch's training steps on CUDA (`bench_pytorch.py
+#    --trainer`), the trainer's steps on wgpu (WGSL) and on this machine's CPU (flex) at
+#    its default and reference sizes, then a whole default run (`bench train --backend
+#    wgpu`: reverse, 1000 steps, to its held-out accuracy) through WGSL and through
+#    SPIR-V, each into OUT/train-BUILD/ (summary.json); the same budget.
 # 3. In CI, on Mesa's lavapipe:
 #        scripts/gpu_table.sh --dry-run OUT
 #    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`, and the
 #    unit tests of `cargo test --features ndarray,wgpu --lib`), then
 #    runs step 2 on it at a tiny shape with one run (and one step of `--tiles`, at 256
-#    positions): the script is known to work before it
-#    meets a GPU. It fails if a step that could run failed.
+#    positions, and `--trainer`'s steps at a tiny size): the script is known to work
+#    before it meets a GPU. It fails if a step that could run failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -109,6 +115,7 @@ fresh_out() {
 
 dry=0
 tiles_only=0
+trainer_only=0
 case "${1:-}" in
     --run)
         pack_dir="${2:?--run PACK OUT}"
@@ -119,6 +126,12 @@ case "${1:-}" in
         tiles_only=1
         pack_dir="${2:?--tiles PACK OUT}"
         out="${3:?--tiles PACK OUT}"
+        fresh_out "$out"
+        ;;
+    --trainer)
+        trainer_only=1
+        pack_dir="${2:?--trainer PACK OUT}"
+        out="${3:?--trainer PACK OUT}"
         fresh_out "$out"
         ;;
     --dry-run)
@@ -201,6 +214,10 @@ if [ "$dry" -eq 1 ]; then
     overhead_limit=900
     tiles_len=256
     tiles_limit=900
+    train_steps=2
+    train_limit=900
+    train_args=(--epochs 1 --steps-per-epoch 4 --eval-examples 16 --d-model 16 --layers 1
+        --heads 2 --batch-size 8)
     budget="${MHA_GPU_TABLE_BUDGET:-1800}"
 else
     shapes=small,base,long
@@ -212,6 +229,10 @@ else
     overhead_limit=90
     tiles_len=4096
     tiles_limit=60
+    train_steps=40
+    # The default run: 1000 steps, then 2000 held-out sequences decoded.
+    train_limit=240
+    train_args=()
 fi
 
 {
@@ -244,17 +265,20 @@ fi
 # PyTorch on CUDA first: it needs no Vulkan and no binary of ours.
 if [ "$tiles_only" -eq 1 ]; then
     : # the tiles alone
-elif python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
+elif ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
+    skip pytorch "no CUDA PyTorch on this machine"
+elif [ "$trainer_only" -eq 1 ]; then
+    step pytorch-trainer "$limit" python3 scripts/bench_pytorch.py --trainer --device cuda \
+        --train-steps "$train_steps" --json "$out/pytorch-trainer.json"
+else
     step pytorch "$limit" python3 scripts/bench_pytorch.py --device cuda --shapes "$shapes" \
         --runs "$runs" --dtype f32,f16,bf16 --long-core "$long" --json "$out/pytorch.json"
-else
-    skip pytorch "no CUDA PyTorch on this machine"
 fi
 
 # The tile product on cooperative matrices (tensor cores) against the portable one and
 # f64, on every mask kind (mha's unit test, the vulkan build): where the device reports
 # none, the test says so and passes.
-if [ "$tiles_only" -eq 1 ]; then
+if [ "$tiles_only" -eq 1 ] || [ "$trainer_only" -eq 1 ]; then
     :
 elif [ -f "$pack_dir/mha-tests.xz" ]; then
     xz -dc "$pack_dir/mha-tests.xz" > "$out/mha-tests"
@@ -322,10 +346,34 @@ sweep() {
 # in f16 on the portable tile product (what cooperative matrices gain) and its costs
 # around the kernels. SPIR-V in f32 last: it outran 170 s at the base shape on an H200
 # (2026-11-27), where its f16 step took 150 s.
+# `trainer`: the trainer's steps at its default and reference sizes (the benchmark's
+# trainer lines: padded and packed batches, ms per step and tokens/s) on wgpu through
+# WGSL and on this machine's CPU (flex), then a whole default run on wgpu (`bench train`,
+# the trainer itself) through each build, to its held-out accuracy.
+trainer() {
+    if [ "$wgsl" -eq 1 ]; then
+        step trainer-steps-wgsl "$limit" "$out/bench-wgsl" --backend wgpu --shapes none \
+            --train-steps "$train_steps" --json "$out/trainer-wgsl.json"
+        step trainer-steps-flex "$limit" "$out/bench-wgsl" --backend flex --shapes none \
+            --train-steps "$train_steps" --json "$out/trainer-flex.json"
+        step train-wgsl "$train_limit" "$out/bench-wgsl" train --backend wgpu \
+            --out "$out/train-wgsl" "${train_args[@]}"
+    fi
+    if [ "$spirv" -eq 1 ]; then
+        step train-spirv "$train_limit" "$out/bench-spirv" train --backend wgpu \
+            --out "$out/train-spirv" "${train_args[@]}"
+    fi
+}
+
 wgsl=0
 spirv=0
 unpack wgsl && wgsl=1
 unpack spirv && spirv=1
+if [ "$trainer_only" -eq 1 ]; then
+    trainer
+    wgsl=0
+    spirv=0
+fi
 # The candidates that fit at head dim 64: where one does not fit a kernel, the kernel takes
 # the first that fits, as without the variable (each step's log says which tiles each
 # kernel took). The portable product's 32 KiB take at most 64,32,32 in f32 and 128,64,32
@@ -359,6 +407,10 @@ if [ "$spirv" -eq 1 ]; then
     MHA_GPU_TILE_PRODUCT=portable timed spirv f16 mha-spirv_portable-f16 --no-builtin
     overhead spirv f16
     timed spirv f32 mha-spirv-f32
+fi
+if [ "$dry" -eq 1 ]; then
+    # The trainer's steps, at a tiny size.
+    trainer
 fi
 rm -f "$out"/bench-*
 

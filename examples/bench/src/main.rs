@@ -21,6 +21,9 @@
 //! attention products over the visible half of the scores (`2·B·T²·D`), forward; a
 //! backward counts twice the forward.
 //!
+//! `bench train ARGS` is the trainer (`cargo run -p train -- ARGS`), so that one binary
+//! carries both to a GPU machine without a toolchain (`scripts/gpu_table.sh --trainer`).
+//!
 //! `--decode` adds the cost of one decoding step with mha's cache, by recomputing the
 //! prefix, and with Burn's `MhaCache`; `--window` adds sliding-window attention against
 //! full causal attention at long lengths, time and peak memory (see `decode.rs`);
@@ -36,6 +39,7 @@ mod prune;
 mod variants;
 
 use std::path::{Path, PathBuf};
+use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -881,9 +885,27 @@ fn overhead_only(cli: &Cli) -> bool {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     train::alloc::keep_freed_memory();
-    let cli = Cli::parse();
+    // `bench train ARGS` is the trainer, `train ARGS`: one binary to carry to a GPU
+    // machine without a toolchain (`scripts/gpu_table.sh --trainer`).
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|command| command == "train")
+    {
+        let args = std::env::args_os().skip(1);
+        return train::commands::run(train::cli::Cli::parse_with_defaults_from(args));
+    }
+    match bench(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:?}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn bench(cli: Cli) -> anyhow::Result<()> {
     let shapes: Vec<Shape> = cli
         .shapes
         .iter()

@@ -261,6 +261,17 @@ impl Cli {
     /// as clap does on a malformed command line (code 2), and with a one-line error (code
     /// 1) on a flag before a subcommand that the subcommand does not take.
     pub fn parse_with_defaults() -> Self {
+        Self::parse_with_defaults_from(std::env::args_os())
+    }
+
+    /// [`parse_with_defaults`](Self::parse_with_defaults) of `args` (the program's name
+    /// first): how another program runs the trainer as a command of its own (`bench
+    /// train ...`).
+    pub fn parse_with_defaults_from<I, T>(args: I) -> Self
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
         let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
         let mut command = Cli::command();
         for field in FIELDS {
@@ -289,7 +300,7 @@ impl Cli {
             let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
             arg.help(format!("{help} [default: {best}]"))
         });
-        let matches = command.get_matches();
+        let matches = command.get_matches_from(args);
         let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
         cli.with_flags_before_the_subcommand(&matches)
             .unwrap_or_else(|err| {
