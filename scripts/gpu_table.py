@@ -90,8 +90,10 @@ def training(out):
             pct = lambda x: "—" if x is None else f"{100 * x:.2f}%"
             wall = r.get("wall_seconds") or 0
             rate = f"{r.get('steps_done', 0) / wall:.1f}" if wall else "—"
+            # A run stopped by its step's limit leaves the status it had while running.
+            status = {"running": "stopped before the end"}.get(r.get("status"), r.get("status", "—"))
             lines.append(
-                f"| {build} | {r.get('status', '—')} | {r.get('steps_done', '—')} | {pct(r.get('exact_accuracy'))} "
+                f"| {build} | {status} | {r.get('steps_done', '—')} | {pct(r.get('exact_accuracy'))} "
                 f"| {pct(r.get('token_accuracy'))} | {wall:.1f} | {rate} | {r.get('tokens_per_second') or 0:.0f} |"
             )
     return lines
@@ -141,10 +143,11 @@ def main(out):
     lines = []
     if torch:
         lines.append(f"PyTorch {torch.get('torch')} on {torch.get('device')}.\n")
-    lines.append("## Causal self-attention, median ms (lower is better)\n")
-    header = ["shape", "pass", "dtype"] + [name for _, name in present] + ["Burn/mha", "PyTorch/mha"]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "---|" * len(header))
+    if rows:
+        lines.append("## Causal self-attention, median ms (lower is better)\n")
+        header = ["shape", "pass", "dtype"] + [name for _, name in present] + ["Burn/mha", "PyTorch/mha"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "---|" * len(header))
     order = {"tiny": 0, "small": 1, "base": 2, "long": 3}
     for (shape, pass_, dtype), cells in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][0], kv[0][1], kv[0][2])):
         timed = lambda keys: [cells[k] for k in keys if isinstance(cells.get(k), (int, float))]
@@ -193,6 +196,9 @@ def main(out):
                         taken = line.split(": ", 2)[-1].strip()
             records = [r for r in load(log[:-len(".log")] + ".json") or [] if (r.get("shape") or {}).get("name") == "long-core"]
             first = ",".join(map(str, first))
+            for r in records:
+                if r.get("failed"):
+                    failures.append((f"{build}, tiles {first}", r["subject"], r["pass"], f"{r.get('context')} positions", dtype, r["failed"]))
             for r in records or [{}]:
                 ms = cell(ms_of(r)) if "median_ms" in r else "—"
                 lines.append(f"| {build} | {dtype} | {first} | {taken} | {r.get('context', '—')} | {ms} | {kernels} |")
@@ -202,7 +208,7 @@ def main(out):
         lines.append("| build | subject | pass | shape | dtype | why |")
         lines.append("|---|---|---|---|---|---|")
         for failure in failures:
-            lines.append("| " + " | ".join(str(x).replace("|", "/") for x in failure) + " |")
+            lines.append("| " + " | ".join(str(x).replace("|", "/").replace("\n", " ") for x in failure) + " |")
     steps = os.path.join(out, "steps.tsv")
     if os.path.exists(steps):
         lines.append("\n## Steps\n")

@@ -33,17 +33,19 @@
 #    f16 (cooperative matrices), WGSL in f32 and f16; the same budget.
 #        scripts/gpu_table.sh --trainer PACK OUT
 #    instead times the trainer: PyTorch's training steps on CUDA (`bench_pytorch.py
-#    --trainer`), the trainer's steps on wgpu (WGSL) and on this machine's CPU (flex) at
-#    its default and reference sizes, then a whole default run (`bench train --backend
-#    wgpu`: reverse, 1000 steps, to its held-out accuracy) through WGSL and through
-#    SPIR-V, each into OUT/train-BUILD/ (summary.json); the same budget.
+#    --trainer`), the trainer's steps on wgpu (WGSL) at its default and reference sizes,
+#    a whole default run (`bench train --backend wgpu`: reverse, 1000 steps, to its
+#    held-out accuracy) through WGSL and through SPIR-V, each into OUT/train-BUILD/
+#    (summary.json), then the trainer's steps on this machine's CPU (flex); the same
+#    budget.
 # 3. In CI, on Mesa's lavapipe:
 #        scripts/gpu_table.sh --dry-run OUT
 #    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`, and the
 #    unit tests of `cargo test --features ndarray,wgpu --lib`), then
 #    runs step 2 on it at a tiny shape with one run (and one step of `--tiles`, at 256
-#    positions, and `--trainer`'s steps at a tiny size): the script is known to work
-#    before it meets a GPU. It fails if a step that could run failed.
+#    positions, and `--trainer`'s steps, 2 of each, with a whole run of a tiny model):
+#    the script is known to work before it meets a GPU. It fails if a step that could
+#    run failed (a benchmark with a measurement that failed exits with an error).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -215,6 +217,7 @@ if [ "$dry" -eq 1 ]; then
     tiles_len=256
     tiles_limit=900
     train_steps=2
+    steps_limit=900
     train_limit=900
     train_args=(--epochs 1 --steps-per-epoch 4 --eval-examples 16 --d-model 16 --layers 1
         --heads 2 --batch-size 8)
@@ -230,6 +233,7 @@ else
     tiles_len=4096
     tiles_limit=60
     train_steps=40
+    steps_limit=90
     # The default run: 1000 steps, then 2000 held-out sequences decoded.
     train_limit=240
     train_args=()
@@ -266,7 +270,7 @@ fi
 if [ "$tiles_only" -eq 1 ]; then
     : # the tiles alone
 elif ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
-    skip pytorch "no CUDA PyTorch on this machine"
+    skip "pytorch$([ "$trainer_only" -eq 0 ] || echo -trainer)" "no CUDA PyTorch on this machine"
 elif [ "$trainer_only" -eq 1 ]; then
     step pytorch-trainer "$limit" python3 scripts/bench_pytorch.py --trainer --device cuda \
         --train-steps "$train_steps" --json "$out/pytorch-trainer.json"
@@ -294,7 +298,7 @@ fi
 unpack() {
     local packed="$pack_dir/bench-$1.xz"
     if [ ! -f "$packed" ]; then
-        skip "mha-$1" "no $1 build in $pack_dir"
+        skip "bench-$1" "no $1 build in $pack_dir"
         return 1
     fi
     xz -dc "$packed" > "$out/bench-$1" || return 1
@@ -338,6 +342,32 @@ sweep() {
     done
 }
 
+# `trainer`: the trainer's steps at its default and reference sizes (the benchmark's
+# trainer lines: padded and packed batches, ms per step and tokens/s) on wgpu through
+# WGSL, a whole default run on wgpu (`bench train`, the trainer itself) through each
+# build, to its held-out accuracy, then the same steps on this machine's CPU (flex). A
+# pack that predates `bench train` is refused for it.
+trainer() {
+    if [ "$wgsl" -eq 1 ] && ! "$out/bench-wgsl" train --help > /dev/null 2>&1; then
+        skip trainer "the packed benchmark predates \`bench train\` (pack again)"
+        return
+    fi
+    if [ "$wgsl" -eq 1 ]; then
+        step trainer-steps-wgsl "$steps_limit" "$out/bench-wgsl" --backend wgpu --shapes none \
+            --train-steps "$train_steps" --json "$out/trainer-wgsl.json"
+        step train-wgsl "$train_limit" "$out/bench-wgsl" train --backend wgpu \
+            --out "$out/train-wgsl" ${train_args[@]+"${train_args[@]}"}
+    fi
+    if [ "$spirv" -eq 1 ]; then
+        step train-spirv "$train_limit" "$out/bench-spirv" train --backend wgpu \
+            --out "$out/train-spirv" ${train_args[@]+"${train_args[@]}"}
+    fi
+    if [ "$wgsl" -eq 1 ]; then
+        step trainer-steps-flex "$steps_limit" "$out/bench-wgsl" --backend flex --shapes none \
+            --train-steps "$train_steps" --json "$out/trainer-flex.json"
+    fi
+}
+
 # Each build and dtype in a process of its own, the table's rows first: WGSL (every wgpu
 # device) in f16 and f32, with mha's core between other projections (`--variants`), then
 # SPIR-V in f16 (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of
@@ -346,25 +376,6 @@ sweep() {
 # in f16 on the portable tile product (what cooperative matrices gain) and its costs
 # around the kernels. SPIR-V in f32 last: it outran 170 s at the base shape on an H200
 # (2026-11-27), where its f16 step took 150 s.
-# `trainer`: the trainer's steps at its default and reference sizes (the benchmark's
-# trainer lines: padded and packed batches, ms per step and tokens/s) on wgpu through
-# WGSL and on this machine's CPU (flex), then a whole default run on wgpu (`bench train`,
-# the trainer itself) through each build, to its held-out accuracy.
-trainer() {
-    if [ "$wgsl" -eq 1 ]; then
-        step trainer-steps-wgsl "$limit" "$out/bench-wgsl" --backend wgpu --shapes none \
-            --train-steps "$train_steps" --json "$out/trainer-wgsl.json"
-        step trainer-steps-flex "$limit" "$out/bench-wgsl" --backend flex --shapes none \
-            --train-steps "$train_steps" --json "$out/trainer-flex.json"
-        step train-wgsl "$train_limit" "$out/bench-wgsl" train --backend wgpu \
-            --out "$out/train-wgsl" "${train_args[@]}"
-    fi
-    if [ "$spirv" -eq 1 ]; then
-        step train-spirv "$train_limit" "$out/bench-spirv" train --backend wgpu \
-            --out "$out/train-spirv" "${train_args[@]}"
-    fi
-}
-
 wgsl=0
 spirv=0
 unpack wgsl && wgsl=1
@@ -409,7 +420,7 @@ if [ "$spirv" -eq 1 ]; then
     timed spirv f32 mha-spirv-f32
 fi
 if [ "$dry" -eq 1 ]; then
-    # The trainer's steps, at a tiny size.
+    # The trainer's steps, 2 of each, and a whole run of a tiny model.
     trainer
 fi
 rm -f "$out"/bench-*

@@ -13,9 +13,12 @@
 //!
 //! Each number is the median of `--runs` timed runs after one warm-up run; the device is
 //! synchronised after each run, so GPU numbers include the kernels, not only their launch.
-//! The warm-up's result and the last run's are read back (outside the timings): a
-//! measurement whose call the device did not complete, or whose result is not finite, is
-//! `failed` (with the reason, and `"failed"` in the JSON), not timed.
+//! The warm-up's result and the last run's are read back (outside the timings), and held
+//! until the device is done (a dropped tensor is work Burn's fusion may skip): an
+//! attention measurement whose call the device did not complete, or whose result is not
+//! finite, is `failed` in the tables (in the JSON its `failed` field holds the reason and
+//! its median is null), not timed, and the others are still measured; the process then
+//! exits with an error. Any other measurement that fails stops the run with its reason.
 //! Ratios are "Burn's built-in time / mha's time", measured back to back. GFLOP/s count
 //! the useful work of causal attention: the four projections (`8·B·T·D²`) and the two
 //! attention products over the visible half of the scores (`2·B·T²·D`), forward; a
@@ -69,7 +72,11 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// Time mha's attention against Burn's built-in attention, and the trainer's throughput.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(
+    version,
+    about,
+    after_help = "`bench train [ARGS]` runs the trainer instead (`train [ARGS]`; `bench train --help`)."
+)]
 struct Cli {
     /// Backends to time, among those compiled in (repeatable) [default: every one].
     #[arg(long, value_enum)]
@@ -164,7 +171,7 @@ fn long_core(device: &Device, (seq, dtype): (usize, FloatDType)) -> impl Fn() ->
         let out =
             mha::scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &causal, options);
         let grads = out.context.sum().backward();
-        [&q, &k, &v].map(|x| grad_of(x, &grads))
+        grads_of([&q, &k, &v], &grads)
     }
 }
 
@@ -176,7 +183,7 @@ fn bench_long_core(
     device: &Device,
     (seq, dtype): (usize, FloatDType),
     out: &mut Vec<Record>,
-) -> anyhow::Result<()> {
+) {
     let call = long_core(device, (seq, dtype));
     let timed = time(cli.runs.min(3), device, &call);
     let peak_mib = device.memory_pool_report().map(|pools| {
@@ -206,7 +213,6 @@ fn bench_long_core(
             flops,
         )
     });
-    Ok(())
 }
 
 /// Where one call of the causal core at `seq` positions (as [`bench_long_core`]) spends
@@ -345,7 +351,7 @@ impl Record {
 
     /// A measurement of attention at `shape` in `dtype`: the median milliseconds and runs
     /// `timed`, for `flops` of work, or why there is none (written to the standard error
-    /// too, whole).
+    /// too).
     fn attention(
         backend: &'static str,
         (shape, dtype): (Shape, FloatDType),
@@ -374,13 +380,19 @@ impl Record {
         }
     }
 
-    /// The cell of a table: the median milliseconds (and GFLOP/s where `gflops`), or
-    /// `failed`.
-    fn cell(&self, gflops: bool) -> String {
-        match (&self.failed, gflops) {
-            (Some(_), _) => "failed".into(),
-            (None, true) => format!("{:.1} ({:.0})", self.median_ms, self.gflops.unwrap_or(0.0)),
-            (None, false) => format!("{:.2}", self.median_ms),
+    /// A table's cell: the median milliseconds to `decimals` places, or `failed`.
+    fn ms(&self, decimals: usize) -> String {
+        match self.failed {
+            Some(_) => "failed".into(),
+            None => format!("{:.*}", decimals, self.median_ms),
+        }
+    }
+
+    /// A table's cell: the median milliseconds and the GFLOP/s, or `failed`.
+    fn ms_gflops(&self) -> String {
+        match self.failed {
+            Some(_) => "failed".into(),
+            None => format!("{:.1} ({:.0})", self.median_ms, self.gflops.unwrap_or(0.0)),
         }
     }
 }
@@ -417,6 +429,13 @@ impl<const D: usize, const N: usize> Outcome for [Tensor<D>; N] {
     }
 }
 
+/// A call that may refuse (a full cache, say): its error, or its result's check.
+impl<O: Outcome, E: std::error::Error + Send + Sync + 'static> Outcome for Result<O, E> {
+    fn check(self) -> anyhow::Result<()> {
+        self?.check()
+    }
+}
+
 /// A backward's gradients, held, and what is read back of them.
 impl<O: Outcome> Outcome for (burn::tensor::Gradients, O) {
     fn check(self) -> anyhow::Result<()> {
@@ -449,6 +468,21 @@ fn grad_of<const D: usize>(x: &Tensor<D>, grads: &burn::tensor::Gradients) -> Te
         .expect("the measured input requires its gradient")
 }
 
+/// The gradients of each of `xs` in `grads`.
+fn grads_of<const D: usize, const N: usize>(
+    xs: [&Tensor<D>; N],
+    grads: &burn::tensor::Gradients,
+) -> [Tensor<D>; N] {
+    xs.map(|x| grad_of(x, grads))
+}
+
+/// Waits for `device`; an error on one line ([`one_line`]).
+fn sync(device: &Device) -> anyhow::Result<()> {
+    device
+        .sync()
+        .map_err(|e| anyhow::anyhow!("{}", one_line(&e.to_string())))
+}
+
 /// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device;
 /// the warm-up's and the last run's results are read back ([`Outcome`]), an error if the
 /// call did not complete or produced a value that is not finite.
@@ -459,7 +493,7 @@ fn time<O: Outcome>(
 ) -> anyhow::Result<(f64, usize)> {
     let started = Instant::now();
     let warm_up = f();
-    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    sync(device)?;
     let runs = match started.elapsed().as_secs_f64() > 2.0 {
         true => runs.min(3),
         false => runs,
@@ -469,7 +503,7 @@ fn time<O: Outcome>(
     for run in 0..runs {
         let started = Instant::now();
         let result = f();
-        device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        sync(device)?;
         samples.push(started.elapsed().as_secs_f64() * 1e3);
         if run + 1 == runs {
             result.check().context("the last timed run")?;
@@ -495,7 +529,7 @@ fn bench_mha(
     device: &Device,
     (shape, dtype): (Shape, FloatDType),
     out: &mut Vec<Record>,
-) -> anyhow::Result<()> {
+) {
     let Shape {
         batch: b,
         seq: t,
@@ -569,10 +603,9 @@ fn bench_mha(
     let (q, k, v) = (grad(), grad(), grad());
     let ms = time(cli.runs, device, || {
         let grads = sdpa(&q, &k, &v).sum().backward();
-        [&q, &k, &v].map(|x| grad_of(x, &grads))
+        grads_of([&q, &k, &v], &grads)
     });
     record("mha-core", "forward+backward", ms, 3.0 * core);
-    Ok(())
 }
 
 /// The backend's 2048 x 2048 f32 matrix product: the ceiling attention's GFLOP/s are
@@ -680,20 +713,28 @@ fn bench_trainer(
             .sum();
         let loss = model.forward_loss(batcher.batch(examples, &ad)).loss;
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        (optim.step(config.lr, model, grads), tokens)
+        (optim.step(config.lr, model, grads), tokens, loss.inner())
     };
     // Each step on a worker of the CPU backends' pool, as the trainer runs it.
-    model = mha::on_cpu_workers(device, || step(model)).0; // warm-up
-    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let (warm, _, warm_loss) = mha::on_cpu_workers(device, || step(model));
+    model = warm;
+    sync(device)?;
+    warm_loss.check().context("the warm-up step's loss")?;
     let mut tokens = 0;
+    let mut loss = None;
     let started = Instant::now();
     for _ in 0..cli.train_steps {
-        let (next_model, n) = mha::on_cpu_workers(device, || step(model));
+        let (next_model, n, last) = mha::on_cpu_workers(device, || step(model));
         model = next_model;
         tokens += n;
+        loss = Some(last);
     }
-    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    sync(device)?;
     let seconds = started.elapsed().as_secs_f64();
+    // Read back outside the timing.
+    if let Some(loss) = loss {
+        loss.check().context("the last step's loss")?;
+    }
     drop(model);
     let timed = (seconds * 1e3 / cli.train_steps as f64, cli.train_steps);
     out.push(Record {
@@ -721,11 +762,7 @@ fn print_failures(records: &[&Record]) {
                 "long-core" => format!("{} positions", shape.seq),
                 name => name.to_string(),
             };
-            println!(
-                "
-{} {} at {at} failed: {why}",
-                r.subject, r.pass
-            );
+            println!("\n{} {} at {at} failed: {why}", r.subject, r.pass);
         }
     }
 }
@@ -746,14 +783,11 @@ fn print_long_core(backend: Backend, records: &[Record]) {
     println!("|---|---|---|---|---|");
     for r in &long {
         let gflops = r.gflops.map_or("—".into(), |g| format!("{g:.0}"));
-        let ms = match r.failed {
-            Some(_) => "failed".into(),
-            None => format!("{:.1}", r.median_ms),
-        };
         println!(
-            "| {} | {} | {ms} | {gflops} | {} |",
+            "| {} | {} | {} | {gflops} | {} |",
             r.context.unwrap_or(0),
             r.dtype.unwrap_or("f32"),
+            r.ms(1),
             r.peak_mib.map_or("—".into(), |m| format!("{m:.0}"))
         );
     }
@@ -769,7 +803,7 @@ fn print_table(backend: Backend, dtype: &str, records: &[&Record], shapes: &[Sha
         "| shape (B, T, D, H) | mha fwd | Burn fwd | Burn/mha | mha fwd+bwd | Burn fwd+bwd | Burn/mha | core fwd | core fwd+bwd |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    let cell = |r: Option<&Record>| r.map_or("—".into(), |r| r.cell(true));
+    let cell = |r: Option<&Record>| r.map_or("—".into(), Record::ms_gflops);
     let ratio = |a: Option<&Record>, b: Option<&Record>| match (a, b) {
         (Some(a), Some(b)) if a.failed.is_none() && b.failed.is_none() => {
             format!("{:.2}x", b.median_ms / a.median_ms)
@@ -899,7 +933,7 @@ fn main() -> ExitCode {
     match bench(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("Error: {e:?}");
+            eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
     }
@@ -953,10 +987,10 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         for &dtype in &computed {
             for &shape in timed {
                 eprintln!("{backend}: {} in {} ...", shape.name, dtype_name(dtype));
-                bench_mha(&cli, backend, &device, (shape, dtype), &mut mine)?;
+                bench_mha(&cli, backend, &device, (shape, dtype), &mut mine);
                 if cli.variants {
                     let at = (shape, dtype);
-                    variants::bench_variants(cli.runs, backend.name(), &device, at, &mut mine)?;
+                    variants::bench_variants(cli.runs, backend.name(), &device, at, &mut mine);
                 }
                 write_json(cli.json.as_deref(), &records, &mine)?;
             }
@@ -998,7 +1032,7 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
                     "{backend}: causal core at {seq} positions in {} ...",
                     dtype_name(dtype)
                 );
-                bench_long_core(&cli, backend, &device, (seq, dtype), &mut mine)?;
+                bench_long_core(&cli, backend, &device, (seq, dtype), &mut mine);
                 write_json(cli.json.as_deref(), &records, &mine)?;
                 #[cfg(feature = "wgpu")]
                 if cli.core_kernels {
@@ -1038,7 +1072,14 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         }
         records.extend(mine);
     }
-    write_json(cli.json.as_deref(), &records, &[])
+    write_json(cli.json.as_deref(), &records, &[])?;
+    let failed = records.iter().filter(|r| r.failed.is_some()).count();
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} of the {} measurements failed (each said why above)",
+        records.len()
+    );
+    Ok(())
 }
 
 /// Writes the measurements `done` and `current` to `path` (if any) as one JSON list,
@@ -1100,7 +1141,10 @@ mod tests {
             Err(anyhow::anyhow!("refused")),
             1.0,
         );
-        assert_eq!(failed.cell(true), "failed");
+        assert_eq!(
+            (failed.ms(2), failed.ms_gflops()),
+            ("failed".into(), "failed".into())
+        );
         let json = serde_json::to_value(&failed).unwrap();
         assert!(
             json["median_ms"].is_null() && json["gflops"].is_null(),
@@ -1115,7 +1159,10 @@ mod tests {
             Ok((2.0, 3)),
             4e6,
         );
-        assert_eq!(timed.cell(true), "2.0 (2)");
+        assert_eq!(
+            (timed.ms(2), timed.ms_gflops()),
+            ("2.00".into(), "2.0 (2)".into())
+        );
         assert!(
             serde_json::to_value(&timed)
                 .unwrap()

@@ -28,7 +28,7 @@ use burn::nn::attention::{
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{MhaInput, ModuleDType, MultiHeadAttentionConfig};
 
-use crate::{Outcome, Shape, dtype_name, grad_of, randn_as};
+use crate::{Outcome, Shape, dtype_name, grad_of, randn_as, sync};
 
 /// What a call launches while this is installed: every kernel by name, and where
 /// `timing`, each launch's measurement, kept unread until the call is over (read at once,
@@ -60,11 +60,6 @@ impl LaunchObserver for Watch {
     fn timed(&self, kernel: &'static str, duration: Duration, method: TimingMethod) {
         self.read.lock().unwrap().push((kernel, duration, method));
     }
-}
-
-/// Waits for the device.
-fn sync(device: &Device) -> anyhow::Result<()> {
-    device.sync().map_err(|e| anyhow::anyhow!("{e:?}"))
 }
 
 /// One `call` with `watch` installed, the device synced before and after: what it
@@ -115,7 +110,10 @@ pub fn breakdown<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::R
     let before = Instant::now();
     let epoch = before.checked_sub(Duration::from_secs(1)).unwrap_or(before);
     let (result, _, _) = watched(device, &watch, call)?;
-    let failed = result.check().err().map(|e| format!("{e:#}"));
+    let failed = result
+        .check()
+        .err()
+        .map(|e| format!("{e:#}").replace('|', "/"));
     let launches: usize = watch.counts.lock().unwrap().values().sum();
     let profiles = std::mem::take(&mut *watch.kept.lock().unwrap());
     let read = std::mem::take(&mut *watch.read.lock().unwrap());
@@ -244,7 +242,10 @@ fn cost<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Co
     let watch = Arc::new(Watch::default());
     let (kept, issue_ms, total_ms) = watched(device, &watch, &call)?;
     let after = device.memory_pool_usage().unwrap_or_default();
-    let failed = kept.check().err().map(|e| format!("{e:#}"));
+    let failed = kept
+        .check()
+        .err()
+        .map(|e| format!("{e:#}").replace('|', "/"));
     let counts = watch.counts.lock().unwrap().clone();
     let of = |parts: &[&str]| -> usize {
         counts

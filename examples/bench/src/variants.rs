@@ -19,7 +19,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{AttentionMask, ModuleDType, SdpaOptions};
 
-use crate::{Record, Shape, find, grad_of, randn_as, time};
+use crate::{Record, Shape, find, grad_of, grads_of, randn_as, time};
 
 /// The input projections of a composition.
 enum Projections {
@@ -76,39 +76,27 @@ pub fn bench_variants(
     runs: usize,
     backend: &'static str,
     device: &Device,
-    (shape, dtype): (Shape, FloatDType),
+    at: (Shape, FloatDType),
     out: &mut Vec<Record>,
-) -> anyhow::Result<()> {
+) {
+    let (shape, dtype) = at;
     let ad = device.clone().autodiff();
     let [b, t, d] = [shape.batch, shape.seq, shape.d_model];
+    let mut record = |subject, pass, timed, flops| {
+        out.push(Record::attention(backend, at, subject, pass, timed, flops));
+    };
     let fwd = shape.mha_flops();
     for (subject, packed) in [("core+linear", false), ("core+qkv", true)] {
-        let mut record = |pass, timed, flops| {
-            out.push(Record::attention(
-                backend,
-                (shape, dtype),
-                subject,
-                pass,
-                timed,
-                flops,
-            ));
-        };
         let model = Composed::new(shape, packed, dtype, device);
         let x = randn_as(dtype, [b, t, d], device);
-        record(
-            "forward",
-            time(runs, device, || model.forward(x.clone())),
-            fwd,
-        );
+        let timed = time(runs, device, || model.forward(x.clone()));
+        record(subject, "forward", timed, fwd);
         let model = Composed::new(shape, packed, dtype, &ad);
         let x = randn_as(dtype, [b, t, d], &ad).require_grad();
-        record(
-            "forward+backward",
-            time(runs, device, || {
-                grad_of(&x, &model.forward(x.clone()).sum().backward())
-            }),
-            3.0 * fwd,
-        );
+        let timed = time(runs, device, || {
+            grad_of(&x, &model.forward(x.clone()).sum().backward())
+        });
+        record(subject, "forward+backward", timed, 3.0 * fwd);
     }
 
     // The core on the heads of `[B, T, H·Dh]` tensors, as the module calls it.
@@ -119,32 +107,25 @@ pub fn bench_variants(
         let options = SdpaOptions::default();
         mha::scaled_dot_product_attention(heads(q), heads(k), heads(v), &causal, options).context
     };
-    let mut record = |pass, timed, flops| {
-        let at = (shape, dtype);
-        out.push(Record::attention(
-            backend,
-            at,
-            "core-bthd",
-            pass,
-            timed,
-            flops,
-        ));
-    };
     let qkv = [0; 3].map(|_| randn_as(dtype, [b, t, d], device));
     let flops = shape.core_flops();
-    record("forward", time(runs, device, || core(&qkv)), flops);
+    record(
+        "core-bthd",
+        "forward",
+        time(runs, device, || core(&qkv)),
+        flops,
+    );
     let qkv = [0; 3].map(|_| randn_as(dtype, [b, t, d], &ad).require_grad());
     let timed = time(runs, device, || {
         let grads = core(&qkv).sum().backward();
-        qkv.each_ref().map(|x| grad_of(x, &grads))
+        grads_of(qkv.each_ref(), &grads)
     });
-    record("forward+backward", timed, 3.0 * flops);
-    Ok(())
+    record("core-bthd", "forward+backward", timed, 3.0 * flops);
 }
 
 /// The compositions' lines beside the module's, at each shape of `records` that has them.
 pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
-    let of = |shape, subject, pass| find(records, shape, subject, pass).map(|r| r.cell(false));
+    let of = |shape, subject, pass| find(records, shape, subject, pass).map(|r| r.ms(2));
     let mut shapes: Vec<&str> = Vec::new();
     for r in records.iter().filter(|r| r.subject == "core+qkv") {
         if let Some(s) = r.shape
@@ -163,7 +144,7 @@ pub fn print_variants(backend: &str, dtype: &str, records: &[&Record]) {
         "| shape | pass | mha module | core + 3 Linear | core + 1 Linear to Q, K, V | core alone | core alone on [B, T, H, Dh] |"
     );
     println!("|---|---|---|---|---|---|---|");
-    let cell = |ms: Option<String>| ms.unwrap_or_else(|| "—".into());
+    let cell = |text: Option<String>| text.unwrap_or_else(|| "—".into());
     for shape in shapes {
         for pass in ["forward", "forward+backward"] {
             println!(
