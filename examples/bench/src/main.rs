@@ -143,7 +143,7 @@ struct Cli {
     #[arg(long)]
     variants: bool,
     /// Also write every measurement to this JSON file (rewritten whole after each
-    /// shape, so that a run stopped midway keeps what it measured).
+    /// shape and each trainer measurement, so that a run stopped midway keeps what it measured).
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -999,6 +999,7 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
             for run in TRAINER_RUNS {
                 eprintln!("{backend}: {} ...", run.subject);
                 bench_trainer(&cli, backend, &device, run, &mut mine)?;
+                write_json(cli.json.as_deref(), &records, &mine)?;
             }
         }
         #[cfg(feature = "wgpu")]
