@@ -468,6 +468,18 @@ fn grad_of<const D: usize>(x: &Tensor<D>, grads: &burn::tensor::Gradients) -> Te
         .expect("the measured input requires its gradient")
 }
 
+/// What a module's forward+backward returns to be measured: every gradient (the
+/// parameters' too, held until the device is done, as a training step holds them for its
+/// optimizer) and the input's, read back.
+fn backward_of<const D: usize>(
+    x: &Tensor<D>,
+    loss: Tensor<1>,
+) -> (burn::tensor::Gradients, Tensor<D>) {
+    let grads = loss.backward();
+    let dx = grad_of(x, &grads);
+    (grads, dx)
+}
+
 /// The gradients of each of `xs` in `grads`.
 fn grads_of<const D: usize, const N: usize>(
     xs: [&Tensor<D>; N],
@@ -560,8 +572,7 @@ fn bench_mha(
     let ours = config.init(&ad).to_dtype(dtype);
     let x = randn_as(dtype, [b, t, d], &ad).require_grad();
     let ms = time(cli.runs, device, || {
-        let loss = ours.forward(MhaInput::causal(x.clone())).context.sum();
-        grad_of(&x, &loss.backward())
+        backward_of(&x, ours.forward(MhaInput::causal(x.clone())).context.sum())
     });
     record("mha", "forward+backward", ms, 3.0 * fwd);
 
@@ -580,7 +591,7 @@ fn bench_mha(
         let mask = generate_autoregressive_mask(b, t, &ad);
         let ms = time(cli.runs, device, || {
             let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
-            grad_of(&x, &theirs.forward(input).context.sum().backward())
+            backward_of(&x, theirs.forward(input).context.sum())
         });
         record("burn", "forward+backward", ms, 3.0 * fwd);
     }

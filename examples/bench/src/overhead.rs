@@ -28,7 +28,7 @@ use burn::nn::attention::{
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{MhaInput, ModuleDType, MultiHeadAttentionConfig};
 
-use crate::{Outcome, Shape, dtype_name, grad_of, randn_as, sync};
+use crate::{Outcome, Shape, backward_of, dtype_name, randn_as, sync};
 
 /// What a call launches while this is installed: every kernel by name, and where
 /// `timing`, each launch's measurement, kept unread until the call is over (read at once,
@@ -364,13 +364,7 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
         "mha",
         "forward+backward",
         cost(device, || {
-            let grads = mine
-                .forward(MhaInput::causal(x.clone()))
-                .context
-                .sum()
-                .backward();
-            let dx = grad_of(&x, &grads);
-            (grads, dx)
+            backward_of(&x, mine.forward(MhaInput::causal(x.clone())).context.sum())
         })?,
     );
 
@@ -395,9 +389,7 @@ pub fn print_overhead(device: &Device, shape: Shape, dtype: FloatDType) -> anyho
         "forward+backward",
         cost(device, || {
             let input = BurnMhaInput::self_attn(x.clone()).mask_attn(mask.clone());
-            let grads = theirs.forward(input).context.sum().backward();
-            let dx = grad_of(&x, &grads);
-            (grads, dx)
+            backward_of(&x, theirs.forward(input).context.sum())
         })?,
     );
     print_breakdowns(&breakdowns);

@@ -8,7 +8,7 @@ use mha::analysis::{Heads, PrunePlan};
 use mha::{MhaInput, MultiHeadAttentionConfig};
 use train::backend::Backend;
 
-use crate::{Record, grad_of, randn, time};
+use crate::{Record, backward_of, randn, time};
 
 const BATCH: usize = 8;
 const SEQ: usize = 512;
@@ -50,7 +50,7 @@ pub fn bench_prune(
         let x = randn([BATCH, SEQ, D_MODEL], &ad).require_grad();
         let ms = time(runs, device, || {
             let out = module.forward(MhaInput::causal(x.clone())).context;
-            grad_of(&x, &out.sum().backward())
+            backward_of(&x, out.sum())
         })?;
         record("forward+backward", ms);
     }

@@ -19,7 +19,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{AttentionMask, ModuleDType, SdpaOptions};
 
-use crate::{Record, Shape, find, grad_of, grads_of, randn_as, time};
+use crate::{Record, Shape, backward_of, find, grads_of, randn_as, time};
 
 /// The input projections of a composition.
 enum Projections {
@@ -94,7 +94,7 @@ pub fn bench_variants(
         let model = Composed::new(shape, packed, dtype, &ad);
         let x = randn_as(dtype, [b, t, d], &ad).require_grad();
         let timed = time(runs, device, || {
-            grad_of(&x, &model.forward(x.clone()).sum().backward())
+            backward_of(&x, model.forward(x.clone()).sum())
         });
         record(subject, "forward+backward", timed, 3.0 * fwd);
     }
