@@ -115,29 +115,18 @@ fresh_out() {
     fi
 }
 
-dry=0
-tiles_only=0
-trainer_only=0
+# What this invocation does: `run` (the table), `tiles`, `trainer` or `dry` (the table,
+# one step of the tiles and the trainer's steps, on lavapipe).
+mode=
 case "${1:-}" in
-    --run)
-        pack_dir="${2:?--run PACK OUT}"
-        out="${3:?--run PACK OUT}"
-        fresh_out "$out"
-        ;;
-    --tiles)
-        tiles_only=1
-        pack_dir="${2:?--tiles PACK OUT}"
-        out="${3:?--tiles PACK OUT}"
-        fresh_out "$out"
-        ;;
-    --trainer)
-        trainer_only=1
-        pack_dir="${2:?--trainer PACK OUT}"
-        out="${3:?--trainer PACK OUT}"
+    --run | --tiles | --trainer)
+        mode="${1#--}"
+        pack_dir="${2:?$1 PACK OUT}"
+        out="${3:?$1 PACK OUT}"
         fresh_out "$out"
         ;;
     --dry-run)
-        dry=1
+        mode=dry
         out="${2:?--dry-run OUT}"
         fresh_out "$out"
         pack_dir="$out/pack"
@@ -207,7 +196,7 @@ skip() {
     printf '%s\tnot run: %s\t0\n' "$1" "$2" >> "$out/steps.tsv"
 }
 
-if [ "$dry" -eq 1 ]; then
+if [ "$mode" = dry ]; then
     shapes=tiny
     overhead_shapes=tiny
     runs=1
@@ -267,11 +256,11 @@ if [ -z "${__EGL_VENDOR_LIBRARY_FILENAMES:-}" ] && [ -f "$nvidia/glvnd/egl_vendo
 fi
 
 # PyTorch on CUDA first: it needs no Vulkan and no binary of ours.
-if [ "$tiles_only" -eq 1 ]; then
+if [ "$mode" = tiles ]; then
     : # the tiles alone
 elif ! python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2> /dev/null; then
-    skip "pytorch$([ "$trainer_only" -eq 0 ] || echo -trainer)" "no CUDA PyTorch on this machine"
-elif [ "$trainer_only" -eq 1 ]; then
+    skip "pytorch$([ "$mode" != trainer ] || echo -trainer)" "no CUDA PyTorch on this machine"
+elif [ "$mode" = trainer ]; then
     step pytorch-trainer "$limit" python3 scripts/bench_pytorch.py --trainer --device cuda \
         --train-steps "$train_steps" --json "$out/pytorch-trainer.json"
 else
@@ -282,7 +271,7 @@ fi
 # The tile product on cooperative matrices (tensor cores) against the portable one and
 # f64, on every mask kind (mha's unit test, the vulkan build): where the device reports
 # none, the test says so and passes.
-if [ "$tiles_only" -eq 1 ] || [ "$trainer_only" -eq 1 ]; then
+if [ "$mode" = tiles ] || [ "$mode" = trainer ]; then
     :
 elif [ -f "$pack_dir/mha-tests.xz" ]; then
     xz -dc "$pack_dir/mha-tests.xz" > "$out/mha-tests"
@@ -376,21 +365,31 @@ trainer() {
 # in f16 on the portable tile product (what cooperative matrices gain) and its costs
 # around the kernels. SPIR-V in f32 last: it outran 170 s at the base shape on an H200
 # (2026-11-27), where its f16 step took 150 s.
-wgsl=0
-spirv=0
-unpack wgsl && wgsl=1
-unpack spirv && spirv=1
-if [ "$trainer_only" -eq 1 ]; then
-    trainer
-    wgsl=0
-    spirv=0
-fi
-# The candidates that fit at head dim 64: where one does not fit a kernel, the kernel takes
-# the first that fits, as without the variable (each step's log says which tiles each
-# kernel took). The portable product's 32 KiB take at most 64,32,32 in f32 and 128,64,32
-# in f16 (lavapipe, 2026-11-28); cooperative matrices have 48 KiB.
-if [ "$tiles_only" -eq 1 ]; then
-    # Cooperative matrices first (SPIR-V f16), then the portable product in f32 and f16.
+table() {
+    if [ "$wgsl" -eq 1 ]; then
+        timed wgsl f16 mha-wgsl-f16 --variants
+        timed wgsl f32 mha-wgsl-f32 --variants
+    fi
+    if [ "$spirv" -eq 1 ]; then
+        timed spirv f16 mha-spirv-f16
+    fi
+    if [ "$wgsl" -eq 1 ]; then
+        overhead wgsl f16,f32
+    fi
+    if [ "$spirv" -eq 1 ]; then
+        MHA_GPU_TILE_PRODUCT=portable timed spirv f16 mha-spirv_portable-f16 --no-builtin
+        overhead spirv f16
+        timed spirv f32 mha-spirv-f32
+    fi
+}
+
+# `tiles`: the candidates that fit at head dim 64, each first in turn; where one does not
+# fit a kernel, the kernel takes the first that fits, as without the variable (each step's
+# log says which tiles each kernel took). The portable product's 32 KiB take at most
+# 64,32,32 in f32 and 128,64,32 in f16 (lavapipe, 2026-11-28); cooperative matrices have
+# 48 KiB. Cooperative matrices first (SPIR-V f16), then the portable product in f32 and
+# f16.
+tiles() {
     if [ "$spirv" -eq 1 ]; then
         sweep spirv f16 128,64,64 128,64,32 64,32,32 32,16,32
     fi
@@ -398,37 +397,30 @@ if [ "$tiles_only" -eq 1 ]; then
         sweep wgsl f32 64,32,32 32,16,32 32,32,16
         sweep wgsl f16 128,64,32 64,32,32 32,16,32
     fi
-    wgsl=0
-    spirv=0
-elif [ "$dry" -eq 1 ] && [ "$wgsl" -eq 1 ]; then
-    # The sweep's plumbing, once.
-    sweep wgsl f32 128,64,64
-fi
-if [ "$wgsl" -eq 1 ]; then
-    timed wgsl f16 mha-wgsl-f16 --variants
-    timed wgsl f32 mha-wgsl-f32 --variants
-fi
-if [ "$spirv" -eq 1 ]; then
-    timed spirv f16 mha-spirv-f16
-fi
-if [ "$wgsl" -eq 1 ]; then
-    overhead wgsl f16,f32
-fi
-if [ "$spirv" -eq 1 ]; then
-    MHA_GPU_TILE_PRODUCT=portable timed spirv f16 mha-spirv_portable-f16 --no-builtin
-    overhead spirv f16
-    timed spirv f32 mha-spirv-f32
-fi
-if [ "$dry" -eq 1 ]; then
-    # The trainer's steps, 2 of each, and a whole run of a tiny model.
-    trainer
-fi
+}
+
+wgsl=0
+spirv=0
+unpack wgsl && wgsl=1
+unpack spirv && spirv=1
+case "$mode" in
+    run) table ;;
+    tiles) tiles ;;
+    trainer) trainer ;;
+    dry)
+        # The sweep's plumbing once, the table, then the trainer's steps (2 of each) and
+        # a whole run of a tiny model.
+        if [ "$wgsl" -eq 1 ]; then sweep wgsl f32 128,64,64; fi
+        table
+        trainer
+        ;;
+esac
 rm -f "$out"/bench-*
 
 archive
 cat "$out/gpu_table.md"
 echo "== $out/gpu_table.md and $out/gpu_table.tar.gz, $((SECONDS - started))s" >&2
-if [ "$dry" -eq 1 ] && [ "$failed" -ne 0 ]; then
+if [ "$mode" = dry ] && [ "$failed" -ne 0 ]; then
     echo "error: a step of the dry run failed (see $out/steps.tsv and its log)" >&2
     exit 1
 fi

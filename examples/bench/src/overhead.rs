@@ -63,8 +63,8 @@ impl LaunchObserver for Watch {
 }
 
 /// One `call` with `watch` installed, the device synced before and after: what it
-/// returned (for the caller to drop) and the host's milliseconds until the call returned
-/// and until the device was done.
+/// returned (held until the device was done, for the caller to read back) and the host's
+/// milliseconds until the call returned and until the device was done.
 fn watched<T>(
     device: &Device,
     watch: &Arc<Watch>,
@@ -79,6 +79,13 @@ fn watched<T>(
     let total_ms = started.elapsed().as_secs_f64() * 1e3;
     drop(watching);
     Ok((result, issue_ms, total_ms))
+}
+
+/// Why `result` could not be read back or was not finite ([`Outcome`]), fit for a table's
+/// cell; `None` where it was read.
+fn failure(result: impl Outcome) -> Option<String> {
+    let why = result.check().err()?;
+    Some(format!("{why:#}").replace('|', "/"))
 }
 
 /// Where one call spent the device's time.
@@ -110,10 +117,7 @@ pub fn breakdown<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::R
     let before = Instant::now();
     let epoch = before.checked_sub(Duration::from_secs(1)).unwrap_or(before);
     let (result, _, _) = watched(device, &watch, call)?;
-    let failed = result
-        .check()
-        .err()
-        .map(|e| format!("{e:#}").replace('|', "/"));
+    let failed = failure(result);
     let launches: usize = watch.counts.lock().unwrap().values().sum();
     let profiles = std::mem::take(&mut *watch.kept.lock().unwrap());
     let read = std::mem::take(&mut *watch.read.lock().unwrap());
@@ -242,10 +246,7 @@ fn cost<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Co
     let watch = Arc::new(Watch::default());
     let (kept, issue_ms, total_ms) = watched(device, &watch, &call)?;
     let after = device.memory_pool_usage().unwrap_or_default();
-    let failed = kept
-        .check()
-        .err()
-        .map(|e| format!("{e:#}").replace('|', "/"));
+    let failed = failure(kept);
     let counts = watch.counts.lock().unwrap().clone();
     let of = |parts: &[&str]| -> usize {
         counts

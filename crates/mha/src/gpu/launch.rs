@@ -269,32 +269,12 @@ pub(crate) fn tiles(
     dq.softcap = softcap;
     dkv.softcap = softcap;
     if let Some(asked) = tiles_asked() {
-        let taken = [
-            (
-                forward.units,
-                forward.bq,
-                forward.bk,
-                forward.frag.is_some(),
-            ),
-            (dq.units, dq.bq, dq.bk, dq.frag.is_some()),
-            (dkv.units, dkv.bq, dkv.bk, dkv.frag.is_some()),
-        ];
-        type Key = (usize, usize, usize, [(usize, usize, usize, bool); 3]);
-        static SAID: std::sync::Mutex<Vec<Key>> = std::sync::Mutex::new(Vec::new());
-        let key = (dims.d_k, dims.d_v, size, taken);
-        let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
-        if !said.contains(&key) {
-            said.push(key);
-            let [f, q, kv] = taken.map(|(u, bq, bk, cooperative)| match cooperative {
-                true => format!("{u},{bq},{bk} cooperative"),
-                false => format!("{u},{bq},{bk} portable"),
-            });
-            eprintln!(
-                "{TILES_VAR}={},{},{}: tiles taken (units, queries, keys) at head dims \
-                 {}/{} in {size}-byte inputs: forward {f}, dQ {q}, dK/dV {kv}",
-                asked.0, asked.1, asked.2, dims.d_k, dims.d_v
-            );
-        }
+        say_taken(
+            dims,
+            size,
+            asked,
+            [forward.taken(), dq.taken(), dkv.taken()],
+        );
     }
     (forward, dq, dkv)
 }
@@ -304,6 +284,33 @@ trait KernelTiles: Sized {
     fn new(units: usize, bq: usize, bk: usize, d_k: usize, d_v: usize) -> Self;
     fn shared_bytes(&self, size: usize) -> usize;
     fn cooperative(self, frag: Fragment) -> Option<Self>;
+    /// Units, queries and keys per tile, and whether on cooperative matrices.
+    fn taken(&self) -> Taken;
+}
+
+/// A kernel's tiles as [`say_taken`] reports them: units, queries, keys, cooperative.
+type Taken = (usize, usize, usize, bool);
+
+/// Writes the tiles each kernel took to the standard error, where [`TILES_VAR`] asked for
+/// `asked`: once for each call's head dims, element size and tiles.
+fn say_taken(dims: &Dims, size: usize, asked: (usize, usize, usize), taken: [Taken; 3]) {
+    type Key = (usize, usize, usize, [Taken; 3]);
+    static SAID: std::sync::Mutex<Vec<Key>> = std::sync::Mutex::new(Vec::new());
+    let key = (dims.d_k, dims.d_v, size, taken);
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if said.contains(&key) {
+        return;
+    }
+    said.push(key);
+    let [f, q, kv] = taken.map(|(u, bq, bk, cooperative)| match cooperative {
+        true => format!("{u},{bq},{bk} cooperative"),
+        false => format!("{u},{bq},{bk} portable"),
+    });
+    eprintln!(
+        "{TILES_VAR}={},{},{}: tiles taken (units, queries, keys) at head dims {}/{} in \
+         {size}-byte inputs: forward {f}, dQ {q}, dK/dV {kv}",
+        asked.0, asked.1, asked.2, dims.d_k, dims.d_v
+    );
 }
 
 macro_rules! kernel_tiles {
@@ -317,6 +324,9 @@ macro_rules! kernel_tiles {
             }
             fn cooperative(self, frag: Fragment) -> Option<Self> {
                 $tiles::cooperative(self, frag)
+            }
+            fn taken(&self) -> Taken {
+                (self.units, self.bq, self.bk, self.frag.is_some())
             }
         }
     )*};
