@@ -263,13 +263,17 @@ fn the_kernels_give_the_same_bits_every_run() {
 /// The shape of the budget below: causal self-attention over `[2, 128, 64]` in 4 heads.
 const BUDGET_SHAPE: [usize; 4] = [2, 128, 64, 4];
 /// What one forward+backward of mha's module may cost at [`BUDGET_SHAPE`] on wgpu after
-/// a warm-up: kernel launches (47 on lavapipe, 2026-11-27: 4 matrix products and 2
-/// additions forward plus our kernel; backward Burn's gradients of the projections, the
-/// packed weight's three slices included, and our three kernels), and the memory pool's
-/// peak in a process of its own (8 MiB, the pool's pages). Burn's own module at the same
-/// shape, measured beside it by the same test: 55 launches, 12 MiB.
-const BUDGET_LAUNCHES: usize = 47;
-const BUDGET_PEAK_MIB: f64 = 8.0;
+/// a warm-up: kernel launches (22 on lavapipe, 2026-11-28: forward one product by the
+/// whole packed input weight, our kernel on views of its output and the output
+/// projection, with their biases' additions; backward our three kernels, the three
+/// gradients side by side in one tensor and Burn's gradients of the two projections;
+/// 47 when each third of the packed weight was a product of its own), and the memory
+/// pool's peak in a process of its own (10 MiB, the pool's pages: 8 with the thirds'
+/// products, one page more with the packed `[B, T, 3·D]` tensors, the projection's output
+/// kept for the backward pass and its gradient). Burn's own module at the same shape,
+/// measured beside it by the same test: 53 launches, 12 MiB.
+const BUDGET_LAUNCHES: usize = 22;
+const BUDGET_PEAK_MIB: f64 = 10.0;
 
 /// The launches and the pool's peak of one forward+backward of `pass`, in this process.
 fn costs(device: &Device, pass: impl Fn()) -> (usize, f64) {
@@ -347,4 +351,101 @@ fn burn_module_costs() {
         drop(x.grad(&grads).expect("a gradient"));
     });
     println!("costs: launches {launches}, peak {peak:.3} MiB");
+}
+
+/// Self-attention on the GPU kernels takes the packed input projection's output whole
+/// (one product; the kernels read the query, key and value as views of it, and give one
+/// gradient for the three), where the same module called with the input as separate query,
+/// key and value (`MhaInput::new(x, x, x)`) takes three products of the weight's thirds:
+/// the same outputs and gradients (of the input, both projections and the sinks), with
+/// GQA, attention sinks and a causal mask with padding, at a width whose thirds are views
+/// (64 per head) and one whose thirds Burn's slice copies (6 per head, unaligned), each
+/// forward with two products in place of four.
+#[test]
+fn packed_self_attention_matches_separate_inputs() {
+    in_own_process("gpu::packed_and_separate_inputs");
+}
+
+#[test]
+#[ignore = "run in a process of its own by packed_self_attention_matches_separate_inputs"]
+fn packed_and_separate_inputs() {
+    use burn::tensor::{Bool, TensorData};
+    use mha::mha::InputProjection;
+
+    let device = wgpu().autodiff();
+    for (d, heads, kv_heads) in [(256, 4, 2), (24, 4, 2)] {
+        let m = MultiHeadAttentionConfig::new(d, heads)
+            .with_n_kv_heads(Some(kv_heads))
+            .with_sinks(true)
+            .init(&device);
+        let (batch, len) = (2, 70);
+        let x = Tensor::<3>::random([batch, len, d], Distribution::Default, &device).require_grad();
+        // The last 29 keys of the second row are padding.
+        let padding: Vec<bool> = (0..batch)
+            .flat_map(|b| (0..len).map(move |j| b == 1 && j >= 41))
+            .collect();
+        let padding = Tensor::<2, Bool>::from_data(TensorData::new(padding, [batch, len]), &device);
+        let mask = AttentionMask::causal().and(AttentionMask::key_padding(padding));
+        let packed = || MhaInput::self_attn(x.clone()).mask(mask.clone());
+        let separate = || MhaInput::new(x.clone(), x.clone(), x.clone()).mask(mask.clone());
+
+        let products = |input: &dyn Fn() -> MhaInput| {
+            let counts = launches(&device, || drop(m.forward(input()).context));
+            of(&counts, "matmul")
+        };
+        assert_eq!(
+            (products(&packed), products(&separate)),
+            (2, 4),
+            "d {d}: the products of a packed and a separate forward"
+        );
+
+        let run = |input: MhaInput| {
+            let out = m.forward(input).context;
+            let grads = out.clone().sum().backward();
+            let InputProjection::Packed(proj) = &m.in_proj else {
+                panic!("a packed projection")
+            };
+            let sinks = m.sinks.as_ref().expect("sinks");
+            let bias = |l: &burn::nn::Linear| l.bias.as_ref().expect("a bias").grad(&grads);
+            let flat = crate::util::to_vec::<1>;
+            let grads = [
+                flat(x.grad(&grads).expect("x").flatten(0, 2)),
+                flat(proj.weight.grad(&grads).expect("in weight").flatten(0, 1)),
+                flat(bias(proj).expect("in bias")),
+                flat(
+                    m.out_proj
+                        .weight
+                        .grad(&grads)
+                        .expect("out weight")
+                        .flatten(0, 1),
+                ),
+                flat(sinks.grad(&grads).expect("sinks")),
+            ];
+            (flat(out.inner().flatten(0, 2)), grads)
+        };
+        let (out_p, grads_p) = run(packed());
+        let (out_s, grads_s) = run(separate());
+        let names = ["x", "in weight", "in bias", "out weight", "sinks"];
+        let pairs = std::iter::once(("output", &out_p, &out_s)).chain(
+            names
+                .iter()
+                .zip(grads_p.iter().zip(&grads_s))
+                .map(|(n, (p, s))| (*n, p, s)),
+        );
+        for (what, p, s) in pairs {
+            assert_eq!(p.len(), s.len(), "d {d}: {what}");
+            let scale = s.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+            let worst = p
+                .iter()
+                .zip(s)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            println!("d {d}: {what}: largest difference {worst:.1e} (largest value {scale:.1e})");
+            assert!(p.iter().all(|v| v.is_finite()), "d {d}: {what} not finite");
+            assert!(
+                worst <= 1e-5 + 1e-4 * scale,
+                "d {d}: {what}: packed and separate differ by {worst} (largest value {scale})"
+            );
+        }
+    }
 }

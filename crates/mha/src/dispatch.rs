@@ -152,10 +152,27 @@ impl AttentionCall {
         mask: &AttentionMask,
         weights: bool,
     ) -> Self {
-        let device = query.device();
+        let dims = [query, key, value].map(Tensor::dims);
+        let dtypes = [query, key, value].map(Tensor::dtype);
+        Self::over(&query.device(), dims, dtypes, mask, weights)
+    }
+
+    /// The call over a query, key and value of `dims` `[[B, H, Tq, Dk], [B, Hkv, Tk, Dk],
+    /// [B, Hkv, Tk, Dv]]` and `dtypes` on `device` (as [`of`](Self::of), for tensors
+    /// not yet cut from the one that holds them).
+    pub(crate) fn over(
+        device: &Device,
+        dims: [[usize; 4]; 3],
+        dtypes: [DType; 3],
+        mask: &AttentionMask,
+        weights: bool,
+    ) -> Self {
+        let [q_dims, _, v_dims] = dims;
         #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
-        let backend = Backend::of(&device);
-        let floats = [query, key, value].into_iter().chain(mask.additive_bias());
+        let backend = Backend::of(device);
+        let floats = dtypes
+            .into_iter()
+            .chain(mask.additive_bias().map(Tensor::dtype));
         // A learned position table and the sinks are read by the kernels' operation too,
         // in its dtype.
         let learned = match mask.position() {
@@ -175,7 +192,7 @@ impl AttentionCall {
             autodiff: device.is_autodiff(),
             #[cfg(feature = "cpu-kernels")]
             f32_bytes: {
-                let f32 = floats.clone().all(|t| t.dtype() == DType::F32)
+                let f32 = floats.clone().all(|t| t == DType::F32)
                     && table.clone().all(|t| t == DType::F32);
                 let bool_bytes = mask.blocked().is_none_or(|blocked| {
                     matches!(
@@ -188,18 +205,18 @@ impl AttentionCall {
             // The GPU kernels read one float dtype, f32, f16 or bf16, and compute in f32.
             #[cfg(feature = "gpu-kernels")]
             gpu_kernels: {
-                let dtype = query.dtype();
+                let dtype = dtypes[0];
                 let one_float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-                    && floats.clone().all(|t| t.dtype() == dtype);
-                let (d_k, d_v) = (query.dims()[3], value.dims()[3]);
+                    && floats.clone().all(|t| t == dtype);
+                let (d_k, d_v) = (q_dims[3], v_dims[3]);
                 let table_too = table.clone().all(|t| t == dtype);
-                let indexed = gpu_indexed([query.dims(), key.dims(), value.dims()], mask);
+                let indexed = gpu_indexed(dims, mask);
                 one_float && table_too && indexed && d_k > 0 && d_v > 0
             },
-            queries: query.dims()[2],
+            queries: q_dims[2],
             empty: {
-                let [batch, heads, queries, _] = query.dims();
-                let [_, _, keys, d_v] = value.dims();
+                let [batch, heads, queries, _] = q_dims;
+                let [_, _, keys, d_v] = v_dims;
                 keys == 0 || [batch, heads, queries, d_v].contains(&0)
             },
             by_position: !mask.rule().is_none(),

@@ -88,8 +88,11 @@ pub struct MultiHeadAttentionConfig {
 #[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum InputProjection {
-    /// One `[d_model, (H + 2·Hkv)·Dh]` weight whose output columns are Q, then K, then V:
-    /// self-attention projects all three with one matmul.
+    /// One `[d_model, (H + 2·Hkv)·Dh]` weight whose output columns are Q, then K, then V.
+    /// Where self-attention runs on the GPU kernels it projects all three with one
+    /// product, whose output the kernels read in place (and whose gradient they give as
+    /// one tensor); elsewhere, and where RoPE or `q_norm`/`k_norm` change the queries
+    /// and keys, by each third of the weight in turn.
     Packed(Linear),
     /// Separate weights, for key and value inputs of other widths (`kdim`, `vdim`).
     Separate(SeparateProjection),
@@ -420,6 +423,19 @@ impl MultiHeadAttention {
             Source::KeyValue(..) => self.refuse_positions("MhaInput::new(query, key, value)"),
         }
         let self_attention = matches!(source, Source::SelfAttention);
+        let dropout = crate::dropout::probability(&self.dropout, &query.device());
+        #[cfg(feature = "gpu-kernels")]
+        if self_attention && let Some(packed) = self.packed_heads(&query, &mask, weights, dropout) {
+            // One product by the whole packed weight, its output the kernels' input.
+            let InputProjection::Packed(proj) = &self.in_proj else {
+                unreachable!("packed heads come from a packed projection")
+            };
+            let batch = query.dims()[0];
+            check_input("query", &query, batch, self.d_model());
+            let qkv = crate::ops::linear::forward(proj, query); // [B, T, (H + 2·Hkv)·Dh]
+            let mask = self.position_bias(mask);
+            return self.attend(Heads::Packed(qkv, packed), &mask, weights, 0.0, head_mask);
+        }
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.query_heads(q); // [B, H, Tq, Dh]
         let k = self.key_heads(k); // [B, Hkv, Tk, Dh]
@@ -428,8 +444,7 @@ impl MultiHeadAttention {
             true => self.positioned(q, k, mask, [0, 0]),
             false => (q, k, mask),
         };
-        let dropout = crate::dropout::probability(&self.dropout, &q.device());
-        self.attend([q, k, v], &mask, weights, dropout, head_mask)
+        self.attend(Heads::Split([q, k, v]), &mask, weights, dropout, head_mask)
     }
 
     /// Causal self-attention of the next tokens `x` `[B, T, d_model]` with `cache`, which
@@ -485,7 +500,7 @@ impl MultiHeadAttention {
         let seen = cache.write(k, v, !mask.is_none())?;
         let mask = mask.and(seen.mask);
         let inputs = [q, seen.keys, seen.values];
-        Ok(self.attend(inputs, &mask, weights, 0.0, head_mask))
+        Ok(self.attend(Heads::Split(inputs), &mask, weights, 0.0, head_mask))
     }
 
     /// The cross-attention keys and values of `memory` `[B, Tk, kdim]` (keys = values, as
@@ -543,15 +558,15 @@ impl MultiHeadAttention {
         let q = self.project_q(x);
         let q = self.query_heads(q);
         let (k, v) = (memory.keys.clone(), memory.values.clone());
-        self.attend([q, k, v], &mask, weights, 0.0, head_mask)
+        self.attend(Heads::Split([q, k, v]), &mask, weights, 0.0, head_mask)
     }
 
-    /// Attention of the heads `q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, each
-    /// head's output scaled by its weight in `head_mask` `[H]`, heads merged and projected
-    /// out.
+    /// Attention of the heads (`q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, or
+    /// packed), each head's output scaled by its weight in `head_mask` `[H]`, heads
+    /// merged and projected out.
     fn attend(
         &self,
-        [q, k, v]: [Tensor<4>; 3],
+        heads: Heads,
         mask: &AttentionMask,
         weights: AttentionWeights,
         dropout: f64,
@@ -565,7 +580,7 @@ impl MultiHeadAttention {
                 self.n_heads
             );
         }
-        let [batch, _, queries, _] = q.dims();
+        let (batch, queries) = heads.batch_and_queries();
         let with_sinks;
         let mask = match &self.sinks {
             Some(sinks) => {
@@ -585,13 +600,29 @@ impl MultiHeadAttention {
             weights,
             softcap: self.softcap,
         };
-        let out = scaled_dot_product_attention(q, k, v, mask, options);
+        let (context, weights) = match heads {
+            Heads::Split([q, k, v]) => {
+                let out = scaled_dot_product_attention(q, k, v, mask, options);
+                (out.context, out.weights)
+            }
+            #[cfg(feature = "gpu-kernels")]
+            Heads::Packed(qkv, packed) => {
+                let scores = crate::problem::Scores {
+                    scale: self.scale,
+                    softcap: self.softcap,
+                };
+                (
+                    crate::gpu::packed_attention(qkv, packed, mask, scores),
+                    None,
+                )
+            }
+        };
         let context = match head_mask {
             Some(m) => {
-                let m = m.cast(out.context.dtype()).reshape([1, self.n_heads, 1, 1]);
-                out.context * m // [B, H, Tq, Dh]
+                let m = m.cast(context.dtype()).reshape([1, self.n_heads, 1, 1]);
+                context * m // [B, H, Tq, Dh]
             }
-            None => out.context,
+            None => context,
         };
         let context =
             context
@@ -599,8 +630,51 @@ impl MultiHeadAttention {
                 .reshape([batch, queries, self.n_heads * self.head_dim]); // [B, Tq, H·Dh]
         MhaOutput {
             context: crate::ops::linear::forward(&self.out_proj, context),
-            weights: out.weights,
+            weights,
         }
+    }
+
+    /// The heads of self-attention of `query` under `mask` (its positions' bias not yet
+    /// in it) when they can stay packed: the input projection is packed, nothing changes
+    /// the queries or keys once projected (RoPE, `q_norm`, `k_norm`), and the call takes
+    /// the GPU kernels, which read the three as views of the whole projection's output.
+    #[cfg(feature = "gpu-kernels")]
+    fn packed_heads(
+        &self,
+        query: &Tensor<3>,
+        mask: &AttentionMask,
+        weights: AttentionWeights,
+        dropout: f64,
+    ) -> Option<crate::gpu::Packed> {
+        let packed_projection = matches!(self.in_proj, InputProjection::Packed(_));
+        let rope = matches!(self.positions, Positions::Rope { .. });
+        let norms = self.q_norm.is_some() || self.k_norm.is_some();
+        if !packed_projection || rope || norms || query.dims()[2] != self.d_model() {
+            return None;
+        }
+        let packed = crate::gpu::Packed {
+            heads: self.n_heads,
+            kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+        };
+        let [batch, len, _] = query.dims();
+        let mask = self.position_bias(mask.clone());
+        let mask = match &self.sinks {
+            Some(sinks) if mask.sink_logits().is_none() => {
+                mask.and(AttentionMask::sinks(sinks.val()))
+            }
+            _ => mask,
+        };
+        let keeps_weights = weights != AttentionWeights::None || dropout > 0.0;
+        let call = crate::dispatch::AttentionCall::over(
+            &query.device(),
+            packed.dims(batch, len),
+            [query.dtype(); 3],
+            &mask,
+            keeps_weights,
+        );
+        let path = crate::dispatch::attention(call);
+        matches!(path, crate::dispatch::AttentionPath::Gpu).then_some(packed)
     }
 
     /// Self-attention of `x` `[B, T, d_model]` under `mask`; returns `[B, T, d_model]`.
@@ -736,6 +810,14 @@ impl MultiHeadAttention {
                 let k = rope.apply(k, &token_positions(&mask, k_offset, keys));
                 (q, k, mask)
             }
+            _ => (q, k, self.position_bias(mask)),
+        }
+    }
+
+    /// `mask` with the bias by position of ALiBi or the learned relative biases, if the
+    /// module has one (RoPE's positions turn the queries and keys instead).
+    fn position_bias(&self, mask: AttentionMask) -> AttentionMask {
+        match &self.positions {
             Positions::Alibi => {
                 let slopes = match &self.pruned_from {
                     Some(from) => {
@@ -744,17 +826,16 @@ impl MultiHeadAttention {
                     }
                     None => alibi_slopes(self.n_heads),
                 };
-                let bias = AttentionMask::position_bias(PositionBias::Alibi { slopes });
-                (q, k, mask.and(bias))
+                mask.and(AttentionMask::position_bias(PositionBias::Alibi { slopes }))
             }
             positions => match (positions.buckets(), &self.position_table) {
                 (Some(buckets), Some(table)) => {
                     let table = table.val();
                     let bias =
                         AttentionMask::position_bias(PositionBias::Learned { table, buckets });
-                    (q, k, mask.and(bias))
+                    mask.and(bias)
                 }
-                _ => (q, k, mask),
+                _ => mask,
             },
         }
     }
@@ -798,6 +879,35 @@ impl MultiHeadAttention {
         let [batch, len, _] = x.dims();
         x.reshape([batch, len, heads, self.head_dim])
             .swap_dims(1, 2)
+    }
+}
+
+/// The heads an attention call of the module runs over.
+// Moved once into `attend` per call: boxing the larger variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+enum Heads {
+    /// The query `[B, H, Tq, Dh]`, key and value `[B, Hkv, Tk, Dh]`.
+    Split([Tensor<4>; 3]),
+    /// Self-attention's query, key and value side by side in the packed input
+    /// projection's output `[B, T, (H + 2·Hkv)·Dh]`.
+    #[cfg(feature = "gpu-kernels")]
+    Packed(Tensor<3>, crate::gpu::Packed),
+}
+
+impl Heads {
+    /// The batch size and the number of queries.
+    fn batch_and_queries(&self) -> (usize, usize) {
+        match self {
+            Heads::Split([q, _, _]) => {
+                let [batch, _, queries, _] = q.dims();
+                (batch, queries)
+            }
+            #[cfg(feature = "gpu-kernels")]
+            Heads::Packed(qkv, _) => {
+                let [batch, len, _] = qkv.dims();
+                (batch, len)
+            }
+        }
     }
 }
 

@@ -37,7 +37,7 @@ mod tests;
 pub(crate) mod tile;
 
 pub(crate) use launch::MOST_BINDINGS;
-pub(crate) use ops::attention;
+pub(crate) use ops::{Packed, attention, packed_attention};
 
 /// The storage buffers `device` binds to one kernel, as CubeCL reads them from the device's
 /// limits (lavapipe: 31; a browser's WebGPU: 7).

@@ -8,10 +8,10 @@
 use burn::backend::autodiff::{Autodiff, checkpoint::strategy::CheckpointStrategy};
 use burn::backend::fusion::custom::TensorSpec;
 use burn::backend::{
-    AutodiffBackend, Backend, Dispatch, ExtensionType, backend_extension,
+    AutodiffBackend, Backend, Dispatch, ExtensionType, TensorMetadata, backend_extension,
     tensor::{BoolTensor, FloatTensor, IntTensor},
 };
-use burn::tensor::{BoolStore, DType, Int, Shape, Tensor, TensorData};
+use burn::tensor::{BoolStore, DType, Int, Shape, Slice, Tensor, TensorData};
 use burn_cubecl::kernel::{cast, untile};
 use burn_cubecl::{CubeBackend, tensor::CubeTensor};
 use cubecl::prelude::TensorBinding;
@@ -38,6 +38,73 @@ impl Spec {
             softcap: self.softcap,
             band: self.band,
         }
+    }
+}
+
+/// The heads of a call whose query, key and value come packed side by side in one tensor
+/// `[B, T, (H + 2·Hkv)·Dh]`, a packed input projection's output: the query's `H` heads,
+/// then the key's `Hkv`, then the value's. The kernels read the three as views of it, and
+/// the backward pass gives its gradient as one tensor of its shape, where separate inputs
+/// would each be cut from it and their gradients written into zeros of the whole.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct Packed {
+    /// The query's heads, `H`.
+    pub(crate) heads: usize,
+    /// The key's and the value's heads, `Hkv`.
+    pub(crate) kv_heads: usize,
+    /// Each head's width, `Dh`.
+    pub(crate) head_dim: usize,
+}
+
+impl Packed {
+    /// The shapes of the query `[B, H, T, Dh]`, key and value `[B, Hkv, T, Dh]` of a
+    /// packed tensor of `batch` rows of `len` positions.
+    pub(crate) fn dims(self, batch: usize, len: usize) -> [[usize; 4]; 3] {
+        let (heads, kv_heads, d) = (self.heads, self.kv_heads, self.head_dim);
+        [
+            [batch, heads, len, d],
+            [batch, kv_heads, len, d],
+            [batch, kv_heads, len, d],
+        ]
+    }
+
+    /// The query `[B, H, T, Dh]`, key and value `[B, Hkv, T, Dh]` of `qkv`, as views
+    /// where the device's alignment allows (Burn's slice copies otherwise).
+    fn split<B: Backend>(self, qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
+        let [batch, len, width] = qkv.shape().dims();
+        let Self {
+            heads,
+            kv_heads,
+            head_dim,
+        } = self;
+        assert_eq!(
+            width,
+            (heads + 2 * kv_heads) * head_dim,
+            "packed attention: {heads} + 2 x {kv_heads} heads of {head_dim} in a width of {width}"
+        );
+        let parts = [(0, heads), (heads, kv_heads), (heads + kv_heads, kv_heads)];
+        parts.map(|(first, count)| {
+            let columns = |at: usize| (at * head_dim) as isize;
+            let slices = [
+                Slice::from(..),
+                Slice::from(..),
+                Slice::new(columns(first), Some(columns(first + count)), 1),
+            ];
+            let part = B::float_slice(qkv.clone(), &slices);
+            let part = B::float_reshape(part, Shape::new([batch, len, count, head_dim]));
+            B::float_swap_dims(part, 1, 2)
+        })
+    }
+
+    /// The gradient of the packed tensor from those of the query, key and value (laid out
+    /// `[B, T, heads, Dh]`, as the kernels write them): their heads side by side.
+    fn join<B: Backend>(self, grads: [FloatTensor<B>; 3]) -> FloatTensor<B> {
+        let rows = grads.map(|grad| {
+            let [batch, heads, len, head_dim] = grad.shape().dims();
+            let grad = B::float_swap_dims(grad, 1, 2);
+            B::float_reshape(grad, Shape::new([batch, len, heads * head_dim]))
+        });
+        B::float_cat(rows.into(), 2)
     }
 }
 
@@ -178,6 +245,18 @@ pub(crate) trait GpuAttention: Backend {
     /// The output of attention over `inputs` under `spec`.
     #[fusion(meta = |_spec, inputs| output_spec(inputs))]
     fn gpu_attention(spec: Spec, #[extension_type] inputs: Inputs<Self>) -> FloatTensor<Self>;
+
+    /// The output of attention over `inputs` under `spec`, whose query, key and value
+    /// come packed in one tensor as `packed` says: `inputs.q`, which `inputs.k` and
+    /// `inputs.v` repeat. Under autodiff one node whose input is the packed tensor.
+    #[fusion(default)]
+    fn gpu_attention_packed(
+        spec: Spec,
+        packed: Packed,
+        #[extension_type] inputs: Inputs<Self>,
+    ) -> FloatTensor<Self> {
+        Self::gpu_attention(spec, unpacked(packed, inputs))
+    }
 
     /// The output and the log-sum-exp of every row.
     #[fusion(meta = forward_meta)]
@@ -367,49 +446,69 @@ impl GpuAttention for CubeBackend {
     }
 }
 
+/// `inputs` of a packed call with its query, key and value as views of the packed tensor.
+fn unpacked<B: Backend>(packed: Packed, inputs: Inputs<B>) -> Inputs<B> {
+    let [q, k, v] = packed.split::<B>(inputs.q);
+    Inputs { q, k, v, ..inputs }
+}
+
 fn dims(t: &CubeTensor) -> [usize; 4] {
     let shape = t.meta.shape();
     std::array::from_fn(|axis| shape[axis])
 }
 
 /// Under autodiff, attention is one node whose backward pass is the kernels': its inputs
-/// are the query, key and value, then the bias and the bias by distance where the call has
-/// them (each gets a gradient when tracked); the mask and the sequences are constants. The
-/// forward and backward calls themselves are not differentiated.
+/// are the query, key and value (one packed tensor where `packed` says so), then the bias,
+/// the bias by distance and the sinks where the call has them (each gets a gradient when
+/// tracked); the mask and the sequences are constants. The forward and backward calls
+/// themselves are not differentiated.
+fn tracked<B: GpuAttention, C: CheckpointStrategy>(
+    spec: Spec,
+    packed: Option<Packed>,
+    inputs: Inputs<Autodiff<B, C>>,
+) -> FloatTensor<Autodiff<B, C>> {
+    let Inputs {
+        q,
+        k,
+        v,
+        bias,
+        pd,
+        mask,
+        seq,
+        sinks,
+    } = inputs;
+    let (bias, pd, sinks) = (bias.into_option(), pd.into_option(), sinks.into_option());
+    let op = AttentionOp::<B> {
+        spec,
+        packed,
+        bias: bias.is_some(),
+        pd: pd.is_some(),
+        sinks: sinks.is_some(),
+        mask: match mask {
+            Blocked::None => None,
+            Blocked::Some(mask) => Some(mask),
+        },
+        seq: match seq {
+            Sequences::None => None,
+            Sequences::Some(seq) => Some(seq),
+        },
+    };
+    // A packed call's query, key and value are one tensor, one input.
+    let qkv = match packed {
+        Some(_) => vec![q],
+        None => vec![q, k, v],
+    };
+    let floats = qkv.into_iter().chain(bias).chain(pd).chain(sinks).collect();
+    op::autodiff::<B, C, _>(op, floats)
+}
+
 impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
     fn gpu_attention(spec: Spec, inputs: Inputs<Self>) -> FloatTensor<Self> {
-        let Inputs {
-            q,
-            k,
-            v,
-            bias,
-            pd,
-            mask,
-            seq,
-            sinks,
-        } = inputs;
-        let (bias, pd, sinks) = (bias.into_option(), pd.into_option(), sinks.into_option());
-        let op = AttentionOp::<B> {
-            spec,
-            bias: bias.is_some(),
-            pd: pd.is_some(),
-            sinks: sinks.is_some(),
-            mask: match mask {
-                Blocked::None => None,
-                Blocked::Some(mask) => Some(mask),
-            },
-            seq: match seq {
-                Sequences::None => None,
-                Sequences::Some(seq) => Some(seq),
-            },
-        };
-        let floats = [q, k, v]
-            .into_iter()
-            .chain(bias)
-            .chain(pd)
-            .chain(sinks)
-            .collect();
-        op::autodiff::<B, C, _>(op, floats)
+        tracked::<B, C>(spec, None, inputs)
+    }
+
+    fn gpu_attention_packed(spec: Spec, packed: Packed, inputs: Inputs<Self>) -> FloatTensor<Self> {
+        tracked::<B, C>(spec, Some(packed), inputs)
     }
 
     fn gpu_attention_forward(spec: Spec, inputs: Inputs<Self>) -> Forward<Self> {
@@ -491,6 +590,8 @@ fn backward_of<B: GpuAttention>(
 #[derive(Debug)]
 struct AttentionOp<B: Backend> {
     spec: Spec,
+    /// The query, key and value are one packed tensor, the first input.
+    packed: Option<Packed>,
     /// The inputs hold a bias after the value.
     bias: bool,
     /// The inputs hold a bias by distance after the bias.
@@ -505,6 +606,7 @@ struct AttentionOp<B: Backend> {
 #[derive(Clone, Debug)]
 struct Saved<B: Backend> {
     spec: Spec,
+    packed: Option<Packed>,
     floats: Vec<FloatTensor<B>>,
     /// Which of the bias, the bias by distance and the sinks the inputs hold.
     extras: [bool; 3],
@@ -514,16 +616,21 @@ struct Saved<B: Backend> {
     lse: FloatTensor<B>,
 }
 
-/// `[query, key, value, bias?, pd?, sinks?]` and the constants as the kernels' inputs.
+/// `[query, key, value, bias?, pd?, sinks?]` (`[packed, bias?, pd?, sinks?]` for a
+/// packed call) and the constants as the kernels' inputs.
 fn inputs_of<B: Backend>(
     floats: Vec<FloatTensor<B>>,
+    packed: Option<Packed>,
     [bias, pd, sinks]: [bool; 3],
     mask: Option<BoolTensor<B>>,
     seq: Option<IntTensor<B>>,
 ) -> Inputs<B> {
     let mut floats = floats.into_iter();
     let mut next = || floats.next().expect("attention's inputs");
-    let (q, k, v) = (next(), next(), next());
+    let [q, k, v] = match packed {
+        Some(packed) => packed.split::<B>(next()),
+        None => [next(), next(), next()],
+    };
     Inputs {
         q,
         k,
@@ -541,10 +648,17 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
 
     fn forward(self, floats: Vec<FloatTensor<B>>) -> (FloatTensor<B>, Saved<B>) {
         let extras = [self.bias, self.pd, self.sinks];
-        let inputs = inputs_of(floats.clone(), extras, self.mask.clone(), self.seq.clone());
+        let inputs = inputs_of(
+            floats.clone(),
+            self.packed,
+            extras,
+            self.mask.clone(),
+            self.seq.clone(),
+        );
         let Forward { out, lse } = B::gpu_attention_forward(self.spec, inputs);
         let saved = Saved {
             spec: self.spec,
+            packed: self.packed,
             floats,
             extras,
             mask: self.mask,
@@ -562,6 +676,7 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
     ) -> Vec<Option<FloatTensor<B>>> {
         let Saved {
             spec,
+            packed,
             floats,
             extras,
             mask,
@@ -569,17 +684,24 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
             out,
             lse,
         } = saved;
-        // The inputs after the query, key and value: the bias, the bias by distance, the
-        // sinks, each where the call has it.
-        let mut position = 3;
+        // The inputs after the query, key and value (or the packed tensor): the bias, the
+        // bias by distance, the sinks, each where the call has it.
+        let mut position = match packed {
+            Some(_) => 1,
+            None => 3,
+        };
         let extra_wanted = extras.map(|present| {
             let wanted = present && wanted[position];
             position += usize::from(present);
             wanted
         });
-        let inputs = inputs_of(floats, extras, mask, seq);
+        let inputs = inputs_of(floats, packed, extras, mask, seq);
         let grads = backward_of::<B>(spec, inputs, [out, lse, grad], extra_wanted);
-        let mut in_order = vec![Some(grads.dq), Some(grads.dk), Some(grads.dv)];
+        let qkv = [grads.dq, grads.dk, grads.dv];
+        let mut in_order = match packed {
+            Some(packed) => vec![Some(packed.join::<B>(qkv))],
+            None => qkv.map(Some).into(),
+        };
         for (present, grad) in extras
             .into_iter()
             .zip([grads.dbias, grads.dpd, grads.dsinks])
@@ -610,11 +732,53 @@ pub(crate) fn attention(
     mask: &AttentionMask,
     scores: Scores,
 ) -> Tensor<4> {
+    let dims = [&query, &key, &value].map(Tensor::dims);
+    let device = query.device();
+    let qkv = [query, key, value].map(Tensor::into_dispatch);
+    call(qkv, None, dims, &device, mask, scores)
+}
+
+/// [`attention`] over the query, key and value packed in `qkv` `[B, T, (H + 2·Hkv)·Dh]`
+/// as `packed` says (a packed input projection's output): the kernels read them as views
+/// of it, and under autodiff its gradient is one tensor of its shape (see [`Packed`]).
+///
+/// # Shapes
+/// - `qkv`: `[B, T, (H + 2·Hkv)·Dh]`
+/// - result: `[B, H, T, Dh]`
+pub(crate) fn packed_attention(
+    qkv: Tensor<3>,
+    packed: Packed,
+    mask: &AttentionMask,
+    scores: Scores,
+) -> Tensor<4> {
+    let [batch, len, _] = qkv.dims();
+    let device = qkv.device();
+    let qkv = qkv.into_dispatch();
+    let dims = packed.dims(batch, len);
+    call(
+        [qkv.clone(), qkv.clone(), qkv],
+        Some(packed),
+        dims,
+        &device,
+        mask,
+        scores,
+    )
+}
+
+/// The call of [`attention`] or [`packed_attention`] over `qkv` (three times the packed
+/// tensor where `packed` says so) of the query's, key's and value's `dims`.
+fn call(
+    [q, k, v]: [FloatTensor<Dispatch>; 3],
+    packed: Option<Packed>,
+    [q_dims, k_dims, _]: [[usize; 4]; 3],
+    device: &burn::tensor::Device,
+    mask: &AttentionMask,
+    scores: Scores,
+) -> Tensor<4> {
     // On the caller's thread: the kernels are launched on the device's, where a panic
     // would not reach the caller.
     launch::check_settings();
-    let device = query.device();
-    let (queries, keys) = (query.dims()[2], key.dims()[2]);
+    let (queries, keys) = (q_dims[2], k_dims[2]);
     let visibility = mask.rule().visibility(queries, keys);
     let spec = Spec {
         scale: scores.scale as f32,
@@ -625,7 +789,7 @@ pub(crate) fn attention(
     // position (`i + offset`) to a key, `j - i - offset`.
     let pd = mask.position().map(|position| {
         let first = -(queries as i64 - 1) - visibility.offset;
-        let per_distance = position.per_distance(first, queries + keys - 1, &device);
+        let per_distance = position.per_distance(first, queries + keys - 1, device);
         let [heads, columns] = per_distance.dims();
         per_distance.reshape([1, 1, heads, columns])
     });
@@ -633,12 +797,12 @@ pub(crate) fn attention(
         // One row of bounds per row of sequences: the batch's, or one for every row.
         let rows = bounds.len() / (2 * queries);
         let data = TensorData::new(bounds, [rows, 1, queries, 2]);
-        Tensor::<4, Int>::from_data(data, &device)
+        Tensor::<4, Int>::from_data(data, device)
     });
     let inputs = Inputs {
-        q: query.into_dispatch(),
-        k: key.into_dispatch(),
-        v: value.into_dispatch(),
+        q,
+        k,
+        v,
         bias: Extra::of(
             mask.additive_bias()
                 .map(|bias| bias.clone().into_dispatch()),
@@ -657,5 +821,8 @@ pub(crate) fn attention(
             sinks.clone().reshape([1, heads, 1, 1]).into_dispatch()
         })),
     };
-    Tensor::from_dispatch(<Dispatch as GpuAttention>::gpu_attention(spec, inputs))
+    Tensor::from_dispatch(match packed {
+        Some(packed) => <Dispatch as GpuAttention>::gpu_attention_packed(spec, packed, inputs),
+        None => <Dispatch as GpuAttention>::gpu_attention(spec, inputs),
+    })
 }
