@@ -588,8 +588,14 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
 /// bias (of its own shape, contiguous: summed over the axes it broadcasts along) and of
 /// the bias by distance (`[1, 1, H, Tq + Tk - 1]`).
 ///
+/// With `packed`, dQ, dK and dV are written side by side into one new `[B, T, (H +
+/// 2·Hkv)·D]` tensor, the gradient of a packed projection's output (see [`packed`]):
+/// `Grads::dq` is then that tensor, and `dk` and `dv` bind its later columns.
+///
 /// # Panics
-/// If the shapes disagree or the sizes pass `i32`.
+/// If the shapes disagree or the sizes pass `i32`; with `packed`, if the queries and
+/// keys differ in number or head dim, or the key's and value's columns do not start at
+/// the device's alignment for bindings.
 pub(crate) fn backward(
     client: &Client,
     inputs: &Inputs,
@@ -597,6 +603,7 @@ pub(crate) fn backward(
     [out, lse]: [&TensorBinding; 2],
     grad: &TensorBinding,
     [bias_grad, pd_grad]: [bool; 2],
+    packed: bool,
 ) -> Grads {
     let n = inputs.dims();
     let row_shape = [n.batch, n.heads, n.queries, 1];
@@ -613,8 +620,13 @@ pub(crate) fn backward(
     let dq_shape = [n.batch, n.heads, n.queries, n.d_k];
     let dk_shape = [n.batch, n.kv_heads, n.keys, n.d_k];
     let dv_shape = [n.batch, n.kv_heads, n.keys, n.d_v];
-    let [dq, dk, dv] =
-        [dq_shape, dk_shape, dv_shape].map(|shape| alloc(client, shape, inputs.size));
+    let ([dq, dk, dv], [dq_strides, dk_strides, dv_strides]) = match packed {
+        true => packed_grads(client, &n, inputs.size),
+        false => (
+            [dq_shape, dk_shape, dv_shape].map(|shape| alloc(client, shape, inputs.size)),
+            [dq_shape, dk_shape, dv_shape].map(heads_inside_strides),
+        ),
+    };
     let delta = alloc(client, row_shape, 4);
 
     let rows = n.batch * n.heads * n.queries;
@@ -669,7 +681,7 @@ pub(crate) fn backward(
             grad.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             contiguous(row_shape, &delta),
-            heads_inside(dq_shape, &dq),
+            raw(dq_shape, dq_strides, &dq),
             partial_arg(&bias_partial),
             partial_arg(&pd_partial),
             tq,
@@ -687,8 +699,8 @@ pub(crate) fn backward(
             grad.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
             contiguous(row_shape, &delta),
-            heads_inside(dk_shape, &dk),
-            heads_inside(dv_shape, &dv),
+            raw(dk_shape, dk_strides, &dk),
+            raw(dv_shape, dv_strides, &dv),
             tkv,
             [
                 inputs.elem,
@@ -704,6 +716,43 @@ pub(crate) fn backward(
         dbias: bias_partial.map(|p| sum_rows(client, p, inputs.elem, inputs.size)),
         dpd: pd_partial.map(|p| sum_rows(client, p, inputs.elem, inputs.size)),
     }
+}
+
+/// Whether a packed call's gradients can be written in place (see [`backward`]): the
+/// key's and the value's columns of the packed `[B, T, (H + 2·Hkv)·D]` tensor start at
+/// the alignment the device asks of a binding's offset (every Vulkan device takes 256
+/// bytes; lavapipe less).
+pub(crate) fn packed(client: &Client, [heads, kv_heads, d]: [usize; 3], size: usize) -> bool {
+    let alignment = client.properties().memory.alignment as usize;
+    [heads, heads + kv_heads]
+        .iter()
+        .all(|&h| (h * d * size).is_multiple_of(alignment))
+}
+
+/// One `[B, T, (H + 2·Hkv)·D]` buffer for dQ, dK and dV side by side: the handles of
+/// their first columns and the strides of each as `[B, heads, T, D]`.
+fn packed_grads(client: &Client, n: &Dims, size: usize) -> ([Handle; 3], [[usize; 4]; 3]) {
+    assert!(
+        n.queries == n.keys && n.d_k == n.d_v,
+        "packed gradients of {} queries and {} keys, head dims {} and {}",
+        n.queries,
+        n.keys,
+        n.d_k,
+        n.d_v
+    );
+    assert!(
+        packed(client, [n.heads, n.kv_heads, n.d_k], size),
+        "packed gradients with the key's columns at {} bytes",
+        n.heads * n.d_k * size
+    );
+    let width = (n.heads + 2 * n.kv_heads) * n.d_k;
+    let whole = buffer(client, n.batch * n.queries * width * size);
+    let at = |heads: usize| whole.clone().offset_start((heads * n.d_k * size) as u64);
+    let strides = [n.queries * width, n.d_k, width, 1];
+    (
+        [whole.clone(), at(n.heads), at(n.heads + n.kv_heads)],
+        [strides; 3],
+    )
 }
 
 /// The gradients of one call (in the inputs' dtype): of the query, key and value (laid
@@ -860,8 +909,9 @@ fn matrix([rows, columns]: [usize; 2], handle: &Handle) -> TensorArg {
 }
 
 fn raw(shape: [usize; 4], strides: [usize; 4], handle: &Handle) -> TensorArg {
-    // SAFETY: `handle` was allocated for `shape`'s elements, laid out at `strides` (a
-    // permutation of a contiguous layout).
+    // SAFETY: `handle` was allocated for `shape`'s elements laid out at `strides` (a
+    // permutation of a contiguous layout), or binds the columns of a packed tensor from
+    // its first (`packed_grads`), whose elements at `strides` lie within the buffer.
     unsafe {
         TensorArg::from_raw_parts(
             handle.clone(),

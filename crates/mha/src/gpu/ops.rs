@@ -199,6 +199,21 @@ pub(crate) struct Grads<B: Backend> {
     dsinks: Extra<B>,
 }
 
+/// The gradient of a packed call's query, key and value as one tensor of the packed
+/// tensor's shape (see [`Packed`]), and those of the bias, the bias by distance and the
+/// sinks when asked for.
+#[derive(ExtensionType)]
+#[extension_type(fusion)]
+pub(crate) struct PackedGrads<B: Backend> {
+    dqkv: FloatTensor<B>,
+    #[extension_type]
+    dbias: Extra<B>,
+    #[extension_type]
+    dpd: Extra<B>,
+    #[extension_type]
+    dsinks: Extra<B>,
+}
+
 /// The output's metadata: `[B, H, Tq, Dv]` in the query's dtype.
 fn output_spec(inputs: &InputsMetadata) -> TensorSpec {
     let [q, v] = [&inputs.q.shape, &inputs.v.shape];
@@ -236,6 +251,29 @@ fn backward_meta(
         dbias: extra(&inputs.bias, *bias_grad),
         dpd: extra(&inputs.pd, *pd_grad),
         dsinks: extra(&inputs.sinks, *sinks_grad),
+    }
+}
+
+// The packed backward call's arguments, as the fusion macro passes them.
+#[allow(clippy::too_many_arguments)]
+fn packed_backward_meta(
+    spec: &Spec,
+    _packed: &Packed,
+    inputs: &InputsMetadata,
+    out: &TensorSpec,
+    lse: &TensorSpec,
+    grad: &TensorSpec,
+    bias_grad: &bool,
+    pd_grad: &bool,
+    sinks_grad: &bool,
+) -> PackedGradsMetadata {
+    let grads = backward_meta(spec, inputs, out, lse, grad, bias_grad, pd_grad, sinks_grad);
+    PackedGradsMetadata {
+        // The packed tensor, which the call's query holds.
+        dqkv: inputs.q.clone(),
+        dbias: grads.dbias,
+        dpd: grads.dpd,
+        dsinks: grads.dsinks,
     }
 }
 
@@ -278,6 +316,23 @@ pub(crate) trait GpuAttention: Backend {
         pd_grad: bool,
         sinks_grad: bool,
     ) -> Grads<Self>;
+
+    /// [`gpu_attention_backward`](Self::gpu_attention_backward) of a packed call
+    /// (`inputs.q` the packed tensor, which `inputs.k` and `inputs.v` repeat), the
+    /// gradients of its query, key and value side by side in one tensor of its shape.
+    #[fusion(meta = packed_backward_meta)]
+    #[allow(clippy::too_many_arguments)]
+    fn gpu_attention_backward_packed(
+        spec: Spec,
+        packed: Packed,
+        #[extension_type] inputs: Inputs<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        bias_grad: bool,
+        pd_grad: bool,
+        sinks_grad: bool,
+    ) -> PackedGrads<Self>;
 }
 
 /// A tensor as the kernels read it: laid out in rows (a tensor tiled for a matrix product
@@ -408,42 +463,120 @@ impl GpuAttention for CubeBackend {
         sinks_grad: bool,
     ) -> Grads<Self> {
         let like = inputs.q.clone();
-        let dsinks = inputs
-            .sinks
-            .as_option()
-            .filter(|_| sinks_grad)
-            .map(|sinks| crate::sinks::grad::<Self>(grad.clone(), out.clone(), lse.clone(), sinks));
         let shapes = [&inputs.q, &inputs.k, &inputs.v].map(dims);
-        let extra_shape = |t: &Extra<Self>| match t {
-            Extra::Some(t) => dims(t),
-            Extra::None => [0; 4],
-        };
-        let [bias_shape, pd_shape] = [extra_shape(&inputs.bias), extra_shape(&inputs.pd)];
-        let grads = launch::backward(
-            &like.client,
-            &bindings(inputs),
-            spec.scoring(),
-            [&binding(out), &binding(lse)],
-            &binding(grad),
-            [bias_grad, pd_grad],
-        );
+        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let (grads, extras) = cube_backward(spec, inputs, [out, lse, grad], wanted, false);
+        let [dq, dk, dv] = [grads.dq, grads.dk, grads.dv];
         Grads {
-            dq: heads_inside_of(&like, shapes[0], grads.dq),
-            dk: heads_inside_of(&like, shapes[1], grads.dk),
-            dv: heads_inside_of(&like, shapes[2], grads.dv),
-            dbias: Extra::of(
-                grads
-                    .dbias
-                    .map(|h| contiguous_of(&like, bias_shape, like.dtype, h)),
-            ),
-            dpd: Extra::of(
-                grads
-                    .dpd
-                    .map(|h| contiguous_of(&like, pd_shape, like.dtype, h)),
-            ),
-            dsinks: Extra::of(dsinks),
+            dq: heads_inside_of(&like, shapes[0], dq),
+            dk: heads_inside_of(&like, shapes[1], dk),
+            dv: heads_inside_of(&like, shapes[2], dv),
+            dbias: extras.dbias,
+            dpd: extras.dpd,
+            dsinks: extras.dsinks,
         }
     }
+
+    fn gpu_attention_backward_packed(
+        spec: Spec,
+        packed: Packed,
+        inputs: Inputs<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        bias_grad: bool,
+        pd_grad: bool,
+        sinks_grad: bool,
+    ) -> PackedGrads<Self> {
+        let qkv = inputs.q.clone();
+        let heads = [packed.heads, packed.kv_heads, packed.head_dim];
+        let inputs = unpacked(packed, inputs);
+        let wanted = [bias_grad, pd_grad, sinks_grad];
+        // Where the key's and value's columns cannot start a binding, the three
+        // gradients of their own, then side by side.
+        if !launch::packed(&qkv.client, heads, qkv.dtype.size()) {
+            let grads = backward_of::<Self>(spec, inputs, [out, lse, grad], wanted);
+            return PackedGrads {
+                dqkv: packed.join::<Self>([grads.dq, grads.dk, grads.dv]),
+                dbias: grads.dbias,
+                dpd: grads.dpd,
+                dsinks: grads.dsinks,
+            };
+        }
+        let (grads, extras) = cube_backward(spec, inputs, [out, lse, grad], wanted, true);
+        let shape: [usize; 3] = std::array::from_fn(|axis| qkv.meta.shape()[axis]);
+        let strides = [shape[1] * shape[2], shape[2], 1];
+        let dqkv = CubeTensor::new(
+            qkv.client.clone(),
+            grads.dq,
+            Metadata::new(shape, strides),
+            qkv.device.clone(),
+            qkv.dtype,
+        );
+        PackedGrads {
+            dqkv,
+            dbias: extras.dbias,
+            dpd: extras.dpd,
+            dsinks: extras.dsinks,
+        }
+    }
+}
+
+/// The kernels' backward pass over `inputs` (see [`launch::backward`], which `packed`
+/// asks to write dQ, dK and dV side by side): their handles, and the gradients of the
+/// bias, the bias by distance and the sinks where `[bias, pd, sinks]` ask for them.
+fn cube_backward(
+    spec: Spec,
+    inputs: Inputs<CubeBackend>,
+    [out, lse, grad]: [CubeTensor; 3],
+    [bias_grad, pd_grad, sinks_grad]: [bool; 3],
+    packed: bool,
+) -> (launch::Grads, Extras) {
+    let like = inputs.q.clone();
+    let dsinks = inputs
+        .sinks
+        .as_option()
+        .filter(|_| sinks_grad)
+        .map(|sinks| {
+            crate::sinks::grad::<CubeBackend>(grad.clone(), out.clone(), lse.clone(), sinks)
+        });
+    let extra_shape = |t: &Extra<CubeBackend>| match t {
+        Extra::Some(t) => dims(t),
+        Extra::None => [0; 4],
+    };
+    let [bias_shape, pd_shape] = [extra_shape(&inputs.bias), extra_shape(&inputs.pd)];
+    let mut grads = launch::backward(
+        &like.client,
+        &bindings(inputs),
+        spec.scoring(),
+        [&binding(out), &binding(lse)],
+        &binding(grad),
+        [bias_grad, pd_grad],
+        packed,
+    );
+    let extras = Extras {
+        dbias: Extra::of(
+            grads
+                .dbias
+                .take()
+                .map(|h| contiguous_of(&like, bias_shape, like.dtype, h)),
+        ),
+        dpd: Extra::of(
+            grads
+                .dpd
+                .take()
+                .map(|h| contiguous_of(&like, pd_shape, like.dtype, h)),
+        ),
+        dsinks: Extra::of(dsinks),
+    };
+    (grads, extras)
+}
+
+/// The gradients of a call's bias, bias by distance and sinks, where asked for.
+struct Extras {
+    dbias: Extra<CubeBackend>,
+    dpd: Extra<CubeBackend>,
+    dsinks: Extra<CubeBackend>,
 }
 
 /// `inputs` of a packed call with its query, key and value as views of the packed tensor.
@@ -542,6 +675,29 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
             dsinks: outer(grads.dsinks),
         }
     }
+
+    fn gpu_attention_backward_packed(
+        spec: Spec,
+        packed: Packed,
+        inputs: Inputs<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        bias_grad: bool,
+        pd_grad: bool,
+        sinks_grad: bool,
+    ) -> PackedGrads<Self> {
+        let [out, lse, grad] = [out, lse, grad].map(Self::inner);
+        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let grads = packed_backward_of::<B>(spec, packed, inner(inputs), [out, lse, grad], wanted);
+        let outer = |t: Extra<B>| Extra::of(t.into_option().map(Self::from_inner));
+        PackedGrads {
+            dqkv: Self::from_inner(grads.dqkv),
+            dbias: outer(grads.dbias),
+            dpd: outer(grads.dpd),
+            dsinks: outer(grads.dsinks),
+        }
+    }
 }
 
 /// The inputs of an autodiff call as its inner backend's, untracked.
@@ -585,6 +741,17 @@ fn backward_of<B: GpuAttention>(
     B::gpu_attention_backward(spec, inputs, out, lse, grad, bias, pd, sinks)
 }
 
+/// [`GpuAttention::gpu_attention_backward_packed`] with its tensors and flags in arrays.
+fn packed_backward_of<B: GpuAttention>(
+    spec: Spec,
+    packed: Packed,
+    inputs: Inputs<B>,
+    [out, lse, grad]: [FloatTensor<B>; 3],
+    [bias, pd, sinks]: [bool; 3],
+) -> PackedGrads<B> {
+    B::gpu_attention_backward_packed(spec, packed, inputs, out, lse, grad, bias, pd, sinks)
+}
+
 /// Attention over `[query, key, value, bias?, pd?, sinks?]`, with the mask and the
 /// sequences as constants.
 #[derive(Debug)]
@@ -617,7 +784,8 @@ struct Saved<B: Backend> {
 }
 
 /// `[query, key, value, bias?, pd?, sinks?]` (`[packed, bias?, pd?, sinks?]` for a
-/// packed call) and the constants as the kernels' inputs.
+/// packed call, whose query, key and value are then the packed tensor, as the packed
+/// calls take it) and the constants as the kernels' inputs.
 fn inputs_of<B: Backend>(
     floats: Vec<FloatTensor<B>>,
     packed: Option<Packed>,
@@ -628,7 +796,10 @@ fn inputs_of<B: Backend>(
     let mut floats = floats.into_iter();
     let mut next = || floats.next().expect("attention's inputs");
     let [q, k, v] = match packed {
-        Some(packed) => packed.split::<B>(next()),
+        Some(_) => {
+            let qkv = next();
+            [qkv.clone(), qkv.clone(), qkv]
+        }
         None => [next(), next(), next()],
     };
     Inputs {
@@ -655,6 +826,10 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
             self.mask.clone(),
             self.seq.clone(),
         );
+        let inputs = match self.packed {
+            Some(packed) => unpacked(packed, inputs),
+            None => inputs,
+        };
         let Forward { out, lse } = B::gpu_attention_forward(self.spec, inputs);
         let saved = Saved {
             spec: self.spec,
@@ -696,16 +871,20 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
             wanted
         });
         let inputs = inputs_of(floats, packed, extras, mask, seq);
-        let grads = backward_of::<B>(spec, inputs, [out, lse, grad], extra_wanted);
-        let qkv = [grads.dq, grads.dk, grads.dv];
-        let mut in_order = match packed {
-            Some(packed) => vec![Some(packed.join::<B>(qkv))],
-            None => qkv.map(Some).into(),
+        let tensors = [out, lse, grad];
+        let (mut in_order, others) = match packed {
+            Some(packed) => {
+                let grads = packed_backward_of::<B>(spec, packed, inputs, tensors, extra_wanted);
+                let others = [grads.dbias, grads.dpd, grads.dsinks];
+                (vec![Some(grads.dqkv)], others)
+            }
+            None => {
+                let grads = backward_of::<B>(spec, inputs, tensors, extra_wanted);
+                let others = [grads.dbias, grads.dpd, grads.dsinks];
+                (vec![Some(grads.dq), Some(grads.dk), Some(grads.dv)], others)
+            }
         };
-        for (present, grad) in extras
-            .into_iter()
-            .zip([grads.dbias, grads.dpd, grads.dsinks])
-        {
+        for (present, grad) in extras.into_iter().zip(others) {
             if present {
                 in_order.push(grad.into_option());
             }

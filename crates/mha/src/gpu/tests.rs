@@ -491,6 +491,7 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Ru
         [&out_binding, &lse_binding],
         &grad,
         [case.bias_grad, false],
+        false,
     );
     let dbias = match (grads.dbias, case.bias) {
         (Some(handle), Some(shape)) => {
