@@ -192,6 +192,23 @@ fn mask_of_the_wrong_size_panics_naming_the_shapes() {
     m.self_attention(randn([2, 5, 16], 1, &d), mha::AttentionMask::blocking(mask));
 }
 
+/// The same on the GPU kernels' path, where self-attention keeps its heads packed (one
+/// product to Q, K and V, not the split heads `scaled_dot_product_attention` checks).
+#[cfg(feature = "wgpu")]
+#[test]
+#[should_panic(
+    expected = "the boolean mask of shape [1, 1, 4, 4] does not broadcast to the scores [B, H, Tq, Tk] = [2, 4, 5, 5]"
+)]
+fn mask_of_the_wrong_size_panics_naming_the_shapes_on_the_gpu_path() {
+    let d = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+    let m = MultiHeadAttentionConfig::new(16, 4).init(&d);
+    let mask = burn::tensor::Tensor::<2, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(vec![false; 16], [4, 4]),
+        &d,
+    );
+    m.self_attention(randn([2, 5, 16], 1, &d), mha::AttentionMask::blocking(mask));
+}
+
 #[test]
 #[should_panic(
     expected = "EncoderBlock: the input has a memory, and an encoder block has no cross-attention (DecoderBlock has)"

@@ -430,8 +430,6 @@ impl MultiHeadAttention {
             let InputProjection::Packed(proj) = &self.in_proj else {
                 unreachable!("packed heads come from a packed projection")
             };
-            let batch = query.dims()[0];
-            check_input("query", &query, batch, self.d_model());
             let qkv = crate::ops::linear::forward(proj, query); // [B, T, (H + 2·Hkv)·Dh]
             let mask = self.position_bias(mask);
             return self.attend(Heads::Packed(qkv, packed), &mask, weights, 0.0, head_mask);
@@ -607,14 +605,12 @@ impl MultiHeadAttention {
             }
             #[cfg(feature = "gpu-kernels")]
             Heads::Packed(qkv, packed) => {
-                let scores = crate::problem::Scores {
-                    scale: self.scale,
-                    softcap: self.softcap,
-                };
-                (
-                    crate::gpu::packed_attention(qkv, packed, mask, scores),
-                    None,
-                )
+                // What scaled_dot_product_attention checks of the mask and the options.
+                let scores = [batch, self.n_heads, queries, queries];
+                let d_k = self.head_dim;
+                let scores = crate::attention::checked_scores(&options, mask, scores, d_k);
+                let context = crate::gpu::packed_attention(qkv, packed, mask, scores);
+                (context, None)
             }
         };
         let context = match head_mask {

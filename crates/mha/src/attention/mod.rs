@@ -133,27 +133,7 @@ pub fn scaled_dot_product_attention(
     let [batch, heads, queries, d_k] = query.dims();
     let keys = key.dims()[2];
     check_shapes(query.dims(), key.dims(), value.dims());
-    mask.check([batch, heads, queries, keys]);
-    assert!(
-        (0.0..1.0).contains(&options.dropout),
-        "scaled_dot_product_attention: dropout must be in [0, 1), got {}",
-        options.dropout
-    );
-    let scale = options.scale.unwrap_or(1.0 / (d_k as f64).sqrt());
-    assert!(
-        scale.is_finite() && scale > 0.0,
-        "scaled_dot_product_attention: scale must be positive and finite, got {scale}"
-    );
-    if let Some(cap) = options.softcap {
-        assert!(
-            cap.is_finite() && cap > 0.0,
-            "scaled_dot_product_attention: softcap must be positive and finite, got {cap}"
-        );
-    }
-    let scores = Scores {
-        scale,
-        softcap: options.softcap,
-    };
+    let scores = checked_scores(&options, mask, [batch, heads, queries, keys], d_k);
 
     let keeps_weights = options.weights != AttentionWeights::None || options.dropout > 0.0;
     let call = AttentionCall::of([&query, &key, &value], mask, keeps_weights);
@@ -179,6 +159,41 @@ pub fn scaled_dot_product_attention(
         AttentionWeights::Averaged => weights.map(|w| w.mean_dim(1)),
     };
     AttentionOutput { context, weights }
+}
+
+/// The scores' scale and soft cap of a call with `options` over `[B, H, Tq, Tk]` scores
+/// of head dim `d_k`, once `mask` and the options are checked.
+///
+/// # Panics
+/// As [`scaled_dot_product_attention`], if the mask does not broadcast to the scores, if
+/// the dropout is outside `[0, 1)` or the scale or the soft cap is not positive and finite.
+pub(crate) fn checked_scores(
+    options: &SdpaOptions,
+    mask: &AttentionMask,
+    scores: [usize; 4],
+    d_k: usize,
+) -> Scores {
+    mask.check(scores);
+    assert!(
+        (0.0..1.0).contains(&options.dropout),
+        "scaled_dot_product_attention: dropout must be in [0, 1), got {}",
+        options.dropout
+    );
+    let scale = options.scale.unwrap_or(1.0 / (d_k as f64).sqrt());
+    assert!(
+        scale.is_finite() && scale > 0.0,
+        "scaled_dot_product_attention: scale must be positive and finite, got {scale}"
+    );
+    if let Some(cap) = options.softcap {
+        assert!(
+            cap.is_finite() && cap > 0.0,
+            "scaled_dot_product_attention: softcap must be positive and finite, got {cap}"
+        );
+    }
+    Scores {
+        scale,
+        softcap: options.softcap,
+    }
 }
 
 fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {
