@@ -236,6 +236,21 @@ fn gpu_bindings(device: &DispatchDevice) -> u32 {
     }
 }
 
+/// The most bytes a CubeCL device binds to one kernel as one buffer (0 off the CubeCL
+/// devices).
+#[cfg(feature = "gpu-kernels")]
+pub(crate) fn gpu_largest_binding(device: &Device) -> u64 {
+    fn of(device: &DispatchDevice) -> u64 {
+        #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
+        match device {
+            DispatchDevice::Autodiff(inner) => of(inner),
+            DispatchDevice::Cube(cube) => crate::gpu::largest_binding(cube),
+            _ => 0,
+        }
+    }
+    of(device.as_dispatch())
+}
+
 #[cfg(feature = "gpu-kernels")]
 /// Whether the GPU kernels' 32-bit indices reach every element of a call over `[query,
 /// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, and the bias's

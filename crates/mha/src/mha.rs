@@ -432,7 +432,15 @@ impl MultiHeadAttention {
             };
             let qkv = crate::ops::linear::forward(proj, query); // [B, T, (H + 2·Hkv)·Dh]
             let mask = self.position_bias(mask);
-            return self.attend(Heads::Packed(qkv, packed), &mask, weights, 0.0, head_mask);
+            // The dropout is 0 here (else the weights' path), or out of range, which
+            // `attend` refuses, naming it.
+            return self.attend(
+                Heads::Packed(qkv, packed),
+                &mask,
+                weights,
+                dropout,
+                head_mask,
+            );
         }
         let (q, k, v) = self.project(query, source); // [B, T, heads·Dh]
         let q = self.query_heads(q); // [B, H, Tq, Dh]
@@ -632,8 +640,9 @@ impl MultiHeadAttention {
 
     /// The heads of self-attention of `query` under `mask` (its positions' bias not yet
     /// in it) when they can stay packed: the input projection is packed, nothing changes
-    /// the queries or keys once projected (RoPE, `q_norm`, `k_norm`), and the call takes
-    /// the GPU kernels, which read the three as views of the whole projection's output.
+    /// the queries or keys once projected (RoPE, `q_norm`, `k_norm`), the call takes the
+    /// GPU kernels, which read the three as views of the whole projection's output, and
+    /// the device binds that output whole to a kernel.
     #[cfg(feature = "gpu-kernels")]
     fn packed_heads(
         &self,
@@ -654,6 +663,11 @@ impl MultiHeadAttention {
             head_dim: self.head_dim,
         };
         let [batch, len, _] = query.dims();
+        let width = (self.n_heads + 2 * self.n_kv_heads) * self.head_dim;
+        let bytes = (batch * len * width * query.dtype().size()) as u64;
+        if bytes > crate::dispatch::gpu_largest_binding(&query.device()) {
+            return None;
+        }
         let mask = self.position_bias(mask.clone());
         let mask = match &self.sinks {
             Some(sinks) if mask.sink_logits().is_none() => {

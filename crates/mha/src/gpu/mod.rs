@@ -39,6 +39,12 @@ pub(crate) mod tile;
 pub(crate) use launch::MOST_BINDINGS;
 pub(crate) use ops::{Packed, attention, packed_attention};
 
+/// The most bytes `device` binds to one kernel as one buffer (the smaller of its limits on
+/// a binding and on a buffer, as CubeCL reads them).
+pub(crate) fn largest_binding(device: &cubecl::Device) -> u64 {
+    device.client().properties().memory.max_page_size
+}
+
 /// The storage buffers `device` binds to one kernel, as CubeCL reads them from the device's
 /// limits (lavapipe: 31; a browser's WebGPU: 7).
 pub(crate) fn max_bindings(device: &cubecl::Device) -> u32 {

@@ -388,6 +388,32 @@ fn read_heads(client: &Client, handle: Handle, [b, h, t, d]: [usize; 4], size: u
     out
 }
 
+/// The query's, key's and value's heads (`[B, heads, T, D]` each, contiguous) of the
+/// packed tensor `[B, T, (H + 2·Hkv)·D]` in `handle`, checking the guard after it.
+fn read_packed(
+    client: &Client,
+    handle: Handle,
+    [b, t, d]: [usize; 3],
+    [h, hk]: [usize; 2],
+    size: usize,
+) -> [Vec<f32>; 3] {
+    let width = (h + 2 * hk) * d;
+    let values = to_f32(&read_guarded(client, handle, b * t * width * size), size);
+    let part = |first: usize, heads: usize| {
+        let mut out = Vec::with_capacity(b * heads * t * d);
+        for bi in 0..b {
+            for hi in 0..heads {
+                for ti in 0..t {
+                    let at = (bi * t + ti) * width + (first + hi) * d;
+                    out.extend_from_slice(&values[at..at + d]);
+                }
+            }
+        }
+        out
+    };
+    [part(0, h), part(h, hk), part(h + hk, hk)]
+}
+
 /// The first `len` bytes of `handle`, after checking that its guard is untouched.
 fn read_guarded(client: &Client, handle: Handle, len: usize) -> Vec<u8> {
     let bytes = client.read_one(handle).expect("a buffer").to_vec();
@@ -484,15 +510,34 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Ru
         )
     };
     let grad = upload_as(client, &data.grad, case.dtype);
-    let grads = launch::backward(
-        client,
-        &inputs,
-        scoring,
-        [&out_binding, &lse_binding],
-        &grad,
-        [case.bias_grad, false],
-        false,
-    );
+    let backward = |packed| {
+        launch::backward(
+            client,
+            &inputs,
+            scoring,
+            [&out_binding, &lse_binding],
+            &grad,
+            [case.bias_grad, false],
+            packed,
+        )
+    };
+    let grads = backward(false);
+    let dq = read_heads(client, grads.dq, [b, h, tq, n.d_k], size);
+    let dk = read_heads(client, grads.dk, [b, hk, tk, n.d_k], size);
+    let dv = read_heads(client, grads.dv, [b, hk, tk, n.d_v], size);
+    // Where the call could be a packed projection's, the kernels write the same
+    // gradients side by side into one tensor, within it (its guard checked).
+    if tq == tk && n.d_k == n.d_v && launch::packed(client, [h, hk, n.d_k], size) {
+        let packed = backward(true);
+        let parts = read_packed(client, packed.dq, [b, tq, n.d_k], [h, hk], size);
+        for (what, got, want) in [
+            ("dq", &parts[0], &dq),
+            ("dk", &parts[1], &dk),
+            ("dv", &parts[2], &dv),
+        ] {
+            assert!(got == want, "{}: {what} written packed differs", case.name);
+        }
+    }
     let dbias = match (grads.dbias, case.bias) {
         (Some(handle), Some(shape)) => {
             let len = shape.iter().product::<usize>();
@@ -503,9 +548,9 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Ru
     Run {
         out: read_heads(client, out, out_shape, size),
         lse: to_f32(&read_guarded(client, lse, b * h * tq * 4), 4),
-        dq: read_heads(client, grads.dq, [b, h, tq, n.d_k], size),
-        dk: read_heads(client, grads.dk, [b, hk, tk, n.d_k], size),
-        dv: read_heads(client, grads.dv, [b, hk, tk, n.d_v], size),
+        dq,
+        dk,
+        dv,
         dbias,
     }
 }
@@ -599,6 +644,10 @@ fn gpu_attention_gqa_8_to_2_matches_f64() {
         scale: 0.2,
         ..Case::new("gqa 8:2 causal d128", [1, 8, 2], [37, 53, 128]).mask(AttentionMask::causal())
     });
+    // Self-attention's lengths: its gradients written packed too (see `run`).
+    check(
+        &Case::new("gqa 8:2 causal d64 T53", [1, 8, 2], [53, 53, 64]).mask(AttentionMask::causal()),
+    );
 }
 
 #[test]
