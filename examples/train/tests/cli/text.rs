@@ -31,27 +31,6 @@ fn valid_losses(dir: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// The number `key` holds in a run's `summary.json`, parsed from its text by the standard
-/// library, which rounds correctly: serde_json's default parser can be a unit in the last
-/// place off for a number of 17 digits (its `float_roundtrip` feature would rebuild every
-/// crate above it), and the summary's loss is compared with the metric log's exactly.
-fn summary_number(dir: &Path, key: &str) -> f64 {
-    let text = std::fs::read_to_string(dir.join("summary.json")).unwrap();
-    let field = format!("\"{key}\":");
-    let at = text
-        .find(&field)
-        .unwrap_or_else(|| panic!("no {key} in {text}"))
-        + field.len();
-    let number: String = text[at..]
-        .trim_start()
-        .chars()
-        .take_while(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | '+' | 'e' | 'E'))
-        .collect();
-    number
-        .parse()
-        .unwrap_or_else(|_| panic!("{key}: {number:?} is not a number"))
-}
-
 /// The text task on every backend of the build: its validation loss falls from the
 /// first epoch to the second and below the uniform guess's, the summary gives it in nats
 /// and bits, the run keeps its vocabulary, and `generate` samples from it: greedy at
@@ -90,7 +69,7 @@ fn the_text_task_learns_on_every_backend_and_samples() {
             valid[1] < valid[0] && valid[0] < uniform - 0.3,
             "{backend}: the validation loss did not fall: {valid:?} (uniform {uniform})"
         );
-        let loss = summary_number(&dir, "valid_loss");
+        let loss = s["valid_loss"].as_f64().unwrap();
         assert_eq!(
             loss, valid[1],
             "{backend}: the summary's is the last epoch's"
