@@ -360,7 +360,8 @@ fn burn_module_costs() {
 /// the same outputs and gradients (of the input, both projections and the sinks), with
 /// GQA, attention sinks and a causal mask with padding, each forward with two products in
 /// place of four: at a width whose thirds are views and whose gradients the kernels write
-/// in place (64 per head), and at one whose thirds start off the device's alignment for
+/// in place (64 per head; at a batch of 1 too, with nothing copied), and at one whose
+/// thirds start off the device's alignment for
 /// bindings (7 per head): Burn's slice copies them, and the gradients are written apart,
 /// then side by side.
 #[test]
@@ -410,6 +411,18 @@ fn packed_and_separate_inputs() {
             (2, 4),
             "d {d}: the products of a packed and a separate forward"
         );
+        if d == 256 {
+            // A batch of 1 too: the heads are views of the packed tensor, none copied.
+            let x1 = Tensor::<3>::random([1, len, d], Distribution::Default, &device);
+            let input = || MhaInput::self_attn(x1.clone()).mask(AttentionMask::causal());
+            let counts = launches(&device, || drop(m.forward(input()).context));
+            let copies = of(&counts, "copy") + of(&counts, "slice");
+            assert_eq!(
+                (of(&counts, "matmul"), copies),
+                (2, 0),
+                "d {d}, batch 1: the products and copies of a packed forward: {counts:?}"
+            );
+        }
 
         let run = |input: MhaInput| {
             let out = m.forward(input).context;

@@ -82,16 +82,19 @@ impl Packed {
             (heads + 2 * kv_heads) * head_dim,
             "packed attention: {heads} + 2 x {kv_heads} heads of {head_dim} in a width of {width}"
         );
+        // The heads split off the whole tensor, then sliced: Burn's reshape of a slice
+        // copies it where the batch is 1 (its analysis does not pass over the unit axis).
+        let all = heads + 2 * kv_heads;
+        let qkv = B::float_reshape(qkv, Shape::new([batch, len, all, head_dim]));
         let parts = [(0, heads), (heads, kv_heads), (heads + kv_heads, kv_heads)];
         parts.map(|(first, count)| {
-            let columns = |at: usize| (at * head_dim) as isize;
             let slices = [
                 Slice::from(..),
                 Slice::from(..),
-                Slice::new(columns(first), Some(columns(first + count)), 1),
+                Slice::new(first as isize, Some((first + count) as isize), 1),
+                Slice::from(..),
             ];
             let part = B::float_slice(qkv.clone(), &slices);
-            let part = B::float_reshape(part, Shape::new([batch, len, count, head_dim]));
             B::float_swap_dims(part, 1, 2)
         })
     }
