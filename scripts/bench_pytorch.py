@@ -5,7 +5,8 @@ Causal self-attention with `torch.nn.MultiheadAttention` (batch_first, dropout 0
 weights returned, `is_causal=True` with its mask), forward (under `torch.inference_mode`)
 and forward+backward (`out.sum().backward()`, the input requiring grad), and the core
 `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)`. Each number
-is the median of --runs runs after one warm-up run; CUDA is synchronised after each run.
+is the median of --runs runs after a warm-up (two runs, then more for half a second
+where they are short); CUDA is synchronised after each run.
 GFLOP/s count the same work as the Rust benchmark: `8·B·T·D²` for the projections and
 `2·B·T²·D` for the causal attention products, forward; a backward counts twice the forward.
 
@@ -53,14 +54,27 @@ def core_flops(b, t, d):
     return 2 * b * t * t * d
 
 
+# Seconds of untimed runs before a measurement, past the first two: as the Rust
+# benchmark's `WARM_UP`, so that a device that sat idle is at its clocks.
+WARM_UP = 0.5
+
+
 def timed(runs, device, f):
-    """Median milliseconds of f over `runs` runs after a warm-up (at most 3 if it is slow)."""
+    """Median milliseconds of f over `runs` runs after a warm-up: two runs, then more for
+    WARM_UP seconds where the second took under 2 s (else at most 3 timed runs)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    f()
+    sync()
     start = time.perf_counter()
     f()
     sync()
     if time.perf_counter() - start > 2.0:
         runs = min(runs, 3)
+    else:
+        start = time.perf_counter()
+        while time.perf_counter() - start < WARM_UP:
+            f()
+            sync()
     samples = []
     for _ in range(runs):
         start = time.perf_counter()
@@ -205,7 +219,8 @@ def train_step(model, optim, loss_fn, ids, tgt):
 
 
 def bench_trainer(size, device, steps):
-    """Mean milliseconds and tokens per second of `steps` training steps after one warm-up."""
+    """Mean milliseconds and tokens per second of `steps` training steps after the same
+    steps' batches once untimed."""
     import random
 
     d_model, layers, heads, lr = TRAINER_SIZES[size]
@@ -217,15 +232,19 @@ def bench_trainer(size, device, steps):
     loss_fn = torch.nn.CrossEntropyLoss(ignore_index=PAD)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def step():
+    def step(rng):
         ids, tgt, tokens = reverse_batch(rng, 64, device)
         train_step(model, optim, loss_fn, ids, tgt)
         return tokens
 
-    step()
+    # The timed batches once untimed first, as the Rust benchmark does (a new batch length
+    # is a new shape there).
+    for _ in range(steps):
+        step(rng)
     sync()
+    rng = random.Random(0)
     start = time.perf_counter()
-    tokens = sum(step() for _ in range(steps))
+    tokens = sum(step(rng) for _ in range(steps))
     sync()
     seconds = time.perf_counter() - start
     return dict(subject=f"pytorch-trainer-{size}", pass_="train-step", median_ms=seconds * 1e3 / steps, runs=steps,

@@ -20,7 +20,9 @@
 #    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype in
 #    a process of its own under its own time limit, so that a crash or a timeout loses one
 #    step: WGSL f16 and f32 (with `--variants`, mha's core between projections made
-#    otherwise than the module's), SPIR-V f16, WGSL's costs around the kernels
+#    otherwise than the module's), SPIR-V f16, the causal core at 16,384 positions with
+#    its peak memory (one process a build, tile product and dtype: SPIR-V f16 on each
+#    product, WGSL f16 and f32), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
 #    costs around the kernels, SPIR-V f32; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
@@ -148,6 +150,13 @@ budget="${MHA_GPU_TABLE_BUDGET:-540}"
 mkdir -p "$out"
 : > "$out/steps.tsv"
 export CUBECL_AUTOTUNE_LEVEL=minimal
+# NVIDIA's driver keeps the machine code it compiles from SPIR-V on disk, where it can
+# write: a folder of the run's, so that the steps after the first compile less (the
+# SPIR-V step's first calls took over 2 s each on an H200, 2026-11-28).
+export __GL_SHADER_DISK_CACHE=1
+export __GL_SHADER_DISK_CACHE_PATH="${__GL_SHADER_DISK_CACHE_PATH:-$out/.shader-cache}"
+export __GL_SHADER_DISK_CACHE_SKIP_CLEANUP=1
+mkdir -p "$__GL_SHADER_DISK_CACHE_PATH"
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-/tmp}"
 failed=0
 
@@ -158,7 +167,8 @@ archive() {
     # the archive on disk is always a whole one.
     mkdir -p "$out/.archive"
     if tar czf "$out/.archive/part" --exclude=./gpu_table.tar.gz --exclude=./.archive \
-        --exclude=./pack --exclude="./bench-*" --exclude=./mha-tests -C "$out" .; then
+        --exclude=./pack --exclude="./bench-*" --exclude=./mha-tests --exclude=./.shader-cache \
+        -C "$out" .; then
         mv "$out/.archive/part" "$out/gpu_table.tar.gz"
     else
         echo "warning: the archive could not be written" >&2
@@ -203,6 +213,7 @@ if [ "$mode" = dry ]; then
     long=256
     limit=900
     overhead_limit=900
+    core_limit=900
     tiles_len=256
     tiles_limit=900
     train_steps=2
@@ -216,9 +227,12 @@ else
     overhead_shapes=base,long
     runs=7
     long=16384
-    # WGSL took 80 s a dtype on an H200 (2026-11-27), SPIR-V f16 about 150 s (5 runs).
-    limit=150
+    # WGSL took 85 s a dtype on an H200 (2026-11-28), SPIR-V f16 over 150 s (compiling:
+    # over 2 s for each first call), before the long core had steps of its own.
+    limit=170
     overhead_limit=90
+    # The core at 16,384 positions took 185 ms a run in f32 through WGSL.
+    core_limit=45
     tiles_len=4096
     tiles_limit=60
     train_steps=40
@@ -294,14 +308,22 @@ unpack() {
     chmod +x "$out/bench-$1"
 }
 
-# `timed BUILD DTYPE NAME [ARGS...]`: the modules and the core timed at every shape, the
-# long core too, into OUT/NAME.json (rewritten after every shape: a timeout keeps the
-# shapes done).
+# `timed BUILD DTYPE NAME [ARGS...]`: the modules and the core timed at every shape into
+# OUT/NAME.json (rewritten after every shape: a timeout keeps the shapes done).
 timed() {
     local build="$1" dtype="$2" name="$3"
     shift 3
     step "$name" "$limit" "$out/bench-$build" --backend wgpu --shapes "$shapes" --runs "$runs" \
-        --dtype "$dtype" --no-train --long-core "$long" --json "$out/$name.json" "$@"
+        --dtype "$dtype" --no-train --json "$out/$name.json" "$@"
+}
+
+# `long_core BUILD DTYPE NAME`: the causal core alone at $long positions, forward+backward,
+# with its peak memory, in a process of its own (the memory pool's peak is the process's:
+# after Burn's module at the long shape it showed 1807 MiB where the core's own was 140).
+long_core() {
+    local build="$1" dtype="$2" name="$3"
+    step "$name" "$core_limit" "$out/bench-$build" --backend wgpu --shapes none --runs 3 \
+        --dtype "$dtype" --no-train --long-core "$long" --json "$out/$name.json"
 }
 
 # `overhead BUILD DTYPES`: where one call of mha's module and of Burn's spends the device's
@@ -361,7 +383,8 @@ trainer() {
 # device) in f16 and f32, with mha's core between other projections (`--variants`), then
 # SPIR-V in f16 (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of
 # shared memory on a device without an explicit workgroup layout, so the dry run has no
-# such build). Then what is needed to read them: WGSL's costs around the kernels, SPIR-V
+# such build). Then the long core, in a process for each build, product and dtype (its
+# peak memory its own). Then what is needed to read them: WGSL's costs around the kernels, SPIR-V
 # in f16 on the portable tile product (what cooperative matrices gain) and its costs
 # around the kernels. SPIR-V in f32 last: it outran 170 s at the base shape on an H200
 # (2026-11-27), where its f16 step took 150 s.
@@ -372,8 +395,12 @@ table() {
     fi
     if [ "$spirv" -eq 1 ]; then
         timed spirv f16 mha-spirv-f16
+        long_core spirv f16 mha-spirv-core-f16
+        MHA_GPU_TILE_PRODUCT=portable long_core spirv f16 mha-spirv_portable-core-f16
     fi
     if [ "$wgsl" -eq 1 ]; then
+        long_core wgsl f16 mha-wgsl-core-f16
+        long_core wgsl f32 mha-wgsl-core-f32
         overhead wgsl f16,f32
     fi
     if [ "$spirv" -eq 1 ]; then

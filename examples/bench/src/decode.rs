@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use mha::{AttentionMask, KvCache, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use train::backend::Backend;
 
-use crate::{Record, grads_of, randn, time};
+use crate::{Record, grads_of, randn, time, time_steps};
 
 /// Model width and heads of the decoding benchmark (the base shape's).
 const D_MODEL: usize = 512;
@@ -78,7 +78,7 @@ pub fn bench_decode(
             let mut cache = KvCache::new(capacity);
             let prompt = x.clone().narrow(1, 0, context - 1);
             drop(ours.forward_cached(prompt, &mut cache, AttentionMask::none())?);
-            let ms = time(runs, device, || {
+            let ms = time_steps(runs, device, || {
                 ours.forward_cached(token.clone(), &mut cache, AttentionMask::none())
             })?;
             out.push(decode_record(backend, "mha-cached", batch, context, ms));
@@ -95,7 +95,7 @@ pub fn bench_decode(
             drop(theirs.forward_cache(BurnMhaInput::self_attn(prompt), &mut cache));
             // Burn's cache takes the whole sequence so far and projects its last token.
             let mut len = context;
-            let ms = time(runs, device, || {
+            let ms = time_steps(runs, device, || {
                 let input = BurnMhaInput::self_attn(x.clone().narrow(1, 0, len));
                 let last = theirs
                     .forward_cache(input, &mut cache)

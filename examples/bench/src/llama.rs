@@ -9,7 +9,7 @@ use mha::AttentionMask;
 use mha::hf::HfConfig;
 use train::backend::Backend;
 
-use crate::{Record, time};
+use crate::{Record, time, time_steps};
 
 /// The model's `config.json`, as transformers writes it (`scripts/bench_hf.py` builds
 /// its model from the same numbers).
@@ -64,7 +64,7 @@ pub fn bench_llama(
     let mut cache = lm.cache(TOKENS + runs + 2);
     lm.forward_cached(ids.clone(), &mut cache)?;
     let token = ids.slice([0..1, 0..1]);
-    let ms = time(runs, device, || {
+    let ms = time_steps(runs, device, || {
         lm.forward_cached(token.clone(), &mut cache)
     })?;
     out.push(record(backend, "decode-step", ms, 1));

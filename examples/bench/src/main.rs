@@ -11,14 +11,15 @@
 //! cargo run --release -p bench -- --shapes base --runs 9 --json bench.json
 //! ```
 //!
-//! Each number is the median of `--runs` timed runs after one warm-up run; the device is
-//! synchronised after each run, so GPU numbers include the kernels, not only their launch.
-//! The warm-up's result and the last run's are read back (outside the timings), and held
-//! until the device is done (a dropped tensor is work Burn's fusion may skip): an
-//! attention measurement whose call the device did not complete, or whose result is not
-//! finite, is `failed` in the tables (in the JSON its `failed` field holds the reason and
-//! its median is null), not timed, and the others are still measured; the process then
-//! exits with an error. Any other measurement that fails stops the run with its reason.
+//! Each number is the median of `--runs` timed runs after a warm-up: two runs, then more
+//! for half a second where the second is short (a decoding step, which fills a cache,
+//! after one run only); the device is synchronised after each run, so GPU numbers include
+//! the kernels, not only their launch. The first run's result and the last run's are read
+//! back (outside the timings), and held until the device is done (a dropped tensor is
+//! work Burn's fusion may skip): an attention measurement whose call the device did not
+//! complete, or whose result is not finite, is `failed` in the tables (in the JSON its
+//! `failed` field holds the reason and its median is null), not timed, and the others are
+//! still measured; the process then exits with an error. Any other measurement that fails stops the run with its reason.
 //! Ratios are "Burn's built-in time / mha's time", measured back to back. GFLOP/s count
 //! the useful work of causal attention: the four projections (`8·B·T·D²`) and the two
 //! attention products over the visible half of the scores (`2·B·T²·D`), forward; a
@@ -43,7 +44,7 @@ mod variants;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use burn::data::dataloader::batcher::Batcher;
@@ -86,8 +87,8 @@ struct Cli {
     /// `1x1024x256x4`); `none` for none.
     #[arg(long, value_delimiter = ',', default_value = "small,base,long")]
     shapes: Vec<String>,
-    /// Timed runs per measurement (the median is reported); a measurement whose warm-up
-    /// run takes over 2 s uses at most 3.
+    /// Timed runs per measurement (the median is reported); a measurement whose second
+    /// warm-up run takes over 2 s uses at most 3.
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Skip Burn's built-in attention.
@@ -120,8 +121,9 @@ struct Cli {
     #[arg(long, value_delimiter = ',', default_value = "f32")]
     dtype: Vec<String>,
     /// Also time the causal attention core alone, forward+backward, at this many
-    /// positions (batch 1, 8 heads of 64), in each dtype, with the device's peak memory
-    /// (GPU backends: the memory pool's peak since the process started).
+    /// positions (batch 1, 8 heads of 64), in each dtype, first in the process, with the
+    /// device's peak memory (GPU backends: the memory pool's peak, given for the first
+    /// dtype only, whose measurement is the process's first).
     #[arg(long)]
     long_core: Option<usize>,
     /// Instead of timing the shapes, print what one call of mha's module and of Burn's
@@ -176,20 +178,32 @@ fn long_core(device: &Device, (seq, dtype): (usize, FloatDType)) -> impl Fn() ->
 }
 
 /// The causal attention core alone at `seq` positions (batch 1, 8 heads of 64),
-/// forward+backward in `dtype`, with the device's peak memory where it reports one.
+/// forward+backward in `dtype`, with the device's peak memory where it reports one and
+/// the measurement is the process's first (`first`): the memory pool's peak is the most
+/// it ever held, the earlier measurements' buffers included (on an H200, 2026-11-28,
+/// the core at 16,384 positions in f16 reported 1807 MiB measured after Burn's module at
+/// 4096 positions, 140 MiB in a process without Burn's module).
 fn bench_long_core(
     cli: &Cli,
     backend: Backend,
     device: &Device,
     (seq, dtype): (usize, FloatDType),
+    first: bool,
     out: &mut Vec<Record>,
 ) {
     let call = long_core(device, (seq, dtype));
     let timed = time(cli.runs.min(3), device, &call);
-    let peak_mib = device.memory_pool_report().map(|pools| {
+    let peak_mib = device.memory_pool_report().filter(|_| first).map(|pools| {
         let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
         bytes as f64 / (1 << 20) as f64
     });
+    if !first {
+        eprintln!(
+            "{backend}: the core at {seq} positions in {}: no peak memory (an earlier \
+             measurement's is in the process's; measure one dtype a process)",
+            dtype_name(dtype)
+        );
+    }
     let shape = Shape {
         name: "long-core",
         batch: 1,
@@ -495,22 +509,79 @@ fn sync(device: &Device) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("{}", one_line(&e.to_string())))
 }
 
-/// Median milliseconds of `f` over `runs` runs after one warm-up run, syncing the device;
-/// the warm-up's and the last run's results are read back ([`Outcome`]), an error if the
-/// call did not complete or produced a value that is not finite.
+/// How long the untimed calls before a measurement keep the device busy, past the first
+/// (which compiles, tunes and allocates): a device that sat idle while the host compiled
+/// for a new shape may run below its clocks at first. On an H200 (2026-11-28, one warm-up
+/// call), mha's module, measured first at the long shape in f16, took 7.37 ms, where its
+/// core between the same two products, measured later in the process, took 2.02; its
+/// attention kernel's own device time was 3.27 ms in a forward measured first and 2.39
+/// in the forward+backward measured next. The warm-up tells a slow kernel from a cold
+/// device.
+const WARM_UP: Duration = Duration::from_millis(500);
+
+/// Calls `f` (syncing the device after each) for [`WARM_UP`], dropping the results.
+fn keep_warm<O>(device: &Device, f: &mut impl FnMut() -> O) -> anyhow::Result<()> {
+    let from = Instant::now();
+    while from.elapsed() < WARM_UP {
+        drop(f());
+        sync(device)?;
+    }
+    Ok(())
+}
+
+/// Median milliseconds of `f` over `runs` runs after a warm-up, syncing the device: one
+/// run (which compiles), then one more, then more for [`WARM_UP`] where that one took
+/// under 2 s (else at most 3 timed runs). The first run's and the last run's results are
+/// read back ([`Outcome`]), an error if the call did not complete or produced a value
+/// that is not finite.
 fn time<O: Outcome>(
     runs: usize,
     device: &Device,
+    f: impl FnMut() -> O,
+) -> anyhow::Result<(f64, usize)> {
+    timed(runs, device, true, f)
+}
+
+/// [`time`] of a call that moves a state on (a decoding step, which fills a cache
+/// position each time): after one warm-up run only (at most 3 timed runs where it took
+/// over 2 s), so that the runs are the ones the caller made room for.
+fn time_steps<O: Outcome>(
+    runs: usize,
+    device: &Device,
+    f: impl FnMut() -> O,
+) -> anyhow::Result<(f64, usize)> {
+    timed(runs, device, false, f)
+}
+
+/// [`time`], with the warm-up past the first run where `keep` says.
+fn timed<O: Outcome>(
+    runs: usize,
+    device: &Device,
+    keep: bool,
     mut f: impl FnMut() -> O,
 ) -> anyhow::Result<(f64, usize)> {
     let started = Instant::now();
     let warm_up = f();
     sync(device)?;
-    let runs = match started.elapsed().as_secs_f64() > 2.0 {
+    let mut one = started.elapsed();
+    warm_up.check().context("the warm-up run")?;
+    if keep {
+        // The first run's time may be mostly compiling (SPIR-V on an H200, 2026-11-28:
+        // over 2 s for each of mha's calls at the small shape, whose runs then took 1 to
+        // 3 ms): the second says whether a run is slow.
+        let started = Instant::now();
+        drop(f());
+        sync(device)?;
+        one = started.elapsed();
+    }
+    let slow = one > Duration::from_secs(2);
+    let runs = match slow {
         true => runs.min(3),
         false => runs,
     };
-    warm_up.check().context("the warm-up run")?;
+    if keep && !slow {
+        keep_warm(device, &mut f)?;
+    }
     let mut samples = Vec::with_capacity(runs);
     for run in 0..runs {
         let started = Instant::now();
@@ -711,13 +782,13 @@ fn bench_trainer(
         mixed: None,
         shares: 1,
     };
-    let mut next = 0;
-    // One step on a fresh batch: the model after it and the batch's real tokens.
-    let mut step = |model: train::model::Model| {
-        let examples: Vec<_> = (next..next + config.batch_size)
+    // One step on batch `n` of the training split: the model after it and the batch's
+    // real tokens.
+    let mut step = |model: train::model::Model, n: usize| {
+        let first = n * config.batch_size;
+        let examples: Vec<_> = (first..first + config.batch_size)
             .map(|i| config.task.example(config.seed, Split::Train, i))
             .collect();
-        next += config.batch_size;
         let tokens: usize = examples
             .iter()
             .map(|e| e.input.len() + e.output.len() + 2)
@@ -726,16 +797,24 @@ fn bench_trainer(
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         (optim.step(config.lr, model, grads), tokens, loss.inner())
     };
-    // Each step on a worker of the CPU backends' pool, as the trainer runs it.
-    let (warm, _, warm_loss) = mha::on_cpu_workers(device, || step(model));
-    model = warm;
+    // The timed batches once untimed first: each new batch length is a new shape, which a
+    // GPU backend compiles and tunes for the first time it meets it (on an H200, 40 steps
+    // after a single warm-up step took 77 ms each, where the trainer's own run went at
+    // 17). Each step on a worker of the CPU backends' pool, as the trainer runs it.
+    for n in 0..cli.train_steps {
+        let (warm, _, warm_loss) = mha::on_cpu_workers(device, || step(model, n));
+        model = warm;
+        if n == 0 {
+            sync(device)?;
+            warm_loss.check().context("the warm-up step's loss")?;
+        }
+    }
     sync(device)?;
-    warm_loss.check().context("the warm-up step's loss")?;
     let mut tokens = 0;
     let mut loss = None;
     let started = Instant::now();
-    for _ in 0..cli.train_steps {
-        let (next_model, n, last) = mha::on_cpu_workers(device, || step(model));
+    for batch in 0..cli.train_steps {
+        let (next_model, n, last) = mha::on_cpu_workers(device, || step(model, batch));
         model = next_model;
         tokens += n;
         loss = Some(last);
@@ -981,9 +1060,6 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
             true => &[][..],
             false => &shapes[..],
         };
-        if !timed.is_empty() {
-            bench_matmul(&cli, backend, &device, &mut mine)?;
-        }
         // The dtypes the device computes in; the others are named and skipped.
         let mut computed = Vec::new();
         for &dtype in &dtypes {
@@ -994,6 +1070,25 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
                     dtype_name(dtype)
                 ),
             }
+        }
+        // The long core first: the memory pool's peak is the process's, so only the first
+        // measurement's is its own.
+        if let Some(seq) = cli.long_core {
+            for (n, &dtype) in computed.iter().enumerate() {
+                eprintln!(
+                    "{backend}: causal core at {seq} positions in {} ...",
+                    dtype_name(dtype)
+                );
+                bench_long_core(&cli, backend, &device, (seq, dtype), n == 0, &mut mine);
+                write_json(cli.json.as_deref(), &records, &mine)?;
+                #[cfg(feature = "wgpu")]
+                if cli.core_kernels {
+                    print_core_kernels(backend, &device, (seq, dtype))?;
+                }
+            }
+        }
+        if !timed.is_empty() {
+            bench_matmul(&cli, backend, &device, &mut mine)?;
         }
         for &dtype in &computed {
             for &shape in timed {
@@ -1037,20 +1132,6 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         }
         if cli.llama {
             llama::bench_llama(cli.runs, backend, &device, &mut mine)?;
-        }
-        if let Some(seq) = cli.long_core {
-            for &dtype in &computed {
-                eprintln!(
-                    "{backend}: causal core at {seq} positions in {} ...",
-                    dtype_name(dtype)
-                );
-                bench_long_core(&cli, backend, &device, (seq, dtype), &mut mine);
-                write_json(cli.json.as_deref(), &records, &mine)?;
-                #[cfg(feature = "wgpu")]
-                if cli.core_kernels {
-                    print_core_kernels(backend, &device, (seq, dtype))?;
-                }
-            }
         }
         for (n, &dtype) in computed.iter().enumerate() {
             // The measurements without a dtype (matmul, trainer) once, after the first.

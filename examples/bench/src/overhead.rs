@@ -1,6 +1,7 @@
 //! What one call of a module costs around its kernels on a GPU backend (`--overhead`):
 //! mha's `MultiHeadAttention` and Burn's built-in module at the same shape (causal
-//! self-attention), forward and forward+backward, after two warm-up calls: the kernels
+//! self-attention), forward and forward+backward, after two warm-up calls and more for
+//! `WARM_UP` (the device's clocks up, see `time`): the kernels
 //! launched (all, and those that only copy or cast), the buffers and bytes the call
 //! leaves allocated while its result is held, the host's time until the call returns
 //! (before the device is done) and until the device is done. A call that reads a tensor
@@ -28,7 +29,7 @@ use burn::nn::attention::{
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{MhaInput, ModuleDType, MultiHeadAttentionConfig};
 
-use crate::{Outcome, Shape, backward_of, dtype_name, randn_as, sync};
+use crate::{Outcome, Shape, backward_of, dtype_name, keep_warm, randn_as, sync};
 
 /// What a call launches while this is installed: every kernel by name, and where
 /// `timing`, each launch's measurement, kept unread until the call is over (read at once,
@@ -236,12 +237,14 @@ struct Cost {
 }
 
 /// The costs of `call` (which returns what it keeps, read back after the measurement),
-/// after two warm-up calls, and the device time of one more call kernel by kernel.
+/// after two warm-up calls and more for `WARM_UP` ([`keep_warm`]), and the device time
+/// of one more call kernel by kernel.
 fn cost<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Breakdown)> {
     for _ in 0..2 {
         drop(call());
         sync(device)?;
     }
+    keep_warm(device, &mut &call)?;
     let before = device.memory_pool_usage().unwrap_or_default();
     let watch = Arc::new(Watch::default());
     let (kept, issue_ms, total_ms) = watched(device, &watch, &call)?;
