@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU table: mha's MultiHeadAttention, Burn's built-in module and the attention core
 # on wgpu (through WGSL, and through Burn's SPIR-V compiler, the `vulkan` build), beside
-# PyTorch's attention on CUDA, at the small, base and long shapes in f32 and f16, plus the
+# PyTorch's attention on CUDA, at the base and long shapes in f32 and f16, plus the
 # causal core alone at 16384 positions with its peak memory. Made for a machine with an
 # NVIDIA GPU, PyTorch with CUDA, no network and no Rust toolchain: the binaries are built
 # and packed elsewhere. docs/gpu.md says the same at more length.
@@ -223,7 +223,8 @@ if [ "$mode" = dry ]; then
         --heads 2 --batch-size 8)
     budget="${MHA_GPU_TABLE_BUDGET:-1800}"
 else
-    shapes=small,base,long
+    # The shapes the targets are set at: the small one cost a third of each step.
+    shapes=base,long
     overhead_shapes=base,long
     runs=7
     long=16384
@@ -245,7 +246,19 @@ fi
 {
     echo "commit $(cat "$pack_dir/commit" 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
     nvidia-smi -L 2>/dev/null || echo "no nvidia-smi"
+    # The driver's version: the Vulkan driver that runs both builds is NVIDIA's.
+    nvidia-smi --query-gpu=driver_version,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+        --format=csv 2>/dev/null || true
 } > "$out/machine.txt"
+# The card's clocks and load through the run, four times a second (OUT/clocks.csv): whether
+# a measurement met the device at its clocks.
+sampler=
+if command -v nvidia-smi > /dev/null 2>&1; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw \
+        --format=csv -lms 250 > "$out/clocks.csv" 2> /dev/null &
+    sampler=$!
+    trap '[ -z "$sampler" ] || kill "$sampler" 2> /dev/null || true' EXIT
+fi
 
 # The Vulkan loader and the GL dispatch libraries, where the machine lacks either.
 # (The list read whole first: `grep -q` stopping early would fail the pipe under pipefail.)
@@ -412,17 +425,18 @@ table() {
 
 # `tiles`: the candidates that fit at head dim 64, each first in turn; where one does not
 # fit a kernel, the kernel takes the first that fits, as without the variable (each step's
-# log says which tiles each kernel took). The portable product's 32 KiB take at most
-# 64,32,32 in f32 and 128,64,32 in f16 (lavapipe, 2026-11-28); cooperative matrices have
-# 48 KiB. Cooperative matrices first (SPIR-V f16), then the portable product in f32 and
-# f16.
+# log says which tiles each kernel took). Unasked, the portable product's 32 KiB take at
+# most 64,32,32 in f32 and 128,64,32 in f16 (lavapipe, 2026-11-28); tiles asked for may
+# take up to 48 KiB where the device has it (NVIDIA), as cooperative matrices do: the
+# first of each list below is larger than any taken unasked. Cooperative matrices first
+# (SPIR-V f16), then the portable product in f32 and f16.
 tiles() {
     if [ "$spirv" -eq 1 ]; then
         sweep spirv f16 128,64,64 128,64,32 64,32,32 32,16,32
     fi
     if [ "$wgsl" -eq 1 ]; then
-        sweep wgsl f32 64,32,32 32,16,32 32,32,16
-        sweep wgsl f16 128,64,32 64,32,32 32,16,32
+        sweep wgsl f32 128,64,32 64,32,32 32,16,32 32,32,16
+        sweep wgsl f16 128,64,64 128,64,32 64,32,32 32,16,32
     fi
 }
 

@@ -59,6 +59,13 @@ const SHARED_BUDGET: usize = 32 * 1024;
 /// with them offers (NVIDIA's Vulkan drivers: 48 KiB).
 const COOPERATIVE_BUDGET: usize = 48 * 1024;
 
+/// Shared memory the portable product's tiles may take, where the device has it, when
+/// a measurement asks for them by name ([`TILES_VAR`]): what NVIDIA's Vulkan drivers
+/// give a workgroup. Larger tiles than [`SHARED_BUDGET`] allows (128,64,32 in f32,
+/// 128,64,64 in f16 at head dim 64), to be measured against the default ones before any
+/// device takes them unasked.
+const ASKED_BUDGET: usize = 48 * 1024;
+
 /// The cooperative-matrix fragment a device multiplies inputs of `elem` in with f32
 /// sums, read from what it reports (`props.features.matmul.cmma`): the largest of its
 /// shapes with `A` and `B` in `elem` and `C` in f32, where `elem` is f16 or bf16 and the
@@ -253,8 +260,9 @@ pub(crate) const CANDIDATES: [(usize, usize, usize); 6] = [
 /// the one [`TILES_VAR`] asks for first) whose products are whole fragments of `frag`
 /// (and whole planes of units) and whose shared memory fits the device's and
 /// [`COOPERATIVE_BUDGET`]; where none is (or `frag` is [`Fragment::NONE`]), the first
-/// that fits [`SHARED_BUDGET`] with the portable product. Where [`TILES_VAR`] is set,
-/// the tiles taken are written to the standard error, once for each call's sizes.
+/// that fits [`SHARED_BUDGET`] with the portable product ([`ASKED_BUDGET`] for the one
+/// [`TILES_VAR`] asks for). Where [`TILES_VAR`] is set, the tiles taken are written to
+/// the standard error, once for each call's sizes.
 pub(crate) fn tiles(
     dims: &Dims,
     size: usize,
@@ -262,13 +270,14 @@ pub(crate) fn tiles(
     softcap: bool,
     frag: Fragment,
 ) -> (ForwardTiles, DqTiles, DkvTiles) {
-    let mut forward: ForwardTiles = choose(dims, size, shared, frag);
-    let mut dq: DqTiles = choose(dims, size, shared, frag);
-    let mut dkv: DkvTiles = choose(dims, size, shared, frag);
+    let asked = tiles_asked();
+    let mut forward: ForwardTiles = choose(dims, size, shared, frag, asked);
+    let mut dq: DqTiles = choose(dims, size, shared, frag, asked);
+    let mut dkv: DkvTiles = choose(dims, size, shared, frag, asked);
     forward.softcap = softcap;
     dq.softcap = softcap;
     dkv.softcap = softcap;
-    if let Some(asked) = tiles_asked() {
+    if let Some(asked) = asked {
         say_taken(
             dims,
             size,
@@ -333,28 +342,37 @@ macro_rules! kernel_tiles {
 }
 kernel_tiles!(ForwardTiles, DqTiles, DkvTiles);
 
-/// One kernel's tiles as [`tiles`] says (a test's forced tiles first, in fragments where
-/// they are whole ones).
-fn choose<T: KernelTiles + Copy>(dims: &Dims, size: usize, shared: usize, frag: Fragment) -> T {
+/// One kernel's tiles as [`tiles`] says, with `asked` (one of [`CANDIDATES`]) first where
+/// [`TILES_VAR`] asks for it (a test's forced tiles before all, in fragments where they
+/// are whole ones).
+fn choose<T: KernelTiles + Copy>(
+    dims: &Dims,
+    size: usize,
+    shared: usize,
+    frag: Fragment,
+    asked: Option<(usize, usize, usize)>,
+) -> T {
     let make = |(u, q, k): (usize, usize, usize)| T::new(u, q, k, dims.d_k, dims.d_v);
     #[cfg(test)]
     if let Some(forced) = super::tests::FORCE_TILES.get() {
         let t = make(forced);
         return t.cooperative(frag).unwrap_or(t);
     }
-    let order = preference(tiles_asked());
+    let order = preference(asked);
     let budget = shared.min(COOPERATIVE_BUDGET);
     let cooperative = order
         .into_iter()
         .filter_map(|c| make(c).cooperative(frag))
         .find(|t| t.shared_bytes(size) <= budget);
-    let budget = shared.min(SHARED_BUDGET);
+    let budget = |c| match asked == Some(c) {
+        true => shared.min(ASKED_BUDGET),
+        false => shared.min(SHARED_BUDGET),
+    };
     cooperative.unwrap_or_else(|| {
         order
             .into_iter()
-            .map(make)
-            .find(|t| t.shared_bytes(size) <= budget)
-            .unwrap_or_else(|| make(CANDIDATES[CANDIDATES.len() - 1]))
+            .find(|&c| make(c).shared_bytes(size) <= budget(c))
+            .map_or_else(|| make(CANDIDATES[CANDIDATES.len() - 1]), make)
     })
 }
 
@@ -975,6 +993,42 @@ mod tests {
             // The others keep their order behind it.
             let rest: Vec<_> = CANDIDATES.iter().copied().filter(|&c| c != first).collect();
             assert_eq!(order[1..], rest[..], "candidate {at}");
+        }
+    }
+
+    #[test]
+    fn asked_portable_tiles_may_take_what_the_device_has_up_to_48_kib() {
+        let dims = Dims::of([[1, 8, 300, 64], [1, 8, 300, 64], [1, 8, 300, 64]]);
+        let taken = |shared, size, asked| {
+            let f: ForwardTiles = choose(&dims, size, shared, Fragment::NONE, asked);
+            let q: DqTiles = choose(&dims, size, shared, Fragment::NONE, asked);
+            let kv: DkvTiles = choose(&dims, size, shared, Fragment::NONE, asked);
+            for bytes in [
+                f.shared_bytes(size),
+                q.shared_bytes(size),
+                kv.shared_bytes(size),
+            ] {
+                assert!(bytes <= shared.min(48 * 1024), "{bytes} bytes of {shared}");
+            }
+            [f.taken(), q.taken(), kv.taken()].map(|(u, bq, bk, _)| (u, bq, bk))
+        };
+        let large = (128, 64, 32);
+        // Unasked, f32 stays within 32 KiB on a device of 48.
+        let default = taken(48 * 1024, 4, None);
+        assert!(default.iter().all(|&t| t != large), "{default:?}");
+        // Asked, the forward takes it there, past 32 KiB (the others where they fit).
+        let f = ForwardTiles::new(128, 64, 32, 64, 64);
+        assert!(f.shared_bytes(4) > SHARED_BUDGET && f.shared_bytes(4) <= ASKED_BUDGET);
+        assert_eq!(taken(48 * 1024, 4, Some(large))[0], large);
+        // On a device of 32 KiB the asked tiles do not fit: the default ones instead.
+        assert_eq!(taken(32 * 1024, 4, Some(large)), taken(32 * 1024, 4, None));
+        for (size, asked) in [(4, large), (2, (128, 64, 64))] {
+            println!(
+                "{size}-byte inputs, 48 KiB: (units, queries, keys) forward, dQ, dK/dV \
+                 {:?} asked {asked:?}, {:?} unasked",
+                taken(48 * 1024, size, Some(asked)),
+                taken(48 * 1024, size, None)
+            );
         }
     }
 
