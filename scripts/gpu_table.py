@@ -7,7 +7,8 @@ OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/overhead-BUILD.log (th
 benchmark's `--overhead` tables) and OUT/steps.tsv (each step's name, status and
 seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
 module, Burn's module and PyTorch's, their cores, the core between other projections
-(`--variants`), and the ratios, then the long core, then what one call of each module
+(`--variants`), and the ratios, and names each forward+backward that took less than its
+forward alone (a suspect measurement), then the long core, then what one call of each module
 costs around its kernels (kernel by kernel), then the core with each tile first
 (OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
 JSON too), then the trainer's steps and runs (`--trainer`: OUT/trainer-BACKEND.json,
@@ -157,6 +158,19 @@ def main(out):
         ratio = lambda other: f"{other / mine:.2f}" if mine and other else "—"
         values = [cell(cells[key]) if key in cells else "—" for key, _ in present]
         lines.append("| " + " | ".join([shape, pass_, dtype] + values + [ratio(burn), ratio(torch_ms)]) + " |")
+    # A forward+backward that took less than its forward alone: one of the two met the
+    # device away from its clocks (on an H200, 2026-11-28, the forward measured first
+    # after the host had compiled for a new shape), or is wrong; said under the table.
+    suspect = []
+    for (shape, pass_, dtype), cells in sorted(rows.items()):
+        forward = rows.get((shape, "forward", dtype), {})
+        for key, name in columns if pass_ == "forward+backward" else []:
+            fwd, both = forward.get(key), cells.get(key)
+            if isinstance(fwd, (int, float)) and isinstance(both, (int, float)) and both < fwd:
+                suspect.append(f"- {name}, {shape}, {dtype}: forward {fwd:.2f} ms, forward+backward {both:.2f}")
+    if suspect:
+        lines.append("\nSuspect: forward+backward faster than the forward alone (a measurement away from the device's clocks?):\n")
+        lines.extend(suspect)
     if long_rows:
         lines.append("\n## Causal core alone, batch 1, 8 heads of 64, forward+backward\n")
         lines.append("| who | positions | dtype | median ms | peak MiB |")
