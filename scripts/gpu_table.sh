@@ -251,10 +251,12 @@ fi
         --format=csv 2>/dev/null || true
 } > "$out/machine.txt"
 # The card's clocks and load through the run, four times a second (OUT/clocks.csv): whether
-# a measurement met the device at its clocks.
+# a measurement met the device at its clocks. Stopped on exit, and by itself past the
+# budget (should this script be killed before its trap runs).
 sampler=
 if command -v nvidia-smi > /dev/null 2>&1; then
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw \
+    timeout $((budget + 30)) nvidia-smi \
+        --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw \
         --format=csv -lms 250 > "$out/clocks.csv" 2> /dev/null &
     sampler=$!
     trap '[ -z "$sampler" ] || kill "$sampler" 2> /dev/null || true' EXIT
