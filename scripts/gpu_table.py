@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Merges what `scripts/gpu_table.sh` measured into one table: OUT/gpu_table.md.
 
-Reads OUT/mha-BUILD-DTYPE.json (the benchmark's records, BUILD `wgsl`, `spirv` or
-`spirv_portable`: SPIR-V kept off cooperative matrices),
+Reads OUT/mha-BUILD-DTYPE.json and OUT/mha-BUILD-core-DTYPE.json (the benchmark's
+records, BUILD `wgsl`, `spirv` or `spirv_portable`: SPIR-V kept off cooperative
+matrices; the second the long core alone),
 OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/overhead-BUILD.log (the
 benchmark's `--overhead` tables) and OUT/steps.tsv (each step's name, status and
 seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's

@@ -88,7 +88,7 @@ struct Cli {
     #[arg(long, value_delimiter = ',', default_value = "small,base,long")]
     shapes: Vec<String>,
     /// Timed runs per measurement (the median is reported); a measurement whose second
-    /// warm-up run takes over 2 s uses at most 3.
+    /// warm-up run (a decoding step's only one) takes over 2 s uses at most 3.
     #[arg(long, default_value_t = 5)]
     runs: usize,
     /// Skip Burn's built-in attention.
@@ -519,12 +519,16 @@ fn sync(device: &Device) -> anyhow::Result<()> {
 /// device.
 const WARM_UP: Duration = Duration::from_millis(500);
 
-/// Calls `f` (syncing the device after each) for [`WARM_UP`], dropping the results.
+/// Calls `f` (syncing the device after each) for [`WARM_UP`], dropping each result once
+/// the device is done.
 fn keep_warm<O>(device: &Device, f: &mut impl FnMut() -> O) -> anyhow::Result<()> {
     let from = Instant::now();
     while from.elapsed() < WARM_UP {
-        drop(f());
+        // Held until the device is done: Burn's fusion may skip the work of a tensor
+        // dropped before.
+        let result = f();
         sync(device)?;
+        drop(result);
     }
     Ok(())
 }
@@ -570,9 +574,10 @@ fn timed<O: Outcome>(
         // over 2 s for each of mha's calls at the small shape, whose runs then took 1 to
         // 3 ms): the second says whether a run is slow.
         let started = Instant::now();
-        drop(f());
+        let result = f();
         sync(device)?;
         one = started.elapsed();
+        drop(result);
     }
     let slow = one > Duration::from_secs(2);
     let runs = match slow {

@@ -241,8 +241,9 @@ struct Cost {
 /// of one more call kernel by kernel.
 fn cost<T: Outcome>(device: &Device, call: impl Fn() -> T) -> anyhow::Result<(Cost, Breakdown)> {
     for _ in 0..2 {
-        drop(call());
+        let result = call();
         sync(device)?;
+        drop(result);
     }
     keep_warm(device, &mut &call)?;
     let before = device.memory_pool_usage().unwrap_or_default();
