@@ -4,13 +4,14 @@
 Reads OUT/mha-BUILD-DTYPE.json and OUT/mha-BUILD-core-DTYPE.json (the benchmark's
 records, BUILD `wgsl`, `spirv` or `spirv_portable`: SPIR-V kept off cooperative
 matrices; the second the long core alone),
-OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/overhead-BUILD.log (the
-benchmark's `--overhead` tables) and OUT/steps.tsv (each step's name, status and
-seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
+OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/floor-BUILD.log (the
+benchmark's `--floor` tables), OUT/overhead-BUILD.log (its `--overhead` tables) and
+OUT/steps.tsv (each step's name, status and seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
 module, Burn's module and PyTorch's, their cores, the core between other projections
 (`--variants`), and the ratios, and names each forward+backward that took less than its
-forward alone (a suspect measurement), then the long core, then what one call of each module
-costs around its kernels (kernel by kernel), then the core with each tile first
+forward alone (a suspect measurement), then the long core, then the floor of a call (next
+to nothing to compute), then what one call of each module costs around its kernels
+(kernel by kernel), then the core with each tile first
 (OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
 JSON too), then the trainer's steps and runs (`--trainer`: OUT/trainer-BACKEND.json,
 OUT/pytorch-trainer.json, OUT/train-BUILD/summary.json), then the measurements that
@@ -179,6 +180,17 @@ def main(out):
         for who, positions, dtype, ms, peak in long_rows:
             peak = "—" if peak is None else f"{peak:.0f}"
             lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {peak} |")
+    for path in sorted(glob.glob(os.path.join(out, "floor-*.log"))):
+        build = os.path.basename(path)[len("floor-"):-len(".log")]
+        lines.append(f"\n## The floor of a call ({build}): next to nothing to compute")
+        with open(path) as f:
+            for line in f:
+                if line.startswith("## floor"):
+                    lines.append("\n#" + line.rstrip("\n"))
+                elif line.startswith("| call |"):
+                    lines.extend(["", line.rstrip("\n")])
+                elif line.startswith("|"):
+                    lines.append(line.rstrip("\n"))
     for path in sorted(glob.glob(os.path.join(out, "overhead-*.log"))):
         build = os.path.basename(path)[len("overhead-"):-len(".log")]
         lines.append(f"\n## Around the kernels ({build}): one call of each module")

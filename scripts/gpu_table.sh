@@ -17,14 +17,16 @@
 #    or empty folder:
 #        scripts/gpu_table.sh --run PACK OUT
 #    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
-#    on CUDA first, then the cooperative-matrix kernels' test, then each build and dtype in
-#    a process of its own under its own time limit, so that a crash or a timeout loses one
-#    step: WGSL f16 and f32 (with `--variants`, mha's core between projections made
-#    otherwise than the module's), SPIR-V f16, the causal core at 16,384 positions with
+#    on CUDA first (the tiny shape too), then the cooperative-matrix kernels' test, then
+#    each build and dtype in a process of its own under its own time limit, so that a
+#    crash or a timeout loses one step: WGSL f16 and f32 (with `--variants`, mha's core
+#    between projections made otherwise than the module's), WGSL's floor (`--floor`: what
+#    a call costs where there is next to nothing to compute, and the tiny shape), SPIR-V
+#    f16, the causal core at 16,384 positions with
 #    its peak memory (one process a build, tile product and dtype: SPIR-V f16 on each
 #    product, WGSL f16 and f32), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
-#    costs around the kernels, SPIR-V f32; after every step it rewrites
+#    costs around the kernels and floor, SPIR-V f32; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
@@ -212,11 +214,15 @@ skip() {
 
 if [ "$mode" = dry ]; then
     shapes=tiny
+    torch_shapes=tiny
     overhead_shapes=tiny
     runs=1
     long=256
     limit=900
     overhead_limit=900
+    floor_limit=900
+    # One dtype: the step took 148 s on lavapipe in both.
+    floor_dtypes=f32
     core_limit=900
     tiles_len=256
     tiles_limit=900
@@ -229,6 +235,8 @@ if [ "$mode" = dry ]; then
 else
     # The shapes the targets are set at: the small one cost a third of each step.
     shapes=base,long
+    # The tiny shape: what a call costs where there is next to nothing to compute.
+    torch_shapes=tiny,base,long
     overhead_shapes=base,long
     runs=7
     long=16384
@@ -236,6 +244,8 @@ else
     # over 2 s for each first call), before the long core had steps of its own.
     limit=170
     overhead_limit=90
+    floor_limit=90
+    floor_dtypes=f16,f32
     # The core at 16,384 positions took 185 ms a run in f32 through WGSL.
     core_limit=45
     tiles_len=4096
@@ -297,7 +307,7 @@ elif [ "$mode" = trainer ]; then
     step pytorch-trainer "$limit" python3 scripts/bench_pytorch.py --trainer --device cuda \
         --train-steps "$train_steps" --json "$out/pytorch-trainer.json"
 else
-    step pytorch "$limit" python3 scripts/bench_pytorch.py --device cuda --shapes "$shapes" \
+    step pytorch "$limit" python3 scripts/bench_pytorch.py --device cuda --shapes "$torch_shapes" \
         --runs "$runs" --dtype f32,f16,bf16 --long-core "$long" --json "$out/pytorch.json"
 fi
 
@@ -351,6 +361,18 @@ long_core() {
 overhead() {
     step "overhead-$1" "$overhead_limit" "$out/bench-$1" --backend wgpu \
         --shapes "$overhead_shapes" --runs 1 --dtype "$2" --no-train --overhead
+}
+
+# `floor BUILD DTYPES`: what a call costs where there is next to nothing to compute
+# (`--floor`: a sync alone, one addition, mha's core, mha's module and Burn's at the tiny
+# shape, synced after each call and queued), and the tiny shape's rows of the table.
+floor() {
+    if ! "$out/bench-$1" --help 2>/dev/null | grep -q -- --floor; then
+        skip "floor-$1" "the packed $1 build predates --floor (pack again)"
+        return
+    fi
+    step "floor-$1" "$floor_limit" "$out/bench-$1" --backend wgpu --shapes tiny --runs "$runs" \
+        --dtype "$2" --no-train --floor --json "$out/mha-$1-floor.json"
 }
 
 # `sweep BUILD DTYPE TILES...`: the causal core at $tiles_len positions, forward+backward,
@@ -411,6 +433,7 @@ table() {
     if [ "$wgsl" -eq 1 ]; then
         timed wgsl f16 mha-wgsl-f16 --variants
         timed wgsl f32 mha-wgsl-f32 --variants
+        floor wgsl "$floor_dtypes"
     fi
     if [ "$spirv" -eq 1 ]; then
         timed spirv f16 mha-spirv-f16
@@ -425,6 +448,7 @@ table() {
     if [ "$spirv" -eq 1 ]; then
         MHA_GPU_TILE_PRODUCT=portable timed spirv f16 mha-spirv_portable-f16 --no-builtin
         overhead spirv f16
+        floor spirv f16
         timed spirv f32 mha-spirv-f32
     fi
 }

@@ -33,9 +33,12 @@
 //! full causal attention at long lengths, time and peak memory (see `decode.rs`);
 //! `--prune` adds attention pruned to fewer heads against the full module (`prune.rs`);
 //! `--llama` a Llama-family language model through `mha::hf`, a forward and a decoding
-//! step (`llama.rs`; `scripts/bench_hf.py` runs it beside transformers).
+//! step (`llama.rs`; `scripts/bench_hf.py` runs it beside transformers); `--floor` what
+//! a call costs where there is next to nothing to compute, synced after each call and
+//! queued (`floor.rs`).
 
 mod decode;
+mod floor;
 mod llama;
 #[cfg(feature = "wgpu")]
 mod overhead;
@@ -132,6 +135,12 @@ struct Cli {
     #[cfg(feature = "wgpu")]
     #[arg(long)]
     overhead: bool,
+    /// Also time what a call costs where there is next to nothing to compute, in each
+    /// dtype: a sync alone, one addition, mha's core, mha's module and Burn's at the tiny
+    /// shape, forward and forward+backward, each synced after every call (as the tables
+    /// time them) and 64 queued before one sync.
+    #[arg(long)]
+    floor: bool,
     /// With `--long-core`, also print where one of its calls spends the device's time,
     /// kernel by kernel (GPU backends).
     #[cfg(feature = "wgpu")]
@@ -420,6 +429,13 @@ pub trait Outcome {
     /// Reads the result back: an error if the device did not complete the call, or if a
     /// value is not finite.
     fn check(self) -> anyhow::Result<()>;
+}
+
+/// Nothing to read back (a sync alone, `--floor`).
+impl Outcome for () {
+    fn check(self) -> anyhow::Result<()> {
+        Ok(())
+    }
 }
 
 impl<const D: usize> Outcome for Tensor<D> {
@@ -1124,6 +1140,15 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
                     );
                     overhead::print_overhead(&device, shape, dtype)?;
                 }
+            }
+        }
+        if cli.floor {
+            for &dtype in &computed {
+                eprintln!(
+                    "{backend}: the floor of a call in {} ...",
+                    dtype_name(dtype)
+                );
+                floor::print_floor(cli.runs, &device, dtype)?;
             }
         }
         if cli.decode {
