@@ -44,4 +44,18 @@ impl Dims {
     pub(crate) fn group(&self) -> usize {
         self.heads / self.kv_heads.max(1)
     }
+
+    /// The multiply-adds of the forward pass with every key visible, `B·H·Tq·Tk·(Dk +
+    /// Dv)` (saturating): what decides whether a call is worth splitting over threads.
+    pub(crate) fn multiply_adds(&self) -> usize {
+        [
+            self.batch,
+            self.heads,
+            self.queries,
+            self.keys,
+            self.d_k + self.d_v,
+        ]
+        .into_iter()
+        .fold(1usize, usize::saturating_mul)
+    }
 }

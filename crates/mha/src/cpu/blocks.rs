@@ -22,7 +22,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// `scope` does. A panic in `f` reaches the caller once every block that started has
 /// ended.
 pub(crate) fn for_each_block(blocks: usize, f: impl Fn(usize) + Sync) {
-    let threads = rayon::current_num_threads().min(blocks);
+    for_each_block_on(rayon::current_num_threads(), blocks, f)
+}
+
+/// [`for_each_block`] on at most `threads` threads (one: every block on the calling
+/// thread, in order).
+pub(crate) fn for_each_block_on(threads: usize, blocks: usize, f: impl Fn(usize) + Sync) {
+    let threads = rayon::current_num_threads().min(threads).min(blocks);
     if threads <= 1 {
         (0..blocks).for_each(f);
         return;
@@ -73,11 +79,34 @@ pub(crate) fn for_each_block(blocks: usize, f: impl Fn(usize) + Sync) {
 /// Spins between two yields of the waiting thread's core (tens of microseconds).
 const YIELD_EVERY: u32 = 1 << 14;
 
+/// Multiply-adds below which an operation runs on the calling thread: handing work to
+/// the pool costs a wake-up on each side, tens of microseconds, more than such work takes
+/// on one core (flex's threshold for its matrix product, 192³).
+pub(crate) const SERIAL_BELOW: usize = 192 * 192 * 192;
+
+/// The threads an operation of `work` multiply-adds is split over: the pool's, or one
+/// below [`SERIAL_BELOW`].
+pub(crate) fn threads_for(work: usize) -> usize {
+    match work < SERIAL_BELOW {
+        true => 1,
+        false => rayon::current_num_threads(),
+    }
+}
+
 /// `f(i)` for every `i < blocks`, run as [`for_each_block`] runs them, the results in
 /// the order of the blocks.
 pub(crate) fn map_blocks<R: Send + Sync>(blocks: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    map_blocks_on(usize::MAX, blocks, f)
+}
+
+/// [`map_blocks`] on at most `threads` threads.
+pub(crate) fn map_blocks_on<R: Send + Sync>(
+    threads: usize,
+    blocks: usize,
+    f: impl Fn(usize) -> R + Sync,
+) -> Vec<R> {
     let slots: Vec<OnceLock<R>> = (0..blocks).map(|_| OnceLock::new()).collect();
-    for_each_block(blocks, |b| {
+    for_each_block_on(threads, blocks, |b| {
         let _ = slots[b].set(f(b));
     });
     slots

@@ -21,7 +21,7 @@ use super::{
     Band, Dims, Extra, Gradients, Grid, KT, Positional, QT, Tile, TileRows, mask_tile, soft_cap,
 };
 use crate::cpu::Out;
-use crate::cpu::blocks::map_blocks;
+use crate::cpu::blocks::{map_blocks_on, threads_for};
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::cpu::math::dot_product;
 use crate::mask::Visibility;
@@ -36,7 +36,7 @@ pub(super) fn backward(
     extra: Extra,
     wanted: [Option<[usize; 4]>; 2],
 ) -> Gradients {
-    let threads = rayon::current_num_threads();
+    let threads = threads_for(dims.multiply_adds().saturating_mul(2));
     backward_on(Isa::best(), threads, dims, inputs, lse, extra, wanted)
 }
 
@@ -88,7 +88,7 @@ pub(super) fn backward_on(
     // range is every key, writes their dQ in place and returns nothing).
     let columns = table_grad.map_or(0, |[_, _, _, c]| c);
     let partials: Vec<(Vec<f32>, Option<BiasPart>, Vec<f64>)> =
-        map_blocks(batch * kv_heads * split, |task| {
+        map_blocks_on(threads, batch * kv_heads * split, |task| {
             let (bkv, range) = (task / split, ranges[task % split].clone());
             let (b, kvh) = (bkv / kv_heads, bkv % kv_heads);
             let mut kv = KeyGrads {

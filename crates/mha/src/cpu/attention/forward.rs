@@ -4,7 +4,7 @@
 
 use super::{Band, Dims, Extra, Grid, KT, QT, Tile, TileRows, mask_tile, soft_cap};
 use crate::cpu::Out;
-use crate::cpu::blocks::for_each_block;
+use crate::cpu::blocks::{for_each_block_on, threads_for};
 use crate::cpu::isa::{Arch, Isa, Kernel};
 use crate::mask::{DEAD_LSE, DEAD_ROW};
 
@@ -46,9 +46,11 @@ pub(super) fn forward_on(
     let out = Out::new(output.as_mut_ptr());
     let lse_out = Out::new(lse.as_mut_ptr());
     let tasks = batch * heads * tiles;
-    // A few blocks of tasks per thread, each with its buffers.
-    let blocks = tasks.min(4 * rayon::current_num_threads());
-    for_each_block(blocks, |block| {
+    // A few blocks of tasks per thread, each with its buffers; one, on this thread, for
+    // little work.
+    let threads = threads_for(dims.multiply_adds());
+    let blocks = tasks.min(4 * threads);
+    for_each_block_on(threads, blocks, |block| {
         let scratch = &mut Scratch::new(dims);
         for task in tasks * block / blocks..tasks * (block + 1) / blocks {
             // The last tiles of a causal head see the most keys: they go first (in the
