@@ -102,6 +102,25 @@ def training(out):
     return lines
 
 
+def log_tables(out, step, title, header):
+    """The tables of the benchmark's OUT/STEP-BUILD.log (`--floor`, `--overhead`), a section
+    for each build named by `title`, each table's heading (`## STEP ...`) one level down,
+    each table (a line starting with `header`) apart from the one before it."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(out, f"{step}-*.log"))):
+        build = os.path.basename(path)[len(step) + 1:-len(".log")]
+        lines.append("\n## " + title.format(build))
+        with open(path) as f:
+            for line in f:
+                if line.startswith(f"## {step}"):
+                    lines.append("\n#" + line.rstrip("\n"))
+                elif line.startswith(header):
+                    lines.extend(["", line.rstrip("\n")])
+                elif line.startswith("|"):
+                    lines.append(line.rstrip("\n"))
+    return lines
+
+
 def main(out):
     # (shape, pass, dtype) -> {column: ms or "failed"}
     rows = {}
@@ -180,29 +199,8 @@ def main(out):
         for who, positions, dtype, ms, peak in long_rows:
             peak = "—" if peak is None else f"{peak:.0f}"
             lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {peak} |")
-    for path in sorted(glob.glob(os.path.join(out, "floor-*.log"))):
-        build = os.path.basename(path)[len("floor-"):-len(".log")]
-        lines.append(f"\n## The floor of a call ({build}): next to nothing to compute")
-        with open(path) as f:
-            for line in f:
-                if line.startswith("## floor"):
-                    lines.append("\n#" + line.rstrip("\n"))
-                elif line.startswith("| call |"):
-                    lines.extend(["", line.rstrip("\n")])
-                elif line.startswith("|"):
-                    lines.append(line.rstrip("\n"))
-    for path in sorted(glob.glob(os.path.join(out, "overhead-*.log"))):
-        build = os.path.basename(path)[len("overhead-"):-len(".log")]
-        lines.append(f"\n## Around the kernels ({build}): one call of each module")
-        with open(path) as f:
-            for line in f:
-                if line.startswith("## overhead"):
-                    lines.append("\n#" + line.rstrip("\n"))
-                elif line.startswith("| module |"):
-                    # Each table apart from the one before it.
-                    lines.extend(["", line.rstrip("\n")])
-                elif line.startswith("|"):
-                    lines.append(line.rstrip("\n"))
+    lines.extend(log_tables(out, "floor", "The floor of a call ({}): next to nothing to compute", "| call |"))
+    lines.extend(log_tables(out, "overhead", "Around the kernels ({}): one call of each module", "| module |"))
     def tiles_key(path):
         build, dtype, *first = os.path.basename(path)[len("tiles-"):-len(".log")].split("-")
         return (build, dtype, [int(x) if x.isdigit() else 0 for x in first])
