@@ -79,15 +79,20 @@ pub(crate) fn for_each_block_on(threads: usize, blocks: usize, f: impl Fn(usize)
 /// Spins between two yields of the waiting thread's core (tens of microseconds).
 const YIELD_EVERY: u32 = 1 << 14;
 
-/// Multiply-adds below which an operation runs on the calling thread: handing work to
-/// the pool costs a wake-up on each side, tens of microseconds, more than such work takes
-/// on one core (flex's threshold for its matrix product, 192³).
+/// Multiply-adds below which an operation called from outside the pool runs on the
+/// calling thread: handing work to the pool costs a wake-up on each side, tens of
+/// microseconds, more than such work takes on one core (flex's threshold for its matrix
+/// product, 192³).
 pub(crate) const SERIAL_BELOW: usize = 192 * 192 * 192;
 
-/// The threads an operation of `work` multiply-adds is split over: the pool's, or one
-/// below [`SERIAL_BELOW`].
+/// The threads an operation of `work` multiply-adds is split over: one where it is
+/// called from outside the pool with under [`SERIAL_BELOW`], else the pool's. On a
+/// worker (inside [`on_cpu_workers`](crate::on_cpu_workers), where the other workers
+/// spin for work) a split costs little, and the trainer's small attention calls gain
+/// from it.
 pub(crate) fn threads_for(work: usize) -> usize {
-    match work < SERIAL_BELOW {
+    let outside = rayon::current_thread_index().is_none();
+    match outside && work < SERIAL_BELOW {
         true => 1,
         false => rayon::current_num_threads(),
     }
