@@ -47,6 +47,7 @@ impl Dims {
 
     /// The multiply-adds of the forward pass with every key visible, `B·H·Tq·Tk·(Dk +
     /// Dv)` (saturating): what decides whether a call is worth splitting over threads.
+    #[cfg(feature = "cpu-kernels")]
     pub(crate) fn multiply_adds(&self) -> usize {
         [
             self.batch,
