@@ -25,14 +25,10 @@ use std::ops::Range;
 
 use burn::backend::tensor::FloatTensor;
 
-use super::blocks::{Chunks, for_each_block};
+use super::blocks::{Chunks, SERIAL_BELOW, for_each_block};
 use super::isa::{Arch, Isa, Kernel};
 use super::rows::gelu::gelu_in_place;
 use super::{CpuTensors, Grid, Out, dims_of, written};
-
-/// The product `m x n x k` from which the rows are split over the threads (flex's
-/// threshold for its matmul).
-const PARALLEL: usize = 192 * 192 * 192;
 
 /// Rows of a block at least: fewer rows are one block.
 const BLOCK_ROWS: usize = 64;
@@ -170,7 +166,7 @@ fn large(sizes: [usize; 3]) -> bool {
     sizes
         .iter()
         .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .is_none_or(|n| n >= PARALLEL)
+        .is_none_or(|n| n >= SERIAL_BELOW)
 }
 
 /// `x W + b` for `x` `[1, 1, rows, d_in]`, `weight` `[1, 1, d_in, d_out]` and `bias`
