@@ -13,17 +13,25 @@ forward alone (a suspect measurement), then the long core, then the floor of a c
 to nothing to compute), then what one call of each module costs around its kernels
 (kernel by kernel), then the core with each tile first
 (OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
-JSON too), then the trainer's steps and runs (`--trainer`: OUT/trainer-BACKEND.json,
+JSON too), then the tiles the table's steps asked for where they asked (OUT/tiles.tsv),
+then the trainer's steps and runs (`--trainer`: OUT/trainer-BACKEND.json,
 OUT/pytorch-trainer.json, OUT/train-BUILD/summary.json), then the measurements that
 failed and why, then each step's status. Standard library only: it runs on the GPU
 machine beside PyTorch.
 
     python3 scripts/gpu_table.py OUT
+
+With `--best-tiles OUT BUILD`, instead prints the MHA_GPU_TILES setting that gives each
+kernel of BUILD, in each dtype, the tiles it ran fastest with in the `--tiles` sweep under
+OUT (its own device time), and on the standard error what each choice beat:
+
+    python3 scripts/gpu_table.py --best-tiles OUT BUILD
 """
 
 import glob
 import json
 import os
+import re
 import sys
 
 
@@ -118,6 +126,74 @@ def log_tables(out, step, title, header):
                     lines.extend(["", line.rstrip("\n")])
                 elif line.startswith("|"):
                     lines.append(line.rstrip("\n"))
+    return lines
+
+
+# The kernels whose tiles `--tiles` sweeps: the name the device's timestamps give each
+# (its `#[cube]` function's), and the name MHA_GPU_TILES and the "tiles taken" line give.
+SWEPT_KERNELS = [("ForwardKernel", "forward", "forward"), ("DqKernel", "dq", "dQ"), ("DkvKernel", "dkv", "dK/dV")]
+
+
+def sweep_steps(out, build):
+    """Each `--tiles` step of BUILD under OUT as (dtype, tiles first, log path), in order."""
+    steps = []
+    for path in glob.glob(os.path.join(out, f"tiles-{build}-*.log")):
+        dtype, *first = os.path.basename(path)[len(f"tiles-{build}-"):-len(".log")].split("-")
+        steps.append((dtype, ",".join(first), path))
+    return sorted(steps)
+
+
+def swept(path):
+    """What one `--tiles` step's log says: {kernel: (tiles taken, device ms)} for each kernel
+    the step both names the tiles of and timed (its "tiles taken" line, then the core's
+    kernel-by-kernel row)."""
+    taken, times = {}, {}
+    with open(path) as f:
+        for line in f:
+            if "tiles taken" in line and not taken:
+                for _, key, said in SWEPT_KERNELS:
+                    m = re.search(re.escape(said) + r" (\d+,\d+,\d+)", line.rsplit(" inputs: ", 1)[-1])
+                    if m:
+                        taken[key] = m.group(1)
+            elif line.startswith("| core |"):
+                for entry in line.rstrip("\n").rstrip(" |").split(" | ")[-1].split("; "):
+                    m = re.match(r"`(\w+)[^`]*` \((\d+)\): ([\d.]+)", entry.strip())
+                    for name, key, _ in SWEPT_KERNELS:
+                        if m and m.group(1) == name:
+                            times[key] = times.get(key, 0.0) + float(m.group(3))
+    return {k: (taken[k], times[k]) for k in taken if k in times}
+
+
+def best_tiles(out, build):
+    """The MHA_GPU_TILES setting that gives each kernel of BUILD, in each dtype `--tiles`
+    swept it in, the tiles it took in the step where its own device time was least
+    (`KERNEL@DTYPE=U,Q,K`, `;` between them), and a line for each choice saying what it
+    beat; ("", []) where no step of BUILD timed a kernel."""
+    best = {}
+    for dtype, first, path in sweep_steps(out, build):
+        for kernel, (tiles, ms) in swept(path).items():
+            best.setdefault((kernel, dtype), []).append((ms, tiles, first))
+    setting, why = [], []
+    order = [key for _, key, _ in SWEPT_KERNELS]
+    for (kernel, dtype), seen in sorted(best.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
+        seen.sort()
+        ms, tiles, _ = seen[0]
+        setting.append(f"{kernel}@{dtype}={tiles}")
+        others = ", ".join(f"{t} {m:.2f}" for m, t, _ in seen[1:])
+        why.append(f"{build} {dtype} {kernel}: {tiles} at {ms:.2f} ms" + (f" (then {others})" if others else ""))
+    return ";".join(setting), why
+
+
+def asked_tiles(out):
+    """The tiles each step asked for (OUT/tiles.tsv, `gpu_table.sh` with
+    MHA_GPU_TABLE_TILES or in its dry run: build, setting, and why each was chosen)."""
+    path = os.path.join(out, "tiles.tsv")
+    if not os.path.exists(path):
+        return []
+    lines = ["\n## Tiles asked for (MHA_GPU_TILES, from a `--tiles` sweep: each kernel's fastest)\n"]
+    with open(path) as f:
+        for line in f:
+            lines.append("- " + line.rstrip("\n").replace("\t", ": ", 1).replace("\t", "; "))
     return lines
 
 
@@ -227,6 +303,7 @@ def main(out):
             for r in records or [{}]:
                 ms = cell(ms_of(r)) if "median_ms" in r else "—"
                 lines.append(f"| {build} | {dtype} | {first} | {taken} | {r.get('context', '—')} | {ms} | {kernels} |")
+    lines.extend(asked_tiles(out))
     lines.extend(training(out))
     if failures:
         lines.append("\n## Measurements that failed (the device did not complete the call, or its result was not finite)\n")
@@ -250,6 +327,11 @@ def main(out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) == 4 and sys.argv[1] == "--best-tiles":
+        setting, why = best_tiles(sys.argv[2], sys.argv[3])
+        print(setting)
+        print("\n".join(why), file=sys.stderr)
+    elif len(sys.argv) == 2:
+        print(main(sys.argv[1]), end="")
+    else:
         sys.exit(__doc__)
-    print(main(sys.argv[1]), end="")

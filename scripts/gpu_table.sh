@@ -34,7 +34,10 @@
 #        scripts/gpu_table.sh --tiles PACK OUT
 #    instead times the causal core at 4096 positions with each of the kernels' tiles that
 #    fit first in their order of preference (MHA_GPU_TILES), kernel by kernel: SPIR-V in
-#    f16 (cooperative matrices), WGSL in f32 and f16; the same budget.
+#    f16 (cooperative matrices), WGSL in f32 and f16; the same budget. Then
+#        MHA_GPU_TABLE_TILES=OUT scripts/gpu_table.sh --run PACK OUT2
+#    runs the table with each kernel on the tiles it ran fastest with there, in each build
+#    and dtype (`gpu_table.py --best-tiles`; OUT2/tiles.tsv says which, and what each beat).
 #        scripts/gpu_table.sh --trainer PACK OUT
 #    instead times the trainer: PyTorch's training steps on CUDA (`bench_pytorch.py
 #    --trainer`), the trainer's steps on wgpu (WGSL) at its default and reference sizes,
@@ -46,8 +49,9 @@
 #        scripts/gpu_table.sh --dry-run OUT
 #    packs the debug build CI made (`cargo build --features ndarray,wgpu --bins`, and the
 #    unit tests of `cargo test --features ndarray,wgpu --lib`), then
-#    runs step 2 on it at a tiny shape with one run (and one step of `--tiles`, at 256
-#    positions, and `--trainer`'s steps, 2 of each, with a whole run of a tiny model):
+#    runs step 2 on it at a tiny shape with one run, its steps on the tiles chosen from two
+#    steps of `--tiles` at 256 positions run first (as MHA_GPU_TABLE_TILES chooses), then
+#    `--trainer`'s steps, 2 of each, with a whole run of a tiny model:
 #    the script is known to work before it meets a GPU. It fails if a step that could
 #    run failed (a benchmark with a measurement that failed exits with an error).
 set -euo pipefail
@@ -149,6 +153,16 @@ esac
 
 started=$SECONDS
 budget="${MHA_GPU_TABLE_BUDGET:-540}"
+# A `--tiles` run's OUT whose choice of tiles the table's steps take (`tuned`): each
+# kernel's fastest there, in each build and dtype it swept.
+tiles_from=
+if [ "$mode" = run ] && [ -n "${MHA_GPU_TABLE_TILES:-}" ]; then
+    tiles_from="$MHA_GPU_TABLE_TILES"
+    if ! ls "$tiles_from"/tiles-*.log > /dev/null 2>&1; then
+        echo "error: MHA_GPU_TABLE_TILES=$tiles_from holds no --tiles step's log" >&2
+        exit 2
+    fi
+fi
 mkdir -p "$out"
 : > "$out/steps.tsv"
 export CUBECL_AUTOTUNE_LEVEL=minimal
@@ -210,6 +224,35 @@ step() {
 skip() {
     echo "== $1: not run: $2" >&2
     printf '%s\tnot run: %s\t0\n' "$1" "$2" >> "$out/steps.tsv"
+}
+
+# `tuned BUILD CMD...`: CMD with MHA_GPU_TILES giving each kernel of BUILD, in each dtype,
+# the tiles it ran fastest with in the sweep under $tiles_from (`--tiles`: each kernel's own
+# device time; `gpu_table.py --best-tiles`), recorded once a build in OUT/tiles.tsv; CMD as
+# it is where there is no sweep or it timed none of BUILD's kernels. The SPIR-V build's
+# steps on the portable product take WGSL's choice: the same kernels on the same product
+# (the SPIR-V sweep is of the cooperative one).
+tuned() {
+    local build="$1" setting why
+    shift
+    if [ -z "$tiles_from" ]; then
+        "$@"
+        return
+    fi
+    if [ "${MHA_GPU_TILE_PRODUCT:-}" = portable ]; then build=wgsl; fi
+    why=$(mktemp)
+    setting=$(python3 scripts/gpu_table.py --best-tiles "$tiles_from" "$build" 2> "$why") || setting=
+    if [ -z "$setting" ]; then
+        rm -f "$why"
+        "$@"
+        return
+    fi
+    if ! cut -f1 "$out/tiles.tsv" 2> /dev/null | grep -qx "$build"; then
+        printf '%s\t%s\t%s\n' "$build" "$setting" "$(paste -sd';' "$why" | sed 's/;/; /g')" \
+            >> "$out/tiles.tsv"
+    fi
+    rm -f "$why"
+    MHA_GPU_TILES="$setting" "$@"
 }
 
 if [ "$mode" = dry ]; then
@@ -342,8 +385,8 @@ unpack() {
 timed() {
     local build="$1" dtype="$2" name="$3"
     shift 3
-    step "$name" "$limit" "$out/bench-$build" --backend wgpu --shapes "$shapes" --runs "$runs" \
-        --dtype "$dtype" --no-train --json "$out/$name.json" "$@"
+    tuned "$build" step "$name" "$limit" "$out/bench-$build" --backend wgpu --shapes "$shapes" \
+        --runs "$runs" --dtype "$dtype" --no-train --json "$out/$name.json" "$@"
 }
 
 # `long_core BUILD DTYPE NAME`: the causal core alone at $long positions, forward+backward,
@@ -351,15 +394,15 @@ timed() {
 # after Burn's module at the long shape it showed 1807 MiB where the core's own was 140).
 long_core() {
     local build="$1" dtype="$2" name="$3"
-    step "$name" "$core_limit" "$out/bench-$build" --backend wgpu --shapes none --runs 3 \
-        --dtype "$dtype" --no-train --long-core "$long" --json "$out/$name.json"
+    tuned "$build" step "$name" "$core_limit" "$out/bench-$build" --backend wgpu --shapes none \
+        --runs 3 --dtype "$dtype" --no-train --long-core "$long" --json "$out/$name.json"
 }
 
 # `overhead BUILD DTYPES`: where one call of mha's module and of Burn's spends the device's
 # time, kernel by kernel, with launches, buffers and the host's time to issue it
 # (`--overhead`), at the base and long shapes.
 overhead() {
-    step "overhead-$1" "$overhead_limit" "$out/bench-$1" --backend wgpu \
+    tuned "$1" step "overhead-$1" "$overhead_limit" "$out/bench-$1" --backend wgpu \
         --shapes "$overhead_shapes" --runs 1 --dtype "$2" --no-train --overhead
 }
 
@@ -371,8 +414,8 @@ floor() {
         skip "floor-$1" "the packed $1 build predates --floor (pack again)"
         return
     fi
-    step "floor-$1" "$floor_limit" "$out/bench-$1" --backend wgpu --shapes tiny --runs "$runs" \
-        --dtype "$2" --no-train --floor --json "$out/mha-$1-floor.json"
+    tuned "$1" step "floor-$1" "$floor_limit" "$out/bench-$1" --backend wgpu --shapes tiny \
+        --runs "$runs" --dtype "$2" --no-train --floor --json "$out/mha-$1-floor.json"
 }
 
 # `sweep BUILD DTYPE TILES...`: the causal core at $tiles_len positions, forward+backward,
@@ -481,7 +524,9 @@ case "$mode" in
     dry)
         # The sweep's plumbing once, the table, then the trainer's steps (2 of each) and
         # a whole run of a tiny model.
-        if [ "$wgsl" -eq 1 ]; then sweep wgsl f32 128,64,64; fi
+        if [ "$wgsl" -eq 1 ]; then sweep wgsl f32 128,64,64 32,16,32; fi
+        # The table's steps with the sweep's choice, as MHA_GPU_TABLE_TILES gives it.
+        tiles_from="$out"
         table
         trainer
         ;;

@@ -271,19 +271,15 @@ pub(crate) fn tiles(
     frag: Fragment,
 ) -> (ForwardTiles, DqTiles, DkvTiles) {
     let asked = tiles_asked();
-    let mut forward: ForwardTiles = choose(dims, size, shared, frag, asked);
-    let mut dq: DqTiles = choose(dims, size, shared, frag, asked);
-    let mut dkv: DkvTiles = choose(dims, size, shared, frag, asked);
+    let first = |kernel| asked.and_then(|(_, a)| a.first(kernel, size));
+    let mut forward: ForwardTiles = choose(dims, size, shared, frag, first(Kernel::Forward));
+    let mut dq: DqTiles = choose(dims, size, shared, frag, first(Kernel::Dq));
+    let mut dkv: DkvTiles = choose(dims, size, shared, frag, first(Kernel::Dkv));
     forward.softcap = softcap;
     dq.softcap = softcap;
     dkv.softcap = softcap;
-    if let Some(asked) = asked {
-        say_taken(
-            dims,
-            size,
-            asked,
-            [forward.taken(), dq.taken(), dkv.taken()],
-        );
+    if let Some((raw, _)) = asked {
+        say_taken(dims, size, raw, [forward.taken(), dq.taken(), dkv.taken()]);
     }
     (forward, dq, dkv)
 }
@@ -300,9 +296,9 @@ trait KernelTiles: Sized {
 /// A kernel's tiles as [`say_taken`] reports them: units, queries, keys, cooperative.
 type Taken = (usize, usize, usize, bool);
 
-/// Writes the tiles each kernel took to the standard error, where [`TILES_VAR`] asked for
-/// `asked`: once for each call's head dims, element size and tiles.
-fn say_taken(dims: &Dims, size: usize, asked: (usize, usize, usize), taken: [Taken; 3]) {
+/// Writes the tiles each kernel took to the standard error, where [`TILES_VAR`] is set
+/// (to `asked`): once for each call's head dims, element size and tiles.
+fn say_taken(dims: &Dims, size: usize, asked: &str, taken: [Taken; 3]) {
     type Key = (usize, usize, usize, [Taken; 3]);
     static SAID: std::sync::Mutex<Vec<Key>> = std::sync::Mutex::new(Vec::new());
     let key = (dims.d_k, dims.d_v, size, taken);
@@ -316,9 +312,9 @@ fn say_taken(dims: &Dims, size: usize, asked: (usize, usize, usize), taken: [Tak
         false => format!("{u},{bq},{bk} portable"),
     });
     eprintln!(
-        "{TILES_VAR}={},{},{}: tiles taken (units, queries, keys) at head dims {}/{} in \
+        "{TILES_VAR}={asked}: tiles taken (units, queries, keys) at head dims {}/{} in \
          {size}-byte inputs: forward {f}, dQ {q}, dK/dV {kv}",
-        asked.0, asked.1, asked.2, dims.d_k, dims.d_v
+        dims.d_k, dims.d_v
     );
 }
 
@@ -343,8 +339,8 @@ macro_rules! kernel_tiles {
 kernel_tiles!(ForwardTiles, DqTiles, DkvTiles);
 
 /// One kernel's tiles as [`tiles`] says, with `asked` (one of [`CANDIDATES`]) first where
-/// [`TILES_VAR`] asks for it (a test's forced tiles before all, in fragments where they
-/// are whole ones).
+/// [`TILES_VAR`] asks for it for this kernel (a test's forced tiles before all, in
+/// fragments where they are whole ones).
 fn choose<T: KernelTiles + Copy>(
     dims: &Dims,
     size: usize,
@@ -376,48 +372,133 @@ fn choose<T: KernelTiles + Copy>(
     })
 }
 
-/// The environment variable that puts one of [`CANDIDATES`] first in every kernel's
-/// order of preference, as `units,queries,keys` (`128,64,32`): to measure tiles against
-/// each other on a device (`scripts/gpu_table.sh --tiles`). A kernel whose products or
-/// shared memory the tiles do not fit takes the next candidate that fits, as without
-/// it. Unset or `auto`: the order of [`CANDIDATES`].
+/// The environment variable that puts one of [`CANDIDATES`] first in the kernels' order
+/// of preference: to measure tiles against each other on a device
+/// (`scripts/gpu_table.sh --tiles`), and to run on the tiles such a measurement found
+/// fastest for each kernel. `units,queries,keys` (`128,64,32`) for every kernel, or
+/// entries `KERNEL@DTYPE=units,queries,keys` separated by `;`
+/// (`forward@f16=128,64,64;dkv=64,32,32`): `KERNEL` `forward`, `dq` or `dkv` (or `all`),
+/// `DTYPE` `f32`, or `f16` for any 2-byte float (bf16 too); either may be left out with
+/// its `@` or `=`, and the most specific entry that applies wins (kernel and dtype, then
+/// kernel, then dtype), the later of two alike. A kernel whose products or shared memory
+/// the tiles do not fit takes the next candidate that fits, as without it. Unset or
+/// `auto`: the order of [`CANDIDATES`].
 pub(crate) const TILES_VAR: &str = "MHA_GPU_TILES";
 
-/// The candidate [`TILES_VAR`] puts first, if any.
-///
-/// # Panics
-/// On a value that is not `auto` or one of [`CANDIDATES`], naming it and them.
-fn tiles_asked() -> Option<(usize, usize, usize)> {
-    static FIRST: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
-    *FIRST.get_or_init(|| match std::env::var(TILES_VAR) {
-        Err(std::env::VarError::NotPresent) => None,
-        Err(std::env::VarError::NotUnicode(v)) => panic!("{TILES_VAR}={v:?}: not UTF-8"),
-        Ok(v) => parse_tiles(&v).unwrap_or_else(|| {
-            panic!(
-                "{TILES_VAR}={v:?}: want `auto` or one of {} (units, queries, keys)",
-                CANDIDATES
-                    .map(|(u, q, k)| format!("`{u},{q},{k}`"))
-                    .join(", ")
-            )
-        }),
-    })
+/// Tiles as (units, queries, keys per tile): one of [`CANDIDATES`].
+type Candidate = (usize, usize, usize);
+
+/// A kernel [`TILES_VAR`] may name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Forward,
+    Dq,
+    Dkv,
 }
 
-/// `auto` (or nothing) as `Some(None)`, `units,queries,keys` as `Some(Some(..))` where it
-/// is one of [`CANDIDATES`], anything else as `None`.
-fn parse_tiles(v: &str) -> Option<Option<(usize, usize, usize)>> {
+impl Kernel {
+    const ALL: [Kernel; 3] = [Kernel::Forward, Kernel::Dq, Kernel::Dkv];
+
+    /// Its name in [`TILES_VAR`].
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Forward => "forward",
+            Kernel::Dq => "dq",
+            Kernel::Dkv => "dkv",
+        }
+    }
+}
+
+/// What [`TILES_VAR`] asks for: tiles, each for one kernel or all (`None`), on inputs of
+/// one width in bytes or all (`None`), in the order written.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Asked(Vec<(Option<Kernel>, Option<usize>, Candidate)>);
+
+impl Asked {
+    /// The tiles asked first for `kernel` on inputs of `size` bytes: the most specific
+    /// entry that applies (kernel and width, then kernel, then width), the later of two
+    /// alike.
+    fn first(&self, kernel: Kernel, size: usize) -> Option<Candidate> {
+        self.0
+            .iter()
+            .filter(|(k, s, _)| k.is_none_or(|k| k == kernel) && s.is_none_or(|s| s == size))
+            // `max_by_key` keeps the last of equals.
+            .max_by_key(|(k, s, _)| (k.is_some(), s.is_some()))
+            .map(|&(_, _, tiles)| tiles)
+    }
+}
+
+/// The value [`TILES_VAR`] holds and what it asks for, unless it is unset or `auto`.
+///
+/// # Panics
+/// On a value that is not `auto`, one of [`CANDIDATES`] or entries of them as
+/// [`TILES_VAR`] says, naming it and them.
+fn tiles_asked() -> Option<&'static (String, Asked)> {
+    static ASKED: std::sync::OnceLock<Option<(String, Asked)>> = std::sync::OnceLock::new();
+    ASKED
+        .get_or_init(|| match std::env::var(TILES_VAR) {
+            Err(std::env::VarError::NotPresent) => None,
+            Err(std::env::VarError::NotUnicode(v)) => panic!("{TILES_VAR}={v:?}: not UTF-8"),
+            Ok(v) => {
+                let asked = parse_tiles(&v).unwrap_or_else(|| {
+                    panic!(
+                        "{TILES_VAR}={v:?}: want `auto`, one of {} (units, queries, keys), \
+                         or entries `KERNEL@DTYPE=units,queries,keys` separated by `;` \
+                         (KERNEL `forward`, `dq`, `dkv` or `all`; DTYPE `f32` or `f16`, \
+                         which stands for bf16 too; either may be left out)",
+                        CANDIDATES
+                            .map(|(u, q, k)| format!("`{u},{q},{k}`"))
+                            .join(", ")
+                    )
+                });
+                (!asked.0.is_empty()).then_some((v, asked))
+            }
+        })
+        .as_ref()
+}
+
+/// What a value of [`TILES_VAR`] asks for (nothing for `auto` or nothing), or `None`
+/// where it is not one it takes.
+fn parse_tiles(v: &str) -> Option<Asked> {
     let v = v.trim();
     if v.is_empty() || v == "auto" {
-        return Some(None);
+        return Some(Asked::default());
     }
-    let parts: Vec<usize> = v
+    v.split(';')
+        .map(str::trim)
+        .filter(|entry| !entry.is_empty())
+        .map(parse_entry)
+        .collect::<Option<Vec<_>>>()
+        .map(Asked)
+}
+
+/// One entry of [`TILES_VAR`]: `[KERNEL][@DTYPE]=U,Q,K` or `U,Q,K`.
+fn parse_entry(entry: &str) -> Option<(Option<Kernel>, Option<usize>, Candidate)> {
+    let (scope, tiles) = entry.split_once('=').unwrap_or(("", entry));
+    let (kernel, dtype) = match scope.split_once('@') {
+        Some((kernel, dtype)) => (kernel.trim(), Some(dtype.trim())),
+        None => (scope.trim(), None),
+    };
+    let kernel = match kernel {
+        "" | "all" => None,
+        name => Some(*Kernel::ALL.iter().find(|k| k.name() == name)?),
+    };
+    let size = match dtype {
+        None => None,
+        Some("f32") => Some(4),
+        Some("f16" | "bf16") => Some(2),
+        Some(_) => return None,
+    };
+    let parts: Vec<usize> = tiles
         .split(',')
         .map(|p| p.trim().parse().ok())
         .collect::<Option<_>>()?;
     let &[u, q, k] = parts.as_slice() else {
         return None;
     };
-    CANDIDATES.contains(&(u, q, k)).then_some(Some((u, q, k)))
+    CANDIDATES
+        .contains(&(u, q, k))
+        .then_some((kernel, size, (u, q, k)))
 }
 
 /// [`CANDIDATES`] with `first` (one of them) moved to the front.
@@ -980,10 +1061,22 @@ mod tests {
 
     #[test]
     fn asked_tiles_are_one_of_the_candidates_and_go_first() {
-        assert_eq!(parse_tiles(""), Some(None));
-        assert_eq!(parse_tiles("auto"), Some(None));
-        assert_eq!(parse_tiles(" 64, 32,32 "), Some(Some((64, 32, 32))));
-        for wrong in ["64,32", "64,32,32,1", "64,32,x", "64,64,64", "-1,32,32"] {
+        let all = |tiles| Some(Asked(vec![(None, None, tiles)]));
+        assert_eq!(parse_tiles(""), Some(Asked::default()));
+        assert_eq!(parse_tiles("auto"), Some(Asked::default()));
+        assert_eq!(parse_tiles(" 64, 32,32 "), all((64, 32, 32)));
+        assert_eq!(parse_tiles("all=64,32,32;"), all((64, 32, 32)));
+        for wrong in [
+            "64,32",
+            "64,32,32,1",
+            "64,32,x",
+            "64,64,64",
+            "-1,32,32",
+            "fwd=64,32,32",
+            "forward@f64=64,32,32",
+            "forward@f16",
+            "forward=64,32,32;dq=64,64,64",
+        ] {
             assert_eq!(parse_tiles(wrong), None, "{wrong:?}");
         }
         assert_eq!(preference(None), CANDIDATES);
@@ -994,6 +1087,29 @@ mod tests {
             let rest: Vec<_> = CANDIDATES.iter().copied().filter(|&c| c != first).collect();
             assert_eq!(order[1..], rest[..], "candidate {at}");
         }
+    }
+
+    #[test]
+    fn asked_tiles_for_a_kernel_and_dtype_go_to_it_the_most_specific_first() {
+        // What `gpu_table.py --best-tiles` writes, and a default for the rest.
+        let asked = parse_tiles(
+            "32,16,32; forward@f16=128,64,64; dkv@f32=64,32,32; @f32=128,64,32; \
+             dq=32,32,16; dq@bf16=16,16,16; dq@f16=64,32,32",
+        )
+        .expect("taken");
+        let first = |kernel, size| asked.first(kernel, size);
+        assert_eq!(first(Kernel::Forward, 2), Some((128, 64, 64)));
+        assert_eq!(first(Kernel::Forward, 4), Some((128, 64, 32)));
+        assert_eq!(first(Kernel::Dkv, 4), Some((64, 32, 32)));
+        assert_eq!(first(Kernel::Dkv, 2), Some((32, 16, 32)));
+        assert_eq!(first(Kernel::Dq, 4), Some((32, 32, 16)));
+        // f16 and bf16 are one width: the later entry of the two.
+        assert_eq!(first(Kernel::Dq, 2), Some((64, 32, 32)));
+        assert_eq!(Asked::default().first(Kernel::Dq, 2), None);
+        // The dtype alone, without a kernel.
+        let asked = parse_tiles("@f16=64,32,32").expect("taken");
+        assert_eq!(asked.first(Kernel::Dkv, 2), Some((64, 32, 32)));
+        assert_eq!(asked.first(Kernel::Dkv, 4), None);
     }
 
     #[test]
