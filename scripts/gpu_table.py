@@ -135,10 +135,23 @@ SWEPT_KERNELS = [("ForwardKernel", "forward", "forward"), ("DqKernel", "dq", "dQ
 
 
 def sweep_steps(out, build):
-    """Each `--tiles` step of BUILD under OUT as (dtype, tiles first, log path), in order."""
+    """Each `--tiles` step of BUILD under OUT that ran whole as (dtype, tiles first, log
+    path), in order: not one that steps.tsv names as anything but ok (failed, timed out), nor
+    one whose JSON names a measurement that failed (a result not finite: tiles that gave
+    wrong numbers must not be chosen for their speed)."""
+    status = {}
+    if os.path.exists(os.path.join(out, "steps.tsv")):
+        with open(os.path.join(out, "steps.tsv")) as f:
+            for line in f:
+                name, state = (line.rstrip("\n").split("\t") + [""])[:2]
+                status[name] = state
     steps = []
     for path in glob.glob(os.path.join(out, f"tiles-{build}-*.log")):
-        dtype, *first = os.path.basename(path)[len(f"tiles-{build}-"):-len(".log")].split("-")
+        name = os.path.basename(path)[:-len(".log")]
+        records = load(os.path.join(out, name + ".json"))
+        if status.get(name, "ok") != "ok" or records is None or any(r.get("failed") for r in records):
+            continue
+        dtype, *first = name[len(f"tiles-{build}-"):].split("-")
         steps.append((dtype, ",".join(first), path))
     return sorted(steps)
 

@@ -230,29 +230,56 @@ skip() {
 # the tiles it ran fastest with in the sweep under $tiles_from (`--tiles`: each kernel's own
 # device time; `gpu_table.py --best-tiles`), recorded once a build in OUT/tiles.tsv; CMD as
 # it is where there is no sweep or it timed none of BUILD's kernels. The SPIR-V build's
-# steps on the portable product take WGSL's choice: the same kernels on the same product
-# (the SPIR-V sweep is of the cooperative one).
+# kernels on the portable product (all of them with MHA_GPU_TILE_PRODUCT=portable, and
+# in f32, which cooperative matrices do not take) take WGSL's choice: the same kernels on
+# the same product (the SPIR-V sweep is of the cooperative one, in f16).
 tuned() {
-    local build="$1" setting why
+    local build="$1" label=$1 setting why
     shift
     if [ -z "$tiles_from" ]; then
         "$@"
         return
     fi
-    if [ "${MHA_GPU_TILE_PRODUCT:-}" = portable ]; then build=wgsl; fi
     why=$(mktemp)
-    setting=$(python3 scripts/gpu_table.py --best-tiles "$tiles_from" "$build" 2> "$why") || setting=
-    if [ -z "$setting" ]; then
-        rm -f "$why"
-        "$@"
-        return
+    if [ "${MHA_GPU_TILE_PRODUCT:-}" = portable ]; then
+        label="$build (portable product)"
+        setting=$(best_tiles wgsl "" "$why")
+    elif [ "$build" = spirv ]; then
+        # WGSL's f32 entries, then SPIR-V's own.
+        setting=$(best_tiles wgsl f32 "$why")
+        setting=$(printf '%s;%s' "$setting" "$(best_tiles spirv "" "$why")" | sed 's/^;//; s/;$//')
+    else
+        setting=$(best_tiles "$build" "" "$why")
     fi
-    if ! cut -f1 "$out/tiles.tsv" 2> /dev/null | grep -qx "$build"; then
-        printf '%s\t%s\t%s\n' "$build" "$setting" "$(paste -sd';' "$why" | sed 's/;/; /g')" \
+    if [ -n "$setting" ] \
+        && ! awk -F'\t' -v l="$label" '$1 == l { found = 1 } END { exit !found }' \
+            "$out/tiles.tsv" 2> /dev/null; then
+        printf '%s\t%s\t%s\n' "$label" "$setting" "$(paste -sd';' "$why" | sed 's/;/; /g')" \
             >> "$out/tiles.tsv"
     fi
     rm -f "$why"
-    MHA_GPU_TILES="$setting" "$@"
+    if [ -z "$setting" ]; then
+        "$@"
+    else
+        MHA_GPU_TILES="$setting" "$@"
+    fi
+}
+
+# `best_tiles BUILD DTYPE WHY`: `gpu_table.py --best-tiles` of the sweep under $tiles_from
+# for BUILD, its entries for DTYPE only where DTYPE is not empty; what each choice beat
+# appended to the file WHY. Empty where the sweep timed none.
+best_tiles() {
+    local setting lines
+    lines=$(mktemp)
+    setting=$(python3 scripts/gpu_table.py --best-tiles "$tiles_from" "$1" 2> "$lines") || setting=
+    if [ -n "$2" ]; then
+        setting=$(tr ';' '\n' <<< "$setting" | { grep -F "@$2=" || true; } | paste -sd';')
+        { grep -F " $2 " "$lines" || true; } >> "$3"
+    else
+        cat "$lines" >> "$3"
+    fi
+    rm -f "$lines"
+    printf '%s' "$setting"
 }
 
 if [ "$mode" = dry ]; then

@@ -378,11 +378,12 @@ fn choose<T: KernelTiles + Copy>(
 /// fastest for each kernel. `units,queries,keys` (`128,64,32`) for every kernel, or
 /// entries `KERNEL@DTYPE=units,queries,keys` separated by `;`
 /// (`forward@f16=128,64,64;dkv=64,32,32`): `KERNEL` `forward`, `dq` or `dkv` (or `all`),
-/// `DTYPE` `f32`, or `f16` for any 2-byte float (bf16 too); either may be left out with
-/// its `@` or `=`, and the most specific entry that applies wins (kernel and dtype, then
-/// kernel, then dtype), the later of two alike. A kernel whose products or shared memory
-/// the tiles do not fit takes the next candidate that fits, as without it. Unset or
-/// `auto`: the order of [`CANDIDATES`].
+/// `DTYPE` `f32`, or `f16` for any 2-byte float (`bf16` says the same); the kernel may be
+/// left out (`@f16=...`), the dtype with its `@` (`dq=...`), both with the `=`, and the
+/// most specific entry that applies wins (kernel and dtype, then kernel, then dtype), the
+/// later of two alike. A kernel whose products or shared memory the tiles do not fit
+/// takes the next candidate that fits, as without it. Unset or `auto`: the order of
+/// [`CANDIDATES`].
 pub(crate) const TILES_VAR: &str = "MHA_GPU_TILES";
 
 /// Tiles as (units, queries, keys per tile): one of [`CANDIDATES`].
@@ -445,7 +446,8 @@ fn tiles_asked() -> Option<&'static (String, Asked)> {
                         "{TILES_VAR}={v:?}: want `auto`, one of {} (units, queries, keys), \
                          or entries `KERNEL@DTYPE=units,queries,keys` separated by `;` \
                          (KERNEL `forward`, `dq`, `dkv` or `all`; DTYPE `f32` or `f16`, \
-                         which stands for bf16 too; either may be left out)",
+                         which stands for bf16 too, as `bf16` does; either may be left \
+                         out)",
                         CANDIDATES
                             .map(|(u, q, k)| format!("`{u},{q},{k}`"))
                             .join(", ")
