@@ -156,24 +156,34 @@ def sweep_steps(out, build):
     return sorted(steps)
 
 
-def swept(path):
-    """What one `--tiles` step's log says: {kernel: (tiles taken, device ms)} for each kernel
-    the step both names the tiles of and timed (its "tiles taken" line, then the core's
-    kernel-by-kernel row)."""
-    taken, times = {}, {}
+def sweep_log(path):
+    """One `--tiles` step's log as (tiles taken, kernels): the first "tiles taken" line's
+    list of each kernel's tiles (`forward 64,32,32 portable, dQ ...`) and the core's
+    kernel-by-kernel column (`` `ForwardKernel<..>` (1): 2.39; ... ``), None where absent."""
+    taken = kernels = None
     with open(path) as f:
         for line in f:
-            if "tiles taken" in line and not taken:
-                for _, key, said in SWEPT_KERNELS:
-                    m = re.search(re.escape(said) + r" (\d+,\d+,\d+)", line.rsplit(" inputs: ", 1)[-1])
-                    if m:
-                        taken[key] = m.group(1)
-            elif line.startswith("| core |"):
-                for entry in line.rstrip("\n").rstrip(" |").split(" | ")[-1].split("; "):
-                    m = re.match(r"`(\w+)[^`]*` \((\d+)\): ([\d.]+)", entry.strip())
-                    for name, key, _ in SWEPT_KERNELS:
-                        if m and m.group(1) == name:
-                            times[key] = times.get(key, 0.0) + float(m.group(3))
+            if line.startswith("| core |"):
+                kernels = line.rstrip("\n").rstrip(" |").split(" | ")[-1]
+            elif "tiles taken" in line and taken is None:
+                taken = line.rsplit(" inputs: ", 1)[-1].strip()
+    return taken, kernels
+
+
+def swept(path):
+    """What one `--tiles` step's log says: {kernel: (tiles taken, device ms)} for each kernel
+    the step both names the tiles of and timed ([`sweep_log`])."""
+    said_taken, said_kernels = sweep_log(path)
+    taken, times = {}, {}
+    for _, key, said in SWEPT_KERNELS:
+        m = re.search(re.escape(said) + r" (\d+,\d+,\d+)", said_taken or "")
+        if m:
+            taken[key] = m.group(1)
+    for entry in (said_kernels or "").split("; "):
+        m = re.match(r"`(\w+)[^`]*` \((\d+)\): ([\d.]+)", entry.strip())
+        for name, key, _ in SWEPT_KERNELS:
+            if m and m.group(1) == name:
+                times[key] = times.get(key, 0.0) + float(m.group(3))
     return {k: (taken[k], times[k]) for k in taken if k in times}
 
 
@@ -301,13 +311,7 @@ def main(out):
         lines.append("|---|---|---|---|---|---|---|")
         for log in tile_logs:
             build, dtype, first = tiles_key(log)
-            taken, kernels = "—", "—"
-            with open(log) as f:
-                for line in f:
-                    if line.startswith("| core |"):
-                        kernels = line.rstrip("\n").rstrip(" |").split(" | ")[-1]
-                    elif "tiles taken" in line and taken == "—":
-                        taken = line.split(": ", 2)[-1].strip()
+            taken, kernels = (said or "—" for said in sweep_log(log))
             records = [r for r in load(log[:-len(".log")] + ".json") or [] if (r.get("shape") or {}).get("name") == "long-core"]
             first = ",".join(map(str, first))
             for r in records:

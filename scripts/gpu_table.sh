@@ -156,6 +156,8 @@ budget="${MHA_GPU_TABLE_BUDGET:-540}"
 # A `--tiles` run's OUT whose choice of tiles the table's steps take (`tuned`): each
 # kernel's fastest there, in each build and dtype it swept.
 tiles_from=
+# The MHA_GPU_TILES setting `tuned` chose for each build (empty: none), once each.
+declare -A tiles_chosen=()
 if [ "$mode" = run ] && [ -n "${MHA_GPU_TABLE_TILES:-}" ]; then
     tiles_from="$MHA_GPU_TABLE_TILES"
     if ! ls "$tiles_from"/tiles-*.log > /dev/null 2>&1; then
@@ -234,37 +236,37 @@ skip() {
 # in f32, which cooperative matrices do not take) take WGSL's choice: the same kernels on
 # the same product (the SPIR-V sweep is of the cooperative one, in f16).
 tuned() {
-    local build="$1" label=$1 setting why
+    local build="$1" label=$1 why
     shift
     if [ -z "$tiles_from" ]; then
         "$@"
         return
     fi
-    why=$(mktemp)
-    if [ "${MHA_GPU_TILE_PRODUCT:-}" = portable ]; then
-        label="$build (portable product)"
-        setting=$(best_tiles wgsl "" "$why")
-    elif [ "$build" = spirv ]; then
-        # WGSL's f32 entries, then SPIR-V's own.
-        setting=$(best_tiles wgsl f32 "$why")
-        setting=$(printf '%s;%s' "$setting" "$(best_tiles spirv "" "$why")" | sed 's/^;//; s/;$//')
-    else
-        setting=$(best_tiles "$build" "" "$why")
+    if [ "${MHA_GPU_TILE_PRODUCT:-}" = portable ]; then label="$build (portable product)"; fi
+    # Chosen once a label, and recorded then.
+    if [ -z "${tiles_chosen[$label]+x}" ]; then
+        why=$(mktemp)
+        if [ "$label" != "$build" ]; then
+            tiles_chosen[$label]=$(best_tiles wgsl "" "$why")
+        elif [ "$build" = spirv ]; then
+            # WGSL's f32 entries, then SPIR-V's own.
+            tiles_chosen[$label]=$(printf '%s;%s' "$(best_tiles wgsl f32 "$why")" \
+                "$(best_tiles spirv "" "$why")" | sed 's/^;//; s/;$//')
+        else
+            tiles_chosen[$label]=$(best_tiles "$build" "" "$why")
+        fi
+        if [ -n "${tiles_chosen[$label]}" ]; then
+            printf '%s\t%s\t%s\n' "$label" "${tiles_chosen[$label]}" \
+                "$(paste -sd';' "$why" | sed 's/;/; /g')" >> "$out/tiles.tsv"
+        fi
+        rm -f "$why"
     fi
-    if [ -n "$setting" ] \
-        && ! awk -F'\t' -v l="$label" '$1 == l { found = 1 } END { exit !found }' \
-            "$out/tiles.tsv" 2> /dev/null; then
-        printf '%s\t%s\t%s\n' "$label" "$setting" "$(paste -sd';' "$why" | sed 's/;/; /g')" \
-            >> "$out/tiles.tsv"
-    fi
-    rm -f "$why"
-    if [ -z "$setting" ]; then
+    if [ -z "${tiles_chosen[$label]}" ]; then
         "$@"
     else
-        MHA_GPU_TILES="$setting" "$@"
+        MHA_GPU_TILES="${tiles_chosen[$label]}" "$@"
     fi
 }
-
 # `best_tiles BUILD DTYPE WHY`: `gpu_table.py --best-tiles` of the sweep under $tiles_from
 # for BUILD, its entries for DTYPE only where DTYPE is not empty; what each choice beat
 # appended to the file WHY. Empty where the sweep timed none.
