@@ -6,7 +6,11 @@ weights returned, `is_causal=True` with its mask), forward (under `torch.inferen
 and forward+backward (`out.sum().backward()`, the input requiring grad), and the core
 `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)`. Each number
 is the median of --runs runs after a warm-up (two runs, then more for half a second
-where they are short); CUDA is synchronised after each run.
+where they are short); CUDA is synchronised after each run. With --queued, each call
+that is not slow is also timed queued, as the Rust benchmark's --queued does: --runs
+batches of calls issued back to back before one synchronisation, enough to keep the
+device busy for 25 ms (2 to 64 calls), the median per call (`queued_ms` and
+`queued_calls` in the JSON).
 GFLOP/s count the same work as the Rust benchmark: `8·B·T·D²` for the projections and
 `2·B·T²·D` for the causal attention products, forward; a backward counts twice the forward.
 
@@ -58,17 +62,35 @@ def core_flops(b, t, d):
 # benchmark's `WARM_UP`, so that a device that sat idle is at its clocks.
 WARM_UP = 0.5
 
+# As the Rust benchmark's `QUEUE_SPAN_MS` and `QUEUE_CALLS`: a queued batch keeps the
+# device busy for this many milliseconds at the synced time, in 2 to 64 calls.
+QUEUE_SPAN_MS = 25.0
+QUEUE_CALLS = (2, 64)
+
+# Whether `timed` also times calls queued (--queued).
+QUEUE = False
+
+
+def queue_calls(ms):
+    """Calls of one queued batch of a call that takes `ms` synced."""
+    fewest, most = QUEUE_CALLS
+    return most if ms <= 0 else min(max(math.ceil(QUEUE_SPAN_MS / ms), fewest), most)
+
 
 def timed(runs, device, f):
     """Median milliseconds of f over `runs` runs after a warm-up: two runs, then more for
-    WARM_UP seconds where the second took under 2 s (else at most 3 timed runs)."""
+    WARM_UP seconds where the second took under 2 s (else at most 3 timed runs); with
+    the runs, and where QUEUE asks and the call is not slow, the median milliseconds per
+    call of `runs` batches of `queue_calls` calls before one sync and those calls (else
+    None)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     f()
     sync()
     start = time.perf_counter()
     f()
     sync()
-    if time.perf_counter() - start > 2.0:
+    slow = time.perf_counter() - start > 2.0
+    if slow:
         runs = min(runs, 3)
     else:
         start = time.perf_counter()
@@ -81,7 +103,27 @@ def timed(runs, device, f):
         f()
         sync()
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples), runs
+    ms = statistics.median(samples)
+    if not QUEUE or slow:
+        return ms, runs, None
+    calls = queue_calls(ms)
+    batches = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            f()
+        sync()
+        batches.append((time.perf_counter() - start) * 1e3 / calls)
+    return ms, runs, (statistics.median(batches), calls)
+
+
+def times(result):
+    """The JSON fields of `timed`'s result."""
+    ms, n, queued = result
+    fields = dict(median_ms=ms, runs=n)
+    if queued:
+        fields.update(queued_ms=queued[0], queued_calls=queued[1])
+    return fields
 
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -97,10 +139,9 @@ def bench(shape_name, device, runs, dtype="f32"):
     records = []
 
     def record(subject, pass_, result, flops):
-        ms, n = result
         records.append(
-            dict(shape=shape_name, dtype=dtype, subject=subject, pass_=pass_, median_ms=ms, runs=n,
-                 gflops=flops / ms / 1e6)
+            dict(shape=shape_name, dtype=dtype, subject=subject, pass_=pass_, **times(result),
+                 gflops=flops / result[0] / 1e6)
         )
 
     def forward():
@@ -145,11 +186,11 @@ def bench_long_core(seq, device, runs, dtype):
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    ms, n = timed(min(runs, 3), device, forward_backward)
+    result = timed(min(runs, 3), device, forward_backward)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
     flops = 3 * core_flops(1, seq, 512)
     return dict(shape="long-core", dtype=dtype, subject="pytorch-core", pass_="forward+backward",
-                context=seq, median_ms=ms, runs=n, gflops=flops / ms / 1e6, peak_mib=peak)
+                context=seq, **times(result), gflops=flops / result[0] / 1e6, peak_mib=peak)
 
 
 # The trainer's vocabulary: PAD, SEP, EOS, then the symbols.
@@ -262,7 +303,10 @@ def main():
     parser.add_argument("--train-steps", type=int, default=20, help="training steps timed per size")
     parser.add_argument("--dtype", default="f32", help="comma-separated float dtypes: f32, f16, bf16")
     parser.add_argument("--long-core", type=int, help="also time the causal core alone at this many positions, with peak memory")
+    parser.add_argument("--queued", action="store_true", help="also time each call queued (see above)")
     args = parser.parse_args()
+    global QUEUE
+    QUEUE = args.queued
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -303,6 +347,10 @@ def main():
             rs = bench(s, device, args.runs, dt)
             records.extend(rs)
             cell = {(r["subject"], r["pass_"]): f"{r['median_ms']:.1f} ({r['gflops']:.0f})" for r in rs}
+            if args.queued:
+                for r in rs:
+                    queued = f"{r['queued_ms']:.2f} queued ({r['queued_calls']})" if "queued_ms" in r else "not queued"
+                    cell[r["subject"], r["pass_"]] += f", {queued}"
             b, t, d, h = SHAPES[s]
             print(
                 f"| {s} ({b}, {t}, {d}, {h}) | {cell['pytorch', 'forward']} | {cell['pytorch', 'forward+backward']} "
@@ -318,7 +366,8 @@ def main():
             r = bench_long_core(args.long_core, device, args.runs, dt)
             records.append(r)
             peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-            print(f"| {args.long_core} | {dt} | {r['median_ms']:.1f} | {r['gflops']:.0f} | {peak} |", flush=True)
+            queued = f", {r['queued_ms']:.1f} queued ({r['queued_calls']})" if "queued_ms" in r else ""
+            print(f"| {args.long_core} | {dt} | {r['median_ms']:.1f}{queued} | {r['gflops']:.0f} | {peak} |", flush=True)
     write_json(records)
 
 

@@ -9,7 +9,9 @@ benchmark's `--floor` tables), OUT/overhead-BUILD.log (its `--overhead` tables) 
 OUT/steps.tsv (each step's name, status and seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
 module, Burn's module and PyTorch's, their cores, the core between other projections
 (`--variants`), and the ratios, and names each forward+backward that took less than its
-forward alone (a suspect measurement), then the long core, then the floor of a call (next
+forward alone (a suspect measurement); then the same table of the calls queued (where the
+records have `queued_ms`: `--queued`, calls issued back to back before one sync); then
+the long core, then the floor of a call (next
 to nothing to compute), then what one call of each module costs around its kernels
 (kernel by kernel), then the core with each tile first
 (OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
@@ -43,9 +45,13 @@ def load(path):
         return None
 
 
-def ms_of(r):
-    """A record's median milliseconds, or "failed" where the benchmark could not time it."""
-    return "failed" if r.get("failed") or r.get("median_ms") is None else r["median_ms"]
+def ms_of(r, key="median_ms"):
+    """A record's median milliseconds (synced after each call; `queued_ms`: per call
+    queued), "failed" where the benchmark could not time it, or None where it has no such
+    time."""
+    if r.get("failed") or r.get("median_ms") is None:
+        return "failed"
+    return r.get(key)
 
 
 def cell(value):
@@ -220,9 +226,48 @@ def asked_tiles(out):
     return lines
 
 
+COLUMNS = [
+    ("mha wgsl", "mha (WGSL)"),
+    ("mha spirv", "mha (SPIR-V)"),
+    ("mha spirv_portable", "mha (SPIR-V, portable product)"),
+    ("core+linear wgsl", "core + 3 Linear (WGSL)"),
+    ("core+qkv wgsl", "core + 1 Linear to QKV (WGSL)"),
+    ("core-bthd wgsl", "mha core on [B, T, H, Dh] views (WGSL)"),
+    ("burn wgsl", "Burn (WGSL)"),
+    ("burn spirv", "Burn (SPIR-V)"),
+    ("pytorch", "PyTorch CUDA"),
+    ("mha-core wgsl", "mha core (WGSL)"),
+    ("mha-core spirv", "mha core (SPIR-V)"),
+    ("mha-core spirv_portable", "mha core (SPIR-V, portable product)"),
+    ("pytorch-core", "PyTorch core"),
+]
+
+SHAPE_ORDER = {"tiny": 0, "small": 1, "base": 2, "long": 3}
+
+
+def table(rows):
+    """The lines of the table of `rows` ((shape, pass, dtype) -> {column: ms or
+    "failed"}): a column for each of COLUMNS that has a value, and the ratios of Burn's
+    and PyTorch's best times to mha's."""
+    present = [c for c in COLUMNS if any(c[0] in v for v in rows.values())]
+    header = ["shape", "pass", "dtype"] + [name for _, name in present] + ["Burn/mha", "PyTorch/mha"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (shape, pass_, dtype), cells in sorted(rows.items(), key=lambda kv: (SHAPE_ORDER.get(kv[0][0], 9), kv[0][0], kv[0][1], kv[0][2])):
+        timed = lambda keys: [cells[k] for k in keys if isinstance(cells.get(k), (int, float))]
+        mine = min(timed(("mha wgsl", "mha spirv")), default=None)
+        burn = min(timed(("burn wgsl", "burn spirv")), default=None)
+        torch_ms = cells.get("pytorch") if isinstance(cells.get("pytorch"), (int, float)) else None
+        ratio = lambda other: f"{other / mine:.2f}" if mine and other else "—"
+        values = [cell(cells[key]) if key in cells else "—" for key, _ in present]
+        lines.append("| " + " | ".join([shape, pass_, dtype] + values + [ratio(burn), ratio(torch_ms)]) + " |")
+    return lines
+
+
 def main(out):
-    # (shape, pass, dtype) -> {column: ms or "failed"}
+    # (shape, pass, dtype) -> {column: ms or "failed"}: synced after each call, and
+    # queued (where the records have it).
     rows = {}
+    queued = {}
     long_rows = []
     failures = []
     for path in sorted(glob.glob(os.path.join(out, "mha-*.json"))):
@@ -235,69 +280,50 @@ def main(out):
                 failures.append((build, r["subject"], r["pass"], shape, r["dtype"], r["failed"]))
             column = f"{r['subject']} {build}"
             if shape == "long-core":
-                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), r.get("peak_mib")))
+                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), ms_of(r, "queued_ms"), r.get("peak_mib")))
                 continue
             rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r)
+            if ms_of(r, "queued_ms") is not None:
+                queued.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r, "queued_ms")
     torch = load(os.path.join(out, "pytorch.json"))
     for r in (torch or {}).get("records", []):
         if r.get("shape") == "long-core":
-            long_rows.append(("PyTorch CUDA", r.get("context"), r["dtype"], r["median_ms"], r.get("peak_mib")))
+            long_rows.append(("PyTorch CUDA", r.get("context"), r["dtype"], r["median_ms"], r.get("queued_ms"), r.get("peak_mib")))
             continue
         rows.setdefault((r["shape"], r["pass_"], r["dtype"]), {})[r["subject"]] = r["median_ms"]
+        if r.get("queued_ms") is not None:
+            queued.setdefault((r["shape"], r["pass_"], r["dtype"]), {})[r["subject"]] = r["queued_ms"]
 
-    columns = [
-        ("mha wgsl", "mha (WGSL)"),
-        ("mha spirv", "mha (SPIR-V)"),
-        ("mha spirv_portable", "mha (SPIR-V, portable product)"),
-        ("core+linear wgsl", "core + 3 Linear (WGSL)"),
-        ("core+qkv wgsl", "core + 1 Linear to QKV (WGSL)"),
-        ("core-bthd wgsl", "mha core on [B, T, H, Dh] views (WGSL)"),
-        ("burn wgsl", "Burn (WGSL)"),
-        ("burn spirv", "Burn (SPIR-V)"),
-        ("pytorch", "PyTorch CUDA"),
-        ("mha-core wgsl", "mha core (WGSL)"),
-        ("mha-core spirv", "mha core (SPIR-V)"),
-        ("mha-core spirv_portable", "mha core (SPIR-V, portable product)"),
-        ("pytorch-core", "PyTorch core"),
-    ]
-    present = [c for c in columns if any(c[0] in v for v in rows.values())]
     lines = []
     if torch:
         lines.append(f"PyTorch {torch.get('torch')} on {torch.get('device')}.\n")
     if rows:
-        lines.append("## Causal self-attention, median ms (lower is better)\n")
-        header = ["shape", "pass", "dtype"] + [name for _, name in present] + ["Burn/mha", "PyTorch/mha"]
-        lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "---|" * len(header))
-    order = {"tiny": 0, "small": 1, "base": 2, "long": 3}
-    for (shape, pass_, dtype), cells in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][0], kv[0][1], kv[0][2])):
-        timed = lambda keys: [cells[k] for k in keys if isinstance(cells.get(k), (int, float))]
-        mine = min(timed(("mha wgsl", "mha spirv")), default=None)
-        burn = min(timed(("burn wgsl", "burn spirv")), default=None)
-        torch_ms = cells.get("pytorch") if isinstance(cells.get("pytorch"), (int, float)) else None
-        ratio = lambda other: f"{other / mine:.2f}" if mine and other else "—"
-        values = [cell(cells[key]) if key in cells else "—" for key, _ in present]
-        lines.append("| " + " | ".join([shape, pass_, dtype] + values + [ratio(burn), ratio(torch_ms)]) + " |")
+        lines.append("## Causal self-attention, median ms, synced after each call (lower is better)\n")
+        lines.extend(table(rows))
     # A forward+backward that took less than its forward alone: one of the two met the
     # device away from its clocks (on an H200, 2026-11-28, the forward measured first
     # after the host had compiled for a new shape), or is wrong; said under the table.
     suspect = []
     for (shape, pass_, dtype), cells in sorted(rows.items()):
         forward = rows.get((shape, "forward", dtype), {})
-        for key, name in columns if pass_ == "forward+backward" else []:
+        for key, name in COLUMNS if pass_ == "forward+backward" else []:
             fwd, both = forward.get(key), cells.get(key)
             if isinstance(fwd, (int, float)) and isinstance(both, (int, float)) and both < fwd:
                 suspect.append(f"- {name}, {shape}, {dtype}: forward {fwd:.2f} ms, forward+backward {both:.2f}")
     if suspect:
         lines.append("\nSuspect: forward+backward faster than the forward alone (a measurement away from the device's clocks?):\n")
         lines.extend(suspect)
+    if queued:
+        lines.append("\n## The same calls queued: median ms per call, calls issued back to back before one sync (`--queued`)\n")
+        lines.extend(table(queued))
     if long_rows:
         lines.append("\n## Causal core alone, batch 1, 8 heads of 64, forward+backward\n")
-        lines.append("| who | positions | dtype | median ms | peak MiB |")
-        lines.append("|---|---|---|---|---|")
-        for who, positions, dtype, ms, peak in long_rows:
+        lines.append("| who | positions | dtype | median ms | queued ms per call | peak MiB |")
+        lines.append("|---|---|---|---|---|---|")
+        for who, positions, dtype, ms, queued_ms, peak in long_rows:
             peak = "—" if peak is None else f"{peak:.0f}"
-            lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {peak} |")
+            queued_ms = "—" if queued_ms is None else cell(queued_ms)
+            lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {queued_ms} | {peak} |")
     lines.extend(log_tables(out, "floor", "The floor of a call ({}): next to nothing to compute", "| call |"))
     lines.extend(log_tables(out, "overhead", "Around the kernels ({}): one call of each module", "| module |"))
     def tiles_key(path):

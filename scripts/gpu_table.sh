@@ -380,7 +380,7 @@ elif [ "$mode" = trainer ]; then
         --train-steps "$train_steps" --json "$out/pytorch-trainer.json"
 else
     step pytorch "$limit" python3 scripts/bench_pytorch.py --device cuda --shapes "$torch_shapes" \
-        --runs "$runs" --dtype f32,f16,bf16 --long-core "$long" --json "$out/pytorch.json"
+        --runs "$runs" --dtype f32,f16,bf16 --long-core "$long" --queued --json "$out/pytorch.json"
 fi
 
 # The tile product on cooperative matrices (tensor cores) against the portable one and
@@ -409,13 +409,29 @@ unpack() {
     chmod +x "$out/bench-$1"
 }
 
+# `takes BUILD FLAG`: whether the packed benchmark of BUILD takes FLAG (a pack made
+# before it did not). Its help read whole, not piped into `grep -q`, which may stop
+# reading first: under pipefail the benchmark's broken pipe would say no.
+takes() {
+    local help
+    help="$("$out/bench-$1" --help 2> /dev/null)" || return 1
+    case "$help" in *"$2"*) return 0 ;; *) return 1 ;; esac
+}
+
+# `queued BUILD`: `--queued` where the packed benchmark of BUILD takes it (each call timed
+# queued too, without a round trip to the device a call, as a training loop issues them;
+# PyTorch the same), else nothing.
+queued() {
+    if takes "$1" --queued; then echo --queued; fi
+}
+
 # `timed BUILD DTYPE NAME [ARGS...]`: the modules and the core timed at every shape into
 # OUT/NAME.json (rewritten after every shape: a timeout keeps the shapes done).
 timed() {
     local build="$1" dtype="$2" name="$3"
     shift 3
     tuned "$build" step "$name" "$limit" "$out/bench-$build" --backend wgpu --shapes "$shapes" \
-        --runs "$runs" --dtype "$dtype" --no-train --json "$out/$name.json" "$@"
+        --runs "$runs" --dtype "$dtype" --no-train $(queued "$build") --json "$out/$name.json" "$@"
 }
 
 # `long_core BUILD DTYPE NAME`: the causal core alone at $long positions, forward+backward,
@@ -424,7 +440,8 @@ timed() {
 long_core() {
     local build="$1" dtype="$2" name="$3"
     tuned "$build" step "$name" "$core_limit" "$out/bench-$build" --backend wgpu --shapes none \
-        --runs 3 --dtype "$dtype" --no-train --long-core "$long" --json "$out/$name.json"
+        --runs 3 --dtype "$dtype" --no-train --long-core "$long" $(queued "$build") \
+        --json "$out/$name.json"
 }
 
 # `overhead BUILD DTYPES`: where one call of mha's module and of Burn's spends the device's
@@ -439,7 +456,7 @@ overhead() {
 # (`--floor`: a sync alone, one addition, mha's core, mha's module and Burn's at the tiny
 # shape, synced after each call and queued), and the tiny shape's rows of the table.
 floor() {
-    if ! "$out/bench-$1" --help 2>/dev/null | grep -q -- --floor; then
+    if ! takes "$1" --floor; then
         skip "floor-$1" "the packed $1 build predates --floor (pack again)"
         return
     fi
@@ -454,7 +471,7 @@ floor() {
 sweep() {
     local build="$1" dtype="$2" tiles name
     shift 2
-    if ! "$out/bench-$build" --help 2>/dev/null | grep -q -- --core-kernels; then
+    if ! takes "$build" --core-kernels; then
         skip "tiles-$build-$dtype" "the packed $build build predates --core-kernels (pack again)"
         return
     fi

@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use mha::{AttentionMask, KvCache, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use train::backend::Backend;
 
-use crate::{Record, grads_of, randn, time, time_steps};
+use crate::{Record, Timed, grads_of, randn, time, time_steps};
 
 /// Model width and heads of the decoding benchmark (the base shape's).
 const D_MODEL: usize = 512;
@@ -24,15 +24,15 @@ fn record(
     backend: Backend,
     (subject, pass): (&'static str, &'static str),
     [batch, context, tokens]: [usize; 3],
-    (ms, runs): (f64, usize),
+    timed: Timed,
     peak_mib: Option<f64>,
 ) -> Record {
     Record {
-        tokens_per_second: Some(tokens as f64 / ms * 1e3),
+        tokens_per_second: Some(tokens as f64 / timed.ms * 1e3),
         batch: Some(batch),
         context: Some(context),
         peak_mib,
-        ..Record::new(backend.name(), subject, pass, (ms, runs))
+        ..Record::new(backend.name(), subject, pass, timed)
     }
 }
 
@@ -42,7 +42,7 @@ fn decode_record(
     subject: &'static str,
     batch: usize,
     context: usize,
-    ms: (f64, usize),
+    ms: Timed,
 ) -> Record {
     let what = (subject, "decode-step");
     record(backend, what, [batch, context, batch], ms, None)

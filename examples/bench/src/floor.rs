@@ -11,8 +11,6 @@
 //! 2026-11-28), where mha's core took 1.01 ms through WGSL and its kernel 0.13 ms of
 //! device time: how much of a measurement is the floor decides what a kernel can gain.
 
-use std::time::Instant;
-
 use burn::nn::attention::{
     MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig,
     generate_autoregressive_mask,
@@ -20,33 +18,10 @@ use burn::nn::attention::{
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{AttentionMask, MhaInput, ModuleDType, MultiHeadAttentionConfig, SdpaOptions};
 
-use crate::{Outcome, backward_of, dtype_name, grads_of, keep_warm, randn_as, sync, time};
+use crate::{Outcome, backward_of, dtype_name, grads_of, queued, randn_as, time};
 
 /// Calls issued before one sync in a queued measurement.
 const QUEUED: usize = 64;
-
-/// Median milliseconds per call of `f` issued [`QUEUED`] times before one sync, over
-/// `runs` runs after the warm-up [`time`] makes, every result held until the sync. The
-/// last run's results are read back ([`Outcome`]).
-fn queued<O: Outcome>(
-    runs: usize,
-    device: &Device,
-    mut f: impl FnMut() -> O,
-) -> anyhow::Result<f64> {
-    keep_warm(device, &mut f)?;
-    let mut samples = Vec::with_capacity(runs);
-    for run in 0..runs {
-        let started = Instant::now();
-        let results: Vec<O> = (0..QUEUED).map(|_| f()).collect();
-        sync(device)?;
-        samples.push(started.elapsed().as_secs_f64() * 1e3 / QUEUED as f64);
-        if run + 1 == runs {
-            results.into_iter().try_for_each(Outcome::check)?;
-        }
-    }
-    samples.sort_by(f64::total_cmp);
-    Ok(samples[samples.len() / 2])
-}
 
 /// Prints one row: `f` synced after each call ([`time`]) and queued ([`queued`]).
 fn row<O: Outcome>(
@@ -55,8 +30,8 @@ fn row<O: Outcome>(
     device: &Device,
     mut f: impl FnMut() -> O,
 ) -> anyhow::Result<()> {
-    let (synced, _) = time(runs, device, &mut f)?;
-    let queued = queued(runs, device, f)?;
+    let synced = time(runs, device, &mut f)?.ms;
+    let queued = queued(runs, QUEUED, device, f)?;
     println!("| {what} | {synced:.3} | {queued:.3} |");
     Ok(())
 }

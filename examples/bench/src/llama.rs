@@ -9,7 +9,7 @@ use mha::AttentionMask;
 use mha::hf::HfConfig;
 use train::backend::Backend;
 
-use crate::{Record, time, time_steps};
+use crate::{Record, Timed, time, time_steps};
 
 /// The model's `config.json`, as transformers writes it (`scripts/bench_hf.py` builds
 /// its model from the same numbers).
@@ -31,13 +31,13 @@ pub const LLAMA: &str = r#"{
 pub const TOKENS: usize = 512;
 
 /// A record of the model at [`TOKENS`] positions.
-fn record(backend: Backend, pass: &'static str, (ms, runs): (f64, usize), tokens: usize) -> Record {
+fn record(backend: Backend, pass: &'static str, timed: Timed, tokens: usize) -> Record {
     Record {
-        tokens_per_second: Some(tokens as f64 / ms * 1e3),
+        tokens_per_second: Some(tokens as f64 / timed.ms * 1e3),
         batch: Some(1),
         context: Some(TOKENS),
         dtype: Some("f32"),
-        ..Record::new(backend.name(), "llama", pass, (ms, runs))
+        ..Record::new(backend.name(), "llama", pass, timed)
     }
 }
 

@@ -14,7 +14,11 @@
 //! Each number is the median of `--runs` timed runs after a warm-up: two runs, then more
 //! for half a second where the second is short (a decoding step, which fills a cache,
 //! after one run only); the device is synchronised after each run, so GPU numbers include
-//! the kernels, not only their launch. The first run's result and the last run's are read
+//! the kernels, not only their launch. With `--queued` each call that is not slow is also
+//! timed queued: batches of calls issued back to back before one sync (enough to keep the
+//! device busy for 25 ms, 2 to 64 calls), the median per call, in a second table and as
+//! `queued_ms` in the JSON; on a GPU the synced time holds one round trip to the device.
+//! The first run's result and the last run's are read
 //! back (outside the timings), and held until the device is done (a dropped tensor is
 //! work Burn's fusion may skip): an attention measurement whose call the device did not
 //! complete, or whose result is not finite, is `failed` in the tables (in the JSON its
@@ -153,6 +157,13 @@ struct Cli {
     /// T, H, Dh]` in memory (`core-bthd`). Nothing is timed with `--overhead`.
     #[arg(long)]
     variants: bool,
+    /// Also time each call that is not slow (see `--runs`) queued: calls issued back to
+    /// back before one sync, as a training loop issues them, enough of them to keep the
+    /// device busy for 25 ms (2 to 64); the median per call over `--runs` such batches,
+    /// beside the synced time (a second table, and `queued_ms` in the JSON). On a GPU the
+    /// synced time holds one round trip to the device per call.
+    #[arg(long)]
+    queued: bool,
     /// Also write every measurement to this JSON file (rewritten whole after each
     /// shape and each trainer measurement, so that a run stopped midway keeps what it measured).
     #[arg(long)]
@@ -322,6 +333,13 @@ struct Record {
     pass: &'static str,
     median_ms: f64,
     runs: usize,
+    /// The median milliseconds per call queued (`--queued`): `queued_calls` calls issued
+    /// before one sync.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queued_ms: Option<f64>,
+    /// The calls of each queued batch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queued_calls: Option<usize>,
     gflops: Option<f64>,
     tokens_per_second: Option<f64>,
     /// Batch of the decoding and window measurements.
@@ -346,21 +364,18 @@ struct Record {
 }
 
 impl Record {
-    /// A measurement of `subject`'s `pass`: the median milliseconds and runs `timed`,
-    /// nothing else (the callers add what they know, `..Record::new(..)`).
-    fn new(
-        backend: &'static str,
-        subject: &'static str,
-        pass: &'static str,
-        (ms, runs): (f64, usize),
-    ) -> Self {
+    /// A measurement of `subject`'s `pass`: the times `timed`, nothing else (the callers
+    /// add what they know, `..Record::new(..)`).
+    fn new(backend: &'static str, subject: &'static str, pass: &'static str, timed: Timed) -> Self {
         Record {
             backend,
             shape: None,
             subject,
             pass,
-            median_ms: ms,
-            runs,
+            median_ms: timed.ms,
+            runs: timed.runs,
+            queued_ms: timed.queued.map(|q| q.ms),
+            queued_calls: timed.queued.map(|q| q.calls),
             gflops: None,
             tokens_per_second: None,
             batch: None,
@@ -372,34 +387,38 @@ impl Record {
         }
     }
 
-    /// A measurement of attention at `shape` in `dtype`: the median milliseconds and runs
-    /// `timed`, for `flops` of work, or why there is none (written to the standard error
-    /// too).
+    /// A measurement of attention at `shape` in `dtype`: the times `timed`, for `flops` of
+    /// work, or why there are none (written to the standard error too).
     fn attention(
         backend: &'static str,
         (shape, dtype): (Shape, FloatDType),
         subject: &'static str,
         pass: &'static str,
-        timed: anyhow::Result<(f64, usize)>,
+        timed: anyhow::Result<Timed>,
         flops: f64,
     ) -> Self {
-        let (ms, runs, failed) = match timed {
-            Ok((ms, runs)) => (ms, runs, None),
+        let (timed, failed) = match timed {
+            Ok(timed) => (timed, None),
             Err(e) => {
                 eprintln!(
                     "{backend}: {subject} {pass} at {} in {}: failed: {e:#}",
                     shape.name,
                     dtype_name(dtype)
                 );
-                (f64::NAN, 0, Some(format!("{e:#}")))
+                let none = Timed {
+                    ms: f64::NAN,
+                    runs: 0,
+                    queued: None,
+                };
+                (none, Some(format!("{e:#}")))
             }
         };
         Record {
             shape: Some(shape),
-            gflops: failed.is_none().then(|| flops / ms / 1e6),
+            gflops: failed.is_none().then(|| flops / timed.ms / 1e6),
             dtype: Some(dtype_name(dtype)),
             failed,
-            ..Record::new(backend, subject, pass, (ms, runs))
+            ..Record::new(backend, subject, pass, timed)
         }
     }
 
@@ -408,6 +427,16 @@ impl Record {
         match self.failed {
             Some(_) => "failed".into(),
             None => format!("{:.*}", decimals, self.median_ms),
+        }
+    }
+
+    /// A table's cell: the median milliseconds per call queued and the calls of a batch,
+    /// `failed`, or `—` where not queued.
+    fn queued_cell(&self) -> String {
+        match (&self.failed, self.queued_ms, self.queued_calls) {
+            (Some(_), ..) => "failed".into(),
+            (None, Some(ms), Some(calls)) => format!("{ms:.2} ({calls})"),
+            _ => "—".into(),
         }
     }
 
@@ -549,37 +578,104 @@ fn keep_warm<O>(device: &Device, f: &mut impl FnMut() -> O) -> anyhow::Result<()
     Ok(())
 }
 
+/// A measurement's times (see [`time`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Timed {
+    /// The median milliseconds of a call, the device synced after each.
+    pub ms: f64,
+    /// The timed runs.
+    pub runs: usize,
+    /// Queued, where `--queued` asks for it ([`QUEUE`]).
+    pub queued: Option<Queued>,
+}
+
+/// The time of a call queued: `calls` calls issued before one sync.
+#[derive(Clone, Copy, Debug)]
+pub struct Queued {
+    /// The median milliseconds per call.
+    pub ms: f64,
+    /// Calls issued before each sync.
+    pub calls: usize,
+}
+
+/// Whether [`time`] also times each call queued (`--queued`), set once before any
+/// measurement.
+static QUEUE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// How long the calls of one queued batch keep the device busy, in milliseconds, at
+/// their synced time: long enough that one round trip is a small part of it.
+const QUEUE_SPAN_MS: f64 = 25.0;
+
+/// The fewest and the most calls of one queued batch.
+const QUEUE_CALLS: (usize, usize) = (2, 64);
+
+/// Calls of one queued batch of a call that takes `ms` synced: [`QUEUE_SPAN_MS`] of
+/// them, within [`QUEUE_CALLS`].
+fn queue_calls(ms: f64) -> usize {
+    let (fewest, most) = QUEUE_CALLS;
+    match ms > 0.0 {
+        true => ((QUEUE_SPAN_MS / ms).ceil() as usize).clamp(fewest, most),
+        false => most,
+    }
+}
+
+/// Median milliseconds per call of `f` issued `calls` times before one sync, over `runs`
+/// such batches, every result held until the sync, on a device already warm. The last
+/// batch's results are read back ([`Outcome`]).
+fn queued<O: Outcome>(
+    runs: usize,
+    calls: usize,
+    device: &Device,
+    mut f: impl FnMut() -> O,
+) -> anyhow::Result<f64> {
+    let mut samples = Vec::with_capacity(runs);
+    for run in 0..runs {
+        let started = Instant::now();
+        let results: Vec<O> = (0..calls).map(|_| f()).collect();
+        sync(device)?;
+        samples.push(started.elapsed().as_secs_f64() * 1e3 / calls as f64);
+        if run + 1 == runs {
+            results
+                .into_iter()
+                .try_for_each(Outcome::check)
+                .context("the last queued batch")?;
+        }
+    }
+    samples.sort_by(f64::total_cmp);
+    Ok(samples[samples.len() / 2])
+}
+
 /// Median milliseconds of `f` over `runs` runs after a warm-up, syncing the device: one
 /// run (which compiles), then one more, then more for [`WARM_UP`] where that one took
 /// under 2 s (else at most 3 timed runs). The first run's and the last run's results are
 /// read back ([`Outcome`]), an error if the call did not complete or produced a value
-/// that is not finite.
-fn time<O: Outcome>(
-    runs: usize,
-    device: &Device,
-    f: impl FnMut() -> O,
-) -> anyhow::Result<(f64, usize)> {
-    timed(runs, device, true, f)
+/// that is not finite. Where `--queued` asks ([`QUEUE`]) and the call is not slow, then
+/// also `runs` batches of [`queue_calls`] calls queued ([`queued`]).
+fn time<O: Outcome>(runs: usize, device: &Device, f: impl FnMut() -> O) -> anyhow::Result<Timed> {
+    let queue = QUEUE.load(std::sync::atomic::Ordering::Relaxed);
+    timed(runs, device, true, queue, f)
 }
 
 /// [`time`] of a call that moves a state on (a decoding step, which fills a cache
 /// position each time): after one warm-up run only (at most 3 timed runs where it took
-/// over 2 s), so that the runs are the ones the caller made room for.
+/// over 2 s), so that the runs are the ones the caller made room for; never queued.
 fn time_steps<O: Outcome>(
     runs: usize,
     device: &Device,
     f: impl FnMut() -> O,
-) -> anyhow::Result<(f64, usize)> {
-    timed(runs, device, false, f)
+) -> anyhow::Result<Timed> {
+    timed(runs, device, false, false, f)
 }
 
-/// [`time`], with the warm-up past the first run where `keep` says.
+/// [`time`], with the warm-up past the first run where `keep` says, and the queued
+/// batches where `queue` does too.
 fn timed<O: Outcome>(
     runs: usize,
     device: &Device,
     keep: bool,
+    queue: bool,
     mut f: impl FnMut() -> O,
-) -> anyhow::Result<(f64, usize)> {
+) -> anyhow::Result<Timed> {
     let started = Instant::now();
     let warm_up = f();
     sync(device)?;
@@ -614,7 +710,16 @@ fn timed<O: Outcome>(
         }
     }
     samples.sort_by(f64::total_cmp);
-    Ok((samples[samples.len() / 2], runs))
+    let ms = samples[samples.len() / 2];
+    let queued = match keep && queue && !slow {
+        true => {
+            let calls = queue_calls(ms);
+            let ms = queued(runs, calls, device, f)?;
+            Some(Queued { ms, calls })
+        }
+        false => None,
+    };
+    Ok(Timed { ms, runs, queued })
 }
 
 fn randn<const D: usize>(dims: [usize; D], device: &Device) -> Tensor<D> {
@@ -722,10 +827,10 @@ fn bench_matmul(
     let n = 2048;
     let (a, b) = (randn([n, n], device), randn([n, n], device));
     let flops = 2.0 * (n as f64).powi(3);
-    let (ms, runs) = time(cli.runs, device, || a.clone().matmul(b.clone()))?;
+    let timed = time(cli.runs, device, || a.clone().matmul(b.clone()))?;
     out.push(Record {
-        gflops: Some(flops / ms / 1e6),
-        ..Record::new(backend.name(), "matmul-2048", "forward", (ms, runs))
+        gflops: Some(flops / timed.ms / 1e6),
+        ..Record::new(backend.name(), "matmul-2048", "forward", timed)
     });
     Ok(())
 }
@@ -847,7 +952,11 @@ fn bench_trainer(
         loss.check().context("the last step's loss")?;
     }
     drop(model);
-    let timed = (seconds * 1e3 / cli.train_steps as f64, cli.train_steps);
+    let timed = Timed {
+        ms: seconds * 1e3 / cli.train_steps as f64,
+        runs: cli.train_steps,
+        queued: None,
+    };
     out.push(Record {
         tokens_per_second: Some(tokens as f64 / seconds),
         batch: Some(config.batch_size),
@@ -890,12 +999,21 @@ fn print_long_core(backend: Backend, records: &[Record]) {
     println!(
         "\n## {backend}: causal attention core alone, batch 1, 8 heads of 64, forward+backward\n"
     );
-    println!("| positions | dtype | median ms | GFLOP/s | peak memory (MiB) |");
-    println!("|---|---|---|---|---|");
+    let queued = long.iter().any(|r| r.queued_ms.is_some());
+    let (column, rule) = match queued {
+        true => (" queued ms (calls) |", "---|"),
+        false => ("", ""),
+    };
+    println!("| positions | dtype | median ms | GFLOP/s | peak memory (MiB) |{column}");
+    println!("|---|---|---|---|---|{rule}");
     for r in &long {
         let gflops = r.gflops.map_or("—".into(), |g| format!("{g:.0}"));
+        let queued = match queued {
+            true => format!(" {} |", r.queued_cell()),
+            false => String::new(),
+        };
         println!(
-            "| {} | {} | {} | {gflops} | {} |",
+            "| {} | {} | {} | {gflops} | {} |{queued}",
             r.context.unwrap_or(0),
             r.dtype.unwrap_or("f32"),
             r.ms(1),
@@ -910,15 +1028,40 @@ fn print_table(backend: Backend, dtype: &str, records: &[&Record], shapes: &[Sha
         return print_trainer(records);
     }
     println!("\n## {backend}, {dtype}: causal self-attention, median ms (GFLOP/s)\n");
+    print_rows(records, shapes, Record::ms_gflops, |r| Some(r.median_ms));
+    if records.iter().any(|r| r.queued_ms.is_some()) {
+        println!(
+            "\n## {backend}, {dtype}: the same calls queued, median ms per call (calls issued \
+             before one sync)\n"
+        );
+        print_rows(records, shapes, Record::queued_cell, |r| r.queued_ms);
+    }
+    if let Some(r) = records.iter().find(|r| r.subject == "matmul-2048") {
+        println!(
+            "\n2048 x 2048 f32 matmul: {:.1} ms, {:.0} GFLOP/s",
+            r.median_ms,
+            r.gflops.unwrap_or(0.0)
+        );
+    }
+    print_trainer(records);
+}
+
+/// The rows of [`print_table`]'s tables at `shapes`: each measurement's `cell`, and the
+/// ratios of the times `ms` gives.
+fn print_rows(
+    records: &[&Record],
+    shapes: &[Shape],
+    cell: fn(&Record) -> String,
+    ms: fn(&Record) -> Option<f64>,
+) {
     println!(
         "| shape (B, T, D, H) | mha fwd | Burn fwd | Burn/mha | mha fwd+bwd | Burn fwd+bwd | Burn/mha | core fwd | core fwd+bwd |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    let cell = |r: Option<&Record>| r.map_or("—".into(), Record::ms_gflops);
-    let ratio = |a: Option<&Record>, b: Option<&Record>| match (a, b) {
-        (Some(a), Some(b)) if a.failed.is_none() && b.failed.is_none() => {
-            format!("{:.2}x", b.median_ms / a.median_ms)
-        }
+    let cell = |r: Option<&Record>| r.map_or("—".into(), cell);
+    let ms = |r: Option<&Record>| r.filter(|r| r.failed.is_none()).and_then(ms);
+    let ratio = |a: Option<&Record>, b: Option<&Record>| match (ms(a), ms(b)) {
+        (Some(a), Some(b)) => format!("{:.2}x", b / a),
         _ => "—".into(),
     };
     for s in shapes {
@@ -945,14 +1088,6 @@ fn print_table(backend: Backend, dtype: &str, records: &[&Record], shapes: &[Sha
             cell(get("mha-core", "forward+backward")),
         );
     }
-    if let Some(r) = records.iter().find(|r| r.subject == "matmul-2048") {
-        println!(
-            "\n2048 x 2048 f32 matmul: {:.1} ms, {:.0} GFLOP/s",
-            r.median_ms,
-            r.gflops.unwrap_or(0.0)
-        );
-    }
-    print_trainer(records);
 }
 
 /// The trainer's lines, if it was measured.
@@ -1058,6 +1193,7 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         .map(|name| shape_named(name))
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(cli.runs > 0, "--runs must be at least 1, got 0");
+    QUEUE.store(cli.queued, std::sync::atomic::Ordering::Relaxed);
     let dtypes: Vec<FloatDType> = cli
         .dtype
         .iter()
@@ -1241,6 +1377,55 @@ mod tests {
         assert_eq!(one_line(framed), "An IO error happened: can't allocate");
     }
 
+    /// [`queued`] 3 batches of 4 calls of `f`.
+    #[cfg(feature = "flex")]
+    fn queued_of<O: Outcome>(device: &Device, f: impl FnMut() -> O) -> anyhow::Result<f64> {
+        queued(3, 4, device, f)
+    }
+
+    #[test]
+    fn a_queued_batch_keeps_the_device_busy_for_its_span_within_its_bounds() {
+        let (fewest, most) = QUEUE_CALLS;
+        assert_eq!(queue_calls(QUEUE_SPAN_MS / 5.0), 5);
+        assert_eq!(queue_calls(QUEUE_SPAN_MS / 4.5), 5);
+        assert_eq!(queue_calls(QUEUE_SPAN_MS), fewest);
+        assert_eq!(queue_calls(1e3), fewest);
+        assert_eq!(queue_calls(1e-3), most);
+        assert_eq!(queue_calls(0.0), most);
+    }
+
+    #[test]
+    fn a_queued_time_goes_to_its_own_table_cell_and_json_fields() {
+        let shape = shape_named("tiny").unwrap();
+        let record = |queued| {
+            let timed = Timed {
+                ms: 2.0,
+                runs: 3,
+                queued,
+            };
+            let at = (shape, FloatDType::F32);
+            Record::attention("wgpu", at, "mha", "forward", Ok(timed), 4e6)
+        };
+        let queued = record(Some(Queued {
+            ms: 0.25,
+            calls: 64,
+        }));
+        assert_eq!(queued.queued_cell(), "0.25 (64)");
+        let json = serde_json::to_value(&queued).unwrap();
+        assert_eq!(
+            (json["queued_ms"].as_f64(), json["queued_calls"].as_u64()),
+            (Some(0.25), Some(64))
+        );
+        assert_eq!(json["median_ms"].as_f64(), Some(2.0));
+        let synced = record(None);
+        assert_eq!(synced.queued_cell(), "—");
+        let json = serde_json::to_value(&synced).unwrap();
+        assert!(
+            json.get("queued_ms").is_none() && json.get("queued_calls").is_none(),
+            "{json}"
+        );
+    }
+
     #[cfg(feature = "flex")]
     #[test]
     fn a_call_whose_result_is_not_finite_gets_no_time() {
@@ -1252,8 +1437,20 @@ mod tests {
             why.contains("the warm-up run") && why.contains("3 of the 3 values"),
             "{why}"
         );
-        let (ms, runs) = time(3, &device, || x.clone().mul_scalar(2.0)).unwrap();
-        assert!(ms >= 0.0 && runs == 3);
+        let synced = time(3, &device, || x.clone().mul_scalar(2.0)).unwrap();
+        assert!(synced.ms >= 0.0 && synced.runs == 3 && synced.queued.is_none());
+        // Queued too where asked: a call of microseconds gets the most calls a batch.
+        let both = super::timed(3, &device, true, true, || x.clone().mul_scalar(2.0)).unwrap();
+        let queued = both.queued.expect("asked for");
+        assert!(
+            queued.ms >= 0.0 && queued.calls == QUEUE_CALLS.1,
+            "{both:?}"
+        );
+        let why = queued_of(&device, || x.clone().div_scalar(0.0)).expect_err("not finite");
+        assert!(
+            format!("{why:#}").contains("the last queued batch"),
+            "{why:#}"
+        );
 
         let shape = shape_named("tiny").unwrap();
         let failed = Record::attention(
@@ -1279,7 +1476,11 @@ mod tests {
             (shape, FloatDType::F32),
             "mha",
             "forward",
-            Ok((2.0, 3)),
+            Ok(Timed {
+                ms: 2.0,
+                runs: 3,
+                queued: None,
+            }),
             4e6,
         );
         assert_eq!(

@@ -8,7 +8,7 @@ use mha::analysis::{Heads, PrunePlan};
 use mha::{MhaInput, MultiHeadAttentionConfig};
 use train::backend::Backend;
 
-use crate::{Record, backward_of, randn, time};
+use crate::{Record, Timed, backward_of, randn, time};
 
 const BATCH: usize = 8;
 const SEQ: usize = 512;
@@ -31,13 +31,13 @@ pub fn bench_prune(
         let plan = PrunePlan {
             remove: vec![(kept..HEADS).collect()],
         };
-        let mut record = |pass, (ms, runs): (f64, usize)| {
+        let mut record = |pass, timed: Timed| {
             out.push(Record {
-                tokens_per_second: Some((BATCH * SEQ) as f64 / ms * 1e3),
+                tokens_per_second: Some((BATCH * SEQ) as f64 / timed.ms * 1e3),
                 batch: Some(BATCH),
                 context: Some(SEQ),
                 heads: Some(kept),
-                ..Record::new(backend.name(), "mha-pruned", pass, (ms, runs))
+                ..Record::new(backend.name(), "mha-pruned", pass, timed)
             });
         };
         let module = config.init(device).prune(&plan)?;
