@@ -19,14 +19,15 @@
 #    unpacks the binaries (and the libraries where `ldconfig` lacks them), then runs PyTorch
 #    on CUDA first (the tiny shape too), then the cooperative-matrix kernels' test, then
 #    each build and dtype in a process of its own under its own time limit, so that a
-#    crash or a timeout loses one step: WGSL f16 and f32 (with `--variants`, mha's core
-#    between projections made otherwise than the module's), WGSL's floor (`--floor`: what
-#    a call costs where there is next to nothing to compute, and the tiny shape), SPIR-V
-#    f16, the causal core at 16,384 positions with
-#    its peak memory (one process a build, tile product and dtype: SPIR-V f16 on each
-#    product, WGSL f16 and f32), WGSL's costs around the kernels
+#    crash or a timeout loses one step: WGSL f16 (with `--variants`, mha's core between
+#    projections made otherwise than the module's), SPIR-V f16 and its causal core at
+#    16,384 positions with its peak memory, WGSL f32 (`--variants` too), the other long
+#    cores (one process a build, tile product and dtype: WGSL f16 and f32, SPIR-V f16 on
+#    the portable product), WGSL's floor (`--floor`: what a call costs where there is
+#    next to nothing to compute, and the tiny shape), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
-#    costs around the kernels and floor, SPIR-V f32; after every step it rewrites
+#    costs around the kernels and floor, SPIR-V f32. The table's steps time every call
+#    synced and queued (`--queued`), PyTorch's too; after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
@@ -509,29 +510,35 @@ trainer() {
     fi
 }
 
-# Each build and dtype in a process of its own, the table's rows first: WGSL (every wgpu
-# device) in f16 and f32, with mha's core between other projections (`--variants`), then
-# SPIR-V in f16 (Vulkan; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3 makes of
-# shared memory on a device without an explicit workgroup layout, so the dry run has no
-# such build). Then the long core, in a process for each build, product and dtype (its
-# peak memory its own). Then what is needed to read them: WGSL's costs around the kernels, SPIR-V
-# in f16 on the portable tile product (what cooperative matrices gain) and its costs
-# around the kernels. SPIR-V in f32 last: it outran 170 s at the base shape on an H200
-# (2026-11-27), where its f16 step took 150 s.
+# Each build and dtype in a process of its own, what the README's table needs first, in
+# case the budget runs out (after a tiles sweep, about 330 s are left): WGSL in f16 (every
+# wgpu device), with mha's core between other projections (`--variants`), SPIR-V in f16
+# (Vulkan's cooperative matrices; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3
+# makes of shared memory on a device without an explicit workgroup layout, so the dry run
+# has no such build) and its long core, then WGSL in f32 (`--variants` too). Then the
+# other long cores, in a process for each build, product and dtype (its peak memory its
+# own). Then what is needed to read them: WGSL's floor of a call, its costs around the
+# kernels, SPIR-V in f16 on the portable tile product (what cooperative matrices gain) and
+# its costs around the kernels and floor. SPIR-V in f32 last: it outran 170 s at the base
+# shape on an H200 (2026-11-27), where its f16 step took 150 s.
 table() {
     if [ "$wgsl" -eq 1 ]; then
         timed wgsl f16 mha-wgsl-f16 --variants
-        timed wgsl f32 mha-wgsl-f32 --variants
-        floor wgsl "$floor_dtypes"
     fi
     if [ "$spirv" -eq 1 ]; then
         timed spirv f16 mha-spirv-f16
         long_core spirv f16 mha-spirv-core-f16
+    fi
+    if [ "$wgsl" -eq 1 ]; then
+        timed wgsl f32 mha-wgsl-f32 --variants
+        long_core wgsl f16 mha-wgsl-core-f16
+        long_core wgsl f32 mha-wgsl-core-f32
+    fi
+    if [ "$spirv" -eq 1 ]; then
         MHA_GPU_TILE_PRODUCT=portable long_core spirv f16 mha-spirv_portable-core-f16
     fi
     if [ "$wgsl" -eq 1 ]; then
-        long_core wgsl f16 mha-wgsl-core-f16
-        long_core wgsl f32 mha-wgsl-core-f32
+        floor wgsl "$floor_dtypes"
         overhead wgsl f16,f32
     fi
     if [ "$spirv" -eq 1 ]; then
