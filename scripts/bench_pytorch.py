@@ -7,7 +7,7 @@ and forward+backward (`out.sum().backward()`, the input requiring grad), and the
 `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)`. Each number
 is the median of --runs runs after a warm-up (two runs, then more for half a second
 where they are short); CUDA is synchronised after each run. With --queued, each call
-that is not slow is also timed queued, as the Rust benchmark's --queued does: --runs
+of under 2 s is also timed queued, as the Rust benchmark's --queued does: --runs
 batches of calls issued back to back before one synchronisation, enough to keep the
 device busy for 25 ms (2 to 64 calls), the median per call (`queued_ms` and
 `queued_calls` in the JSON).
@@ -66,6 +66,8 @@ WARM_UP = 0.5
 # device busy for this many milliseconds at the synced time, in 2 to 64 calls.
 QUEUE_SPAN_MS = 25.0
 QUEUE_CALLS = (2, 64)
+# The longest synced call also timed queued, as the Rust benchmark's.
+QUEUE_MOST_MS = 2000.0
 
 # Whether `timed` also times calls queued (--queued).
 QUEUE = False
@@ -80,9 +82,9 @@ def queue_calls(ms):
 def timed(runs, device, f):
     """Median milliseconds of f over `runs` runs after a warm-up: two runs, then more for
     WARM_UP seconds where the second took under 2 s (else at most 3 timed runs); with
-    the runs, and where QUEUE asks and the call is not slow, the median milliseconds per
-    call of `runs` batches of `queue_calls` calls before one sync and those calls (else
-    None)."""
+    the runs, and where QUEUE asks and the median is at most QUEUE_MOST_MS, the median
+    milliseconds per call of `runs` batches of `queue_calls` calls before one sync and
+    those calls (else None)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     f()
     sync()
@@ -104,7 +106,7 @@ def timed(runs, device, f):
         sync()
         samples.append((time.perf_counter() - start) * 1e3)
     ms = statistics.median(samples)
-    if not QUEUE or slow:
+    if not QUEUE or ms > QUEUE_MOST_MS:
         return ms, runs, None
     calls = queue_calls(ms)
     batches = []

@@ -47,9 +47,11 @@ def load(path):
 
 def ms_of(r, key="median_ms"):
     """A record's median milliseconds (synced after each call; `queued_ms`: per call
-    queued), "failed" where the benchmark could not time it, or None where it has no such
-    time."""
+    queued), "failed" where the benchmark could not time it (the call, or for
+    `queued_ms` its queued batches), or None where it has no such time."""
     if r.get("failed") or r.get("median_ms") is None:
+        return "failed"
+    if key == "queued_ms" and r.get("queued_failed"):
         return "failed"
     return r.get(key)
 
@@ -272,18 +274,23 @@ def main(out):
     failures = []
     for path in sorted(glob.glob(os.path.join(out, "mha-*.json"))):
         build = os.path.basename(path)[len("mha-"):].split("-")[0]
-        for r in load(path) or []:
+        records = load(path) or []
+        # A file of a run with `--queued`: its calls that failed are failed queued too.
+        was_queued = any("queued_ms" in r or "queued_failed" in r for r in records)
+        for r in records:
             shape = (r.get("shape") or {}).get("name")
             if not shape or not r.get("dtype"):
                 continue
             if r.get("failed"):
                 failures.append((build, r["subject"], r["pass"], shape, r["dtype"], r["failed"]))
+            elif r.get("queued_failed"):
+                failures.append((build, f"{r['subject']} (queued)", r["pass"], shape, r["dtype"], r["queued_failed"]))
             column = f"{r['subject']} {build}"
             if shape == "long-core":
                 long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), ms_of(r, "queued_ms"), r.get("peak_mib")))
                 continue
             rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r)
-            if ms_of(r, "queued_ms") is not None:
+            if was_queued and ms_of(r, "queued_ms") is not None:
                 queued.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r, "queued_ms")
     torch = load(os.path.join(out, "pytorch.json"))
     for r in (torch or {}).get("records", []):

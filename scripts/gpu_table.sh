@@ -26,8 +26,9 @@
 #    the portable product), WGSL's floor (`--floor`: what a call costs where there is
 #    next to nothing to compute, and the tiny shape), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
-#    costs around the kernels and floor, SPIR-V f32. The table's steps time every call
-#    synced and queued (`--queued`), PyTorch's too; after every step it rewrites
+#    costs around the kernels and floor, SPIR-V f32. The table's steps time each call
+#    synced, and queued too where it takes under 2 s (`--queued`), PyTorch's the same;
+#    after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
 #    that would pass it is skipped and says so. Autotuning is bounded
@@ -462,7 +463,8 @@ floor() {
         return
     fi
     tuned "$1" step "floor-$1" "$floor_limit" "$out/bench-$1" --backend wgpu --shapes tiny \
-        --runs "$runs" --dtype "$2" --no-train --floor --json "$out/mha-$1-floor.json"
+        --runs "$runs" --dtype "$2" --no-train --floor $(queued "$1") \
+        --json "$out/mha-$1-floor.json"
 }
 
 # `sweep BUILD DTYPE TILES...`: the causal core at $tiles_len positions, forward+backward,
@@ -510,8 +512,9 @@ trainer() {
     fi
 }
 
-# Each build and dtype in a process of its own, what the README's table needs first, in
-# case the budget runs out (after a tiles sweep, about 330 s are left): WGSL in f16 (every
+# Each build and dtype in a process of its own, what the README's table needs first
+# (after PyTorch and the cooperative check), in case the budget runs out (after a tiles
+# sweep, about 330 s are left): WGSL in f16 (every
 # wgpu device), with mha's core between other projections (`--variants`), SPIR-V in f16
 # (Vulkan's cooperative matrices; lavapipe crashes on the invalid SPIR-V cubecl 0.11.3
 # makes of shared memory on a device without an explicit workgroup layout, so the dry run

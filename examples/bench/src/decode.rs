@@ -9,7 +9,9 @@ use burn::tensor::Device;
 use mha::{AttentionMask, KvCache, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use train::backend::Backend;
 
-use crate::{Record, Timed, grads_of, randn, time, time_steps};
+use crate::{
+    Record, Timed, grads_of, queue_asked, queued_too, randn, time, time_steps, time_synced,
+};
 
 /// Model width and heads of the decoding benchmark (the base shape's).
 const D_MODEL: usize = 512;
@@ -139,7 +141,7 @@ pub fn bench_window(
             let grad = || randn(dims, &ad).require_grad();
             let (q, k, v) = (grad(), grad(), grad());
             let before = peak::reset();
-            let ms = time(runs, device, || {
+            let call = || {
                 let out = mha::scaled_dot_product_attention(
                     q.clone(),
                     k.clone(),
@@ -149,8 +151,11 @@ pub fn bench_window(
                 );
                 let grads = out.context.sum().backward();
                 grads_of([&q, &k, &v], &grads)
-            })?;
+            };
+            let ms = time_synced(runs, device, call)?;
+            // The peak before the queued batches, which hold several calls' gradients.
             let peak_mib = before.and_then(|before| Some(peak::read()? - before));
+            let ms = queued_too(ms, device, call, queue_asked());
             let what = (subject, "forward+backward");
             out.push(record(backend, what, [1, len, len], ms, peak_mib));
         }

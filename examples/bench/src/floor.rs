@@ -18,19 +18,19 @@ use burn::nn::attention::{
 use burn::tensor::{Device, FloatDType, Tensor};
 use mha::{AttentionMask, MhaInput, ModuleDType, MultiHeadAttentionConfig, SdpaOptions};
 
-use crate::{Outcome, backward_of, dtype_name, grads_of, queued, randn_as, time};
+use crate::{Outcome, backward_of, dtype_name, grads_of, queued, randn_as, time_synced};
 
 /// Calls issued before one sync in a queued measurement.
 const QUEUED: usize = 64;
 
-/// Prints one row: `f` synced after each call ([`time`]) and queued ([`queued`]).
+/// Prints one row: `f` synced after each call ([`time_synced`]) and queued ([`queued`]).
 fn row<O: Outcome>(
     what: &str,
     runs: usize,
     device: &Device,
     mut f: impl FnMut() -> O,
 ) -> anyhow::Result<()> {
-    let synced = time(runs, device, &mut f)?.ms;
+    let synced = time_synced(runs, device, &mut f)?.ms;
     let queued = queued(runs, QUEUED, device, f)?;
     println!("| {what} | {synced:.3} | {queued:.3} |");
     Ok(())

@@ -14,10 +14,11 @@
 //! Each number is the median of `--runs` timed runs after a warm-up: two runs, then more
 //! for half a second where the second is short (a decoding step, which fills a cache,
 //! after one run only); the device is synchronised after each run, so GPU numbers include
-//! the kernels, not only their launch. With `--queued` each call that is not slow is also
-//! timed queued: batches of calls issued back to back before one sync (enough to keep the
-//! device busy for 25 ms, 2 to 64 calls), the median per call, in a second table and as
-//! `queued_ms` in the JSON; on a GPU the synced time holds one round trip to the device.
+//! the kernels, not only their launch. With `--queued` each call of under 2 s is also
+//! timed queued (not a decoding step, nor the trainer's): batches of calls issued back to
+//! back before one sync (enough to keep the device busy for 25 ms, 2 to 64 calls), the
+//! median per call, in a second table and as `queued_ms` in the JSON; on a GPU the synced
+//! time holds one round trip to the device.
 //! The first run's result and the last run's are read
 //! back (outside the timings), and held until the device is done (a dropped tensor is
 //! work Burn's fusion may skip): an attention measurement whose call the device did not
@@ -157,11 +158,11 @@ struct Cli {
     /// T, H, Dh]` in memory (`core-bthd`). Nothing is timed with `--overhead`.
     #[arg(long)]
     variants: bool,
-    /// Also time each call that is not slow (see `--runs`) queued: calls issued back to
-    /// back before one sync, as a training loop issues them, enough of them to keep the
-    /// device busy for 25 ms (2 to 64); the median per call over `--runs` such batches,
-    /// beside the synced time (a second table, and `queued_ms` in the JSON). On a GPU the
-    /// synced time holds one round trip to the device per call.
+    /// Also time each call of under 2 s queued (not a decoding step, nor the trainer's):
+    /// calls issued back to back before one sync, as a training loop issues them, enough
+    /// of them to keep the device busy for 25 ms (2 to 64); the median per call over
+    /// `--runs` such batches, beside the synced time (a second table, and `queued_ms` in
+    /// the JSON). On a GPU the synced time holds one round trip to the device per call.
     #[arg(long)]
     queued: bool,
     /// Also write every measurement to this JSON file (rewritten whole after each
@@ -212,11 +213,13 @@ fn bench_long_core(
     out: &mut Vec<Record>,
 ) {
     let call = long_core(device, (seq, dtype));
-    let timed = time(cli.runs.min(3), device, &call);
+    let timed = time_synced(cli.runs.min(3), device, &call);
+    // The peak before the queued batches, which hold several calls' gradients at once.
     let peak_mib = device.memory_pool_report().filter(|_| first).map(|pools| {
         let bytes: u64 = pools.iter().map(|p| p.pages_peak * p.page_size).sum();
         bytes as f64 / (1 << 20) as f64
     });
+    let timed = timed.map(|t| queued_too(t, device, &call, queue_asked()));
     if !first {
         eprintln!(
             "{backend}: the core at {seq} positions in {}: no peak memory (an earlier \
@@ -340,6 +343,9 @@ struct Record {
     /// The calls of each queued batch.
     #[serde(skip_serializing_if = "Option::is_none")]
     queued_calls: Option<usize>,
+    /// Why the queued batches have no time (the synced one stands).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    queued_failed: Option<String>,
     gflops: Option<f64>,
     tokens_per_second: Option<f64>,
     /// Batch of the decoding and window measurements.
@@ -374,8 +380,17 @@ impl Record {
             pass,
             median_ms: timed.ms,
             runs: timed.runs,
-            queued_ms: timed.queued.map(|q| q.ms),
-            queued_calls: timed.queued.map(|q| q.calls),
+            queued_ms: timed
+                .queued
+                .as_ref()
+                .and_then(|q| q.as_ref().ok())
+                .map(|q| q.ms),
+            queued_calls: timed
+                .queued
+                .as_ref()
+                .and_then(|q| q.as_ref().ok())
+                .map(|q| q.calls),
+            queued_failed: timed.queued.and_then(Result::err),
             gflops: None,
             tokens_per_second: None,
             batch: None,
@@ -431,11 +446,16 @@ impl Record {
     }
 
     /// A table's cell: the median milliseconds per call queued and the calls of a batch,
-    /// `failed`, or `—` where not queued.
+    /// `failed` (the call, or its queued batches), or `—` where not queued.
     fn queued_cell(&self) -> String {
-        match (&self.failed, self.queued_ms, self.queued_calls) {
-            (Some(_), ..) => "failed".into(),
-            (None, Some(ms), Some(calls)) => format!("{ms:.2} ({calls})"),
+        match (
+            &self.failed,
+            &self.queued_failed,
+            self.queued_ms,
+            self.queued_calls,
+        ) {
+            (Some(_), ..) | (None, Some(_), ..) => "failed".into(),
+            (None, None, Some(ms), Some(calls)) => format!("{ms:.2} ({calls})"),
             _ => "—".into(),
         }
     }
@@ -579,14 +599,15 @@ fn keep_warm<O>(device: &Device, f: &mut impl FnMut() -> O) -> anyhow::Result<()
 }
 
 /// A measurement's times (see [`time`]).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Timed {
     /// The median milliseconds of a call, the device synced after each.
     pub ms: f64,
     /// The timed runs.
     pub runs: usize,
-    /// Queued, where `--queued` asks for it ([`QUEUE`]).
-    pub queued: Option<Queued>,
+    /// Queued, where `--queued` asks for it ([`QUEUE`]), or why the queued batches
+    /// have no time.
+    pub queued: Option<Result<Queued, String>>,
 }
 
 /// The time of a call queued: `calls` calls issued before one sync.
@@ -649,11 +670,61 @@ fn queued<O: Outcome>(
 /// run (which compiles), then one more, then more for [`WARM_UP`] where that one took
 /// under 2 s (else at most 3 timed runs). The first run's and the last run's results are
 /// read back ([`Outcome`]), an error if the call did not complete or produced a value
-/// that is not finite. Where `--queued` asks ([`QUEUE`]) and the call is not slow, then
-/// also `runs` batches of [`queue_calls`] calls queued ([`queued`]).
-fn time<O: Outcome>(runs: usize, device: &Device, f: impl FnMut() -> O) -> anyhow::Result<Timed> {
-    let queue = QUEUE.load(std::sync::atomic::Ordering::Relaxed);
-    timed(runs, device, true, queue, f)
+/// that is not finite. Then [`queued_too`], where `--queued` asks ([`QUEUE`]).
+fn time<O: Outcome>(
+    runs: usize,
+    device: &Device,
+    mut f: impl FnMut() -> O,
+) -> anyhow::Result<Timed> {
+    let timed = timed(runs, device, true, &mut f)?;
+    Ok(queued_too(timed, device, f, queue_asked()))
+}
+
+/// [`time`] without the queued batches: for a measurement that reads something the
+/// batches would change first (a peak of memory: they hold several results at once),
+/// then calls [`queued_too`].
+fn time_synced<O: Outcome>(
+    runs: usize,
+    device: &Device,
+    f: impl FnMut() -> O,
+) -> anyhow::Result<Timed> {
+    timed(runs, device, true, f)
+}
+
+/// Whether `--queued` asks for queued times ([`QUEUE`]).
+fn queue_asked() -> bool {
+    QUEUE.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The longest synced call that is also timed queued, in milliseconds: past it a round
+/// trip to the device is nothing beside the call, and batches would take long.
+const QUEUE_MOST_MS: f64 = 2000.0;
+
+/// `timed` (a call's synced times, the device warm) with the call's queued time where
+/// `queue` says and the call takes at most [`QUEUE_MOST_MS`]: `timed.runs` batches of
+/// [`queue_calls`] calls ([`queued`]). Batches that fail (a result that is not finite,
+/// memory refused for the results they hold) leave the synced time standing, with why
+/// they failed (written to the standard error too).
+fn queued_too<O: Outcome>(
+    timed: Timed,
+    device: &Device,
+    f: impl FnMut() -> O,
+    queue: bool,
+) -> Timed {
+    if !queue || timed.ms.is_nan() || timed.ms > QUEUE_MOST_MS {
+        return timed;
+    }
+    let calls = queue_calls(timed.ms);
+    let queued = queued(timed.runs, calls, device, f)
+        .map(|ms| Queued { ms, calls })
+        .map_err(|e| {
+            eprintln!("the queued batches failed (the synced time stands): {e:#}");
+            format!("{e:#}")
+        });
+    Timed {
+        queued: Some(queued),
+        ..timed
+    }
 }
 
 /// [`time`] of a call that moves a state on (a decoding step, which fills a cache
@@ -664,16 +735,14 @@ fn time_steps<O: Outcome>(
     device: &Device,
     f: impl FnMut() -> O,
 ) -> anyhow::Result<Timed> {
-    timed(runs, device, false, false, f)
+    timed(runs, device, false, f)
 }
 
-/// [`time`], with the warm-up past the first run where `keep` says, and the queued
-/// batches where `queue` does too.
+/// The synced times of [`time`], with the warm-up past the first run where `keep` says.
 fn timed<O: Outcome>(
     runs: usize,
     device: &Device,
     keep: bool,
-    queue: bool,
     mut f: impl FnMut() -> O,
 ) -> anyhow::Result<Timed> {
     let started = Instant::now();
@@ -710,16 +779,11 @@ fn timed<O: Outcome>(
         }
     }
     samples.sort_by(f64::total_cmp);
-    let ms = samples[samples.len() / 2];
-    let queued = match keep && queue && !slow {
-        true => {
-            let calls = queue_calls(ms);
-            let ms = queued(runs, calls, device, f)?;
-            Some(Queued { ms, calls })
-        }
-        false => None,
-    };
-    Ok(Timed { ms, runs, queued })
+    Ok(Timed {
+        ms: samples[samples.len() / 2],
+        runs,
+        queued: None,
+    })
 }
 
 fn randn<const D: usize>(dims: [usize; D], device: &Device) -> Tensor<D> {
@@ -1406,10 +1470,10 @@ mod tests {
             let at = (shape, FloatDType::F32);
             Record::attention("wgpu", at, "mha", "forward", Ok(timed), 4e6)
         };
-        let queued = record(Some(Queued {
+        let queued = record(Some(Ok(Queued {
             ms: 0.25,
             calls: 64,
-        }));
+        })));
         assert_eq!(queued.queued_cell(), "0.25 (64)");
         let json = serde_json::to_value(&queued).unwrap();
         assert_eq!(
@@ -1422,6 +1486,18 @@ mod tests {
         let json = serde_json::to_value(&synced).unwrap();
         assert!(
             json.get("queued_ms").is_none() && json.get("queued_calls").is_none(),
+            "{json}"
+        );
+        // Queued batches that failed: their reason, the synced time standing.
+        let failed = record(Some(Err("refused".into())));
+        assert_eq!(
+            (failed.queued_cell(), failed.ms(2)),
+            ("failed".into(), "2.00".into())
+        );
+        let json = serde_json::to_value(&failed).unwrap();
+        assert_eq!(json["queued_failed"], "refused");
+        assert!(
+            json.get("queued_ms").is_none() && json["failed"].is_null(),
             "{json}"
         );
     }
@@ -1439,18 +1515,30 @@ mod tests {
         );
         let synced = time(3, &device, || x.clone().mul_scalar(2.0)).unwrap();
         assert!(synced.ms >= 0.0 && synced.runs == 3 && synced.queued.is_none());
-        // Queued too where asked: a call of microseconds gets the most calls a batch.
-        let both = super::timed(3, &device, true, true, || x.clone().mul_scalar(2.0)).unwrap();
-        let queued = both.queued.expect("asked for");
+        // Queued too where asked, as many calls a batch as the synced time says.
+        let double = || x.clone().mul_scalar(2.0);
+        let both = queued_too(synced.clone(), &device, double, true);
+        let queued = both.queued.clone().expect("asked for").expect("finite");
         assert!(
-            queued.ms >= 0.0 && queued.calls == QUEUE_CALLS.1,
+            queued.ms >= 0.0 && queued.calls == queue_calls(synced.ms),
             "{both:?}"
+        );
+        assert_eq!((both.ms, both.runs), (synced.ms, synced.runs));
+        assert!(
+            queued_too(synced.clone(), &device, double, false)
+                .queued
+                .is_none()
         );
         let why = queued_of(&device, || x.clone().div_scalar(0.0)).expect_err("not finite");
         assert!(
             format!("{why:#}").contains("the last queued batch"),
             "{why:#}"
         );
+        // Batches that fail leave the synced time standing, and say why.
+        let failing = queued_too(synced.clone(), &device, || x.clone().div_scalar(0.0), true);
+        assert_eq!(failing.ms, synced.ms);
+        let why = failing.queued.expect("asked for").expect_err("not finite");
+        assert!(why.contains("the last queued batch"), "{why}");
 
         let shape = shape_named("tiny").unwrap();
         let failed = Record::attention(
