@@ -199,7 +199,8 @@ def best_tiles(out, build):
     """The MHA_GPU_TILES setting that gives each kernel of BUILD, in each dtype `--tiles`
     swept it in, the tiles it took in the step where its own device time was least
     (`KERNEL@DTYPE=U,Q,K`, `;` between them), and a line for each choice saying what it
-    beat; ("", []) where no step of BUILD timed a kernel."""
+    beat; ("", []) where no step of BUILD timed a kernel. A kernel timed with one tiles
+    only (a sweep the budget cut) is left as it is unasked: nothing was compared."""
     best = {}
     for dtype, first, path in sweep_steps(out, build):
         for kernel, (tiles, ms) in swept(path).items():
@@ -209,6 +210,9 @@ def best_tiles(out, build):
     for (kernel, dtype), seen in sorted(best.items(), key=lambda kv: (kv[0][1], order.index(kv[0][0]))):
         seen.sort()
         ms, tiles, _ = seen[0]
+        if len({t for _, t, _ in seen}) < 2:
+            why.append(f"{build} {dtype} {kernel}: only {tiles} timed ({ms:.2f} ms): left as it is unasked")
+            continue
         setting.append(f"{kernel}@{dtype}={tiles}")
         others = ", ".join(f"{t} {m:.2f}" for m, t, _ in seen[1:])
         why.append(f"{build} {dtype} {kernel}: {tiles} at {ms:.2f} ms" + (f" (then {others})" if others else ""))

@@ -257,8 +257,9 @@ tuned() {
         else
             tiles_chosen[$label]=$(best_tiles "$build" "" "$why")
         fi
-        if [ -n "${tiles_chosen[$label]}" ]; then
-            printf '%s\t%s\t%s\n' "$label" "${tiles_chosen[$label]}" \
+        # Recorded where the sweep timed any kernel of the build, chosen or not.
+        if [ -n "${tiles_chosen[$label]}" ] || [ -s "$why" ]; then
+            printf '%s\t%s\t%s\n' "$label" "${tiles_chosen[$label]:-(every kernel as unasked)}" \
                 "$(paste -sd';' "$why" | sed 's/;/; /g')" >> "$out/tiles.tsv"
         fi
         rm -f "$why"
@@ -557,16 +558,26 @@ table() {
 # log says which tiles each kernel took). Unasked, the portable product's 32 KiB take at
 # most 64,32,32 in f32 and 128,64,32 in f16 (lavapipe, 2026-11-28); tiles asked for may
 # take up to 48 KiB where the device has it (NVIDIA), as cooperative matrices do: the
-# first of each list below is larger than any taken unasked. Cooperative matrices first
-# (SPIR-V f16), then the portable product in f32 and f16.
+# first of each list below is larger than any taken unasked, and the second is what each
+# kernel takes unasked or near it. In rounds, one of each list a round (cooperative
+# matrices, SPIR-V f16; then the portable product in f32 and f16): a sweep the budget
+# cuts still compares two or more tiles in every build and dtype, where one list after
+# the other would leave the last unswept, or swept once (a choice without a comparison,
+# which `--best-tiles` refuses).
 tiles() {
-    if [ "$spirv" -eq 1 ]; then
-        sweep spirv f16 128,64,64 128,64,32 64,32,32 32,16,32
-    fi
-    if [ "$wgsl" -eq 1 ]; then
-        sweep wgsl f32 128,64,32 64,32,32 32,16,32 32,32,16
-        sweep wgsl f16 128,64,64 128,64,32 64,32,32 32,16,32
-    fi
+    local spirv_f16=(128,64,64 128,64,32 64,32,32 32,16,32)
+    local wgsl_f32=(128,64,32 64,32,32 32,16,32 32,32,16)
+    local wgsl_f16=(128,64,64 128,64,32 64,32,32 32,16,32)
+    local round
+    for round in 0 1 2 3; do
+        if [ "$spirv" -eq 1 ]; then
+            sweep spirv f16 "${spirv_f16[$round]}"
+        fi
+        if [ "$wgsl" -eq 1 ]; then
+            sweep wgsl f32 "${wgsl_f32[$round]}"
+            sweep wgsl f16 "${wgsl_f16[$round]}"
+        fi
+    done
 }
 
 wgsl=0
