@@ -79,12 +79,10 @@ def queue_calls(ms):
     return most if ms <= 0 else min(max(math.ceil(QUEUE_SPAN_MS / ms), fewest), most)
 
 
-def timed(runs, device, f):
+def timed(runs, device, f, queue=None):
     """Median milliseconds of f over `runs` runs after a warm-up: two runs, then more for
     WARM_UP seconds where the second took under 2 s (else at most 3 timed runs); with
-    the runs, and where QUEUE asks and the median is at most QUEUE_MOST_MS, the median
-    milliseconds per call of `runs` batches of `queue_calls` calls before one sync and
-    those calls (else None)."""
+    the runs, and where `queue` (QUEUE unless given) asks, `queued`'s."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     f()
     sync()
@@ -106,8 +104,16 @@ def timed(runs, device, f):
         sync()
         samples.append((time.perf_counter() - start) * 1e3)
     ms = statistics.median(samples)
-    if not QUEUE or ms > QUEUE_MOST_MS:
-        return ms, runs, None
+    return ms, runs, queued(ms, runs, device, f) if (QUEUE if queue is None else queue) else None
+
+
+def queued(ms, runs, device, f):
+    """Where the synced median `ms` is at most QUEUE_MOST_MS, the median milliseconds per
+    call of `runs` batches of `queue_calls` calls before one sync and those calls (else
+    None), on a device already warm."""
+    if ms > QUEUE_MOST_MS:
+        return None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     calls = queue_calls(ms)
     batches = []
     for _ in range(runs):
@@ -116,7 +122,7 @@ def timed(runs, device, f):
             f()
         sync()
         batches.append((time.perf_counter() - start) * 1e3 / calls)
-    return ms, runs, (statistics.median(batches), calls)
+    return statistics.median(batches), calls
 
 
 def times(result):
@@ -188,8 +194,10 @@ def bench_long_core(seq, device, runs, dtype):
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    result = timed(min(runs, 3), device, forward_backward)
+    ms, n, _ = timed(min(runs, 3), device, forward_backward, queue=False)
+    # The peak before the queued batches.
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    result = (ms, n, queued(ms, n, device, forward_backward) if QUEUE else None)
     flops = 3 * core_flops(1, seq, 512)
     return dict(shape="long-core", dtype=dtype, subject="pytorch-core", pass_="forward+backward",
                 context=seq, **times(result), gflops=flops / result[0] / 1e6, peak_mib=peak)

@@ -291,7 +291,8 @@ def main(out):
                 failures.append((build, f"{r['subject']} (queued)", r["pass"], shape, r["dtype"], r["queued_failed"]))
             column = f"{r['subject']} {build}"
             if shape == "long-core":
-                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), ms_of(r, "queued_ms"), r.get("peak_mib")))
+                queued_ms = ms_of(r, "queued_ms") if was_queued else None
+                long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), queued_ms, r.get("peak_mib")))
                 continue
             rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r)
             if was_queued and ms_of(r, "queued_ms") is not None:
@@ -384,7 +385,8 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--best-tiles":
         setting, why = best_tiles(sys.argv[2], sys.argv[3])
         print(setting)
-        print("\n".join(why), file=sys.stderr)
+        if why:
+            print("\n".join(why), file=sys.stderr)
     elif len(sys.argv) == 2:
         print(main(sys.argv[1]), end="")
     else:

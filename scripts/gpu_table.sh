@@ -27,7 +27,7 @@
 #    next to nothing to compute, and the tiny shape), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
 #    costs around the kernels and floor, SPIR-V f32. The table's steps time each call
-#    synced, and queued too where it takes under 2 s (`--queued`), PyTorch's the same;
+#    synced, and queued too where it takes 2 s or less (`--queued`), PyTorch's the same;
 #    after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
@@ -258,7 +258,7 @@ tuned() {
             tiles_chosen[$label]=$(best_tiles "$build" "" "$why")
         fi
         # Recorded where the sweep timed any kernel of the build, chosen or not.
-        if [ -n "${tiles_chosen[$label]}" ] || [ -s "$why" ]; then
+        if [ -n "${tiles_chosen[$label]}" ] || grep -q . "$why"; then
             printf '%s\t%s\t%s\n' "$label" "${tiles_chosen[$label]:-(every kernel as unasked)}" \
                 "$(paste -sd';' "$why" | sed 's/;/; /g')" >> "$out/tiles.tsv"
         fi
@@ -561,19 +561,29 @@ table() {
 # first of each list below is larger than any taken unasked, and the second is what each
 # kernel takes unasked or near it. In rounds, one of each list a round (cooperative
 # matrices, SPIR-V f16; then the portable product in f32 and f16): a sweep the budget
-# cuts still compares two or more tiles in every build and dtype, where one list after
-# the other would leave the last unswept, or swept once (a choice without a comparison,
-# which `--best-tiles` refuses).
+# cuts after two rounds has compared two tiles or more in every build and dtype, where one
+# list after the other would leave the last unswept, or swept once (a choice without a
+# comparison, which `--best-tiles` refuses).
 tiles() {
     local spirv_f16=(128,64,64 128,64,32 64,32,32 32,16,32)
     local wgsl_f32=(128,64,32 64,32,32 32,16,32 32,32,16)
     local wgsl_f16=(128,64,64 128,64,32 64,32,32 32,16,32)
-    local round
+    # Each build checked once (`sweep` says why it skips, once a build and dtype).
+    local round with_spirv="$spirv" with_wgsl="$wgsl"
+    if [ "$spirv" -eq 1 ] && ! takes spirv --core-kernels; then
+        sweep spirv f16
+        with_spirv=0
+    fi
+    if [ "$wgsl" -eq 1 ] && ! takes wgsl --core-kernels; then
+        sweep wgsl f32
+        sweep wgsl f16
+        with_wgsl=0
+    fi
     for round in 0 1 2 3; do
-        if [ "$spirv" -eq 1 ]; then
+        if [ "$with_spirv" -eq 1 ]; then
             sweep spirv f16 "${spirv_f16[$round]}"
         fi
-        if [ "$wgsl" -eq 1 ]; then
+        if [ "$with_wgsl" -eq 1 ]; then
             sweep wgsl f32 "${wgsl_f32[$round]}"
             sweep wgsl f16 "${wgsl_f16[$round]}"
         fi

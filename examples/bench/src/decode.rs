@@ -9,9 +9,7 @@ use burn::tensor::Device;
 use mha::{AttentionMask, KvCache, MhaInput, MultiHeadAttentionConfig, SdpaOptions};
 use train::backend::Backend;
 
-use crate::{
-    Record, Timed, grads_of, queue_asked, queued_too, randn, time, time_steps, time_synced,
-};
+use crate::{Record, Timed, grads_of, randn, time, time_steps, time_synced};
 
 /// Model width and heads of the decoding benchmark (the base shape's).
 const D_MODEL: usize = 512;
@@ -152,10 +150,10 @@ pub fn bench_window(
                 let grads = out.context.sum().backward();
                 grads_of([&q, &k, &v], &grads)
             };
+            // Never queued: queued batches hold several calls' gradients, and the memory
+            // they took stays with the process (mimalloc keeps it), under the next peak.
             let ms = time_synced(runs, device, call)?;
-            // The peak before the queued batches, which hold several calls' gradients.
             let peak_mib = before.and_then(|before| Some(peak::read()? - before));
-            let ms = queued_too(ms, device, call, queue_asked());
             let what = (subject, "forward+backward");
             out.push(record(backend, what, [1, len, len], ms, peak_mib));
         }

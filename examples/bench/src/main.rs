@@ -14,8 +14,8 @@
 //! Each number is the median of `--runs` timed runs after a warm-up: two runs, then more
 //! for half a second where the second is short (a decoding step, which fills a cache,
 //! after one run only); the device is synchronised after each run, so GPU numbers include
-//! the kernels, not only their launch. With `--queued` each call of under 2 s is also
-//! timed queued (not a decoding step, nor the trainer's): batches of calls issued back to
+//! the kernels, not only their launch. With `--queued` each call of 2 s or less is also
+//! timed queued (not a decoding step, the window's, nor the trainer's): batches of calls issued back to
 //! back before one sync (enough to keep the device busy for 25 ms, 2 to 64 calls), the
 //! median per call, in a second table and as `queued_ms` in the JSON; on a GPU the synced
 //! time holds one round trip to the device.
@@ -158,7 +158,8 @@ struct Cli {
     /// T, H, Dh]` in memory (`core-bthd`). Nothing is timed with `--overhead`.
     #[arg(long)]
     variants: bool,
-    /// Also time each call of under 2 s queued (not a decoding step, nor the trainer's):
+    /// Also time each call of 2 s or less queued (not a decoding step, the window's, nor
+    /// the trainer's):
     /// calls issued back to back before one sync, as a training loop issues them, enough
     /// of them to keep the device busy for 25 ms (2 to 64); the median per call over
     /// `--runs` such batches, beside the synced time (a second table, and `queued_ms` in
