@@ -290,13 +290,13 @@ def main(out):
             elif r.get("queued_failed"):
                 failures.append((build, f"{r['subject']} (queued)", r["pass"], shape, r["dtype"], r["queued_failed"]))
             column = f"{r['subject']} {build}"
+            queued_ms = ms_of(r, "queued_ms") if was_queued else None
             if shape == "long-core":
-                queued_ms = ms_of(r, "queued_ms") if was_queued else None
                 long_rows.append((f"mha {build}", r.get("context"), r["dtype"], ms_of(r), queued_ms, r.get("peak_mib")))
                 continue
             rows.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r)
-            if was_queued and ms_of(r, "queued_ms") is not None:
-                queued.setdefault((shape, r["pass"], r["dtype"]), {})[column] = ms_of(r, "queued_ms")
+            if queued_ms is not None:
+                queued.setdefault((shape, r["pass"], r["dtype"]), {})[column] = queued_ms
     torch = load(os.path.join(out, "pytorch.json"))
     for r in (torch or {}).get("records", []):
         if r.get("shape") == "long-core":

@@ -468,6 +468,14 @@ floor() {
         --json "$out/mha-$1-floor.json"
 }
 
+# `can_sweep BUILD`: whether the packed benchmark of BUILD can time a sweep's step (a pack
+# made before `--core-kernels` cannot: recorded as a step not run).
+can_sweep() {
+    if takes "$1" --core-kernels; then return 0; fi
+    skip "tiles-$1" "the packed $1 build predates --core-kernels (pack again)"
+    return 1
+}
+
 # `sweep BUILD DTYPE TILES...`: the causal core at $tiles_len positions, forward+backward,
 # with each of TILES (`units,queries,keys`, one of the kernels' candidates) first in their
 # order of preference (MHA_GPU_TILES), each in a process of its own, with each kernel's
@@ -475,10 +483,6 @@ floor() {
 sweep() {
     local build="$1" dtype="$2" tiles name
     shift 2
-    if ! takes "$build" --core-kernels; then
-        skip "tiles-$build-$dtype" "the packed $build build predates --core-kernels (pack again)"
-        return
-    fi
     for tiles in "$@"; do
         name="tiles-$build-$dtype-${tiles//,/-}"
         MHA_GPU_TILES="$tiles" step "$name" "$tiles_limit" "$out/bench-$build" \
@@ -568,17 +572,9 @@ tiles() {
     local spirv_f16=(128,64,64 128,64,32 64,32,32 32,16,32)
     local wgsl_f32=(128,64,32 64,32,32 32,16,32 32,32,16)
     local wgsl_f16=(128,64,64 128,64,32 64,32,32 32,16,32)
-    # Each build checked once (`sweep` says why it skips, once a build and dtype).
-    local round with_spirv="$spirv" with_wgsl="$wgsl"
-    if [ "$spirv" -eq 1 ] && ! takes spirv --core-kernels; then
-        sweep spirv f16
-        with_spirv=0
-    fi
-    if [ "$wgsl" -eq 1 ] && ! takes wgsl --core-kernels; then
-        sweep wgsl f32
-        sweep wgsl f16
-        with_wgsl=0
-    fi
+    local round with_spirv=0 with_wgsl=0
+    if [ "$spirv" -eq 1 ] && can_sweep spirv; then with_spirv=1; fi
+    if [ "$wgsl" -eq 1 ] && can_sweep wgsl; then with_wgsl=1; fi
     for round in 0 1 2 3; do
         if [ "$with_spirv" -eq 1 ]; then
             sweep spirv f16 "${spirv_f16[$round]}"
@@ -601,7 +597,7 @@ case "$mode" in
     dry)
         # The sweep's plumbing once, the table, then the trainer's steps (2 of each) and
         # a whole run of a tiny model.
-        if [ "$wgsl" -eq 1 ]; then sweep wgsl f32 128,64,64 32,16,32; fi
+        if [ "$wgsl" -eq 1 ] && can_sweep wgsl; then sweep wgsl f32 128,64,64 32,16,32; fi
         # The table's steps with the sweep's choice, as MHA_GPU_TABLE_TILES gives it.
         tiles_from="$out"
         table

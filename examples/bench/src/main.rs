@@ -712,7 +712,7 @@ fn queued_too<O: Outcome>(
     f: impl FnMut() -> O,
     queue: bool,
 ) -> Timed {
-    if !queue || timed.ms.is_nan() || timed.ms > QUEUE_MOST_MS {
+    if !queue || timed.ms > QUEUE_MOST_MS {
         return timed;
     }
     let calls = queue_calls(timed.ms);
