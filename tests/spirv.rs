@@ -92,9 +92,11 @@ fn every_kernel_compiles_to_valid_spirv_on_a_device_with_explicit_shared_memory(
     let mut checked = 0;
     for (name, target) in explicit_targets() {
         let modules = kernels(&target).unwrap_or_else(|e| panic!("{name}: {e}"));
-        // Forward, dQ and dK/dV: 2 head dims x 2 sets of inputs x checked or not, then
-        // D and the reduction, per dtype; the zeros. With cooperative matrices, the
-        // three kernels on them too, at head dim 64, for f16 and bf16.
+        // Forward, dQ and dK/dV: 2 head dims x 2 sets of inputs x checked or not; the
+        // decoding kernel, writing a row's output or a split's, at the same 8; then the
+        // splits' combination, D and the reduction, per dtype; the zeros. With
+        // cooperative matrices, the three kernels on them too, at head dim 64, for f16
+        // and bf16.
         let halves = target.dtypes.iter().filter(|d| **d != DType::F32).count();
         let cooperative = match target.cooperative_matrix {
             Some(_) => halves * 3 * 4,
@@ -102,7 +104,7 @@ fn every_kernel_compiles_to_valid_spirv_on_a_device_with_explicit_shared_memory(
         };
         assert_eq!(
             modules.len(),
-            target.dtypes.len() * (3 * 8 + 2) + 1 + cooperative,
+            target.dtypes.len() * (3 * 8 + 2 * 8 + 3) + 1 + cooperative,
             "{name}"
         );
         for module in &modules {
@@ -150,7 +152,7 @@ fn without_explicit_shared_memory_only_shared_memory_is_invalid() {
     assert_eq!(validate("explicit", &case), None);
 
     for module in kernels(&target).expect("compiles") {
-        let shared = ["forward_", "dq_", "dkv_"]
+        let shared = ["forward_", "dq_", "dkv_", "decode_"]
             .iter()
             .any(|k| module.name.starts_with(k));
         match (shared, validate("implicit", &module)) {

@@ -14,7 +14,7 @@ use crate::{Record, Timed, grads_of, randn, time, time_steps, time_synced};
 /// Model width and heads of the decoding benchmark (the base shape's).
 const D_MODEL: usize = 512;
 const HEADS: usize = 8;
-/// Positions before the new token.
+/// Positions of the decoding steps unless asked otherwise (`--decode-at`).
 pub const CONTEXTS: [usize; 3] = [128, 512, 2048];
 pub const BATCHES: [usize; 2] = [1, 8];
 
@@ -36,58 +36,79 @@ fn record(
     }
 }
 
-/// A record of one decoding step after `context - 1` positions.
+/// A record of one decoding step after `context - 1` positions, or of why it has none
+/// (written to the standard error too: a device that refuses one step's memory, as
+/// lavapipe refuses Burn's cache its scores at 2048 positions, leaves the others timed).
 fn decode_record(
     backend: Backend,
     subject: &'static str,
     batch: usize,
     context: usize,
-    ms: Timed,
+    ms: anyhow::Result<Timed>,
 ) -> Record {
     let what = (subject, "decode-step");
-    record(backend, what, [batch, context, batch], ms, None)
+    match ms {
+        Ok(ms) => record(backend, what, [batch, context, batch], ms, None),
+        Err(e) => {
+            eprintln!("{backend}: {subject} at {context} positions, batch {batch}: failed: {e:#}");
+            let none = Timed {
+                ms: f64::NAN,
+                runs: 0,
+                queued: None,
+            };
+            Record {
+                tokens_per_second: None,
+                failed: Some(format!("{e:#}")),
+                ..record(backend, what, [batch, context, batch], none, None)
+            }
+        }
+    }
 }
 
 /// One token at position `context - 1` of causal self-attention (`D_MODEL` wide,
-/// `HEADS` heads), batch 1 and 8: with mha's cache (`mha-cached`, room for 2048
-/// positions and the timed steps whatever the context), by recomputing the
-/// whole prefix with mha (`mha-recompute`, what decoding without a cache does), and with
-/// Burn's `MhaCache` (`burn-cache`: it caches the projections, concatenates them every
-/// step and computes the scores of every position again).
+/// `HEADS` heads), batch 1 and 8, at each of `contexts`: with mha's cache (`mha-cached`,
+/// room for the longest context and the timed steps whatever the context), by
+/// recomputing the whole prefix with mha (`mha-recompute`, what decoding without a cache
+/// does), and with Burn's `MhaCache` (`burn-cache`: it caches the projections,
+/// concatenates them every step and computes the scores of every position again).
 pub fn bench_decode(
     runs: usize,
     backend: Backend,
     device: &Device,
+    contexts: &[usize],
     out: &mut Vec<Record>,
 ) -> anyhow::Result<()> {
     let ours = MultiHeadAttentionConfig::new(D_MODEL, HEADS).init(device);
     let theirs = BurnMhaConfig::new(D_MODEL, HEADS)
         .with_dropout(0.0)
         .init(device);
+    let longest = contexts.iter().copied().max().unwrap_or(1);
     for batch in BATCHES {
-        for context in CONTEXTS {
+        for &context in contexts {
+            anyhow::ensure!(
+                context >= 2,
+                "--decode-at {context}: a step needs a position before it"
+            );
             eprintln!("{backend}: decoding at {context} positions, batch {batch} ...");
             // Room for the warm-up and the timed steps after the prompt.
-            let longest = context + runs + 1;
-            let x = randn([batch, longest, D_MODEL], device);
+            let x = randn([batch, context + runs + 1, D_MODEL], device);
             let token = x.clone().narrow(1, context - 1, 1);
 
             // Every cache has the room of the longest context: a step that copied the
             // storage would cost as much at 128 positions as at 2048.
-            let capacity = CONTEXTS[CONTEXTS.len() - 1] + runs + 1;
-            let mut cache = KvCache::new(capacity);
+            let mut cache = KvCache::new(longest + runs + 1);
             let prompt = x.clone().narrow(1, 0, context - 1);
             drop(ours.forward_cached(prompt, &mut cache, AttentionMask::none())?);
             let ms = time_steps(runs, device, || {
                 ours.forward_cached(token.clone(), &mut cache, AttentionMask::none())
-            })?;
+            });
             out.push(decode_record(backend, "mha-cached", batch, context, ms));
 
             let prefix = x.clone().narrow(1, 0, context);
             let ms = time(runs, device, || {
                 let all = ours.forward(MhaInput::causal(prefix.clone())).context;
                 all.narrow(1, context - 1, 1)
-            })?;
+            });
             out.push(decode_record(backend, "mha-recompute", batch, context, ms));
 
             let mut cache = MhaCache::autoregressive();
@@ -103,7 +124,7 @@ pub fn bench_decode(
                     .narrow(1, len - 1, 1);
                 len += 1;
                 last
-            })?;
+            });
             out.push(decode_record(backend, "burn-cache", batch, context, ms));
         }
     }
@@ -186,32 +207,44 @@ pub fn print_decode(backend: Backend, records: &[Record]) {
             .iter()
             .find(|r| r.subject == subject && r.batch == Some(batch) && r.context == Some(context))
     };
+    let mut contexts: Vec<usize> = records
+        .iter()
+        .filter(|r| r.pass == "decode-step")
+        .filter_map(|r| r.context)
+        .collect();
+    contexts.sort_unstable();
+    contexts.dedup();
     println!("\n## {backend}: one decoding step (D {D_MODEL}, H {HEADS}), median ms (tokens/s)\n");
     println!(
         "| batch | positions | mha cached | mha recompute | Burn MhaCache | recompute/cached | Burn/cached |"
     );
     println!("|---|---|---|---|---|---|---|");
     for batch in BATCHES {
-        for context in CONTEXTS {
+        for &context in &contexts {
             let [Some(cached), Some(recompute), Some(burn)] =
                 ["mha-cached", "mha-recompute", "burn-cache"].map(|s| find(s, batch, context))
             else {
                 continue;
             };
-            let cell = |r: &Record| {
-                format!(
+            let cell = |r: &Record| match r.failed {
+                Some(_) => "failed".to_string(),
+                None => format!(
                     "{:.3} ({:.0})",
                     r.median_ms,
                     r.tokens_per_second.unwrap_or(0.0)
-                )
+                ),
+            };
+            let ratio = |r: &Record| match (r.failed.is_some(), cached.failed.is_some()) {
+                (false, false) => format!("{:.1}x", r.median_ms / cached.median_ms),
+                _ => "—".to_string(),
             };
             println!(
-                "| {batch} | {context} | {} | {} | {} | {:.1}x | {:.1}x |",
+                "| {batch} | {context} | {} | {} | {} | {} | {} |",
                 cell(cached),
                 cell(recompute),
                 cell(burn),
-                recompute.median_ms / cached.median_ms,
-                burn.median_ms / cached.median_ms
+                ratio(recompute),
+                ratio(burn)
             );
         }
     }

@@ -109,9 +109,12 @@ struct Cli {
     #[arg(long, default_value_t = 20)]
     train_steps: usize,
     /// Also time one decoding step: mha's cache, recomputing the prefix, Burn's MhaCache,
-    /// at 128, 512 and 2048 positions, batch 1 and 8.
+    /// at the positions of `--decode-at`, batch 1 and 8.
     #[arg(long)]
     decode: bool,
+    /// Positions of `--decode`'s steps, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = decode::CONTEXTS)]
+    decode_at: Vec<usize>,
     /// Also time sliding-window attention (window 256) against full causal attention at
     /// 4096 and 16384 positions, with peak memory.
     #[arg(long)]
@@ -1353,7 +1356,7 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
             }
         }
         if cli.decode {
-            decode::bench_decode(cli.runs, backend, &device, &mut mine)?;
+            decode::bench_decode(cli.runs, backend, &device, &cli.decode_at, &mut mine)?;
         }
         if cli.window {
             decode::bench_window(cli.runs, backend, &device, &mut mine)?;

@@ -10,6 +10,7 @@ use super::backward::{
     BiasSums, CHUNK, delta_kernel, dkv_kernel, dq_kernel, reduce_kernel, zeros_kernel,
 };
 pub(crate) use super::backward::{DkvTiles, DqTiles};
+use super::decode::{DecodeTiles, combine_kernel, decode_kernel};
 pub(crate) use super::forward::ForwardTiles;
 use super::forward::forward_kernel;
 use super::scores::{KEYS_LAST_FIRST, ProblemLaunch, QUERIES_LAST_FIRST};
@@ -39,6 +40,15 @@ macro_rules! launch {
             // SAFETY: the kernels index within the tensors' shapes, and the tests
             // run them checked with every buffer followed by a guard, at the tiles' edges.
             unsafe { $kernel::launch_unchecked::<$product>($($arg),*) }
+        }
+    };
+    // A kernel without a tile product.
+    (plain $kernel:ident($($arg:expr),* $(,)?)) => {
+        if cfg!(debug_assertions) {
+            $kernel::launch($($arg),*)
+        } else {
+            // SAFETY: as above.
+            unsafe { $kernel::launch_unchecked($($arg),*) }
         }
     };
 }
@@ -517,13 +527,14 @@ fn preference(first: Option<(usize, usize, usize)>) -> [(usize, usize, usize); C
 /// driver's fault); unset or `auto`, they take them where the device has them.
 pub(crate) const TILE_PRODUCT_VAR: &str = "MHA_GPU_TILE_PRODUCT";
 
-/// Reads [`TILE_PRODUCT_VAR`] and [`TILES_VAR`] (once in a process).
+/// Reads [`TILE_PRODUCT_VAR`], [`TILES_VAR`] and [`DECODE_VAR`] (once in a process).
 ///
 /// # Panics
-/// On a value either refuses, naming it.
+/// On a value one refuses, naming it.
 pub(crate) fn check_settings() {
     portable_asked();
     tiles_asked();
+    tiles_only();
 }
 
 /// Whether [`TILE_PRODUCT_VAR`] asks for the portable product.
@@ -653,6 +664,9 @@ fn grid(client: &Client, cubes: usize) -> CubeCount {
 pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Handle, Handle) {
     let n = inputs.dims();
     let shared = client.properties().hardware.max_shared_memory_size;
+    if let Some(t) = decoding(&n, scoring, shared) {
+        return decode(client, inputs, scoring, t);
+    }
     let (t, _, _) = tiles(
         &n,
         inputs.size,
@@ -679,6 +693,112 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
             [inputs.elem, inputs.mask_elem, weights(t.frag, inputs.elem)],
         )
     );
+    (out, lse)
+}
+
+/// Queries at or below which a call takes the decoding kernels ([`decode`]), which read
+/// the keys and values once for each query row, where the tiled forward computes every
+/// score of its block of 16 to 64 rows: on lavapipe (8 heads of 64, 2048 keys) 4x as fast
+/// at one query, 1.5x at four, 0.8x at eight (`docs/benchmarks.md`).
+pub(crate) const DECODE_QUERIES: usize = 4;
+
+/// Units of a decoding cube, and keys of its split (each unit scores four).
+const DECODE_UNITS: usize = 64;
+const DECODE_KEYS: usize = 256;
+
+/// The environment variable that keeps the forward on the tiled kernel whatever the
+/// number of queries: `tiles` (to compare, or to step around a driver's fault); unset
+/// or `auto`, a call of at most [`DECODE_QUERIES`] queries takes the decoding kernels.
+pub(crate) const DECODE_VAR: &str = "MHA_GPU_DECODE";
+
+/// Whether [`DECODE_VAR`] asks for the tiled forward only.
+///
+/// # Panics
+/// On a value other than `auto` and `tiles`, naming it.
+fn tiles_only() -> bool {
+    #[cfg(test)]
+    if super::tests::TILED.get() {
+        return true;
+    }
+    static TILES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TILES.get_or_init(|| match std::env::var(DECODE_VAR) {
+        Err(std::env::VarError::NotPresent) => false,
+        Err(std::env::VarError::NotUnicode(v)) => panic!("{DECODE_VAR}={v:?}: not UTF-8"),
+        Ok(v) if v == "auto" || v.is_empty() => false,
+        Ok(v) if v == "tiles" => true,
+        Ok(v) => panic!("{DECODE_VAR}={v:?}: want `auto` or `tiles`"),
+    })
+}
+
+/// The decoding kernel's tiles for a call of `dims`, where it takes them: at most
+/// [`DECODE_QUERIES`] queries, the cube's shared memory within the device's `shared`
+/// bytes and [`SHARED_BUDGET`], and [`DECODE_VAR`] not set to `tiles`.
+pub(crate) fn decoding(dims: &Dims, scoring: Scoring, shared: usize) -> Option<DecodeTiles> {
+    let t = DecodeTiles {
+        units: DECODE_UNITS,
+        keys: DECODE_KEYS,
+        d_k: dims.d_k,
+        d_v: dims.d_v,
+        softcap: scoring.softcap.is_some(),
+        split: dims.keys > DECODE_KEYS,
+    };
+    let fits = t.shared_bytes() <= shared.min(SHARED_BUDGET);
+    (dims.queries <= DECODE_QUERIES && fits && !tiles_only()).then_some(t)
+}
+
+/// [`forward`] on the decoding kernels (`super::decode`): one cube per query row and
+/// split of [`DECODE_KEYS`] keys, then, with more than one split, one unit per element
+/// of the output to weigh the splits.
+fn decode(client: &Client, inputs: &Inputs, scoring: Scoring, t: DecodeTiles) -> (Handle, Handle) {
+    let n = inputs.dims();
+    let splits = n.keys.div_ceil(t.keys).max(1);
+    let out_shape = [n.batch, n.heads, n.queries, n.d_v];
+    let lse_shape = [n.batch, n.heads, n.queries, 1];
+    let out = alloc(client, out_shape, inputs.size);
+    let lse = alloc(client, lse_shape, 4);
+    let rows = n.batch * n.heads * n.queries;
+    let f32_elem = ElemType::Float(cubecl::ir::FloatKind::F32);
+    let split = |out: TensorArg, lse: TensorArg, w: ElemType| {
+        launch!(plain decode_kernel(
+            client,
+            grid(client, rows * splits),
+            CubeDim::new_1d(t.units as u32),
+            inputs.width(None),
+            inputs.problem(&n, scoring),
+            out,
+            lse,
+            t,
+            [inputs.elem, inputs.mask_elem, w],
+        ))
+    };
+    if !t.split {
+        split(
+            heads_inside(out_shape, &out),
+            contiguous(lse_shape, &lse),
+            inputs.elem,
+        );
+        return (out, lse);
+    }
+    let part_shape = [splits * n.batch, n.heads, n.queries, n.d_v];
+    let part_lse_shape = [splits * n.batch, n.heads, n.queries, 1];
+    let part = alloc(client, part_shape, 4);
+    let part_lse = alloc(client, part_lse_shape, 4);
+    split(
+        contiguous(part_shape, &part),
+        contiguous(part_lse_shape, &part_lse),
+        f32_elem,
+    );
+    let units = 256;
+    launch!(plain combine_kernel(
+        client,
+        grid(client, (rows * n.d_v).div_ceil(units)),
+        CubeDim::new_1d(units as u32),
+        contiguous(part_shape, &part),
+        contiguous(part_lse_shape, &part_lse),
+        heads_inside(out_shape, &out),
+        contiguous(lse_shape, &lse),
+        inputs.elem,
+    ));
     (out, lse)
 }
 

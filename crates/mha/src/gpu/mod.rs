@@ -9,6 +9,8 @@
 //!   distance, boolean mask) by the CPU tiles' rules.
 //! - [`forward`]: a cube of query rows walks the key tiles they see with an online softmax
 //!   in f32; it writes the output and each row's log-sum-exp.
+//! - [`decode`]: a few queries over many keys (decoding over a cache): a cube per query
+//!   row and split of the keys, then the splits weighed by their log-sum-exps.
 //! - [`backward`]: FlashAttention-2's recomputing backward pass (`D`; `dQ` queries outer,
 //!   with the bias gradients' partial sums; `dK`/`dV` keys outer with GQA summed in the
 //!   cube; the partial sums reduced in order).
@@ -26,6 +28,7 @@
 //! lavapipe stops every loop of an invocation after 65,535 iterations in all, silently).
 
 pub(crate) mod backward;
+pub(crate) mod decode;
 pub(crate) mod forward;
 pub(crate) mod launch;
 pub(crate) mod ops;

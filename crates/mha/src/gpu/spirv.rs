@@ -12,9 +12,10 @@ use cubecl::{Compiler, WgpuCompilationOptions};
 
 use super::backward::{BiasSums, delta_kernel, dkv_kernel, dq_kernel, reduce_kernel, zeros_kernel};
 use super::backward::{DkvTiles, DqTiles};
+use super::decode::{DecodeTiles, combine_kernel, decode_kernel};
 use super::forward::ForwardTiles;
 use super::forward::forward_kernel;
-use super::launch::{fragment, offline_device, tiles};
+use super::launch::{decoding, fragment, offline_device, tiles};
 use super::scores::ProblemCompilationArg;
 use super::tile::{Cooperative, Fragment, Registers, TileProduct};
 use crate::problem::Dims;
@@ -172,6 +173,62 @@ fn attention<P: TileProduct>(
     ])
 }
 
+/// The decoding kernel in the tiles a call of one query over `dims`' keys takes
+/// (`launch::decoding`), writing the row's output and writing a split's (with the soft
+/// cap where `every_input` asks for every input), checked and not, as modules named
+/// `decode_{tag}...`.
+fn decode(
+    target: &Target,
+    props: &Arc<DeviceProperties>,
+    dims: &Dims,
+    every_input: bool,
+    width: usize,
+    [elem, mask]: [ElemType; 2],
+    tag: &str,
+) -> Result<Vec<Module>, String> {
+    let f32_elem = ElemType::Float(cubecl::ir::FloatKind::F32);
+    let one = Dims {
+        queries: 1,
+        ..*dims
+    };
+    let scoring = super::launch::Scoring {
+        scale: 1.0,
+        softcap: every_input.then_some(1.0),
+        band: crate::mask::Band {
+            offset: 0,
+            before: None,
+            after: None,
+        },
+    };
+    let t: DecodeTiles = decoding(&one, scoring, 32 * 1024)
+        .ok_or_else(|| format!("decode_{tag}: the decoding kernel takes no call of {one:?}"))?;
+    let mut modules = Vec::new();
+    for (split, w) in [(false, elem), (true, f32_elem)] {
+        for checked in [true, false] {
+            modules.push(compile(
+                decode_kernel::DecodeKernel::new(
+                    settings(t.units, checked),
+                    props.clone(),
+                    Arc::new(TargetProperties::default()),
+                    problem(every_input),
+                    tensor(),
+                    tensor(),
+                    width,
+                    DecodeTiles { split, ..t },
+                    [elem, mask, w],
+                ),
+                format!(
+                    "decode_{tag}{}{}",
+                    if split { "_split" } else { "" },
+                    if checked { "_checked" } else { "" }
+                ),
+                target,
+            )?);
+        }
+    }
+    Ok(modules)
+}
+
 /// Every kernel the GPU path launches, in the variants a call can ask for, compiled for
 /// `target`.
 pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
@@ -209,6 +266,18 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
                 };
                 let portable =
                     with_sums(tiles(&dims, size, 32 * 1024, every_input, Fragment::NONE));
+                modules.extend(decode(
+                    target,
+                    &props,
+                    &dims,
+                    every_input,
+                    width,
+                    [elem, mask],
+                    &format!(
+                        "{dtype}_d{d}_{}",
+                        if every_input { "every_input" } else { "plain" }
+                    ),
+                )?);
                 let shared = props.hardware.max_shared_memory_size;
                 let fragments = with_sums(tiles(&dims, size, shared, every_input, frag));
                 for checked in [true, false] {
@@ -256,6 +325,20 @@ pub(crate) fn kernels(target: &Target) -> Result<Vec<Module>, String> {
                 elem,
             ),
             format!("delta_{dtype}"),
+            target,
+        )?);
+        modules.push(compile(
+            combine_kernel::CombineKernel::new(
+                settings(256, true),
+                props.clone(),
+                runtime(),
+                tensor(),
+                tensor(),
+                tensor(),
+                tensor(),
+                elem,
+            ),
+            format!("combine_{dtype}"),
             target,
         )?);
         modules.push(compile(

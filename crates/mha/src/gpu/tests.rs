@@ -31,6 +31,8 @@ thread_local! {
     /// This thread's kernels take these fragments in the emulated cooperative product
     /// (`tile::Emulated`), whatever the device has.
     pub(crate) static EMULATE: Cell<Option<super::tile::Fragment>> = const { Cell::new(None) };
+    /// This thread's forward takes the tiled kernel, whatever the number of queries.
+    pub(crate) static TILED: Cell<bool> = const { Cell::new(false) };
 }
 
 /// What a guard holds: NaN in f32 and in f16, read back unchanged unless a kernel wrote
@@ -702,6 +704,130 @@ fn gpu_attention_softcap_matches_f64() {
         softcap: Some(5.0),
         ..Case::new("softcap 5 scale 1 d32", [1, 2, 2], [33, 47, 32])
     });
+}
+
+/// Calls of at most `launch::DECODE_QUERIES` queries take the decoding kernels (a cube
+/// per query row and split of 256 keys, the splits then weighed): one split and
+/// several (keys not a multiple of a split), every mask kind (causal in both alignments,
+/// a window whose first splits see no key, a bias with `-inf`, key padding with a
+/// batch row whose every split is dead, a boolean mask), GQA, the soft cap, head dims
+/// read one element at a time, the query as the heads of a projection, f16 (scores far
+/// below zero included); against f64 and against the tiled forward on the same inputs,
+/// every buffer followed by a guard.
+#[test]
+fn gpu_decoding_matches_the_tiled_forward_and_f64() {
+    let client = client();
+    let shared = client.properties().hardware.max_shared_memory_size;
+    let causal = AttentionMask::causal;
+    let cases = [
+        Case::new("decode Tq1 Tk1 d64", [1, 2, 2], [1, 1, 64]),
+        Case::new(
+            "decode gqa 8:2 Tq1 Tk700 causal d64",
+            [2, 8, 2],
+            [1, 700, 64],
+        )
+        .mask(causal()),
+        Case {
+            bias: Some([1, 2, 3, 600]),
+            blocked: Some([2, 1, 1, 600]),
+            dead_batches: 1,
+            ..Case::new(
+                "decode Tq3 Tk600 bias + key padding d32",
+                [2, 2, 2],
+                [3, 600, 32],
+            )
+            .mask(causal())
+        },
+        Case {
+            blocked: Some([1, 1, 4, 530]),
+            heads_inside: true,
+            ..Case::new(
+                "decode Tq4 Tk530 bool top-left d64",
+                [1, 3, 1],
+                [4, 530, 64],
+            )
+            .mask(causal().aligned(CausalAlignment::TopLeft))
+        },
+        Case::new("decode Tq2 Tk1000 window 100 d64", [1, 2, 2], [2, 1000, 64])
+            .mask(AttentionMask::sliding_window(100)),
+        Case::new(
+            "decode Tq4 Tk300 local 20 offset 200 d64",
+            [1, 1, 1],
+            [4, 300, 64],
+        )
+        .mask(AttentionMask::local(20).aligned(CausalAlignment::Offset(200))),
+        Case {
+            scale: 1.0,
+            softcap: Some(5.0),
+            d_v: 9,
+            ..Case::new("decode Tq1 Tk513 softcap d7/9", [1, 2, 2], [1, 513, 7])
+        },
+        Case {
+            dtype: DType::F16,
+            ..Case::new("decode f16 Tq3 Tk777 causal d128", [1, 4, 2], [3, 777, 128]).mask(causal())
+        },
+    ];
+    GUARD.set(GUARD_BYTES);
+    for case in &cases {
+        let visibility = case.mask.visibility(case.queries, case.keys);
+        let scoring = Scoring {
+            scale: case.scale,
+            softcap: case.softcap,
+            band: visibility.band(),
+        };
+        let dims = crate::problem::Dims::of([
+            [case.batch, case.heads, case.queries, case.d_k],
+            [case.batch, case.kv_heads, case.keys, case.d_k],
+            [case.batch, case.kv_heads, case.keys, case.d_v],
+        ]);
+        assert!(
+            launch::decoding(&dims, scoring, shared).is_some(),
+            "{}: not on the decoding kernels",
+            case.name
+        );
+        let data = Data::of(case);
+        check_data(case, &data);
+        let decoded = run(&client, case, &data, &visibility);
+        TILED.set(true);
+        let tiled = run(&client, case, &data, &visibility);
+        TILED.set(false);
+        let tol = match case.dtype {
+            DType::F16 => 2e-3,
+            _ => 1e-5,
+        };
+        for (what, a, b) in [
+            ("output", &decoded.out, &tiled.out),
+            ("log-sum-exp", &decoded.lse, &tiled.lse),
+        ] {
+            for (at, (&x, &y)) in a.iter().zip(b.iter()).enumerate() {
+                assert!(
+                    (x - y).abs() <= tol * (1.0 + y.abs()),
+                    "{}: {what} {at}: decoded {x}, tiled {y}",
+                    case.name
+                );
+            }
+        }
+    }
+    GUARD.set(0);
+
+    // Scores far below f16's dead-row sentinel over several splits: real rows.
+    let case = Case {
+        dtype: DType::F16,
+        scale: 1.0,
+        ..Case::new(
+            "decode f16 scores below -8192 Tk600",
+            [1, 1, 1],
+            [1, 600, 32],
+        )
+    };
+    let mut data = Data::of(&case);
+    let shift = |x: &mut f32, sign: f32| *x = f16::from_f32(sign * (20.0 + 4.0 * *x)).to_f32();
+    data.q.data.iter_mut().for_each(|x| shift(x, 1.0));
+    data.k.data.iter_mut().for_each(|x| shift(x, -1.0));
+    let visibility = case.mask.visibility(case.queries, case.keys);
+    let want = reference(&case, &data, &visibility);
+    assert!(want.lse.iter().all(|&l| l < -8192.0), "{:?}", want.lse);
+    check_data(&case, &data);
 }
 
 /// Every tile shape the kernels may take (whatever the device's shared memory picks), on
