@@ -15,8 +15,8 @@
 //! split writes the row's output directly. Scores follow the same rules ([`masked`]):
 //! a row that sees no key, or only blocked ones, gets zeros and [`DEAD_LSE`].
 //!
-//! Every loop runs over one split's keys or over the splits, far below a driver's cap
-//! on loop iterations.
+//! Every loop of an invocation runs over one split's keys, or once over the splits (in
+//! [`combine_kernel`]): lavapipe's cap of 65,535 iterations is 16.7 million keys.
 
 use cubecl::prelude::*;
 
@@ -41,6 +41,32 @@ pub(crate) struct DecodeTiles {
 }
 
 impl DecodeTiles {
+    /// The tiles of `units` units and splits of `keys` keys at head dims `d_k` and `d_v`.
+    ///
+    /// # Panics
+    /// Unless `units` is a multiple of 32 and `keys` of `units` (every unit scores the
+    /// same number of keys, and every score is written).
+    pub(crate) fn new(
+        units: usize,
+        keys: usize,
+        [d_k, d_v]: [usize; 2],
+        softcap: bool,
+        split: bool,
+    ) -> Self {
+        assert!(
+            units.is_multiple_of(32) && keys.is_multiple_of(units),
+            "decoding tiles of {units} units and {keys} keys"
+        );
+        Self {
+            units,
+            keys,
+            d_k,
+            d_v,
+            softcap,
+            split,
+        }
+    }
+
     /// Quads of the value's head dim.
     fn quads(&self) -> usize {
         self.d_v.div_ceil(4)
@@ -326,23 +352,20 @@ pub(crate) fn combine_kernel<F: Float>(
         let (b, h) = (bh / heads, bh % heads);
         let splits = part.shape(0) / batch;
         let lse_row = h * part_lse.stride(1) + i * part_lse.stride(2);
+        let row = h * part.stride(1) + i * part.stride(2) + d * part.stride(3);
+        // One pass, the sums rescaled to each new maximum (a dead split before the first
+        // live one weighs 1 until then, and 0 after).
         let mut top = f32::new(NO_MAX);
-        for s in 0..splits {
-            top = max(
-                top,
-                part_lse[(s * batch + b) * part_lse.stride(0) + lse_row],
-            );
-        }
         let mut sum = 0.0f32;
         let mut x = 0.0f32;
         for s in 0..splits {
-            let w = (part_lse[(s * batch + b) * part_lse.stride(0) + lse_row] - top).exp();
-            let at = (s * batch + b) * part.stride(0)
-                + h * part.stride(1)
-                + i * part.stride(2)
-                + d * part.stride(3);
-            sum += w;
-            x += w * part[at];
+            let l = part_lse[(s * batch + b) * part_lse.stride(0) + lse_row];
+            let new_top = max(top, l);
+            let alpha = (top - new_top).exp();
+            let w = (l - new_top).exp();
+            sum = sum * alpha + w;
+            x = x * alpha + w * part[(s * batch + b) * part.stride(0) + row];
+            top = new_top;
         }
         let dead = top <= DEAD_ROW;
         let o_at = b * out.stride(0) + h * out.stride(1) + i * out.stride(2) + d * out.stride(3);

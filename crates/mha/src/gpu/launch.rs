@@ -734,16 +734,21 @@ fn tiles_only() -> bool {
 /// [`DECODE_QUERIES`] queries, the cube's shared memory within the device's `shared`
 /// bytes and [`SHARED_BUDGET`], and [`DECODE_VAR`] not set to `tiles`.
 pub(crate) fn decoding(dims: &Dims, scoring: Scoring, shared: usize) -> Option<DecodeTiles> {
-    let t = DecodeTiles {
-        units: DECODE_UNITS,
-        keys: DECODE_KEYS,
-        d_k: dims.d_k,
-        d_v: dims.d_v,
-        softcap: scoring.softcap.is_some(),
-        split: dims.keys > DECODE_KEYS,
-    };
+    let t = decode_tiles(dims, scoring);
     let fits = t.shared_bytes() <= shared.min(SHARED_BUDGET);
     (dims.queries <= DECODE_QUERIES && fits && !tiles_only()).then_some(t)
+}
+
+/// The decoding kernel's tiles for a call of `dims` under `scoring`, whichever forward
+/// the call takes.
+pub(crate) fn decode_tiles(dims: &Dims, scoring: Scoring) -> DecodeTiles {
+    DecodeTiles::new(
+        DECODE_UNITS,
+        DECODE_KEYS,
+        [dims.d_k, dims.d_v],
+        scoring.softcap.is_some(),
+        dims.keys > DECODE_KEYS,
+    )
 }
 
 /// [`forward`] on the decoding kernels (`super::decode`): one cube per query row and

@@ -15,7 +15,7 @@ use super::backward::{DkvTiles, DqTiles};
 use super::decode::{DecodeTiles, combine_kernel, decode_kernel};
 use super::forward::ForwardTiles;
 use super::forward::forward_kernel;
-use super::launch::{decoding, fragment, offline_device, tiles};
+use super::launch::{decode_tiles, fragment, offline_device, tiles};
 use super::scores::ProblemCompilationArg;
 use super::tile::{Cooperative, Fragment, Registers, TileProduct};
 use crate::problem::Dims;
@@ -174,7 +174,7 @@ fn attention<P: TileProduct>(
 }
 
 /// The decoding kernel in the tiles a call of one query over `dims`' keys takes
-/// (`launch::decoding`), writing the row's output and writing a split's (with the soft
+/// (`launch::decode_tiles`), writing the row's output and writing a split's (with the soft
 /// cap where `every_input` asks for every input), checked and not, as modules named
 /// `decode_{tag}...`.
 fn decode(
@@ -200,8 +200,12 @@ fn decode(
             after: None,
         },
     };
-    let t: DecodeTiles = decoding(&one, scoring, 32 * 1024)
-        .ok_or_else(|| format!("decode_{tag}: the decoding kernel takes no call of {one:?}"))?;
+    let t = decode_tiles(&one, scoring);
+    if t.shared_bytes() > 32 * 1024 {
+        return Err(format!(
+            "decode_{tag}: the decoding kernel takes no call of {one:?}"
+        ));
+    }
     let mut modules = Vec::new();
     for (split, w) in [(false, elem), (true, f32_elem)] {
         for checked in [true, false] {
