@@ -6,14 +6,16 @@ records, BUILD `wgsl`, `spirv` or `spirv_portable`: SPIR-V kept off cooperative
 matrices; the second the long core alone),
 OUT/pytorch.json (`scripts/bench_pytorch.py --json`), OUT/floor-BUILD.log (the
 benchmark's `--floor` tables), OUT/overhead-BUILD.log (its `--overhead` tables) and
-OUT/steps.tsv (each step's name, status and seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
+OUT/decode-BUILD.log (its `--decode` tables, on the decoding kernels and, as
+BUILD_tiles, on the tiled forward) and OUT/steps.tsv (each step's name, status and
+seconds); writes one row per shape, pass and dtype with the median milliseconds of mha's
 module, Burn's module and PyTorch's, their cores, the core between other projections
 (`--variants`), and the ratios, and names each forward+backward that took less than its
 forward alone (a suspect measurement); then the same table of the calls queued (where the
 records have `queued_ms`: `--queued`, calls issued back to back before one sync); then
 the long core, then the floor of a call (next
 to nothing to compute), then what one call of each module costs around its kernels
-(kernel by kernel), then the core with each tile first
+(kernel by kernel), then a decoding step, then the core with each tile first
 (OUT/tiles-BUILD-DTYPE-U-Q-K.log and .json, `--tiles`; a row for a step that wrote no
 JSON too), then the tiles the table's steps asked for where they asked (OUT/tiles.tsv),
 then the trainer's steps and runs (`--trainer`: OUT/trainer-BACKEND.json,
@@ -118,17 +120,18 @@ def training(out):
     return lines
 
 
-def log_tables(out, step, title, header):
-    """The tables of the benchmark's OUT/STEP-BUILD.log (`--floor`, `--overhead`), a section
-    for each build named by `title`, each table's heading (`## STEP ...`) one level down,
-    each table (a line starting with `header`) apart from the one before it."""
+def log_tables(out, step, title, header, heading=None):
+    """The tables of the benchmark's OUT/STEP-BUILD.log (`--floor`, `--overhead`,
+    `--decode`), a section for each build named by `title`, each table's heading (a line
+    `## ...` holding `heading`, `STEP` where it is not given) one level down, each table (a
+    line starting with `header`) apart from the one before it."""
     lines = []
     for path in sorted(glob.glob(os.path.join(out, f"{step}-*.log"))):
         build = os.path.basename(path)[len(step) + 1:-len(".log")]
         lines.append("\n## " + title.format(build))
         with open(path) as f:
             for line in f:
-                if line.startswith(f"## {step}"):
+                if line.startswith("## ") and (heading or step) in line:
                     lines.append("\n#" + line.rstrip("\n"))
                 elif line.startswith(header):
                     lines.extend(["", line.rstrip("\n")])
@@ -338,6 +341,7 @@ def main(out):
             lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {queued_ms} | {peak} |")
     lines.extend(log_tables(out, "floor", "The floor of a call ({}): next to nothing to compute", "| call |"))
     lines.extend(log_tables(out, "overhead", "Around the kernels ({}): one call of each module", "| module |"))
+    lines.extend(log_tables(out, "decode", "One decoding step ({}: `_tiles` on the tiled forward, else on the decoding kernels)", "| batch |", "one decoding step"))
     def tiles_key(path):
         build, dtype, *first = os.path.basename(path)[len("tiles-"):-len(".log")].split("-")
         return (build, dtype, [int(x) if x.isdigit() else 0 for x in first])

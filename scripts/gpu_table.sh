@@ -299,6 +299,8 @@ if [ "$mode" = dry ]; then
     # One dtype: the step took 148 s on lavapipe in both.
     floor_dtypes=f32
     core_limit=900
+    decode_at=16
+    decode_limit=900
     tiles_len=256
     tiles_limit=900
     train_steps=2
@@ -323,6 +325,9 @@ else
     floor_dtypes=f16,f32
     # The core at 16,384 positions took 185 ms a run in f32 through WGSL.
     core_limit=45
+    # Burn's cache at 4096 positions, batch 8: 4 GiB of scores a step.
+    decode_at=512,4096
+    decode_limit=60
     tiles_len=4096
     tiles_limit=60
     train_steps=40
@@ -468,6 +473,22 @@ floor() {
         --json "$out/mha-$1-floor.json"
 }
 
+# `decode BUILD`: one decoding step of the module over a cache (`--decode`, batch 1 and 8,
+# at $decode_at positions) on the decoding kernels, then on the tiled forward
+# (MHA_GPU_DECODE=tiles): the two ways a call of one query can run, each in a process of
+# its own, one after the other.
+decode() {
+    if ! takes "$1" --decode-at; then
+        skip "decode-$1" "the packed $1 build predates --decode-at (pack again)"
+        return
+    fi
+    tuned "$1" step "decode-$1" "$decode_limit" "$out/bench-$1" --backend wgpu --shapes none \
+        --runs "$runs" --no-train --decode --decode-at "$decode_at" --json "$out/decode-$1.json"
+    MHA_GPU_DECODE=tiles tuned "$1" step "decode-$1_tiles" "$decode_limit" "$out/bench-$1" \
+        --backend wgpu --shapes none --runs "$runs" --no-train --decode --decode-at "$decode_at" \
+        --json "$out/decode-$1_tiles.json"
+}
+
 # `can_sweep BUILD`: whether the packed benchmark of BUILD can time a sweep's step (a pack
 # made before `--core-kernels` cannot: recorded as a step not run).
 can_sweep() {
@@ -527,8 +548,9 @@ trainer() {
 # other long cores, in a process for each build, product and dtype (its peak memory its
 # own). Then what is needed to read them: WGSL's floor of a call, its costs around the
 # kernels, SPIR-V in f16 on the portable tile product (what cooperative matrices gain) and
-# its costs around the kernels and floor. SPIR-V in f32 last: it outran 170 s at the base
-# shape on an H200 (2026-11-27), where its f16 step took 150 s.
+# its costs around the kernels and floor. SPIR-V in f32: it outran 170 s at the base
+# shape on an H200 (2026-11-27), where its f16 step took 150 s. Last, WGSL's decoding
+# step on the decoding kernels and on the tiled forward.
 table() {
     if [ "$wgsl" -eq 1 ]; then
         timed wgsl f16 mha-wgsl-f16 --variants
@@ -554,6 +576,9 @@ table() {
         overhead spirv f16
         floor spirv f16
         timed spirv f32 mha-spirv-f32
+    fi
+    if [ "$wgsl" -eq 1 ]; then
+        decode wgsl
     fi
 }
 
