@@ -811,23 +811,7 @@ fn gpu_decoding_matches_the_tiled_forward_and_f64() {
     GUARD.set(0);
 
     // Scores far below f16's dead-row sentinel over several splits: real rows.
-    let case = Case {
-        dtype: DType::F16,
-        scale: 1.0,
-        ..Case::new(
-            "decode f16 scores below -8192 Tk600",
-            [1, 1, 1],
-            [1, 600, 32],
-        )
-    };
-    let mut data = Data::of(&case);
-    let shift = |x: &mut f32, sign: f32| *x = f16::from_f32(sign * (20.0 + 4.0 * *x)).to_f32();
-    data.q.data.iter_mut().for_each(|x| shift(x, 1.0));
-    data.k.data.iter_mut().for_each(|x| shift(x, -1.0));
-    let visibility = case.mask.visibility(case.queries, case.keys);
-    let want = reference(&case, &data, &visibility);
-    assert!(want.lse.iter().all(|&l| l < -8192.0), "{:?}", want.lse);
-    check_data(&case, &data);
+    check_very_low_scores("decode f16 scores below -8192 Tk600", [1, 600]);
 }
 
 /// Every tile shape the kernels may take (whatever the device's shared memory picks), on
@@ -910,12 +894,18 @@ fn gpu_attention_at_the_tiles_edges_stays_within_its_tensors() {
 /// dead-row sentinel (`-2^13`), yet rows with a real softmax, not blocked rows.
 #[test]
 fn gpu_attention_in_f16_keeps_rows_of_very_low_scores() {
+    check_very_low_scores("f16 scores below -8192", [16, 24]);
+}
+
+/// Checks `[queries, keys]` of one head of 32 in f16 whose every score is about -12,800
+/// (queries in [16, 24], keys in [-24, -16]): every row's log-sum-exp below f16's
+/// dead-row sentinel, and every row a real one.
+fn check_very_low_scores(name: &str, [queries, keys]: [usize; 2]) {
     let case = Case {
         dtype: DType::F16,
         scale: 1.0,
-        ..Case::new("f16 scores below -8192", [1, 1, 1], [16, 24, 32])
+        ..Case::new(name, [1, 1, 1], [queries, keys, 32])
     };
-    // Queries in [16, 24], keys in [-24, -16]: every score about -12,800.
     let mut data = Data::of(&case);
     let shift = |x: &mut f32, sign: f32| *x = f16::from_f32(sign * (20.0 + 4.0 * *x)).to_f32();
     data.q.data.iter_mut().for_each(|x| shift(x, 1.0));
@@ -925,7 +915,7 @@ fn gpu_attention_in_f16_keeps_rows_of_very_low_scores() {
     let highest = want.lse.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     assert!(
         highest < -8192.0,
-        "the case's highest log-sum-exp: {highest}"
+        "{name}: the case's highest log-sum-exp: {highest}"
     );
     check_data(&case, &data);
 }
