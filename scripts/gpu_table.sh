@@ -23,7 +23,8 @@
 #    projections made otherwise than the module's), SPIR-V f16 and its causal core at
 #    16,384 positions with its peak memory, WGSL f32 (`--variants` too), the other long
 #    cores (one process a build, tile product and dtype: WGSL f16 and f32, SPIR-V f16 on
-#    the portable product), WGSL's floor (`--floor`: what a call costs where there is
+#    the portable product), WGSL's decoding step (`--decode`) on the decoding kernels and
+#    on the tiled forward (MHA_GPU_DECODE=tiles), WGSL's floor (`--floor`: what a call costs where there is
 #    next to nothing to compute, and the tiny shape), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
 #    costs around the kernels and floor, SPIR-V f32. The table's steps time each call
@@ -325,8 +326,9 @@ else
     floor_dtypes=f16,f32
     # The core at 16,384 positions took 185 ms a run in f32 through WGSL.
     core_limit=45
-    # Burn's cache at 4096 positions, batch 8: 4 GiB of scores a step.
-    decode_at=512,4096
+    # Burn's cache at 2048 positions, batch 8: 1 GiB of scores a step (at 4096, 4.3 GB:
+    # past a binding's 4 GiB).
+    decode_at=512,2048
     decode_limit=60
     tiles_len=4096
     tiles_limit=60
@@ -546,11 +548,12 @@ trainer() {
 # makes of shared memory on a device without an explicit workgroup layout, so the dry run
 # has no such build) and its long core, then WGSL in f32 (`--variants` too). Then the
 # other long cores, in a process for each build, product and dtype (its peak memory its
-# own). Then what is needed to read them: WGSL's floor of a call, its costs around the
-# kernels, SPIR-V in f16 on the portable tile product (what cooperative matrices gain) and
-# its costs around the kernels and floor. SPIR-V in f32: it outran 170 s at the base
-# shape on an H200 (2026-11-27), where its f16 step took 150 s. Last, WGSL's decoding
-# step on the decoding kernels and on the tiled forward.
+# own). Then WGSL's decoding step, on the decoding kernels and on the tiled forward (short
+# steps; last, the budget would leave them out). Then what is needed to read the table:
+# WGSL's floor of a call, its costs around the kernels, SPIR-V in f16 on the portable tile
+# product (what cooperative matrices gain) and its costs around the kernels and floor.
+# SPIR-V in f32 last: it outran 170 s at the base shape on an H200 (2026-11-27), where its
+# f16 step took 150 s.
 table() {
     if [ "$wgsl" -eq 1 ]; then
         timed wgsl f16 mha-wgsl-f16 --variants
@@ -568,6 +571,7 @@ table() {
         MHA_GPU_TILE_PRODUCT=portable long_core spirv f16 mha-spirv_portable-core-f16
     fi
     if [ "$wgsl" -eq 1 ]; then
+        decode wgsl
         floor wgsl "$floor_dtypes"
         overhead wgsl f16,f32
     fi
@@ -576,9 +580,6 @@ table() {
         overhead spirv f16
         floor spirv f16
         timed spirv f32 mha-spirv-f32
-    fi
-    if [ "$wgsl" -eq 1 ]; then
-        decode wgsl
     fi
 }
 

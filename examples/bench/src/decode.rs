@@ -71,6 +71,7 @@ fn decode_record(
 /// recomputing the whole prefix with mha (`mha-recompute`, what decoding without a cache
 /// does), and with Burn's `MhaCache` (`burn-cache`: it caches the projections,
 /// concatenates them every step and computes the scores of every position again).
+/// `contexts` are 2 or more (the caller checks them).
 pub fn bench_decode(
     runs: usize,
     backend: Backend,
@@ -85,10 +86,6 @@ pub fn bench_decode(
     let longest = contexts.iter().copied().max().unwrap_or(1);
     for batch in BATCHES {
         for &context in contexts {
-            anyhow::ensure!(
-                context >= 2,
-                "--decode-at {context}: a step needs a position before it"
-            );
             eprintln!("{backend}: decoding at {context} positions, batch {batch} ...");
             // Room for the warm-up and the timed steps after the prompt.
             let x = randn([batch, context + runs + 1, D_MODEL], device);

@@ -1261,6 +1261,9 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         .map(|name| shape_named(name))
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(cli.runs > 0, "--runs must be at least 1, got 0");
+    if let Some(short) = cli.decode_at.iter().find(|&&c| c < 2) {
+        anyhow::bail!("--decode-at {short}: a decoding step needs a position before it");
+    }
     QUEUE.store(cli.queued, std::sync::atomic::Ordering::Relaxed);
     let dtypes: Vec<FloatDType> = cli
         .dtype
