@@ -543,15 +543,22 @@ pub(crate) fn check_settings() {
 /// On a value other than `auto` and `portable`, naming it.
 fn portable_asked() -> bool {
     static PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PORTABLE.get_or_init(|| match std::env::var(TILE_PRODUCT_VAR) {
+    *PORTABLE.get_or_init(|| switched(TILE_PRODUCT_VAR, "portable"))
+}
+
+/// Whether the environment variable `var` is set to `other` (unset, empty or `auto`:
+/// not).
+///
+/// # Panics
+/// On any other value, naming it.
+fn switched(var: &str, other: &str) -> bool {
+    match std::env::var(var) {
         Err(std::env::VarError::NotPresent) => false,
-        Err(std::env::VarError::NotUnicode(v)) => {
-            panic!("{TILE_PRODUCT_VAR}={v:?}: not UTF-8")
-        }
+        Err(std::env::VarError::NotUnicode(v)) => panic!("{var}={v:?}: not UTF-8"),
         Ok(v) if v == "auto" || v.is_empty() => false,
-        Ok(v) if v == "portable" => true,
-        Ok(v) => panic!("{TILE_PRODUCT_VAR}={v:?}: want `auto` or `portable`"),
-    })
+        Ok(v) if v == other => true,
+        Ok(v) => panic!("{var}={v:?}: want `auto` or `{other}`"),
+    }
 }
 
 /// A device without a client, as the kernels' compiler and the tile choice read it:
@@ -665,7 +672,7 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
     let n = inputs.dims();
     let shared = client.properties().hardware.max_shared_memory_size;
     if let Some(t) = decoding(&n, scoring, shared) {
-        return decode(client, inputs, scoring, t);
+        return decode(client, inputs, &n, scoring, t);
     }
     let (t, _, _) = tiles(
         &n,
@@ -721,13 +728,7 @@ fn tiles_only() -> bool {
         return true;
     }
     static TILES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *TILES.get_or_init(|| match std::env::var(DECODE_VAR) {
-        Err(std::env::VarError::NotPresent) => false,
-        Err(std::env::VarError::NotUnicode(v)) => panic!("{DECODE_VAR}={v:?}: not UTF-8"),
-        Ok(v) if v == "auto" || v.is_empty() => false,
-        Ok(v) if v == "tiles" => true,
-        Ok(v) => panic!("{DECODE_VAR}={v:?}: want `auto` or `tiles`"),
-    })
+    *TILES.get_or_init(|| switched(DECODE_VAR, "tiles"))
 }
 
 /// The decoding kernel's tiles for a call of `dims`, where it takes them: at most
@@ -754,8 +755,13 @@ pub(crate) fn decode_tiles(dims: &Dims, scoring: Scoring) -> DecodeTiles {
 /// [`forward`] on the decoding kernels (`super::decode`): one cube per query row and
 /// split of [`DECODE_KEYS`] keys, then, with more than one split, one unit per element
 /// of the output to weigh the splits.
-fn decode(client: &Client, inputs: &Inputs, scoring: Scoring, t: DecodeTiles) -> (Handle, Handle) {
-    let n = inputs.dims();
+fn decode(
+    client: &Client,
+    inputs: &Inputs,
+    n: &Dims,
+    scoring: Scoring,
+    t: DecodeTiles,
+) -> (Handle, Handle) {
     let splits = n.keys.div_ceil(t.keys).max(1);
     let out_shape = [n.batch, n.heads, n.queries, n.d_v];
     let lse_shape = [n.batch, n.heads, n.queries, 1];
@@ -769,7 +775,7 @@ fn decode(client: &Client, inputs: &Inputs, scoring: Scoring, t: DecodeTiles) ->
             grid(client, rows * splits),
             CubeDim::new_1d(t.units as u32),
             inputs.width(None),
-            inputs.problem(&n, scoring),
+            inputs.problem(n, scoring),
             out,
             lse,
             t,
