@@ -23,7 +23,8 @@
 #    projections made otherwise than the module's), SPIR-V f16 and its causal core at
 #    16,384 positions with its peak memory, WGSL f32 (`--variants` too), the other long
 #    cores (one process a build, tile product and dtype: WGSL f16 and f32, SPIR-V f16 on
-#    the portable product), WGSL's decoding step (`--decode`) on the decoding kernels and
+#    the portable product), WGSL's decoding step (`--decode`, and the core alone in it,
+#    `--decode-core`) on the decoding kernels and
 #    on the tiled forward (MHA_GPU_DECODE=tiles), WGSL's floor (`--floor`: what a call costs where there is
 #    next to nothing to compute, and the tiny shape), WGSL's costs around the kernels
 #    (`--overhead`, kernel by kernel), SPIR-V f16 on the portable tile product and its
@@ -329,7 +330,8 @@ else
     # Burn's cache at 2048 positions, batch 8: 1 GiB of scores a step (at 4096, 4.3 GB:
     # past a binding's 4 GiB).
     decode_at=512,2048
-    decode_limit=60
+    # With the core alone in a step (`--decode-core`) beside the module's.
+    decode_limit=90
     tiles_len=4096
     tiles_limit=60
     train_steps=40
@@ -476,19 +478,25 @@ floor() {
 }
 
 # `decode BUILD`: one decoding step of the module over a cache (`--decode`, batch 1 and 8,
-# at $decode_at positions) on the decoding kernels, then on the tiled forward
-# (MHA_GPU_DECODE=tiles): the two ways a call of one query can run, each in a process of
-# its own, one after the other.
+# at $decode_at positions), and the attention core alone in such a step (`--decode-core`:
+# 1 to 16 queries, with and without GQA, where the packed build takes it), on the decoding
+# kernels, then on the tiled forward (MHA_GPU_DECODE=tiles): the two ways a call of a few
+# queries can run, each in a process of its own, one after the other.
 decode() {
     if ! takes "$1" --decode-at; then
         skip "decode-$1" "the packed $1 build predates --decode-at (pack again)"
         return
     fi
+    local core=()
+    if takes "$1" --decode-core; then
+        core=(--decode-core)
+    fi
     tuned "$1" step "decode-$1" "$decode_limit" "$out/bench-$1" --backend wgpu --shapes none \
-        --runs "$runs" --no-train --decode --decode-at "$decode_at" --json "$out/decode-$1.json"
+        --runs "$runs" --no-train --decode "${core[@]}" --decode-at "$decode_at" \
+        --json "$out/decode-$1.json"
     MHA_GPU_DECODE=tiles tuned "$1" step "decode-$1_tiles" "$decode_limit" "$out/bench-$1" \
-        --backend wgpu --shapes none --runs "$runs" --no-train --decode --decode-at "$decode_at" \
-        --json "$out/decode-$1_tiles.json"
+        --backend wgpu --shapes none --runs "$runs" --no-train --decode "${core[@]}" \
+        --decode-at "$decode_at" --json "$out/decode-$1_tiles.json"
 }
 
 # `can_sweep BUILD`: whether the packed benchmark of BUILD can time a sweep's step (a pack

@@ -42,13 +42,12 @@ fn record(
 fn decode_record(
     backend: Backend,
     subject: &'static str,
-    batch: usize,
-    context: usize,
+    [batch, context, tokens]: [usize; 3],
     ms: anyhow::Result<Timed>,
 ) -> Record {
     let what = (subject, "decode-step");
     match ms {
-        Ok(ms) => record(backend, what, [batch, context, batch], ms, None),
+        Ok(ms) => record(backend, what, [batch, context, tokens], ms, None),
         Err(e) => {
             eprintln!("{backend}: {subject} at {context} positions, batch {batch}: failed: {e:#}");
             let none = Timed {
@@ -59,7 +58,7 @@ fn decode_record(
             Record {
                 tokens_per_second: None,
                 failed: Some(format!("{e:#}")),
-                ..record(backend, what, [batch, context, batch], none, None)
+                ..record(backend, what, [batch, context, tokens], none, None)
             }
         }
     }
@@ -99,14 +98,24 @@ pub fn bench_decode(
             let ms = time_steps(runs, device, || {
                 ours.forward_cached(token.clone(), &mut cache, AttentionMask::none())
             });
-            out.push(decode_record(backend, "mha-cached", batch, context, ms));
+            out.push(decode_record(
+                backend,
+                "mha-cached",
+                [batch, context, batch],
+                ms,
+            ));
 
             let prefix = x.clone().narrow(1, 0, context);
             let ms = time(runs, device, || {
                 let all = ours.forward(MhaInput::causal(prefix.clone())).context;
                 all.narrow(1, context - 1, 1)
             });
-            out.push(decode_record(backend, "mha-recompute", batch, context, ms));
+            out.push(decode_record(
+                backend,
+                "mha-recompute",
+                [batch, context, batch],
+                ms,
+            ));
 
             let mut cache = MhaCache::autoregressive();
             let prompt = x.clone().narrow(1, 0, context - 1);
@@ -122,10 +131,116 @@ pub fn bench_decode(
                 len += 1;
                 last
             });
-            out.push(decode_record(backend, "burn-cache", batch, context, ms));
+            out.push(decode_record(
+                backend,
+                "burn-cache",
+                [batch, context, batch],
+                ms,
+            ));
         }
     }
     Ok(())
+}
+
+/// The attention core's calls of `--decode-core`: subject, queries and key/value heads
+/// (of `HEADS` query heads).
+pub const CORE_CALLS: [(&str, usize, usize); 8] = [
+    ("core-q1", 1, HEADS),
+    ("core-q4", 4, HEADS),
+    ("core-q8", 8, HEADS),
+    ("core-gqa-q1", 1, 2),
+    ("core-gqa-q4", 4, 2),
+    ("core-gqa-q8", 8, 2),
+    ("core-q16", 16, HEADS),
+    ("core-gqa-q16", 16, 2),
+];
+
+/// The attention core alone in a decoding step (forward, causal: the last queries of
+/// `context` positions over all of them, `HEADS` query heads of 64), batch 1 and 8, at
+/// each of `contexts`, for each of [`CORE_CALLS`]: one query (a token), several (a few
+/// tokens checked at once, as speculative decoding does), and GQA (4 query heads a
+/// key/value head).
+pub fn bench_decode_core(
+    runs: usize,
+    backend: Backend,
+    device: &Device,
+    contexts: &[usize],
+    out: &mut Vec<Record>,
+) {
+    let head_dim = D_MODEL / HEADS;
+    for batch in BATCHES {
+        for &context in contexts {
+            eprintln!("{backend}: the core over {context} positions, batch {batch} ...");
+            for (subject, queries, kv_heads) in CORE_CALLS {
+                let q = randn([batch, HEADS, queries, head_dim], device);
+                let [k, v] = [0; 2].map(|_| randn([batch, kv_heads, context, head_dim], device));
+                let mask = AttentionMask::causal();
+                let ms = time(runs, device, || {
+                    let options = SdpaOptions::default();
+                    mha::scaled_dot_product_attention(
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        &mask,
+                        options,
+                    )
+                    .context
+                });
+                out.push(decode_record(
+                    backend,
+                    subject,
+                    [batch, context, batch * queries],
+                    ms,
+                ));
+            }
+        }
+    }
+}
+
+/// Prints the `--decode-core` table: per batch and context, the core's time for each of
+/// [`CORE_CALLS`], as Markdown.
+pub fn print_decode_core(backend: Backend, records: &[Record]) {
+    println!(
+        "\n## {backend}: the attention core in a decoding step ({HEADS} query heads of {}, causal), median ms\n",
+        D_MODEL / HEADS
+    );
+    let names: Vec<String> = CORE_CALLS
+        .iter()
+        .map(|&(_, queries, kv)| {
+            format!(
+                "{queries} {} ({HEADS}:{kv})",
+                match queries {
+                    1 => "query",
+                    _ => "queries",
+                }
+            )
+        })
+        .collect();
+    println!("| batch | positions | {} |", names.join(" | "));
+    println!("|---|---|{}", "---|".repeat(CORE_CALLS.len()));
+    let mut rows: Vec<(usize, usize)> = records
+        .iter()
+        .filter(|r| CORE_CALLS.iter().any(|c| c.0 == r.subject))
+        .filter_map(|r| Some((r.batch?, r.context?)))
+        .collect();
+    rows.sort_unstable();
+    rows.dedup();
+    for (batch, context) in rows {
+        let cells: Vec<String> = CORE_CALLS
+            .iter()
+            .map(|c| {
+                let found = records.iter().find(|r| {
+                    r.subject == c.0 && r.batch == Some(batch) && r.context == Some(context)
+                });
+                match found {
+                    Some(r) if r.failed.is_none() => format!("{:.3}", r.median_ms),
+                    Some(_) => "failed".into(),
+                    None => "—".into(),
+                }
+            })
+            .collect();
+        println!("| {batch} | {context} | {} |", cells.join(" | "));
+    }
 }
 
 /// Sequence lengths of the window benchmark.

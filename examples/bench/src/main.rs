@@ -112,7 +112,13 @@ struct Cli {
     /// at the positions of `--decode-at`, batch 1 and 8.
     #[arg(long)]
     decode: bool,
-    /// Positions of `--decode`'s steps, comma-separated.
+    /// Also time the attention core alone in a decoding step, at the positions of
+    /// `--decode-at`, batch 1 and 8: 1, 4, 8 and 16 queries (16 is past the decoding
+    /// kernels' bound: the tiled forward), with 8 query heads over 8 and over 2 key/value
+    /// heads (GQA).
+    #[arg(long)]
+    decode_core: bool,
+    /// Positions of `--decode`'s and `--decode-core`'s steps, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = decode::CONTEXTS)]
     decode_at: Vec<usize>,
     /// Also time sliding-window attention (window 256) against full causal attention at
@@ -1264,6 +1270,12 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
     if let Some(short) = cli.decode_at.iter().find(|&&c| c < 2) {
         anyhow::bail!("--decode-at {short}: a decoding step needs a position before it");
     }
+    let most = decode::CORE_CALLS.iter().map(|c| c.1).max().unwrap_or(1);
+    if let Some(short) = cli.decode_at.iter().find(|&&c| cli.decode_core && c < most) {
+        anyhow::bail!(
+            "--decode-at {short} with --decode-core: its calls take up to {most} queries"
+        );
+    }
     QUEUE.store(cli.queued, std::sync::atomic::Ordering::Relaxed);
     let dtypes: Vec<FloatDType> = cli
         .dtype
@@ -1361,6 +1373,9 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         if cli.decode {
             decode::bench_decode(cli.runs, backend, &device, &cli.decode_at, &mut mine)?;
         }
+        if cli.decode_core {
+            decode::bench_decode_core(cli.runs, backend, &device, &cli.decode_at, &mut mine);
+        }
         if cli.window {
             decode::bench_window(cli.runs, backend, &device, &mut mine)?;
         }
@@ -1390,6 +1405,9 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         print_long_core(backend, &mine);
         if cli.decode {
             decode::print_decode(backend, &mine);
+        }
+        if cli.decode_core {
+            decode::print_decode_core(backend, &mine);
         }
         if cli.window {
             decode::print_window(backend, &mine);
