@@ -4,16 +4,19 @@
 //! whole cache each, one after the other; a cache of thousands of keys then keeps a
 //! few cubes busy and the rest of the device idle.
 //!
-//! Here a cube owns one query row and one *split* of the keys ([`DecodeTiles::keys`] of
-//! them), so the cubes are `B · H · Tq · splits`: each of its units scores a few keys
-//! (a dot product over the head dim from the query in shared memory), the cube reduces
-//! the split's maximum and sum through shared memory, and the units sum the weighted
-//! values, a quad of head dims and a share of the keys each. A split writes its output
-//! (divided by its own sum) and its log-sum-exp; [`combine_kernel`] weighs the splits by
-//! their log-sum-exps into the row's output and log-sum-exp, the same as the tiled
+//! Here a cube owns a few query rows that read one key/value head ([`DecodeTiles::rows`]
+//! of them: the query heads of a GQA group times the call's queries) and one *split* of
+//! the keys ([`DecodeTiles::keys`] of them), so the cubes are
+//! `B · Hkv · ⌈group · Tq / rows⌉ · splits` and each key and value of a split is read
+//! once for all of its rows. Each unit scores a few keys for every row (a dot product
+//! over the head dim from the queries in shared memory), the cube reduces each row's
+//! maximum and sum through shared memory, and the units sum the weighted values, a quad
+//! of head dims and a share of the keys each, for every row. A split writes each row's
+//! output (divided by its own sum) and log-sum-exp; [`combine_kernel`] weighs the splits
+//! by their log-sum-exps into the row's output and log-sum-exp, the same as the tiled
 //! forward's, so the backward reads them as it reads the tiled one's. A call of one
-//! split writes the row's output directly. Scores follow the same rules ([`masked`]):
-//! a row that sees no key, or only blocked ones, gets zeros and [`DEAD_LSE`].
+//! split writes the rows' outputs directly. Scores follow the same rules ([`masked`]): a
+//! row that sees no key, or only blocked ones, gets zeros and [`DEAD_LSE`].
 //!
 //! Every loop of an invocation runs over one split's keys, or once over the splits (in
 //! [`combine_kernel`]): lavapipe's cap of 65,535 iterations is 16.7 million keys.
@@ -29,6 +32,9 @@ use crate::mask::{DEAD_LSE, DEAD_ROW};
 pub(crate) struct DecodeTiles {
     /// Units of a cube: a multiple of 32 (a plane on every device).
     pub(crate) units: usize,
+    /// Query rows of a cube, all of them reading one key/value head (query heads of one
+    /// GQA group, and the call's queries): at most `units`.
+    pub(crate) rows: usize,
     /// Keys of a split: a multiple of `units`.
     pub(crate) keys: usize,
     pub(crate) d_k: usize,
@@ -41,24 +47,26 @@ pub(crate) struct DecodeTiles {
 }
 
 impl DecodeTiles {
-    /// The tiles of `units` units and splits of `keys` keys at head dims `d_k` and `d_v`.
+    /// The tiles of `units` units for `rows` query rows and splits of `keys` keys at head
+    /// dims `d_k` and `d_v`.
     ///
     /// # Panics
-    /// Unless `units` is a multiple of 32 and `keys` of `units` (every unit scores the
-    /// same number of keys, and every score is written).
+    /// Unless `units` is a multiple of 32, `keys` of `units` (every unit scores the same
+    /// number of keys, and every score is written), and `rows` between 1 and `units`
+    /// (a unit reduces each row's maximum and sum).
     pub(crate) fn new(
-        units: usize,
-        keys: usize,
+        [units, rows, keys]: [usize; 3],
         [d_k, d_v]: [usize; 2],
         softcap: bool,
         split: bool,
     ) -> Self {
         assert!(
-            units.is_multiple_of(32) && keys.is_multiple_of(units),
-            "decoding tiles of {units} units and {keys} keys"
+            units.is_multiple_of(32) && keys.is_multiple_of(units) && (1..=units).contains(&rows),
+            "decoding tiles of {units} units, {rows} rows and {keys} keys"
         );
         Self {
             units,
+            rows,
             keys,
             d_k,
             d_v,
@@ -88,11 +96,12 @@ impl DecodeTiles {
         self.d_k.next_multiple_of(4).max(4)
     }
 
-    /// Bytes of shared memory a cube takes.
+    /// Bytes of shared memory a cube takes: its rows' queries, scores, partial maxima (then
+    /// sums), maxima and sums, and weighted values.
     pub(crate) fn shared_bytes(&self) -> usize {
-        let floats =
-            self.query_len() + self.keys + 2 * self.units + self.groups() * self.quads() * 4;
-        floats * 4
+        let per_row =
+            self.query_len() + self.keys + self.units + 2 + self.groups() * self.quads() * 4;
+        self.rows * per_row * 4
     }
 }
 
@@ -141,12 +150,35 @@ fn quad<F: Float, N: Size>(
     q
 }
 
-/// One cube: query row `i` of head `h` of batch row `b` (cube `r` of a split's `B · H ·
-/// Tq`, rows fastest) over split `s`'s keys `s · keys ..`; writes the output `[S·B, H,
-/// Tq, Dv]` (any strides; batch row `s · B + b`) in `W` and the log-sum-exp `[S·B, H,
-/// Tq, 1]` (any strides) in f32. Each split's output is divided by its own sum; a split
-/// (or, with one split, a row) that sees no key, or only blocked ones, writes zeros and
-/// the log-sum-exp [`NO_MAX`] (with one split, [`DEAD_LSE`]).
+/// The query row of slot `slot` of a cube's rows: slot `n` of the `group · Tq` rows that
+/// read key/value head `hk` (query head `hk · group + n / Tq`, query `n % Tq`), where `n`
+/// is the cube's first slot `n0` plus `slot`. `live`: `n` is one of those rows (a cube
+/// of the last chunk may have fewer).
+#[derive(CubeType, Clone, Copy)]
+struct Slot {
+    live: bool,
+    h: usize,
+    i: usize,
+}
+
+#[cube]
+fn slot(n0: usize, slot: usize, hk: usize, group: usize, queries: usize) -> Slot {
+    let n = n0 + slot;
+    Slot {
+        live: n < group * queries,
+        h: hk * group + n / queries,
+        i: n % queries,
+    }
+}
+
+/// One cube: [`DecodeTiles::rows`] query rows that read one key/value head (chunk `c` of
+/// the `group · Tq` rows of key/value head `hk` of batch row `b`: see [`slot`]) over
+/// split `s`'s keys `s · keys ..`, cubes numbered chunks fastest, then key/value heads,
+/// batch rows, splits; each key and value is read once for the cube's rows. Writes the
+/// output `[S·B, H, Tq, Dv]` (any strides; batch row `s · B + b`) in `W` and the
+/// log-sum-exp `[S·B, H, Tq, 1]` (any strides) in f32. Each split's output is divided by
+/// its own sum; a split (or, with one split, a row) that sees no key, or only blocked
+/// ones, writes zeros and the log-sum-exp [`NO_MAX`] (with one split, [`DEAD_LSE`]).
 #[cube(launch, launch_unchecked)]
 pub(crate) fn decode_kernel<F: Float, M: Int, N: Size, W: Float>(
     p: &Problem<F, M, N>,
@@ -155,176 +187,250 @@ pub(crate) fn decode_kernel<F: Float, M: Int, N: Size, W: Float>(
     #[comptime] t: DecodeTiles,
     #[define(F, M, W)] _dtypes: [ElemType; 3],
 ) {
-    let (batch, heads, queries) = (p.q.shape(0), p.q.shape(1), p.q.shape(2));
+    let (batch, kv_heads, queries) = (p.q.shape(0), p.k.shape(1), p.q.shape(2));
     let keys = p.k.shape(2);
-    let rows = batch * heads * queries;
+    let chunks = (p.group as usize * queries).div_ceil(t.rows);
+    let cubes = batch * kv_heads * chunks;
     let id = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
-    let (s, r) = (id / rows, id % rows);
+    let (s, r) = (id / cubes, id % cubes);
     // One split where there is no key (its rows dead), as the launch counts them.
     if s < max(keys.div_ceil(t.keys), 1) {
-        let i = r % queries;
-        let bh = r / queries;
-        let (b, h) = (bh / heads, bh % heads);
-        decode_row::<F, M, N, W>(p, out, lse, b, h, i, s, t);
+        let c = r % chunks;
+        let bhk = r / chunks;
+        decode_rows::<F, M, N, W>(p, out, lse, bhk / kv_heads, bhk % kv_heads, c, s, t);
     }
 }
 
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn decode_row<F: Float, M: Int, N: Size, W: Float>(
+fn decode_rows<F: Float, M: Int, N: Size, W: Float>(
     p: &Problem<F, M, N>,
     out: &mut Tensor<W>,
     lse: &mut Tensor<f32>,
     b: usize,
-    h: usize,
-    i: usize,
+    hk: usize,
+    c: usize,
     s: usize,
     #[comptime] t: DecodeTiles,
 ) {
     let unit = UNIT_POS as usize;
-    let hk = h / p.group as usize;
-    let (d_k4, q_len, quads, span, groups) = comptime!((
+    let (group, queries) = (p.group as usize, p.q.shape(2));
+    let n0 = c * t.rows;
+    let (d_k4, q_len, quads, span, groups, rows, per_unit) = comptime!((
         t.d_k.div_ceil(4),
         t.query_len(),
         t.quads(),
         t.span(),
-        t.groups()
+        t.groups(),
+        t.rows,
+        t.keys / t.units
     ));
 
-    // The split's keys this row sees.
-    let seen = keys_of(p, b, i);
+    // The split's keys each row sees, and those any of them sees.
     let first = s * t.keys;
-    let lo = max(seen.lo, first as i32);
-    let hi = min(seen.hi, (first + t.keys) as i32);
-
-    // The query, in f32.
-    let mut q = Shared::<[f32]>::new_slice(q_len);
-    let q_at = b * p.q.stride(0) + h * p.q.stride(1) + i * p.q.stride(2);
+    let mut lo = Array::<i32>::new(rows);
+    let mut hi = Array::<i32>::new(rows);
+    let mut any_lo = (first + t.keys) as i32;
+    let mut any_hi = first as i32;
     #[unroll]
-    for step in 0..comptime!(q_len.div_ceil(t.units)) {
-        let c = comptime!(step * t.units) + unit;
-        if c < q_len {
+    for r in 0..rows {
+        let row = slot(n0, r, hk, group, queries);
+        let seen = keys_of(p, b, row.i);
+        lo[r] = max(seen.lo, first as i32);
+        hi[r] = select(row.live, min(seen.hi, (first + t.keys) as i32), 0i32);
+        if lo[r] < hi[r] {
+            any_lo = min(any_lo, lo[r]);
+            any_hi = max(any_hi, hi[r]);
+        }
+    }
+
+    // The queries, in f32: `[rows][q_len]`.
+    let mut q = Shared::<[f32]>::new_slice(comptime!(rows * q_len));
+    #[unroll]
+    for step in 0..comptime!((rows * q_len).div_ceil(t.units)) {
+        let e = comptime!(step * t.units) + unit;
+        if e < comptime!(rows * q_len) {
+            let (r, col) = (e / q_len, e % q_len);
+            let row = slot(n0, r, hk, group, queries);
             let mut x = 0.0f32;
-            if c < t.d_k {
-                x = element(&p.q, q_at, c);
+            if row.live && col < t.d_k {
+                let q_at = b * p.q.stride(0) + row.h * p.q.stride(1) + row.i * p.q.stride(2);
+                x = element(&p.q, q_at, col);
             }
-            q[c] = x;
+            q[e] = x;
         }
     }
     sync_cube();
 
-    // The scores of the unit's keys (every `units`-th), and their largest.
-    let mut scores = Shared::<[f32]>::new_slice(t.keys);
-    let mut red = Shared::<[f32]>::new_slice(comptime!(2 * t.units));
+    // The scores of the unit's keys (every `units`-th) for every row, `[rows][keys]`, and
+    // each row's largest of them.
+    let mut scores = Shared::<[f32]>::new_slice(comptime!(rows * t.keys));
     let k_at = b * p.k.stride(0) + hk * p.k.stride(1);
-    let mut top = f32::new(NO_MAX);
+    let mut top = Array::<f32>::new(rows);
     #[unroll]
-    for m in 0..comptime!(t.keys / t.units) {
-        let j = comptime!(m * t.units) + unit;
+    for r in 0..rows {
+        top[r] = f32::new(NO_MAX);
+    }
+    // Loops over the unit's keys and the head dim's quads, unrolled over the rows only:
+    // a cube of 8 rows unrolled whole is thousands of instructions to compile.
+    for m in 0..per_unit {
+        let j = m * t.units + unit;
         let key = (first + j) as i32;
-        let mut x = f32::new(INVISIBLE);
-        if key >= lo && key < hi {
-            let row = k_at + key as usize * p.k.stride(2);
-            let mut dot = 0.0f32;
-            #[unroll]
+        let mut dot = Array::<f32>::new(rows);
+        #[unroll]
+        for r in 0..rows {
+            dot[r] = 0.0f32;
+        }
+        if key >= any_lo && key < any_hi {
+            let at = k_at + key as usize * p.k.stride(2);
             for c4 in 0..d_k4 {
-                let kq = quad(&p.k, row, c4, t.d_k);
+                let kq = quad(&p.k, at, c4, t.d_k);
                 #[unroll]
-                for e in 0..4usize {
-                    dot += q[comptime!(c4 * 4 + e)] * kq.extract(e);
+                for r in 0..rows {
+                    #[unroll]
+                    for e in 0..4usize {
+                        dot[r] += q[comptime!(r * q_len) + c4 * 4 + e] * kq.extract(e);
+                    }
                 }
             }
-            x = masked(
-                p,
-                capped(dot * p.scale, p.softcap, t.softcap),
-                b,
-                h,
-                i,
-                key as usize,
-            );
         }
-        scores[j] = x;
-        top = max(top, x);
+        #[unroll]
+        for r in 0..rows {
+            let mut x = f32::new(INVISIBLE);
+            if key >= lo[r] && key < hi[r] {
+                let row = slot(n0, r, hk, group, queries);
+                let capped = capped(dot[r] * p.scale, p.softcap, t.softcap);
+                x = masked(p, capped, b, row.h, row.i, key as usize);
+            }
+            scores[comptime!(r * t.keys) + j] = x;
+            top[r] = max(top[r], x);
+        }
     }
-    red[unit] = top;
-    sync_cube();
-    let mut row_max = f32::new(NO_MAX);
-    for u in 0..t.units {
-        row_max = max(row_max, red[u]);
-    }
-
-    // The weights, in place of the scores, and their sum.
-    let mut sum = 0.0f32;
+    // Each row's maximum: the units' partial ones `[rows][units]`, reduced by one unit a
+    // row into `stats` (`[2][rows]`: maxima, then sums).
+    let mut red = Shared::<[f32]>::new_slice(comptime!(rows * t.units));
+    let mut stats = Shared::<[f32]>::new_slice(comptime!(2 * rows));
     #[unroll]
-    for m in 0..comptime!(t.keys / t.units) {
-        let j = comptime!(m * t.units) + unit;
-        let w = (scores[j] - row_max).exp();
-        scores[j] = w;
-        sum += w;
+    for r in 0..rows {
+        red[comptime!(r * t.units) + unit] = top[r];
     }
-    red[t.units + unit] = sum;
     sync_cube();
-    let mut row_sum = 0.0f32;
-    for u in 0..t.units {
-        row_sum += red[t.units + u];
+    if unit < rows {
+        let mut x = f32::new(NO_MAX);
+        for u in 0..t.units {
+            x = max(x, red[unit * t.units + u]);
+        }
+        stats[unit] = x;
     }
-    let dead = row_max <= DEAD_ROW || row_sum <= 0.0f32;
+    sync_cube();
 
-    // The weighted values: a group of `span` units sums every `groups`-th key, a unit
-    // a quad of head dims (then, past `span` quads, the next `span`).
-    let mut sums = Shared::<[f32]>::new_slice(comptime!(groups * quads * 4));
+    // The weights, in place of the scores, and their sums.
+    let mut row_max = Array::<f32>::new(rows);
+    let mut part = Array::<f32>::new(rows);
+    #[unroll]
+    for r in 0..rows {
+        row_max[r] = stats[r];
+        part[r] = 0.0f32;
+    }
+    for m in 0..per_unit {
+        let j = m * t.units + unit;
+        #[unroll]
+        for r in 0..rows {
+            let at = comptime!(r * t.keys) + j;
+            let w = (scores[at] - row_max[r]).exp();
+            scores[at] = w;
+            part[r] += w;
+        }
+    }
+    #[unroll]
+    for r in 0..rows {
+        red[comptime!(r * t.units) + unit] = part[r];
+    }
+    sync_cube();
+    if unit < rows {
+        let mut x = 0.0f32;
+        for u in 0..t.units {
+            x += red[unit * t.units + u];
+        }
+        stats[rows + unit] = x;
+    }
+
+    // The weighted values: a group of `span` units sums every `groups`-th key, a unit a
+    // quad of head dims (then, past `span` quads, the next `span`) for every row, into
+    // `sums` `[groups][rows][quads · 4]`.
+    let mut sums = Shared::<[f32]>::new_slice(comptime!(groups * rows * quads * 4));
     let v_at = b * p.v.stride(0) + hk * p.v.stride(1);
     let g = unit / span;
     #[unroll]
     for pass in 0..comptime!(quads.div_ceil(span)) {
         let c4 = comptime!(pass * span) + unit % span;
         if g < groups && c4 < quads {
-            let mut acc = Array::<f32>::new(4usize);
+            let mut acc = Array::<f32>::new(comptime!(rows * 4));
             #[unroll]
-            for e in 0..4usize {
+            for e in 0..comptime!(rows * 4) {
                 acc[e] = 0.0f32;
             }
             let mut j = g;
             while j < t.keys {
                 let key = (first + j) as i32;
-                if key >= lo && key < hi {
-                    let w = scores[j];
+                if key >= any_lo && key < any_hi {
                     let v = quad(&p.v, v_at + key as usize * p.v.stride(2), c4, t.d_v);
                     #[unroll]
-                    for e in 0..4usize {
-                        acc[e] += w * v.extract(e);
+                    for r in 0..rows {
+                        // 0 where the row does not see the key (its score `INVISIBLE`).
+                        let w = scores[comptime!(r * t.keys) + j];
+                        #[unroll]
+                        for e in 0..4usize {
+                            acc[comptime!(r * 4 + e)] += w * v.extract(e);
+                        }
                     }
                 }
                 j += groups;
             }
             #[unroll]
-            for e in 0..4usize {
-                sums[(g * quads + c4) * 4 + e] = acc[e];
+            for r in 0..rows {
+                #[unroll]
+                for e in 0..4usize {
+                    sums[((g * rows + r) * quads + c4) * 4 + e] = acc[comptime!(r * 4 + e)];
+                }
             }
         }
     }
     sync_cube();
 
-    // The output, divided by the sum (zeros where dead), and the log-sum-exp.
-    let inv = select(dead, 0.0f32, 1.0f32 / row_sum);
-    let o_at = (s * p.q.shape(0) + b) * out.stride(0) + h * out.stride(1) + i * out.stride(2);
-    let col_stride = out.stride(3);
+    // The outputs, divided by their sums (zeros where dead), and the log-sum-exps.
+    let split_at = s * p.q.shape(0) + b;
     #[unroll]
-    for step in 0..comptime!(t.d_v.div_ceil(t.units)) {
-        let d = comptime!(step * t.units) + unit;
-        if d < t.d_v {
-            let mut x = 0.0f32;
-            #[unroll]
-            for gg in 0..groups {
-                x += sums[comptime!(gg * quads * 4) + d];
+    for step in 0..comptime!((rows * t.d_v).div_ceil(t.units)) {
+        let e = comptime!(step * t.units) + unit;
+        if e < comptime!(rows * t.d_v) {
+            let (r, d) = (e / t.d_v, e % t.d_v);
+            let row = slot(n0, r, hk, group, queries);
+            if row.live {
+                let (top, sum) = (stats[r], stats[rows + r]);
+                let dead = top <= DEAD_ROW || sum <= 0.0f32;
+                let mut x = 0.0f32;
+                #[unroll]
+                for gg in 0..groups {
+                    x += sums[(gg * rows + r) * comptime!(quads * 4) + d];
+                }
+                let at = split_at * out.stride(0)
+                    + row.h * out.stride(1)
+                    + row.i * out.stride(2)
+                    + d * out.stride(3);
+                out[at] = W::cast_from(select(dead, 0.0f32, x / sum));
             }
-            out[o_at + d * col_stride] = W::cast_from(x * inv);
         }
     }
-    if unit == 0 {
-        let dead_lse = comptime!(if t.split { NO_MAX } else { DEAD_LSE });
-        let at = (s * p.q.shape(0) + b) * lse.stride(0) + h * lse.stride(1) + i * lse.stride(2);
-        lse[at] = select(dead, f32::new(dead_lse), row_max + row_sum.ln());
+    if unit < rows {
+        let row = slot(n0, unit, hk, group, queries);
+        if row.live {
+            let (top, sum) = (stats[unit], stats[rows + unit]);
+            let dead = top <= DEAD_ROW || sum <= 0.0f32;
+            let dead_lse = comptime!(if t.split { NO_MAX } else { DEAD_LSE });
+            let at = split_at * lse.stride(0) + row.h * lse.stride(1) + row.i * lse.stride(2);
+            lse[at] = select(dead, f32::new(dead_lse), top + sum.ln());
+        }
     }
 }
 

@@ -704,14 +704,18 @@ pub(crate) fn forward(client: &Client, inputs: &Inputs, scoring: Scoring) -> (Ha
 }
 
 /// Queries at or below which a call takes the decoding kernels ([`decode`]), which read
-/// the keys and values once for each query row, where the tiled forward computes every
-/// score of its block of 16 to 64 rows: on lavapipe (8 heads of 64, 2048 keys) 4x as fast
-/// at one query, 1.5x at four, 0.8x at eight (`docs/benchmarks.md`).
-pub(crate) const DECODE_QUERIES: usize = 4;
+/// the keys and values once for each cube of up to [`DECODE_ROWS`] query rows, where the
+/// tiled forward computes every score of its block of 16 to 64 rows: on lavapipe (8
+/// heads of 64, 2048 keys) 4x as fast at one query, 2x at eight, and no faster at
+/// sixteen (`docs/benchmarks.md`).
+pub(crate) const DECODE_QUERIES: usize = 8;
 
 /// Units of a decoding cube, and keys of its split (each unit scores four).
 const DECODE_UNITS: usize = 64;
 const DECODE_KEYS: usize = 256;
+/// Query rows of a decoding cube at most (of one key/value head: the query heads of a
+/// GQA group, and a call's queries), each key and value read once for all of them.
+const DECODE_ROWS: usize = 8;
 
 /// The environment variable that keeps the forward on the tiled kernel whatever the
 /// number of queries: `tiles` (to compare, or to step around a driver's fault); unset
@@ -741,20 +745,29 @@ pub(crate) fn decoding(dims: &Dims, scoring: Scoring, shared: usize) -> Option<D
 }
 
 /// The decoding kernel's tiles for a call of `dims` under `scoring`, whichever forward
-/// the call takes.
+/// the call takes: the `group · Tq` rows that read a key/value head in as few cubes of
+/// at most [`DECODE_ROWS`] rows as [`SHARED_BUDGET`] allows (one row a cube at least),
+/// the same number of rows in each.
 pub(crate) fn decode_tiles(dims: &Dims, scoring: Scoring) -> DecodeTiles {
-    DecodeTiles::new(
-        DECODE_UNITS,
-        DECODE_KEYS,
-        [dims.d_k, dims.d_v],
-        scoring.softcap.is_some(),
-        dims.keys > DECODE_KEYS,
-    )
+    let rows = (dims.group() * dims.queries).max(1);
+    let tiles = |chunks: usize| {
+        DecodeTiles::new(
+            [DECODE_UNITS, rows.div_ceil(chunks), DECODE_KEYS],
+            [dims.d_k, dims.d_v],
+            scoring.softcap.is_some(),
+            dims.keys > DECODE_KEYS,
+        )
+    };
+    (rows.div_ceil(DECODE_ROWS)..=rows)
+        .map(tiles)
+        .find(|t| t.shared_bytes() <= SHARED_BUDGET)
+        .unwrap_or_else(|| tiles(rows))
 }
 
-/// [`forward`] on the decoding kernels (`super::decode`): one cube per query row and
-/// split of [`DECODE_KEYS`] keys, then, with more than one split, one unit per element
-/// of the output to weigh the splits.
+/// [`forward`] on the decoding kernels (`super::decode`): one cube per split of
+/// [`DECODE_KEYS`] keys and chunk of the query rows that read one key/value head
+/// ([`decode_tiles`]), then, with more than one split, one unit per element of the
+/// output to weigh the splits.
 fn decode(
     client: &Client,
     inputs: &Inputs,
@@ -768,11 +781,12 @@ fn decode(
     let out = alloc(client, out_shape, inputs.size);
     let lse = alloc(client, lse_shape, 4);
     let rows = n.batch * n.heads * n.queries;
+    let chunks = (n.group() * n.queries).div_ceil(t.rows);
     let f32_elem = ElemType::Float(cubecl::ir::FloatKind::F32);
     let split = |out: TensorArg, lse: TensorArg, w: ElemType| {
         launch!(plain decode_kernel(
             client,
-            grid(client, rows * splits),
+            grid(client, n.batch * n.kv_heads * chunks * splits),
             CubeDim::new_1d(t.units as u32),
             inputs.width(None),
             inputs.problem(n, scoring),

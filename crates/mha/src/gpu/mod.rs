@@ -9,8 +9,9 @@
 //!   distance, boolean mask) by the CPU tiles' rules.
 //! - [`forward`]: a cube of query rows walks the key tiles they see with an online softmax
 //!   in f32; it writes the output and each row's log-sum-exp.
-//! - [`decode`]: a few queries over many keys (decoding over a cache): a cube per query
-//!   row and split of the keys, then the splits weighed by their log-sum-exps.
+//! - [`decode`]: a few queries over many keys (decoding over a cache): a cube per few
+//!   query rows of one key/value head and split of the keys (each key read once for
+//!   them all), then the splits weighed by their log-sum-exps.
 //! - [`backward`]: FlashAttention-2's recomputing backward pass (`D`; `dQ` queries outer,
 //!   with the bias gradients' partial sums; `dK`/`dV` keys outer with GQA summed in the
 //!   cube; the partial sums reduced in order).

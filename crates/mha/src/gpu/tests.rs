@@ -707,8 +707,9 @@ fn gpu_attention_softcap_matches_f64() {
 }
 
 /// Calls of at most `launch::DECODE_QUERIES` queries take the decoding kernels (a cube
-/// per query row and split of 256 keys, the splits then weighed): one split and
-/// several (keys not a multiple of a split), every mask kind (causal in both alignments,
+/// per split of 256 keys and up to 8 query rows that read one key/value head, the
+/// splits then weighed): one split and several (keys not a multiple of a split), cubes
+/// of one row, of several, and a last cube with fewer, every mask kind (causal in both alignments,
 /// a window whose first splits see no key, a bias with `-inf`, key padding with a
 /// batch row whose every split is dead, a boolean mask), GQA, the soft cap, head dims
 /// read one element at a time, the query as the heads of a projection, f16 (scores far
@@ -748,6 +749,27 @@ fn gpu_decoding_matches_the_tiled_forward_and_f64() {
             )
             .mask(causal().aligned(CausalAlignment::TopLeft))
         },
+        Case::new(
+            "decode gqa 8:1 Tq4 Tk600 causal d64 (four cubes of 8 rows)",
+            [2, 8, 1],
+            [4, 600, 64],
+        )
+        .mask(causal()),
+        Case {
+            bias: Some([2, 3, 3, 300]),
+            ..Case::new(
+                "decode gqa 3:1 Tq3 Tk300 bias d16 (two cubes of 5 rows, one empty)",
+                [2, 3, 1],
+                [3, 300, 16],
+            )
+            .mask(causal())
+        },
+        Case::new(
+            "decode Tq8 Tk520 causal d64 (a cube of 8 rows)",
+            [1, 2, 2],
+            [8, 520, 64],
+        )
+        .mask(causal()),
         Case::new("decode Tq2 Tk1000 window 100 d64", [1, 2, 2], [2, 1000, 64])
             .mask(AttentionMask::sliding_window(100)),
         Case::new(
