@@ -253,7 +253,8 @@ fn every_check_comes_before_anything_is_written_or_removed() {
 
 #[test]
 fn a_damaged_model_is_named_not_used() {
-    let dir = scratch("damaged-model").join("run");
+    let root = scratch("damaged-model");
+    let dir = root.join("run");
     finished(&dir, "1");
     // Bytes overwritten in the middle of a weights file with `fill`.
     let damage = |path: &Path, fill: u8| {
@@ -416,7 +417,8 @@ fn text_files_may_start_with_a_byte_order_mark() {
 
 #[test]
 fn inputs_longer_than_trained_are_answered_where_the_positions_read_them() {
-    let dir = scratch("longer-inputs").join("run");
+    let root = scratch("longer-inputs");
+    let dir = root.join("run");
     let out = run(on_flex(TINY)
         .args([
             "--positions",
@@ -452,7 +454,8 @@ fn inputs_longer_than_trained_are_answered_where_the_positions_read_them() {
 
 #[test]
 fn a_runs_summary_says_it_is_running_and_a_stale_lock_of_another_program_is_taken_over() {
-    let dir = scratch("running").join("run");
+    let root = scratch("running");
+    let dir = root.join("run");
     let mut child = spawn_tiny(&dir, "3", "200");
     wait_for(&dir.join("checkpoints/epoch-1/scheduler.bpk"), &mut child);
     let s = summary(&dir);
@@ -472,7 +475,8 @@ fn a_runs_summary_says_it_is_running_and_a_stale_lock_of_another_program_is_take
 
 #[test]
 fn inspect_reports_means_that_do_not_grow_with_the_examples() {
-    let dir = scratch("inspect-means").join("run");
+    let root = scratch("inspect-means");
+    let dir = root.join("run");
     // 8 symbols: a held-out split of about 400 inputs.
     let out = run(on_flex(&tiny(&[("--symbols", "8")]))
         .args(["--epochs", "2", "--steps-per-epoch", "20", "--out"])
@@ -495,7 +499,8 @@ fn inspect_reports_means_that_do_not_grow_with_the_examples() {
 
 #[test]
 fn a_checkpoint_that_cannot_be_written_is_named_and_the_run_summarised() {
-    let dir = scratch("checkpoint-error").join("run");
+    let root = scratch("checkpoint-error");
+    let dir = root.join("run");
     finished(&dir, "1");
     // A folder of the user's where epoch 1's optimizer state goes: --overwrite keeps it,
     // and the new run cannot write its checkpoint there.
@@ -537,7 +542,8 @@ fn a_checkpoint_that_cannot_be_written_is_named_and_the_run_summarised() {
 fn ctrl_c_stops_inspect_at_once_and_the_next_inspect_runs() {
     use std::os::unix::process::ExitStatusExt;
     use std::time::{Duration, Instant};
-    let dir = scratch("inspect-ctrl-c").join("run");
+    let root = scratch("inspect-ctrl-c");
+    let dir = root.join("run");
     finished(&dir, "1");
     // What inspect does not write: the run's own files.
     let runs = |dir: &Path| {

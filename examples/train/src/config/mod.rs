@@ -241,11 +241,12 @@ mod tests {
     use serde_json::Value;
 
     fn load(text: &str) -> anyhow::Result<TrainConfig> {
-        let dir = std::env::temp_dir().join(format!("mha-config-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!(
-            "{:x}.json",
-            text.len() * 31 + text.bytes().map(usize::from).sum::<usize>()
+        // A file of its own for each call (the tests run in parallel), removed after.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "mha-config-test-{}-{call}.json",
+            std::process::id()
         ));
         std::fs::write(&path, text).unwrap();
         let config = TrainConfig::load(&path);

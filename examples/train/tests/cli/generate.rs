@@ -54,7 +54,8 @@ fn generate_reads_the_task_grammar_strictly() {
 
 #[test]
 fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
-    let dir = scratch("symbols").join("run");
+    let root = scratch("symbols");
+    let dir = root.join("run");
     let out = run(on_flex(&[
         "--task",
         "copy",

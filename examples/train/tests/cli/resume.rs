@@ -6,7 +6,8 @@ use super::*;
 #[cfg(unix)]
 #[test]
 fn ctrl_c_stops_cleanly_and_resume_continues() {
-    let dir = scratch("interrupt").join("run");
+    let root = scratch("interrupt");
+    let dir = root.join("run");
     let mut child = on_flex(TINY)
         .args(["--epochs", "4", "--steps-per-epoch", "100", "--out"])
         .arg(&dir)
@@ -45,7 +46,8 @@ fn ctrl_c_stops_cleanly_and_resume_continues() {
 
 #[test]
 fn a_killed_run_resumes_and_a_corrupt_checkpoint_is_named() {
-    let dir = scratch("kill").join("run");
+    let root = scratch("kill");
+    let dir = root.join("run");
     let mut child = on_flex(TINY)
         .args(["--epochs", "4", "--steps-per-epoch", "60", "--out"])
         .arg(&dir)
@@ -103,7 +105,8 @@ fn a_killed_run_resumes_and_a_corrupt_checkpoint_is_named() {
 #[test]
 fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
     use std::io::BufRead;
-    let dir = scratch("eval-interrupt").join("run");
+    let root = scratch("eval-interrupt");
+    let dir = root.join("run");
     // A hundred million held-out sequences: made a window at a time, never all at once.
     let mut child = on_flex(&tiny(&[("--eval-examples", "100000000")]))
         .args(["--epochs", "1", "--steps-per-epoch", "20", "--out"])

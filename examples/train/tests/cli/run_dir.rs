@@ -47,7 +47,8 @@ fn a_run_directory_belongs_to_one_run() {
 
 #[test]
 fn a_rejected_setting_writes_nothing() {
-    let dir = scratch("rejected").join("run");
+    let root = scratch("rejected");
+    let dir = root.join("run");
     tiny_run(&dir, "1");
     let before = checksums(&dir);
     for (flags, wanted) in [
@@ -75,7 +76,8 @@ fn a_rejected_setting_writes_nothing() {
 
 #[test]
 fn overwrite_decides_before_deleting_and_keeps_what_the_trainer_did_not_write() {
-    let dir = scratch("overwrite").join("run");
+    let root = scratch("overwrite");
+    let dir = root.join("run");
     let quick = ["--epochs", "1", "--steps-per-epoch", "5", "--out"];
     let out = run(on_flex(TINY).args(quick).arg(&dir));
     assert!(out.status.success());
@@ -110,7 +112,8 @@ fn overwrite_decides_before_deleting_and_keeps_what_the_trainer_did_not_write() 
 #[cfg(unix)]
 #[test]
 fn a_run_directory_is_locked_and_a_damaged_metric_log_is_named() {
-    let dir = scratch("lock").join("run");
+    let root = scratch("lock");
+    let dir = root.join("run");
     let mut first = spawn_tiny(&dir, "3", "400");
     wait_for(&dir.join("checkpoints/epoch-1/scheduler.bpk"), &mut first);
     // A second command on the run is refused while the first trains, naming it.

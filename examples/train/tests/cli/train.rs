@@ -100,7 +100,8 @@ fn packing_trains_the_decoder_only_model_and_is_refused_for_the_other() {
 
 #[test]
 fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
-    let dir = scratch("short").join("run");
+    let root = scratch("short");
+    let dir = root.join("run");
     let out = run(trainer()
         .args(TINY)
         .args(["--epochs", "3", "--steps-per-epoch", "50", "--out"])
@@ -220,7 +221,8 @@ fn half_precision_runs_learn_where_the_backend_computes_in_them() {
 
 #[test]
 fn a_task_without_a_held_out_split_is_refused_at_once() {
-    let dir = scratch("split").join("run");
+    let root = scratch("split");
+    let dir = root.join("run");
     let started = Instant::now();
     let out = run(on_flex(&[
         "--min-len",
@@ -246,7 +248,8 @@ fn a_task_without_a_held_out_split_is_refused_at_once() {
 
 #[test]
 fn the_output_is_readable_lines_when_not_a_terminal() {
-    let dir = scratch("lines").join("run");
+    let root = scratch("lines");
+    let dir = root.join("run");
     let out = run(on_flex(TINY)
         .args([
             "--epochs",
@@ -414,7 +417,8 @@ fn several_devices_train_resume_and_refuse_what_they_cannot() {
 #[test]
 fn a_software_gpu_is_named() {
     use ::train::backend::Backend;
-    let dir = scratch("software").join("run");
+    let root = scratch("software");
+    let dir = root.join("run");
     tiny_run(&dir, "1");
     let device = Backend::Wgpu.device().unwrap();
     let adapter = Backend::Wgpu.software_adapter(&device);
@@ -442,7 +446,8 @@ fn a_software_gpu_is_named() {
 fn a_closed_pipe_ends_the_trainer_quietly() {
     use std::io::BufRead;
     use std::os::unix::process::ExitStatusExt;
-    let dir = scratch("pipe").join("run");
+    let root = scratch("pipe");
+    let dir = root.join("run");
     let mut child = on_flex(TINY)
         .args([
             "--epochs",

@@ -51,12 +51,45 @@ pub fn on_flex(args: &[&str]) -> Command {
     cmd
 }
 
-/// An empty scratch directory of this test process.
-pub fn scratch(name: &str) -> PathBuf {
+/// An empty scratch directory of this test process, removed when the test that made it
+/// passes (kept, and named on stderr, when it fails).
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("mha-train-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(dir)
+}
+
+/// A scratch directory (see [`scratch`]): a path while it lives, gone when dropped.
+pub struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("the failed test's files are kept in {}", self.0.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
 }
 
 pub fn run(cmd: &mut Command) -> Output {
