@@ -178,7 +178,9 @@ impl EncoderBlock {
     /// # Errors
     /// With a cache: [`CacheError::NotCausal`] for a block that is not causal,
     /// [`CacheError::Window`] for a block with a window and a cache that does not slide
-    /// over it, and the cache's errors ([`MultiHeadAttention::forward_cached`]). Without a
+    /// over it (a block without a window decoded through a sliding cache attends to the
+    /// cache's window: a context that slides past the lengths it was trained on), and the
+    /// cache's errors ([`MultiHeadAttention::forward_cached`]). Without a
     /// cache, none.
     ///
     /// # Panics
