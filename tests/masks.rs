@@ -117,6 +117,55 @@ fn every_convention_blocks_the_same_keys() {
 }
 
 #[test]
+fn windows_wider_than_any_sequence_block_only_what_their_rule_does() {
+    // `usize::MAX` says "no bound": a window wider than the keys is no window.
+    for be in backends() {
+        let dev = &be.device;
+        let m = MultiHeadAttentionConfig::new(16, 4).init(dev);
+        let x = randn([2, 5, 16], 3, dev);
+        let cases = [
+            (
+                "local(MAX)",
+                AttentionMask::local(usize::MAX),
+                AttentionMask::none(),
+            ),
+            (
+                "local(MAX / 2 + 1)",
+                AttentionMask::local(usize::MAX / 2 + 1),
+                AttentionMask::none(),
+            ),
+            (
+                "sliding_window(MAX)",
+                AttentionMask::sliding_window(usize::MAX),
+                AttentionMask::causal(),
+            ),
+            (
+                "causal and local(MAX)",
+                AttentionMask::causal().and(AttentionMask::local(usize::MAX)),
+                AttentionMask::causal(),
+            ),
+        ];
+        for (name, wide, same) in cases {
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let run = |mask: AttentionMask| {
+                    let input = MhaInput::self_attn(x.clone()).mask(mask).weights(weights);
+                    m.forward(input).context
+                };
+                let (got, want) = (run(wide.clone()), run(same.clone()));
+                let err = max_abs_diff(got, want.clone());
+                assert!(
+                    err <= 1e-5,
+                    "[{}] {name} ({weights:?}) differs from its rule by {err}",
+                    be.name
+                );
+                let size: f32 = to_vec(want).iter().map(|v| v.abs()).sum();
+                assert!(size > 0.0, "[{}] {name}: an output of zeros", be.name);
+            }
+        }
+    }
+}
+
+#[test]
 fn fully_blocked_rows_give_zeros_and_finite_gradients_on_both_paths() {
     for be in backends() {
         let dev = be.autodiff();

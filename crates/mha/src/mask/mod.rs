@@ -85,6 +85,22 @@ pub(crate) struct Window {
     pub(crate) after: usize,
 }
 
+impl Window {
+    /// The widest side a window keeps: no sequence has this many positions (the GPU
+    /// kernels count them in `i32`), so a wider side (`usize::MAX` for "no bound") blocks
+    /// the same keys, and the positions' arithmetic (in `i64`, and in the backend's
+    /// integers where the blocked keys are a tensor) cannot overflow.
+    const WIDEST: usize = i32::MAX as usize;
+
+    /// A window of `before` and `after` keys, each cut to [`Self::WIDEST`].
+    fn new(before: usize, after: usize) -> Self {
+        Self {
+            before: before.min(Self::WIDEST),
+            after: after.min(Self::WIDEST),
+        }
+    }
+}
+
 /// What blocks by position: the causal part, a window, packed sequences.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct Rule {
@@ -183,10 +199,7 @@ impl AttentionMask {
             width >= 1,
             "AttentionMask::sliding_window: width must be at least 1, got 0"
         );
-        let window = Window {
-            before: width - 1,
-            after: 0,
-        };
+        let window = Window::new(width - 1, 0);
         Self {
             rule: Rule {
                 causal: true,
@@ -200,10 +213,7 @@ impl AttentionMask {
     /// A symmetric window without the causal part: each query sees the keys at most
     /// `radius` positions from its own, on either side.
     pub fn local(radius: usize) -> Self {
-        let window = Window {
-            before: radius,
-            after: radius,
-        };
+        let window = Window::new(radius, radius);
         Self {
             rule: Rule {
                 window: Some(window),
@@ -321,7 +331,12 @@ impl AttentionMask {
     /// (ALiBi, learned relative biases; see [`PositionBias`]): the CPU tiles compute it
     /// per score, so no `[H, Tq, Tk]` tensor exists there. Distances follow the mask's
     /// alignment (see the type docs).
+    ///
+    /// # Panics
+    /// If a learned table has not one column per bucket (`[H, buckets.len()]`), or T5's
+    /// buckets have no exact bucket or a `max_distance` not past them, naming the values.
     pub fn position_bias(bias: PositionBias) -> Self {
+        bias.check();
         Self {
             position: Some(bias),
             ..Self::default()
