@@ -232,9 +232,14 @@ fn decode_rows<F: Float, M: Int, N: Size, W: Float>(
     let mut hi = Array::<i32>::new(rows);
     let mut any_lo = (first + t.keys) as i32;
     let mut any_hi = first as i32;
+    // Each row's query head and query, for the masks in the loop over keys.
+    let mut heads = Array::<u32>::new(rows);
+    let mut query = Array::<u32>::new(rows);
     #[unroll]
     for r in 0..rows {
         let row = slot(n0, r, hk, group, queries);
+        heads[r] = row.h as u32;
+        query[r] = row.i as u32;
         let seen = keys_of(p, b, row.i);
         lo[r] = max(seen.lo, first as i32);
         hi[r] = select(row.live, min(seen.hi, (first + t.keys) as i32), 0i32);
@@ -298,9 +303,15 @@ fn decode_rows<F: Float, M: Int, N: Size, W: Float>(
         for r in 0..rows {
             let mut x = f32::new(INVISIBLE);
             if key >= lo[r] && key < hi[r] {
-                let row = slot(n0, r, hk, group, queries);
                 let capped = capped(dot[r] * p.scale, p.softcap, t.softcap);
-                x = masked(p, capped, b, row.h, row.i, key as usize);
+                x = masked(
+                    p,
+                    capped,
+                    b,
+                    heads[r] as usize,
+                    query[r] as usize,
+                    key as usize,
+                );
             }
             scores[comptime!(r * t.keys) + j] = x;
             top[r] = max(top[r], x);
