@@ -798,6 +798,32 @@ fn bad_plans_and_masks_are_refused_by_name() {
         message.contains("the head mask has 3 weights for 4 heads"),
         "{message}"
     );
+    let plan = PrunePlan {
+        remove: vec![vec![], vec![1]],
+    };
+    assert_eq!(plan.slice(1, 1).remove, vec![vec![1]]);
+    let message = panic_message(|| {
+        plan.slice(1, 2);
+    });
+    assert_eq!(
+        message,
+        "PrunePlan::slice: layers 1..1+2 pass the plan's 2 layers"
+    );
+    // A loss per example, not one value: refused before its gradient is read.
+    let autodiff = device.clone().autodiff();
+    let m = attention(4, 2, Positions::None, &autodiff);
+    let x = randn([2, 3, 16], 2, &autodiff);
+    let message = panic_message(|| {
+        HeadImportance::by_gradient(&m.head_counts(), &autodiff, 1, |mask, _| {
+            let out = m.forward(MhaInput::causal(x.clone()).head_mask(mask.layer(0).clone()));
+            out.context.sum_dim(2).sum_dim(1).reshape([2])
+        });
+    });
+    assert_eq!(
+        message,
+        "HeadImportance::by_gradient: the loss of batch 0 must be one value [1] (a mean, say), \
+         got [2]"
+    );
 }
 
 fn panic_message(f: impl FnOnce()) -> String {

@@ -611,3 +611,218 @@ fn a_windowed_block_is_causal_and_decodes_through_a_sliding_cache() {
     let mut cache = mha::KvCache::sliding(4);
     assert!(block.forward(BlockInput::new(x).cache(&mut cache)).is_ok());
 }
+
+#[test]
+fn positions_that_do_not_fit_their_input_panic_naming_the_values() {
+    use burn::tensor::{Int, Tensor};
+    use mha::positions::{AbsolutePositions, Buckets, PositionBias, Rope, RopeLayout};
+    let d = dev();
+    let q = randn([1, 2, 3, 8], 1, &d);
+    let rope = |theta: f64, head_dim: usize| Rope {
+        theta,
+        layout: RopeLayout::HalfSplit,
+        head_dim,
+    };
+    let learned = |table: [usize; 2], buckets: Buckets| {
+        let table = randn(table, 2, &d);
+        move || {
+            AttentionMask::position_bias(PositionBias::Learned { table, buckets });
+        }
+    };
+    let t5 = |num_buckets: usize, max_distance: usize| Buckets::T5 {
+        num_buckets,
+        max_distance,
+        bidirectional: true,
+    };
+    let positions = AbsolutePositions::learned(8, 16, &d);
+    let x = randn([2, 5, 12], 3, &d);
+    let (q1, q2) = (q.clone(), q.clone());
+    let cases = [
+        (
+            panic_message(std::panic::AssertUnwindSafe(move || {
+                rope(1e4, 7).apply(q1, &[vec![0, 1, 2]]);
+            })),
+            "Rope: head_dim must be even and at least 2, got 7",
+        ),
+        (
+            panic_message(std::panic::AssertUnwindSafe(move || {
+                rope(0.0, 8).apply(q2, &[vec![0, 1, 2]]);
+            })),
+            "Rope: theta must be a finite number above 1, got 0",
+        ),
+        (
+            panic_message(std::panic::AssertUnwindSafe(move || {
+                rope(1e4, 8).apply(q, &[vec![0, 1]]);
+            })),
+            "Rope: positions must be [1 or B = 1, T = 3], got 1 row(s) of [2] position(s)",
+        ),
+        (
+            panic_message(learned([2, 5], Buckets::Clipped { max: 4 })),
+            "PositionBias::Learned: the table is [H, buckets] = [2, 5], and Clipped { max: 4 } \
+             has 9 buckets",
+        ),
+        (
+            panic_message(learned([2, 1], t5(1, 8))),
+            "PositionBias::Learned: T5 needs num_buckets of at least 4 and max_distance above \
+             the exact buckets (0), got num_buckets 1, max_distance 8",
+        ),
+        (
+            panic_message(std::panic::AssertUnwindSafe(move || {
+                positions.add(x, 0);
+            })),
+            "LearnedPositions: the input is 12 wide, not 16",
+        ),
+    ];
+    for (message, expected) in cases {
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+    // A table of the right width is taken.
+    learned([2, 9], Buckets::Clipped { max: 4 })();
+    // The tokens' types must match the tokens.
+    let config: mha::hf::BertConfig = serde_json::from_str(
+        r#"{"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+            "intermediate_size": 32, "layer_norm_eps": 1e-12, "vocab_size": 10}"#,
+    )
+    .unwrap();
+    let bert = config.init_model(&d).unwrap();
+    let tokens = Tensor::<2, Int>::zeros([2, 8], &d);
+    let types = Tensor::<2, Int>::zeros([2, 7], &d);
+    let message = panic_message(std::panic::AssertUnwindSafe(move || {
+        bert.forward(tokens, types, AttentionMask::none());
+    }));
+    let expected = "BertModel: token_types must be of the tokens' shape [B, T] = [2, 8]";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+}
+
+#[test]
+fn packed_sequences_are_checked_before_rope_turns_them() {
+    let d = dev();
+    let m = MultiHeadAttentionConfig::new(16, 2)
+        .with_positions(Positions::rope())
+        .init(&d);
+    // Two rows of sequences for a batch of 3: the mask is named, not RoPE's positions.
+    let (m1, x) = (m.clone(), randn([3, 5, 16], 1, &d));
+    let message = panic_message(std::panic::AssertUnwindSafe(move || {
+        m1.self_attention(x, AttentionMask::packed(&[vec![0, 2, 5], vec![0, 5]]));
+    }));
+    let expected = "packed sequences for 2 rows need self-attention over 2 rows, got [B, H, Tq, \
+                    Tk] = [3, 2, 5, 5]";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    // No batch row: an empty output of its shape.
+    let out = m.self_attention(randn([0, 5, 16], 2, &d), AttentionMask::packed(&[]));
+    assert_eq!(out.dims(), [0, 5, 16]);
+}
+
+#[test]
+fn attention_weights_check_their_inputs_as_attention_does() {
+    use mha::SdpaOptions;
+    use mha::attention::attention_weights;
+    let d = dev();
+    let run = |q: [usize; 4], k: [usize; 4], mask: AttentionMask, options: SdpaOptions| {
+        let (q, k) = (randn(q, 1, &d), randn(k, 2, &d));
+        panic_message(std::panic::AssertUnwindSafe(move || {
+            attention_weights(q, k, &mask, options);
+        }))
+    };
+    let o = SdpaOptions::default;
+    let cases = [
+        (
+            run([2, 4, 5, 8], [2, 3, 5, 8], AttentionMask::none(), o()),
+            "attention_weights: expected key and value heads Hkv to divide query heads H \
+             ([B, H, Tq, Dk], [B, Hkv, Tk, Dk], [B, Hkv, Tk, Dv]), got query [2, 4, 5, 8], key \
+             [2, 3, 5, 8]",
+        ),
+        (
+            run([2, 4, 5, 8], [2, 2, 5, 6], AttentionMask::none(), o()),
+            "attention_weights: query and key head dims Dk differ: query [2, 4, 5, 8], key \
+             [2, 2, 5, 6]",
+        ),
+        (
+            run([2, 4, 5, 8], [1, 2, 5, 8], AttentionMask::none(), o()),
+            "attention_weights: batch sizes differ: query [2, 4, 5, 8], key [1, 2, 5, 8]",
+        ),
+        (
+            run(
+                [2, 4, 5, 8],
+                [2, 2, 5, 8],
+                AttentionMask::none(),
+                o().with_scale(f64::NAN),
+            ),
+            "scale must be positive and finite, got NaN",
+        ),
+        (
+            run(
+                [2, 4, 5, 8],
+                [2, 2, 6, 8],
+                AttentionMask::key_lengths(&[5, 3], 5, &d),
+                o(),
+            ),
+            "does not broadcast to the scores [B, H, Tq, Tk] = [2, 4, 5, 6]",
+        ),
+    ];
+    for (message, expected) in cases {
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+    // No head: weights of their empty shape.
+    let w = attention_weights(
+        randn([2, 0, 5, 8], 1, &d),
+        randn([2, 0, 3, 8], 2, &d),
+        &AttentionMask::none(),
+        o(),
+    );
+    assert_eq!(w.dims(), [2, 0, 5, 3]);
+}
+
+#[test]
+fn head_statistics_check_the_mask_against_the_weights() {
+    let d = dev();
+    let weights = randn([2, 2, 4, 4], 1, &d);
+    let mask = AttentionMask::key_lengths(&[3, 4, 2], 4, &d);
+    let message = panic_message(std::panic::AssertUnwindSafe(move || {
+        mha::analysis::LayerStats::from_weights("l0", weights, &mask, None);
+    }));
+    let expected = "does not broadcast to the scores [B, H, Tq, Tk] = [2, 2, 4, 4]";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+}
+
+#[test]
+fn a_cache_refuses_another_dtype_mid_sequence_and_takes_it_after_a_reset() {
+    use burn::tensor::{DType, FloatDType};
+    use mha::{CacheError, KvCache, ModuleDType};
+    let d = dev();
+    let m = MultiHeadAttentionConfig::new(16, 2).init(&d);
+    let Some(half) = [FloatDType::F16, FloatDType::BF16, FloatDType::F64]
+        .into_iter()
+        .find(|&t| m.clone().try_to_dtype(t).is_ok())
+    else {
+        panic!("the device computes in no dtype but f32");
+    };
+    let other = m.clone().to_dtype(half);
+    let x = randn([1, 3, 16], 1, &d);
+    let mut cache = KvCache::new(8);
+    m.forward_cached(x.clone(), &mut cache, AttentionMask::none())
+        .unwrap();
+    let err = other
+        .forward_cached(x.clone().cast(half), &mut cache, AttentionMask::none())
+        .unwrap_err();
+    assert_eq!(
+        err,
+        CacheError::DType {
+            cached: DType::F32,
+            got: DType::from(half)
+        }
+    );
+    assert!(
+        err.to_string().contains(&format!(
+            "it holds keys and values in F32, the call brings {:?}",
+            DType::from(half)
+        )),
+        "{err}"
+    );
+    assert_eq!(cache.len(), 3, "the refused call wrote nothing");
+    cache.reset();
+    let out = other
+        .forward_cached(x.cast(half), &mut cache, AttentionMask::none())
+        .unwrap();
+    assert_eq!(out.dtype(), DType::from(half));
+}

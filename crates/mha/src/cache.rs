@@ -141,7 +141,7 @@ impl KvCache {
     }
 
     /// Forgets the cached positions, keeping the storage for the next sequence (which may
-    /// have another batch size: the storage is then allocated again).
+    /// have another batch size or dtype: the storage is then allocated again).
     pub fn reset(&mut self) {
         self.len = 0;
     }
@@ -153,7 +153,8 @@ impl KvCache {
     ///
     /// # Errors
     /// [`CacheError::Full`] past the capacity, [`CacheError::Mismatch`] when the shapes
-    /// differ from the cached ones; the cache is unchanged.
+    /// differ from the cached ones ([`CacheError::DType`] the dtypes); the cache is
+    /// unchanged.
     pub(crate) fn write(
         &mut self,
         keys: Tensor<4>,
@@ -299,8 +300,15 @@ fn storage(like: &Tensor<4>, slots: usize) -> Tensor<4> {
 }
 
 /// # Errors
+/// [`CacheError::DType`] when `new` is of another dtype than `cached`, else
 /// [`CacheError::Mismatch`] naming the first axis where `new` differs from `cached`.
 fn check_like(cached: &Tensor<4>, new: &Tensor<4>) -> Result<(), CacheError> {
+    if cached.dtype() != new.dtype() {
+        return Err(CacheError::DType {
+            cached: cached.dtype(),
+            got: new.dtype(),
+        });
+    }
     let (cached, new) = (cached.dims(), new.dims());
     for (axis, what) in [(0, "batch"), (1, "key/value heads"), (3, "head width")] {
         if cached[axis] != new[axis] {

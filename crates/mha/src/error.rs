@@ -109,6 +109,14 @@ pub enum CacheError {
         /// What the call brought.
         got: usize,
     },
+    /// The new keys or values are of another dtype than those the cache holds (a module
+    /// cast to another precision mid-sequence).
+    DType {
+        /// The dtype the cache holds.
+        cached: burn::tensor::DType,
+        /// The dtype the call brought.
+        got: burn::tensor::DType,
+    },
     /// The module attends to later tokens (bidirectional): decoding token by token would
     /// compute something else than its forward pass.
     NotCausal {
@@ -160,6 +168,11 @@ impl fmt::Display for CacheError {
                 f,
                 "KvCache: it holds {what} {cached}, the call brings {what} {got} (reset it to \
                  start another sequence)"
+            ),
+            CacheError::DType { cached, got } => write!(
+                f,
+                "KvCache: it holds keys and values in {cached:?}, the call brings {got:?} \
+                 (reset it to start another sequence)"
             ),
             CacheError::NotCausal { module } => write!(
                 f,

@@ -467,8 +467,9 @@ impl MultiHeadAttention {
     ///
     /// # Errors
     /// [`CacheError::Full`] past the cache's capacity, [`CacheError::Mismatch`] when the
-    /// batch differs from the cached one, [`CacheError::Packed`] for a packed mask; the
-    /// cache is then unchanged.
+    /// batch differs from the cached one ([`CacheError::DType`] the dtype: a cache reset
+    /// takes another), [`CacheError::Packed`] for a packed mask; the cache is then
+    /// unchanged.
     ///
     /// # Panics
     /// As [`forward`](Self::forward), for inputs of the wrong width or a mask that does
@@ -814,8 +815,12 @@ impl MultiHeadAttention {
                     layout: *layout,
                     head_dim: self.head_dim,
                 };
-                let [_, _, queries, _] = q.dims();
+                let [batch, heads, queries, _] = q.dims();
                 let keys = k.dims()[2];
+                if mask.rule().packed.is_some() {
+                    // The positions restart at each packed sequence: its rows must fit.
+                    mask.check([batch, heads, queries, keys]);
+                }
                 let q = rope.apply(q, &token_positions(&mask, q_offset, queries));
                 let k = rope.apply(k, &token_positions(&mask, k_offset, keys));
                 (q, k, mask)

@@ -74,7 +74,7 @@ impl HeadImportance {
     /// batch.
     ///
     /// # Panics
-    /// If `device` is not an autodiff device.
+    /// If `device` is not an autodiff device, or a loss is not one value.
     pub fn by_gradient(
         counts: &[usize],
         device: &Device,
@@ -91,6 +91,12 @@ impl HeadImportance {
         for i in 0..batches {
             let mask = HeadMask::keep_all(counts, device).with_gradient();
             let value = loss(&mask, i);
+            assert!(
+                value.dims() == [1],
+                "HeadImportance::by_gradient: the loss of batch {i} must be one value [1] \
+                 (a mean, say), got {:?}",
+                value.dims()
+            );
             baseline += value.clone().into_scalar::<f64>();
             let grads = value.backward();
             for (row, grad) in scores.iter_mut().zip(mask.grads(&grads)) {

@@ -83,6 +83,11 @@ impl PrunePlan {
     /// # Panics
     /// If the range passes the plan's last layer.
     pub fn slice(&self, start: usize, len: usize) -> PrunePlan {
+        let layers = self.remove.len();
+        assert!(
+            start.checked_add(len).is_some_and(|end| end <= layers),
+            "PrunePlan::slice: layers {start}..{start}+{len} pass the plan's {layers} layers"
+        );
         PrunePlan {
             remove: self.remove[start..start + len].to_vec(),
         }

@@ -117,6 +117,7 @@ impl LayerStatsBuilder {
     ) {
         let dims = weights.dims();
         let [batch, heads, queries, keys] = dims;
+        mask.check(dims);
         if let Some(lengths) = query_lengths {
             assert_eq!(
                 lengths.len(),

@@ -17,17 +17,28 @@ use crate::problem::Scores;
 ///
 /// # Shapes
 /// - `query`: `[B, H, Tq, Dk]`, `key`: `[B, Hkv, Tk, Dk]` with `H % Hkv == 0`.
+/// - `mask`: broadcastable to `[B, H, Tq, Tk]`; the weights are `[B, H, Tq, Tk]` (empty
+///   when one of these is 0).
+///
+/// # Panics
+/// As [`scaled_dot_product_attention`](super::scaled_dot_product_attention): if the
+/// shapes disagree, if the mask does not broadcast to the scores, or if the scale or the
+/// soft cap is not positive and finite.
 pub fn attention_weights(
     query: Tensor<4>,
     key: Tensor<4>,
     mask: &AttentionMask,
     options: SdpaOptions,
 ) -> Tensor<4> {
-    let d_k = query.dims()[3];
-    let scores = Scores {
-        scale: options.scale.unwrap_or(1.0 / (d_k as f64).sqrt()),
-        softcap: options.softcap,
-    };
+    let [batch, heads, queries, d_k] = query.dims();
+    let keys = key.dims()[2];
+    super::check_shapes("attention_weights", query.dims(), key.dims(), None);
+    let scores = super::checked_scores(&options, mask, [batch, heads, queries, keys], d_k);
+    if batch * heads * queries * keys == 0 {
+        let (device, dtype) = (query.device(), query.dtype());
+        let links = [query, key].into_iter().map(crate::empty::zero_of);
+        return crate::empty::zeros([batch, heads, queries, keys], &device, links).cast(dtype);
+    }
     weights(query, key, mask, scores)
 }
 

@@ -132,7 +132,12 @@ pub fn scaled_dot_product_attention(
 ) -> AttentionOutput {
     let [batch, heads, queries, d_k] = query.dims();
     let keys = key.dims()[2];
-    check_shapes(query.dims(), key.dims(), value.dims());
+    check_shapes(
+        "scaled_dot_product_attention",
+        query.dims(),
+        key.dims(),
+        Some(value.dims()),
+    );
     let scores = checked_scores(&options, mask, [batch, heads, queries, keys], d_k);
 
     let keeps_weights = options.weights != AttentionWeights::None || options.dropout > 0.0;
@@ -196,23 +201,29 @@ pub(crate) fn checked_scores(
     }
 }
 
-fn check_shapes(q: [usize; 4], k: [usize; 4], v: [usize; 4]) {
-    let shapes = format!("query {q:?}, key {k:?}, value {v:?}");
+/// Checks the shapes of a call of `caller` (its value's, when it has one), naming them.
+pub(crate) fn check_shapes(caller: &str, q: [usize; 4], k: [usize; 4], v: Option<[usize; 4]>) {
+    let shapes = match v {
+        Some(v) => format!("query {q:?}, key {k:?}, value {v:?}"),
+        None => format!("query {q:?}, key {k:?}"),
+    };
+    // Without a value, the key stands for it: the value's checks hold.
+    let v = v.unwrap_or(k);
     assert!(
         q[0] == k[0] && k[0] == v[0],
-        "scaled_dot_product_attention: batch sizes differ: {shapes}"
+        "{caller}: batch sizes differ: {shapes}"
     );
     assert!(
         k[1] == v[1] && (k[1] > 0 || q[1] == 0) && q[1].is_multiple_of(k[1].max(1)),
-        "scaled_dot_product_attention: expected key and value heads Hkv to divide query heads H \
+        "{caller}: expected key and value heads Hkv to divide query heads H \
          ([B, H, Tq, Dk], [B, Hkv, Tk, Dk], [B, Hkv, Tk, Dv]), got {shapes}"
     );
     assert!(
         q[3] == k[3],
-        "scaled_dot_product_attention: query and key head dims Dk differ: {shapes}"
+        "{caller}: query and key head dims Dk differ: {shapes}"
     );
     assert!(
         k[2] == v[2],
-        "scaled_dot_product_attention: key and value lengths Tk differ: {shapes}"
+        "{caller}: key and value lengths Tk differ: {shapes}"
     );
 }

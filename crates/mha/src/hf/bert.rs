@@ -199,8 +199,8 @@ impl BertModel {
     /// `tokens`, `token_types`: `[B, T]` -> `[B, T, hidden_size]`.
     ///
     /// # Panics
-    /// If `T` is past `max_position_embeddings`, naming both, and as
-    /// [`EncoderBlock::forward`].
+    /// If `token_types` is not of `tokens`' shape or `T` is past
+    /// `max_position_embeddings`, naming both, and as [`EncoderBlock::forward`].
     pub fn forward(
         &self,
         tokens: Tensor<2, Int>,
@@ -208,6 +208,12 @@ impl BertModel {
         mask: AttentionMask,
     ) -> Tensor<3> {
         let [batch, len] = tokens.dims();
+        assert_eq!(
+            token_types.dims(),
+            [batch, len],
+            "BertModel: token_types must be of the tokens' shape [B, T] = {:?}",
+            [batch, len]
+        );
         let most = self.position_embeddings.weight.dims()[0];
         assert!(
             len <= most,

@@ -72,7 +72,8 @@ impl AbsolutePositions {
     /// `[B, T, d_model]` -> `[B, T, d_model]`.
     ///
     /// # Panics
-    /// For learned positions past the table, naming the table's length and the positions.
+    /// If `x` is not as wide as the positions, or for learned positions past the table,
+    /// naming the table's length and the positions.
     pub fn add(&self, x: Tensor<3>, offset: usize) -> Tensor<3> {
         let [_, len, d_model] = x.dims();
         let device = x.device();
@@ -86,7 +87,11 @@ impl AbsolutePositions {
                 sinusoids(offset, len, d_model, &device).cast(x.dtype())
             }
             AbsolutePositions::Learned(l) => {
-                let max_len = l.embedding.weight.dims()[0];
+                let [max_len, width] = l.embedding.weight.dims();
+                assert_eq!(
+                    width, d_model,
+                    "LearnedPositions: the input is {d_model} wide, not {width}"
+                );
                 assert!(
                     offset + len <= max_len,
                     "LearnedPositions: positions {offset}..{} are past the {max_len} learned ones",

@@ -82,6 +82,30 @@ impl Buckets {
         self.len() == 0
     }
 
+    /// What makes T5's buckets unusable, if anything: no exact bucket, or a
+    /// `max_distance` not past the exact ones (the logarithmic buckets divide by both).
+    pub(crate) fn problem(&self) -> Option<String> {
+        let Buckets::T5 {
+            num_buckets,
+            max_distance,
+            bidirectional,
+        } = *self
+        else {
+            return None;
+        };
+        let exact = match bidirectional {
+            true => num_buckets / 2 / 2,
+            false => num_buckets / 2,
+        };
+        (exact == 0 || max_distance <= exact).then(|| {
+            format!(
+                "T5 needs num_buckets of at least {} and max_distance above the exact \
+                 buckets ({exact}), got num_buckets {num_buckets}, max_distance {max_distance}",
+                if bidirectional { 4 } else { 2 }
+            )
+        })
+    }
+
     /// The bucket of the distance `key - query`, as T5's `_relative_position_bucket`
     /// computes it (its logarithm in f32, as PyTorch does).
     pub fn of(&self, distance: i64) -> usize {
@@ -138,6 +162,26 @@ pub enum PositionBias {
 }
 
 impl PositionBias {
+    /// Checks that a learned table has a column for each of its buckets, and that the
+    /// buckets are usable.
+    ///
+    /// # Panics
+    /// Naming the table's shape and the buckets, if not.
+    pub(crate) fn check(&self) {
+        if let PositionBias::Learned { table, buckets } = self {
+            if let Some(problem) = buckets.problem() {
+                panic!("PositionBias::Learned: {problem}");
+            }
+            assert!(
+                table.dims()[1] == buckets.len(),
+                "PositionBias::Learned: the table is [H, buckets] = {:?}, and {buckets:?} has \
+                 {} buckets",
+                table.dims(),
+                buckets.len()
+            );
+        }
+    }
+
     /// The query heads it has a bias for.
     pub fn heads(&self) -> usize {
         match self {

@@ -150,24 +150,10 @@ impl Positions {
                 }
                 Ok(())
             }
-            Positions::T5 {
-                num_buckets,
-                max_distance,
-                bidirectional,
-            } => {
-                let exact = match bidirectional {
-                    true => num_buckets / 2 / 2,
-                    false => num_buckets / 2,
-                };
-                if exact == 0 || max_distance <= exact {
-                    return Err(fail(format!(
-                        "T5 needs num_buckets of at least {} and max_distance above the exact \
-                         buckets ({exact}), got num_buckets {num_buckets}, max_distance {max_distance}",
-                        if bidirectional { 4 } else { 2 }
-                    )));
-                }
-                Ok(())
-            }
+            Positions::T5 { .. } => match self.buckets().and_then(|b| b.problem()) {
+                Some(problem) => Err(fail(problem)),
+                None => Ok(()),
+            },
             _ => Ok(()),
         }
     }

@@ -35,9 +35,20 @@ impl Rope {
     /// (`positions` has one row for every batch row, or one row for all).
     ///
     /// # Panics
-    /// If `D` is not `head_dim`, or `positions` do not cover `[B or 1, T]`.
+    /// If `head_dim` is odd or 0, `theta` is not a finite number above 1, `D` is not
+    /// `head_dim`, or `positions` do not cover `[B or 1, T]`.
     pub fn apply(&self, x: Tensor<4>, positions: &[Vec<usize>]) -> Tensor<4> {
         let [batch, heads, len, dim] = x.dims();
+        assert!(
+            self.head_dim > 0 && self.head_dim.is_multiple_of(2),
+            "Rope: head_dim must be even and at least 2, got {}",
+            self.head_dim
+        );
+        assert!(
+            self.theta.is_finite() && self.theta > 1.0,
+            "Rope: theta must be a finite number above 1, got {}",
+            self.theta
+        );
         assert_eq!(
             dim, self.head_dim,
             "Rope: heads are {} wide, got {dim}",
@@ -46,8 +57,13 @@ impl Rope {
         let rows = positions.len();
         assert!(
             (rows == 1 || rows == batch) && positions.iter().all(|p| p.len() == len),
-            "Rope: positions must be [1 or B = {batch}, T = {len}]"
+            "Rope: positions must be [1 or B = {batch}, T = {len}], got {rows} row(s) of {:?} \
+             position(s)",
+            positions.iter().map(Vec::len).collect::<Vec<_>>()
         );
+        if rows == 0 {
+            return x; // No batch row: nothing to turn.
+        }
         let half = dim / 2;
         let (cos, sin) = self.angles(positions, &x.device()); // [rows, 1, T, D/2]
         let dtype = x.dtype();
