@@ -332,7 +332,7 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
     assert_eq!(caches.len(), 4);
     let mut one_layer = mha::StackCache::new(1, KvCache::new(8));
     let err = learned
-        .forward(StackInput::new(x).cache(&mut one_layer))
+        .forward(StackInput::new(x.clone()).cache(&mut one_layer))
         .unwrap_err();
     assert_eq!(
         err,
@@ -341,4 +341,17 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
             caches: 1
         }
     );
+    // A decoder's cache made without the memory, and no memory in the input.
+    let decoder = DecoderConfig::new(DecoderBlockConfig::new(D_MODEL, HEADS), 2).init(&device);
+    let mut no_memory = mha::StackCache::new(2, KvCache::new(8));
+    let err = decoder
+        .forward(StackInput::new(x).cache(&mut no_memory))
+        .unwrap_err();
+    assert_eq!(err, CacheError::NoMemory { module: "Decoder" });
+    assert_eq!(
+        err.to_string(),
+        "Decoder: neither the input nor its cache has the memory to attend to: make the cache \
+         with Decoder::cache(memory, ..) or give the input a memory"
+    );
+    assert_eq!(no_memory.len(), 0, "the refused call wrote nothing");
 }

@@ -141,6 +141,12 @@ pub enum CacheError {
         /// The caches given.
         caches: usize,
     },
+    /// A decoder stack's cache holds no memory (the keys and values of the encoder's
+    /// output) and the input brings none.
+    NoMemory {
+        /// The stack, e.g. `Decoder`.
+        module: &'static str,
+    },
     /// A block that attends to a sliding window was given a cache of another window
     /// (or none).
     Window {
@@ -194,6 +200,11 @@ impl fmt::Display for CacheError {
             CacheError::Layers { layers, caches } => write!(
                 f,
                 "StackCache: {caches} layer cache(s) for a stack of {layers} layers"
+            ),
+            CacheError::NoMemory { module } => write!(
+                f,
+                "{module}: neither the input nor its cache has the memory to attend to: make the \
+                 cache with {module}::cache(memory, ..) or give the input a memory"
             ),
             CacheError::Window { window, cache } => write!(
                 f,

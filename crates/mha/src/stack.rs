@@ -289,6 +289,9 @@ impl<B: Block> Stack<'_, B> {
                 memory: kvs,
             }) => {
                 let from_cache = B::READS_MEMORY && matches!(memory, Memory::None);
+                if from_cache && kvs.is_empty() && layers > 0 {
+                    return Err(CacheError::NoMemory { module: self.name });
+                }
                 if from_cache && kvs.len() != layers {
                     return Err(CacheError::Layers {
                         layers,
@@ -424,8 +427,9 @@ impl Decoder {
     ///   keys seen]` with a cache), the memory mask to `[B, H, Tq, Tk]`
     ///
     /// # Errors
-    /// With a cache: [`CacheError::Layers`] for the caches of another stack (or without
-    /// a memory), [`CacheError::PastPositions`] past the learned positions, and the
+    /// With a cache: [`CacheError::Layers`] for the caches of another stack,
+    /// [`CacheError::NoMemory`] for a cache without a memory and an input without one,
+    /// [`CacheError::PastPositions`] past the learned positions, and the
     /// caches' errors. Without a cache, none.
     ///
     /// # Panics
