@@ -262,12 +262,24 @@ impl TaskKind for Synthetic {
     }
 
     fn warnings(&self, config: &TrainConfig) -> Vec<String> {
-        match config.task.split_sizes() {
-            Some([_, valid]) if valid < 20 => vec![format!(
+        let mut warnings = Vec::new();
+        if let Some([_, valid]) = config.task.split_sizes()
+            && valid < 20
+        {
+            warnings.push(format!(
                 "the held-out split has only {valid} distinct inputs; its accuracy says little"
-            )],
-            _ => Vec::new(),
+            ));
         }
+        if let Some(longer) = config.longer_task()
+            && config.length_test().is_none()
+        {
+            warnings.push(format!(
+                "inputs of {} to {} symbols have no held-out input: the test at longer \
+                 inputs is left out",
+                longer.min_len, longer.max_len
+            ));
+        }
+        warnings
     }
 
     fn data(

@@ -338,7 +338,7 @@ pub fn finish(
     };
     summary.exact_accuracy = Some(exact);
     summary.token_accuracy = Some(token);
-    if let Some(longer) = config.longer_task() {
+    if let Some(longer) = config.length_test() {
         let fixed = fixed.map(|_| FixedShape::of(&longer));
         let Some((exact, token)) = evaluate(model, config, &longer, fixed, device) else {
             return;

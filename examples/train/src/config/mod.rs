@@ -167,6 +167,13 @@ impl TrainConfig {
         self.kind().longer_task(self)
     }
 
+    /// The length test the final evaluation runs: [`longer_task`](Self::longer_task)'s
+    /// held-out inputs, `None` when it has none (a task of few inputs at those lengths).
+    pub fn length_test(&self) -> Option<TaskConfig> {
+        self.longer_task()
+            .filter(|longer| !matches!(longer.split_sizes(), Some([_, 0])))
+    }
+
     /// The width of a packed row (twice the longest sequence), when packing.
     pub fn pack_width(&self) -> Option<usize> {
         self.pack.then_some(2 * self.max_len())

@@ -38,7 +38,7 @@ pub use embed::Embed;
 pub use encoder_decoder::EncoderDecoder;
 
 use crate::batch::SeqBatch;
-use crate::fields::{D_MODEL, DROPOUT, N_HEADS, N_LAYERS};
+use crate::fields::{D_MODEL, DROPOUT, N_HEADS, N_LAYERS, POSITIONS};
 use crate::precision::{compute_copy, unscale};
 
 /// Which model; spelt in `config.json` as on the command line.
@@ -174,6 +174,17 @@ impl ModelConfig {
             self.d_model,
             N_HEADS.name(),
             self.n_heads
+        );
+        let head = self.d_model / self.n_heads;
+        anyhow::ensure!(
+            self.positions != PositionKind::Rope || head.is_multiple_of(2),
+            "{} rope needs heads of an even width: {} {} / {} {} = {}",
+            POSITIONS.name(),
+            D_MODEL.name(),
+            self.d_model,
+            N_HEADS.name(),
+            self.n_heads,
+            head
         );
         anyhow::ensure!(
             (0.0..1.0).contains(&self.dropout),

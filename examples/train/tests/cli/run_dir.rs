@@ -82,6 +82,21 @@ fn overwrite_decides_before_deleting_and_keeps_what_the_trainer_did_not_write() 
     let out = run(on_flex(TINY).args(quick).arg(&dir));
     assert!(out.status.success());
     std::fs::write(dir.join("my-notes.txt"), "n\n").unwrap();
+    // A model mha would refuse is refused before anything is deleted.
+    let before = checksums(&dir);
+    let out = run(on_flex(&tiny(&[("--d-model", "30"), ("--heads", "2")]))
+        .args(["--positions", "rope"])
+        .args(quick)
+        .arg(&dir)
+        .arg("--overwrite"));
+    assert_error(
+        &out,
+        &[
+            "`--positions` (`model.positions`) rope needs heads of an even width: `--d-model` \
+           (`model.d_model`) 30 / `--heads` (`model.n_heads`) 2 = 15",
+        ],
+    );
+    assert_eq!(checksums(&dir), before, "a refused command changed the run");
     // What inspect writes is the run's too.
     std::fs::create_dir_all(dir.join("inspect/pruned-1")).unwrap();
     std::fs::write(dir.join("inspect/heads.json"), "{}").unwrap();

@@ -99,6 +99,35 @@ fn packing_trains_the_decoder_only_model_and_is_refused_for_the_other() {
 }
 
 #[test]
+fn a_task_with_no_held_out_input_at_longer_lengths_leaves_that_test_out() {
+    // Inputs of one symbol out of 3: one held out. Of two symbols (the length test's): 9
+    // inputs, none held out by the hash.
+    let root = scratch("no-longer");
+    let dir = root.join("run");
+    let small = tiny(&[("--symbols", "3"), ("--min-len", "1"), ("--max-len", "1")]);
+    let out = run(on_flex(&small)
+        .args(["--epochs", "1", "--steps-per-epoch", "5", "--out"])
+        .arg(&dir));
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(
+            "inputs of 2 to 2 symbols have no held-out input: the test at longer inputs is left \
+             out"
+        ),
+        "{err}"
+    );
+    let s = summary(&dir);
+    assert_eq!(s["status"], "finished", "{s}");
+    assert!(s["exact_accuracy"].is_number(), "{s}");
+    assert!(s["longer_lengths"].is_null(), "{s}");
+    // Evaluated again on resuming, the same.
+    let out = run(on_flex(&["--resume", "--eval-examples", "32", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(summary(&dir)["longer_lengths"].is_null());
+}
+
+#[test]
 fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
     let root = scratch("short");
     let dir = root.join("run");
