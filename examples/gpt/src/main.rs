@@ -105,9 +105,34 @@ impl Settings {
         );
         let (backends, b) = (BACKENDS.join(", "), &&*s.backend);
         ensure!(BACKENDS.contains(b), "--backend: this build has {backends}");
-        let least = [s.steps, s.batch, s.block, s.eval_every, s.log_every];
-        ensure!(!least.contains(&0) && s.top_k > 0, "a count is 0");
-        ensure!(s.valid_windows > 0, "--valid-windows: at least 1");
+        let counts = [
+            ("--steps", s.steps),
+            ("--batch", s.batch),
+            ("--block", s.block),
+            ("--d-model", s.d_model),
+            ("--layers", s.layers),
+            ("--heads", s.heads),
+            ("--eval-every", s.eval_every),
+            ("--valid-windows", s.valid_windows),
+            ("--log-every", s.log_every),
+            ("--top-k", s.top_k),
+        ];
+        for (name, count) in counts {
+            ensure!(count > 0, "{name} must be at least 1, got 0");
+        }
+        let (d, h) = (s.d_model, s.heads);
+        ensure!(d % h == 0, "--d-model {d} is not divisible by --heads {h}");
+        ensure!(
+            s.lr > 0.0 && s.lr <= 1.0,
+            "--lr must be in (0, 1], got {}",
+            s.lr
+        );
+        let t = s.temperature;
+        let greedy_or_positive = t == 0.0 || (t.is_finite() && t > 0.0);
+        ensure!(
+            greedy_or_positive,
+            "--temperature must be 0 (greedy) or positive, got {t}"
+        );
         Ok(s)
     }
 }
@@ -259,6 +284,26 @@ fn main() -> anyhow::Result<()> {
     let (vocab, train, valid) = tokens(SHAKESPEARE);
     let (t, v, n) = (train.len(), valid.len(), vocab.len());
     println!("{t} characters to train on, {v} to validate, {n} distinct");
+    let most = v - 1; // a validation window is `block + 1` characters
+    ensure!(
+        s.block <= most,
+        "--block {}: at most {most} (the validation part's)",
+        s.block
+    );
+    // What the sample continues, checked before the training.
+    let id = |c| vocab.binary_search(&c).ok();
+    let not_in = |c| {
+        format!(
+            "--prompt {:?}: {c:?} is not among the text's {n} characters",
+            s.prompt
+        )
+    };
+    let prompt: Vec<usize> = s
+        .prompt
+        .chars()
+        .map(|c| id(c).with_context(|| not_in(c)))
+        .collect::<anyhow::Result<_>>()?;
+    ensure!(!prompt.is_empty(), "--prompt: at least one character");
     // The windows of `block + 1` characters: any of the training part's; for validation,
     // `valid_windows` spread evenly over the validation part, the same every time.
     let (windows, last) = (train.len() - s.block, valid.len() - s.block - 1);
@@ -331,10 +376,6 @@ fn main() -> anyhow::Result<()> {
     println!("{wall:.1} s: {rate:.0} tokens/s with the validations, {ms:.1} ms a step");
 
     // Sampling, without autodiff: the prompt read once, then a character at a time.
-    let id = |c| vocab.binary_search(&c).ok();
-    let prompt: Option<Vec<usize>> = s.prompt.chars().map(id).collect();
-    let prompt = prompt.filter(|p| !p.is_empty());
-    let prompt = prompt.context("--prompt: characters of the text, at least one")?;
     let sample = model.valid().generate(&prompt, &s);
     let (n, t, k) = (s.sample, s.temperature, s.top_k);
     println!("sample of {n} characters (temperature {t}, top-k {k}):");

@@ -54,3 +54,57 @@ fn a_tiny_gpt_learns_and_samples() {
         assert!(sample.chars().all(|c| text.contains(c)), "{sample:?}");
     }
 }
+
+#[test]
+fn bad_flags_are_refused_by_name_before_any_training() {
+    // The text's validation part (its last 10%) and its distinct characters.
+    let text = include_str!("../../train/data/shakespeare.txt");
+    let n = text.chars().count();
+    let most = n - (9 * n + 5) / 10 - 1;
+    let mut chars: Vec<char> = text.chars().collect();
+    chars.sort_unstable();
+    chars.dedup();
+    let block = format!(
+        "--block {}: at most {most} (the validation part's)",
+        most + 1
+    );
+    let prompt = format!(
+        "--prompt \"ROMEOΩ\": 'Ω' is not among the text's {} characters",
+        chars.len()
+    );
+    let (too_long, flag) = (format!("--block {}", most + 1), "--prompt ROMEOΩ");
+    let cases: [(&str, &str); 8] = [
+        ("--steps 0", "--steps must be at least 1, got 0"),
+        ("--heads 0", "--heads must be at least 1, got 0"),
+        (
+            "--d-model 100 --heads 3",
+            "--d-model 100 is not divisible by --heads 3",
+        ),
+        ("--lr NaN", "--lr must be in (0, 1], got NaN"),
+        ("--lr 2", "--lr must be in (0, 1], got 2"),
+        (
+            "--temperature -1",
+            "--temperature must be 0 (greedy) or positive, got -1",
+        ),
+        (&too_long, &block),
+        (flag, &prompt),
+    ];
+    for (flags, wanted) in cases {
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt"))
+            .args(flags.split_whitespace())
+            .output()
+            .expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(1), "{flags}: {stderr}");
+        assert!(
+            stderr.contains(wanted),
+            "{flags}: {wanted:?} missing from {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{flags}: {stderr}");
+        assert!(
+            !stdout.contains("parameters"),
+            "{flags}: a model was built\n{stdout}"
+        );
+    }
+}
