@@ -103,16 +103,19 @@ impl Corpus {
         Self::new(text, &what, block)
     }
 
-    /// The shortest text that holds one window of `block + 1` characters in each split.
+    /// The shortest text that holds one window of `block + 1` characters in each split
+    /// (`usize::MAX` where none does).
     pub fn shortest_text(block: usize) -> usize {
-        // Both splits of n characters hold block + 1.
-        (1..)
-            .map(|n| block + 1 + n)
+        // Both splits of n characters hold block + 1: the validation split is about a
+        // tenth, so the length is within 20 of ten windows; counted in u128, past usize.
+        let block = block as u128;
+        let from = ((block + 1) * 10).saturating_sub(20).max(block + 2);
+        (from..)
             .find(|&n| {
-                let split = train_len(n);
+                let split = (9 * n + 5) / 10; // `train_len`
                 split.min(n - split) > block
             })
-            .expect("some length fits")
+            .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX))
     }
 
     /// The characters of `split`, as ids.
@@ -266,6 +269,15 @@ mod tests {
             err.starts_with("short.txt has 10 characters: too short for a block size of 8"),
             "{err}"
         );
+        // The shortest text against a search from the block up.
+        for block in (0..3000).chain([123_456]) {
+            let fits = |n: usize| train_len(n).min(n - train_len(n)) > block;
+            let searched = (block + 2..).find(|&n| fits(n)).unwrap();
+            assert_eq!(Corpus::shortest_text(block), searched, "block {block}");
+        }
+        // A block of a trillion: at once, not a search of ten trillion lengths.
+        assert_eq!(Corpus::shortest_text(1_000_000_000_000), 10_000_000_000_006);
+        assert_eq!(Corpus::shortest_text(usize::MAX), usize::MAX);
         let shortest = Corpus::shortest_text(8);
         assert!(
             err.contains(&format!("at least {shortest} characters")),

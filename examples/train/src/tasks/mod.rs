@@ -191,6 +191,10 @@ const ALPHABET: &[u8] = b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQR
 /// Inputs up to this many are enumerated to check that both splits have some.
 const ENUMERABLE: u128 = 1 << 20;
 
+/// The longest input a synthetic task takes (`--max-len`): far past what a model learns
+/// here, and short of the lengths whose counts of tokens and inputs overflow.
+const LONGEST: usize = 1 << 20;
+
 impl TaskConfig {
     /// Checks the values (as the task's kind does); the error names the flag and the
     /// field.
@@ -210,6 +214,12 @@ impl TaskConfig {
             "{} = {} exceeds {} = {}",
             MIN_LEN.name(),
             self.min_len,
+            MAX_LEN.name(),
+            self.max_len
+        );
+        anyhow::ensure!(
+            self.max_len <= LONGEST,
+            "{} must be at most {LONGEST}, got {}",
             MAX_LEN.name(),
             self.max_len
         );
@@ -244,7 +254,10 @@ impl TaskConfig {
         let rules = self.task.rules();
         let base = rules.base(self);
         let lengths = self.min_len..=self.max_len;
-        let per_length = |len: usize| (base as u128).checked_pow(rules.draws(len) as u32);
+        let per_length = |len: usize| {
+            let draws = u32::try_from(rules.draws(len)).ok()?;
+            (base as u128).checked_pow(draws)
+        };
         let total = lengths
             .clone()
             .try_fold(0u128, |sum, len| sum.checked_add(per_length(len)?))?;

@@ -64,6 +64,20 @@ fn a_rejected_setting_writes_nothing() {
             &["--dropout", "1.5"][..],
             "`--dropout` (`model.dropout`) must be in [0, 1), got 1.5",
         ),
+        (
+            &["--max-len", "4294967296"][..],
+            "`--max-len` (`task.max_len`) must be at most 1048576, got 4294967296",
+        ),
+        (
+            &["--max-len", "9223372036854775807"][..],
+            "`--max-len` (`task.max_len`) must be at most 1048576, got 9223372036854775807",
+        ),
+        (
+            &["--task", "text", "--block-size", "1000000000000"][..],
+            "too short for a block size of 1000000000000, whose windows of 1000000000001 must \
+             fit in the validation split (the last 10%) as in the training split; give at least \
+             10000000000006 characters",
+        ),
     ] {
         let out = run(on_flex(flags).args(["--overwrite", "--out"]).arg(&dir));
         assert_error(&out, &[wanted]);
