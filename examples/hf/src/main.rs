@@ -219,6 +219,15 @@ fn main() -> anyhow::Result<()> {
         .map_err(|err| anyhow::anyhow!("tokenizing the prompt: {err}"))?;
     let prompt = encoding.get_ids().to_vec();
     ensure!(!prompt.is_empty(), "the prompt has no token");
+    let context = config.max_position_embeddings.unwrap_or(usize::MAX);
+    let total = prompt.len().checked_add(s.tokens).filter(|&n| n <= context);
+    ensure!(
+        total.is_some(),
+        "--tokens {}: with the prompt's {} tokens, past the model's context of {context} \
+         positions (max_position_embeddings in config.json)",
+        s.tokens,
+        prompt.len()
+    );
     if let Some(&id) = prompt.iter().find(|&&id| id as usize >= config.vocab_size) {
         anyhow::bail!(
             "the tokenizer gave token {id}, past the model's vocabulary of {}: is it this \

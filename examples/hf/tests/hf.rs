@@ -111,4 +111,23 @@ fn a_missing_file_or_dtype_is_named() {
     let out = run(&[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--model DIR is needed"), "{stderr}");
+    // Past the context of config.json's max_position_embeddings (the prompt's tokens
+    // counted), or past any count.
+    let context = std::fs::read_to_string(model.join("config.json")).unwrap();
+    let context: serde_json::Value = serde_json::from_str(&context).unwrap();
+    let context = context["max_position_embeddings"].as_u64().unwrap();
+    for tokens in [context.to_string(), usize::MAX.to_string()] {
+        let args = ["--model", model.to_str().unwrap(), "--tokens", &tokens];
+        let out = run(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(
+            stderr.contains(&format!("--tokens {tokens}: with the prompt's "))
+                && stderr.contains(&format!(
+                    "past the model's context of {context} positions (max_position_embeddings \
+                     in config.json)"
+                )),
+            "{stderr}"
+        );
+    }
 }

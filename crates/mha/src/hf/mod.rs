@@ -137,6 +137,10 @@ pub struct HfConfig {
     /// Whether the language-model head is the token embedding (no `lm_head.weight`).
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
+    /// The longest sequence the model was trained on, where `config.json` says it: the
+    /// blocks compute any length; a caller may hold generation to it.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
 }
 
 /// RoPE's settings in `config.json` (`rope_parameters`, or the older `rope_scaling`).
