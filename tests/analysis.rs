@@ -37,6 +37,26 @@ fn fixed_weights() -> Vec<f32> {
 }
 
 #[test]
+fn a_bias_of_minus_infinity_blocks_in_the_statistics_as_the_causal_rule_does() {
+    for be in backends() {
+        let weights =
+            Tensor::<4>::from_data(TensorData::new(fixed_weights(), [1, 4, 4, 4]), &be.device);
+        // The causal rule as PyTorch's float mask: -inf above the diagonal.
+        let above: Vec<f32> = (0..16)
+            .map(|i| match i % 4 > i / 4 {
+                true => f32::NEG_INFINITY,
+                false => 0.0,
+            })
+            .collect();
+        let bias = Tensor::<4>::from_data(TensorData::new(above, [1, 1, 4, 4]), &be.device);
+        let by_rule =
+            LayerStats::from_weights("l", weights.clone(), &AttentionMask::causal(), None);
+        let by_bias = LayerStats::from_weights("l", weights, &AttentionMask::bias(bias), None);
+        assert_eq!(by_bias, by_rule, "[{}]", be.name);
+    }
+}
+
+#[test]
 fn head_statistics_match_values_computed_by_hand() {
     for be in backends() {
         let weights =
@@ -808,6 +828,23 @@ fn bad_plans_and_masks_are_refused_by_name() {
     assert_eq!(
         message,
         "PrunePlan::slice: layers 1..1+2 pass the plan's 2 layers"
+    );
+    let message = panic_message(|| {
+        PrunePlan::removing(2, &[(1, 0), (usize::MAX, 3)]);
+    });
+    assert_eq!(
+        message,
+        format!(
+            "PrunePlan::removing: head 3 of layer {}, past the 2 layers",
+            usize::MAX
+        )
+    );
+    let message = panic_message(|| {
+        HeadImportance::by_ablation(&[4], &device, 0, |_, _| 1.0);
+    });
+    assert_eq!(
+        message,
+        "HeadImportance::by_ablation: batches must be at least 1, got 0"
     );
     // A loss per example, not one value: refused before its gradient is read.
     let autodiff = device.clone().autodiff();

@@ -39,13 +39,17 @@ impl HeadImportance {
     /// over examples). `counts` are the heads per attention layer
     /// ([`Heads::head_counts`](super::Heads::head_counts)); `loss(mask, i)` is the model's
     /// (mean) loss on batch `i` under `mask`. One forward per batch and head, plus one.
+    ///
+    /// # Panics
+    /// If `batches` is 0.
     pub fn by_ablation(
         counts: &[usize],
         device: &Device,
         batches: usize,
         mut loss: impl FnMut(&HeadMask, usize) -> f64,
     ) -> Self {
-        let n = batches.max(1) as f64;
+        check_batches("HeadImportance::by_ablation", batches);
+        let n = batches as f64;
         let mut total = |mask: &HeadMask| (0..batches).map(|i| loss(mask, i)).sum::<f64>() / n;
         let baseline = total(&HeadMask::keep_all(counts, device));
         let scores = counts
@@ -74,13 +78,14 @@ impl HeadImportance {
     /// batch.
     ///
     /// # Panics
-    /// If `device` is not an autodiff device, or a loss is not one value.
+    /// If `batches` is 0, `device` is not an autodiff device, or a loss is not one value.
     pub fn by_gradient(
         counts: &[usize],
         device: &Device,
         batches: usize,
         mut loss: impl FnMut(&HeadMask, usize) -> Tensor<1>,
     ) -> Self {
+        check_batches("HeadImportance::by_gradient", batches);
         assert!(
             device.is_autodiff(),
             "HeadImportance::by_gradient: the loss must be computed on an autodiff device \
@@ -105,7 +110,7 @@ impl HeadImportance {
                 }
             }
         }
-        baseline /= batches.max(1) as f64;
+        baseline /= batches as f64;
         for row in &mut scores {
             let norm = row.iter().map(|s| s * s).sum::<f64>().sqrt();
             if norm > 0.0 {
@@ -147,4 +152,9 @@ impl HeadImportance {
         }
         PrunePlan::removing(self.scores.len(), &removed)
     }
+}
+
+/// Refuses a score of no batch (every head would score 0), naming `caller`.
+fn check_batches(caller: &str, batches: usize) {
+    assert!(batches >= 1, "{caller}: batches must be at least 1, got 0");
 }

@@ -54,16 +54,18 @@ impl PrunePlan {
 
     /// Removes the `(layer, head)` pairs of `heads` from `layers` attention layers (each
     /// layer's heads sorted, named once).
+    ///
+    /// # Panics
+    /// If a layer is not one of the `layers`, naming it.
     pub fn removing(layers: usize, heads: &[(usize, usize)]) -> Self {
         let mut plan = Self::keep_all(layers);
         for &(layer, head) in heads {
-            if let Some(row) = plan.remove.get_mut(layer) {
-                row.push(head);
-            } else {
-                // Kept so that `prune` names it.
-                plan.remove.resize(layer + 1, Vec::new());
-                plan.remove[layer].push(head);
-            }
+            let Some(row) = plan.remove.get_mut(layer) else {
+                panic!(
+                    "PrunePlan::removing: head {head} of layer {layer}, past the {layers} layers"
+                );
+            };
+            row.push(head);
         }
         for row in &mut plan.remove {
             row.sort_unstable();

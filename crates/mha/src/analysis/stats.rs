@@ -26,7 +26,8 @@ pub struct Link {
 }
 
 /// The statistics of one head, averaged over the query rows of a batch that count: rows
-/// past a sequence's length (padding) and rows whose keys are all blocked are left out.
+/// past a sequence's length (padding) and rows whose keys are all blocked (by the mask's
+/// boolean part, its rule, or an additive bias of -inf) are left out.
 /// Positions are counted from the start of each sequence, queries' and keys' alike.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HeadStats {
@@ -137,7 +138,7 @@ impl LayerStatsBuilder {
             "LayerStatsBuilder::add: weights of {heads} heads after batches of {}",
             self.heads.len()
         );
-        let blocked: Option<Vec<bool>> =
+        let mut blocked: Option<Vec<bool>> =
             mask.to_blocked(queries, keys, &weights.device())
                 .map(|b: Tensor<4, Bool>| {
                     // Read as integers: backends store booleans as bytes or as u32.
@@ -151,6 +152,25 @@ impl LayerStatsBuilder {
                         .map(|x| x != 0)
                         .collect()
                 });
+        // An additive bias of -inf blocks its key too (PyTorch's float masks).
+        if let Some(bias) = mask.additive_bias() {
+            let bias: Vec<f32> = bias
+                .clone()
+                .expand(dims)
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .expect("a float tensor converts to f32");
+            let by_bias = bias.into_iter().map(|x| x == f32::NEG_INFINITY);
+            blocked = Some(match blocked {
+                Some(blocked) => blocked
+                    .into_iter()
+                    .zip(by_bias)
+                    .map(|(a, b)| a || b)
+                    .collect(),
+                None => by_bias.collect(),
+            });
+        }
         let w: Vec<f32> = weights
             .into_data()
             .convert::<f32>()
