@@ -54,10 +54,23 @@ pub struct LayerNorm {
     kind: NormKind,
 }
 
+/// Refuses an epsilon that would make a row's root NaN (negative) or the norm's output
+/// NaN or 0 (not finite), naming `caller` and the value.
+fn check_epsilon(caller: &str, epsilon: f64) {
+    assert!(
+        epsilon.is_finite() && epsilon >= 0.0,
+        "{caller}: epsilon must be finite and at least 0, got {epsilon}"
+    );
+}
+
 impl LayerNorm {
     /// A norm as `config` describes it (Burn's configuration: `d_model`, `epsilon`,
     /// `bias`): `γ = 1`, `β = 0`.
+    ///
+    /// # Panics
+    /// If `config.epsilon` is negative or not finite.
     pub fn new(config: &LayerNormConfig, device: &Device) -> Self {
+        check_epsilon("LayerNorm::new", config.epsilon);
         let gamma = Initializer::Ones.init([config.d_model], device);
         let beta = config
             .bias
@@ -86,7 +99,11 @@ impl LayerNorm {
     ///     assert!((y - want).abs() < 1e-6);
     /// }
     /// ```
+    ///
+    /// # Panics
+    /// If `epsilon` is negative or not finite.
     pub fn rms(d_model: usize, epsilon: f64, device: &Device) -> Self {
+        check_epsilon("LayerNorm::rms", epsilon);
         Self {
             gamma: Initializer::Ones.init([d_model], device),
             beta: None,
