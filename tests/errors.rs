@@ -826,3 +826,150 @@ fn a_cache_refuses_another_dtype_mid_sequence_and_takes_it_after_a_reset() {
         .unwrap();
     assert_eq!(out.dtype(), DType::from(half));
 }
+
+#[test]
+fn norms_refuse_an_epsilon_that_gives_nan() {
+    let cases = [
+        (
+            -1e-6,
+            "LayerNorm::rms: epsilon must be finite and at least 0, got -0.000001",
+        ),
+        (
+            f64::NAN,
+            "LayerNorm::rms: epsilon must be finite and at least 0, got NaN",
+        ),
+    ];
+    for (epsilon, expected) in cases {
+        let message = panic_message(std::panic::AssertUnwindSafe(move || {
+            mha::norm::LayerNorm::rms(8, epsilon, &dev());
+        }));
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        let config = burn::nn::LayerNormConfig::new(8).with_epsilon(-1e-5);
+        mha::norm::LayerNorm::new(&config, &dev());
+    }));
+    let expected = "LayerNorm::new: epsilon must be finite and at least 0, got -0.00001";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    // 0 is an epsilon (RMS norms without one).
+    mha::norm::LayerNorm::rms(8, 0.0, &dev());
+}
+
+#[test]
+fn imports_refuse_layers_and_sinks_the_module_cannot_take() {
+    let d = dev();
+    // A stack of one layer given the weights of two.
+    let f = Fixture::load("encoder_stack_pre_gelu");
+    let block = EncoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .with_causal(true);
+    let err = EncoderConfig::new(block.clone(), 1)
+        .init(&d)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.starts_with("unexpected key `model.layers.1.")
+            && message.ends_with(
+                "`: a layer past the module's last (configure as many layers as the weights \
+                 hold)"
+            ),
+        "{message}"
+    );
+    // An encoder block given a decoder layer's weights (its self-attention and
+    // feed-forward have the same keys).
+    let f = Fixture::load("decoder_layer_pre_gelu");
+    let err = EncoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .init(&d)
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "unexpected key `model.multihead_attn.out_proj.weight`: an encoder block has no \
+         cross-attention (a decoder layer loads into DecoderBlock)"
+    );
+    // Sinks of +inf or NaN.
+    for (sink, shown) in [(f32::INFINITY, "inf"), (f32::NAN, "NaN")] {
+        let floats = |values: &[f32]| values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let tensors: [(&str, Vec<usize>, Vec<u8>); 3] = [
+            ("in_proj_weight", vec![24, 8], floats(&[0.1; 192])),
+            ("out_proj.weight", vec![8, 8], floats(&[0.1; 64])),
+            ("sinks", vec![2], floats(&[0.5, sink])),
+        ];
+        let views = tensors.iter().map(|(k, s, b)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b);
+            (k.to_string(), view.unwrap())
+        });
+        let bytes = safetensors::serialize(views, None).unwrap();
+        let weights = PyTorchWeights::from_bytes(&bytes, "sinks").unwrap();
+        let err = MultiHeadAttentionConfig::new(8, 2)
+            .with_bias(false)
+            .with_sinks(true)
+            .init(&d)
+            .load_pytorch(&weights, "")
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "key `sinks`: the attention sinks' logits must be finite (or -inf: no sink), \
+                 head 1's is {shown}"
+            )
+        );
+    }
+}
+
+#[test]
+fn language_models_refuse_token_ids_past_their_tables_by_place() {
+    use burn::tensor::{Int, Tensor, TensorData};
+    let d = dev();
+    let ids = |values: Vec<i64>, shape: [usize; 2]| {
+        Tensor::<2, Int>::from_data(TensorData::new(values, shape), &d)
+    };
+    let config: mha::hf::HfConfig = serde_json::from_str(
+        r#"{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-6,
+            "vocab_size": 10}"#,
+    )
+    .unwrap();
+    let lm = config.init_causal_lm(&d).unwrap();
+    let (lm1, tokens) = (lm.clone(), ids(vec![1, 2, 3, 4, 5, 10], [2, 3]));
+    let message = panic_message(std::panic::AssertUnwindSafe(move || {
+        lm1.forward(tokens, AttentionMask::none());
+    }));
+    let expected = "CausalLm: tokens[1, 2] = 10 is not below vocab_size = 10";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    let tokens = ids(vec![3, -1], [1, 2]);
+    let message = panic_message(std::panic::AssertUnwindSafe(move || {
+        let mut cache = lm.cache(8);
+        let _ = lm.forward_cached(tokens, &mut cache);
+    }));
+    let expected = "CausalLm: tokens[0, 1] = -1 is not below vocab_size = 10";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+
+    let config: mha::hf::BertConfig = serde_json::from_str(
+        r#"{"hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+            "intermediate_size": 32, "layer_norm_eps": 1e-12, "vocab_size": 10}"#,
+    )
+    .unwrap();
+    let bert = config.init_model(&d).unwrap();
+    let cases = [
+        (
+            ids(vec![0, 1, 2, 12], [2, 2]),
+            ids(vec![0; 4], [2, 2]),
+            "BertModel: tokens[1, 1] = 12 is not below vocab_size = 10",
+        ),
+        (
+            ids(vec![0; 4], [2, 2]),
+            ids(vec![0, 0, 2, 0], [2, 2]),
+            "BertModel: token_types[1, 0] = 2 is not below type_vocab_size = 2",
+        ),
+    ];
+    for (tokens, types, expected) in cases {
+        let bert = bert.clone();
+        let message = panic_message(std::panic::AssertUnwindSafe(move || {
+            bert.forward(tokens, types, AttentionMask::none());
+        }));
+        assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    }
+}

@@ -199,7 +199,8 @@ impl BertModel {
     /// `tokens`, `token_types`: `[B, T]` -> `[B, T, hidden_size]`.
     ///
     /// # Panics
-    /// If `token_types` is not of `tokens`' shape or `T` is past
+    /// If `token_types` is not of `tokens`' shape, an id is past its table (`vocab_size`,
+    /// `type_vocab_size`: the ids are read back to the host for that) or `T` is past
     /// `max_position_embeddings`, naming both, and as [`EncoderBlock::forward`].
     pub fn forward(
         &self,
@@ -213,6 +214,16 @@ impl BertModel {
             [batch, len],
             "BertModel: token_types must be of the tokens' shape [B, T] = {:?}",
             [batch, len]
+        );
+        let vocab = self.word_embeddings.weight.dims()[0];
+        super::check_ids("BertModel", "tokens", &tokens, vocab, "vocab_size");
+        let types = self.token_type_embeddings.weight.dims()[0];
+        super::check_ids(
+            "BertModel",
+            "token_types",
+            &token_types,
+            types,
+            "type_vocab_size",
         );
         let most = self.position_embeddings.weight.dims()[0];
         assert!(
@@ -291,6 +302,7 @@ pub fn load_bert_model(
         .into_iter()
         .enumerate()
         .map(|(i, layer)| load_bert_layer(layer, weights, &format!("{prefix}encoder.layer.{i}.")))
-        .collect::<Result<_, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
+    weights.reject_layers_past(&format!("{prefix}encoder.layer."), model.layers.len())?;
     Ok(model)
 }

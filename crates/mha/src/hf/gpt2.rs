@@ -175,7 +175,8 @@ pub fn load_gpt2_lm(
         .into_iter()
         .enumerate()
         .map(|(i, block)| load_gpt2_block(block, weights, &at(&format!("h.{i}."))))
-        .collect::<Result<_, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
+    weights.reject_layers_past(&at("h."), lm.model.layers.len())?;
     lm.model.norm = match lm.model.norm {
         Some(norm) => Some(norm.load_pytorch(weights, &at("ln_f."))?),
         None => None,

@@ -354,13 +354,48 @@ pub struct CausalLm {
     pub lm_head: Option<Linear>,
 }
 
+/// Checks that every id of `ids` `[B, T]` (the input `what` of `model`) is an index of a
+/// table of `size` rows (the configuration's `field`), reading them back to the host:
+/// an embedding's lookup past its table fails inside Burn on the CPU and reads past it,
+/// unchecked, on a GPU.
+///
+/// # Panics
+/// Naming the first id out of range, its place, the size and the field.
+pub(crate) fn check_ids(model: &str, what: &str, ids: &Tensor<2, Int>, size: usize, field: &str) {
+    let [_, len] = ids.dims();
+    let values = ids.to_data().convert::<i64>();
+    let values = values.try_into_vec::<i64>().expect("integer ids");
+    if let Some((at, id)) = values
+        .iter()
+        .enumerate()
+        .find(|(_, id)| !(0..size as i64).contains(id))
+    {
+        panic!(
+            "{model}: {what}[{}, {}] = {id} is not below {field} = {size}",
+            at / len.max(1),
+            at % len.max(1)
+        );
+    }
+}
+
 impl CausalLm {
     /// The logits of every position of `tokens` `[B, T]` under `mask` (key padding, say;
     /// the layers are causal).
     ///
     /// # Shapes
     /// `tokens`: `[B, T]` -> `[B, T, vocab_size]`.
+    ///
+    /// # Panics
+    /// If an id of `tokens` is not below the vocabulary's size, naming it and its place
+    /// (the ids are read back to the host for that, as `cross_entropy` reads its targets).
     pub fn forward(&self, tokens: Tensor<2, Int>, mask: AttentionMask) -> Tensor<3> {
+        check_ids(
+            "CausalLm",
+            "tokens",
+            &tokens,
+            self.vocab_size(),
+            "vocab_size",
+        );
         let x = self.embed_tokens.forward(tokens);
         let input = BlockInput::new(x).mask(mask);
         let hidden = self
@@ -378,11 +413,21 @@ impl CausalLm {
     ///
     /// # Errors
     /// The cache's ([`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)).
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward), for an id past the vocabulary.
     pub fn forward_cached(
         &self,
         tokens: Tensor<2, Int>,
         cache: &mut StackCache,
     ) -> Result<Tensor<3>, CacheError> {
+        check_ids(
+            "CausalLm",
+            "tokens",
+            &tokens,
+            self.vocab_size(),
+            "vocab_size",
+        );
         let x = self.embed_tokens.forward(tokens);
         let hidden = self.model.forward(BlockInput::new(x).cache(cache))?.output;
         Ok(self.logits(hidden))
@@ -396,6 +441,11 @@ impl CausalLm {
             Some(window) => KvCache::sliding(window),
             None => KvCache::new(capacity),
         })
+    }
+
+    /// The tokens it reads and predicts.
+    pub fn vocab_size(&self) -> usize {
+        self.embed_tokens.weight.dims()[0]
     }
 
     /// `[B, T, hidden_size]` -> `[B, T, vocab_size]`.
@@ -509,7 +559,8 @@ pub fn load_causal_lm(
         .into_iter()
         .enumerate()
         .map(|(i, layer)| load_decoder_layer(layer, weights, &at(&format!("model.layers.{i}."))))
-        .collect::<Result<_, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
+    weights.reject_layers_past(&at("model.layers."), lm.model.layers.len())?;
     lm.model.norm = match lm.model.norm {
         Some(norm) => Some(norm.load_pytorch(weights, &at("model.norm."))?),
         None => None,

@@ -45,6 +45,23 @@ fn load_sinks(
     match &mha.sinks {
         Some(sinks) => {
             let loaded = Place::of(sinks).load(weights, key, [mha.n_heads])?;
+            // A logit of +inf or NaN makes every row's weights NaN or 0: refused here,
+            // where it is read once (-inf: that head has no sink).
+            let values = loaded.clone().into_data().convert::<f32>();
+            let values = values.try_into_vec::<f32>().unwrap_or_default();
+            if let Some((head, x)) = values
+                .iter()
+                .enumerate()
+                .find(|(_, x)| x.is_nan() || **x == f32::INFINITY)
+            {
+                return Err(ImportError::Convention {
+                    key: key.to_string(),
+                    message: format!(
+                        "the attention sinks' logits must be finite (or -inf: no sink), head \
+                         {head}'s is {x}"
+                    ),
+                });
+            }
             Ok(Some(set(sinks.clone(), loaded)))
         }
         None => {

@@ -67,6 +67,14 @@ impl LoadPyTorch for EncoderBlock {
         self.norm2 = self
             .norm2
             .load_pytorch(weights, &format!("{prefix}norm2."))?;
+        // A decoder layer's weights have a cross-attention this block lacks.
+        for key in ["multihead_attn.out_proj.weight", "norm3.weight"] {
+            weights.reject(
+                format!("{prefix}{key}"),
+                "an encoder block has no cross-attention (a decoder layer loads into \
+                 DecoderBlock)",
+            )?;
+        }
         Ok(self)
     }
 }
@@ -106,7 +114,8 @@ fn load_stack<L: LoadPyTorch>(
         .into_iter()
         .enumerate()
         .map(|(i, layer)| layer.load_pytorch(weights, &format!("{prefix}layers.{i}.")))
-        .collect::<Result<_, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?;
+    weights.reject_layers_past(&format!("{prefix}layers."), layers.len())?;
     let norm = match norm {
         Some(norm) => Some(norm.load_pytorch(weights, &format!("{prefix}norm."))?),
         None => {

@@ -392,6 +392,25 @@ impl PyTorchWeights {
         Ok(data)
     }
 
+    /// Fails with [`ImportError::UnexpectedKey`] naming the first key (in order) of a
+    /// layer past the module's `layers`: one under `{prefix}{layers}.`, where `prefix`
+    /// numbers the layers (`layers.`, `model.layers.`).
+    pub(crate) fn reject_layers_past(
+        &self,
+        prefix: &str,
+        layers: usize,
+    ) -> Result<(), ImportError> {
+        let past = format!("{prefix}{layers}.");
+        match self.keys().filter(|key| key.starts_with(&past)).min() {
+            Some(key) => Err(ImportError::UnexpectedKey {
+                key: key.to_string(),
+                reason: "a layer past the module's last (configure as many layers as the \
+                         weights hold)",
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Fails with [`ImportError::UnexpectedKey`] if `key` is present.
     fn reject(&self, key: String, reason: &'static str) -> Result<(), ImportError> {
         match self.contains(&key) {
