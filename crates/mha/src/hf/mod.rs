@@ -389,14 +389,7 @@ impl CausalLm {
     /// If an id of `tokens` is not below the vocabulary's size, naming it and its place
     /// (the ids are read back to the host for that, as `cross_entropy` reads its targets).
     pub fn forward(&self, tokens: Tensor<2, Int>, mask: AttentionMask) -> Tensor<3> {
-        check_ids(
-            "CausalLm",
-            "tokens",
-            &tokens,
-            self.vocab_size(),
-            "vocab_size",
-        );
-        let x = self.embed_tokens.forward(tokens);
+        let x = self.embed(tokens);
         let input = BlockInput::new(x).mask(mask);
         let hidden = self
             .model
@@ -421,14 +414,7 @@ impl CausalLm {
         tokens: Tensor<2, Int>,
         cache: &mut StackCache,
     ) -> Result<Tensor<3>, CacheError> {
-        check_ids(
-            "CausalLm",
-            "tokens",
-            &tokens,
-            self.vocab_size(),
-            "vocab_size",
-        );
-        let x = self.embed_tokens.forward(tokens);
+        let x = self.embed(tokens);
         let hidden = self.model.forward(BlockInput::new(x).cache(cache))?.output;
         Ok(self.logits(hidden))
     }
@@ -441,6 +427,13 @@ impl CausalLm {
             Some(window) => KvCache::sliding(window),
             None => KvCache::new(capacity),
         })
+    }
+
+    /// The embeddings of `tokens` `[B, T]`, once their ids are checked ([`check_ids`]).
+    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let vocab = self.vocab_size();
+        check_ids("CausalLm", "tokens", &tokens, vocab, "vocab_size");
+        self.embed_tokens.forward(tokens)
     }
 
     /// The tokens it reads and predicts.
