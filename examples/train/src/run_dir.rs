@@ -293,61 +293,82 @@ impl RunDir {
     }
 
     /// Locks the directory for this process (making it if absent) until the lock is
-    /// dropped: a second command on the same run is refused while the first runs. A lock
-    /// left by a process that no longer runs (killed) is taken over, with a note.
+    /// dropped: a second command on the same run is refused while the first runs. The lock
+    /// is the operating system's on the file `.lock` (which holds the process id, for the
+    /// messages), so it ends with its process, however that ends: a `.lock` left by a
+    /// process that was killed is taken over, with a note.
     ///
     /// # Errors
-    /// When the directory cannot be made, or when a running process holds the lock
-    /// (naming it).
+    /// When the directory cannot be made; when a running process holds the lock (naming
+    /// it); when `.lock` is not the trainer's (a folder, or a file that does not hold a
+    /// process id): it is left as it is.
     pub fn lock(&self) -> anyhow::Result<RunLock> {
+        use std::io::{Read, Seek, Write};
         let dir = self.0.display();
         std::fs::create_dir_all(&self.0).with_context(|| format!("cannot create {dir}"))?;
         let path = self.0.join(LOCK);
         let me = std::process::id();
+        let not_ours = |what: &str| {
+            anyhow::anyhow!(
+                "{} is not the trainer's lock ({what}): move it elsewhere, or choose another \
+                 --out",
+                path.display()
+            )
+        };
         for _ in 0..3 {
-            match std::fs::OpenOptions::new()
+            if std::fs::symlink_metadata(&path).is_ok_and(|m| !m.is_file()) {
+                return Err(not_ours("not a file"));
+            }
+            let mut file = std::fs::OpenOptions::new()
+                .read(true)
                 .write(true)
-                .create_new(true)
+                .create(true)
+                .truncate(false)
                 .open(&path)
-            {
-                Ok(mut file) => {
-                    use std::io::Write;
-                    writeln!(file, "{me}")
-                        .with_context(|| format!("cannot write {}", path.display()))?;
-                    return Ok(RunLock { path, pid: me });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => {
-                    return Err(e).with_context(|| format!("cannot create {}", path.display()));
-                }
-            }
-            let holder = std::fs::read_to_string(&path).unwrap_or_default();
-            let pid = holder.trim().parse::<u32>().ok();
-            match pid {
-                Some(pid) if pid != me && trainer_runs(pid) => anyhow::bail!(
-                    "{dir} is in use by another command of the trainer (process {pid}): wait \
-                     for it to end, or stop it; if no such process runs, delete {}",
-                    path.display()
-                ),
-                // Being written by a process that has just made it: look again.
-                None if holder.is_empty() => {
-                    std::thread::sleep(std::time::Duration::from_millis(50));
-                    if std::fs::read_to_string(&path)
-                        .unwrap_or_default()
-                        .is_empty()
-                    {
-                        remove(&path)?;
-                    }
-                }
-                _ => {
-                    eprintln!(
-                        "note: {dir} was locked by process {}, which no longer runs the trainer \
-                         (it was killed or crashed): taking the lock over",
-                        crate::text::echo(holder.trim())
+                .with_context(|| format!("cannot open {}", path.display()))?;
+            let mut holder = String::new();
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(std::fs::TryLockError::WouldBlock) => {
+                    let _ = file.read_to_string(&mut holder);
+                    let process = match holder.trim().parse::<u32>() {
+                        Ok(pid) => format!("process {pid}"),
+                        Err(_) => "another process".to_string(),
+                    };
+                    anyhow::bail!(
+                        "{dir} is in use by another command of the trainer ({process}): wait \
+                         for it to end, or stop it"
                     );
-                    remove(&path)?;
+                }
+                Err(std::fs::TryLockError::Error(e)) => {
+                    return Err(e).with_context(|| format!("cannot lock {}", path.display()));
                 }
             }
+            // Locked: unless the file was removed meanwhile by the command that held it,
+            // which ended (then lock the file that is there now).
+            if !same_file(&file, &path) {
+                continue;
+            }
+            file.read_to_string(&mut holder)
+                .map_err(|_| not_ours("not text"))?;
+            let holder = holder.trim();
+            if !holder.is_empty() {
+                if holder.parse::<u32>().is_err() {
+                    return Err(not_ours(&format!(
+                        "it holds \"{}\", not a process id",
+                        crate::text::echo(holder)
+                    )));
+                }
+                eprintln!(
+                    "note: {dir} was locked by process {holder}, which no longer runs the \
+                     trainer (it was killed or crashed): taking the lock over"
+                );
+            }
+            file.set_len(0)
+                .and_then(|()| file.rewind())
+                .and_then(|()| writeln!(file, "{me}"))
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            return Ok(RunLock { path, file });
         }
         anyhow::bail!("cannot lock {dir}: {} keeps changing", path.display())
     }
@@ -635,40 +656,38 @@ pub fn is_finite(model: &Model) -> bool {
     finite.0
 }
 
-/// Whether a process `pid` runs this program (a process id may be reused by another
-/// program once the trainer that held a lock is gone). Where `/proc` cannot say, a process
-/// that runs is taken to be the trainer (a stale lock is then removed by hand, as its
-/// error says).
-fn trainer_runs(pid: u32) -> bool {
-    let proc = Path::new("/proc");
-    if !proc.is_dir() {
-        return true;
+/// Whether `path` is the file `file` has open (not removed, nor replaced since).
+fn same_file(file: &std::fs::File, path: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (file.metadata(), std::fs::metadata(path)) {
+            (Ok(open), Ok(there)) => (open.dev(), open.ino()) == (there.dev(), there.ino()),
+            _ => false,
+        }
     }
-    let process = proc.join(pid.to_string());
-    if !process.exists() {
-        return false;
-    }
-    match (
-        std::fs::read_link(process.join("exe")),
-        std::fs::read_link(proc.join("self/exe")),
-    ) {
-        (Ok(theirs), Ok(mine)) => theirs == mine,
-        _ => true,
+    #[cfg(not(unix))]
+    {
+        // Not checked elsewhere: the file there is taken to be the one open.
+        let _ = file;
+        path.is_file()
     }
 }
 
-/// The lock of a run directory (see [`RunDir::lock`]); dropping it unlocks.
+/// The lock of a run directory (see [`RunDir::lock`]); dropping it unlocks and removes
+/// `.lock`.
 #[derive(Debug)]
 pub struct RunLock {
     path: PathBuf,
-    pid: u32,
+    /// The open `.lock`, locked: the lock lasts as long as it is open.
+    file: std::fs::File,
 }
 
 impl Drop for RunLock {
     fn drop(&mut self) {
-        let ours = std::fs::read_to_string(&self.path)
-            .is_ok_and(|holder| holder.trim() == self.pid.to_string());
-        if ours {
+        // Removed while still locked, so that no other command locks it meanwhile; one
+        // that opened it before is told by `same_file` that it was removed.
+        if same_file(&self.file, &self.path) {
             let _ = std::fs::remove_file(&self.path);
         }
     }

@@ -1,6 +1,8 @@
 //! A run directory: it belongs to one run, is locked while in use, is written only once
 //! every check passed, and `--overwrite` deletes only what the trainer wrote.
 
+use std::process::Command;
+
 use super::*;
 
 #[test]
@@ -40,6 +42,28 @@ fn a_run_directory_belongs_to_one_run() {
         std::fs::read_to_string(other.join("todo.txt")).unwrap(),
         "keep me"
     );
+    // Nor is a `.lock` of the user's taken for a lock the trainer left: a folder, or a
+    // file that holds no process id (both were deleted), alone or beside other files.
+    std::fs::create_dir_all(other.join(".lock")).unwrap();
+    std::fs::write(other.join(".lock/owner.txt"), "mine").unwrap();
+    let before = checksums(&other);
+    let out = run(on_flex(&["--overwrite", "--out"]).arg(&other));
+    assert_error(&out, &[".lock is not the trainer's lock (not a file)"]);
+    assert_eq!(checksums(&other), before);
+    let alone = root.join("alone");
+    std::fs::create_dir_all(&alone).unwrap();
+    std::fs::write(alone.join(".lock"), "hello").unwrap();
+    for args in [&["--out"][..], &["--overwrite", "--out"]] {
+        let out = run(on_flex(TINY).args(args).arg(&alone));
+        assert_error(
+            &out,
+            &[".lock is not the trainer's lock (it holds \"hello\", not a process id)"],
+        );
+        assert_eq!(
+            std::fs::read_to_string(alone.join(".lock")).unwrap(),
+            "hello"
+        );
+    }
     // The default directory is the task's.
     let help = run(trainer().arg("--help"));
     assert!(String::from_utf8_lossy(&help.stdout).contains("[default: runs/<task>]"));
@@ -159,6 +183,18 @@ fn a_run_directory_is_locked_and_a_damaged_metric_log_is_named() {
     // inspect too, before it looks at the run (which has no model yet).
     let out = run(on_flex(&["inspect", "--out"]).arg(&dir));
     assert_error(&out, &["is in use by another command", &pid]);
+    // And by the trainer built elsewhere (another executable: another build, `bench
+    // train`), which took the lock over and deleted the running run's files.
+    let copy = root.join("train-copy");
+    std::fs::copy(env!("CARGO_BIN_EXE_train"), &copy).unwrap();
+    let mut other = Command::new(&copy);
+    other.args(["--backend", "flex"]).args(TINY);
+    let out = run_copied(other.args(["--overwrite", "--out"]).arg(&dir));
+    assert_error(&out, &["is in use by another command", &pid]);
+    assert_eq!(
+        std::fs::read_to_string(dir.join("config.json")).unwrap(),
+        before
+    );
     // Killed, it leaves its lock, which the next command takes over.
     first.kill().unwrap();
     first.wait().unwrap();
@@ -231,4 +267,24 @@ fn missing_runs_and_quick_runs_are_handled() {
         &out,
         &["`--warmup` (`warmup_steps`) = 50 must be below the run's 40 steps"],
     );
+}
+
+/// Runs a copy of the trainer just written: while another test's thread forks, the copy
+/// may still be open for writing in the child for a moment (`ETXTBSY`), so the start is
+/// tried again.
+#[cfg(unix)]
+fn run_copied(cmd: &mut Command) -> std::process::Output {
+    for _ in 0..50 {
+        match cmd.output() {
+            Err(e) if e.raw_os_error() == Some(26) => {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            out => {
+                let out = out.expect("the copied trainer runs");
+                eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+                return out;
+            }
+        }
+    }
+    panic!("the copied trainer stayed busy (ETXTBSY)")
 }
