@@ -114,6 +114,39 @@ fn attention_modules_take_zero_sized_batches_sequences_and_memories() {
     }
 }
 
+/// Zero-sized calls in another float dtype give their output in that dtype (they gave f32),
+/// and differentiate (a sum of links of two dtypes failed inside Burn).
+#[test]
+fn zero_sized_calls_keep_their_dtype() {
+    use burn::tensor::DType;
+    use mha::ModuleDType;
+    for be in backends() {
+        let ad = be.autodiff();
+        for dtype in be.other_float_dtypes() {
+            for [b, t, m] in SHAPES {
+                let what = format!("{} {dtype:?} [B {b}, T {t}, M {m}]", be.name);
+                let module = attention(&be, Positions::Alibi).to_dtype(dtype);
+                let x = randn([b, t, 16], 1, &ad).cast(dtype).require_grad();
+                let memory = randn([b, m, 16], 2, &ad).cast(dtype).require_grad();
+                let input = MhaInput::causal(x.clone()).weights(AttentionWeights::PerHead);
+                let out = module.forward(input);
+                assert_eq!(out.context.dtype(), DType::from(dtype), "{what}: self");
+                assert_eq!(out.weights.unwrap().dtype(), DType::from(dtype), "{what}");
+                let cross = MhaInput::cross(x.clone(), memory.clone());
+                let plain = attention(&be, Positions::None).to_dtype(dtype);
+                let cross = plain.forward(cross.weights(AttentionWeights::Averaged));
+                assert_eq!(cross.context.dtype(), DType::from(dtype), "{what}: cross");
+                assert_eq!(cross.weights.unwrap().dtype(), DType::from(dtype), "{what}");
+                let loss = out.context.sum() + cross.context.sum();
+                let grads = loss.backward();
+                assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+                let dm = memory.grad(&grads).expect("dmemory");
+                assert_eq!(dm.dims(), [b, m, 16], "{what}");
+            }
+        }
+    }
+}
+
 /// The cross-attention of `x` to `memory`.
 fn out_context(module: &MultiHeadAttention, x: &Tensor<3>, memory: &Tensor<3>) -> Tensor<3> {
     module

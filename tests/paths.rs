@@ -632,8 +632,18 @@ fn other_dtypes_match_f64_attention_at_their_precision() {
                 .into_iter()
                 .filter(|c| c.name.starts_with("rows without")),
         )
+        // ALiBi's biases are made in f32, cast for the chunks and the kernels (they failed
+        // inside Burn, and the kernels read f32 as f16).
+        .chain([Case {
+            name: "causal, ALiBi, Tq 300, Tk 260".into(),
+            sizes: sizes([2, 4, 2, 300, 260, 8, 8]),
+            mask: MaskSpec {
+                position: Some(Position::Alibi(alibi_slopes(4))),
+                ..MaskSpec::causal()
+            },
+        }])
         .collect();
-    assert_eq!(cases.len(), 4);
+    assert_eq!(cases.len(), 5);
     for (n, case) in cases.iter().enumerate() {
         let s = case.sizes;
         let inputs = [s.query(), s.key(), s.value(), s.output()]
@@ -652,6 +662,62 @@ fn other_dtypes_match_f64_attention_at_their_precision() {
                 let [q, k, v, grad] = &inputs;
                 let want = attention(s, &case.mask, [q, k, v, grad]);
                 check(&be, &case, &want, &inputs, dtype, AttentionWeights::None);
+            }
+        }
+    }
+}
+
+/// An f16 row whose every score lies far below zero (large logits: -10,000 here, where
+/// f16's blocked score is -2^14) is a real row, uniform weights over the keys it sees,
+/// on every path: not zeros, as a row with no visible key.
+#[test]
+fn f16_rows_of_very_low_scores_are_real_rows() {
+    let (t, dims) = (6, [1, 1, 6, 1]);
+    let values: Vec<f32> = (1..=t).map(|j| j as f32).collect();
+    for be in backends() {
+        if !be.other_float_dtypes().contains(&FloatDType::F16) {
+            continue;
+        }
+        let device = &be.device;
+        let f16 = FloatDType::F16;
+        let q = tensor(&vec![100.0; t], dims, device, f16);
+        let k = tensor(&vec![-100.0; t], dims, device, f16);
+        let v = tensor(&values, dims, device, f16);
+        let padding = mha::AttentionMask::key_lengths(&[4], t, device);
+        let masks = [
+            ("causal", mha::AttentionMask::causal(), t),
+            (
+                "causal + padding",
+                mha::AttentionMask::causal().and(padding),
+                4,
+            ),
+        ];
+        for (name, mask, keys) in masks {
+            // Query `i` sees keys `0..=min(i, keys - 1)`: the mean of their values.
+            let seen = |i: usize| i.min(keys - 1) + 1;
+            let want: Vec<f64> = (0..t)
+                .map(|i| (1..=seen(i)).sum::<usize>() as f64 / seen(i) as f64)
+                .collect();
+            let weights: Vec<f64> = (0..t * t)
+                .map(|at| match at % t < seen(at / t) {
+                    true => 1.0 / seen(at / t) as f64,
+                    false => 0.0,
+                })
+                .collect();
+            for asked in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let options = SdpaOptions {
+                    scale: Some(1.0),
+                    weights: asked,
+                    ..SdpaOptions::default()
+                };
+                let out =
+                    scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
+                let what = format!("[{}] {name} ({asked:?})", be.name);
+                let tol = be.tolerances(f16)[0];
+                close(&format!("{what}: output"), out.context, &want, tol);
+                if let Some(got) = out.weights {
+                    close(&format!("{what}: weights"), got, &weights, tol);
+                }
             }
         }
     }

@@ -7,7 +7,7 @@
 //! Under autodiff the result depends on every input through a term that is exactly 0, so
 //! that each input's gradient exists, in its own shape, and is 0.
 
-use burn::tensor::{Bool, Device, Tensor};
+use burn::tensor::{Bool, DType, Device, Tensor};
 
 /// A one-element 0 that depends on `x`, whose gradient into `x` is 0 in `x`'s shape,
 /// whatever `x` holds (infinities and NaN included).
@@ -22,24 +22,29 @@ pub(crate) fn zero_of<const D: usize>(x: Tensor<D>) -> Tensor<1> {
     }
 }
 
-/// Zeros of `shape` on `device`; under autodiff, depending on each of `inputs` with a
-/// zero gradient (`inputs` is read only under autodiff: pass a lazy iterator of
-/// [`zero_of`] calls, so that no link is computed for nothing).
+/// Zeros of `shape` in `dtype` on `device`; under autodiff, depending on each of `inputs`
+/// with a zero gradient (`inputs` is read only under autodiff: pass a lazy iterator of
+/// [`zero_of`] calls, so that no link is computed for nothing; they may be of other
+/// dtypes).
 pub(crate) fn zeros<const D: usize>(
     shape: [usize; D],
     device: &Device,
+    dtype: DType,
     inputs: impl IntoIterator<Item = Tensor<1>>,
 ) -> Tensor<D> {
     let link = match device.is_autodiff() {
-        true => inputs.into_iter().reduce(|a, b| a + b),
+        true => inputs
+            .into_iter()
+            .map(|x| x.cast(dtype))
+            .reduce(|a, b| a + b),
         false => None,
     };
     let Some(link) = link else {
-        return Tensor::zeros(shape, device);
+        return Tensor::zeros(shape, (device, dtype));
     };
     let link = link.reshape([1; D]);
     match shape.contains(&0) {
-        true => Tensor::zeros(shape, device) + link,
+        true => Tensor::zeros(shape, (device, dtype)) + link,
         false => link.expand(shape),
     }
 }
@@ -58,8 +63,8 @@ pub(crate) fn narrow<const D: usize>(
         true => {
             let mut dims = x.dims();
             dims[dim] = len;
-            let device = x.device();
-            zeros(dims, &device, core::iter::once_with(|| zero_of(x)))
+            let (device, dtype) = (x.device(), x.dtype());
+            zeros(dims, &device, dtype, core::iter::once_with(|| zero_of(x)))
         }
     }
 }

@@ -24,7 +24,7 @@ pub(super) fn attention(
 ) -> (Tensor<4>, Option<Tensor<4>>) {
     let [batch, heads, queries, _] = query.dims();
     let [_, _, keys, d_v] = value.dims();
-    let device = query.device();
+    let (device, dtype) = (query.device(), query.dtype());
     let shape = [batch, heads, queries, d_v];
     let full = [batch, heads, queries, keys];
     let weights = match weights {
@@ -37,8 +37,10 @@ pub(super) fn attention(
                 _ => per_head,
             })
         }
-        AttentionWeights::PerHead => Some(Tensor::zeros(full, &device)),
-        AttentionWeights::Averaged => Some(Tensor::zeros([batch, 1, queries, keys], &device)),
+        AttentionWeights::PerHead => Some(Tensor::zeros(full, (&device, dtype))),
+        AttentionWeights::Averaged => {
+            Some(Tensor::zeros([batch, 1, queries, keys], (&device, dtype)))
+        }
     };
     let table = match mask.position() {
         Some(PositionBias::Learned { table, .. }) => Some(table.clone()),
@@ -51,5 +53,5 @@ pub(super) fn attention(
         .map(zero_of)
         .chain(table.into_iter().map(zero_of))
         .chain(mask.sink_logits().cloned().map(zero_of));
-    (crate::empty::zeros(shape, &device, inputs), weights)
+    (crate::empty::zeros(shape, &device, dtype, inputs), weights)
 }

@@ -37,7 +37,7 @@ pub fn attention_weights(
     if batch * heads * queries * keys == 0 {
         let (device, dtype) = (query.device(), query.dtype());
         let links = [query, key].into_iter().map(crate::empty::zero_of);
-        return crate::empty::zeros([batch, heads, queries, keys], &device, links).cast(dtype);
+        return crate::empty::zeros([batch, heads, queries, keys], &device, dtype, links);
     }
     weights(query, key, mask, scores)
 }
@@ -62,7 +62,7 @@ pub(super) fn weights(
         None => s,
     };
     let s = match mask.additive_bias() {
-        Some(bias) => s + bias.clone().clamp_min(sentinels.blocked),
+        Some(bias) => s + bias.clone().cast(query_dtype).clamp_min(sentinels.blocked),
         None => s,
     };
     let s = match mask.position() {
@@ -73,8 +73,9 @@ pub(super) fn weights(
         }
         None => s,
     };
-    let s = match mask.to_blocked(queries, keys, &device) {
-        Some(blocked) => s.mask_fill(blocked, sentinels.blocked),
+    let blocked = mask.to_blocked(queries, keys, &device);
+    let s = match &blocked {
+        Some(blocked) => s.mask_fill(blocked.clone(), sentinels.blocked),
         None => s,
     };
     let weights = match mask.sink_logits() {
@@ -91,11 +92,21 @@ pub(super) fn weights(
         }
         None => softmax(s.clone(), 3),
     };
-    if !may_block_rows(mask) {
-        return weights;
-    }
-    // A row whose best score is a blocked one has no visible key: zero it.
-    let open = s.max_dim(3).greater_elem(sentinels.dead_row); // [B, H, Tq, 1]
+    // A row whose every key is blocked, by the boolean parts or the rule or by a bias at
+    // or below the dtype's blocked score (-inf, or -2^14 in f16, as the GPU kernels read
+    // it), has no visible key: zero it. Told from the masks, not from the scores: in f16
+    // a real row's best score may lie as low as the sentinel.
+    let by_bias = mask.additive_bias().map(|bias| {
+        bias.clone()
+            .cast(query_dtype)
+            .lower_equal_elem(sentinels.blocked)
+    });
+    let closed = match (blocked, by_bias) {
+        (Some(a), Some(b)) => a.bool_or(b),
+        (Some(closed), None) | (None, Some(closed)) => closed,
+        (None, None) => return weights,
+    };
+    let open = closed.bool_not().any_dim(3); // broadcastable to [B, H, Tq, 1]
     let dtype = weights.dtype();
     weights * open.float().cast(dtype)
 }
@@ -161,14 +172,6 @@ pub(super) fn context(
         with_weights([q, k, v], &sub, scores, 0.0).0
     });
     Tensor::cat(parts.collect(), 2)
-}
-
-/// Whether some query row may have every key blocked.
-fn may_block_rows(mask: &AttentionMask) -> bool {
-    mask.blocked().is_some()
-        || mask.additive_bias().is_some()
-        || mask.position().is_some()
-        || !mask.rule().is_none()
 }
 
 /// `a @ b` where `a` has `H` heads and `b` has `Hkv`, query head `h` pairing with

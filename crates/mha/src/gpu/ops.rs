@@ -969,9 +969,13 @@ fn call(
     };
     // Column `c` of the bias by distance: the distance `c - (Tq - 1)` from a query's own
     // position (`i + offset`) to a key, `j - i - offset`.
+    // In the queries' dtype, as the kernels read it (ALiBi's is made in f32).
+    let dtype = q.dtype();
     let pd = mask.position().map(|position| {
         let first = -(queries as i64 - 1) - visibility.offset;
-        let per_distance = position.per_distance(first, queries + keys - 1, device);
+        let per_distance = position
+            .per_distance(first, queries + keys - 1, device)
+            .cast(dtype);
         let [heads, columns] = per_distance.dims();
         per_distance.reshape([1, 1, heads, columns])
     });

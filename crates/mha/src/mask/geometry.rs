@@ -247,30 +247,22 @@ pub(crate) const DEAD_ROW: f32 = -5.0e29;
 #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
 pub(crate) const DEAD_LSE: f32 = 1.0e30;
 
-/// The blocked-score sentinels of one float dtype: [`BLOCKED`] and [`DEAD_ROW`] where
-/// they fit (f32, f64, bf16); for f16, whose largest finite value is 65504, `-2^14` and
-/// `-2^13` (a score plus `-2^14` stays finite, and a real score of `-2^13` or below counts
-/// as blocked).
+/// The blocked score of one float dtype: [`BLOCKED`] where it fits (f32, f64, bf16); for
+/// f16, whose largest finite value is 65504, `-2^14` (a score plus `-2^14` stays finite).
+/// Which rows have no visible key is told from the masks, not from this value (a real f16
+/// score may be as low).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) struct Sentinels {
     /// What a blocked score is set to.
     pub(crate) blocked: f32,
-    /// A row whose largest score is at or below this has no visible key.
-    pub(crate) dead_row: f32,
 }
 
 impl Sentinels {
     /// The sentinels of `dtype`.
     pub(crate) fn of(dtype: DType) -> Self {
         match dtype {
-            DType::F16 => Self {
-                blocked: -16384.0,
-                dead_row: -8192.0,
-            },
-            _ => Self {
-                blocked: BLOCKED,
-                dead_row: DEAD_ROW,
-            },
+            DType::F16 => Self { blocked: -16384.0 },
+            _ => Self { blocked: BLOCKED },
         }
     }
 }

@@ -529,7 +529,11 @@ impl AttentionMask {
         Self {
             rule: Rule::default(),
             blocked: merge(blocked, rule, |a, b| a.bool_or(b)),
-            bias: merge(bias, position, |a, b| a + b),
+            // In the bias's dtype (ALiBi's is made in f32).
+            bias: merge(bias, position, |a, b| {
+                let dtype = a.dtype();
+                a + b.cast(dtype)
+            }),
             position: None,
             sinks: self.sinks.clone(),
         }

@@ -23,10 +23,11 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
             x.clone() * ((x / core::f64::consts::SQRT_2).erf() + 1.0) * 0.5
         }
         RowPath::Empty => {
-            let (dims, device) = (x.dims(), x.device());
+            let (dims, device, dtype) = (x.dims(), x.device(), x.dtype());
             crate::empty::zeros(
                 dims,
                 &device,
+                dtype,
                 core::iter::once_with(|| crate::empty::zero_of(x)),
             )
         }

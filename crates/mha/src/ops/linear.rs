@@ -126,11 +126,11 @@ pub(crate) fn columns<const D: usize>(
         RowPath::Empty => {
             let mut dims = x.dims();
             dims[D - 1] = columns.map_or(d_all, |[_, len]| len);
-            let device = x.device();
+            let (device, dtype) = (x.device(), x.dtype());
             let inputs = once_with(|| zero_of(x))
                 .chain(once_with(|| zero_of(weight)))
                 .chain(bias.into_iter().map(zero_of));
-            crate::empty::zeros(dims, &device, inputs)
+            crate::empty::zeros(dims, &device, dtype, inputs)
         }
     }
 }

@@ -49,10 +49,11 @@ pub(crate) fn cross_entropy(
         }
         // No row (the public function refuses rows without classes): every row ignored.
         RowPath::Empty => {
-            let device = logits.device();
+            let (device, dtype) = (logits.device(), logits.dtype());
             crate::empty::zeros(
                 [1],
                 &device,
+                dtype,
                 core::iter::once_with(|| crate::empty::zero_of(logits)),
             )
         }

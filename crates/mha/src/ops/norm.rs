@@ -37,11 +37,11 @@ pub(crate) fn layer_norm<const D: usize>(
         }
         RowPath::Burn => burn::tensor::module::layer_norm(x, gamma, beta, epsilon),
         RowPath::Empty => {
-            let (dims, device) = (x.dims(), x.device());
+            let (dims, device, dtype) = (x.dims(), x.device(), x.dtype());
             let inputs = once_with(|| zero_of(x))
                 .chain(once_with(|| zero_of(gamma)))
                 .chain(beta.into_iter().map(zero_of));
-            crate::empty::zeros(dims, &device, inputs)
+            crate::empty::zeros(dims, &device, dtype, inputs)
         }
         RowPath::BurnInF32 => {
             let dtype = x.dtype();
@@ -77,9 +77,9 @@ pub(crate) fn rms_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, epsilon: 
             normalise_rms(x.cast(DType::F32), epsilon).cast(dtype) * unsqueeze(gamma)
         }
         RowPath::Empty => {
-            let (dims, device) = (x.dims(), x.device());
+            let (dims, device, dtype) = (x.dims(), x.device(), x.dtype());
             let inputs = once_with(|| zero_of(x)).chain(once_with(|| zero_of(gamma)));
-            crate::empty::zeros(dims, &device, inputs)
+            crate::empty::zeros(dims, &device, dtype, inputs)
         }
     }
 }

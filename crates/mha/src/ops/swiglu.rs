@@ -27,9 +27,9 @@ pub(crate) fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D
         }
         RowPath::Burn | RowPath::BurnInF32 => silu(gate) * up,
         RowPath::Empty => {
-            let (dims, device) = (gate.dims(), gate.device());
+            let (dims, device, dtype) = (gate.dims(), gate.device(), gate.dtype());
             let links = [gate, up].into_iter().map(crate::empty::zero_of);
-            crate::empty::zeros(dims, &device, links)
+            crate::empty::zeros(dims, &device, dtype, links)
         }
     }
 }
