@@ -235,6 +235,40 @@ fn decoding_returns_the_weights_and_takes_a_head_mask_as_the_whole_forward_does(
 }
 
 #[test]
+fn a_sliding_cache_returns_the_weights_in_the_order_of_positions() {
+    // Window 3: a call sees the last 2 cached positions (the ring's slots in any order),
+    // then its own; the weights name them in the order of their positions, as the whole
+    // forward's rows do (one token read the ring as it lies and gave them rotated).
+    let calls = [0..4, 4..5, 5..6, 6..7, 7..8, 8..11];
+    for be in backends() {
+        for positions in [Positions::None, Positions::rope()] {
+            let what = format!("[{}] window 3, {positions:?}, cached weights", be.name);
+            let block = encoder_block(positions).with_window(Some(3));
+            let stack = EncoderConfig::new(block, 2).init(&be.device);
+            let x = randn([2, 11, D_MODEL], 63, &be.device);
+            let whole = stack.forward(StackInput::new(x.clone()).weights()).unwrap();
+            let mut cache = stack.cache(KvCache::sliding(3));
+            for call in calls.clone() {
+                let input = StackInput::new(x.clone().narrow(1, call.start, call.len()))
+                    .weights()
+                    .cache(&mut cache);
+                let out = stack.forward(input).unwrap();
+                let first = call.start - call.start.min(2);
+                for (got, all) in out.weights.into_iter().zip(&whole.weights) {
+                    let want = all.clone().narrow(2, call.start, call.len()).narrow(
+                        3,
+                        first,
+                        call.end - first,
+                    );
+                    let what = format!("{what}, tokens {call:?}");
+                    assert_close(&what, got, want, be.forward_tol());
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn an_encoder_decoder_computes_the_memory_once_and_decodes() {
     for be in backends() {
         for positions in [Positions::Sinusoidal, Positions::Alibi] {

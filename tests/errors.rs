@@ -828,6 +828,66 @@ fn a_cache_refuses_another_dtype_mid_sequence_and_takes_it_after_a_reset() {
 }
 
 #[test]
+fn a_cached_call_checks_its_mask_before_it_writes() {
+    use mha::KvCache;
+    let d = dev();
+    let m = MultiHeadAttentionConfig::new(16, 2).init(&d);
+    let mut cache = KvCache::new(8);
+    m.forward_cached(randn([1, 3, 16], 1, &d), &mut cache, AttentionMask::none())
+        .unwrap();
+    // Sized for the 3 keys cached so far, where the call sees 4: refused before the cache
+    // changes (it wrote the token first, so that a retry wrote it twice).
+    let short = AttentionMask::key_lengths(&[3], 3, &d);
+    let one = randn([1, 1, 16], 2, &d);
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        let _ = m.forward_cached(one.clone(), &mut cache, short);
+    }));
+    let expected = "does not broadcast to the scores [B, H, Tq, Tk] = [1, 2, 1, 4]";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+    assert_eq!(cache.len(), 3, "the refused call wrote nothing");
+    let fits = AttentionMask::key_lengths(&[4], 4, &d);
+    m.forward_cached(one, &mut cache, fits).unwrap();
+    assert_eq!(cache.len(), 4);
+}
+
+/// Two backends compiled in: a cache filled on one and called on the other.
+#[cfg(any(feature = "ndarray", feature = "wgpu"))]
+#[test]
+fn a_cache_refuses_another_device_mid_sequence_and_takes_it_after_a_reset() {
+    use mha::{CacheError, KvCache};
+    let devices: Vec<Device> = crate::util::backends().map(|be| be.device).collect();
+    for pair in devices.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        let on_a = MultiHeadAttentionConfig::new(16, 2).init(a);
+        let on_b = MultiHeadAttentionConfig::new(16, 2).init(b);
+        let mut cache = KvCache::new(8);
+        on_a.forward_cached(randn([1, 3, 16], 1, a), &mut cache, AttentionMask::none())
+            .unwrap();
+        let err = on_b
+            .forward_cached(randn([1, 1, 16], 2, b), &mut cache, AttentionMask::none())
+            .unwrap_err();
+        assert_eq!(
+            err,
+            CacheError::Device {
+                cached: format!("{a:?}"),
+                got: format!("{b:?}"),
+            }
+        );
+        let expected = format!("it holds keys and values on {a:?}, the call brings them on {b:?}");
+        assert!(err.to_string().contains(&expected), "{err}");
+        assert_eq!(cache.len(), 3, "the refused call wrote nothing");
+        // A new sequence on the other device.
+        cache.reset();
+        let x = randn([1, 3, 16], 3, b);
+        let got = on_b
+            .forward_cached(x.clone(), &mut cache, AttentionMask::none())
+            .unwrap();
+        let want = on_b.causal_self_attention(x);
+        crate::util::assert_close("after a reset", got, want, 1e-4);
+    }
+}
+
+#[test]
 fn norms_refuse_an_epsilon_that_gives_nan() {
     let cases = [
         (

@@ -8,7 +8,10 @@
 //! values and reads the cached ones where they lie, with no concatenation of the whole
 //! cache. Keys are stored as attention uses them (RoPE already applied at their
 //! positions). With a window ([`KvCache::sliding`]) the storage is a ring of `W` slots
-//! that keeps the last `W` positions, for sliding-window attention of any length.
+//! that keeps the last `W` positions, for sliding-window attention of any length; a step
+//! reads the ring as it lies where the order of the keys does not matter, and in the order
+//! of their positions (the window's `W - 1` cached keys and values copied once per step)
+//! where it does: a mask over them, a bias by distance, the weights asked for.
 //!
 //! [`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)
 //! decodes one layer; the blocks and stacks have `forward_cached` too, with one cache per
@@ -141,7 +144,7 @@ impl KvCache {
     }
 
     /// Forgets the cached positions, keeping the storage for the next sequence (which may
-    /// have another batch size or dtype: the storage is then allocated again).
+    /// have another batch size, dtype or device: the storage is then allocated again).
     pub fn reset(&mut self) {
         self.len = 0;
     }
@@ -153,8 +156,8 @@ impl KvCache {
     ///
     /// # Errors
     /// [`CacheError::Full`] past the capacity, [`CacheError::Mismatch`] when the shapes
-    /// differ from the cached ones ([`CacheError::DType`] the dtypes); the cache is
-    /// unchanged.
+    /// differ from the cached ones ([`CacheError::DType`] the dtypes,
+    /// [`CacheError::Device`] the devices); the cache is unchanged.
     pub(crate) fn write(
         &mut self,
         keys: Tensor<4>,
@@ -300,9 +303,16 @@ fn storage(like: &Tensor<4>, slots: usize) -> Tensor<4> {
 }
 
 /// # Errors
-/// [`CacheError::DType`] when `new` is of another dtype than `cached`, else
-/// [`CacheError::Mismatch`] naming the first axis where `new` differs from `cached`.
+/// [`CacheError::Device`] when `new` is on another device than `cached`,
+/// [`CacheError::DType`] of another dtype, else [`CacheError::Mismatch`] naming the first
+/// axis where `new` differs from `cached`.
 fn check_like(cached: &Tensor<4>, new: &Tensor<4>) -> Result<(), CacheError> {
+    if cached.device() != new.device() {
+        return Err(CacheError::Device {
+            cached: format!("{:?}", cached.device()),
+            got: format!("{:?}", new.device()),
+        });
+    }
     if cached.dtype() != new.dtype() {
         return Err(CacheError::DType {
             cached: cached.dtype(),

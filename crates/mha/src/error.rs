@@ -117,6 +117,13 @@ pub enum CacheError {
         /// The dtype the call brought.
         got: burn::tensor::DType,
     },
+    /// The new keys or values are on another device than those the cache holds.
+    Device {
+        /// The device the cache holds them on.
+        cached: String,
+        /// The device of the call's.
+        got: String,
+    },
     /// The module attends to later tokens (bidirectional): decoding token by token would
     /// compute something else than its forward pass.
     NotCausal {
@@ -178,6 +185,11 @@ impl fmt::Display for CacheError {
             CacheError::DType { cached, got } => write!(
                 f,
                 "KvCache: it holds keys and values in {cached:?}, the call brings {got:?} \
+                 (reset it to start another sequence)"
+            ),
+            CacheError::Device { cached, got } => write!(
+                f,
+                "KvCache: it holds keys and values on {cached}, the call brings them on {got} \
                  (reset it to start another sequence)"
             ),
             CacheError::NotCausal { module } => write!(

@@ -467,13 +467,13 @@ impl MultiHeadAttention {
     ///
     /// # Errors
     /// [`CacheError::Full`] past the cache's capacity, [`CacheError::Mismatch`] when the
-    /// batch differs from the cached one ([`CacheError::DType`] the dtype: a cache reset
-    /// takes another), [`CacheError::Packed`] for a packed mask; the cache is then
-    /// unchanged.
+    /// batch differs from the cached one ([`CacheError::DType`] the dtype,
+    /// [`CacheError::Device`] the device: a cache reset takes another),
+    /// [`CacheError::Packed`] for a packed mask; the cache is then unchanged.
     ///
     /// # Panics
     /// As [`forward`](Self::forward), for inputs of the wrong width or a mask that does
-    /// not broadcast.
+    /// not broadcast to the keys the call sees (before the cache changes).
     pub fn forward_cached(
         &self,
         x: Tensor<3>,
@@ -504,7 +504,16 @@ impl MultiHeadAttention {
         let v = self.split_heads(v, self.n_kv_heads);
         let offset = cache.len();
         let (q, k, mask) = self.positioned(q, k, mask, [offset, offset]);
-        let seen = cache.write(k, v, !mask.is_none())?;
+        let [batch, _, tokens, _] = q.dims();
+        if tokens > 0 {
+            // A mask that does not fit the keys the call sees panics before the cache
+            // changes.
+            mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
+        }
+        // The weights name the keys in the order of their positions: a sliding cache's
+        // ring is then read in that order too.
+        let ordered = !mask.is_none() || weights != AttentionWeights::None;
+        let seen = cache.write(k, v, ordered)?;
         let mask = mask.and(seen.mask);
         let inputs = [q, seen.keys, seen.values];
         Ok(self.attend(Heads::Split(inputs), &mask, weights, 0.0, head_mask))
