@@ -760,6 +760,44 @@ fn configurations_the_blocks_cannot_compute_are_named() {
         err.contains("`max_window_layers` of config.json: 2") && err.contains("4096"),
         "{err}"
     );
+    // transformers 5 follows `layer_types` over the fields it is made from: a list that
+    // disagrees with them is refused (it was read past), one that agrees loads.
+    let listed = |changes: serde_json::Value, kind: &str| {
+        let mut changes = changes;
+        changes["layer_types"] = json!(vec![kind; 4]);
+        window(changes)
+    };
+    let qwen2_listed = |from: usize, kind| {
+        let changes = json!({"model_type": "qwen2", "use_sliding_window": true,
+                             "max_window_layers": from, "num_hidden_layers": 4});
+        listed(changes, kind)
+    };
+    assert_eq!(
+        qwen2_listed(0, "sliding_attention").unwrap().window,
+        Some(4096)
+    );
+    assert_eq!(qwen2_listed(4, "full_attention").unwrap().window, None);
+    for (from, kind, ours) in [
+        (4, "sliding_attention", "full_attention"),
+        (0, "full_attention", "sliding_attention"),
+    ] {
+        let err = qwen2_listed(from, kind).unwrap_err().to_string();
+        let want = format!("make all 4 layers {ours}");
+        assert!(
+            err.contains("`layer_types` of config.json") && err.contains(&want),
+            "{err}"
+        );
+    }
+    let err = listed(json!({"num_hidden_layers": 3}), "full_attention")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`layer_types`"), "{err}");
+    let by_layer = json!({"full_attention": {"rope_type": "default", "rope_theta": 1e6}});
+    let err = with("rope_parameters", by_layer);
+    assert!(
+        err.contains("`rope_parameters`") && err.contains("by layer type"),
+        "{err}"
+    );
     let yarn = serde_json::json!({"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0});
     let err = with("rope_parameters", yarn);
     assert!(
@@ -783,6 +821,81 @@ fn configurations_the_blocks_cannot_compute_are_named() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("causal and pre-norm"), "{err}");
+}
+
+#[test]
+fn models_that_share_bert_or_gpt2_keys_but_compute_otherwise_are_named() {
+    for (name, other) in [("bert_model", "roberta"), ("gpt2_lm", "gpt_neo")] {
+        let path = crate::util::root().join(format!("tests/fixtures/{name}.json"));
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        config["model_type"] = other.into();
+        let err = match name {
+            "bert_model" => serde_json::from_value::<BertConfig>(config)
+                .unwrap()
+                .block()
+                .map(|_| ()),
+            _ => serde_json::from_value::<Gpt2Config>(config)
+                .unwrap()
+                .block()
+                .map(|_| ()),
+        };
+        let err = err.unwrap_err().to_string();
+        let want = format!("`model_type` of config.json: `{other}`");
+        assert!(err.contains(&want), "{err}");
+    }
+}
+
+/// GPT-2 with a head of its own (`tie_word_embeddings: false`): `lm_head.weight` is read
+/// (it was ignored for the embedding). The fixture's head made twice its embedding
+/// doubles its logits.
+#[test]
+fn gpt2_with_a_head_of_its_own_reads_it() {
+    let path = crate::util::root().join("tests/fixtures/gpt2_lm.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let wte = stored.tensor("model.transformer.wte.weight").unwrap();
+    let doubled: Vec<u8> = wte
+        .data()
+        .chunks(4)
+        .flat_map(|b| (2.0 * f32::from_le_bytes(b.try_into().unwrap())).to_le_bytes())
+        .collect();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = stored
+        .tensors()
+        .into_iter()
+        .filter(|(key, _)| key != "model.lm_head.weight")
+        .collect();
+    let head = safetensors::tensor::TensorView::new(wte.dtype(), wte.shape().to_vec(), &doubled);
+    views.push(("model.lm_head.weight".into(), head.unwrap()));
+    let untied_bytes = safetensors::serialize(views, None).unwrap();
+    let untied = mha::PyTorchWeights::from_bytes(&untied_bytes, "untied").unwrap();
+    let json = crate::util::root().join("tests/fixtures/gpt2_lm.json");
+    let tied_config = Gpt2Config::from_file(&json).unwrap();
+    let untied_config = Gpt2Config {
+        tie_word_embeddings: false,
+        ..tied_config.clone()
+    };
+    let f = Fixture::load("gpt2_lm");
+    for b in backends() {
+        let load = |config: &Gpt2Config, weights, prefix: &str| {
+            config
+                .init_causal_lm(&b.device)
+                .and_then(|lm| load_gpt2_lm(lm, weights, prefix))
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let tied = load(&tied_config, &f.weights, "model.transformer.");
+        let own = load(&untied_config, &untied, "model.transformer.");
+        assert!(own.lm_head.is_some() && tied.lm_head.is_none());
+        let ids = f.io::<2>("ids", [2, 9], &b.device).int();
+        let want = tied.forward(ids.clone(), AttentionMask::none()) * 2.0;
+        let got = own.forward(ids, AttentionMask::none());
+        assert_close(
+            &format!("[{}] untied head", b.name),
+            got,
+            want,
+            b.forward_tol(),
+        );
+    }
 }
 
 #[test]

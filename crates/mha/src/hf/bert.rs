@@ -20,6 +20,11 @@ use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_linear, load
 /// The fields of BERT's `config.json` that shape a layer (the others are read past).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct BertConfig {
+    /// `bert` (a configuration without it is taken to be BERT's). Models that share BERT's
+    /// keys but not its computation (RoBERTa's positions start past the padding id,
+    /// LayoutLM adds boxes, ..) are refused by [`block`](Self::block).
+    #[serde(default)]
+    pub model_type: Option<String>,
     /// Model width.
     pub hidden_size: usize,
     /// Heads.
@@ -80,13 +85,22 @@ impl BertConfig {
     /// The configuration of one layer as a bidirectional post-norm [`EncoderBlock`].
     ///
     /// # Errors
-    /// [`ImportError::Config`] naming the field the blocks cannot express: another
-    /// activation, relative position embeddings, a decoder.
+    /// [`ImportError::Config`] naming the field the blocks cannot express: another model
+    /// type, another activation, relative position embeddings, a decoder.
     pub fn block(&self) -> Result<EncoderBlockConfig, ImportError> {
         let refuse = |field: &str, message: String| ImportError::Config {
             what: format!("`{field}` of config.json"),
             message,
         };
+        if let Some(other) = self.model_type.as_deref().filter(|&t| t != "bert") {
+            return Err(refuse(
+                "model_type",
+                format!(
+                    "`{other}`: this import computes BERT (bert); a model with BERT's keys \
+                     computes otherwise (RoBERTa's positions, LayoutLM's boxes, ..)"
+                ),
+            ));
+        }
         let activation = match self.hidden_act.as_str() {
             "gelu" => FeedForwardActivation::Gelu,
             "gelu_new" => FeedForwardActivation::GeluTanh,

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use burn::nn::{EmbeddingConfig, Linear};
+use burn::nn::{EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +21,9 @@ use crate::stack::EncoderConfig;
 /// The fields of GPT-2's `config.json` that shape a block (the others are read past).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Gpt2Config {
+    /// `gpt2` (a configuration without it is taken to be GPT-2's).
+    #[serde(default)]
+    pub model_type: Option<String>,
     /// Model width.
     pub n_embd: usize,
     /// Heads.
@@ -48,6 +51,10 @@ pub struct Gpt2Config {
     pub vocab_size: usize,
     /// Positions with a learned embedding.
     pub n_positions: usize,
+    /// Whether the head is the token embedding (`wte`); when `false`, the model's own
+    /// `lm_head.weight`.
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
 }
 
 fn gelu_new() -> String {
@@ -73,13 +80,20 @@ impl Gpt2Config {
     /// The configuration of one block as a causal [`EncoderBlock`].
     ///
     /// # Errors
-    /// [`ImportError::Config`] naming the field the blocks cannot express: another
-    /// activation, unscaled scores or scores scaled by the layer's index, cross-attention.
+    /// [`ImportError::Config`] naming the field the blocks cannot express: another model
+    /// type, another activation, unscaled scores or scores scaled by the layer's index,
+    /// cross-attention.
     pub fn block(&self) -> Result<EncoderBlockConfig, ImportError> {
         let refuse = |field: &str, message: String| ImportError::Config {
             what: format!("`{field}` of config.json"),
             message,
         };
+        if let Some(other) = self.model_type.as_deref().filter(|&t| t != "gpt2") {
+            return Err(refuse(
+                "model_type",
+                format!("`{other}`: this import reads GPT-2's configuration and keys (gpt2)"),
+            ));
+        }
         let activation = match self.activation_function.as_str() {
             "gelu_new" | "gelu_pytorch_tanh" => FeedForwardActivation::GeluTanh,
             "gelu" => FeedForwardActivation::Gelu,
@@ -117,7 +131,8 @@ impl Gpt2Config {
 impl Gpt2Config {
     /// GPT-2's language model (`GPT2LMHeadModel`): the token embedding (`wte`), the learned
     /// positions (`wpe`, added to the input by the stack), the blocks, the final norm
-    /// (`ln_f`) and the head, which is the token embedding. Load it with [`load_gpt2_lm`].
+    /// (`ln_f`) and the head, which is the token embedding unless `tie_word_embeddings` is
+    /// `false`. Load it with [`load_gpt2_lm`].
     ///
     /// # Errors
     /// As [`block`](Self::block).
@@ -128,18 +143,24 @@ impl Gpt2Config {
         let model = EncoderConfig::new(block, self.n_layer)
             .try_init(device)
             .map_err(super::unbuildable)?;
+        let (vocab, width) = (self.vocab_size, self.n_embd);
         Ok(CausalLm {
-            embed_tokens: EmbeddingConfig::new(self.vocab_size, self.n_embd).init(device),
+            embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
             model,
-            lm_head: None,
+            lm_head: (!self.tie_word_embeddings).then(|| {
+                LinearConfig::new(width, vocab)
+                    .with_bias(false)
+                    .init(device)
+            }),
         })
     }
 }
 
 /// Loads GPT-2's language model stored under `prefix` (`""` for the original checkpoint's
 /// keys, `transformer.` for `GPT2LMHeadModel`'s): `wte.weight`, `wpe.weight`, each block's
-/// `h.N.*` ([`load_gpt2_block`]) and `ln_f.*`; the head is `wte` (a `lm_head.weight`
-/// beside it is its copy, not read).
+/// `h.N.*` ([`load_gpt2_block`]) and `ln_f.*`. A tied head is `wte` (a `lm_head.weight`
+/// beside it is its copy, not read); a head of its own (`tie_word_embeddings: false`) is
+/// `lm_head.weight` beside `transformer.` (under `prefix` less its `transformer.`).
 ///
 /// # Errors
 /// As [`load_gpt2_block`], for every key; [`ImportError::Convention`] for a model without
@@ -150,13 +171,10 @@ pub fn load_gpt2_lm(
     prefix: &str,
 ) -> Result<CausalLm, ImportError> {
     let at = |name: &str| format!("{prefix}{name}");
-    if lm.lm_head.is_some() {
-        return Err(ImportError::Convention {
-            key: at("wte.weight"),
-            message: "GPT-2's head is its token embedding, and the model has a head of its \
-                      own; build it with Gpt2Config::init_causal_lm"
-                .into(),
-        });
+    if let Some(head) = lm.lm_head {
+        let outer = prefix.strip_suffix("transformer.").unwrap_or(prefix);
+        let head = crate::pytorch::load_linear(head, weights, &format!("{outer}lm_head."))?;
+        lm.lm_head = Some(head);
     }
     lm.embed_tokens.weight = load_param(lm.embed_tokens.weight, weights, &at("wte.weight"))?;
     let Some(AbsolutePositions::Learned(positions)) = &mut lm.model.positions else {

@@ -30,7 +30,8 @@
 //! modules cannot express is an [`ImportError::Config`] naming the field of
 //! `config.json`: RoPE scaling (`rope_type` other than `default`), an activation other
 //! than SiLU, Qwen2's and Qwen3's window on some of the layers only (`max_window_layers`
-//! between 0 and `num_hidden_layers`).
+//! between 0 and `num_hidden_layers`, or `layer_types` that disagree with them), RoPE
+//! parameters by layer type.
 
 use std::path::Path;
 
@@ -129,6 +130,11 @@ pub struct HfConfig {
     /// The first of Qwen2's and Qwen3's layers that slide, when the window is used.
     #[serde(default)]
     pub max_window_layers: Option<usize>,
+    /// Each layer's attention, `full_attention` or `sliding_attention`, in configurations
+    /// written by transformers 5 (which follows it over the fields above): it must agree
+    /// with them.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
     /// The feed-forward's activation: `silu`.
     #[serde(default = "silu")]
     pub hidden_act: String,
@@ -155,6 +161,12 @@ pub struct RopeParameters {
     /// The older spelling of `rope_type`.
     #[serde(default, rename = "type")]
     pub kind: Option<String>,
+    /// Parameters of the full-attention layers, where they differ by layer type (refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_attention: Option<Box<RopeParameters>>,
+    /// Parameters of the sliding-window layers, where they differ by layer type (refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_attention: Option<Box<RopeParameters>>,
 }
 
 fn silu() -> String {
@@ -236,8 +248,35 @@ impl HfConfig {
                 }
             }
         };
+        if let Some(types) = &self.layer_types {
+            let ours = match window {
+                Some(_) => "sliding_attention",
+                None => "full_attention",
+            };
+            if types.len() != self.num_hidden_layers || types.iter().any(|t| t != ours) {
+                return Err(convention(
+                    "layer_types",
+                    format!(
+                        "{types:?}: use_sliding_window, sliding_window and max_window_layers \
+                         make all {} layers {ours}; layers of another kind, or a list that \
+                         disagrees, have no counterpart",
+                        self.num_hidden_layers
+                    ),
+                ));
+            }
+        }
         let rope = [&self.rope_parameters, &self.rope_scaling];
         for (field, parameters) in ["rope_parameters", "rope_scaling"].into_iter().zip(rope) {
+            if let Some(p) = parameters
+                && (p.full_attention.is_some() || p.sliding_attention.is_some())
+            {
+                return Err(convention(
+                    field,
+                    "RoPE parameters by layer type (full_attention, sliding_attention) have \
+                     no counterpart: the layers share one RoPE"
+                        .into(),
+                ));
+            }
             let kind = parameters
                 .as_ref()
                 .and_then(|p| p.rope_type.clone().or(p.kind.clone()));
