@@ -107,4 +107,19 @@ fn bad_flags_are_refused_by_name_before_any_training() {
             "{flags}: a model was built\n{stdout}"
         );
     }
+    // An argument that is not UTF-8 (it panicked).
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let out = Command::new(env!("CARGO_BIN_EXE_gpt"))
+            .arg("--prompt")
+            .arg(std::ffi::OsStr::from_bytes(b"RO\xffMEO"))
+            .output()
+            .expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let wanted = "--prompt: \"RO\\xFFMEO\" is not UTF-8 text";
+        assert!(stderr.contains(wanted), "{wanted:?} missing from {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
 }

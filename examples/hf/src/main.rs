@@ -185,8 +185,27 @@ fn generate(
     }
 }
 
+/// The command's arguments as text; one that is not UTF-8 is refused, naming the flag
+/// before it (`std::env::args` panics on it).
+fn arguments() -> anyhow::Result<Vec<String>> {
+    let mut args: Vec<String> = Vec::new();
+    for arg in std::env::args_os().skip(1) {
+        match arg.into_string() {
+            Ok(arg) => args.push(arg),
+            Err(arg) => {
+                let flag = args.last().filter(|a| a.starts_with("--"));
+                anyhow::bail!(
+                    "{}: {arg:?} is not UTF-8 text",
+                    flag.map_or("an argument", |f| f.as_str())
+                )
+            }
+        }
+    }
+    Ok(args)
+}
+
 fn main() -> anyhow::Result<()> {
-    let s = Settings::parse(std::env::args().skip(1).collect())?;
+    let s = Settings::parse(arguments()?)?;
     let dtype = s.float_dtype()?;
     let device = device(&s.backend);
     let dir = &s.model;

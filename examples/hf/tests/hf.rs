@@ -111,6 +111,21 @@ fn a_missing_file_or_dtype_is_named() {
     let out = run(&[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--model DIR is needed"), "{stderr}");
+    // A path that is not UTF-8 (it panicked).
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let out = Command::new(env!("CARGO_BIN_EXE_hf"))
+            .arg("--model")
+            .arg(std::ffi::OsStr::from_bytes(b"/models/caf\xe9"))
+            .output()
+            .expect("the binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let wanted = "--model: \"/models/caf\\xE9\" is not UTF-8 text";
+        assert!(stderr.contains(wanted), "{wanted:?} missing from {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
     // Past the context of config.json's max_position_embeddings (the prompt's tokens
     // counted), or past any count.
     let context = std::fs::read_to_string(model.join("config.json")).unwrap();

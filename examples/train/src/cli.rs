@@ -200,7 +200,7 @@ pub struct TrainArgs {
     /// Peak learning rate.
     #[arg(long)]
     pub lr: Option<f64>,
-    /// Warmup steps [default: a tenth of the run, at most 50].
+    /// Warmup steps [default: a tenth of the run, at most 50; text: at most 100].
     #[arg(long)]
     pub warmup: Option<usize>,
     /// Epochs.
@@ -273,19 +273,31 @@ impl Cli {
         T: Into<std::ffi::OsString> + Clone,
     {
         let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
+        let text = serde_json::to_value(TrainConfig::defaults(Task::Text)).expect("serialises");
         let mut command = Cli::command();
         for field in FIELDS {
             let Some(flag) = field.flag else { continue };
-            let value = field
-                .path
-                .split('.')
-                .try_fold(&defaults, |v, key| v.get(key))
-                .filter(|v| !v.is_null());
-            let Some(value) = value else { continue };
-            let value = value
-                .as_str()
-                .map(str::to_string)
-                .unwrap_or(value.to_string());
+            let of = |config| {
+                let value = field
+                    .path
+                    .split('.')
+                    .try_fold(config, |v: &serde_json::Value, key| v.get(key))
+                    .filter(|v| !v.is_null())?;
+                Some(
+                    value
+                        .as_str()
+                        .map(str::to_string)
+                        .unwrap_or(value.to_string()),
+                )
+            };
+            let Some(value) = of(&defaults) else { continue };
+            // The text task's, where they differ (the task is a field of both).
+            let value = match of(&text) {
+                Some(text) if text != value && field.path != "task.task" => {
+                    format!("{value}; text: {text}")
+                }
+                _ => value,
+            };
             let id = flag.trim_start_matches('-').replace('-', "_");
             command = command.mut_arg(id, |arg| {
                 let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();

@@ -272,7 +272,10 @@ impl MetricsRendererTraining for Progress {
         summary: Option<LearnerSummary>,
     ) -> Result<(), Box<dyn std::error::Error>> {
         if let Some(summary) = summary {
-            std::fs::write(&self.summary_file, format!("{summary}\n"))?;
+            crate::run_dir::write_atomically(
+                &self.summary_file,
+                format!("{summary}\n").as_bytes(),
+            )?;
         }
         Ok(())
     }

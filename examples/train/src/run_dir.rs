@@ -480,7 +480,7 @@ impl RunDir {
                 list(&kept)
             );
         }
-        for path in removed {
+        for path in removal_order(removed, &self.0) {
             remove(&path)?;
         }
         // The trainer's folders, deepest first, where nothing of the user's is left in them.
@@ -656,6 +656,15 @@ pub fn is_finite(model: &Model) -> bool {
     finite.0
 }
 
+/// The order in which `--overwrite` removes a run's `paths` from `dir`: `config.json`
+/// last, so that a command killed midway leaves a run that `--overwrite` removes again
+/// (without it the folder holds no run, and the trainer's files in it are never removed).
+fn removal_order(mut paths: Vec<PathBuf>, dir: &Path) -> Vec<PathBuf> {
+    let config = dir.join("config.json");
+    paths.sort_by_key(|path| *path == config);
+    paths
+}
+
 /// Whether `path` is the file `file` has open (not removed, nor replaced since).
 fn same_file(file: &std::fs::File, path: &Path) -> bool {
     #[cfg(unix)]
@@ -822,6 +831,20 @@ impl<R: Checkpoint> Checkpointer<R> for PartCheckpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overwrite_removes_the_runs_config_last() {
+        let dir = Path::new("runs/x");
+        let names = ["attention-layer1.png", "config.json", "model.bpk", "train"];
+        let paths: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+        let order = removal_order(paths, dir);
+        assert_eq!(order.last(), Some(&dir.join("config.json")), "{order:?}");
+        assert_eq!(order.len(), 4);
+        assert_eq!(
+            order[..3],
+            [dir.join(names[0]), dir.join(names[2]), dir.join(names[3])]
+        );
+    }
 
     fn trainers(path: &str) -> bool {
         let parts: Vec<String> = path.split('/').map(str::to_string).collect();

@@ -253,4 +253,31 @@ fn messages_say_what_is_wrong_and_show_input_short() {
     let mut listed_sorted = listed.clone();
     listed_sorted.sort();
     assert_eq!(listed_sorted, sorted, "{help}");
+    // The defaults it shows are the synthetic tasks', then the text task's where they
+    // differ (it showed the synthetic ones alone).
+    use ::train::config::TrainConfig;
+    let (synthetic, text) = (
+        TrainConfig::default(),
+        TrainConfig::defaults(::train::tasks::Task::Text),
+    );
+    for wanted in [
+        format!("[default: {}; text: {}]", synthetic.lr, text.lr),
+        format!(
+            "[default: {}; text: {}]",
+            synthetic.batch_size, text.batch_size
+        ),
+        format!(
+            "[default: {}; text: {}]",
+            synthetic.model.d_model, text.model.d_model
+        ),
+        {
+            use ::train::kind::TaskKind;
+            use ::train::tasks::Task;
+            let most = |task: Task| task.kind().most_warmup();
+            let (synthetic, text) = (most(Task::Reverse), most(Task::Text));
+            format!("at most {synthetic}; text: at most {text}]")
+        },
+    ] {
+        assert!(help.contains(&wanted), "{wanted:?} missing from {help}");
+    }
 }
