@@ -62,7 +62,7 @@ pub enum Status {
 }
 
 /// What a run did, written as `summary.json`.
-#[derive(Serialize, Deserialize, Debug)]
+#[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct Summary {
     /// Finished, or interrupted (then the accuracies are absent).
     pub status: Status,
@@ -333,6 +333,12 @@ pub fn finish(
     summary: &mut Summary,
 ) {
     summary.status = Status::Interrupted;
+    // An earlier evaluation's (another count of examples): absent until measured again.
+    summary.exact_accuracy = None;
+    summary.token_accuracy = None;
+    summary.longer_lengths = None;
+    summary.longer_exact_accuracy = None;
+    summary.longer_token_accuracy = None;
     let Some((exact, token)) = evaluate(model, config, &config.task, fixed, device) else {
         return;
     };

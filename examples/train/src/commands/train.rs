@@ -256,6 +256,18 @@ fn evaluate_trained(
     backend: Backend,
     device: &Device,
 ) -> anyhow::Result<bool> {
+    // Running until the new evaluation is written, as a run in training is: a kill
+    // meanwhile leaves a summary that agrees with config.json's new count of examples,
+    // and a run that `--resume` evaluates again.
+    let running = Summary {
+        status: Status::Running,
+        exact_accuracy: None,
+        token_accuracy: None,
+        longer_exact_accuracy: None,
+        longer_token_accuracy: None,
+        ..summary.clone()
+    };
+    training::write_summary(run, &running)?;
     match summary.status {
         Status::Finished => println!(
             "evaluating the finished run in {} again, on {} held-out sequences",

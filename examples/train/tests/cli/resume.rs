@@ -160,6 +160,34 @@ fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
     // Finished, it is finished.
     let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
     assert_error(&out, &["already finished"]);
+    // Evaluated again on other examples, it is running until the new evaluation is
+    // written (it still said finished, with the old accuracies, beside config.json's new
+    // count); killed meanwhile, --resume evaluates it again.
+    let mut child = on_flex(&["--resume", "--eval-examples", "100000000", "--out"])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    for line in stdout.lines() {
+        if line.unwrap().starts_with("evaluating the finished run") {
+            break;
+        }
+    }
+    let s = summary(&dir);
+    assert_eq!(s["status"], "running", "{s}");
+    assert!(s["exact_accuracy"].is_null(), "{s}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let out = run(on_flex(&["--resume", "--eval-examples", "64", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let s = summary(&dir);
+    assert_eq!(
+        (s["status"].clone(), s["eval_examples"].clone()),
+        ("finished".into(), 64.into())
+    );
+    assert!(s["exact_accuracy"].as_f64().is_some(), "{s}");
 }
 
 #[test]
