@@ -723,6 +723,52 @@ fn f16_rows_of_very_low_scores_are_real_rows() {
     }
 }
 
+/// A query of NaN gives its row NaN on every path, as PyTorch's attention does, and so does
+/// a NaN bias on the one key a row sees: not zeros, as a row with no visible key (the CPU
+/// tiles' and the GPU kernels' maxima passed over the NaN). The other rows are untouched.
+/// 2 queries (the GPU's decoding kernels) and 20 (its tiles).
+#[test]
+fn a_nan_score_gives_its_row_nan_on_every_path() {
+    let context = |be: &Backend, queries: usize, weights: AttentionWeights, bias: bool| {
+        let (device, f32) = (&be.device, FloatDType::F32);
+        let mut q = normal(queries * 4, 70);
+        if !bias {
+            q[..4].fill(f32::NAN);
+        }
+        let q = tensor(&q, [1, 1, queries, 4], device, f32);
+        let k = tensor(&normal(3 * 4, 71), [1, 1, 3, 4], device, f32);
+        let v = tensor(&normal(3 * 4, 72), [1, 1, 3, 4], device, f32);
+        // Row 0 sees key 0 alone (with a NaN bias when `bias`), the others every key.
+        let blocked: Vec<bool> = (0..queries * 3).map(|at| at == 1 || at == 2).collect();
+        let blocked = burn::tensor::Tensor::<4, burn::tensor::Bool>::from_data(
+            TensorData::new(blocked, [1, 1, queries, 3]),
+            device,
+        );
+        let mut mask = mha::AttentionMask::blocking(blocked);
+        if bias {
+            let mut values = vec![0.0; queries * 3];
+            values[0] = f32::NAN;
+            let values = tensor(&values, [1, 1, queries, 3], device, f32);
+            mask = mask.and(mha::AttentionMask::bias(values));
+        }
+        let options = SdpaOptions {
+            weights,
+            ..SdpaOptions::default()
+        };
+        to_vec(scaled_dot_product_attention(q, k, v, &mask, options).context)
+    };
+    for be in backends() {
+        for (queries, bias) in [(2, false), (2, true), (20, false), (20, true)] {
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let got = context(&be, queries, weights, bias);
+                let what = format!("[{}] Tq {queries}, bias {bias} ({weights:?})", be.name);
+                assert!(got[..4].iter().all(|x| x.is_nan()), "{what}: row 0 {got:?}");
+                assert!(got[4..].iter().all(|x| x.is_finite()), "{what}: {got:?}");
+            }
+        }
+    }
+}
+
 /// Every mask kind at sizes `[B, H, Hkv, Tq, Tk, Dk, Dv]`, any of which may be 0.
 fn mask_kinds(dims: [usize; 7]) -> Vec<Case> {
     let [batch, heads, _, queries, keys, ..] = dims;

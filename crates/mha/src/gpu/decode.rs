@@ -419,7 +419,8 @@ fn decode_rows<F: Float, M: Int, N: Size, W: Float>(
             let row = slot(n0, r, hk, group, queries);
             if row.live {
                 let (top, sum) = (stats[r], stats[rows + r]);
-                let dead = top <= DEAD_ROW || sum <= 0.0f32;
+                // A NaN score makes the sum NaN: the row is NaN, not dead.
+                let dead = (top <= DEAD_ROW || sum <= 0.0f32) && !sum.is_nan();
                 let mut x = 0.0f32;
                 #[unroll]
                 for gg in 0..groups {
@@ -437,7 +438,7 @@ fn decode_rows<F: Float, M: Int, N: Size, W: Float>(
         let row = slot(n0, unit, hk, group, queries);
         if row.live {
             let (top, sum) = (stats[unit], stats[rows + unit]);
-            let dead = top <= DEAD_ROW || sum <= 0.0f32;
+            let dead = (top <= DEAD_ROW || sum <= 0.0f32) && !sum.is_nan();
             let dead_lse = comptime!(if t.split { NO_MAX } else { DEAD_LSE });
             let at = split_at * lse.stride(0) + row.h * lse.stride(1) + row.i * lse.stride(2);
             lse[at] = select(dead, f32::new(dead_lse), top + sum.ln());
@@ -484,7 +485,8 @@ pub(crate) fn combine_kernel<F: Float>(
             x = x * alpha + w * part[(s * batch + b) * part.stride(0) + row];
             top = new_top;
         }
-        let dead = top <= DEAD_ROW;
+        // A split of NaN makes the sum NaN: the row is NaN, not dead.
+        let dead = top <= DEAD_ROW && !sum.is_nan();
         let o_at = b * out.stride(0) + h * out.stride(1) + i * out.stride(2) + d * out.stride(3);
         out[o_at] = F::cast_from(select(dead, 0.0f32, x / sum));
         if d == 0 {

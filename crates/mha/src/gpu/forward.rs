@@ -363,7 +363,9 @@ fn forward_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     for i in 0..s_rows {
         let row = q0 + r0 + i;
         let sum = part[i];
-        let dead = row_max[i] <= DEAD_ROW || sum <= 0.0f32;
+        // A NaN score makes its row's sum NaN (the maxima pass over it): that row is NaN,
+        // as PyTorch's, not a row of no visible key.
+        let dead = (row_max[i] <= DEAD_ROW || sum <= 0.0f32) && !sum.is_nan();
         let inv = select(dead, 0.0f32, 1.0f32 / sum);
         if row < queries {
             let at = b * out.stride(0) + h * out.stride(1) + row * out.stride(2);

@@ -163,13 +163,13 @@ impl Scratch {
             for (j, row) in self.s.chunks_exact(QT).take(nk).enumerate() {
                 let cols = band.columns_of_key(j);
                 for (m, &x) in col_max[cols.clone()].iter_mut().zip(&row[cols]) {
-                    *m = m.max(x);
+                    *m = nan_max(*m, x);
                 }
             }
             let mut shift = [0.0f32; QT];
             let mut alpha = [0.0f32; QT];
             for i in 0..nq {
-                let max = self.max[i].max(col_max[i]);
+                let max = nan_max(self.max[i], col_max[i]);
                 shift[i] = if max == f32::NEG_INFINITY { 0.0 } else { max };
                 alpha[i] = A::exp(self.max[i] - shift[i]);
                 self.max[i] = max;
@@ -220,6 +220,13 @@ impl Scratch {
             }
         }
     }
+}
+
+/// The larger of `a` and `b`, NaN if either is (`f32::max` passes over a NaN): a NaN score
+/// makes its row NaN, as the explicit path's and PyTorch's, not a row of no visible key.
+#[inline]
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a > b || a.is_nan() { a } else { b }
 }
 
 /// One tile of queries of the forward pass, run through [`Isa::run`].
