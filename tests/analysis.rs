@@ -248,6 +248,69 @@ fn statistics_gathered_batch_by_batch_are_those_of_all_rows_at_once() {
     }
 }
 
+/// A key a row does not see is not one of its links: gathered batch by batch or padded
+/// into one batch, the strongest link is the same (padding's blocked keys counted a weight
+/// of 0 into the link's mean: 1 -> 2 fell from 0.8 to 0.4, behind 2 -> 2).
+#[test]
+fn a_blocked_key_is_not_a_link_of_the_row() {
+    for be in backends() {
+        let d = &be.device;
+        let tensor =
+            |values: Vec<f32>, dims| Tensor::<4>::from_data(TensorData::new(values, dims), d);
+        let long = vec![0.4, 0.3, 0.3, 0.1, 0.1, 0.8, 0.1, 0.2, 0.7];
+        let short = vec![0.5, 0.5, 0.1, 0.9];
+        let none = AttentionMask::none();
+        let mut builder = LayerStatsBuilder::new("l");
+        builder.add(tensor(long.clone(), [1, 1, 3, 3]), &none, None);
+        builder.add(tensor(short, [1, 1, 2, 2]), &none, None);
+        let padded = vec![0.5, 0.5, 0.0, 0.1, 0.9, 0.0, 0.0, 0.0, 0.0];
+        let joined = tensor([long, padded].concat(), [2, 1, 3, 3]);
+        let padding = AttentionMask::key_lengths(&[3, 2], 3, d);
+        let want = LayerStats::from_weights("l", joined, &padding, Some(&[3, 2]));
+        let (got, want) = (builder.finish().heads[0].strongest, want.heads[0].strongest);
+        assert_eq!(got, want, "[{}]", be.name);
+        let want = want.unwrap();
+        assert_eq!((want.query, want.key), (1, 2), "[{}] {want:?}", be.name);
+        close(&format!("[{}] link weight", be.name), want.weight, 0.8);
+    }
+}
+
+/// Positions are counted from each packed sequence's start (the first token is each
+/// sequence's, the previous one never the sequence before's), and from the query's own
+/// position where the weights see keys before the queries (a call with a cache).
+#[test]
+fn statistics_count_positions_within_each_sequence_and_at_the_querys_own_key() {
+    for be in backends() {
+        let d = &be.device;
+        let tensor =
+            |values: Vec<f32>, dims| Tensor::<4>::from_data(TensorData::new(values, dims), d);
+        // Two sequences of 2 in a row of 4; every row puts its weight on its sequence's
+        // first token, which is the previous token of each second row.
+        let first = [
+            1., 0., 0., 0., 1., 0., 0., 0., 0., 0., 1., 0., 0., 0., 1., 0.,
+        ];
+        let packed = AttentionMask::packed(&[vec![0, 2, 4]]).and(AttentionMask::causal());
+        let stats =
+            LayerStats::from_weights("l", tensor(first.to_vec(), [1, 1, 4, 4]), &packed, None);
+        let head = &stats.heads[0];
+        close(&format!("[{}] first", be.name), head.first, 1.0);
+        close(&format!("[{}] previous", be.name), head.previous, 1.0);
+        close(&format!("[{}] distance", be.name), head.distance, 0.5);
+        // Two queries after one cached key, each on itself (keys 1 and 2).
+        let own = tensor(vec![0., 1., 0., 0., 0., 1.], [1, 1, 2, 3]);
+        let stats = LayerStats::from_weights("l", own, &AttentionMask::causal(), None);
+        let head = &stats.heads[0];
+        close(&format!("[{}] same", be.name), head.same, 1.0);
+        close(
+            &format!("[{}] cached distance", be.name),
+            head.distance,
+            0.0,
+        );
+        let strongest = head.strongest.unwrap();
+        assert_eq!((strongest.query, strongest.key), (1, 1), "[{}]", be.name);
+    }
+}
+
 /// A module and a random input of width 16.
 fn attention(
     heads: usize,

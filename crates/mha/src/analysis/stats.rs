@@ -176,18 +176,29 @@ impl LayerStatsBuilder {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .expect("a float tensor converts to f32");
+        // Query `q` stands at key `q + offset` (weights of a call with a cache see the
+        // keys before its queries), counted from its sequence's start (packed sequences).
+        let visibility = mask.visibility(queries, keys);
+        let positions = queries + visibility.offset.max(0) as usize;
         for (h, acc) in self.heads.iter_mut().enumerate() {
-            acc.fit(queries, keys);
+            acc.fit(positions, keys);
             for b in 0..batch {
                 let rows = query_lengths.map_or(queries, |l| l[b].min(queries));
                 for q in 0..rows {
                     let at = ((b * heads + h) * queries + q) * keys;
-                    let visible = match &blocked {
-                        Some(blocked) => blocked[at..at + keys].iter().filter(|&&x| !x).count(),
+                    let blocked = blocked.as_ref().map(|blocked| &blocked[at..at + keys]);
+                    let visible = match blocked {
+                        Some(blocked) => blocked.iter().filter(|&&x| !x).count(),
                         None => keys,
                     };
                     if visible > 0 {
-                        acc.row(q, &w[at..at + keys], visible);
+                        let row = Row {
+                            own: q as i64 + visibility.offset,
+                            start: visibility.sequence_start(b, q),
+                            blocked,
+                            visible,
+                        };
+                        acc.row(row, &w[at..at + keys]);
                     }
                 }
             }
@@ -206,6 +217,18 @@ impl LayerStatsBuilder {
                 .collect(),
         }
     }
+}
+
+/// One query row of a head's weights, as [`Accumulator::row`] reads it.
+struct Row<'a> {
+    /// The key at the query's own position (may lie outside the keys).
+    own: i64,
+    /// The first key of the query's sequence.
+    start: usize,
+    /// Which keys the row does not see, where some may be blocked.
+    blocked: Option<&'a [bool]>,
+    /// Keys it sees.
+    visible: usize,
 }
 
 /// Sums over the rows of one head.
@@ -258,7 +281,19 @@ impl Accumulator {
         self.keys = new_keys;
     }
 
-    fn row(&mut self, q: usize, weights: &[f32], visible: usize) {
+    fn row(&mut self, row: Row, weights: &[f32]) {
+        let Row {
+            own,
+            start,
+            blocked,
+            visible,
+        } = row;
+        let at = |key: i64| {
+            usize::try_from(key)
+                .ok()
+                .and_then(|k| weights.get(k))
+                .map_or(0.0, |&p| p as f64)
+        };
         let mut entropy = 0.0;
         let mut distance = 0.0;
         for (k, &p) in weights.iter().enumerate() {
@@ -266,9 +301,13 @@ impl Accumulator {
             if p > 0.0 {
                 entropy -= p * p.ln();
             }
-            distance += p * k.abs_diff(q) as f64;
-            if visible > 1 {
-                let link = &mut self.links[q * self.keys + k];
+            distance += p * (k as i64 - own).unsigned_abs() as f64;
+            // The link of a key the row sees (a blocked one would count a weight of 0),
+            // between positions counted from the sequence's start.
+            let seen = blocked.is_none_or(|blocked| !blocked[k]);
+            if visible > 1 && seen && k >= start && own >= start as i64 {
+                let query = own as usize - start;
+                let link = &mut self.links[query * self.keys + k - start];
                 link.0 += p;
                 link.1 += 1;
             }
@@ -279,12 +318,12 @@ impl Accumulator {
             self.normalized += entropy / (visible as f64).ln();
         }
         self.distance += distance;
-        self.same += weights.get(q).map_or(0.0, |&p| p as f64);
-        if q >= 1 && q - 1 < weights.len() {
-            self.previous += weights[q - 1] as f64;
+        self.same += at(own);
+        if own > start as i64 && own - 1 < weights.len() as i64 {
+            self.previous += at(own - 1);
             self.previous_rows += 1;
         }
-        self.first += weights.first().map_or(0.0, |&p| p as f64);
+        self.first += at(start as i64);
     }
 
     fn finish(self, head: usize) -> HeadStats {

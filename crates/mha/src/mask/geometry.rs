@@ -78,6 +78,18 @@ impl Visibility {
         )
     }
 
+    /// Where the sequence of query `query` of batch row `b` starts, in keys: its packed
+    /// sequence's first position (its own position past the row's last sequence), else 0.
+    pub(crate) fn sequence_start(&self, b: usize, query: usize) -> usize {
+        match &self.packed {
+            Some(packed) => {
+                let row = &packed[b.min(packed.len().saturating_sub(1))];
+                sequence(row, query).map_or(query, |seq| seq.start)
+            }
+            None => 0,
+        }
+    }
+
     /// The keys query `query` of batch row `b` sees.
     pub(crate) fn keys_of(&self, b: usize, query: usize) -> Range<usize> {
         let own = query as i64 + self.offset;
