@@ -128,6 +128,28 @@ fn half_precision_attention_loads_as_stored_and_matches_pytorch() {
 /// and give the f32 stack's output to 4 times that dtype's absolute tolerance (util's,
 /// for one attention against f64: a stack is two blocks of attention, feed-forward and
 /// norms).
+/// A layer norm in half precision accumulates in f32, as PyTorch's, with autodiff or
+/// without: the row [1000, 1004] normalises to [-1, 1] (in bf16 under autodiff its mean
+/// rounded to 1000, and it gave [0, 1.41]).
+#[test]
+fn layer_norms_in_half_precision_accumulate_in_f32() {
+    for be in backends() {
+        for device in [be.device.clone(), be.autodiff()] {
+            for dtype in be.other_float_dtypes() {
+                let config = burn::nn::LayerNormConfig::new(2);
+                let norm = mha::LayerNorm::new(&config, &device).to_dtype(dtype);
+                let x = Tensor::<2>::from_floats([[1000.0, 1004.0]], &device).cast(dtype);
+                let y = crate::util::to_vec(norm.forward(x));
+                let what = format!("[{}] {dtype:?}, autodiff {}", be.name, device.is_autodiff());
+                assert!(
+                    (y[0] + 1.0).abs() < 0.02 && (y[1] - 1.0).abs() < 0.02,
+                    "{what}: {y:?}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn one_cast_reaches_every_parameter_of_a_stack() {
     let t5 = Positions::T5 {

@@ -245,6 +245,42 @@ fn stacks_and_cached_decoding_take_zero_sized_inputs() {
     }
 }
 
+/// Stacks with absolute positions (sinusoidal, learned) take sequences of 0 tokens (a
+/// reshape inside Burn failed on them), and a linear without input features gives its
+/// bias on every row, as PyTorch's `F.linear` (it gave zeros), with the bias's gradient.
+#[test]
+fn absolute_positions_and_linears_without_inputs_take_zero_sizes() {
+    for be in backends() {
+        let ad = be.autodiff();
+        for positions in [Positions::Sinusoidal, Positions::Learned { max_len: 8 }] {
+            let block = EncoderBlockConfig::new(16, 2)
+                .with_dropout(0.0)
+                .with_positions(positions.clone());
+            let stack = EncoderConfig::new(block, 1).init(&ad);
+            for [b, t, _] in SHAPES {
+                let what = format!("{} [B {b}, T {t}] {positions:?}", be.name);
+                let x = randn([b, t, 16], 1, &ad).require_grad();
+                let out = stack.forward(StackInput::new(x.clone())).unwrap().output;
+                assert_eq!(out.dims(), [b, t, 16], "{what}");
+                finite(out.clone());
+                let grads = out.sum().backward();
+                assert_eq!(x.grad(&grads).expect("dx").dims(), [b, t, 16], "{what}");
+            }
+        }
+        let x = Tensor::<2>::zeros([2, 0], &ad).require_grad();
+        let weight = Tensor::<2>::zeros([0, 3], &ad).require_grad();
+        let bias = Tensor::<1>::from_floats([1.0, 2.0, 3.0], &ad).require_grad();
+        let y = mha::linear::linear(x.clone(), weight.clone(), Some(bias.clone()));
+        assert_eq!(to_vec(y.clone()), [1., 2., 3., 1., 2., 3.], "{}", be.name);
+        let upstream = Tensor::<2>::from_floats([[1., 2., 3.], [4., 5., 6.]], &ad);
+        let grads = (y * upstream).sum().backward();
+        let db = to_vec(bias.grad(&grads).expect("dbias"));
+        assert_eq!(db, [5., 7., 9.], "{}", be.name);
+        assert_eq!(x.grad(&grads).expect("dx").dims(), [2, 0]);
+        assert_eq!(weight.grad(&grads).expect("dweight").dims(), [0, 3]);
+    }
+}
+
 #[test]
 fn layer_and_rms_norms_and_cross_entropy_take_no_rows() {
     for be in backends() {

@@ -1257,6 +1257,45 @@ fn cross_entropy_loss_and_gradient_match_pytorch_with_and_without_autodiff() {
     }
 }
 
+/// Cross-entropy of logits in another float dtype: PyTorch's loss at the dtype's precision
+/// (half precision reduced in f32), forward and backward (a count in f32 divided a sum in
+/// the logits' dtype inside Burn); and logits near 10^4 keep the loss's small value (the
+/// fused operation gave 0, its maximum added back in f32).
+#[test]
+fn cross_entropy_takes_every_float_dtype_and_large_logits() {
+    use burn::tensor::FloatDType;
+    let f = Fixture::load("cross_entropy");
+    let shape = [37, 13];
+    for b in backends() {
+        for dtype in b.other_float_dtypes() {
+            let what = format!("[{} {dtype:?}] cross-entropy", b.name);
+            let device = b.autodiff();
+            let logits = f.io("logits", shape, &device).cast(dtype).require_grad();
+            let targets = f.io::<1>("targets", [37], &device).int();
+            let loss = mha::loss::cross_entropy(logits.clone(), targets, Some(0));
+            assert_eq!(loss.dtype(), dtype.into(), "{what}");
+            let grad = logits.grad(&loss.clone().backward()).expect("a gradient");
+            assert_eq!(grad.dims(), shape, "{what}");
+            let [atol, rtol] = b.tolerances(dtype)[0];
+            let want = f.io::<1>("out", [1], &b.device).into_scalar::<f32>() as f64;
+            let got = loss.cast(FloatDType::F32).into_scalar::<f32>() as f64;
+            assert!(
+                (got - want).abs() <= atol + rtol * want.abs(),
+                "{what}: {got} vs {want}"
+            );
+        }
+        let logits = Tensor::<2>::from_floats([[10000.0, 9990.0]], &b.device);
+        let target = Tensor::<1, burn::tensor::Int>::from_ints([0], &b.device);
+        let loss = mha::loss::cross_entropy(logits, target, None).into_scalar::<f32>() as f64;
+        let want = (-10.0f64).exp().ln_1p();
+        assert!(
+            (loss - want).abs() < 1e-3 * want,
+            "[{}] large logits: {loss} vs {want}",
+            b.name
+        );
+    }
+}
+
 /// A checkpoint in shards (`model.safetensors.index.json` and the files it names) loads
 /// as the single file does, parameter for parameter; a key in two shards, or a directory
 /// with neither form, is an error that names it.

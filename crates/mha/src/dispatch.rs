@@ -413,8 +413,9 @@ pub(crate) fn row(call: RowCall) -> RowPath {
         return RowPath::Fused;
     }
     match (call.op, call.dtype) {
-        // Burn's layer norm sums the squares in the input's dtype: f16 overflows past 256.
-        (RowOp::LayerNorm, DType::F16) => RowPath::BurnInF32,
+        // Burn's layer norm sums the squares in the input's dtype: f16 overflows past 256,
+        // and bf16 rounds the mean (PyTorch's accumulates both in f32).
+        (RowOp::LayerNorm, DType::F16 | DType::BF16) => RowPath::BurnInF32,
         // Hugging Face's RMSNorm normalises in f32, then scales in the input's dtype.
         (RowOp::RmsNorm, DType::F16 | DType::BF16) => RowPath::BurnInF32,
         _ => RowPath::Burn,
@@ -580,11 +581,11 @@ mod tests {
         for &op in RowOp::ALL {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);
-            // Layer norm in f16 (Burn's overflows past 256); the RMS norm in both halves
-            // (Hugging Face's normalises in f32).
+            // Both norms in both halves: Burn's layer norm overflows past 256 in f16 and
+            // rounds its mean in bf16 (PyTorch's accumulates in f32); Hugging Face's RMS
+            // norm normalises in f32.
             let [f16, bf16] = match op {
-                RowOp::LayerNorm => [RowPath::BurnInF32, RowPath::Burn],
-                RowOp::RmsNorm => [RowPath::BurnInF32; 2],
+                RowOp::LayerNorm | RowOp::RmsNorm => [RowPath::BurnInF32; 2],
                 _ => [RowPath::Burn; 2],
             };
             assert_eq!(row_of(DType::F16), f16, "{op:?}");

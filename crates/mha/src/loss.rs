@@ -7,7 +7,8 @@ use burn::tensor::{Int, Tensor};
 
 /// The mean cross-entropy of `logits` `[N, C]` against class indices `targets` `[N]`,
 /// over the rows whose target is not `ignore_index`: `mean(logsumexp(logits[r]) -
-/// logits[r, targets[r]])`, a `[1]` tensor, differentiable with respect to the logits.
+/// logits[r, targets[r]])`, a `[1]` tensor in the logits' dtype, differentiable with
+/// respect to the logits (f16 and bf16 logits reduced in f32, as PyTorch's).
 ///
 /// Unlike PyTorch's (and Burn's), a batch whose every target is ignored gives a loss of 0
 /// and a gradient of 0, not NaN.

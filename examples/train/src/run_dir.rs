@@ -703,12 +703,35 @@ impl Drop for RunLock {
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same folder, renamed over
-/// `path` once complete.
+/// `path` once complete and on the disk (synced, then its folder), so that neither a kill
+/// nor a power cut leaves `path` half written or empty.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let partial = partial(path);
-    std::fs::write(&partial, bytes)
-        .and_then(|()| std::fs::rename(&partial, path))
-        .with_context(|| format!("cannot write {}", path.display()))
+    let written = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&partial)?;
+        file.write_all(bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&partial, path)?;
+        sync_folder(path)
+    };
+    written().with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Syncs the folder of `path`, so that a rename into it is on the disk (where folders can
+/// be synced: Unix).
+fn sync_folder(path: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        let folder = match path.parent() {
+            Some(folder) if !folder.as_os_str().is_empty() => folder,
+            _ => Path::new("."),
+        };
+        std::fs::File::open(folder)?.sync_all()?;
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+    Ok(())
 }
 
 /// Puts the complete weights file `written` at `path`, its checksum beside it. The old
@@ -722,7 +745,11 @@ pub fn install_weights(written: &Path, path: &Path) -> anyhow::Result<()> {
         std::fs::read(written).with_context(|| format!("cannot read {}", written.display()))?;
     let sum = checksum_file(path);
     remove(&sum)?;
-    std::fs::rename(written, path).with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::File::open(written)
+        .and_then(|file| file.sync_all())
+        .and_then(|()| std::fs::rename(written, path))
+        .and_then(|()| sync_folder(path))
+        .with_context(|| format!("cannot write {}", path.display()))?;
     write_atomically(&sum, checksum(&bytes).as_bytes())
 }
 

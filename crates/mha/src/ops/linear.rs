@@ -127,10 +127,25 @@ pub(crate) fn columns<const D: usize>(
             let mut dims = x.dims();
             dims[D - 1] = columns.map_or(d_all, |[_, len]| len);
             let (device, dtype) = (x.device(), x.dtype());
-            let inputs = once_with(|| zero_of(x))
-                .chain(once_with(|| zero_of(weight)))
-                .chain(bias.into_iter().map(zero_of));
-            crate::empty::zeros(dims, &device, dtype, inputs)
+            match bias {
+                // Rows without input features (`d_in = 0`): the bias alone, as PyTorch's.
+                Some(bias) if !dims.contains(&0) => {
+                    let bias = match columns {
+                        Some([start, len]) => bias.narrow(0, start, len),
+                        None => bias,
+                    };
+                    let inputs = once_with(|| zero_of(x)).chain(once_with(|| zero_of(weight)));
+                    let mut shape = [1; D];
+                    shape[D - 1] = dims[D - 1];
+                    crate::empty::zeros(dims, &device, dtype, inputs) + bias.reshape(shape)
+                }
+                bias => {
+                    let inputs = once_with(|| zero_of(x))
+                        .chain(once_with(|| zero_of(weight)))
+                        .chain(bias.into_iter().map(zero_of));
+                    crate::empty::zeros(dims, &device, dtype, inputs)
+                }
+            }
         }
     }
 }

@@ -3,7 +3,7 @@
 //! elsewhere `log_softmax`, a gather and a masked mean.
 
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{Bool, Int, Tensor};
+use burn::tensor::{Bool, DType, Int, Tensor};
 
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
 
@@ -34,7 +34,13 @@ pub(crate) fn cross_entropy(
             super::run(op, vec![logits], None).reshape([1])
         }
         RowPath::Burn | RowPath::BurnInF32 => {
-            let device = logits.device();
+            let (device, dtype) = (logits.device(), logits.dtype());
+            // Half precision reduced in f32, as PyTorch's; the loss in the logits' dtype.
+            let logits = match dtype {
+                DType::F16 | DType::BF16 => logits.cast(DType::F32),
+                _ => logits,
+            };
+            let inner = logits.dtype();
             let kept = match ignore_index {
                 Some(i) => targets.clone().not_equal_elem(i as i64),
                 None => Tensor::<1, Bool>::full([n], true, &device),
@@ -44,8 +50,8 @@ pub(crate) fn cross_entropy(
                 .gather(1, safe.reshape([n, 1]))
                 .reshape([n])
                 .mask_fill(kept.clone().bool_not(), 0.0);
-            let count = kept.float().sum().clamp_min(1.0);
-            picked.sum().neg() / count
+            let count = kept.float().cast(inner).sum().clamp_min(1.0);
+            (picked.sum().neg() / count).cast(dtype)
         }
         // No row (the public function refuses rows without classes): every row ignored.
         RowPath::Empty => {

@@ -271,7 +271,6 @@ fn messages_say_what_is_wrong_and_show_input_short() {
             synthetic.model.d_model, text.model.d_model
         ),
         {
-            use ::train::kind::TaskKind;
             use ::train::tasks::Task;
             let most = |task: Task| task.kind().most_warmup();
             let (synthetic, text) = (most(Task::Reverse), most(Task::Text));

@@ -104,23 +104,13 @@ fn a_killed_run_resumes_and_a_corrupt_checkpoint_is_named() {
 #[cfg(unix)]
 #[test]
 fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
-    use std::io::BufRead;
     let root = scratch("eval-interrupt");
     let dir = root.join("run");
     // A hundred million held-out sequences: made a window at a time, never all at once.
-    let mut child = on_flex(&tiny(&[("--eval-examples", "100000000")]))
-        .args(["--epochs", "1", "--steps-per-epoch", "20", "--out"])
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    for line in stdout.lines() {
-        if line.unwrap().starts_with("evaluated ") {
-            break;
-        }
-    }
+    let mut cmd = on_flex(&tiny(&[("--eval-examples", "100000000")]));
+    cmd.args(["--epochs", "1", "--steps-per-epoch", "20", "--out"])
+        .arg(&dir);
+    let child = spawn_until(&mut cmd, "evaluated ");
     // Two seconds into the evaluation, its memory is a small run's.
     let status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
     let peak_kb: u64 = status
@@ -163,18 +153,8 @@ fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
     // Evaluated again on other examples, it is running until the new evaluation is
     // written (it still said finished, with the old accuracies, beside config.json's new
     // count); killed meanwhile, --resume evaluates it again.
-    let mut child = on_flex(&["--resume", "--eval-examples", "100000000", "--out"])
-        .arg(&dir)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    for line in stdout.lines() {
-        if line.unwrap().starts_with("evaluating the finished run") {
-            break;
-        }
-    }
+    let mut cmd = on_flex(&["--resume", "--eval-examples", "100000000", "--out"]);
+    let mut child = spawn_until(cmd.arg(&dir), "evaluating the finished run");
     let s = summary(&dir);
     assert_eq!(s["status"], "running", "{s}");
     assert!(s["exact_accuracy"].is_null(), "{s}");

@@ -201,6 +201,24 @@ pub fn wait_for(path: &Path, child: &mut std::process::Child) {
 
 /// The tiny configuration for `epochs` of `steps` on flex into `dir`, spawned with its
 /// output piped.
+/// Starts `cmd` with its output piped, and returns it once it has printed a line that
+/// starts with `prefix` (its standard output is then no longer read).
+pub fn spawn_until(cmd: &mut Command, prefix: &str) -> std::process::Child {
+    use std::io::BufRead;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    for line in stdout.lines() {
+        if line.unwrap().starts_with(prefix) {
+            break;
+        }
+    }
+    child
+}
+
 pub fn spawn_tiny(dir: &Path, epochs: &str, steps: &str) -> std::process::Child {
     on_flex(TINY)
         .args(["--epochs", epochs, "--steps-per-epoch", steps, "--out"])

@@ -63,7 +63,9 @@ fn rows(classes: usize, logits: &[f32], targets: &[i64], scale: f32, grad: &mut 
             total += *g;
         }
         let target = target as usize;
-        sum += (max + total.ln() - row[target]) as f64;
+        // `ln Σ - (x_t - max)`: the maximum added back to a sum in f32 would round the
+        // loss to f32's spacing at the logits' size (0 for logits near 10^4).
+        sum += (total.ln() - (row[target] - max)) as f64;
         let weight = scale / total;
         for g in grad.iter_mut() {
             *g *= weight;
