@@ -122,12 +122,6 @@ fn half_precision_attention_loads_as_stored_and_matches_pytorch() {
     }
 }
 
-/// One cast for any module: a decoder stack with T5 relative biases and an encoder stack
-/// with learned absolute positions, cast to each other dtype a backend computes in, have
-/// every parameter in it (tables and embeddings included), keep each parameter trained,
-/// and give the f32 stack's output to 4 times that dtype's absolute tolerance (util's,
-/// for one attention against f64: a stack is two blocks of attention, feed-forward and
-/// norms).
 /// A layer norm in half precision accumulates in f32, as PyTorch's, with autodiff or
 /// without: the row [1000, 1004] normalises to [-1, 1] (in bf16 under autodiff its mean
 /// rounded to 1000, and it gave [0, 1.41]).
@@ -150,6 +144,12 @@ fn layer_norms_in_half_precision_accumulate_in_f32() {
     }
 }
 
+/// One cast for any module: a decoder stack with T5 relative biases and an encoder stack
+/// with learned absolute positions, cast to each other dtype a backend computes in, have
+/// every parameter in it (tables and embeddings included), keep each parameter trained,
+/// and give the f32 stack's output to 4 times that dtype's absolute tolerance (util's,
+/// for one attention against f64: a stack is two blocks of attention, feed-forward and
+/// norms).
 #[test]
 fn one_cast_reaches_every_parameter_of_a_stack() {
     let t5 = Positions::T5 {

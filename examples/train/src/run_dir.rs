@@ -677,7 +677,8 @@ fn same_file(file: &std::fs::File, path: &Path) -> bool {
     }
     #[cfg(not(unix))]
     {
-        // Not checked elsewhere: the file there is taken to be the one open.
+        // Not checked elsewhere: the file there is taken to be the one open (a command that
+        // locks a `.lock` just removed while a third makes a new one is not told).
         let _ = file;
         path.is_file()
     }
@@ -745,7 +746,10 @@ pub fn install_weights(written: &Path, path: &Path) -> anyhow::Result<()> {
         std::fs::read(written).with_context(|| format!("cannot read {}", written.display()))?;
     let sum = checksum_file(path);
     remove(&sum)?;
-    std::fs::File::open(written)
+    // Opened to write: syncing a file opened to read fails on Windows.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(written)
         .and_then(|file| file.sync_all())
         .and_then(|()| std::fs::rename(written, path))
         .and_then(|()| sync_folder(path))

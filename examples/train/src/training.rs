@@ -362,7 +362,10 @@ pub fn trained_summary(config: &TrainConfig, run: &RunDir, backend: Backend) -> 
     let written = std::fs::read_to_string(run.summary())
         .ok()
         .and_then(|text| serde_json::from_str::<Summary>(&text).ok());
-    if let Some(summary) = written.filter(|s| s.status != Status::Running) {
+    // A summary written while the run trained has no figures yet; one written while its
+    // trained model was evaluated (every step done) has them.
+    let figures = |s: &Summary| s.status != Status::Running || s.steps_done == config.total_steps();
+    if let Some(summary) = written.filter(figures) {
         return Summary {
             backend,
             eval_examples: config.eval_examples,

@@ -176,12 +176,10 @@ impl LayerStatsBuilder {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .expect("a float tensor converts to f32");
-        // Query `q` stands at key `q + offset` (weights of a call with a cache see the
-        // keys before its queries), counted from its sequence's start (packed sequences).
+        // Positions counted from each packed sequence's start.
         let visibility = mask.visibility(queries, keys);
-        let positions = queries + visibility.offset.max(0) as usize;
         for (h, acc) in self.heads.iter_mut().enumerate() {
-            acc.fit(positions, keys);
+            acc.fit(queries, keys);
             for b in 0..batch {
                 let rows = query_lengths.map_or(queries, |l| l[b].min(queries));
                 for q in 0..rows {
@@ -193,7 +191,7 @@ impl LayerStatsBuilder {
                     };
                     if visible > 0 {
                         let row = Row {
-                            own: q as i64 + visibility.offset,
+                            own: q as i64,
                             start: visibility.sequence_start(b, q),
                             blocked,
                             visible,
@@ -221,7 +219,7 @@ impl LayerStatsBuilder {
 
 /// One query row of a head's weights, as [`Accumulator::row`] reads it.
 struct Row<'a> {
-    /// The key at the query's own position (may lie outside the keys).
+    /// The key at the query's own position (the query's index: may lie past the keys).
     own: i64,
     /// The first key of the query's sequence.
     start: usize,

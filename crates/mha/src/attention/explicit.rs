@@ -61,8 +61,12 @@ pub(super) fn weights(
         Some(cap) => (s / cap).tanh() * cap,
         None => s,
     };
-    let s = match mask.additive_bias() {
-        Some(bias) => s + bias.clone().cast(query_dtype).clamp_min(sentinels.blocked),
+    // In the queries' dtype, cast once (the blocked rows below read it too).
+    let bias = mask
+        .additive_bias()
+        .map(|bias| bias.clone().cast(query_dtype));
+    let s = match &bias {
+        Some(bias) => s + bias.clone().clamp_min(sentinels.blocked),
         None => s,
     };
     let s = match mask.position() {
@@ -93,14 +97,10 @@ pub(super) fn weights(
         None => softmax(s.clone(), 3),
     };
     // A row whose every key is blocked, by the boolean parts or the rule or by a bias at
-    // or below the dtype's blocked score (-inf, or -2^14 in f16, as the GPU kernels read
-    // it), has no visible key: zero it. Told from the masks, not from the scores: in f16
-    // a real row's best score may lie as low as the sentinel.
-    let by_bias = mask.additive_bias().map(|bias| {
-        bias.clone()
-            .cast(query_dtype)
-            .lower_equal_elem(sentinels.blocked)
-    });
+    // or below the dtype's blocked score (`BLOCKED`, -1e30, or -2^14 in f16, as the GPU
+    // kernels read it: -inf among them), has no visible key: zero it. Told from the
+    // masks, not from the scores: in f16 a real row's best score may lie as low as that.
+    let by_bias = bias.map(|bias| bias.lower_equal_elem(sentinels.blocked));
     let closed = match (blocked, by_bias) {
         (Some(a), Some(b)) => a.bool_or(b),
         (Some(closed), None) | (None, Some(closed)) => closed,

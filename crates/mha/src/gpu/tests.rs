@@ -832,7 +832,7 @@ fn gpu_decoding_matches_the_tiled_forward_and_f64() {
     }
     GUARD.set(0);
 
-    // Scores far below f16's dead-row sentinel over several splits: real rows.
+    // Scores far below zero (below -2^13) in f16 over several splits: real rows.
     check_very_low_scores("decode f16 scores below -8192 Tk600", [1, 600]);
 }
 
@@ -912,16 +912,16 @@ fn gpu_attention_at_the_tiles_edges_stays_within_its_tensors() {
     GUARD.set(0);
 }
 
-/// An f16 call whose scores all lie far below zero (large logits): below f16's
-/// dead-row sentinel (`-2^13`), yet rows with a real softmax, not blocked rows.
+/// An f16 call whose scores all lie far below zero (large logits, below -2^13, near
+/// f16's blocked score of -2^14): rows with a real softmax, not blocked rows.
 #[test]
 fn gpu_attention_in_f16_keeps_rows_of_very_low_scores() {
     check_very_low_scores("f16 scores below -8192", [16, 24]);
 }
 
 /// Checks `[queries, keys]` of one head of 32 in f16 whose every score is about -12,800
-/// (queries in [16, 24], keys in [-24, -16]): every row's log-sum-exp below f16's
-/// dead-row sentinel, and every row a real one.
+/// (queries in [16, 24], keys in [-24, -16]): every row's log-sum-exp below -2^13, and
+/// every row a real one.
 fn check_very_low_scores(name: &str, [queries, keys]: [usize; 2]) {
     let case = Case {
         dtype: DType::F16,

@@ -214,6 +214,19 @@ fn prepare_resume(
             config.epochs,
             config.eval_examples
         );
+        // Running until the new evaluation is written, as a run in training is, before
+        // config.json takes the new count: a kill meanwhile leaves a summary that agrees
+        // with it (its training figures kept), and a run that `--resume` evaluates again.
+        let running = Summary {
+            status: Status::Running,
+            exact_accuracy: None,
+            token_accuracy: None,
+            longer_exact_accuracy: None,
+            longer_token_accuracy: None,
+            eval_examples: config.eval_examples,
+            ..summary.clone()
+        };
+        training::write_summary(run, &running)?;
         if config != stored {
             run.write_config(&config)?;
         }
@@ -256,18 +269,6 @@ fn evaluate_trained(
     backend: Backend,
     device: &Device,
 ) -> anyhow::Result<bool> {
-    // Running until the new evaluation is written, as a run in training is: a kill
-    // meanwhile leaves a summary that agrees with config.json's new count of examples,
-    // and a run that `--resume` evaluates again.
-    let running = Summary {
-        status: Status::Running,
-        exact_accuracy: None,
-        token_accuracy: None,
-        longer_exact_accuracy: None,
-        longer_token_accuracy: None,
-        ..summary.clone()
-    };
-    training::write_summary(run, &running)?;
     match summary.status {
         Status::Finished => println!(
             "evaluating the finished run in {} again, on {} held-out sequences",

@@ -153,6 +153,7 @@ fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
     // Evaluated again on other examples, it is running until the new evaluation is
     // written (it still said finished, with the old accuracies, beside config.json's new
     // count); killed meanwhile, --resume evaluates it again.
+    let trained = summary(&dir);
     let mut cmd = on_flex(&["--resume", "--eval-examples", "100000000", "--out"]);
     let mut child = spawn_until(cmd.arg(&dir), "evaluating the finished run");
     let s = summary(&dir);
@@ -168,6 +169,10 @@ fn ctrl_c_during_the_final_evaluation_is_finished_by_resume() {
         ("finished".into(), 64.into())
     );
     assert!(s["exact_accuracy"].as_f64().is_some(), "{s}");
+    // The training's figures kept through the kill (rebuilt from the logs, they were lost).
+    for field in ["tokens_per_second", "wall_seconds", "final_loss"] {
+        assert_eq!(s[field], trained[field], "{field}: {s}");
+    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! A run directory: it belongs to one run, is locked while in use, is written only once
 //! every check passed, and `--overwrite` deletes only what the trainer wrote.
 
+#[cfg(unix)]
 use std::process::Command;
 
 use super::*;

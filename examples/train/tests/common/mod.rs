@@ -199,8 +199,6 @@ pub fn wait_for(path: &Path, child: &mut std::process::Child) {
     std::thread::sleep(Duration::from_millis(200));
 }
 
-/// The tiny configuration for `epochs` of `steps` on flex into `dir`, spawned with its
-/// output piped.
 /// Starts `cmd` with its output piped, and returns it once it has printed a line that
 /// starts with `prefix` (its standard output is then no longer read).
 pub fn spawn_until(cmd: &mut Command, prefix: &str) -> std::process::Child {
@@ -219,6 +217,8 @@ pub fn spawn_until(cmd: &mut Command, prefix: &str) -> std::process::Child {
     child
 }
 
+/// The tiny configuration for `epochs` of `steps` on flex into `dir`, spawned with its
+/// output piped.
 pub fn spawn_tiny(dir: &Path, epochs: &str, steps: &str) -> std::process::Child {
     on_flex(TINY)
         .args(["--epochs", epochs, "--steps-per-epoch", steps, "--out"])
