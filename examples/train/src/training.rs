@@ -334,11 +334,7 @@ pub fn finish(
 ) {
     summary.status = Status::Interrupted;
     // An earlier evaluation's (another count of examples): absent until measured again.
-    summary.exact_accuracy = None;
-    summary.token_accuracy = None;
-    summary.longer_lengths = None;
-    summary.longer_exact_accuracy = None;
-    summary.longer_token_accuracy = None;
+    summary.clear_evaluation();
     let Some((exact, token)) = evaluate(model, config, &config.task, fixed, device) else {
         return;
     };
@@ -401,6 +397,15 @@ impl Summary {
             steps_done: start_epoch * config.steps_per_epoch,
             ..Self::unfinished(config, run, backend)
         }
+    }
+
+    /// Forgets the held-out accuracies (those of an earlier evaluation).
+    pub fn clear_evaluation(&mut self) {
+        self.exact_accuracy = None;
+        self.token_accuracy = None;
+        self.longer_lengths = None;
+        self.longer_exact_accuracy = None;
+        self.longer_token_accuracy = None;
     }
 
     /// The summary of a run of `config` in `run` that has not finished: interrupted,

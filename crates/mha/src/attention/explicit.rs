@@ -8,7 +8,7 @@ use std::ops::Range;
 use burn::tensor::{Tensor, activation::softmax};
 
 use super::SdpaOptions;
-use crate::mask::{AttentionMask, Sentinels};
+use crate::mask::{AttentionMask, blocked_score};
 use crate::problem::Scores;
 
 /// The attention weights `softmax(cap(Q Kᵀ · scale) + bias, masked)`, `[B, H, Tq, Tk]`,
@@ -53,7 +53,7 @@ pub(super) fn weights(
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();
     let query_dtype = query.dtype();
-    let sentinels = Sentinels::of(query_dtype);
+    let blocked_score = blocked_score(query_dtype);
     // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
     // the queries, `Dk` times fewer values than the scores (forward and backward).
     let s = grouped_matmul(query * scores.scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
@@ -66,7 +66,7 @@ pub(super) fn weights(
         .additive_bias()
         .map(|bias| bias.clone().cast(query_dtype));
     let s = match &bias {
-        Some(bias) => s + bias.clone().clamp_min(sentinels.blocked),
+        Some(bias) => s + bias.clone().clamp_min(blocked_score),
         None => s,
     };
     let s = match mask.position() {
@@ -79,7 +79,7 @@ pub(super) fn weights(
     };
     let blocked = mask.to_blocked(queries, keys, &device);
     let s = match &blocked {
-        Some(blocked) => s.mask_fill(blocked.clone(), sentinels.blocked),
+        Some(blocked) => s.mask_fill(blocked.clone(), blocked_score),
         None => s,
     };
     let weights = match mask.sink_logits() {
@@ -100,7 +100,7 @@ pub(super) fn weights(
     // or below the dtype's blocked score (`BLOCKED`, -1e30, or -2^14 in f16, as the GPU
     // kernels read it: -inf among them), has no visible key: zero it. Told from the
     // masks, not from the scores: in f16 a real row's best score may lie as low as that.
-    let by_bias = bias.map(|bias| bias.lower_equal_elem(sentinels.blocked));
+    let by_bias = bias.map(|bias| bias.lower_equal_elem(blocked_score));
     let closed = match (blocked, by_bias) {
         (Some(a), Some(b)) => a.bool_or(b),
         (Some(closed), None) | (None, Some(closed)) => closed,

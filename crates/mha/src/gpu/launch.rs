@@ -145,7 +145,7 @@ pub(crate) struct Inputs {
     /// Its size in bytes.
     pub(crate) size: usize,
     /// A bias at or below this blocks its score (the dtype's sentinel, see
-    /// `crate::mask::Sentinels`).
+    /// `crate::mask::blocked_score`).
     pub(crate) blocked: f32,
     pub(crate) qkv: [TensorBinding; 3],
     pub(crate) bias: Option<TensorBinding>,
@@ -1112,7 +1112,7 @@ pub(crate) fn element(dtype: burn::tensor::DType) -> (ElemType, usize, f32) {
         DType::BF16 => cubecl::ir::FloatKind::BF16,
         other => panic!("gpu attention: tensors of {other:?}"),
     };
-    let blocked = crate::mask::Sentinels::of(dtype).blocked;
+    let blocked = crate::mask::blocked_score(dtype);
     (ElemType::Float(kind), dtype.size(), blocked)
 }
 

@@ -51,7 +51,7 @@ pub(crate) struct Problem<F: Float, M: Int, N: Size> {
     /// is compiled with a cap).
     pub(crate) softcap: f32,
     /// A bias at or below this blocks its score (the dtype's blocked sentinel, see
-    /// `crate::mask::Sentinels`: a bias the mask wrote in f16 is `-2^14`, not `-inf`).
+    /// `crate::mask::blocked_score`: a bias the mask wrote in f16 is `-2^14`, not `-inf`).
     pub(crate) blocked: f32,
     /// Bit 0: walk the query blocks last first; bit 1: the key blocks (the longest rows
     /// first, so that a causal tail does not idle the device).

@@ -1,6 +1,6 @@
 //! The kernels' geometry of a mask: which keys each query sees by position
 //! ([`Visibility`], and [`Band`], its form for the GPU kernels), and the blocked-score
-//! sentinels every path writes ([`BLOCKED`], [`DEAD_ROW`], [`DEAD_LSE`], [`Sentinels`]).
+//! sentinels every path writes ([`BLOCKED`], [`DEAD_ROW`], [`DEAD_LSE`], [`blocked_score`]).
 //! The public mask is in the parent module.
 
 use std::ops::Range;
@@ -251,7 +251,7 @@ fn span(ranges: impl Iterator<Item = Range<usize>>) -> Range<usize> {
 /// [`BLOCKED`], a finite value, so that a row whose every key is blocked has a finite
 /// softmax (and finite gradients), which is then zeroed; the CPU tiles give such a row the
 /// log-sum-exp [`DEAD_LSE`], which recomputes every weight of the row to
-/// `exp(BLOCKED - DEAD_LSE) = 0`. [`Sentinels::of`] gives the values of other dtypes.
+/// `exp(BLOCKED - DEAD_LSE) = 0`. [`blocked_score`] gives the blocked score of each dtype.
 pub(crate) const BLOCKED: f32 = -1.0e30;
 /// See [`BLOCKED`].
 pub(crate) const DEAD_ROW: f32 = -5.0e29;
@@ -263,19 +263,10 @@ pub(crate) const DEAD_LSE: f32 = 1.0e30;
 /// f16, whose largest finite value is 65504, `-2^14` (a score plus `-2^14` stays finite).
 /// Which rows have no visible key is told from the masks, not from this value (a real f16
 /// score may be as low).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) struct Sentinels {
-    /// What a blocked score is set to.
-    pub(crate) blocked: f32,
-}
-
-impl Sentinels {
-    /// The sentinels of `dtype`.
-    pub(crate) fn of(dtype: DType) -> Self {
-        match dtype {
-            DType::F16 => Self { blocked: -16384.0 },
-            _ => Self { blocked: BLOCKED },
-        }
+pub(crate) fn blocked_score(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => -16384.0,
+        _ => BLOCKED,
     }
 }
 

@@ -33,7 +33,7 @@ mod geometry;
 pub(crate) use geometry::Band;
 #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
 pub(crate) use geometry::DEAD_LSE;
-pub(crate) use geometry::{BLOCKED, DEAD_ROW, Sentinels, Visibility};
+pub(crate) use geometry::{BLOCKED, DEAD_ROW, Visibility, blocked_score};
 
 /// What a query may not attend to; see the [module docs](self).
 ///

@@ -217,15 +217,12 @@ fn prepare_resume(
         // Running until the new evaluation is written, as a run in training is, before
         // config.json takes the new count: a kill meanwhile leaves a summary that agrees
         // with it (its training figures kept), and a run that `--resume` evaluates again.
-        let running = Summary {
+        let mut running = Summary {
             status: Status::Running,
-            exact_accuracy: None,
-            token_accuracy: None,
-            longer_exact_accuracy: None,
-            longer_token_accuracy: None,
             eval_examples: config.eval_examples,
             ..summary.clone()
         };
+        running.clear_evaluation();
         training::write_summary(run, &running)?;
         if config != stored {
             run.write_config(&config)?;
