@@ -160,6 +160,78 @@ fn a_mask_with_the_cache_covers_the_keys_it_sees() {
     }
 }
 
+#[test]
+fn a_window_given_with_the_call_places_keys_as_the_cache_does() {
+    // A window of 4 with the causal cache, aligned bottom-right or not aligned, over a
+    // cache read as it fills and over one read in full (whose last slots are unwritten: its
+    // queries stand at the cached positions, not at the last keys). A padding mask aligned
+    // top-left places nothing by position: its alignment does not count.
+    for be in backends() {
+        for fixed in [false, true] {
+            let m = attention(Positions::Alibi, 2, 52, &be.device);
+            let x = randn([2, 9, D_MODEL], 53, &be.device);
+            let want = m
+                .forward(MhaInput::causal(x.clone()).mask(AttentionMask::sliding_window(4)))
+                .context;
+            for aligned in [false, true] {
+                let what = format!(
+                    "[{}] window with the call, fixed reads {fixed}, aligned {aligned}",
+                    be.name
+                );
+                let mut cache = match fixed {
+                    false => KvCache::new(9),
+                    true => KvCache::new(12).fixed_reads(),
+                };
+                let got = decoded(&x, &[0..5, 5..6, 6..9], |x| {
+                    let keys = cache.keys_seen(x.dims()[1]);
+                    let nothing = Tensor::<2>::zeros([2, keys], &be.device).equal_elem(1.0);
+                    let padding =
+                        AttentionMask::key_padding(nothing).aligned(mha::CausalAlignment::TopLeft);
+                    let mut window = AttentionMask::sliding_window(4);
+                    if aligned {
+                        window = window.aligned(mha::CausalAlignment::BottomRight);
+                    }
+                    m.forward_cached(x, &mut cache, window.and(padding))
+                        .unwrap()
+                });
+                assert_close(&what, got, want.clone(), be.forward_tol());
+            }
+        }
+    }
+}
+
+#[test]
+fn a_window_aligned_elsewhere_than_the_cache_is_refused_before_the_cache_changes() {
+    let device = crate::util::first_device();
+    let m = attention(Positions::None, 2, 54, &device);
+    for mut cache in [KvCache::new(8), KvCache::new(8).fixed_reads()] {
+        m.forward_cached(
+            randn([1, 3, D_MODEL], 55, &device),
+            &mut cache,
+            AttentionMask::none(),
+        )
+        .unwrap();
+        let top_left = AttentionMask::local(1).aligned(mha::CausalAlignment::TopLeft);
+        let call = std::panic::AssertUnwindSafe(|| {
+            m.forward_cached(randn([1, 1, D_MODEL], 56, &device), &mut cache, top_left)
+        });
+        let panic = std::panic::catch_unwind(call).unwrap_err();
+        let message = panic.downcast_ref::<String>().unwrap();
+        assert!(
+            message.contains("aligned TopLeft")
+                && message.contains("first query at key 0")
+                && message.contains("at key 3"),
+            "{message}"
+        );
+        assert_eq!(cache.len(), 3, "the refused call wrote nothing");
+        // At the cache's own position, an offset is the same as the default.
+        let here = AttentionMask::local(1).aligned(mha::CausalAlignment::Offset(3));
+        m.forward_cached(randn([1, 1, D_MODEL], 56, &device), &mut cache, here)
+            .unwrap();
+        assert_eq!(cache.len(), 4);
+    }
+}
+
 /// Stacks of 2 pre-norm blocks with `positions`, dropout off.
 fn encoder_block(positions: Positions) -> EncoderBlockConfig {
     EncoderBlockConfig::new(D_MODEL, HEADS)

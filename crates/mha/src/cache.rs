@@ -138,6 +138,41 @@ impl KvCache {
         }
     }
 
+    /// `mask`, given with a call of `tokens` new tokens, aligned as the cache aligns the
+    /// call's queries among the keys it sees ([`keys_seen`](Self::keys_seen)): bottom-right,
+    /// or with [`fixed_reads`](Self::fixed_reads) at the cached positions (the last keys are
+    /// then unwritten slots). A mask aligned bottom-right, or not aligned, means the same
+    /// for every cache; another alignment must put the queries where the cache does.
+    ///
+    /// # Panics
+    /// If `mask` places keys by position from another key than the call's first query.
+    pub(crate) fn align(&self, mask: AttentionMask, tokens: usize) -> AttentionMask {
+        if !mask.by_position() {
+            return mask;
+        }
+        let (own, alignment) = match self.fixed {
+            true => (self.len, CausalAlignment::Offset(self.len as i64)),
+            false => (
+                self.keys_seen(tokens) - tokens,
+                CausalAlignment::BottomRight,
+            ),
+        };
+        let asked = match mask.rule().alignment.unwrap_or_default() {
+            CausalAlignment::BottomRight => return mask.aligned(alignment),
+            CausalAlignment::TopLeft => 0,
+            CausalAlignment::Offset(offset) => offset,
+        };
+        assert!(
+            asked == own as i64,
+            "forward_cached: the mask is aligned {:?}, which puts the call's first query \
+             at key {asked}, but it stands at key {own} of the {} keys the call sees: \
+             align the mask CausalAlignment::BottomRight, or leave it unaligned",
+            mask.rule().alignment.unwrap_or_default(),
+            self.keys_seen(tokens),
+        );
+        mask.aligned(alignment)
+    }
+
     /// The storage's shape, `[B, Hkv, slots, Dh]`, once allocated.
     pub fn dims(&self) -> Option<[usize; 4]> {
         self.store.as_ref().map(|store| store.keys.dims())

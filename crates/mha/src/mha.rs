@@ -473,7 +473,8 @@ impl MultiHeadAttention {
     ///
     /// # Panics
     /// As [`forward`](Self::forward), for inputs of the wrong width or a mask that does
-    /// not broadcast to the keys the call sees (before the cache changes).
+    /// not broadcast to the keys the call sees, or is aligned to put the call's first
+    /// query elsewhere than the cache does (before the cache changes).
     pub fn forward_cached(
         &self,
         x: Tensor<3>,
@@ -505,11 +506,15 @@ impl MultiHeadAttention {
         let offset = cache.len();
         let (q, k, mask) = self.positioned(q, k, mask, [offset, offset]);
         let [batch, _, tokens, _] = q.dims();
-        if tokens > 0 {
-            // A mask that does not fit the keys the call sees panics before the cache
-            // changes.
-            mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
-        }
+        let mask = match tokens {
+            0 => mask,
+            // A mask that does not fit the keys the call sees, or places them from
+            // another query, panics before the cache changes.
+            _ => {
+                mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
+                cache.align(mask, tokens)
+            }
+        };
         // The weights name the keys in the order of their positions: a sliding cache's
         // ring is then read in that order too.
         let ordered = !mask.is_none() || weights != AttentionWeights::None;

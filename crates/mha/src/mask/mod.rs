@@ -363,12 +363,18 @@ impl AttentionMask {
     }
 
     /// Both masks at once: a key is blocked if either blocks it; biases add; windows
-    /// intersect.
+    /// intersect. The alignment of a mask with nothing placed by position (no causal
+    /// part, window, packed sequences or position bias) does not count.
     ///
     /// # Panics
-    /// If the two align the causal part differently, pack different sequences, or both
-    /// have a position bias or both have sinks.
-    pub fn and(self, other: Self) -> Self {
+    /// If both place keys by position and align differently, if they pack different
+    /// sequences, or both have a position bias or both have sinks.
+    pub fn and(mut self, mut other: Self) -> Self {
+        for mask in [&mut self, &mut other] {
+            if !mask.by_position() {
+                mask.rule.alignment = None;
+            }
+        }
         assert!(
             self.position.is_none() || other.position.is_none(),
             "AttentionMask::and: both masks have a position bias"
@@ -384,6 +390,12 @@ impl AttentionMask {
             position: self.position.or(other.position),
             sinks: self.sinks.or(other.sinks),
         }
+    }
+
+    /// Whether the alignment counts: something places keys by position.
+    pub(crate) fn by_position(&self) -> bool {
+        let rule = &self.rule;
+        rule.causal || rule.window.is_some() || rule.packed.is_some() || self.position.is_some()
     }
 
     /// Whether the mask has a causal part.
