@@ -57,25 +57,42 @@ impl Corpus {
     /// When the text is empty, or a split is too short to hold one window; the error
     /// names `what`, the length and the block size.
     pub fn new(text: &str, what: &str, block: usize) -> anyhow::Result<Self> {
-        let chars: Vec<char> = text.chars().collect();
-        anyhow::ensure!(
-            !chars.is_empty(),
-            "{what} is empty: the text task needs text"
-        );
-        let mut vocab = chars.clone();
-        vocab.sort_unstable();
-        vocab.dedup();
-        let ids = chars
-            .iter()
-            .map(|c| vocab.binary_search(c).expect("a character of the text") as u32)
+        // Beside the text, only its ids are held (4 bytes a character): the distinct
+        // characters are gathered first, ASCII in a table, the rest in a set.
+        let mut ascii = [false; 128];
+        let mut others = std::collections::BTreeSet::new();
+        let mut len = 0;
+        for c in text.chars() {
+            match usize::try_from(u32::from(c)) {
+                Ok(code) if code < 128 => ascii[code] = true,
+                _ => {
+                    others.insert(c);
+                }
+            }
+            len += 1;
+        }
+        anyhow::ensure!(len > 0, "{what} is empty: the text task needs text");
+        let vocab: Vec<char> = (0u8..128)
+            .filter(|&code| ascii[usize::from(code)])
+            .map(char::from)
+            .chain(others)
             .collect();
-        let split = train_len(chars.len());
+        let mut ascii_ids = [0u32; 128];
+        for (id, c) in vocab.iter().enumerate().take_while(|(_, c)| c.is_ascii()) {
+            ascii_ids[*c as usize] = id as u32;
+        }
+        let mut ids = Vec::with_capacity(len);
+        ids.extend(text.chars().map(|c| match c.is_ascii() {
+            true => ascii_ids[c as usize],
+            false => vocab.binary_search(&c).expect("a character of the text") as u32,
+        }));
+        let split = train_len(len);
         anyhow::ensure!(
-            split.min(chars.len() - split) > block,
+            split.min(len - split) > block,
             "{what} has {}: too short for a block size of {block}, whose windows of {} \
              must fit in the validation split (the last 10%) as in the training split; give \
              at least {} or a smaller block size",
-            plural(chars.len(), "character"),
+            plural(len, "character"),
             block + 1,
             plural(Self::shortest_text(block), "character"),
         );
@@ -89,6 +106,8 @@ impl Corpus {
     /// bad byte), and as [`new`](Self::new).
     pub fn read(path: &Path, block: usize) -> anyhow::Result<Self> {
         let what = path.display().to_string();
+        let len = std::fs::metadata(path).with_context(|| format!("cannot read {what}"))?;
+        crate::memory::check_text(&what, len.len())?;
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {what}"))?;
         let text = std::str::from_utf8(&bytes).map_err(|err| {
             let at = err.valid_up_to();
@@ -225,6 +244,21 @@ mod tests {
         let err = corpus.encode("Be quiet!").unwrap_err().to_string();
         assert!(err.contains("2 characters"), "{err}");
         assert!(err.contains("'!', 'B'"), "{err}");
+    }
+
+    #[test]
+    fn characters_past_ascii_sort_after_it_and_round_trip() {
+        let text = "日本 été, naïve café: 🦀 zèbre Ωmega\tend\n";
+        let corpus = Corpus::new(text, "t", 1).unwrap();
+        let mut sorted: Vec<char> = text.chars().collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(corpus.vocab, sorted);
+        assert_eq!(corpus.ids.len(), text.chars().count());
+        for (&id, c) in corpus.ids.iter().zip(text.chars()) {
+            assert_eq!(corpus.vocab[id as usize], c);
+        }
+        assert_eq!(corpus.decode(&corpus.ids), text);
     }
 
     #[test]

@@ -167,8 +167,50 @@ pub fn training(config: &TrainConfig) -> Estimate {
                 bytes: s.blocks * tokens * s.d * F32 * BLOCK_ACTIVATIONS,
                 flags: per_sequence(config, vec!["--d-model", "--layers"]),
             },
+            Part {
+                // Read before the estimate (`check_text` refuses one too large to read),
+                // its ids are held through the run.
+                what: "the text's character ids".into(),
+                bytes: config.task.data.as_deref().map_or(0.0, |path| {
+                    let len = std::fs::metadata(path).map_or(0, |m| m.len());
+                    text_bytes(len) - len as f64
+                }),
+                flags: vec![],
+            },
         ],
     }
+}
+
+/// Bytes a text of `len` bytes takes while it is read: the file, and one `u32` id a
+/// character (at most one character a byte); the ids are held through the run.
+fn text_bytes(len: u64) -> f64 {
+    5.0 * len as f64
+}
+
+/// Refuses to read a text (`what`, `len` bytes) that, with its character ids, would not
+/// fit in the memory available: whatever the backend, the text is in this memory.
+///
+/// # Errors
+/// Naming the text, its size, the estimate and the memory available.
+pub fn check_text(what: &str, len: u64) -> anyhow::Result<()> {
+    match available() {
+        Some(available) => check_text_against(what, len, available),
+        None => Ok(()),
+    }
+}
+
+/// As [`check_text`], against `available` bytes.
+fn check_text_against(what: &str, len: u64, available: u64) -> anyhow::Result<()> {
+    let need = BASE + text_bytes(len);
+    anyhow::ensure!(
+        need <= available as f64,
+        "{what} is {} of text: reading it with its character ids needs about {}, more than \
+         the {} this machine has available: give a shorter text",
+        bytes(len as f64),
+        bytes(need),
+        bytes(available as f64)
+    );
+    Ok(())
 }
 
 /// The memory `inspect` needs to measure the heads of a run of `config` on `examples`
@@ -308,6 +350,19 @@ fn bytes(n: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_text_too_large_for_the_memory_is_refused_before_it_is_read() {
+        check_text_against("big.txt", 1_000_000_000, 6_000_000_000).unwrap();
+        let err = check_text_against("big.txt", 2_000_000_000, 6_000_000_000)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "big.txt is 2.0 GB of text: reading it with its character ids needs about \
+             10.1 GB, more than the 6.0 GB this machine has available: give a shorter text"
+        );
+    }
 
     #[test]
     fn a_run_that_does_not_fit_is_refused_with_its_estimate_and_flags() {
