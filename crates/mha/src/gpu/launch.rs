@@ -234,13 +234,23 @@ fn optional<T: CubePrimitive>(t: &Option<TensorBinding>) -> ComptimeOptionArgs<O
     }
 }
 
-/// The run-time arguments of `band`: the offset and the keys seen before and after the
-/// own position, with "every key" as a bound larger than any distance of the call.
+/// The run-time arguments of `band` (`offset`, `before`, `after`), giving every query and
+/// key of the call the keys and queries `band` gives them. The kernels read the keys of
+/// query `i` as `i + offset - before ..= i + offset + after`, so only the band's first and
+/// last distances from the query, `offset - before` and `offset + after`, matter: each is
+/// cut to the call's size (a distance past every key of every query, an open side, is
+/// one past the sizes), and passed with offset 0. The bias by distance is made with the
+/// offset itself (`ops`).
 fn band(dims: &Dims, band: Band) -> [i32; 3] {
     let far = within(dims.queries + dims.keys + 1);
-    let side = |n: Option<usize>| n.map_or(far, |n| within(n.min(dims.queries + dims.keys + 1)));
-    let offset = i32::try_from(band.offset.clamp(-(far as i64), far as i64)).expect("clamped");
-    [offset, side(band.before), side(band.after)]
+    let cut = |distance: i64| distance.clamp(-i64::from(far), i64::from(far)) as i32;
+    let first = band
+        .before
+        .map_or(-i64::from(far), |n| band.offset.saturating_sub(n as i64));
+    let last = band
+        .after
+        .map_or(i64::from(far), |n| band.offset.saturating_add(n as i64));
+    [0, -cut(first), cut(last)]
 }
 
 /// Which blocks come first: the longest rows. A band open before the own position and

@@ -638,6 +638,25 @@ fn gpu_attention_causal_in_both_alignments_matches_f64() {
         &Case::new("causal offset 10 d64", [1, 1, 1], [20, 64, 64])
             .mask(causal().aligned(CausalAlignment::Offset(10))),
     );
+    // Offsets past the keys: every query sees every key (the band's open side was a
+    // bound the offset moved inside the keys).
+    check(
+        &Case::new("causal offset 7 past 4 keys d32", [1, 2, 2], [13, 4, 32])
+            .mask(causal().aligned(CausalAlignment::Offset(7))),
+    );
+    check(
+        &Case::new("causal offset 100 d32", [1, 1, 1], [4, 3, 32])
+            .mask(causal().aligned(CausalAlignment::Offset(100))),
+    );
+    check(
+        &Case::new("window 60 offset -40 d32", [1, 1, 1], [5, 30, 32])
+            .mask(AttentionMask::local(60).aligned(CausalAlignment::Offset(-40))),
+    );
+    // The decoding kernels' band.
+    check(
+        &Case::new("decoding: window 60 offset -30 d32", [1, 2, 2], [2, 20, 32])
+            .mask(AttentionMask::local(60).aligned(CausalAlignment::Offset(-30))),
+    );
 }
 
 #[test]
