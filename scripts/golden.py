@@ -2,8 +2,8 @@
 """Writes the PyTorch reference fixtures the tests compare against.
 
     python3 -m pip install torch safetensors transformers
-    python3 scripts/golden.py                    # writes tests/fixtures/*.safetensors
-    python3 scripts/golden.py mha_bf16 mha_t5    # only the fixtures named (see FIXTURES)
+    python3 scripts/golden.py                           # writes tests/fixtures/*.safetensors
+    python3 scripts/golden.py mha_bf16 mha_t5_causal    # only the fixtures named (see FIXTURES)
 
 Each fixture is one safetensors file holding
 - `model.*`: the PyTorch module's state_dict, exactly as a user would save it (the tests

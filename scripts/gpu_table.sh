@@ -112,7 +112,7 @@ if [ "${1:-}" = "--pack" ]; then
     size=$(du -sb "$dir" | cut -f1)
     ls -l "$dir" "$dir/debs" >&2
     if [ "$size" -ge $((64 << 20)) ]; then
-        echo "error: $dir holds $size bytes, over the 64 MiB a run may carry" >&2
+        echo "error: $dir holds $size bytes, over the pack's size limit of 64 MiB" >&2
         exit 1
     fi
     echo "== $dir: $size bytes, ready: scripts/gpu_table.sh --run $dir OUT on the GPU machine" >&2
@@ -312,7 +312,7 @@ if [ "$mode" = dry ]; then
         --heads 2 --batch-size 8)
     budget="${MHA_GPU_TABLE_BUDGET:-1800}"
 else
-    # The shapes the targets are set at: the small one cost a third of each step.
+    # The shapes the README's table reports: the small one cost a third of each step.
     shapes=base,long
     # The tiny shape: what a call costs where there is next to nothing to compute.
     torch_shapes=tiny,base,long
