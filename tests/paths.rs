@@ -97,6 +97,17 @@ fn small_cases() -> Vec<Case> {
             case("causal square", [2, 4, 4, 6, 6, 8, 8], causal.clone()),
             case("causal Tq < Tk", [2, 4, 4, 3, 9, 8, 8], causal.clone()),
             case("causal Tq > Tk", [2, 4, 4, 7, 4, 8, 8], causal.clone()),
+            // Heads wider than the GPU kernels' tiles hold in a device's shared memory.
+            case(
+                "causal, heads 256 wide",
+                [1, 2, 1, 5, 7, 256, 256],
+                causal.clone(),
+            ),
+            case(
+                "heads 160 wide, values 320",
+                [1, 1, 1, 3, 9, 160, 320],
+                MaskSpec::default(),
+            ),
             case(
                 "padding [B, 1, 1, Tk]",
                 [2, 4, 4, 5, 7, 8, 8],

@@ -127,8 +127,9 @@ pub(crate) struct AttentionCall {
     #[cfg(feature = "cpu-kernels")]
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
-    /// bf16, the head dims are not 0, and every tensor is small enough for the kernels'
-    /// 32-bit indices: what the GPU kernels take.
+    /// bf16, the head dims are not 0 and the kernels' tiles for them fit the device's
+    /// shared memory, and every tensor is small enough for the kernels' 32-bit indices:
+    /// what the GPU kernels take.
     #[cfg(feature = "gpu-kernels")]
     gpu_kernels: bool,
     /// The storage buffers the device binds to one kernel (0 off the CubeCL devices): the
@@ -211,7 +212,9 @@ impl AttentionCall {
                 let (d_k, d_v) = (q_dims[3], v_dims[3]);
                 let table_too = table.clone().all(|t| t == dtype);
                 let indexed = gpu_indexed(dims, mask);
-                one_float && table_too && indexed && d_k > 0 && d_v > 0
+                let heads = [d_k, d_v];
+                let fit = || gpu_tiles_fit(device, heads, dtype.size(), device.is_autodiff());
+                one_float && table_too && indexed && d_k > 0 && d_v > 0 && fit()
             },
             queries: q_dims[2],
             empty: {
@@ -234,6 +237,22 @@ fn gpu_bindings(device: &DispatchDevice) -> u32 {
         DispatchDevice::Cube(cube) => crate::gpu::max_bindings(cube),
         _ => 0,
     }
+}
+
+/// Whether the GPU kernels' tiles fit `device`'s shared memory at head dims `heads` in
+/// elements of `size` bytes, the gradients' too with `backward` (false off the CubeCL
+/// devices).
+#[cfg(feature = "gpu-kernels")]
+fn gpu_tiles_fit(device: &Device, heads: [usize; 2], size: usize, backward: bool) -> bool {
+    fn of(device: &DispatchDevice, heads: [usize; 2], size: usize, backward: bool) -> bool {
+        #[allow(unreachable_patterns)] // Which variants exist depends on Burn's features.
+        match device {
+            DispatchDevice::Autodiff(inner) => of(inner, heads, size, backward),
+            DispatchDevice::Cube(cube) => crate::gpu::tiles_fit(cube, heads, size, backward),
+            _ => false,
+        }
+    }
+    of(device.as_dispatch(), heads, size, backward)
 }
 
 /// The most bytes a CubeCL device binds to one kernel as one buffer (0 off the CubeCL

@@ -275,6 +275,22 @@ pub(crate) const CANDIDATES: [(usize, usize, usize); 6] = [
     (16, 16, 16),
 ];
 
+/// Whether the smallest of [`CANDIDATES`] fits `shared` bytes at head dims `d_k` and `d_v`
+/// in elements of `size` bytes: the forward's tiles, and with `backward` the gradients'
+/// too ([`choose`] takes it where no larger one fits).
+pub(crate) fn smallest_fit(
+    [d_k, d_v]: [usize; 2],
+    size: usize,
+    shared: usize,
+    backward: bool,
+) -> bool {
+    let (u, q, k) = CANDIDATES[CANDIDATES.len() - 1];
+    let forward = ForwardTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= shared;
+    let dq = || DqTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= shared;
+    let dkv = || DkvTiles::new(u, q, k, d_k, d_v).shared_bytes(size) <= shared;
+    forward && (!backward || (dq() && dkv()))
+}
+
 /// The tiles of the three kernels for a call of `dims` in elements of `size` bytes: for
 /// each, the first of the candidates (units, queries, keys per tile; [`CANDIDATES`], or
 /// the one [`TILES_VAR`] asks for first) whose products are whole fragments of `frag`

@@ -49,6 +49,20 @@ pub(crate) fn largest_binding(device: &cubecl::Device) -> u64 {
     device.client().properties().memory.max_page_size
 }
 
+/// Whether the kernels' smallest tiles fit `device`'s shared memory at head dims `d_k`
+/// and `d_v` in elements of `size` bytes: the forward's, and with `backward` the
+/// gradients' too. Where not (heads too wide for the device), a call takes the explicit
+/// path.
+pub(crate) fn tiles_fit(
+    device: &cubecl::Device,
+    heads: [usize; 2],
+    size: usize,
+    backward: bool,
+) -> bool {
+    let shared = device.client().properties().hardware.max_shared_memory_size;
+    launch::smallest_fit(heads, size, shared, backward)
+}
+
 /// The storage buffers `device` binds to one kernel, as CubeCL reads them from the device's
 /// limits (lavapipe: 31; a browser's WebGPU: 7).
 pub(crate) fn max_bindings(device: &cubecl::Device) -> u32 {
