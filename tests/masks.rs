@@ -271,6 +271,86 @@ fn attention_dropout_acts_in_training_only() {
 }
 
 #[test]
+fn the_weights_returned_under_dropout_are_those_that_made_the_context() {
+    // As PyTorch's nn.MultiheadAttention, Burn's module and transformers: each weight is
+    // the softmax's dropped (0) or scaled by 1 / (1 - p), and the context is the weights
+    // times the values. GQA 4:2, per head and averaged over the heads.
+    for be in backends() {
+        let dev = &be.device;
+        let [q, k, v] =
+            [(1, 4), (2, 2), (3, 2)].map(|(seed, heads)| randn([2, heads, 6, 8], seed, dev));
+        let options = |dropout, weights| SdpaOptions {
+            dropout,
+            weights,
+            ..SdpaOptions::default()
+        };
+        let mask = AttentionMask::causal();
+        let softmax = scaled_dot_product_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &mask,
+            options(0.0, AttentionWeights::PerHead),
+        )
+        .weights
+        .unwrap();
+        let out = scaled_dot_product_attention(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            &mask,
+            options(0.5, AttentionWeights::PerHead),
+        );
+        let weights = out.weights.unwrap();
+        let (mut dropped, mut kept) = (0, 0);
+        for (&w, &p) in to_vec(weights.clone()).iter().zip(&to_vec(softmax)) {
+            match w == 0.0 {
+                true => dropped += usize::from(p > 0.0),
+                false => {
+                    assert!(
+                        (w - 2.0 * p).abs() <= 1e-5,
+                        "[{}] {w} is not 2 x {p}",
+                        be.name
+                    );
+                    kept += 1;
+                }
+            }
+        }
+        assert!(
+            dropped > 5 && kept > 5,
+            "[{}] {dropped} dropped, {kept} kept",
+            be.name
+        );
+        let values = v
+            .clone()
+            .repeat_dim(1, 2)
+            .reshape([2, 2, 2, 6, 8])
+            .swap_dims(1, 2)
+            .reshape([2, 4, 6, 8]);
+        let made = weights.matmul(values);
+        let diff = max_abs_diff(out.context, made);
+        assert!(
+            diff <= 1e-5,
+            "[{}] the context is not the weights' ({diff})",
+            be.name
+        );
+
+        // Averaged: the mean over the heads of weights that each sum to 0 or to 2 x the
+        // softmax's, so rows are no longer distributions.
+        let averaged =
+            scaled_dot_product_attention(q, k, v, &mask, options(0.5, AttentionWeights::Averaged))
+                .weights
+                .unwrap();
+        let sums = to_vec(averaged.sum_dim(3));
+        assert!(
+            sums.iter().any(|s| (s - 1.0).abs() > 1e-3),
+            "[{}] averaged weights of dropout sum to 1 in every row: {sums:?}",
+            be.name
+        );
+    }
+}
+
+#[test]
 fn blocks_return_the_weights_they_used() {
     use mha::{DecoderBlockConfig, DecoderConfig, EncoderBlockConfig, EncoderConfig, StackInput};
     for be in backends() {

@@ -240,7 +240,8 @@ impl MhaInput {
         self
     }
 
-    /// Asks for the attention weights.
+    /// Asks for the attention weights: those that made the context, after dropout in
+    /// training (as PyTorch's `nn.MultiheadAttention` and Burn's module return them).
     pub fn weights(mut self, weights: AttentionWeights) -> Self {
         self.weights = weights;
         self

@@ -111,8 +111,9 @@ pub(super) fn weights(
     weights * open.float().cast(dtype)
 }
 
-/// The context `[B, H, Tq, Dv]` and the weights `[B, H, Tq, Tk]` (before dropout), with
-/// dropout of probability `dropout` on the weights that make the context.
+/// The context `[B, H, Tq, Dv]` and the weights `[B, H, Tq, Tk]` that make it: after
+/// dropout of probability `dropout`, as PyTorch's `nn.MultiheadAttention`, Burn's module
+/// and `transformers` return them.
 pub(super) fn with_weights(
     [query, key, value]: [Tensor<4>; 3],
     mask: &AttentionMask,
@@ -121,11 +122,11 @@ pub(super) fn with_weights(
 ) -> (Tensor<4>, Tensor<4>) {
     let kv_heads = key.dims()[1];
     let weights = weights(query, key, mask, scores); // [B, H, Tq, Tk]
-    let dropped = match dropout > 0.0 {
-        true => crate::dropout::apply(weights.clone(), dropout),
-        false => weights.clone(),
+    let weights = match dropout > 0.0 {
+        true => crate::dropout::apply(weights, dropout),
+        false => weights,
     };
-    (grouped_matmul(dropped, value, kv_heads), weights)
+    (grouped_matmul(weights.clone(), value, kv_heads), weights)
 }
 
 /// The context alone, `[B, H, Tq, Dv]`, in query chunks of `chunk` rows. A chunk reads

@@ -97,8 +97,9 @@ impl SdpaOptions {
 pub struct AttentionOutput {
     /// `[B, H, Tq, Dv]`.
     pub context: Tensor<4>,
-    /// The weights after the softmax (before dropout), when asked for:
-    /// `[B, H, Tq, Tk]` per head or `[B, 1, Tq, Tk]` averaged.
+    /// The weights that made the context, when asked for: after the softmax and dropout
+    /// (as PyTorch's `nn.MultiheadAttention` and Burn's module return them; outside
+    /// training, the softmax's), `[B, H, Tq, Tk]` per head or `[B, 1, Tq, Tk]` averaged.
     pub weights: Option<Tensor<4>>,
 }
 
