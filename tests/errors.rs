@@ -81,6 +81,14 @@ fn bad_attention_configs_name_the_field_and_values() {
             "MultiHeadAttentionConfig.positions: T5 needs num_buckets of at least 4 and \
              max_distance above the exact buckets (2), got num_buckets 8, max_distance 2",
         ),
+        (
+            MultiHeadAttentionConfig::new(8, 2)
+                .with_kdim(Some(6))
+                .with_positions(Positions::Alibi),
+            "MultiHeadAttentionConfig.positions: Alibi positions apply to self-attention, \
+             whose keys and values are the input itself, d_model = 8 wide; kdim = 6 and \
+             vdim = 8 are for cross-attention, which takes Positions::None",
+        ),
     ];
     for (config, expected) in cases {
         assert_eq!(mha_error(config), expected);
@@ -114,7 +122,19 @@ fn bad_block_and_stack_configs_name_the_field_and_values() {
     );
     assert_eq!(
         err(DecoderBlockConfig::new(15, 4).try_init(&d).map(|_| ())),
-        "MultiHeadAttentionConfig.d_model: 15 is not divisible by n_heads = 4"
+        "DecoderBlockConfig.d_model: 15 is not divisible by n_heads = 4"
+    );
+    // d_ff defaults to 4 d_model: the field set wrong is named, not the default.
+    assert_eq!(
+        err(EncoderBlockConfig::new(0, 4).try_init(&d).map(|_| ())),
+        "EncoderBlockConfig.d_model: must be at least 1, got 0"
+    );
+    assert_eq!(
+        err(EncoderBlockConfig::new(16, 4)
+            .with_n_kv_heads(Some(3))
+            .try_init(&d)
+            .map(|_| ())),
+        "EncoderBlockConfig.n_heads: 4 is not divisible by n_kv_heads = 3"
     );
     assert_eq!(
         err(EncoderConfig::new(EncoderBlockConfig::new(16, 4), 0)

@@ -316,6 +316,19 @@ impl MultiHeadAttentionConfig {
             });
         }
 
+        if self.positions != Positions::None && (kdim, vdim) != (self.d_model, self.d_model) {
+            return Err(ConfigError {
+                config: "MultiHeadAttentionConfig",
+                field: "positions",
+                message: format!(
+                    "{:?} positions apply to self-attention, whose keys and values are the \
+                     input itself, d_model = {} wide; kdim = {kdim} and vdim = {vdim} are for \
+                     cross-attention, which takes Positions::None",
+                    self.positions, self.d_model
+                ),
+            });
+        }
+
         let q_width = self.n_heads * head_dim;
         let kv_width = n_kv_heads * head_dim;
         let xavier = |d_in, d_out| {

@@ -161,17 +161,36 @@ struct Parts {
     attention_sinks: bool,
 }
 
+/// `err` of a block's attention as the block's `config` names it: the same fields, but
+/// the sinks (`attention_sinks`).
+fn of_block(config: &'static str, err: ConfigError) -> ConfigError {
+    let field = match err.field {
+        "sinks" => "attention_sinks",
+        field => field,
+    };
+    ConfigError {
+        config,
+        field,
+        ..err
+    }
+}
+
 impl Parts {
     fn validate(&self, config: &'static str) -> Result<(), ConfigError> {
         let check = Check(config);
+        // `d_model` first: `d_ff` defaults to 4 of it.
+        check.nonzero("d_model", self.d_model)?;
+        check.nonzero("n_heads", self.n_heads)?;
         check.nonzero("d_ff", self.d_ff)?;
         check.probability("dropout", self.dropout)?;
         check.positive("layer_norm_eps", self.layer_norm_eps)
     }
 
-    /// The self-attention: these hyperparameters, `positions`, the QK-norm and the sinks.
+    /// The self-attention: these hyperparameters, `positions`, the QK-norm and the sinks;
+    /// an error names the block's `config` and field.
     fn self_attention(
         &self,
+        config: &'static str,
         positions: Positions,
         device: &Device,
     ) -> Result<MultiHeadAttention, ConfigError> {
@@ -179,11 +198,19 @@ impl Parts {
             .with_qk_norm_eps(self.qk_norm_eps)
             .with_sinks(self.attention_sinks)
             .try_init(device)
+            .map_err(|err| of_block(config, err))
     }
 
-    /// The cross-attention: these hyperparameters, no positions.
-    fn cross_attention(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
-        self.attention(Positions::None).try_init(device)
+    /// The cross-attention: these hyperparameters, no positions; an error names the
+    /// block's `config` and field.
+    fn cross_attention(
+        &self,
+        config: &'static str,
+        device: &Device,
+    ) -> Result<MultiHeadAttention, ConfigError> {
+        self.attention(Positions::None)
+            .try_init(device)
+            .map_err(|err| of_block(config, err))
     }
 
     fn attention(&self, positions: Positions) -> MultiHeadAttentionConfig {
@@ -235,14 +262,15 @@ impl EncoderBlockConfig {
     /// A [`ConfigError`] naming the field and values (see
     /// [`MultiHeadAttentionConfig::try_init`], and `d_ff`, `dropout`, `layer_norm_eps`).
     pub fn try_init(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
+        const CONFIG: &str = "EncoderBlockConfig";
         let parts = self.parts();
-        parts.validate("EncoderBlockConfig")?;
+        parts.validate(CONFIG)?;
         if let Some(window) = self.window {
-            let check = Check("EncoderBlockConfig");
+            let check = Check(CONFIG);
             check.nonzero("window", window)?;
             if !self.causal {
                 return Err(ConfigError {
-                    config: "EncoderBlockConfig",
+                    config: CONFIG,
                     field: "window",
                     message: format!(
                         "a sliding window of {window} slides over the tokens before each one: \
@@ -252,7 +280,7 @@ impl EncoderBlockConfig {
             }
         }
         Ok(EncoderBlock {
-            self_attn: parts.self_attention(self.positions.clone(), device)?,
+            self_attn: parts.self_attention(CONFIG, self.positions.clone(), device)?,
             feed_forward: parts.feed_forward(device),
             norm1: parts.norm(device),
             norm2: parts.norm(device),
@@ -279,11 +307,12 @@ impl DecoderBlockConfig {
     /// # Errors
     /// As [`EncoderBlockConfig::try_init`].
     pub fn try_init(&self, device: &Device) -> Result<DecoderBlock, ConfigError> {
+        const CONFIG: &str = "DecoderBlockConfig";
         let parts = self.parts();
-        parts.validate("DecoderBlockConfig")?;
+        parts.validate(CONFIG)?;
         Ok(DecoderBlock {
-            self_attn: parts.self_attention(self.positions.clone(), device)?,
-            cross_attn: parts.cross_attention(device)?,
+            self_attn: parts.self_attention(CONFIG, self.positions.clone(), device)?,
+            cross_attn: parts.cross_attention(CONFIG, device)?,
             feed_forward: parts.feed_forward(device),
             norm1: parts.norm(device),
             norm2: parts.norm(device),
