@@ -14,9 +14,10 @@
 //! where it does: a mask over them, a bias by distance, the weights asked for.
 //!
 //! [`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)
-//! decodes one layer; the blocks and stacks have `forward_cached` too, with one cache per
-//! layer ([`StackCache`]) and, for the encoder-decoder, the cross-attention's keys and
-//! values computed once per source ([`MemoryKv`]).
+//! decodes one layer; the blocks and stacks decode through their `forward`, given a cache
+//! ([`BlockInput::cache`](crate::BlockInput::cache), one cache per layer in a
+//! [`StackCache`]) and, for the encoder-decoder, the cross-attention's keys and values
+//! computed once per source ([`MemoryKv`]).
 //!
 //! Decode on a device without autodiff: under autodiff every step's graph would keep the
 //! storage alive, and each write would copy it.

@@ -269,7 +269,8 @@ pub struct MhaOutput {
 impl MultiHeadAttentionConfig {
     /// Checks the configuration and builds the module, initialised as PyTorch does:
     /// Xavier-uniform input projections, zero input and output biases, and the output
-    /// weight uniform in `±1/sqrt(d_model)`.
+    /// weight uniform in `±1/sqrt(n_heads · head_dim)` (`±1/sqrt(d_model)` unless
+    /// `head_dim` is set).
     ///
     /// # Errors
     /// A [`ConfigError`] naming the field and values when a size is zero, `d_model` is

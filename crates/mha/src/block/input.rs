@@ -135,7 +135,8 @@ impl<'c, C> BlockInput<'c, C> {
 impl<'c> BlockInput<'c, KvCache> {
     /// The cross-attention's keys and values of the memory, projected once by
     /// [`DecoderBlock::memory_kv`](crate::DecoderBlock::memory_kv) for every decoding
-    /// step (instead of [`memory`](Self::memory)).
+    /// step (instead of [`memory`](Self::memory)). For decoding: the cross-attention's
+    /// dropout does not act on them, in training too.
     pub fn memory_kv(mut self, memory: &'c MemoryKv) -> Self {
         self.memory = Memory::Projected(memory);
         self

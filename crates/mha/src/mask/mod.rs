@@ -258,7 +258,9 @@ impl AttentionMask {
     /// `nn.MultiheadAttention(attn_mask=...)` with a bool mask, and of Burn.
     ///
     /// # Shapes
-    /// - `mask`: broadcastable to `[B, H, Tq, Tk]`, e.g. `[Tq, Tk]` or `[B, 1, Tq, Tk]`.
+    /// - `mask`: broadcastable to `[B, H, Tq, Tk]`, e.g. `[Tq, Tk]` or `[B, 1, Tq, Tk]`;
+    ///   a mask of lower rank is aligned from the right, so `[X, Tq, Tk]` is read as
+    ///   `[H, Tq, Tk]`: Burn's `[B, Tq, Tk]` attention mask needs `.unsqueeze_dim(1)`.
     ///
     /// # Panics
     /// If `D > 4`.
@@ -273,7 +275,8 @@ impl AttentionMask {
     /// `F.scaled_dot_product_attention(attn_mask=...)` with a bool mask.
     ///
     /// # Shapes
-    /// - `mask`: broadcastable to `[B, H, Tq, Tk]`.
+    /// - `mask`: broadcastable to `[B, H, Tq, Tk]`, aligned from the right as in
+    ///   [`blocking`](Self::blocking).
     ///
     /// # Panics
     /// If `D > 4`.
@@ -316,7 +319,8 @@ impl AttentionMask {
     /// PyTorch's float `attn_mask`. An entry of `-inf` blocks that key like a boolean mask.
     ///
     /// # Shapes
-    /// - `bias`: broadcastable to `[B, H, Tq, Tk]`.
+    /// - `bias`: broadcastable to `[B, H, Tq, Tk]`, aligned from the right as in
+    ///   [`blocking`](Self::blocking).
     ///
     /// # Panics
     /// If `D > 4`.
