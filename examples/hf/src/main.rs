@@ -7,11 +7,14 @@
 //! cargo run --release -p hf --features wgpu -- --model DIR --backend wgpu --dtype f16
 //! ```
 //!
-//! The prompt is tokenised as `tokenizer.json` says (its special tokens added, as
-//! transformers' tokenizer does by default), read in one call, then each new token is
-//! the most likely one (greedy decoding, transformers' `do_sample=False`), fed back one at
-//! a time through the cache, until `--tokens` tokens or an end-of-sequence token
-//! (`eos_token_id` of `generation_config.json`, else of `config.json`). The text is
+//! The prompt is tokenised as `tokenizer.json` says (its special tokens added, neither
+//! cut nor padded, as transformers' tokenizer does by default), read in one call, then
+//! each new token is the most likely one (greedy decoding, transformers' `do_sample=False`,
+//! with the `repetition_penalty` of `generation_config.json` where it sets one), fed back
+//! one at a time through the cache, until `--tokens` tokens or an end-of-sequence token
+//! (`eos_token_id` of `generation_config.json`, else of `config.json`). Other settings
+//! there that change transformers' greedy decoding (`no_repeat_ngram_size`,
+//! `bad_words_ids`, ...) are not applied: each is named in a warning. The text is
 //! printed as it grows: what decoding the prompt and the new tokens together adds to the
 //! decoded prompt (decoded alone, SentencePiece's first piece would lose its space).
 
@@ -23,7 +26,7 @@ use std::time::Instant;
 use anyhow::{Context, ensure};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use mha::ModuleDType;
-use mha::hf::{CausalLm, load_pretrained};
+use mha::hf::{CausalLm, HfConfig, load_pretrained};
 use tokenizers::Tokenizer;
 
 /// The backends this build has, the GPU first: `--backend` picks one, else the first.
@@ -122,26 +125,146 @@ fn flag<T: FromStr>(args: &mut Vec<String>, name: &str, default: T) -> anyhow::R
     parsed.with_context(|| format!("{name} {value}: not valid"))
 }
 
-/// The end-of-sequence tokens: `eos_token_id` (one id or a list) of `generation_config.json`
-/// where the directory has one, else of `config.json`.
-fn end_tokens(dir: &Path) -> anyhow::Result<Vec<u32>> {
-    for name in ["generation_config.json", "config.json"] {
-        let path = dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not JSON", path.display()))?;
-        let ids: Vec<u64> = match &json["eos_token_id"] {
-            serde_json::Value::Number(n) => n.as_u64().into_iter().collect(),
-            serde_json::Value::Array(list) => list.iter().filter_map(|v| v.as_u64()).collect(),
-            _ => continue,
+/// What `generation_config.json` (else `config.json`) says of greedy decoding: the
+/// end-of-sequence tokens (`eos_token_id`, one id or a list) and the repetition penalty
+/// (`repetition_penalty`, 1 for none), which transformers applies with `do_sample=False`
+/// too; and the settings it names that change greedy decoding in transformers but are not
+/// applied here, each with its value, for a warning.
+#[derive(Clone, Debug, PartialEq)]
+struct Generation {
+    end: Vec<u32>,
+    repetition_penalty: f32,
+    not_applied: Vec<String>,
+}
+
+impl Generation {
+    /// The settings `generation_config.json` gives where the directory has one, else
+    /// `config.json`'s (the end tokens from `config.json` too where the first has none).
+    ///
+    /// # Errors
+    /// When a file is not JSON, or `repetition_penalty` is not a positive number.
+    fn read(dir: &Path) -> anyhow::Result<Self> {
+        let read = |name: &str| -> anyhow::Result<Option<(PathBuf, serde_json::Value)>> {
+            let path = dir.join(name);
+            if !path.exists() {
+                return Ok(None);
+            }
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            let json = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not JSON", path.display()))?;
+            Ok(Some((path, json)))
         };
-        return Ok(ids.into_iter().map(|id| id as u32).collect());
+        let files: Vec<_> = [read("generation_config.json")?, read("config.json")?]
+            .into_iter()
+            .flatten()
+            .collect();
+        let end = files
+            .iter()
+            .find_map(|(_, json)| match &json["eos_token_id"] {
+                serde_json::Value::Number(n) => Some(n.as_u64().into_iter().collect()),
+                serde_json::Value::Array(list) => {
+                    Some(list.iter().filter_map(|v| v.as_u64()).collect())
+                }
+                _ => None,
+            });
+        let end: Vec<u64> = end.unwrap_or_default();
+        let Some((path, json)) = files.first() else {
+            return Ok(Self {
+                end: Vec::new(),
+                repetition_penalty: 1.0,
+                not_applied: Vec::new(),
+            });
+        };
+        let penalty = match &json["repetition_penalty"] {
+            serde_json::Value::Null => 1.0,
+            value => value
+                .as_f64()
+                .filter(|p| p.is_finite() && *p > 0.0)
+                .with_context(|| {
+                    format!(
+                        "{}: repetition_penalty {value} is not a positive number",
+                        path.display()
+                    )
+                })?,
+        };
+        Ok(Self {
+            end: end.into_iter().map(|id| id as u32).collect(),
+            repetition_penalty: penalty as f32,
+            not_applied: not_applied(json),
+        })
     }
-    Ok(Vec::new())
+}
+
+/// The settings of `json` that transformers' greedy decoding applies and this example
+/// does not, each as `name = value`, where they are set to something that acts.
+fn not_applied(json: &serde_json::Value) -> Vec<String> {
+    let acts = |name: &str, value: &serde_json::Value| match (name, value) {
+        (_, serde_json::Value::Null) => false,
+        ("no_repeat_ngram_size" | "min_length" | "min_new_tokens", v) => {
+            v.as_f64().is_some_and(|n| n > 0.0)
+        }
+        ("encoder_repetition_penalty", v) => v.as_f64().is_some_and(|p| p != 1.0),
+        (_, serde_json::Value::Array(list)) => !list.is_empty(),
+        (_, serde_json::Value::Object(map)) => !map.is_empty(),
+        _ => true,
+    };
+    [
+        "no_repeat_ngram_size",
+        "min_length",
+        "min_new_tokens",
+        "bad_words_ids",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "sequence_bias",
+        "exponential_decay_length_penalty",
+        "encoder_repetition_penalty",
+    ]
+    .into_iter()
+    .filter(|name| acts(name, &json[*name]))
+    .map(|name| format!("{name} = {}", json[name]))
+    .collect()
+}
+
+/// `row`, the logits of the next token, with transformers' repetition penalty for the
+/// tokens `seen` (the prompt's and those generated): each seen token's logit divided by
+/// `penalty` where positive, multiplied by it where negative, once however often it was
+/// seen.
+fn penalize(row: &mut [f32], seen: &[u32], penalty: f32) {
+    let mut done = vec![false; row.len()];
+    for &id in seen {
+        let id = id as usize;
+        if id < row.len() && !done[id] {
+            done[id] = true;
+            row[id] = match row[id] < 0.0 {
+                true => row[id] * penalty,
+                false => row[id] / penalty,
+            };
+        }
+    }
+}
+
+/// The first index of the largest value of `row` (as `torch.argmax`).
+fn argmax(row: &[f32]) -> Option<u32> {
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &x) in row.iter().enumerate() {
+        if best.is_none_or(|(_, b)| x > b) {
+            best = Some((i, x));
+        }
+    }
+    best.map(|(i, _)| i as u32)
+}
+
+/// The `model_type` values of the models this example runs (`mha::hf::load_pretrained`).
+const LLAMA_FAMILY: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
+
+/// The `model_type` of the `config.json` at `path`, where it can be read.
+fn model_type(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    json["model_type"].as_str().map(str::to_string)
 }
 
 /// The most likely next token after the last position of `logits` `[1, T, vocab]`.
@@ -161,21 +284,38 @@ fn batch(ids: &[u32], device: &Device) -> Tensor<2, Int> {
     Tensor::from_data(TensorData::new(ids, [1, len]), device)
 }
 
+/// The next token after the last position of `logits` `[1, T, vocab]`: the most likely,
+/// after the repetition penalty of `generation` for the tokens `seen`.
+fn next_token(logits: Tensor<3>, seen: &[u32], generation: &Generation) -> anyhow::Result<u32> {
+    if generation.repetition_penalty == 1.0 {
+        return greedy(logits);
+    }
+    let [_, positions, vocab] = logits.dims();
+    let last = logits.slice([0..1, positions - 1..positions, 0..vocab]);
+    let row = last.into_data().convert::<f32>().try_into_vec::<f32>().ok();
+    let mut row = row.context("no logits")?;
+    penalize(&mut row, seen, generation.repetition_penalty);
+    argmax(&row).context("no logits")
+}
+
 /// Generates up to `tokens` tokens after `prompt` greedily, calling `each` with the ids so
 /// far after every one; returns the generated ids.
 fn generate(
     lm: &CausalLm,
     prompt: &[u32],
     tokens: usize,
-    end: &[u32],
+    generation: &Generation,
     device: &Device,
     mut each: impl FnMut(&[u32]),
 ) -> anyhow::Result<Vec<u32>> {
     let mut cache = lm.cache(prompt.len() + tokens);
     let mut logits = lm.forward_cached(batch(prompt, device), &mut cache)?;
     let mut generated = Vec::with_capacity(tokens);
+    let mut seen = prompt.to_vec();
     loop {
-        let next = greedy(logits)?;
+        let next = next_token(logits, &seen, generation)?;
+        seen.push(next);
+        let end = &generation.end;
         generated.push(next);
         each(&generated);
         if generated.len() == tokens || end.contains(&next) {
@@ -210,29 +350,39 @@ fn main() -> anyhow::Result<()> {
     let device = device(&s.backend);
     let dir = &s.model;
     let tokenizer_path = dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tokenizer_path)
+    let mut tokenizer = Tokenizer::from_file(&tokenizer_path)
         .map_err(|err| anyhow::anyhow!("{}: {err}", tokenizer_path.display()))?;
-    let end = end_tokens(dir)?;
+    // The prompt as transformers' tokenizer reads it by default: neither cut nor padded
+    // to the lengths `tokenizer.json` may name.
+    tokenizer
+        .with_truncation(None)
+        .map_err(|err| anyhow::anyhow!("{}: {err}", tokenizer_path.display()))?
+        .with_padding(None);
+    let generation = Generation::read(dir)?;
+    for setting in &generation.not_applied {
+        eprintln!(
+            "warning: {setting} (generation settings) is not applied here: transformers' \
+             greedy decoding of this model applies it"
+        );
+    }
 
-    let start = Instant::now();
-    let (config, lm) = load_pretrained(dir, &device)?;
-    let lm = match dtype {
-        FloatDType::F32 => lm,
-        other => lm
-            .try_to_dtype(other)
-            .with_context(|| format!("--dtype {}", s.dtype))?,
-    };
-    eprintln!(
-        "{} ({} layers, width {}, vocabulary {}) loaded on {} in {:.2} s, in {}",
-        config.model_type,
-        config.num_hidden_layers,
-        config.hidden_size,
-        config.vocab_size,
-        s.backend,
-        start.elapsed().as_secs_f64(),
-        s.dtype
-    );
-
+    // Checked before the weights load: the model's family, the prompt's tokens, the
+    // context and the vocabulary.
+    let config_path = dir.join("config.json");
+    if let Some(family) = model_type(&config_path)
+        && !LLAMA_FAMILY.contains(&family.as_str())
+    {
+        anyhow::bail!(
+            "{}: model_type `{family}`: this example generates with {} models{}",
+            config_path.display(),
+            LLAMA_FAMILY.join(", "),
+            match family.as_str() {
+                "gpt2" => "; GPT-2 loads in the library (mha::hf::load_gpt2_lm)",
+                _ => "",
+            }
+        );
+    }
+    let config = HfConfig::from_file(&config_path)?;
     let encoding = tokenizer
         .encode(s.prompt.as_str(), true)
         .map_err(|err| anyhow::anyhow!("tokenizing the prompt: {err}"))?;
@@ -255,6 +405,25 @@ fn main() -> anyhow::Result<()> {
         );
     }
 
+    let start = Instant::now();
+    let (config, lm) = load_pretrained(dir, &device)?;
+    let lm = match dtype {
+        FloatDType::F32 => lm,
+        other => lm
+            .try_to_dtype(other)
+            .with_context(|| format!("--dtype {}", s.dtype))?,
+    };
+    eprintln!(
+        "{} ({} layers, width {}, vocabulary {}) loaded on {} in {:.2} s, in {}",
+        config.model_type,
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.vocab_size,
+        s.backend,
+        start.elapsed().as_secs_f64(),
+        s.dtype
+    );
+
     let decode = |ids: &[u32]| tokenizer.decode(ids, true).unwrap_or_default();
     let prompt_text = decode(&prompt);
     // The text the generated `ids` add after the prompt.
@@ -270,7 +439,7 @@ fn main() -> anyhow::Result<()> {
     out.flush()?;
     let mut shown = String::new();
     let start = Instant::now();
-    let generated = generate(&lm, &prompt, s.tokens, &end, &device, |ids| {
+    let generated = generate(&lm, &prompt, s.tokens, &generation, &device, |ids| {
         // Print what the text gained; a token that ends inside a character waits for the
         // next one.
         let text = added(ids);
@@ -300,4 +469,64 @@ fn main() -> anyhow::Result<()> {
         generated.len() as f64 / seconds
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_repetition_penalty_acts_once_on_each_token_seen() {
+        let mut row = vec![2.0, -1.0, 0.5, 3.0];
+        // Token 7 is past the row; tokens 0 and 1 are seen twice.
+        penalize(&mut row, &[0, 1, 1, 0, 7], 2.0);
+        assert_eq!(row, vec![1.0, -2.0, 0.5, 3.0]);
+        assert_eq!(argmax(&row), Some(3));
+        assert_eq!(
+            argmax(&[1.0, 3.0, 3.0]),
+            Some(1),
+            "the first of equal logits"
+        );
+        assert_eq!(argmax(&[]), None);
+    }
+
+    #[test]
+    fn generation_settings_are_read_where_transformers_reads_them() {
+        let dir = std::env::temp_dir().join(format!("hf-generation-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
+        write(
+            "config.json",
+            r#"{"eos_token_id": [2, 5], "repetition_penalty": 3.0}"#,
+        );
+        assert_eq!(
+            Generation::read(&dir).unwrap(),
+            Generation {
+                end: vec![2, 5],
+                repetition_penalty: 3.0,
+                not_applied: vec![],
+            }
+        );
+        // generation_config.json first; the end tokens from config.json where it has none.
+        write(
+            "generation_config.json",
+            r#"{"repetition_penalty": 1.1, "no_repeat_ngram_size": 3, "min_length": 0,
+                "bad_words_ids": null, "suppress_tokens": [], "do_sample": true}"#,
+        );
+        assert_eq!(
+            Generation::read(&dir).unwrap(),
+            Generation {
+                end: vec![2, 5],
+                repetition_penalty: 1.1,
+                not_applied: vec!["no_repeat_ngram_size = 3".to_string()],
+            }
+        );
+        write("generation_config.json", r#"{"repetition_penalty": 0}"#);
+        let err = Generation::read(&dir).unwrap_err().to_string();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            err.ends_with("generation_config.json: repetition_penalty 0 is not a positive number"),
+            "{err}"
+        );
+    }
 }

@@ -146,3 +146,28 @@ fn a_missing_file_or_dtype_is_named() {
         );
     }
 }
+
+#[test]
+fn a_model_of_another_family_is_refused_before_it_loads() {
+    // GPT-2's config.json (model_type gpt2) beside the tiny Llama's tokenizer.
+    let dir = std::env::temp_dir().join(format!("hf-gpt2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let fixtures = model_dir().join("..");
+    std::fs::copy(fixtures.join("gpt2_lm.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(
+        model_dir().join("tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
+    let out = run(&["--model", dir.to_str().unwrap(), "--backend", BACKENDS[0]]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(
+            "config.json: model_type `gpt2`: this example generates with llama, mistral, \
+             qwen2, qwen3 models; GPT-2 loads in the library (mha::hf::load_gpt2_lm)"
+        ),
+        "{stderr}"
+    );
+}
