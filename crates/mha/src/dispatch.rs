@@ -272,9 +272,29 @@ pub(crate) fn gpu_largest_binding(device: &Device) -> u64 {
 
 #[cfg(feature = "gpu-kernels")]
 /// Whether the GPU kernels' 32-bit indices reach every element of a call over `[query,
-/// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, and the bias's
-/// and boolean mask's own sizes): past `i32::MAX` elements a call takes the explicit path.
-fn gpu_indexed([q, k, v]: [[usize; 4]; 3], mask: &AttentionMask) -> bool {
+/// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, the bias's and
+/// boolean mask's own sizes, and the partial sums of the bias's and the position table's
+/// gradients): past `i32::MAX` elements a call takes the explicit path.
+fn gpu_indexed(qkv: [[usize; 4]; 3], mask: &AttentionMask) -> bool {
+    let table = matches!(mask.position(), Some(crate::PositionBias::Learned { .. }));
+    gpu_indexed_dims(
+        qkv,
+        mask.additive_bias().map(|t| t.dims()),
+        mask.blocked().map(|t| t.dims()),
+        table,
+    )
+}
+
+#[cfg(feature = "gpu-kernels")]
+/// [`gpu_indexed`] of the sizes alone: the bias's and the boolean mask's dims, and whether
+/// a learned position table is read.
+fn gpu_indexed_dims(
+    [q, k, v]: [[usize; 4]; 3],
+    bias: Option<[usize; 4]>,
+    blocked: Option<[usize; 4]>,
+    table: bool,
+) -> bool {
+    use crate::gpu::launch::{bias_sums, most_query_blocks, table_sums};
     let within = |n: Option<usize>| n.is_some_and(|n| n <= i32::MAX as usize);
     let [batch, heads, queries, d_k] = q;
     let [_, kv_heads, keys, _] = k;
@@ -282,13 +302,14 @@ fn gpu_indexed([q, k, v]: [[usize; 4]; 3], mask: &AttentionMask) -> bool {
     let qkv = (batch * heads.max(kv_heads))
         .checked_mul(queries + keys + 1)
         .and_then(|n| n.checked_mul((d_k + d_v).max(1)));
-    let bias = mask.additive_bias().map(|t| t.dims());
-    let blocked = mask.blocked().map(|t| t.dims());
-    let parts = bias.into_iter().chain(blocked);
-    within(qkv)
-        && parts
-            .map(|dims| dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d)))
-            .all(within)
+    let size = |dims: [usize; 4]| dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    let blocks = most_query_blocks(queries);
+    let sums = [
+        bias.map(|dims| bias_sums([batch, heads, queries], blocks, dims)),
+        table.then(|| table_sums([batch, heads, queries, keys], blocks)),
+    ];
+    let parts = bias.into_iter().chain(blocked).map(size);
+    within(qkv) && parts.chain(sums.into_iter().flatten()).all(within)
 }
 
 /// The path of an attention call.
@@ -593,6 +614,21 @@ mod tests {
         // 64 x 32 heads x 8193 positions x 256 values: past i32::MAX elements.
         let large = [64, 32, 4096, 128];
         assert!(!gpu_indexed([large; 3], &none));
+        // A bias shared by the batch, [1, H, T, T]: within i32 itself, but the partial sums
+        // of its gradient hold one copy for each batch row.
+        // 7 rows of 2^28 elements: within; 8: past.
+        let [seven, eight] = [7, 8].map(|batch| [[batch, 16, 4096, 64]; 3]);
+        let shared = Some([1, 16, 4096, 4096]);
+        assert!(gpu_indexed_dims(seven, shared, None, false));
+        assert!(!gpu_indexed_dims(eight, shared, None, false));
+        // A learned table's sums: a row of every distance for each block of queries.
+        assert!(gpu_indexed_dims([[1, 8, 16384, 64]; 3], None, None, true));
+        assert!(!gpu_indexed_dims(
+            [[64, 64, 16384, 64]; 3],
+            None,
+            None,
+            true
+        ));
     }
 
     #[test]

@@ -922,14 +922,10 @@ pub(crate) fn backward(
             queries: sq > 1,
             keys: sk > 1,
         };
-        let rows = match (sq > 1, sk > 1) {
-            (true, true) => 1,
-            (false, true) => blocks,
-            (true, false) => 1,
-            (false, false) => n.queries,
-        };
-        let rows = rows * if sb == 1 { n.batch } else { 1 } * if sh == 1 { n.heads } else { 1 };
-        zeros(client, rows, sb * sh * sq * sk)
+        let elements = sb * sh * sq * sk;
+        let sums = bias_sums([n.batch, n.heads, n.queries], blocks, [sb, sh, sq, sk]);
+        let rows = sums.expect("gpu attention: bias sums past usize") / elements;
+        zeros(client, rows, elements)
     });
     let pd_partial = inputs.pd.as_ref().filter(|_| pd_grad).map(|_| {
         tq.pd = true;
@@ -1036,6 +1032,45 @@ pub(crate) struct Grads {
     pub(crate) dv: Handle,
     pub(crate) dbias: Option<Handle>,
     pub(crate) dpd: Option<Handle>,
+}
+
+/// Elements of the partial sums (f32) of the gradient of a bias of dims `[sb, sh, sq, sk]`
+/// in a call of `[B, H, Tq]` queries in `blocks` blocks: rows of the bias's elements, one
+/// for each batch row and head it is shared by, times each block where it has keys but no
+/// queries, or each query where it has neither.
+pub(crate) fn bias_sums(
+    [batch, heads, queries]: [usize; 3],
+    blocks: usize,
+    [sb, sh, sq, sk]: [usize; 4],
+) -> Option<usize> {
+    let rows = match (sq > 1, sk > 1) {
+        (true, _) => 1,
+        (false, true) => blocks,
+        (false, false) => queries,
+    };
+    let shared = if sb == 1 { batch } else { 1 } * if sh == 1 { heads } else { 1 };
+    [shared, sb, sh, sq, sk]
+        .into_iter()
+        .try_fold(rows, usize::checked_mul)
+}
+
+/// Elements of the partial sums (f32) of a learned position table's gradient in a call of
+/// `[B, H, Tq, Tk]` in `blocks` blocks of queries: a row of every head's distances for
+/// each block of each batch row.
+pub(crate) fn table_sums(
+    [batch, heads, queries, keys]: [usize; 4],
+    blocks: usize,
+) -> Option<usize> {
+    [blocks, heads, (queries + keys).saturating_sub(1)]
+        .into_iter()
+        .try_fold(batch, usize::checked_mul)
+}
+
+/// The most blocks `queries` queries are cut into by the kernels' tiles (the smallest
+/// block of [`CANDIDATES`]).
+pub(crate) fn most_query_blocks(queries: usize) -> usize {
+    let smallest = CANDIDATES.iter().map(|&(_, q, _)| q).min().unwrap_or(1);
+    queries.div_ceil(smallest)
 }
 
 /// `rows x elements` f32 zeros.
