@@ -165,7 +165,7 @@ fn a_window_given_with_the_call_places_keys_as_the_cache_does() {
     // A window of 4 with the causal cache, aligned bottom-right or not aligned, over a
     // cache read as it fills and over one read in full (whose last slots are unwritten: its
     // queries stand at the cached positions, not at the last keys). A padding mask aligned
-    // top-left places nothing by position: its alignment does not count.
+    // top-left places nothing by position: its alignment gives way to the window's.
     for be in backends() {
         for fixed in [false, true] {
             let m = attention(Positions::Alibi, 2, 52, &be.device);
@@ -185,10 +185,10 @@ fn a_window_given_with_the_call_places_keys_as_the_cache_does() {
                 let got = decoded(&x, &[0..5, 5..6, 6..9], |x| {
                     let keys = cache.keys_seen(x.dims()[1]);
                     let nothing = Tensor::<2>::zeros([2, keys], &be.device).equal_elem(1.0);
-                    let padding =
-                        AttentionMask::key_padding(nothing).aligned(mha::CausalAlignment::TopLeft);
+                    let mut padding = AttentionMask::key_padding(nothing);
                     let mut window = AttentionMask::sliding_window(4);
                     if aligned {
+                        padding = padding.aligned(mha::CausalAlignment::TopLeft);
                         window = window.aligned(mha::CausalAlignment::BottomRight);
                     }
                     m.forward_cached(x, &mut cache, window.and(padding))
@@ -225,10 +225,15 @@ fn a_window_aligned_elsewhere_than_the_cache_is_refused_before_the_cache_changes
         );
         assert_eq!(cache.len(), 3, "the refused call wrote nothing");
         // At the cache's own position, an offset is the same as the default.
-        let here = AttentionMask::local(1).aligned(mha::CausalAlignment::Offset(3));
-        m.forward_cached(randn([1, 1, D_MODEL], 56, &device), &mut cache, here)
+        let x = randn([1, 1, D_MODEL], 56, &device);
+        let mut default = cache.clone();
+        let want = m
+            .forward_cached(x.clone(), &mut default, AttentionMask::local(1))
             .unwrap();
+        let here = AttentionMask::local(1).aligned(mha::CausalAlignment::Offset(3));
+        let got = m.forward_cached(x, &mut cache, here).unwrap();
         assert_eq!(cache.len(), 4);
+        crate::util::assert_close("offset 3 as the default", got, want, 0.0);
     }
 }
 

@@ -211,7 +211,7 @@ impl AttentionCall {
                     && floats.clone().all(|t| t == dtype);
                 let (d_k, d_v) = (q_dims[3], v_dims[3]);
                 let table_too = table.clone().all(|t| t == dtype);
-                let indexed = gpu_indexed(dims, mask);
+                let indexed = gpu_indexed(dims, mask, device.is_autodiff());
                 let heads = [d_k, d_v];
                 let fit = || gpu_tiles_fit(device, heads, dtype.size(), device.is_autodiff());
                 one_float && table_too && indexed && d_k > 0 && d_v > 0 && fit()
@@ -273,26 +273,27 @@ pub(crate) fn gpu_largest_binding(device: &Device) -> u64 {
 #[cfg(feature = "gpu-kernels")]
 /// Whether the GPU kernels' 32-bit indices reach every element of a call over `[query,
 /// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, the bias's and
-/// boolean mask's own sizes, and the partial sums of the bias's and the position table's
-/// gradients): past `i32::MAX` elements a call takes the explicit path.
-fn gpu_indexed(qkv: [[usize; 4]; 3], mask: &AttentionMask) -> bool {
-    let table = matches!(mask.position(), Some(crate::PositionBias::Learned { .. }));
+/// boolean mask's own sizes, and, where a `backward` may follow, the partial sums of the
+/// bias's and the position table's gradients): past `i32::MAX` elements a call takes the
+/// explicit path.
+fn gpu_indexed(qkv: [[usize; 4]; 3], mask: &AttentionMask, backward: bool) -> bool {
+    let learned = matches!(mask.position(), Some(crate::PositionBias::Learned { .. }));
     gpu_indexed_dims(
         qkv,
         mask.additive_bias().map(|t| t.dims()),
         mask.blocked().map(|t| t.dims()),
-        table,
+        [backward, backward && learned],
     )
 }
 
 #[cfg(feature = "gpu-kernels")]
 /// [`gpu_indexed`] of the sizes alone: the bias's and the boolean mask's dims, and whether
-/// a learned position table is read.
+/// the partial sums of the bias's gradient and of a learned position table's count.
 fn gpu_indexed_dims(
     [q, k, v]: [[usize; 4]; 3],
     bias: Option<[usize; 4]>,
     blocked: Option<[usize; 4]>,
-    table: bool,
+    [bias_grad, table_grad]: [bool; 2],
 ) -> bool {
     use crate::gpu::launch::{bias_sums, most_query_blocks, table_sums};
     let within = |n: Option<usize>| n.is_some_and(|n| n <= i32::MAX as usize);
@@ -305,8 +306,9 @@ fn gpu_indexed_dims(
     let size = |dims: [usize; 4]| dims.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
     let blocks = most_query_blocks(queries);
     let sums = [
-        bias.map(|dims| bias_sums([batch, heads, queries], blocks, dims)),
-        table.then(|| table_sums([batch, heads, queries, keys], blocks)),
+        bias.filter(|_| bias_grad)
+            .map(|dims| bias_sums([batch, heads, queries], blocks, dims)),
+        table_grad.then(|| table_sums([batch, heads, queries, keys], blocks)),
     ];
     let parts = bias.into_iter().chain(blocked).map(size);
     within(qkv) && parts.chain(sums.into_iter().flatten()).all(within)
@@ -610,25 +612,23 @@ mod tests {
     fn calls_past_the_gpu_kernels_32_bit_indices_are_not_theirs() {
         let none = AttentionMask::none();
         let small = [1, 8, 16384, 128];
-        assert!(gpu_indexed([small; 3], &none));
+        assert!(gpu_indexed([small; 3], &none, true));
         // 64 x 32 heads x 8193 positions x 256 values: past i32::MAX elements.
         let large = [64, 32, 4096, 128];
-        assert!(!gpu_indexed([large; 3], &none));
+        assert!(!gpu_indexed([large; 3], &none, false));
         // A bias shared by the batch, [1, H, T, T]: within i32 itself, but the partial sums
-        // of its gradient hold one copy for each batch row.
-        // 7 rows of 2^28 elements: within; 8: past.
+        // of its gradient hold one copy for each batch row: 7 rows of 2^28 elements are
+        // within, 8 past, where a backward may follow (without one, within).
         let [seven, eight] = [7, 8].map(|batch| [[batch, 16, 4096, 64]; 3]);
         let shared = Some([1, 16, 4096, 4096]);
-        assert!(gpu_indexed_dims(seven, shared, None, false));
-        assert!(!gpu_indexed_dims(eight, shared, None, false));
+        assert!(gpu_indexed_dims(seven, shared, None, [true; 2]));
+        assert!(!gpu_indexed_dims(eight, shared, None, [true, false]));
+        assert!(gpu_indexed_dims(eight, shared, None, [false; 2]));
         // A learned table's sums: a row of every distance for each block of queries.
-        assert!(gpu_indexed_dims([[1, 8, 16384, 64]; 3], None, None, true));
-        assert!(!gpu_indexed_dims(
-            [[64, 64, 16384, 64]; 3],
-            None,
-            None,
-            true
-        ));
+        let [one, many] = [1, 2].map(|batch| [[batch, 64, 16384, 64]; 3]);
+        assert!(gpu_indexed_dims(one, None, None, [true; 2]));
+        assert!(!gpu_indexed_dims(many, None, None, [true; 2]));
+        assert!(gpu_indexed_dims(many, None, None, [true, false]));
     }
 
     #[test]

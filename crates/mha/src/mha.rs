@@ -477,7 +477,10 @@ impl MultiHeadAttention {
     /// (or self-attention under [`AttentionMask::sliding_window`]) over the whole sequence.
     ///
     /// `mask` adds to the causal rule, over the keys the call sees
-    /// ([`KvCache::keys_seen`]): the padding of prompts of different lengths, say.
+    /// ([`KvCache::keys_seen`]): the padding of prompts of different lengths, say. A
+    /// window or causal part in it, aligned bottom-right or not aligned, is placed where
+    /// the cache places the call's queries: at their positions, also in a cache read in
+    /// full ([`KvCache::fixed_reads`]), whose last keys are slots not yet written.
     /// Dropout does not act.
     ///
     /// # Errors

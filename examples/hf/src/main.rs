@@ -201,15 +201,19 @@ impl Generation {
 fn not_applied(json: &serde_json::Value) -> Vec<String> {
     let acts = |name: &str, value: &serde_json::Value| match (name, value) {
         (_, serde_json::Value::Null) => false,
-        ("no_repeat_ngram_size" | "min_length" | "min_new_tokens", v) => {
+        ("no_repeat_ngram_size" | "min_length" | "min_new_tokens" | "penalty_alpha", v) => {
             v.as_f64().is_some_and(|n| n > 0.0)
         }
+        ("num_beams" | "num_beam_groups", v) => v.as_f64().is_some_and(|n| n > 1.0),
         ("encoder_repetition_penalty", v) => v.as_f64().is_some_and(|p| p != 1.0),
         (_, serde_json::Value::Array(list)) => !list.is_empty(),
         (_, serde_json::Value::Object(map)) => !map.is_empty(),
         _ => true,
     };
     [
+        "num_beams",
+        "num_beam_groups",
+        "penalty_alpha",
         "no_repeat_ngram_size",
         "min_length",
         "min_new_tokens",
@@ -511,14 +515,18 @@ mod tests {
         write(
             "generation_config.json",
             r#"{"repetition_penalty": 1.1, "no_repeat_ngram_size": 3, "min_length": 0,
-                "bad_words_ids": null, "suppress_tokens": [], "do_sample": true}"#,
+                "bad_words_ids": null, "suppress_tokens": [], "do_sample": true,
+                "num_beams": 4, "num_beam_groups": 1}"#,
         );
         assert_eq!(
             Generation::read(&dir).unwrap(),
             Generation {
                 end: vec![2, 5],
                 repetition_penalty: 1.1,
-                not_applied: vec!["no_repeat_ngram_size = 3".to_string()],
+                not_applied: vec![
+                    "num_beams = 4".to_string(),
+                    "no_repeat_ngram_size = 3".to_string()
+                ],
             }
         );
         write("generation_config.json", r#"{"repetition_penalty": 0}"#);

@@ -929,7 +929,13 @@ pub(crate) fn backward(
     });
     let pd_partial = inputs.pd.as_ref().filter(|_| pd_grad).map(|_| {
         tq.pd = true;
-        zeros(client, n.batch * blocks, n.heads * (n.queries + n.keys - 1))
+        let elements = n.heads * (n.queries + n.keys - 1);
+        let sums = table_sums([n.batch, n.heads, n.queries, n.keys], blocks);
+        zeros(
+            client,
+            sums.expect("gpu attention: table sums past usize") / elements,
+            elements,
+        )
     });
     let partial_arg = |p: &Option<(Handle, [usize; 2])>| match p {
         Some((handle, [rows, elements])) => {
@@ -1266,6 +1272,55 @@ mod tests {
     const F16: ElemType = ElemType::Float(FloatKind::F16);
     const BF16: ElemType = ElemType::Float(FloatKind::BF16);
     const F32: ElemType = ElemType::Float(FloatKind::F32);
+
+    #[test]
+    fn the_band_arguments_give_every_query_and_key_their_keys_and_queries() {
+        use crate::mask::{AttentionMask, CausalAlignment};
+        let clip = |lo: i64, hi: i64, n: usize| {
+            let (lo, hi) = (lo.max(0), hi.min(n as i64));
+            match lo < hi {
+                true => lo as usize..hi as usize,
+                false => 0..0,
+            }
+        };
+        let masks = [
+            AttentionMask::none(),
+            AttentionMask::causal(),
+            AttentionMask::sliding_window(3),
+            AttentionMask::local(2),
+            AttentionMask::local(60),
+            AttentionMask::sliding_window(50).and(AttentionMask::local(1)),
+        ];
+        let alignments = [
+            CausalAlignment::BottomRight,
+            CausalAlignment::TopLeft,
+            CausalAlignment::Offset(7),
+            CausalAlignment::Offset(100),
+            CausalAlignment::Offset(-40),
+            CausalAlignment::Offset(i64::MIN / 2),
+        ];
+        for (queries, keys) in [(1, 1), (4, 3), (13, 4), (5, 30), (9, 9)] {
+            let dims = Dims::of([[1, 1, queries, 8], [1, 1, keys, 8], [1, 1, keys, 8]]);
+            for mask in &masks {
+                for alignment in alignments {
+                    let mask = mask.clone().aligned(alignment);
+                    let seen = mask.rule().visibility(queries, keys);
+                    let [offset, before, after] = band(&dims, seen.band()).map(i64::from);
+                    let case = format!("{mask:?} at [{queries}, {keys}]");
+                    for i in 0..queries {
+                        let own = i as i64 + offset;
+                        let got = clip(own - before, own + after + 1, keys);
+                        assert_eq!(got, seen.keys_of(0, i), "{case}: query {i}");
+                    }
+                    for j in 0..keys {
+                        let own = j as i64 - offset;
+                        let got = clip(own - after, own + before + 1, queries);
+                        assert_eq!(got, seen.queries_of(0, j), "{case}: key {j}");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn asked_tiles_are_one_of_the_candidates_and_go_first() {

@@ -30,7 +30,9 @@ pub(crate) const INVISIBLE: f32 = -3.4e38;
 /// `pd` (`[1, 1, H, Tq + Tk - 1]`, column `c` for the distance `c - (Tq - 1)` from a
 /// query's row to a key's) and packed sequences' bounds `seq` (i32 `[B, 1, T, 2]`, see
 /// `Visibility::sequences`). The band: query `i` sees keys `i + offset - before ..= i +
-/// offset + after` (bounds larger than the problem for "every key").
+/// offset + after`, cut to `0 .. Tk` (`launch::band` passes offset 0 and the band's first
+/// and last distances, `-before` and `after`, either of which may be negative; bounds
+/// past the problem for "every key").
 #[derive(CubeLaunch, CubeType)]
 pub(crate) struct Problem<F: Float, M: Int, N: Size> {
     pub(crate) q: OwnedTensor<Vector<F, N>>,

@@ -367,17 +367,19 @@ impl AttentionMask {
     }
 
     /// Both masks at once: a key is blocked if either blocks it; biases add; windows
-    /// intersect. The alignment of a mask with nothing placed by position (no causal
-    /// part, window, packed sequences or position bias) does not count.
+    /// intersect. The alignment of either aligns both, but the alignment of a mask that
+    /// places nothing by position (no causal part, window, packed sequences or position
+    /// bias) gives way to the other's.
     ///
     /// # Panics
-    /// If both place keys by position and align differently, if they pack different
-    /// sequences, or both have a position bias or both have sinks.
+    /// If both are aligned differently and both place keys by position, if they pack
+    /// different sequences, or both have a position bias or both have sinks.
     pub fn and(mut self, mut other: Self) -> Self {
-        for mask in [&mut self, &mut other] {
-            if !mask.by_position() {
-                mask.rule.alignment = None;
-            }
+        if !self.by_position() && other.rule.alignment.is_some() {
+            self.rule.alignment = None;
+        }
+        if !other.by_position() && self.rule.alignment.is_some() {
+            other.rule.alignment = None;
         }
         assert!(
             self.position.is_none() || other.position.is_none(),
