@@ -122,8 +122,8 @@ pub(crate) struct AttentionCall {
     #[cfg(any(feature = "cpu-kernels", feature = "gpu-kernels"))]
     backend: Backend,
     autodiff: bool,
-    /// Every float tensor (a learned position table too) is f32 and the boolean mask is
-    /// stored as bytes: what the CPU tiles take.
+    /// Every float tensor (a learned position table too) is f32, the boolean mask is
+    /// stored as bytes and the queries and keys have features: what the CPU tiles take.
     #[cfg(feature = "cpu-kernels")]
     f32_bytes: bool,
     /// Every float tensor (a learned position table too) is of one dtype, f32, f16 or
@@ -193,8 +193,10 @@ impl AttentionCall {
             autodiff: device.is_autodiff(),
             #[cfg(feature = "cpu-kernels")]
             f32_bytes: {
+                // And queries and keys with features: the tiles' panels have none to cut.
                 let f32 = floats.clone().all(|t| t == DType::F32)
-                    && table.clone().all(|t| t == DType::F32);
+                    && table.clone().all(|t| t == DType::F32)
+                    && q_dims[3] > 0;
                 let bool_bytes = mask.blocked().is_none_or(|blocked| {
                     matches!(
                         blocked.dtype(),

@@ -19,7 +19,9 @@ use burn::tensor::Device;
 /// inside `f` the other workers instead wait for work by spinning, as OpenMP's threads
 /// (PyTorch's on the CPU) do. Each shortened the trainer's text steps on 2 cores, with the
 /// same numbers to the last digit (the project's `docs/benchmarks.md` has the
-/// measurements). Wrap a whole step
+/// measurements): an operation gives the same numbers inside `f` and outside it (the CPU
+/// kernels cut their work for the pool's size either way; a pool of another size may sum
+/// some gradients in another order, as PyTorch's threads do). Wrap a whole step
 /// (forward, backward, optimizer), not each call: the hand-over is then paid once; and
 /// not a loop that waits on something else: the spinning workers keep their cores busy
 /// for as long as `f` gives them work. One call spins at a time. Steps run at once from several
@@ -157,6 +159,41 @@ mod tests {
         assert!(outer.is_some());
         assert_eq!(outer, inner);
         assert_eq!(on_cpu_workers(&device, || 7), 7);
+    }
+
+    #[test]
+    fn attention_gives_the_same_gradients_inside_and_outside_the_workers() {
+        // Two heads, 100 keys: small enough to run on the caller's thread outside the pool,
+        // whose threads cut each head's keys in parts (more threads than heads); the parts
+        // are cut alike either way, and so summed in one order.
+        use burn::tensor::Distribution;
+        let devices = crate::testing::devices();
+        for device in devices.iter().filter(|d| crate::dispatch::cpu_pool(d)) {
+            device.seed(7);
+            let [q, k, v] = [0, 1, 2]
+                .map(|_| Tensor::<4>::random([1, 2, 100, 64], Distribution::Default, device));
+            let run = |[q, k, v]: [Tensor<4>; 3]| {
+                let [q, k, v] = [q, k, v].map(|x| x.require_grad());
+                let mask = crate::AttentionMask::causal();
+                let out = crate::scaled_dot_product_attention(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    &mask,
+                    crate::SdpaOptions::default(),
+                );
+                let grads = (out.context.clone() * out.context).sum().backward();
+                [q, k, v].map(|x| x.grad(&grads).unwrap().into_data())
+            };
+            let outside = run([q.clone(), k.clone(), v.clone()]);
+            let inside = on_cpu_workers(device, || run([q, k, v]));
+            for (name, (a, b)) in ["dq", "dk", "dv"]
+                .into_iter()
+                .zip(outside.iter().zip(&inside))
+            {
+                assert_eq!(a, b, "{device:?}: {name} differs inside the workers");
+            }
+        }
     }
 
     #[test]

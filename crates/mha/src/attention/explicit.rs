@@ -182,11 +182,18 @@ pub(super) fn context(
 /// - `a`: `[B, H, M, K]`, `b`: `[B, Hkv, K, N]`, result `[B, H, M, N]`.
 fn grouped_matmul(a: Tensor<4>, b: Tensor<4>, kv_heads: usize) -> Tensor<4> {
     let [batch, heads, rows, inner] = a.dims();
+    let cols = b.dims()[3];
+    if inner == 0 {
+        // A sum of nothing (queries and keys without features), which some backends'
+        // products divide by: zeros, each factor's gradient 0.
+        let (device, dtype) = (a.device(), a.dtype());
+        let links = [a, b].map(crate::empty::zero_of);
+        return crate::empty::zeros([batch, heads, rows, cols], &device, dtype, links);
+    }
     if heads == kv_heads {
         return a.matmul(b);
     }
     let group = heads / kv_heads;
-    let cols = b.dims()[3];
     a.reshape([batch, kv_heads, group * rows, inner])
         .matmul(b)
         .reshape([batch, heads, rows, cols])

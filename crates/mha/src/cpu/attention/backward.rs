@@ -36,13 +36,16 @@ pub(super) fn backward(
     extra: Extra,
     wanted: [Option<[usize; 4]>; 2],
 ) -> Gradients {
-    let threads = threads_for(dims.multiply_adds().saturating_mul(2));
+    // Cut for the pool's threads whether the call runs on them or, small and outside the
+    // pool, on this one: the key ranges, and with them the order dQ's parts are summed in,
+    // and so its numbers, are the same inside and outside `on_cpu_workers`.
+    let threads = rayon::current_num_threads();
     backward_on(Isa::best(), threads, dims, inputs, lse, extra, wanted)
 }
 
-/// [`backward`] with the given instruction set, its heads cut for `threads` threads;
-/// `[q, k, v, output, grad]`; `wanted`: the bias's and the table's shapes, when their
-/// gradients are wanted.
+/// [`backward`] with the given instruction set, its heads cut for `threads` threads (and
+/// run on at most as many); `[q, k, v, output, grad]`; `wanted`: the bias's and the
+/// table's shapes, when their gradients are wanted.
 pub(super) fn backward_on(
     isa: Isa,
     threads: usize,
@@ -79,6 +82,7 @@ pub(super) fn backward_on(
     );
     let [mut dq, mut dk, mut dv] = lens.map(Vec::<f32>::with_capacity);
     let ranges = key_ranges(dims, &extra.scoring.visibility, threads);
+    let run_on = threads.min(threads_for(dims.multiply_adds().saturating_mul(2)));
     let split = ranges.len();
     let dq_out = Out::new(dq.as_mut_ptr());
     let dk_out = Out::new(dk.as_mut_ptr());
@@ -88,7 +92,7 @@ pub(super) fn backward_on(
     // range is every key, writes their dQ in place and returns nothing).
     let columns = table_grad.map_or(0, |[_, _, _, c]| c);
     let partials: Vec<(Vec<f32>, Option<BiasPart>, Vec<f64>)> =
-        map_blocks_on(threads, batch * kv_heads * split, |task| {
+        map_blocks_on(run_on, batch * kv_heads * split, |task| {
             let (bkv, range) = (task / split, ranges[task % split].clone());
             let (b, kvh) = (bkv / kv_heads, bkv % kv_heads);
             let mut kv = KeyGrads {
