@@ -60,8 +60,7 @@ use burn::nn::attention::{
     MhaInput as BurnMhaInput, MultiHeadAttentionConfig as BurnMhaConfig,
     generate_autoregressive_mask,
 };
-use burn::optim::grad_clipping::GradientClippingConfig;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Distribution, FloatDType, Tensor};
 use clap::Parser;
 use mha::{AttentionMask, MhaInput, ModuleDType, MultiHeadAttentionConfig, SdpaOptions};
@@ -972,10 +971,8 @@ fn bench_trainer(
     let subject = run.subject;
     let ad = device.clone().autodiff();
     let mut model = config.init_model(&ad)?;
-    let mut optim = AdamWConfig::new()
-        .with_weight_decay(config.weight_decay)
-        .with_grad_clipping(Some(GradientClippingConfig::Norm(config.grad_clip)))
-        .init();
+    // The trainer's optimizer: `mha`'s AdamW, its settings and groups.
+    let mut optim = train::training::optimizer(&config);
     let batcher = SeqBatcher {
         fixed: config.fixed_shape(backend),
         pack: config.pack_width(),

@@ -447,7 +447,7 @@ impl Summary {
 /// biases and the norms' gains and shifts in a group without it), and each parameter's
 /// gradient clipped, unless the step clips them all together (`clip_global`,
 /// [`SeqBatch::clip`]). The configuration's values were checked when it was read.
-fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
+pub fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
     let clipping = (!config.clip_global).then_some(GradientClippingConfig::Norm(config.grad_clip));
     let adam = |decay| {
         AdamWConfig::new()
