@@ -159,6 +159,9 @@ def bench(shape_name, device, runs, dtype="f32"):
     xg = x.clone().requires_grad_()
 
     def forward_backward():
+        # Fresh gradients each call, as `mha`'s (no accumulation into the last call's).
+        mha.zero_grad(set_to_none=True)
+        xg.grad = None
         out, _ = mha(xg, xg, xg, attn_mask=mask, is_causal=True, need_weights=False)
         out.sum().backward()
 
@@ -175,6 +178,7 @@ def bench(shape_name, device, runs, dtype="f32"):
     qg, kg, vg = (a.clone().requires_grad_() for a in (q, k, v))
 
     def core_forward_backward():
+        qg.grad = kg.grad = vg.grad = None
         F.scaled_dot_product_attention(qg, kg, vg, is_causal=True).sum().backward()
 
     core = core_flops(b, t, d)
@@ -190,6 +194,7 @@ def bench_long_core(seq, device, runs, dtype):
     q, k, v = (torch.randn(1, 8, seq, 64, device=device, dtype=DTYPES[dtype], requires_grad=True) for _ in range(3))
 
     def forward_backward():
+        q.grad = k.grad = v.grad = None
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     if device.type == "cuda":
@@ -323,9 +328,13 @@ def main():
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {args.threads} threads"
 
     def write_json(records):
+        """The records so far, written through a temporary name: a step killed later (a
+        time limit, a crash) leaves every measurement made before it."""
         if args.json:
-            with open(args.json, "w") as f:
+            tmp = f"{args.json}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(dict(torch=torch.__version__, device=args.device, threads=args.threads, records=records), f, indent=1)
+            os.replace(tmp, args.json)
 
     if args.trainer:
         print(f"## PyTorch {torch.__version__} on {args.device} ({where}): whole training steps, batch 64\n")
@@ -336,6 +345,7 @@ def main():
             r = bench_trainer(size, device, args.train_steps)
             records.append(r)
             print(f"| {size} | {r['median_ms']:.1f} | {r['tokens_per_second']:.0f} |", flush=True)
+            write_json(records)
         write_json(records)
         return
     shapes = [s for s in args.shapes.split(",") if s != "none"]
@@ -354,8 +364,13 @@ def main():
         print("| shape (B, T, D, H) | fwd | fwd+bwd | core fwd | core fwd+bwd |")
         print("|---|---|---|---|---|")
         for s in shapes:
-            rs = bench(s, device, args.runs, dt)
+            try:
+                rs = bench(s, device, args.runs, dt)
+            except Exception as err:  # a dtype the device lacks, out of memory: the next
+                print(f"| {s} | failed: {type(err).__name__}: {err} | | | |", flush=True)
+                continue
             records.extend(rs)
+            write_json(records)
             cell = {(r["subject"], r["pass_"]): f"{r['median_ms']:.1f} ({r['gflops']:.0f})" for r in rs}
             if args.queued:
                 for r in rs:
@@ -373,8 +388,13 @@ def main():
         print("| positions | dtype | median ms | GFLOP/s | peak memory (MiB) |")
         print("|---|---|---|---|---|")
         for dt in dtypes:
-            r = bench_long_core(args.long_core, device, args.runs, dt)
+            try:
+                r = bench_long_core(args.long_core, device, args.runs, dt)
+            except Exception as err:
+                print(f"| {args.long_core} | {dt} | failed: {type(err).__name__}: {err} | | |", flush=True)
+                continue
             records.append(r)
+            write_json(records)
             peak = "—" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
             queued = f", {r['queued_ms']:.1f} queued ({r['queued_calls']})" if "queued_ms" in r else ""
             print(f"| {args.long_core} | {dt} | {r['median_ms']:.1f}{queued} | {r['gflops']:.0f} | {peak} |", flush=True)
