@@ -189,7 +189,8 @@ def bench(shape_name, device, runs, dtype="f32"):
 
 def bench_long_core(seq, device, runs, dtype):
     """The causal core alone at `seq` positions (batch 1, 8 heads of 64), forward+backward,
-    with the peak memory CUDA allocated."""
+    with the peak memory: what PyTorch's caching allocator reserved from CUDA, as `mha`'s
+    figure is its memory pool's pages (and what its tensors took of it, `peak_allocated_mib`)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 8, seq, 64, device=device, dtype=DTYPES[dtype], requires_grad=True) for _ in range(3))
 
@@ -201,11 +202,14 @@ def bench_long_core(seq, device, runs, dtype):
         torch.cuda.reset_peak_memory_stats()
     ms, n, _ = timed(min(runs, 3), device, forward_backward, queue=False)
     # The peak before the queued batches.
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_reserved() / 2**20 if cuda else None
+    allocated = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
     result = (ms, n, queued(ms, n, device, forward_backward) if QUEUE else None)
     flops = 3 * core_flops(1, seq, 512)
     return dict(shape="long-core", dtype=dtype, subject="pytorch-core", pass_="forward+backward",
-                context=seq, **times(result), gflops=flops / result[0] / 1e6, peak_mib=peak)
+                context=seq, **times(result), gflops=flops / result[0] / 1e6, peak_mib=peak,
+                peak_allocated_mib=allocated)
 
 
 # The trainer's vocabulary: PAD, SEP, EOS, then the symbols.

@@ -333,6 +333,7 @@ def main(out):
         lines.extend(table(queued))
     if long_rows:
         lines.append("\n## Causal core alone, batch 1, 8 heads of 64, forward+backward\n")
+        lines.append("Peak MiB: the device memory held at the peak, `mha`'s memory pool's pages and PyTorch's caching allocator's reserved memory.\n")
         lines.append("| who | positions | dtype | median ms | queued ms per call | peak MiB |")
         lines.append("|---|---|---|---|---|---|")
         for who, positions, dtype, ms, queued_ms, peak in long_rows:
