@@ -1367,20 +1367,32 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
                 floor::print_floor(cli.runs, &device, dtype)?;
             }
         }
+        // Each of these printed and written as soon as it is measured: a run stopped by a
+        // time limit keeps them.
         if cli.decode {
             decode::bench_decode(cli.runs, backend, &device, &cli.decode_at, &mut mine)?;
+            decode::print_decode(backend, &mine);
+            write_json(cli.json.as_deref(), &records, &mine)?;
         }
         if cli.decode_core {
             decode::bench_decode_core(cli.runs, backend, &device, &cli.decode_at, &mut mine);
+            decode::print_decode_core(backend, &mine);
+            write_json(cli.json.as_deref(), &records, &mine)?;
         }
         if cli.window {
             decode::bench_window(cli.runs, backend, &device, &mut mine)?;
+            decode::print_window(backend, &mine);
+            write_json(cli.json.as_deref(), &records, &mine)?;
         }
         if cli.prune {
             prune::bench_prune(cli.runs, backend, &device, &mut mine)?;
+            prune::print_prune(backend, &mine);
+            write_json(cli.json.as_deref(), &records, &mine)?;
         }
         if cli.llama {
             llama::bench_llama(cli.runs, backend, &device, &mut mine)?;
+            llama::print_llama(backend, &mine);
+            write_json(cli.json.as_deref(), &records, &mine)?;
         }
         for (n, &dtype) in computed.iter().enumerate() {
             // The measurements without a dtype (matmul, trainer) once, after the first.
@@ -1400,21 +1412,6 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
             print_trainer(&mine.iter().collect::<Vec<_>>());
         }
         print_long_core(backend, &mine);
-        if cli.decode {
-            decode::print_decode(backend, &mine);
-        }
-        if cli.decode_core {
-            decode::print_decode_core(backend, &mine);
-        }
-        if cli.window {
-            decode::print_window(backend, &mine);
-        }
-        if cli.prune {
-            prune::print_prune(backend, &mine);
-        }
-        if cli.llama {
-            llama::print_llama(backend, &mine);
-        }
         records.extend(mine);
     }
     write_json(cli.json.as_deref(), &records, &[])?;
