@@ -64,6 +64,12 @@ fn bad_attention_configs_name_the_field_and_values() {
             "MultiHeadAttentionConfig.softcap: must be positive and finite, got -1",
         ),
         (
+            // 0 in f32.
+            MultiHeadAttentionConfig::new(8, 2).with_scale(Some(1e-46)),
+            "MultiHeadAttentionConfig.scale: must be positive and finite in f32, got \
+             0.0000000000000000000000000000000000000000000001",
+        ),
+        (
             MultiHeadAttentionConfig::new(8, 2).with_positions(Positions::Sinusoidal),
             "MultiHeadAttentionConfig.positions: Sinusoidal positions are added to the input \
              once, by a stack or the model; attention takes Rope, Alibi, Relative or T5",
@@ -285,7 +291,15 @@ fn masks_by_position_that_cannot_hold_panic_naming_the_values() {
                 AttentionMask::causal(),
                 SdpaOptions::default().with_softcap(0.0),
             ),
-            "softcap must be positive and finite, got 0",
+            "softcap must be positive and finite in f32, got 0",
+        ),
+        (
+            // Past f32's range: infinite in the kernels, every score NaN.
+            run(
+                AttentionMask::causal(),
+                SdpaOptions::default().with_softcap(1e39),
+            ),
+            "softcap must be positive and finite in f32, got 1000000000000000000000000000000000000000",
         ),
         (
             run(
@@ -768,7 +782,7 @@ fn attention_weights_check_their_inputs_as_attention_does() {
                 AttentionMask::none(),
                 o().with_scale(f64::NAN),
             ),
-            "scale must be positive and finite, got NaN",
+            "scale must be positive and finite in f32, got NaN",
         ),
         (
             run(

@@ -85,6 +85,17 @@ impl Check {
         }
         Ok(())
     }
+
+    /// `value > 0` and finite, in f32 too (what the kernels compute with).
+    pub fn positive_f32(&self, field: &'static str, value: f64) -> Result<(), ConfigError> {
+        self.positive(field, value)?;
+        let narrow = value as f32;
+        if !(narrow.is_finite() && narrow > 0.0) {
+            let message = format!("must be positive and finite in f32, got {value}");
+            return Err(self.err(field, message));
+        }
+        Ok(())
+    }
 }
 
 /// A call with a [`KvCache`](crate::cache::KvCache) was refused; nothing was written to

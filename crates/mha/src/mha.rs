@@ -293,10 +293,10 @@ impl MultiHeadAttentionConfig {
         check.divisible("n_heads", self.n_heads, "n_kv_heads", n_kv_heads)?;
         check.probability("dropout", self.dropout)?;
         if let Some(scale) = self.scale {
-            check.positive("scale", scale)?;
+            check.positive_f32("scale", scale)?;
         }
         if let Some(cap) = self.softcap {
-            check.positive("softcap", cap)?;
+            check.positive_f32("softcap", cap)?;
         }
         if let Some(epsilon) = self.qk_norm_eps {
             check.positive("qk_norm_eps", epsilon)?;

@@ -186,14 +186,17 @@ pub(crate) fn checked_scores(
         options.dropout
     );
     let scale = options.scale.unwrap_or(1.0 / (d_k as f64).sqrt());
+    // Positive and finite in f32 too, the kernels' precision (a cap past f32's range
+    // became infinite there, its scores NaN).
+    let in_f32 = |x: f64| x.is_finite() && x > 0.0 && (x as f32).is_finite() && (x as f32) > 0.0;
     assert!(
-        scale.is_finite() && scale > 0.0,
-        "scaled_dot_product_attention: scale must be positive and finite, got {scale}"
+        in_f32(scale),
+        "scaled_dot_product_attention: scale must be positive and finite in f32, got {scale}"
     );
     if let Some(cap) = options.softcap {
         assert!(
-            cap.is_finite() && cap > 0.0,
-            "scaled_dot_product_attention: softcap must be positive and finite, got {cap}"
+            in_f32(cap),
+            "scaled_dot_product_attention: softcap must be positive and finite in f32, got {cap}"
         );
     }
     Scores {

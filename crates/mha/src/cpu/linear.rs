@@ -375,9 +375,12 @@ fn backward_in(
             (None, None) => None,
         };
         let through_ptr = through.as_ref().map(|t| t.as_ptr().cast::<f32>());
-        // SAFETY: the block's share of db is its own.
-        let db = want_bias
-            .then(|| unsafe { std::slice::from_raw_parts_mut(share_out.at(dw_len), d_out) });
+        // SAFETY: the block's share of db is its own, zeroed (its buffer's spare capacity
+        // is not yet initialised) before a slice of it is made.
+        let db = want_bias.then(|| unsafe {
+            share_out.at(dw_len).write_bytes(0, d_out);
+            std::slice::from_raw_parts_mut(share_out.at(dw_len), d_out)
+        });
         isa.run(Prepare {
             dy,
             slope: slope.map(|slope| slope.below(range.start)),

@@ -27,7 +27,8 @@ pub(crate) fn layer_norm<const D: usize>(
             let dims = x.dims();
             let d = dims[D - 1];
             // A norm without shift passes a shift of zeros, which wants no gradient.
-            let beta = beta.unwrap_or_else(|| Tensor::zeros([d], &gamma.device()));
+            // In gamma's dtype, whatever the device's default float dtype.
+            let beta = beta.unwrap_or_else(|| Tensor::zeros([d], (&gamma.device(), gamma.dtype())));
             let [gamma, beta] = [gamma, beta].map(|p| p.reshape([1, 1, 1, d]));
             let op = super::FusedOp::LayerNorm {
                 epsilon,
@@ -63,7 +64,7 @@ pub(crate) fn rms_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, epsilon: 
             let dims = x.dims();
             let d = dims[D - 1];
             // No shift: zeros, which want no gradient.
-            let beta = Tensor::zeros([d], &gamma.device());
+            let beta = Tensor::zeros([d], (&gamma.device(), gamma.dtype()));
             let [gamma, beta] = [gamma, beta].map(|p| p.reshape([1, 1, 1, d]));
             let op = super::FusedOp::LayerNorm {
                 epsilon,

@@ -134,10 +134,10 @@ pub(super) fn backward_on(
                 let h = kvh * group + g;
                 for (i, row) in head.chunks_exact(d_k).enumerate() {
                     let at = ((b * queries + i) * heads + h) * d_k;
-                    // SAFETY: the task is head (b, h)'s only one: its dQ rows are its own.
-                    let out = unsafe { std::slice::from_raw_parts_mut(dq_out.at(at), d_k) };
-                    for (o, &x) in out.iter_mut().zip(row) {
-                        *o = x * scale;
+                    for (j, &x) in row.iter().enumerate() {
+                        // SAFETY: the task is head (b, h)'s only one: its dQ rows are its
+                        // own, written (not read: not yet initialised) element by element.
+                        unsafe { dq_out.at(at + j).write(x * scale) };
                     }
                 }
             }
