@@ -68,12 +68,14 @@ def time_transformers(runs):
     return {"forward": forward, "decode-step": decode, "attention": config._attn_implementation}
 
 
-def time_mha(binary, runs):
+def time_mha(binary, runs, threads):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "mha.json")
         cmd = [binary, "--backend", "flex", "--shapes", "none", "--no-train", "--llama",
                "--runs", str(runs), "--json", out]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        # As many threads as PyTorch's: the CPU kernels' pool is rayon's.
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
         with open(out) as f:
             records = json.load(f)
     return {r["pass"]: r["median_ms"] for r in records if r["subject"] == "llama"}
@@ -83,15 +85,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=9)
-    parser.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "bench"),
-                        help="the release build of examples/bench")
+    target = os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target")
+    parser.add_argument("--binary", default=os.path.join(target, "release", "bench"),
+                        help="the release build of examples/bench (in CARGO_TARGET_DIR where set)")
     parser.add_argument("--json", help="also write the numbers to this file")
     args = parser.parse_args()
     if not os.path.exists(args.binary):
         sys.exit(f"{args.binary}: build it first (cargo build --release -p bench)")
     torch.set_num_threads(args.threads)
     hf = time_transformers(args.runs)
-    ours = time_mha(args.binary, args.runs)
+    ours = time_mha(args.binary, args.runs, args.threads)
     print(f"Llama, 2 layers, width 512, 8/2 heads of 64, f32, CPU, {args.threads} threads "
           f"(torch {torch.__version__}, attention {hf['attention']}), medians of {args.runs}:")
     print(f"{'':32} {'transformers':>12} {'mha (flex)':>12} {'mha / transformers':>19}")

@@ -82,15 +82,24 @@ pack() {
 }
 
 # `lib_tests FEATURES`: the path of mha's unit-test binary built with FEATURES (built at
-# the workspace's level, as CI builds it, so that the dependencies' features match).
+# the workspace's level, as CI builds it, so that the dependencies' features match); a
+# build that fails prints its errors and ends the script.
 lib_tests() {
-    cargo test --features "$1" --lib --no-run --message-format=json 2> /dev/null \
-        | python3 -c 'import json, sys
+    local log
+    log=$(mktemp)
+    if ! cargo test --features "$1" --lib --no-run --message-format=json 2> "$log" > "$log.json"; then
+        echo "error: mha's unit tests (features $1) did not build:" >&2
+        tail -n 30 "$log" >&2
+        rm -f "$log" "$log.json"
+        exit 1
+    fi
+    python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     exe = m.get("executable") or ""
     if m.get("target", {}).get("name") == "mha" and exe:
-        print(exe)'
+        print(exe)' < "$log.json"
+    rm -f "$log" "$log.json"
 }
 
 if [ "${1:-}" = "--pack" ]; then
@@ -192,7 +201,7 @@ archive() {
     # the archive is whole.)
     local rc=0
     tar czf "$out/.archive/part" --warning=no-file-changed --exclude=./gpu_table.tar.gz \
-        --exclude=./.archive --exclude=./pack --exclude="./bench-*" --exclude=./mha-tests \
+        --exclude=./.archive --exclude=./pack --exclude="./bench-*" --exclude=./mha-tests --exclude=./vulkan-libs \
         --exclude=./.shader-cache -C "$out" . || rc=$?
     if [ "$rc" -le 1 ]; then
         mv "$out/.archive/part" "$out/gpu_table.tar.gz"
@@ -366,8 +375,16 @@ libs=$(ldconfig -p 2>/dev/null || true)
 if ! grep -q 'libvulkan.so.1' <<< "$libs" || ! grep -q 'libGLdispatch.so.0' <<< "$libs"; then
     if ls "$pack_dir"/debs/*.deb > /dev/null 2>&1; then
         echo "== installing the packed Vulkan loader and GL dispatch libraries" >&2
-        for f in "$pack_dir"/debs/*.deb; do dpkg -x "$f" /; done
-        ldconfig
+        if [ "$(id -u)" = 0 ]; then
+            for f in "$pack_dir"/debs/*.deb; do dpkg -x "$f" /; done
+            ldconfig
+        else
+            # Not root: unpacked beside the results, found through LD_LIBRARY_PATH.
+            libs_dir="$out/vulkan-libs"
+            mkdir -p "$libs_dir"
+            for f in "$pack_dir"/debs/*.deb; do dpkg -x "$f" "$libs_dir"; done
+            export LD_LIBRARY_PATH="$libs_dir/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        fi
     else
         echo "warning: no Vulkan loader or GL dispatch here and none packed" >&2
     fi
