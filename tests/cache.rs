@@ -273,6 +273,76 @@ fn a_decoder_only_stack_decodes_with_one_cache_per_layer() {
 }
 
 #[test]
+fn left_padded_prompts_decode_together_as_each_alone() {
+    // Row 0: 3 padding tokens, then a sequence of 8; row 1: a sequence of 11. Whole and
+    // decoded together (a prompt of 8, single tokens, then 2; caches read as they fill, in
+    // full, or a window's ring), each real token's output is that of its row alone: the
+    // padding blocked as keys, absolute positions counted from each row's first token.
+    let calls = [0..8, 8..9, 9..11];
+    for be in backends() {
+        for (n, positions) in [
+            Positions::Learned { max_len: 11 },
+            Positions::Sinusoidal,
+            Positions::rope(),
+            Positions::Alibi,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for window in [None, Some(4)] {
+                let what = format!(
+                    "[{}] left padding, {positions:?}, window {window:?}",
+                    be.name
+                );
+                let block = encoder_block(positions.clone()).with_window(window);
+                let stack = EncoderConfig::new(block, 2).init(&be.device);
+                let x = randn([2, 11, D_MODEL], 65 + n as u64, &be.device);
+                let alone = |b: usize, pad: usize| {
+                    let row = x.clone().narrow(0, b, 1).narrow(1, pad, 11 - pad);
+                    stack.forward(StackInput::new(row)).unwrap().output
+                };
+                let want = [alone(0, 3), alone(1, 0)];
+                let pads = vec![3, 0];
+                let whole = stack
+                    .forward(StackInput::new(x.clone()).left_padding(pads.clone()))
+                    .unwrap()
+                    .output;
+                let caches = match window {
+                    Some(w) => vec![KvCache::sliding(w)],
+                    None => vec![KvCache::new(11), KvCache::new(14).fixed_reads()],
+                };
+                let mut outs = vec![("whole", whole)];
+                for kind in caches {
+                    let mut cache = stack.cache(kind);
+                    let got = decoded(&x, &calls, |x| {
+                        let input = StackInput::new(x).left_padding(pads.clone());
+                        stack.forward(input.cache(&mut cache)).unwrap().output
+                    });
+                    outs.push(("decoded", got));
+                }
+                for (how, out) in outs {
+                    let row =
+                        |b: usize, pad: usize| out.clone().narrow(0, b, 1).narrow(1, pad, 11 - pad);
+                    let tol = be.forward_tol();
+                    assert_close(
+                        &format!("{what}, {how}, row 0"),
+                        row(0, 3),
+                        want[0].clone(),
+                        tol,
+                    );
+                    assert_close(
+                        &format!("{what}, {how}, row 1"),
+                        row(1, 0),
+                        want[1].clone(),
+                        tol,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn decoding_returns_the_weights_and_takes_a_head_mask_as_the_whole_forward_does() {
     for be in backends() {
         let what = format!("[{}] decoder-only, cached weights", be.name);

@@ -17,7 +17,8 @@
 //! decodes one layer; the blocks and stacks decode through their `forward`, given a cache
 //! ([`BlockInput::cache`](crate::BlockInput::cache), one cache per layer in a
 //! [`StackCache`]) and, for the encoder-decoder, the cross-attention's keys and values
-//! computed once per source ([`MemoryKv`]).
+//! computed once per source ([`MemoryKv`]). Prompts of different lengths decode together
+//! padded on the left ([`BlockInput::left_padding`](crate::BlockInput::left_padding)).
 //!
 //! Decode on a device without autodiff: under autodiff every step's graph would keep the
 //! storage alive, and each write would copy it.
@@ -172,6 +173,13 @@ impl KvCache {
             self.keys_seen(tokens),
         );
         mask.aligned(alignment)
+    }
+
+    /// The position of the first key a call of `tokens` new tokens sees
+    /// ([`keys_seen`](Self::keys_seen)): 0, or for a sliding cache the first of the cached
+    /// positions it still keeps.
+    pub(crate) fn first_key_position(&self, tokens: usize) -> usize {
+        self.len + tokens - self.keys_seen(tokens).min(self.len + tokens)
     }
 
     /// The storage's shape, `[B, Hkv, slots, Dh]`, once allocated.

@@ -172,16 +172,23 @@ impl DecoderConfig {
     }
 }
 
-/// `x` with the stack's absolute positions added, its rows starting at position `offset`.
-fn positioned(positions: &Option<AbsolutePositions>, x: Tensor<3>, offset: usize) -> Tensor<3> {
-    match positions {
-        Some(positions) => positions.add(x, offset),
-        None => x,
+/// `x` with the stack's absolute positions added, its rows starting at position `offset`
+/// (less each batch row's left padding, where given).
+fn positioned(
+    positions: &Option<AbsolutePositions>,
+    x: Tensor<3>,
+    offset: usize,
+    pads: Option<&[usize]>,
+) -> Tensor<3> {
+    match (positions, pads) {
+        (Some(positions), Some(pads)) => positions.add_padded(x, offset, pads),
+        (Some(positions), None) => positions.add(x, offset),
+        (None, _) => x,
     }
 }
 
 /// Checks that `cache` fits a stack of `layers` layers and that the absolute positions
-/// cover the next `tokens`.
+/// cover the next `tokens` (of the row with the least left padding, `shift`).
 ///
 /// # Errors
 /// [`CacheError::Layers`], [`CacheError::PastPositions`].
@@ -190,6 +197,7 @@ fn check_cached(
     layers: usize,
     cache: &StackCache,
     tokens: usize,
+    shift: usize,
 ) -> Result<(), CacheError> {
     if cache.layers.len() != layers {
         return Err(CacheError::Layers {
@@ -197,7 +205,7 @@ fn check_cached(
             caches: cache.layers.len(),
         });
     }
-    let position = cache.len();
+    let position = cache.len().saturating_sub(shift);
     match positions.as_ref().and_then(AbsolutePositions::max_len) {
         Some(max_len) if position + tokens > max_len => Err(CacheError::PastPositions {
             max_len,
@@ -269,14 +277,19 @@ impl<B: Block> Stack<'_, B> {
             memory_mask,
             cache,
             inspect,
+            left_padding,
         } = input;
         if let Some(m) = &inspect.head_mask {
             m.check(self.name, &self.head_counts());
         }
+        crate::block::check_pads(self.name, &left_padding, x.dims()[0]);
         let layers = self.blocks.len();
+        let shift = left_padding
+            .as_ref()
+            .map_or(0, |p| p.iter().copied().min().unwrap_or(0));
         let offset = match &cache {
             Some(cache) => {
-                check_cached(self.positions, layers, cache, x.dims()[1])?;
+                check_cached(self.positions, layers, cache, x.dims()[1], shift)?;
                 cache.len()
             }
             None => 0,
@@ -307,7 +320,7 @@ impl<B: Block> Stack<'_, B> {
             }
             None => (0..layers).map(|_| (None, None)).collect(),
         };
-        let mut x = positioned(self.positions, x, offset);
+        let mut x = positioned(self.positions, x, offset, left_padding.as_deref());
         let mut weights = Vec::new();
         let mut first = 0;
         for (block, (cache, kv)) in self.blocks.iter().zip(parts) {
@@ -325,6 +338,7 @@ impl<B: Block> Stack<'_, B> {
                 memory_mask: memory_mask.clone(),
                 cache,
                 inspect: inspect.slice(first, attention_layers),
+                left_padding: left_padding.clone(),
             })?;
             weights.extend(out.weights);
             x = out.output;

@@ -40,6 +40,8 @@ pub struct BlockInput<'c, C = KvCache> {
     pub(crate) memory_mask: AttentionMask,
     pub(crate) cache: Option<&'c mut C>,
     pub(crate) inspect: Inspect,
+    /// The padding tokens each batch row begins with.
+    pub(crate) left_padding: Option<Vec<usize>>,
 }
 
 /// The input of [`Encoder::forward`](crate::Encoder::forward) and
@@ -72,6 +74,7 @@ impl<'c, C> BlockInput<'c, C> {
             memory_mask: AttentionMask::none(),
             cache: None,
             inspect: Inspect::new(),
+            left_padding: None,
         }
     }
 
@@ -94,6 +97,22 @@ impl<'c, C> BlockInput<'c, C> {
     /// memory's padding, say), combined with any already set.
     pub fn memory_mask(mut self, mask: AttentionMask) -> Self {
         self.memory_mask = core::mem::take(&mut self.memory_mask).and(mask);
+        self
+    }
+
+    /// Row `b` of the batch begins with `pads[b]` padding tokens: prompts of different
+    /// lengths padded on the left, to be decoded together. Its padding is blocked as keys
+    /// of the self-attention (in every call of a decode: the keys it sees include the
+    /// prompt's), and a stack's absolute positions count from its first real token, as
+    /// transformers' `position_ids` of a left-padded batch (the positions of RoPE, ALiBi
+    /// and relative biases depend on distances only). Each real token's output is then
+    /// that of its row alone; a padding token's is not meant to be read (0 where it sees
+    /// only padding).
+    ///
+    /// # Panics
+    /// In the forward, if `pads` does not have one entry per batch row.
+    pub fn left_padding(mut self, pads: Vec<usize>) -> Self {
+        self.left_padding = Some(pads);
         self
     }
 

@@ -10,7 +10,7 @@ mod input;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Dropout, Linear};
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor, TensorData};
 
 pub use config::{DecoderBlockConfig, EncoderBlockConfig};
 pub use input::{BlockInput, BlockOutput, StackInput};
@@ -195,8 +195,10 @@ impl EncoderBlock {
             mask,
             cache,
             inspect,
+            left_padding,
             ..
         } = input;
+        check_pads("EncoderBlock", &left_padding, x.dims()[0]);
         assert!(
             matches!(memory, Memory::None),
             "EncoderBlock: the input has a memory, and an encoder block has no \
@@ -225,6 +227,7 @@ impl EncoderBlock {
             rule,
             weights,
             head,
+            left_padding,
         };
         let mut all = Vec::new();
         let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
@@ -303,12 +306,15 @@ impl DecoderBlock {
             memory_mask,
             cache,
             inspect,
+            left_padding,
         } = input;
+        check_pads("DecoderBlock", &left_padding, x.dims()[0]);
         let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
         let attention = SelfAttention {
             rule: Some(AttentionMask::causal()),
             weights,
             head,
+            left_padding,
         };
         let mut all = Vec::new();
         let x = residual(x, &self.norm1, &self.dropout1, self.norm_first, |h| {
@@ -357,12 +363,14 @@ impl DecoderBlock {
     }
 }
 
-/// A block's self-attention: causal or not, the weights it returns, its head mask.
+/// A block's self-attention: causal or not, the weights it returns, its head mask, the
+/// padding its rows begin with.
 struct SelfAttention {
     /// The mask by position a causal block adds (causal, or a sliding window).
     rule: Option<AttentionMask>,
     weights: AttentionWeights,
     head: Option<Tensor<1>>,
+    left_padding: Option<Vec<usize>>,
 }
 
 impl SelfAttention {
@@ -375,6 +383,17 @@ impl SelfAttention {
         mask: AttentionMask,
         cache: Option<&mut KvCache>,
     ) -> Result<MhaOutput, CacheError> {
+        let mask = match &self.left_padding {
+            Some(pads) => {
+                let tokens = h.dims()[1];
+                let (first, keys) = match &cache {
+                    Some(cache) => (cache.first_key_position(tokens), cache.keys_seen(tokens)),
+                    None => (0, tokens),
+                };
+                mask.and(padding_mask(pads, first, keys, &h.device()))
+            }
+            None => mask,
+        };
         if let Some(cache) = cache {
             return attention.cached(h, cache, mask, self.weights, self.head);
         }
@@ -384,6 +403,31 @@ impl SelfAttention {
         };
         let input = MhaInput::self_attn(h).mask(mask).weights(self.weights);
         Ok(attention.forward(with_head(input, self.head)))
+    }
+}
+
+/// The keys at positions `first..first + keys` blocked where they are padding: before
+/// position `pads[b]` of batch row `b`.
+fn padding_mask(pads: &[usize], first: usize, keys: usize, device: &Device) -> AttentionMask {
+    let blocked: Vec<bool> = pads
+        .iter()
+        .flat_map(|&pad| (first..first + keys).map(move |position| position < pad))
+        .collect();
+    let data = TensorData::new(blocked, [pads.len(), keys]);
+    AttentionMask::key_padding(Tensor::from_data(data, device))
+}
+
+/// Checks that `pads` has one entry for each of the `batch` rows of `x`.
+///
+/// # Panics
+/// Naming `module`, both counts.
+pub(crate) fn check_pads(module: &str, pads: &Option<Vec<usize>>, batch: usize) {
+    if let Some(pads) = pads {
+        assert!(
+            pads.len() == batch,
+            "{module}: left_padding has {} entries for a batch of {batch} rows",
+            pads.len()
+        );
     }
 }
 

@@ -109,4 +109,62 @@ impl AbsolutePositions {
         };
         x + positions.unsqueeze::<3>() // [B, T, D] + [1, T, D]
     }
+
+    /// `x` with the positions of its rows added, row `t` of batch row `b` at
+    /// `offset + t - pads[b]` (0 for the padding before it): batch rows that begin with
+    /// `pads[b]` padding tokens, each counting from its first real token.
+    ///
+    /// # Shapes
+    /// `[B, T, d_model]` -> `[B, T, d_model]`, `pads` of `B`.
+    ///
+    /// # Panics
+    /// As [`add`](Self::add), naming the positions of the row with the least padding.
+    pub fn add_padded(&self, x: Tensor<3>, offset: usize, pads: &[usize]) -> Tensor<3> {
+        let [batch, len, d_model] = x.dims();
+        assert_eq!(
+            pads.len(),
+            batch,
+            "AbsolutePositions::add_padded: {} pads for a batch of {batch} rows",
+            pads.len()
+        );
+        let least = pads.iter().copied().min().unwrap_or(0);
+        if len == 0 || batch == 0 {
+            return x;
+        }
+        if pads.iter().all(|&pad| pad == least) && offset >= least {
+            return self.add(x, offset - least);
+        }
+        let device = x.device();
+        let ids: Vec<i64> = pads
+            .iter()
+            .flat_map(|&pad| (offset..offset + len).map(move |p| p.saturating_sub(pad) as i64))
+            .collect();
+        let end = (offset + len).saturating_sub(least);
+        let table = match self {
+            AbsolutePositions::Sinusoidal(s) => {
+                assert_eq!(
+                    s.d_model, d_model,
+                    "SinusoidalPositions: the input is {d_model} wide, not {}",
+                    s.d_model
+                );
+                // At least position 0, which rows of padding alone read.
+                sinusoids(0, end.max(1), d_model, &device).cast(x.dtype())
+            }
+            AbsolutePositions::Learned(l) => {
+                let [max_len, width] = l.embedding.weight.dims();
+                assert_eq!(
+                    width, d_model,
+                    "LearnedPositions: the input is {d_model} wide, not {width}"
+                );
+                assert!(
+                    end <= max_len,
+                    "LearnedPositions: positions {}..{end} are past the {max_len} learned ones",
+                    offset.saturating_sub(least)
+                );
+                l.embedding.weight.val().cast(x.dtype())
+            }
+        };
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [batch * len]), &device);
+        x + table.select(0, ids).reshape([batch, len, d_model])
+    }
 }
