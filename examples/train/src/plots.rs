@@ -76,6 +76,16 @@ pub fn loss_curve(
         })
         .collect();
     let max_step = train_points.len().max(1);
+    // A loss that is not finite (an f16 validation that overflowed) has no place on the
+    // axis (an infinite one made plotters' ticks loop for ever): left out.
+    let train_points: Vec<(usize, f64)> = train_points
+        .into_iter()
+        .filter(|p| p.1.is_finite())
+        .collect();
+    let valid_points: Vec<(usize, f64)> = valid_points
+        .into_iter()
+        .filter(|p| p.1.is_finite())
+        .collect();
     let max_loss = train_points
         .iter()
         .chain(&valid_points)
@@ -174,4 +184,21 @@ pub fn attention_maps(
         }
     }
     Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_loss_that_is_not_finite_is_left_out_of_the_curve() {
+        super::register_font().unwrap();
+        let dir = std::env::temp_dir().join(format!("mha-loss-curve-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("loss.png");
+        let train = [vec![2.0, 1.5], vec![f64::NAN, 1.0]];
+        let valid = [vec![1.8], vec![f64::INFINITY]];
+        super::loss_curve(&path, &train, &valid, "a loss that overflowed").unwrap();
+        let drawn = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(drawn > 1000, "loss.png of {drawn} bytes");
+    }
 }

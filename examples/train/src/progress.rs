@@ -173,7 +173,8 @@ impl Progress {
             line += &format!("  lr {lr:.2e}");
         }
         if let Some((first, at)) = self.first {
-            let steps = (step - first + 1) as f64;
+            // The clock started as step `first` ended: the steps done since.
+            let steps = (step - first) as f64;
             let seconds = at.elapsed().as_secs_f64().max(1e-9);
             let rate = steps / seconds;
             let tokens = rate * self.plan.tokens_per_step;

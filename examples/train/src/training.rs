@@ -474,13 +474,20 @@ pub fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
 fn schedule(config: &TrainConfig) -> anyhow::Result<ModuleLrScheduler> {
     let (start, floor) = (config.lr / 100.0, config.lr * config.min_lr_ratio);
     let (warmup, decay) = (config.warmup(), config.decay());
-    let mut schedulers = vec![
-        LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(start, config.lr, warmup)),
-        LrSchedulerConfig::Cosine(
-            CosineAnnealingLrSchedulerConfig::new(config.lr, decay).with_min_lr(floor),
+    let cosine = LrSchedulerConfig::Cosine(
+        CosineAnnealingLrSchedulerConfig::new(config.lr, decay).with_min_lr(floor),
+    );
+    // Without warmup (`--warmup 0`) the first step is at lr.
+    let (mut schedulers, mut milestones) = match warmup {
+        0 => (vec![cosine], vec![]),
+        _ => (
+            vec![
+                LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(start, config.lr, warmup)),
+                cosine,
+            ],
+            vec![warmup],
         ),
-    ];
-    let mut milestones = vec![warmup];
+    };
     if config.total_steps() > warmup + decay {
         schedulers.push(LrSchedulerConfig::Constant(floor));
         milestones.push(warmup + decay);

@@ -149,6 +149,14 @@ fn prepare_resume(
     };
     let lock = run.lock()?;
     run.check_writable()?;
+    // `--resume` changes nothing that decides the loss: the run would diverge again.
+    anyhow::ensure!(
+        !run.diverged(),
+        "{dir}: the run diverged (its loss became NaN or infinite; summary: {}), and \
+         --resume would train it again with the same settings: start a new run with a \
+         lower --lr or weight_decay (--overwrite replaces this one)",
+        run.summary().display()
+    );
     let device = backend.device()?;
     let complete = run.last_complete_epoch();
     let done = run.newest_usable_checkpoint(&stored, &device).unwrap_or(0);
@@ -322,7 +330,7 @@ fn report(
     }
     if summary.status == Status::Interrupted {
         let resume = match summary.last_checkpoint_epoch {
-            _ if summary.steps_done == summary.steps_total => {
+            Some(epoch) if epoch == config.epochs => {
                 "every epoch is trained, and --resume finishes the evaluation".into()
             }
             Some(epoch) => format!("the last complete checkpoint is epoch {epoch}"),

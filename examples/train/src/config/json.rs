@@ -21,8 +21,9 @@ impl TrainConfig {
         Self::from_json_as(text, None)
     }
 
-    /// As [`from_json`](Self::from_json), the fields left out taking the defaults of the
-    /// task the text names, or else of `task` ([`defaults`](Self::defaults)).
+    /// As [`from_json`](Self::from_json), with the task `task` (the `--task` flag, which
+    /// overrides the text's as every flag does) or else the one the text names: the
+    /// fields left out take that task's defaults ([`defaults`](Self::defaults)).
     ///
     /// # Errors
     /// As [`from_json`](Self::from_json).
@@ -44,11 +45,15 @@ impl TrainConfig {
             .map(serde_json::from_value::<Task>)
             .transpose()
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let Some(task) = named.or(task) else {
+        let flag = task;
+        let Some(task) = flag.or(named) else {
             return serde_json::from_value(given).map_err(|e| anyhow::anyhow!("{e}"));
         };
         let mut full = serde_json::to_value(Self::defaults(task)).expect("a config serialises");
         overlay(&mut full, given);
+        if flag.is_some() {
+            full["task"]["task"] = serde_json::to_value(task).expect("a task serialises");
+        }
         serde_json::from_value(full).map_err(|e| anyhow::anyhow!("{e}"))
     }
 

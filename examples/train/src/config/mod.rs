@@ -139,12 +139,14 @@ impl TrainConfig {
         self.epochs * self.steps_per_epoch
     }
 
-    /// Steps of warmup: as set, or a tenth of the run, at most 50 (at most 100 for the
-    /// text task, nanoGPT's).
+    /// Steps of warmup: as set (0: none, the first step at lr), or a tenth of the run, at
+    /// least 1 and at most 50 (at most 100 for the text task, nanoGPT's).
     pub fn warmup(&self) -> usize {
-        self.warmup_steps
-            .unwrap_or((self.total_steps() / 10).min(self.kind().most_warmup()))
-            .max(1)
+        self.warmup_steps.unwrap_or_else(|| {
+            (self.total_steps() / 10)
+                .min(self.kind().most_warmup())
+                .max(1)
+        })
     }
 
     /// Steps of cosine decay after the warmup: as set, or the rest of the run.
@@ -214,9 +216,9 @@ impl TrainConfig {
         Self::read_as(path, None)
     }
 
-    /// As [`read`](Self::read), the fields the file leaves out taking the defaults of its
-    /// task, or when it names none, of `task` (the `--task` flag), else the synthetic
-    /// defaults.
+    /// As [`read`](Self::read), with the task `task` (the `--task` flag, which overrides
+    /// the file's) or else the file's: the fields the file leaves out take that task's
+    /// defaults, else (no task named) the synthetic defaults.
     ///
     /// # Errors
     /// As [`read`](Self::read).
@@ -371,6 +373,12 @@ mod tests {
         let flag = TrainConfig::from_json_as(r#"{"lr": 0.002}"#, Some(Task::Text)).unwrap();
         let defaults = TrainConfig::defaults(Task::Text);
         assert_eq!(file, flag);
+        // The flag's task over the file's, its defaults too, as every flag overrides it.
+        let both = r#"{"task": "reverse", "lr": 0.002}"#;
+        assert_eq!(
+            TrainConfig::from_json_as(both, Some(Task::Text)).unwrap(),
+            flag
+        );
         assert_eq!(
             file,
             TrainConfig {

@@ -308,6 +308,40 @@ fn the_output_is_readable_lines_when_not_a_terminal() {
 }
 
 #[test]
+fn warmup_0_trains_its_first_step_at_the_peak_learning_rate() {
+    let root = scratch("warmup-0");
+    let first_lr = |warmup: &str| {
+        let dir = root.join(warmup);
+        let out = run(on_flex(TINY)
+            .args([
+                "--epochs",
+                "1",
+                "--steps-per-epoch",
+                "4",
+                "--log-every",
+                "1",
+            ])
+            .args(["--lr", "0.002", "--warmup", warmup, "--out"])
+            .arg(&dir));
+        assert!(out.status.success(), "{}", stderr(&out));
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with("step 1/"))
+            .unwrap_or_default();
+        let lr = line
+            .split("lr ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next());
+        lr.unwrap_or_else(|| panic!("no learning rate in {stdout}"))
+            .to_string()
+    };
+    assert_eq!(first_lr("0"), "2.00e-3");
+    // One step of warmup starts at lr/100.
+    assert_eq!(first_lr("1"), "2.00e-5");
+}
+
+#[test]
 fn a_non_finite_loss_stops_the_run_at_its_step() {
     let root = scratch("diverge");
     let config = root.join("diverge.json");
@@ -339,6 +373,16 @@ fn a_non_finite_loss_stops_the_run_at_its_step() {
         &out,
         &["the run diverged", "start a new run with a lower --lr"],
     );
+    // Nor a resume: the same settings would diverge again.
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert_error(
+        &out,
+        &[
+            "the run diverged",
+            "--resume would train it again with the same settings",
+        ],
+    );
+    assert_eq!(summary(&dir)["status"], "diverged");
 }
 
 #[test]
