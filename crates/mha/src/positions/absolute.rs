@@ -81,26 +81,12 @@ impl AbsolutePositions {
             // No position (Burn's reshapes read a 0 as "keep this axis").
             return x;
         }
+        self.check(d_model, offset..offset + len);
         let positions = match self {
-            AbsolutePositions::Sinusoidal(s) => {
-                assert_eq!(
-                    s.d_model, d_model,
-                    "SinusoidalPositions: the input is {d_model} wide, not {}",
-                    s.d_model
-                );
+            AbsolutePositions::Sinusoidal(_) => {
                 sinusoids(offset, len, d_model, &device).cast(x.dtype())
             }
             AbsolutePositions::Learned(l) => {
-                let [max_len, width] = l.embedding.weight.dims();
-                assert_eq!(
-                    width, d_model,
-                    "LearnedPositions: the input is {d_model} wide, not {width}"
-                );
-                assert!(
-                    offset + len <= max_len,
-                    "LearnedPositions: positions {offset}..{} are past the {max_len} learned ones",
-                    offset + len
-                );
                 let ids = Tensor::<1, Int>::arange(offset as i64..(offset + len) as i64, &device);
                 l.embedding
                     .forward(ids.reshape([1, len]))
@@ -140,16 +126,29 @@ impl AbsolutePositions {
             .flat_map(|&pad| (offset..offset + len).map(move |p| p.saturating_sub(pad) as i64))
             .collect();
         let end = (offset + len).saturating_sub(least);
+        self.check(d_model, offset.saturating_sub(least)..end);
         let table = match self {
-            AbsolutePositions::Sinusoidal(s) => {
-                assert_eq!(
-                    s.d_model, d_model,
-                    "SinusoidalPositions: the input is {d_model} wide, not {}",
-                    s.d_model
-                );
-                // At least position 0, which rows of padding alone read.
+            // At least position 0, which rows of padding alone read.
+            AbsolutePositions::Sinusoidal(_) => {
                 sinusoids(0, end.max(1), d_model, &device).cast(x.dtype())
             }
+            AbsolutePositions::Learned(l) => l.embedding.weight.val().cast(x.dtype()),
+        };
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [batch * len]), &device);
+        x + table.select(0, ids).reshape([batch, len, d_model])
+    }
+
+    /// Checks that the positions are `d_model` wide and, learned, cover `positions`.
+    ///
+    /// # Panics
+    /// Naming the widths, or the positions and the table's length.
+    fn check(&self, d_model: usize, positions: std::ops::Range<usize>) {
+        match self {
+            AbsolutePositions::Sinusoidal(s) => assert_eq!(
+                s.d_model, d_model,
+                "SinusoidalPositions: the input is {d_model} wide, not {}",
+                s.d_model
+            ),
             AbsolutePositions::Learned(l) => {
                 let [max_len, width] = l.embedding.weight.dims();
                 assert_eq!(
@@ -157,14 +156,12 @@ impl AbsolutePositions {
                     "LearnedPositions: the input is {d_model} wide, not {width}"
                 );
                 assert!(
-                    end <= max_len,
-                    "LearnedPositions: positions {}..{end} are past the {max_len} learned ones",
-                    offset.saturating_sub(least)
+                    positions.end <= max_len,
+                    "LearnedPositions: positions {}..{} are past the {max_len} learned ones",
+                    positions.start,
+                    positions.end
                 );
-                l.embedding.weight.val().cast(x.dtype())
             }
-        };
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [batch * len]), &device);
-        x + table.select(0, ids).reshape([batch, len, d_model])
+        }
     }
 }
