@@ -75,13 +75,19 @@ pub fn generate(args: &GenerateArgs, backend: Option<Backend>) -> anyhow::Result
         eprintln!("warning: {warning}");
     }
     if len > config.task.max_len {
+        // The length test is skipped where its lengths have no held-out sequence.
+        let tested = match config.length_test() {
+            Some(_) => format!(
+                ": summary.json has its accuracy on lengths {}..={}",
+                reads.min_len, reads.max_len
+            ),
+            None => ", untested (its length test had no held-out sequence)".into(),
+        };
         eprintln!(
             "warning: the input has {}; this run was trained on at most {}, and its {positions} \
-             positions read longer inputs: summary.json has its accuracy on lengths {}..={}",
+             positions read longer inputs{tested}",
             rules.count(len),
             config.task.max_len,
-            reads.min_len,
-            reads.max_len
         );
     }
     let backend = Backend::or_best(backend)?;
