@@ -89,6 +89,16 @@ lib_tests() {
     log=$(mktemp)
     if ! cargo test --features "$1" --lib --no-run --message-format=json 2> "$log" > "$log.json"; then
         echo "error: mha's unit tests (features $1) did not build:" >&2
+        # The compiler's errors are in the JSON messages; cargo's own words on stderr.
+        python3 -c 'import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    msg = m.get("message") or {}
+    if m.get("reason") == "compiler-message" and msg.get("level") == "error":
+        sys.stderr.write(msg.get("rendered") or "")' < "$log.json"
         tail -n 30 "$log" >&2
         rm -f "$log" "$log.json"
         exit 1

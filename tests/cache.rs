@@ -318,6 +318,12 @@ fn left_padded_prompts_decode_together_as_each_alone() {
                         let input = StackInput::new(x).left_padding(pads.clone());
                         stack.forward(input.cache(&mut cache)).unwrap().output
                     });
+                    // A call of no token changes nothing.
+                    let none = Tensor::<3>::zeros([2, 0, D_MODEL], &be.device);
+                    let input = StackInput::new(none).left_padding(pads.clone());
+                    let out = stack.forward(input.cache(&mut cache)).unwrap().output;
+                    assert_eq!(out.dims(), [2, 0, D_MODEL], "{what}");
+                    assert_eq!(cache.len(), 11, "{what}");
                     outs.push(("decoded", got));
                 }
                 for (how, out) in outs {
@@ -340,6 +346,31 @@ fn left_padded_prompts_decode_together_as_each_alone() {
             }
         }
     }
+}
+
+#[test]
+fn a_prompt_padded_in_every_row_fits_the_positions_its_tokens_take() {
+    // Learned positions 0..8; rows of 2 and 3 pads, then 7 and 6 tokens: 9 slots a row,
+    // positions 0..7 at most, through a cache as without one. One more token fits; the
+    // next is past the table, refused by name.
+    let device = crate::util::first_device();
+    let stack =
+        EncoderConfig::new(encoder_block(Positions::Learned { max_len: 8 }), 1).init(&device);
+    let x = randn([2, 10, D_MODEL], 66, &device);
+    let pads = vec![2, 3];
+    let prompt = || StackInput::new(x.clone().narrow(1, 0, 9)).left_padding(pads.clone());
+    let whole = stack.forward(prompt()).unwrap().output;
+    let mut cache = stack.cache(KvCache::new(12));
+    let got = stack.forward(prompt().cache(&mut cache)).unwrap().output;
+    assert_close("padded prompt through a cache", got, whole, 1e-5);
+    let next = StackInput::new(x.clone().narrow(1, 9, 1)).left_padding(pads.clone());
+    stack.forward(next.cache(&mut cache)).unwrap();
+    let past = StackInput::new(x.narrow(1, 9, 1)).left_padding(pads);
+    let err = stack.forward(past.cache(&mut cache)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "LearnedPositions: positions 8..9 are past the 8 learned ones"
+    );
 }
 
 #[test]

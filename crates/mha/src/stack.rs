@@ -205,11 +205,12 @@ fn check_cached(
             caches: cache.layers.len(),
         });
     }
-    let position = cache.len().saturating_sub(shift);
+    // The positions the call's last token reaches, in the row with the least padding.
+    let end = (cache.len() + tokens).saturating_sub(shift);
     match positions.as_ref().and_then(AbsolutePositions::max_len) {
-        Some(max_len) if position + tokens > max_len => Err(CacheError::PastPositions {
+        Some(max_len) if end > max_len => Err(CacheError::PastPositions {
             max_len,
-            position,
+            position: end.saturating_sub(tokens),
             tokens,
         }),
         _ => Ok(()),
@@ -320,6 +321,16 @@ impl<B: Block> Stack<'_, B> {
             }
             None => (0..layers).map(|_| (None, None)).collect(),
         };
+        // The padding's mask once for every layer (their caches are alike), and the
+        // positions from each row's first token.
+        let mask = match &left_padding {
+            Some(pads) => {
+                let first = parts.iter().find_map(|(cache, _)| cache.as_deref());
+                let tokens = x.dims()[1];
+                crate::block::with_padding(mask, pads, tokens, first, &x.device())
+            }
+            None => mask,
+        };
         let mut x = positioned(self.positions, x, offset, left_padding.as_deref());
         let mut weights = Vec::new();
         let mut first = 0;
@@ -338,7 +349,7 @@ impl<B: Block> Stack<'_, B> {
                 memory_mask: memory_mask.clone(),
                 cache,
                 inspect: inspect.slice(first, attention_layers),
-                left_padding: left_padding.clone(),
+                left_padding: None,
             })?;
             weights.extend(out.weights);
             x = out.output;

@@ -384,14 +384,7 @@ impl SelfAttention {
         cache: Option<&mut KvCache>,
     ) -> Result<MhaOutput, CacheError> {
         let mask = match &self.left_padding {
-            Some(pads) => {
-                let tokens = h.dims()[1];
-                let (first, keys) = match &cache {
-                    Some(cache) => (cache.first_key_position(tokens), cache.keys_seen(tokens)),
-                    None => (0, tokens),
-                };
-                mask.and(padding_mask(pads, first, keys, &h.device()))
-            }
+            Some(pads) => with_padding(mask, pads, h.dims()[1], cache.as_deref(), &h.device()),
             None => mask,
         };
         if let Some(cache) = cache {
@@ -404,6 +397,26 @@ impl SelfAttention {
         let input = MhaInput::self_attn(h).mask(mask).weights(self.weights);
         Ok(attention.forward(with_head(input, self.head)))
     }
+}
+
+/// `mask` and the left padding `pads` of a self-attention call of `tokens` tokens through
+/// `cache` (or none): the keys it sees blocked where they are padding (a call of no token
+/// sees no key: `mask` as it is).
+pub(crate) fn with_padding(
+    mask: AttentionMask,
+    pads: &[usize],
+    tokens: usize,
+    cache: Option<&KvCache>,
+    device: &Device,
+) -> AttentionMask {
+    if tokens == 0 {
+        return mask;
+    }
+    let (first, keys) = match cache {
+        Some(cache) => (cache.first_key_position(tokens), cache.keys_seen(tokens)),
+        None => (0, tokens),
+    };
+    mask.and(padding_mask(pads, first, keys, device))
 }
 
 /// The keys at positions `first..first + keys` blocked where they are padding: before

@@ -187,24 +187,30 @@ pub(super) fn backward_on(
             table,
         };
     }
-    // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale.
-    dq.spare_capacity_mut()[..lens[0]]
-        .par_chunks_mut(heads * d_k)
-        .enumerate()
-        .for_each(|(row, dq_row)| {
-            let (b, i) = (row / queries, row % queries);
-            for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
-                let bkv = b * kv_heads + h / group;
-                let at = ((h % group) * queries + i) * d_k;
-                for (j, d) in dq_head.iter_mut().enumerate() {
-                    let parts = &partials[bkv * split..(bkv + 1) * split];
-                    let sum = parts
-                        .iter()
-                        .fold(0.0f32, |sum, (part, _, _)| sum + part[at + j]);
-                    d.write(sum * scale);
-                }
+    // dQ of head (b, h): the sum of its key ranges' partial sums, times the scale (on this
+    // thread where the call is small: a hand-over to the pool would cost more).
+    let sum_row = |(row, dq_row): (usize, &mut [std::mem::MaybeUninit<f32>])| {
+        let (b, i) = (row / queries, row % queries);
+        for (h, dq_head) in dq_row.chunks_mut(d_k).enumerate() {
+            let bkv = b * kv_heads + h / group;
+            let at = ((h % group) * queries + i) * d_k;
+            for (j, d) in dq_head.iter_mut().enumerate() {
+                let parts = &partials[bkv * split..(bkv + 1) * split];
+                let sum = parts
+                    .iter()
+                    .fold(0.0f32, |sum, (part, _, _)| sum + part[at + j]);
+                d.write(sum * scale);
             }
-        });
+        }
+    };
+    let rows = &mut dq.spare_capacity_mut()[..lens[0]];
+    match run_on {
+        1 => rows.chunks_mut(heads * d_k).enumerate().for_each(sum_row),
+        _ => rows
+            .par_chunks_mut(heads * d_k)
+            .enumerate()
+            .for_each(sum_row),
+    }
     // SAFETY: the loop above wrote every element of every row.
     unsafe { dq.set_len(lens[0]) };
     Gradients {
