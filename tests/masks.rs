@@ -285,22 +285,17 @@ fn the_weights_returned_under_dropout_are_those_that_made_the_context() {
             ..SdpaOptions::default()
         };
         let mask = AttentionMask::causal();
-        let softmax = scaled_dot_product_attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            &mask,
-            options(0.0, AttentionWeights::PerHead),
-        )
-        .weights
-        .unwrap();
-        let out = scaled_dot_product_attention(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            &mask,
-            options(0.5, AttentionWeights::PerHead),
-        );
+        let attend = |dropout, weights| {
+            scaled_dot_product_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &mask,
+                options(dropout, weights),
+            )
+        };
+        let softmax = attend(0.0, AttentionWeights::PerHead).weights.unwrap();
+        let out = attend(0.5, AttentionWeights::PerHead);
         let weights = out.weights.unwrap();
         let (mut dropped, mut kept) = (0, 0);
         for (&w, &p) in to_vec(weights.clone()).iter().zip(&to_vec(softmax)) {
@@ -337,10 +332,7 @@ fn the_weights_returned_under_dropout_are_those_that_made_the_context() {
 
         // Averaged: the mean over the heads of weights that each sum to 0 or to 2 x the
         // softmax's, so rows are no longer distributions.
-        let averaged =
-            scaled_dot_product_attention(q, k, v, &mask, options(0.5, AttentionWeights::Averaged))
-                .weights
-                .unwrap();
+        let averaged = attend(0.5, AttentionWeights::Averaged).weights.unwrap();
         let sums = to_vec(averaged.sum_dim(3));
         assert!(
             sums.iter().any(|s| (s - 1.0).abs() > 1e-3),

@@ -271,11 +271,15 @@ fn model_type(path: &Path) -> Option<String> {
     json["model_type"].as_str().map(str::to_string)
 }
 
+/// The logits `[1, 1, vocab]` of the last position of `logits` `[1, T, vocab]`.
+fn last_position(logits: Tensor<3>) -> Tensor<3> {
+    let [_, positions, vocab] = logits.dims();
+    logits.slice([0..1, positions - 1..positions, 0..vocab])
+}
+
 /// The most likely next token after the last position of `logits` `[1, T, vocab]`.
 fn greedy(logits: Tensor<3>) -> anyhow::Result<u32> {
-    let [_, positions, vocab] = logits.dims();
-    let last = logits.slice([0..1, positions - 1..positions, 0..vocab]);
-    let best = last.argmax(2).into_data();
+    let best = last_position(logits).argmax(2).into_data();
     let best = best.convert::<i64>().try_to_vec::<i64>().ok();
     let id = best.and_then(|v| v.first().copied()).context("no logits")?;
     Ok(id as u32)
@@ -294,9 +298,8 @@ fn next_token(logits: Tensor<3>, seen: &[u32], generation: &Generation) -> anyho
     if generation.repetition_penalty == 1.0 {
         return greedy(logits);
     }
-    let [_, positions, vocab] = logits.dims();
-    let last = logits.slice([0..1, positions - 1..positions, 0..vocab]);
-    let row = last.into_data().convert::<f32>().try_into_vec::<f32>().ok();
+    let last = last_position(logits).into_data();
+    let row = last.convert::<f32>().try_into_vec::<f32>().ok();
     let mut row = row.context("no logits")?;
     penalize(&mut row, seen, generation.repetition_penalty);
     argmax(&row).context("no logits")
