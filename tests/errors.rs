@@ -204,6 +204,51 @@ fn wrong_key_batch_panics_naming_the_shapes() {
     m.forward(MhaInput::new(q.clone(), randn([3, 7, 12], 2, &dev()), q));
 }
 
+/// One tensor as keys and values where the module's `kdim` and `vdim` differ (or, in
+/// self-attention, are not `d_model`) is refused naming the call and the widths, not as
+/// a width check of an input the caller did not pass.
+#[test]
+fn one_source_for_keys_and_values_of_other_widths_is_refused_naming_the_widths() {
+    let d = dev();
+    let m = MultiHeadAttentionConfig::new(16, 4)
+        .with_kdim(Some(12))
+        .with_vdim(Some(8))
+        .init(&d);
+    let x = randn([2, 5, 16], 1, &d);
+    let context = randn([2, 7, 12], 2, &d);
+    let widths = "this module's keys are kdim = 12 wide and its values vdim = 8";
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        m.forward(MhaInput::cross(x.clone(), context.clone()));
+    }));
+    assert!(
+        message.contains("MhaInput::cross(x, context) takes one tensor as the keys and the values")
+            && message.contains(widths)
+            && message.contains("MhaInput::new(query, key, value)"),
+        "{message}"
+    );
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        m.memory_kv(context.clone());
+    }));
+    assert!(
+        message.contains("MultiHeadAttention::memory_kv(memory) takes one tensor")
+            && message.contains(widths),
+        "{message}"
+    );
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        m.forward(MhaInput::self_attn(x.clone()));
+    }));
+    assert!(
+        message.contains("self-attention takes x as the queries, keys and values")
+            && message.contains(widths)
+            && message.contains("not d_model = 16"),
+        "{message}"
+    );
+    // Keys and values of their own widths are taken.
+    let value = randn([2, 7, 8], 3, &d);
+    let out = m.forward(MhaInput::new(x, context, value)).context;
+    assert_eq!(out.dims(), [2, 5, 16]);
+}
+
 #[test]
 #[should_panic(
     expected = "the boolean mask of shape [1, 1, 4, 4] does not broadcast to the scores [B, H, Tq, Tk] = [2, 4, 5, 5]"

@@ -547,7 +547,8 @@ impl MultiHeadAttention {
     /// [`cross_attention_cached`](Self::cross_attention_cached).
     ///
     /// # Panics
-    /// If `memory` is not `kdim` wide (and `vdim`), or if the module has positions (see
+    /// If the module's `kdim` and `vdim` differ, if `memory` is not `kdim` wide, or if the
+    /// module has positions (see
     /// [`MultiHeadAttentionConfig::positions`]).
     pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
         self.refuse_positions("MultiHeadAttention::memory_kv(memory)");
@@ -774,8 +775,14 @@ impl MultiHeadAttention {
             }
             (InputProjection::Separate(proj), source) => {
                 let (key, value) = match source {
-                    Source::SelfAttention => (query.clone(), query.clone()),
-                    Source::Context(context) => (context.clone(), context),
+                    Source::SelfAttention => {
+                        self.check_one_source("self-attention");
+                        (query.clone(), query.clone())
+                    }
+                    Source::Context(context) => {
+                        self.check_one_source("MhaInput::cross(x, context)");
+                        (context.clone(), context)
+                    }
                     Source::KeyValue(key, value) => (key, value),
                 };
                 check_input("key", &key, batch, self.kdim);
@@ -816,6 +823,7 @@ impl MultiHeadAttention {
                 )
             }
             InputProjection::Separate(proj) => {
+                self.check_one_source("MultiHeadAttention::memory_kv(memory)");
                 check_input("key", &context, batch, self.kdim);
                 check_input("value", &context, batch, self.vdim);
                 (
@@ -899,6 +907,29 @@ impl MultiHeadAttention {
                  does (Hugging Face's cross-attention has none: T5's no relative bias, \
                  Moonshine's no RoPE)",
                 self.positions
+            );
+        }
+    }
+
+    /// Panics naming `call` where one tensor is to be the keys and the values (and, where
+    /// `call` is `"self-attention"`, the queries) and this module's `kdim` and `vdim` make
+    /// that impossible, before a width check names an input the caller did not pass.
+    fn check_one_source(&self, call: &str) {
+        let d_model = self.d_model();
+        let (kdim, vdim) = (self.kdim, self.vdim);
+        let self_attention = call == "self-attention";
+        if self_attention && (kdim, vdim) != (d_model, d_model) {
+            panic!(
+                "MultiHeadAttention: self-attention takes x as the queries, keys and values, \
+                 and this module's keys are kdim = {kdim} wide and its values vdim = {vdim}, \
+                 not d_model = {d_model}: pass them with MhaInput::new(query, key, value)"
+            );
+        }
+        if !self_attention && kdim != vdim {
+            panic!(
+                "MultiHeadAttention: {call} takes one tensor as the keys and the values, and \
+                 this module's keys are kdim = {kdim} wide and its values vdim = {vdim}: pass \
+                 them with MhaInput::new(query, key, value)"
             );
         }
     }
