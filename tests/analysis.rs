@@ -757,7 +757,18 @@ fn importance_ranks_first_the_head_that_decides_the_loss() {
                 );
             }
         }
-        assert!(ablation.scores[0][2] > 0.0, "[{}] {ablation:?}", be.name);
+        // Head 2's ablation score: the mean loss without it less the baseline.
+        let without = HeadMask::dropping(&counts, &[(0, 2)], &device);
+        let dropped = (0..2)
+            .map(|i| loss(&without, i).into_scalar::<f64>())
+            .sum::<f64>()
+            / 2.0;
+        assert!(dropped > mean, "[{}] dropping head 2 costs", be.name);
+        close(
+            &format!("[{}] head 2's ablation score", be.name),
+            ablation.scores[0][2],
+            dropped - mean,
+        );
         close(
             &format!("[{}] normalised gradient score", be.name),
             gradient.scores[0][2],

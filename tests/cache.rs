@@ -398,6 +398,7 @@ fn decoding_returns_the_weights_and_takes_a_head_mask_as_the_whole_forward_does(
             let want = whole.output.clone().narrow(1, calls.start, rows);
             assert_close(&what, out.output, want, be.forward_tol());
             // The rows of this call, over the keys seen so far: `[B, H, rows, end]`.
+            assert_eq!((out.weights.len(), whole.weights.len()), (2, 2), "{what}");
             for (got, all) in out.weights.into_iter().zip(&whole.weights) {
                 assert_eq!(got.dims(), [2, HEADS, rows, calls.end]);
                 let want = all
@@ -432,6 +433,7 @@ fn a_sliding_cache_returns_the_weights_in_the_order_of_positions() {
                     .cache(&mut cache);
                 let out = stack.forward(input).unwrap();
                 let first = call.start - call.start.min(2);
+                assert_eq!((out.weights.len(), whole.weights.len()), (2, 2), "{what}");
                 for (got, all) in out.weights.into_iter().zip(&whole.weights) {
                     let want = all.clone().narrow(2, call.start, call.len()).narrow(
                         3,

@@ -14,7 +14,10 @@ use mha::{
     MultiHeadAttentionConfig, Positions, RopeLayout, SdpaOptions, scaled_dot_product_attention,
 };
 
-use crate::util::{Backend, Fixture, assert_close, backends, param_grads, param_values};
+use crate::util::{
+    Backend, Fixture, asked_weights, assert_close, assert_grad_close, backends, param_grads,
+    param_values,
+};
 
 /// `(out * grad_out).sum().backward()`, the loss golden.py differentiates.
 fn backward<const D: usize>(f: &Fixture, out: &Tensor<D>, device: &Device) -> Gradients {
@@ -49,22 +52,10 @@ fn check_grads_against<M: Module>(
     let ours = param_grads(module, grads);
     let expected = param_values(reference);
     assert_eq!(ours.len(), expected.len());
-    let worst = ours
-        .into_iter()
-        .zip(expected)
-        .map(|(a, e)| crate::util::max_abs_diff(a, e))
-        .fold(0.0, f32::max);
-    println!(
-        "{} [{}] parameter grads: max abs error {worst:.2e}",
-        f.name, b.name
-    );
-    assert!(
-        worst <= b.grad_tol(),
-        "{} [{}] parameter grads: {worst:e} > {:e}",
-        f.name,
-        b.name,
-        b.grad_tol()
-    );
+    for (n, (a, e)) in ours.into_iter().zip(expected).enumerate() {
+        let what = format!("{} [{}] parameter {n}'s grad", f.name, b.name);
+        assert_grad_close(b, &what, a, e);
+    }
 }
 
 fn check_input_grad<const D: usize>(
@@ -79,11 +70,11 @@ fn check_input_grad<const D: usize>(
         .grad(grads)
         .unwrap_or_else(|| panic!("no gradient for {name}"));
     let expected = f.io(&format!("grad.{name}"), x.dims(), &dev);
-    assert_close(
+    assert_grad_close(
+        b,
         &format!("{} [{}] grad {name}", f.name, b.name),
         grad,
         expected,
-        b.grad_tol(),
     );
 }
 
@@ -279,7 +270,7 @@ fn sdpa_paths(
             let m = mask(&f, &dev);
             let out = scaled_dot_product_attention(qt.clone(), kt.clone(), vt.clone(), &m, options);
             check_forward(&b, &f, &format!("{path} out"), out.context.clone(), "out");
-            if let Some(w) = out.weights {
+            if let Some(w) = asked_weights(&format!("{path} [{}]", b.name), weights, out.weights) {
                 check_forward(&b, &f, "weights", w, "weights");
             }
             let grads = backward(&f, &out.context, &dev);
@@ -961,11 +952,11 @@ fn hugging_face_t5_attention_matches_transformers() {
             check_param_grads(&b, &f, &mha, config.init(&dev), &grads);
             let table = mha.position_table.as_ref().expect("a table").val();
             let hf = f.io("grad.model.relative_attention_bias.weight", [8, 6], &dev);
-            assert_close(
+            assert_grad_close(
+                &b,
                 &format!("{fixture} [{}] grad of the table, [heads, buckets]", b.name),
                 table.grad(&grads).expect("the table has a gradient"),
                 hf.transpose(),
-                b.grad_tol(),
             );
         }
     }
@@ -1026,11 +1017,11 @@ fn gelu_values_and_gradient_match_pytorch_with_and_without_autodiff() {
             f.io("out", shape, &device),
             b.forward_tol(),
         );
-        assert_close(
+        assert_grad_close(
+            &b,
             &format!("[{}] gelu gradient", b.name),
             x.grad(&grads).expect("x has a gradient"),
             f.io("grad.x", shape, &device),
-            b.grad_tol(),
         );
         // A view that is not contiguous (the transpose of the last two axes) reads the same.
         let x = f.io("x", shape, &b.device).swap_dims(1, 2);
@@ -1274,8 +1265,20 @@ fn cross_entropy_takes_every_float_dtype_and_large_logits() {
             let targets = f.io::<1>("targets", [37], &device).int();
             let loss = mha::loss::cross_entropy(logits.clone(), targets, Some(0));
             assert_eq!(loss.dtype(), dtype.into(), "{what}");
-            let grad = logits.grad(&loss.clone().backward()).expect("a gradient");
-            assert_eq!(grad.dims(), shape, "{what}");
+            let grad_out = f.io::<1>("grad_out", [1], &device).cast(dtype);
+            let grad = logits
+                .grad(&(loss.clone() * grad_out).sum().backward())
+                .expect("a gradient");
+            assert_eq!(grad.dtype(), dtype.into(), "{what}");
+            // The gradient is held to the dtype's tolerances of gradients of order 1,
+            // scaled by its largest value (at most 1.4e-3 here).
+            let want = f.io::<2>("grad.logits", shape, &b.device);
+            let largest = want.clone().abs().max().into_scalar::<f32>();
+            let [atol, rtol] = b.tolerances(dtype)[1];
+            let err = crate::util::max_abs_diff(grad.cast(FloatDType::F32), want) as f64;
+            let tol = (atol + rtol) * largest as f64;
+            println!("{what}, gradient: max abs error {err:.2e} (tolerance {tol:.1e})");
+            assert!(err <= tol, "{what}, gradient: {err:e} > {tol:e}");
             let [atol, rtol] = b.tolerances(dtype)[0];
             let want = f.io::<1>("out", [1], &b.device).into_scalar::<f32>() as f64;
             let got = loss.cast(FloatDType::F32).into_scalar::<f32>() as f64;

@@ -521,7 +521,7 @@ fn check(
         &want.output,
         forward_tol,
     );
-    if let Some(weights) = out.weights {
+    if let Some(weights) = crate::util::asked_weights(&what, options.weights, out.weights) {
         close(
             &format!("{what}: weights"),
             weights,
@@ -726,7 +726,7 @@ fn f16_rows_of_very_low_scores_are_real_rows() {
                 let what = format!("[{}] {name} ({asked:?})", be.name);
                 let tol = be.tolerances(f16)[0];
                 close(&format!("{what}: output"), out.context, &want, tol);
-                if let Some(got) = out.weights {
+                if let Some(got) = crate::util::asked_weights(&what, asked, out.weights) {
                     close(&format!("{what}: weights"), got, &weights, tol);
                 }
             }

@@ -82,6 +82,20 @@ impl Backend {
         }
     }
 
+    /// `[atol, rtol]` of gradients against PyTorch's, the bound `atol + rtol · largest`
+    /// taken for each tensor with its largest expected magnitude.
+    pub fn grad_tolerance(&self) -> [f32; 2] {
+        match self.is_gpu() {
+            // The forward's reasons (see `forward_tol`), ten times the CPU's; lavapipe
+            // measured as the CPU.
+            true => [1e-7, 2e-5],
+            // Worst measured 8.1e-7 of the largest (flex and ndarray: Qwen3's q_norm,
+            // 2.8e-7 of 0.35; wgpu on lavapipe alike); cross-entropy's logits' gradient,
+            // at most 1.4e-3, 1.2e-10.
+            false => [1e-8, 2e-6],
+        }
+    }
+
     /// `[atol, rtol]` of the forward values and of the gradients in `dtype`, against
     /// attention computed in f64 from the same inputs (rounded to `dtype`): f32 as
     /// [`forward_tol`](Self::forward_tol) and [`grad_tol`](Self::grad_tol). The
@@ -211,6 +225,44 @@ pub fn max_abs_diff<const D: usize>(actual: Tensor<D>, expected: Tensor<D>) -> f
         .zip(&e)
         .map(|(a, e)| (a - e).abs())
         .fold(0.0, f32::max)
+}
+
+/// The weights a call returned, `Some` where `asked` asks for them and `None` where it
+/// does not; anything else panics naming `what`, so that a comparison of the weights
+/// cannot vanish with them.
+pub fn asked_weights<const D: usize>(
+    what: &str,
+    asked: mha::AttentionWeights,
+    weights: Option<Tensor<D>>,
+) -> Option<Tensor<D>> {
+    match (asked, weights) {
+        (mha::AttentionWeights::None, None) => None,
+        (mha::AttentionWeights::None, Some(_)) => panic!("{what}: weights none asked for"),
+        (asked, None) => panic!("{what}: {asked:?} weights asked for, none returned"),
+        (_, weights) => weights,
+    }
+}
+
+/// Asserts a gradient close to PyTorch's, each tensor against its own size: `max |actual -
+/// expected| <= atol + rtol · max |expected|` with `b`'s [`grad_tolerance`]
+/// (Backend::grad_tolerance), so that a gradient of 1e-3 is held to the digits a gradient
+/// of 300 is. Prints the error and the bound.
+pub fn assert_grad_close<const D: usize>(
+    b: &Backend,
+    what: &str,
+    actual: Tensor<D>,
+    expected: Tensor<D>,
+) -> f32 {
+    let largest = expected.clone().abs().max().into_scalar::<f32>();
+    let [atol, rtol] = b.grad_tolerance();
+    let tol = atol + rtol * largest;
+    let err = max_abs_diff(actual, expected);
+    println!("{what}: max abs error {err:.2e} (tolerance {tol:.1e}, largest {largest:.1e})");
+    assert!(
+        err <= tol,
+        "{what}: max abs error {err:e} > {tol:e} ({atol:e} + {rtol:e} x the largest {largest:e})"
+    );
+    err
 }
 
 /// Asserts `max |actual - expected| <= tol`, printing the measured error.
