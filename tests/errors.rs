@@ -66,8 +66,11 @@ fn bad_attention_configs_name_the_field_and_values() {
         (
             // 0 in f32.
             MultiHeadAttentionConfig::new(8, 2).with_scale(Some(1e-46)),
-            "MultiHeadAttentionConfig.scale: must be positive and finite in f32, got \
-             0.0000000000000000000000000000000000000000000001",
+            "MultiHeadAttentionConfig.scale: must be positive and finite in f32, got 1e-46",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).with_qk_norm_eps(Some(1e-50)),
+            "MultiHeadAttentionConfig.qk_norm_eps: must be positive and finite in f32, got 1e-50",
         ),
         (
             MultiHeadAttentionConfig::new(8, 2).with_positions(Positions::Sinusoidal),
@@ -111,6 +114,14 @@ fn bad_block_and_stack_configs_name_the_field_and_values() {
             .try_init(&d)
             .map(|_| ())),
         "EncoderBlockConfig.layer_norm_eps: must be positive and finite, got 0"
+    );
+    // 0 in f32, where the norms compute: a constant row would be NaN.
+    assert_eq!(
+        err(EncoderBlockConfig::new(16, 4)
+            .with_layer_norm_eps(1e-50)
+            .try_init(&d)
+            .map(|_| ())),
+        "EncoderBlockConfig.layer_norm_eps: must be positive and finite in f32, got 1e-50"
     );
     assert_eq!(
         err(EncoderBlockConfig::new(16, 4)
@@ -297,6 +308,53 @@ fn an_encoder_block_refuses_a_memory() {
 fn a_decoder_block_asks_for_its_memory() {
     let block = DecoderBlockConfig::new(16, 4).init(&dev());
     let _ = block.forward(BlockInput::new(randn([2, 5, 16], 1, &dev())));
+}
+
+/// A decoder block's memory missing, of another batch or width, is refused before the
+/// self-attention writes the call's keys to the cache: the cache keeps its length, and the
+/// next call decodes at the right position.
+#[test]
+fn a_decoder_block_refuses_a_bad_memory_before_writing_to_its_cache() {
+    let d = dev();
+    let block = DecoderBlockConfig::new(16, 4).init(&d);
+    let x = randn([2, 3, 16], 1, &d);
+    let mut cache = mha::KvCache::new(8);
+    let cases = [
+        (
+            None,
+            "DecoderBlock: the input has no memory for the cross-attention",
+        ),
+        (
+            Some(randn([1, 5, 16], 2, &d)),
+            "DecoderBlock: the memory's batch is 1 and the input's 2",
+        ),
+        (
+            Some(randn([2, 5, 12], 3, &d)),
+            "DecoderBlock: the memory is 12 wide and the cross-attention takes 16",
+        ),
+    ];
+    for (memory, expected) in cases {
+        let message = panic_message(std::panic::AssertUnwindSafe(|| {
+            let input = BlockInput::new(x.clone()).cache(&mut cache);
+            let input = match memory {
+                Some(memory) => input.memory(memory),
+                None => input,
+            };
+            let _ = block.forward(input);
+        }));
+        assert!(message.contains(expected), "{message}");
+        assert_eq!(cache.len(), 0, "{expected}");
+    }
+    // A projected memory of another batch too.
+    let kv = block.cross_attn.memory_kv(randn([3, 5, 16], 4, &d));
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        let _ = block.forward(BlockInput::new(x.clone()).memory_kv(&kv).cache(&mut cache));
+    }));
+    assert!(
+        message.contains("the memory's batch is 3 and the input's 2"),
+        "{message}"
+    );
+    assert_eq!(cache.len(), 0);
 }
 
 /// Runs `f` and returns its panic's message.

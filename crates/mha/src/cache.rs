@@ -426,6 +426,11 @@ pub struct MemoryKv {
 }
 
 impl MemoryKv {
+    /// The batch `B`.
+    pub(crate) fn batch(&self) -> usize {
+        self.keys.dims()[0]
+    }
+
     /// The source's length `Tk`.
     pub fn len(&self) -> usize {
         self.keys.dims()[2]

@@ -91,7 +91,7 @@ impl Check {
         self.positive(field, value)?;
         let narrow = value as f32;
         if !(narrow.is_finite() && narrow > 0.0) {
-            let message = format!("must be positive and finite in f32, got {value}");
+            let message = format!("must be positive and finite in f32, got {value:?}");
             return Err(self.err(field, message));
         }
         Ok(())

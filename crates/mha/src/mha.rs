@@ -299,7 +299,7 @@ impl MultiHeadAttentionConfig {
             check.positive_f32("softcap", cap)?;
         }
         if let Some(epsilon) = self.qk_norm_eps {
-            check.positive("qk_norm_eps", epsilon)?;
+            check.positive_f32("qk_norm_eps", epsilon)?;
         }
         let head_dim = self.head_dim.unwrap_or(self.d_model / self.n_heads);
         check.nonzero("head_dim", head_dim)?;

@@ -183,7 +183,7 @@ impl Parts {
         check.nonzero("n_heads", self.n_heads)?;
         check.nonzero("d_ff", self.d_ff)?;
         check.probability("dropout", self.dropout)?;
-        check.positive("layer_norm_eps", self.layer_norm_eps)
+        check.positive_f32("layer_norm_eps", self.layer_norm_eps)
     }
 
     /// The self-attention: these hyperparameters, `positions`, the QK-norm and the sinks;

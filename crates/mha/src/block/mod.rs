@@ -309,6 +309,7 @@ impl DecoderBlock {
             left_padding,
         } = input;
         check_pads("DecoderBlock", &left_padding, x.dims()[0]);
+        check_memory(&memory, x.dims()[0], self.cross_attn.kdim);
         let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
         let attention = SelfAttention {
             rule: Some(AttentionMask::causal()),
@@ -333,10 +334,7 @@ impl DecoderBlock {
                     let attn = &self.cross_attn;
                     attn.cross_cached(h, kv, memory_mask, weights, cross_head)
                 }
-                Memory::None => panic!(
-                    "DecoderBlock: the input has no memory for the cross-attention \
-                     (BlockInput::memory or BlockInput::memory_kv)"
-                ),
+                Memory::None => unreachable!("`check_memory` refuses a missing memory"),
             };
             all.extend(out.weights);
             Ok(out.context)
@@ -467,5 +465,33 @@ fn with_head(input: MhaInput, head_mask: Option<Tensor<1>>) -> MhaInput {
     match head_mask {
         Some(mask) => input.head_mask(mask),
         None => input,
+    }
+}
+
+/// Panics naming the memory of a decoder block's cross-attention before its
+/// self-attention writes to a cache: a memory missing, of another batch than the input's
+/// `batch`, or (a tensor) not `width` wide.
+fn check_memory(memory: &Memory, batch: usize, width: usize) {
+    let (memory_batch, memory_width) = match memory {
+        Memory::None => panic!(
+            "DecoderBlock: the input has no memory for the cross-attention \
+             (BlockInput::memory or BlockInput::memory_kv)"
+        ),
+        Memory::Tensor(memory) => {
+            let [b, _, w] = memory.dims();
+            (b, Some(w))
+        }
+        Memory::Projected(kv) => (kv.batch(), None),
+    };
+    assert!(
+        memory_batch == batch,
+        "DecoderBlock: the memory's batch is {memory_batch} and the input's {batch}"
+    );
+    if let Some(memory_width) = memory_width {
+        assert!(
+            memory_width == width,
+            "DecoderBlock: the memory is {memory_width} wide and the cross-attention takes \
+             {width}"
+        );
     }
 }
