@@ -224,6 +224,91 @@ fn decoder_layer_pre_norm_gelu_with_memory_padding() {
     }
 }
 
+/// A decoder block that is not causal (PyTorch's layer with `tgt_mask=None`): the
+/// fixture's layer, each position's self-attention seeing every position, equal to its
+/// parts composed by hand; refused with a cache, which it leaves as it was.
+#[test]
+fn a_decoder_block_that_is_not_causal_attends_to_every_position() {
+    let f = Fixture::load("decoder_layer_pre_gelu");
+    let config = DecoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .with_dropout(0.0);
+    for b in backends() {
+        let dev = &b.device;
+        let load = |causal| {
+            config
+                .clone()
+                .with_causal(causal)
+                .init(dev)
+                .load_pytorch(&f.weights, "model.")
+                .unwrap()
+        };
+        let block = load(false);
+        let x = f.io("x", [2, 5, 16], dev);
+        let memory = f.io("memory", [2, 7, 16], dev);
+        let out = block
+            .forward(BlockInput::new(x.clone()).memory(memory.clone()))
+            .unwrap()
+            .output;
+        let h = x.clone()
+            + block
+                .self_attn
+                .self_attention(block.norm1.forward(x.clone()), AttentionMask::none());
+        let h = h.clone()
+            + block.cross_attn.cross_attention(
+                block.norm2.forward(h),
+                memory.clone(),
+                AttentionMask::none(),
+            );
+        let want = h.clone() + block.feed_forward.forward(block.norm3.forward(h));
+        let what = format!("[{}] decoder block, not causal", b.name);
+        assert_close(&what, out.clone(), want, b.forward_tol());
+        // The causal block's first position sees itself alone: another output.
+        let causal = load(true)
+            .forward(BlockInput::new(x.clone()).memory(memory.clone()))
+            .unwrap()
+            .output;
+        let first = |t: Tensor<3>| t.narrow(1, 0, 1);
+        let apart = crate::util::max_abs_diff(first(causal), first(out));
+        assert!(
+            apart > 1e-2,
+            "{what}: the causal block's first row is {apart} away"
+        );
+        let mut cache = mha::KvCache::new(8);
+        let err = block
+            .forward(BlockInput::new(x).memory(memory).cache(&mut cache))
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(
+            err,
+            mha::CacheError::NotCausal {
+                module: "DecoderBlock"
+            }
+        );
+        assert_eq!(cache.len(), 0);
+    }
+}
+
+/// `EncoderBlockConfig::pytorch` is PyTorch's layer (post-norm, ReLU, epsilon 1e-5,
+/// biases): the fixture of `nn.TransformerEncoderLayer(16, 4, 32, dropout=0)`.
+#[test]
+fn the_pytorch_preset_is_pytorchs_encoder_layer() {
+    let config = EncoderBlockConfig::pytorch(16, 4)
+        .with_d_ff(Some(32))
+        .with_dropout(0.0);
+    assert_eq!(EncoderBlockConfig::pytorch(16, 4).d_ff, Some(2048));
+    assert_eq!(DecoderBlockConfig::pytorch(16, 4).d_ff, Some(2048));
+    check_encoder(
+        "encoder_layer_post_relu",
+        |dev| config.init(dev),
+        |m, x, mask| {
+            m.forward(BlockInput::new(x).mask(mask.clone()))
+                .unwrap()
+                .output
+        },
+    );
+}
+
 #[test]
 fn encoder_stack_pre_norm_causal_with_final_norm() {
     let block = EncoderBlockConfig::new(16, 4)
@@ -240,6 +325,88 @@ fn encoder_stack_pre_norm_causal_with_final_norm() {
                 .output
         },
     );
+}
+
+/// A stack's final norm is its configuration's choice: pre-norm layers without one
+/// (PyTorch's `nn.TransformerEncoder(layer, N)`, whose `norm` is `None` by default) and
+/// post-norm layers with one (`nn.Transformer`'s stacks). Each is the fixture's stack
+/// with the norm taken off or put on, and the import names `final_norm` where the
+/// weights and the configuration disagree.
+#[test]
+fn a_stack_has_a_final_norm_where_its_configuration_asks() {
+    use mha::{Encoder, ImportError};
+    let f = Fixture::load("encoder_stack_pre_gelu");
+    let block = EncoderBlockConfig::new(16, 4)
+        .with_d_ff(Some(32))
+        .with_dropout(0.0)
+        .with_causal(true);
+    // The fixture's weights without its final norm's.
+    let file = std::fs::read(
+        crate::util::root().join("tests/fixtures/encoder_stack_pre_gelu.safetensors"),
+    )
+    .unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let kept: Vec<_> = stored
+        .tensors()
+        .into_iter()
+        .filter(|(key, _)| !key.starts_with("model.norm."))
+        .collect();
+    assert_eq!(kept.len() + 2, stored.len());
+    let bytes = safetensors::serialize(kept, None).unwrap();
+    let no_norm = mha::PyTorchWeights::from_bytes(&bytes, "no final norm").unwrap();
+    for b in backends() {
+        let dev = &b.device;
+        let x = f.io("x", [2, 6, 16], dev);
+        let run = |m: &Encoder| m.forward(BlockInput::new(x.clone())).unwrap().output;
+        let stack = |final_norm, norm_first| {
+            let block = block.clone().with_norm_first(norm_first);
+            EncoderConfig::new(block, 2)
+                .with_final_norm(final_norm)
+                .init(dev)
+        };
+        let with = stack(None, true)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let norm = with
+            .norm
+            .clone()
+            .expect("a pre-norm stack's final norm by default");
+        let without = stack(Some(false), true)
+            .load_pytorch(&no_norm, "model.")
+            .unwrap();
+        assert!(without.norm.is_none());
+        let what = format!("[{}] pre-norm stack", b.name);
+        assert_close(&what, norm.forward(run(&without)), run(&with), 0.0);
+        // Post-norm layers, without a final norm by default, with one when asked.
+        let post = stack(None, false).load_pytorch(&no_norm, "model.").unwrap();
+        assert!(post.norm.is_none());
+        let mut post_normed = stack(Some(true), false)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        post_normed.layers = post.layers.clone();
+        let what = format!("[{}] post-norm stack", b.name);
+        assert_close(&what, norm.forward(run(&post)), run(&post_normed), 0.0);
+        // Weights and configuration that disagree.
+        let err = stack(None, true)
+            .load_pytorch(&no_norm, "model.")
+            .unwrap_err();
+        assert!(
+            matches!(&err, ImportError::Convention { key, .. } if key == "model.norm.weight")
+                && err
+                    .to_string()
+                    .contains("configure `final_norm: Some(false)`"),
+            "{err}"
+        );
+        let err = stack(Some(false), true)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("unexpected key `model.norm.weight`")
+                && err.to_string().contains("`Some(true)` gives it one"),
+            "{err}"
+        );
+    }
 }
 
 /// Both paths of the core: fused (no weights) and explicit (weights asked for).

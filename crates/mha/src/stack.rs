@@ -1,6 +1,6 @@
-//! Stacks of N blocks, with the final LayerNorm a pre-norm stack needs (its blocks leave
-//! the residual stream un-normalised): PyTorch's `nn.TransformerEncoder(layer, N, norm)`
-//! and `nn.TransformerDecoder`.
+//! Stacks of N blocks, with the final norm a pre-norm stack needs (its blocks leave the
+//! residual stream un-normalised) or any other asked for: PyTorch's
+//! `nn.TransformerEncoder(layer, N, norm)` and `nn.TransformerDecoder`.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -23,6 +23,13 @@ pub struct EncoderConfig {
     pub block: EncoderBlockConfig,
     /// Number of blocks.
     pub n_layers: usize,
+    /// A norm after the last block (PyTorch's `nn.TransformerEncoder(layer, N, norm)`), of the
+    /// blocks' kind and epsilon. Default: `block.norm_first` (a pre-norm stack's blocks
+    /// leave the residual stream un-normalised); PyTorch's `norm=None` (its default) is
+    /// `Some(false)`, and `nn.Transformer`'s post-norm stacks, which have one, are
+    /// `Some(true)`.
+    #[config(default = "None")]
+    pub final_norm: Option<bool>,
 }
 
 /// Configuration of [`Decoder`].
@@ -32,6 +39,13 @@ pub struct DecoderConfig {
     pub block: DecoderBlockConfig,
     /// Number of blocks.
     pub n_layers: usize,
+    /// A norm after the last block (PyTorch's `nn.TransformerDecoder(layer, N, norm)`), of the
+    /// blocks' kind and epsilon. Default: `block.norm_first` (a pre-norm stack's blocks
+    /// leave the residual stream un-normalised); PyTorch's `norm=None` (its default) is
+    /// `Some(false)`, and `nn.Transformer`'s post-norm stacks, which have one, are
+    /// `Some(true)`.
+    #[config(default = "None")]
+    pub final_norm: Option<bool>,
 }
 
 /// A block configuration a stack repeats.
@@ -39,9 +53,9 @@ trait BlockSpec: Clone {
     type Block;
     /// One block.
     fn build(&self, device: &Device) -> Result<Self::Block, ConfigError>;
-    /// The final norm a pre-norm stack of these blocks needs (its blocks leave the
-    /// residual stream un-normalised), if any.
-    fn final_norm(&self, device: &Device) -> Option<LayerNorm>;
+    /// A norm after the last block, where `wanted` asks for one (by default where the
+    /// blocks are pre-norm: they leave the residual stream un-normalised).
+    fn final_norm(&self, wanted: Option<bool>, device: &Device) -> Option<LayerNorm>;
     /// The block's positions.
     fn positions(&mut self) -> &mut Positions;
     /// The model width.
@@ -55,8 +69,8 @@ impl BlockSpec for EncoderBlockConfig {
         self.try_init(device)
     }
 
-    fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
-        self.final_norm(device)
+    fn final_norm(&self, wanted: Option<bool>, device: &Device) -> Option<LayerNorm> {
+        self.final_norm(wanted, device)
     }
 
     fn positions(&mut self) -> &mut Positions {
@@ -75,8 +89,8 @@ impl BlockSpec for DecoderBlockConfig {
         self.try_init(device)
     }
 
-    fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
-        self.final_norm(device)
+    fn final_norm(&self, wanted: Option<bool>, device: &Device) -> Option<LayerNorm> {
+        self.final_norm(wanted, device)
     }
 
     fn positions(&mut self) -> &mut Positions {
@@ -88,19 +102,20 @@ impl BlockSpec for DecoderBlockConfig {
     }
 }
 
-/// The parts of a stack: its blocks, the final norm a pre-norm stack needs, and the
+/// The parts of a stack: its blocks, its final norm if it has one, and the
 /// absolute positions it adds to its input.
 type Parts<B> = (Vec<B>, Option<LayerNorm>, Option<AbsolutePositions>);
 
-/// `n_layers` blocks of `block`, the final norm a pre-norm stack needs, and the absolute
-/// positions of `block`'s configuration (added once, to the stack's input; its blocks are
-/// built without them).
+/// `n_layers` blocks of `block`, the final norm where `final_norm` asks for one (by
+/// default a pre-norm stack's), and the absolute positions of `block`'s configuration
+/// (added once, to the stack's input; its blocks are built without them).
 ///
 /// # Errors
 /// A [`ConfigError`] of `config` when `n_layers` is 0, or the block's error.
 fn layers<C: BlockSpec>(
     config: &'static str,
     n_layers: usize,
+    final_norm: Option<bool>,
     block: &C,
     device: &Device,
 ) -> Result<Parts<C::Block>, ConfigError> {
@@ -121,7 +136,7 @@ fn layers<C: BlockSpec>(
     };
     let layers = (0..n_layers).map(|_| block.build(device));
     let layers = layers.collect::<Result<_, _>>()?;
-    Ok((layers, block.final_norm(device), absolute))
+    Ok((layers, block.final_norm(final_norm, device), absolute))
 }
 
 impl EncoderConfig {
@@ -130,8 +145,13 @@ impl EncoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Encoder, ConfigError> {
-        let (layers, norm, positions) =
-            layers("EncoderConfig", self.n_layers, &self.block, device)?;
+        let (layers, norm, positions) = layers(
+            "EncoderConfig",
+            self.n_layers,
+            self.final_norm,
+            &self.block,
+            device,
+        )?;
         Ok(Encoder {
             layers,
             norm,
@@ -154,8 +174,13 @@ impl DecoderConfig {
     /// # Errors
     /// A [`ConfigError`] when `n_layers` is 0 or the block configuration is rejected.
     pub fn try_init(&self, device: &Device) -> Result<Decoder, ConfigError> {
-        let (layers, norm, positions) =
-            layers("DecoderConfig", self.n_layers, &self.block, device)?;
+        let (layers, norm, positions) = layers(
+            "DecoderConfig",
+            self.n_layers,
+            self.final_norm,
+            &self.block,
+            device,
+        )?;
         Ok(Decoder {
             layers,
             norm,

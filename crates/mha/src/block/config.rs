@@ -79,6 +79,19 @@ macro_rules! block_config {
         }
 
         impl $name {
+            /// PyTorch's defaults for its layer of `d_model` and `n_heads`
+            /// (`nn.TransformerEncoderLayer(d_model, nhead)`, and the decoder's): a
+            /// feed-forward 2048 wide, ReLU, post-norm, dropout 0.1, epsilon 1e-5, biases.
+            /// ([`new`](Self::new)'s defaults are a modern block's: `4 · d_model`, GELU,
+            /// pre-norm.) A layer's settings leave no trace in its weights: build the one
+            /// that was trained, then load it.
+            pub fn pytorch(d_model: usize, n_heads: usize) -> Self {
+                Self::new(d_model, n_heads)
+                    .with_d_ff(Some(2048))
+                    .with_activation(FeedForwardActivation::Relu)
+                    .with_norm_first(false)
+            }
+
             /// The hyperparameters both blocks share.
             fn parts(&self) -> Parts {
                 Parts {
@@ -101,11 +114,16 @@ macro_rules! block_config {
                 }
             }
 
-            /// The final norm a pre-norm stack of these blocks needs (its blocks leave
-            /// the residual stream un-normalised).
-            pub(crate) fn final_norm(&self, device: &Device) -> Option<LayerNorm> {
+            /// A stack's norm after its last block of these, where `wanted` asks for one;
+            /// by default where they are pre-norm (they leave the residual stream
+            /// un-normalised).
+            pub(crate) fn final_norm(
+                &self,
+                wanted: Option<bool>,
+                device: &Device,
+            ) -> Option<LayerNorm> {
                 let parts = self.parts();
-                parts.norm_first.then(|| parts.norm(device))
+                wanted.unwrap_or(parts.norm_first).then(|| parts.norm(device))
             }
         }
     };
@@ -130,8 +148,15 @@ block_config!(
 );
 
 block_config!(
-    /// Configuration of [`DecoderBlock`]; its self-attention is always causal.
+    /// Configuration of [`DecoderBlock`].
     DecoderBlockConfig {
+        /// Whether the self-attention is causal (PyTorch's decoder layer called with a
+        /// causal `tgt_mask`, or `tgt_is_causal=True`, as every autoregressive decoder
+        /// is). A decoder block that is not (DETR's object queries, non-autoregressive
+        /// decoding: `tgt_mask=None`) attends to every position and cannot decode through
+        /// a cache. Default: true.
+        #[config(default = true)]
+        pub causal: bool,
         /// How the causal self-attention knows where tokens are (see [`Positions`]; the
         /// cross-attention reads the memory as it is); a stack adds absolute positions to
         /// its input once. Default: none.
@@ -321,6 +346,7 @@ impl DecoderBlockConfig {
             dropout2: parts.dropout(),
             dropout3: parts.dropout(),
             norm_first: self.norm_first,
+            causal: self.causal,
         })
     }
 

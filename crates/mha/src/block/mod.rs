@@ -250,8 +250,9 @@ impl EncoderBlock {
     }
 }
 
-/// Causal self-attention, cross-attention to an encoded memory, and feed-forward:
-/// PyTorch's `nn.TransformerDecoderLayer` with `tgt_is_causal=True`.
+/// Self-attention (causal unless configured otherwise), cross-attention to an encoded
+/// memory, and feed-forward: PyTorch's `nn.TransformerDecoderLayer` (with
+/// `tgt_is_causal=True`, or `tgt_mask=None` where not causal).
 #[derive(Module, Debug)]
 pub struct DecoderBlock {
     /// Causal self-attention.
@@ -274,13 +275,15 @@ pub struct DecoderBlock {
     pub dropout3: Dropout,
     /// Pre-norm when true.
     pub norm_first: bool,
+    /// Causal self-attention when true.
+    pub causal: bool,
 }
 
 impl DecoderBlock {
     /// The block over `input`: its tokens, the memory its cross-attention reads (a
     /// tensor, or its keys and values from [`memory_kv`](Self::memory_kv)), the
-    /// self-attention's mask (with the causal rule) and the memory's, a cache when
-    /// decoding, a head mask (two attention layers: the self-attention, then the
+    /// self-attention's mask (with the causal rule when the block is causal) and the
+    /// memory's, a cache when decoding (a causal block only), a head mask (two attention layers: the self-attention, then the
     /// cross-attention) and both attentions' weights when asked for.
     ///
     /// # Shapes
@@ -291,8 +294,8 @@ impl DecoderBlock {
     ///   `[B, H, Tq, Tk]`, when asked for
     ///
     /// # Errors
-    /// The cache's errors ([`MultiHeadAttention::forward_cached`]); without a cache,
-    /// none.
+    /// With a cache: [`CacheError::NotCausal`] for a block that is not causal, and the
+    /// cache's errors ([`MultiHeadAttention::forward_cached`]); without a cache, none.
     ///
     /// # Panics
     /// If the shapes disagree, a mask does not broadcast, the input has no memory, or the
@@ -310,9 +313,14 @@ impl DecoderBlock {
         } = input;
         check_pads("DecoderBlock", &left_padding, x.dims()[0]);
         check_memory(&memory, x.dims()[0], self.cross_attn.kdim);
+        if cache.is_some() && !self.causal {
+            return Err(CacheError::NotCausal {
+                module: "DecoderBlock",
+            });
+        }
         let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
         let attention = SelfAttention {
-            rule: Some(AttentionMask::causal()),
+            rule: self.causal.then(AttentionMask::causal),
             weights,
             head,
             left_padding,

@@ -117,11 +117,21 @@ fn load_stack<L: LoadPyTorch>(
         .collect::<Result<Vec<_>, _>>()?;
     weights.reject_layers_past(&format!("{prefix}layers."), layers.len())?;
     let norm = match norm {
+        Some(_) if !weights.contains(&format!("{prefix}norm.weight")) => {
+            return Err(ImportError::Convention {
+                key: format!("{prefix}norm.weight"),
+                message: "missing: the stack has a final norm (pre-norm blocks, or \
+                          `final_norm: Some(true)` in its configuration) and the weights \
+                          none (PyTorch's `norm=None`): configure `final_norm: Some(false)`"
+                    .into(),
+            });
+        }
         Some(norm) => Some(norm.load_pytorch(weights, &format!("{prefix}norm."))?),
         None => {
             weights.reject(
                 format!("{prefix}norm.weight"),
-                "the stack has no final norm (post-norm configuration)",
+                "the stack has no final norm (post-norm blocks, or `final_norm: Some(false)` \
+                 in its configuration; `Some(true)` gives it one)",
             )?;
             None
         }

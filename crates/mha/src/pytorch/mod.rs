@@ -10,10 +10,15 @@
 //! | `nn.TransformerEncoder` / `nn.TransformerDecoder` | [`Encoder`] / [`Decoder`] |
 //!
 //! Build the module from a configuration that matches the PyTorch one (sizes, bias,
-//! `norm_first`, activation), then call [`LoadPyTorch::load_pytorch`]. PyTorch stores a
-//! linear weight as `[out, in]`; Burn as `[in, out]`: the import transposes. A missing
-//! key, a key the module has no place for (such as `bias_k` of `add_bias_kv=True`), or a
-//! shape that differs is an [`ImportError`] naming the key and both shapes.
+//! `norm_first`, activation, a decoder layer's causal self-attention, a stack's final
+//! norm: [`EncoderBlockConfig::pytorch`](crate::EncoderBlockConfig::pytorch) and
+//! [`DecoderBlockConfig::pytorch`](crate::DecoderBlockConfig::pytorch) take PyTorch's
+//! defaults), then call [`LoadPyTorch::load_pytorch`]. PyTorch stores a linear weight as
+//! `[out, in]`; Burn as `[in, out]`: the import transposes. A missing key, a key the
+//! module has no place for (such as `bias_k` of `add_bias_kv=True`), or a shape that
+//! differs is an [`ImportError`] naming the key and both shapes. What leaves no key
+//! cannot be checked: the settings above, and `add_zero_attn=True` (a zero key and value
+//! appended to every sequence), which these modules do not compute.
 //!
 //! Hugging Face's T5 attention (`transformers`' `T5Attention`, keys `q.weight`,
 //! `k.weight`, `v.weight`, `o.weight`, and in the first layer of each stack
