@@ -146,6 +146,57 @@ fn mha_cross_attention_kdim_vdim_padding_no_bias_averaged_weights() {
     }
 }
 
+/// Separate projections (`kdim`, `vdim`) with biases: PyTorch packs the three biases in
+/// `in_proj_bias` even then, and each projection takes its own rows (the fixture has
+/// none: its weights with biases 0, 1, 2, ... added here).
+#[test]
+fn separate_projections_take_their_rows_of_the_packed_bias() {
+    let file =
+        std::fs::read(crate::util::root().join("tests/fixtures/mha_cross_kdim_vdim.safetensors"))
+            .unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&file).unwrap();
+    let bias_bytes = |n: usize, first: f32| -> Vec<u8> {
+        (0..n)
+            .flat_map(|i| (first + i as f32).to_le_bytes())
+            .collect()
+    };
+    let (in_bias, out_bias) = (bias_bytes(48, 0.0), bias_bytes(16, 100.0));
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = stored
+        .tensors()
+        .into_iter()
+        .filter(|(key, _)| key.starts_with("model."))
+        .collect();
+    for (key, bytes, n) in [
+        ("model.in_proj_bias", &in_bias, 48),
+        ("model.out_proj.bias", &out_bias, 16),
+    ] {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], bytes);
+        views.push((key.to_string(), view.unwrap()));
+    }
+    let bytes = safetensors::serialize(views, None).unwrap();
+    let weights = mha::PyTorchWeights::from_bytes(&bytes, "kdim, vdim and biases").unwrap();
+    for b in backends() {
+        let m = MultiHeadAttentionConfig::new(16, 2)
+            .with_kdim(Some(12))
+            .with_vdim(Some(10))
+            .init(&b.device)
+            .load_pytorch(&weights, "model.")
+            .unwrap();
+        let mha::mha::InputProjection::Separate(p) = &m.in_proj else {
+            panic!("kdim and vdim take separate projections")
+        };
+        let bias = |linear: &burn::nn::Linear| {
+            crate::util::to_vec(linear.bias.as_ref().expect("a bias").val())
+        };
+        let rows =
+            |first: usize, n: usize| (first..first + n).map(|i| i as f32).collect::<Vec<_>>();
+        assert_eq!(bias(&p.q_proj), rows(0, 16), "[{}] q", b.name);
+        assert_eq!(bias(&p.k_proj), rows(16, 16), "[{}] k", b.name);
+        assert_eq!(bias(&p.v_proj), rows(32, 16), "[{}] v", b.name);
+        assert_eq!(bias(&m.out_proj), rows(100, 16), "[{}] out", b.name);
+    }
+}
+
 /// An encoder block or stack against its fixture: input `x` `[2, 6, 16]` with key padding.
 fn check_encoder<M: Module + LoadPyTorch>(
     fixture: &'static str,
