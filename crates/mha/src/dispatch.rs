@@ -462,6 +462,9 @@ pub(crate) fn row(call: RowCall) -> RowPath {
         (RowOp::LayerNorm, DType::F16 | DType::BF16) => RowPath::BurnInF32,
         // Hugging Face's RMSNorm normalises in f32, then scales in the input's dtype.
         (RowOp::RmsNorm, DType::F16 | DType::BF16) => RowPath::BurnInF32,
+        // PyTorch's GELU computes in f32 and rounds once: `1 + erf` in half precision
+        // cancels for negative inputs (bf16's GELU(-3) was 44% off).
+        (RowOp::Gelu | RowOp::LinearGelu, DType::F16 | DType::BF16) => RowPath::BurnInF32,
         _ => RowPath::Burn,
     }
 }
@@ -634,15 +637,17 @@ mod tests {
     }
 
     #[test]
-    fn half_precision_norms_run_in_f32_elsewhere() {
+    fn half_precision_norms_and_gelu_run_in_f32_elsewhere() {
         for &op in RowOp::ALL {
             let row_of = |dtype| row(row_call(op, Backend::Other, dtype));
             assert_eq!(row_of(DType::F32), RowPath::Burn);
             // Both norms in both halves: Burn's layer norm overflows past 256 in f16 and
             // rounds its mean in bf16 (PyTorch's accumulates in f32); Hugging Face's RMS
-            // norm normalises in f32.
+            // norm normalises in f32; PyTorch's GELU computes in f32.
             let [f16, bf16] = match op {
-                RowOp::LayerNorm | RowOp::RmsNorm => [RowPath::BurnInF32; 2],
+                RowOp::LayerNorm | RowOp::RmsNorm | RowOp::Gelu | RowOp::LinearGelu => {
+                    [RowPath::BurnInF32; 2]
+                }
                 _ => [RowPath::Burn; 2],
             };
             assert_eq!(row_of(DType::F16), f16, "{op:?}");

@@ -4,7 +4,7 @@
 //! the exact gradient on every backend (Burn's fused `gelu` backward is the tanh
 //! approximation's outside flex, off from PyTorch by about 3e-4): five elementwise passes
 //! forward and more backward, each `erf` a scalar call of the C library per element on
-//! the CPU.
+//! the CPU. Half precision computes in f32 and rounds once, as PyTorch's.
 
 use burn::tensor::Tensor;
 
@@ -19,8 +19,11 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
             let out = super::run(super::FusedOp::Gelu, vec![super::rows(x)], None);
             out.reshape(dims)
         }
-        RowPath::Burn | RowPath::BurnInF32 => {
-            x.clone() * ((x / core::f64::consts::SQRT_2).erf() + 1.0) * 0.5
+        RowPath::Burn => gelu_burn(x),
+        // Half precision in f32, rounded once, as PyTorch's.
+        RowPath::BurnInF32 => {
+            let dtype = x.dtype();
+            gelu_burn(x.cast(burn::tensor::FloatDType::F32)).cast(dtype)
         }
         RowPath::Empty => {
             let (dims, device, dtype) = (x.dims(), x.device(), x.dtype());
@@ -32,6 +35,13 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
             )
         }
     }
+}
+
+/// `x Φ(x)` in Burn's operations, in `x`'s dtype. The products by constants (not a
+/// division: Burn's backward of a division by a scalar takes its reciprocal in f32, which
+/// an f64 gradient shows).
+fn gelu_burn<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    x.clone() * ((x * core::f64::consts::FRAC_1_SQRT_2).erf() + 1.0) * 0.5
 }
 
 #[cfg(feature = "cpu-kernels")]
