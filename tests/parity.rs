@@ -1492,12 +1492,12 @@ fn cross_entropy_takes_every_float_dtype_and_large_logits() {
             // scaled by its largest value (at most 1.4e-3 here).
             let want = f.io::<2>("grad.logits", shape, &b.device);
             let largest = want.clone().abs().max().into_scalar::<f32>();
-            let [atol, rtol] = b.tolerances(dtype)[1];
+            let [atol, rtol] = b.tolerances_against_f32(dtype)[1];
             let err = crate::util::max_abs_diff(grad.cast(FloatDType::F32), want) as f64;
             let tol = (atol + rtol) * largest as f64;
             println!("{what}, gradient: max abs error {err:.2e} (tolerance {tol:.1e})");
             assert!(err <= tol, "{what}, gradient: {err:e} > {tol:e}");
-            let [atol, rtol] = b.tolerances(dtype)[0];
+            let [atol, rtol] = b.tolerances_against_f32(dtype)[0];
             let want = f.io::<1>("out", [1], &b.device).into_scalar::<f32>() as f64;
             let got = loss.cast(FloatDType::F32).into_scalar::<f32>() as f64;
             assert!(

@@ -467,12 +467,17 @@ fn tensor(values: &[f32], dims: [usize; 4], device: &Device, dtype: FloatDType) 
 
 /// Asserts `|got - want| <= atol + rtol·|want|` everywhere, printing the worst error.
 fn close<const D: usize>(what: &str, got: Tensor<D>, want: &[f64], [atol, rtol]: [f64; 2]) {
-    let got = to_vec(got.cast(FloatDType::F32));
+    // Read in f64, which holds every dtype's values exactly (f32 hid f64's digits).
+    let got = got
+        .into_data()
+        .convert::<f64>()
+        .try_into_vec::<f64>()
+        .unwrap();
     assert_eq!(got.len(), want.len(), "{what}: sizes differ");
     let mut worst = (0.0f64, 0);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         assert!(g.is_finite(), "{what}: element {i} is {g}");
-        let excess = (g as f64 - w).abs() - rtol * w.abs();
+        let excess = (g - w).abs() - rtol * w.abs();
         if excess > worst.0 {
             worst = (excess, i);
         }

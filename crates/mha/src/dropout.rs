@@ -49,7 +49,9 @@ pub fn apply<const D: usize>(x: Tensor<D>, prob: f64) -> Tensor<D> {
         return cpu::apply(x, keep);
     }
     let mask = x.random_like(Distribution::Bernoulli(keep));
-    x * mask / keep
+    // A product by the reciprocal (Burn's backward of a division by a scalar takes the
+    // reciprocal in f32).
+    x * mask * (1.0 / keep)
 }
 
 #[cfg(feature = "cpu-kernels")]

@@ -58,7 +58,9 @@ pub(super) fn weights(
     // the queries, `Dk` times fewer values than the scores (forward and backward).
     let s = grouped_matmul(query * scores.scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
     let s = match scores.softcap {
-        Some(cap) => (s / cap).tanh() * cap,
+        // A product by the reciprocal: Burn's backward of a division by a scalar takes
+        // the reciprocal in f32, which an f64 gradient shows.
+        Some(cap) => (s * (1.0 / cap)).tanh() * cap,
         None => s,
     };
     // In the queries' dtype, cast once (the blocked rows below read it too).
