@@ -345,13 +345,39 @@ fn a_decoder_block_refuses_a_bad_memory_before_writing_to_its_cache() {
         assert!(message.contains(expected), "{message}");
         assert_eq!(cache.len(), 0, "{expected}");
     }
-    // A projected memory of another batch too.
+    // A memory mask that does not fit the memory.
+    let padding = mha::AttentionMask::key_lengths(&[5, 5, 5], 5, &d);
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        let input = BlockInput::new(x.clone())
+            .memory(randn([2, 5, 16], 2, &d))
+            .memory_mask(padding)
+            .cache(&mut cache);
+        let _ = block.forward(input);
+    }));
+    assert!(
+        message.contains("does not broadcast to the scores"),
+        "{message}"
+    );
+    assert_eq!(cache.len(), 0);
+    // A projected memory of another batch, or another module's.
     let kv = block.cross_attn.memory_kv(randn([3, 5, 16], 4, &d));
     let message = panic_message(std::panic::AssertUnwindSafe(|| {
         let _ = block.forward(BlockInput::new(x.clone()).memory_kv(&kv).cache(&mut cache));
     }));
     assert!(
         message.contains("the memory's batch is 3 and the input's 2"),
+        "{message}"
+    );
+    let other = DecoderBlockConfig::new(16, 2).init(&d);
+    let kv = other.memory_kv(randn([2, 5, 16], 4, &d));
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        let _ = block.forward(BlockInput::new(x.clone()).memory_kv(&kv).cache(&mut cache));
+    }));
+    assert!(
+        message.contains(
+            "the memory's keys and values are 2 heads 8 wide and the cross-attention's 4 \
+             heads 4 wide"
+        ),
         "{message}"
     );
     assert_eq!(cache.len(), 0);

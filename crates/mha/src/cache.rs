@@ -426,9 +426,9 @@ pub struct MemoryKv {
 }
 
 impl MemoryKv {
-    /// The batch `B`.
-    pub(crate) fn batch(&self) -> usize {
-        self.keys.dims()[0]
+    /// The keys' shape `[B, Hkv, Tk, Dh]`.
+    pub(crate) fn keys_dims(&self) -> [usize; 4] {
+        self.keys.dims()
     }
 
     /// The source's length `Tk`.

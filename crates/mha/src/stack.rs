@@ -394,12 +394,12 @@ fn norm(norm: &Option<LayerNorm>, x: Tensor<3>) -> Tensor<3> {
     }
 }
 
-/// N encoder blocks and, for pre-norm, a final LayerNorm.
+/// N encoder blocks and a final norm where configured (by default after pre-norm blocks).
 #[derive(Module, Debug)]
 pub struct Encoder {
     /// The blocks, first to last.
     pub layers: Vec<EncoderBlock>,
-    /// The final norm (pre-norm stacks only).
+    /// The final norm, where the configuration asks for one (`final_norm`).
     pub norm: Option<LayerNorm>,
     /// Absolute positions added to the input, when the blocks' configuration asks for
     /// them.
@@ -450,12 +450,12 @@ impl Encoder {
     }
 }
 
-/// N decoder blocks and, for pre-norm, a final LayerNorm.
+/// N decoder blocks and a final norm where configured (by default after pre-norm blocks).
 #[derive(Module, Debug)]
 pub struct Decoder {
     /// The blocks, first to last.
     pub layers: Vec<DecoderBlock>,
-    /// The final norm (pre-norm stacks only).
+    /// The final norm, where the configuration asks for one (`final_norm`).
     pub norm: Option<LayerNorm>,
     /// Absolute positions added to the input, when the blocks' configuration asks for
     /// them.
@@ -473,14 +473,15 @@ impl Decoder {
     ///
     /// # Shapes
     /// - `x`: `[B, Tq, d_model]` -> output `[B, Tq, d_model]`; memory `[B, Tk, d_model]`
-    /// - the mask broadcastable to `[B, H, Tq, Tq]` (combined with causal; `[B, H, Tq,
-    ///   keys seen]` with a cache), the memory mask to `[B, H, Tq, Tk]`
+    /// - the mask broadcastable to `[B, H, Tq, Tq]` (combined with causal where the blocks
+    ///   are; `[B, H, Tq, keys seen]` with a cache), the memory mask to `[B, H, Tq, Tk]`
     ///
     /// # Errors
     /// With a cache: [`CacheError::Layers`] for the caches of another stack,
     /// [`CacheError::NoMemory`] for a cache without a memory and an input without one,
-    /// [`CacheError::PastPositions`] past the learned positions, and the
-    /// caches' errors. Without a cache, none.
+    /// [`CacheError::PastPositions`] past the learned positions, and the blocks' errors
+    /// ([`DecoderBlock::forward`]: a block that is not causal, the caches'). Without a
+    /// cache, none.
     ///
     /// # Panics
     /// As [`DecoderBlock::forward`], and if the head mask's heads per attention layer are

@@ -157,7 +157,7 @@ block_config!(
         /// a cache. Default: true.
         #[config(default = true)]
         pub causal: bool,
-        /// How the causal self-attention knows where tokens are (see [`Positions`]; the
+        /// How the self-attention knows where tokens are (see [`Positions`]; the
         /// cross-attention reads the memory as it is); a stack adds absolute positions to
         /// its input once. Default: none.
         #[config(default = "Positions::None")]

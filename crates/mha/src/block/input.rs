@@ -106,8 +106,9 @@ impl<'c, C> BlockInput<'c, C> {
     /// prompt's), and a stack's absolute positions count from its first real token, as
     /// transformers' `position_ids` of a left-padded batch (the positions of RoPE, ALiBi
     /// and relative biases depend on distances only). Each real token's output is then
-    /// that of its row alone; a padding token's is finite and not meant to be read (its
-    /// self-attention sees no key, the residual and the feed-forward still act).
+    /// that of its row alone; a padding token's is finite and not meant to be read (in a
+    /// causal block its self-attention sees no key; the residual and the feed-forward
+    /// still act).
     ///
     /// # Panics
     /// In the forward, if `pads` does not have one entry per batch row.

@@ -1,8 +1,8 @@
 //! Transformer blocks: an encoder block (self-attention, feed-forward) and a decoder
-//! block (causal self-attention, cross-attention, feed-forward), each with residuals,
-//! LayerNorm (pre-norm by default, post-norm as an option) and dropout where PyTorch's
-//! `nn.TransformerEncoderLayer` / `nn.TransformerDecoderLayer` put it, so weights import
-//! one to one.
+//! block (self-attention, causal by default, cross-attention, feed-forward), each with
+//! residuals, LayerNorm (pre-norm by default, post-norm as an option) and dropout where
+//! PyTorch's `nn.TransformerEncoderLayer` / `nn.TransformerDecoderLayer` put it, so
+//! weights import one to one.
 
 mod config;
 mod input;
@@ -267,7 +267,7 @@ impl EncoderBlock {
 /// `tgt_is_causal=True`, or `tgt_mask=None` where not causal).
 #[derive(Module, Debug)]
 pub struct DecoderBlock {
-    /// Causal self-attention.
+    /// Self-attention (causal where `causal`).
     pub self_attn: MultiHeadAttention,
     /// Cross-attention to the memory (PyTorch's `multihead_attn`).
     pub cross_attn: MultiHeadAttention,
@@ -295,8 +295,9 @@ impl DecoderBlock {
     /// The block over `input`: its tokens, the memory its cross-attention reads (a
     /// tensor, or its keys and values from [`memory_kv`](Self::memory_kv)), the
     /// self-attention's mask (with the causal rule when the block is causal) and the
-    /// memory's, a cache when decoding (a causal block only), a head mask (two attention layers: the self-attention, then the
-    /// cross-attention) and both attentions' weights when asked for.
+    /// memory's, a cache when decoding (a causal block only), a head mask (two attention
+    /// layers: the self-attention, then the cross-attention) and both attentions' weights
+    /// when asked for.
     ///
     /// # Shapes
     /// - `x`: `[B, Tq, d_model]` -> output `[B, Tq, d_model]`; memory `[B, Tk, d_model]`
@@ -324,7 +325,8 @@ impl DecoderBlock {
             left_padding,
         } = input;
         check_pads("DecoderBlock", &left_padding, x.dims()[0]);
-        check_memory(&memory, x.dims()[0], self.cross_attn.kdim);
+        let [batch, tokens, _] = x.dims();
+        check_memory(&memory, &memory_mask, &self.cross_attn, [batch, tokens]);
         if cache.is_some() && !self.causal {
             return Err(CacheError::NotCausal {
                 module: "DecoderBlock",
@@ -489,29 +491,46 @@ fn with_head(input: MhaInput, head_mask: Option<Tensor<1>>) -> MhaInput {
 }
 
 /// Panics naming the memory of a decoder block's cross-attention before its
-/// self-attention writes to a cache: a memory missing, of another batch than the input's
-/// `batch`, or (a tensor) not `width` wide.
-fn check_memory(memory: &Memory, batch: usize, width: usize) {
-    let (memory_batch, memory_width) = match memory {
+/// self-attention writes to a cache: a memory missing, of another batch than the input's,
+/// a tensor not as wide as `attention` takes, keys and values of another module's heads,
+/// or a memory mask that does not broadcast to the cross-attention's scores `[B, H,
+/// tokens, memory length]`.
+fn check_memory(
+    memory: &Memory,
+    memory_mask: &AttentionMask,
+    attention: &MultiHeadAttention,
+    [batch, tokens]: [usize; 2],
+) {
+    let (memory_batch, length) = match memory {
         Memory::None => panic!(
             "DecoderBlock: the input has no memory for the cross-attention \
              (BlockInput::memory or BlockInput::memory_kv)"
         ),
         Memory::Tensor(memory) => {
-            let [b, _, w] = memory.dims();
-            (b, Some(w))
+            let [b, length, width] = memory.dims();
+            assert!(
+                width == attention.kdim,
+                "DecoderBlock: the memory is {width} wide and the cross-attention takes {}",
+                attention.kdim
+            );
+            (b, length)
         }
-        Memory::Projected(kv) => (kv.batch(), None),
+        Memory::Projected(kv) => {
+            let [b, heads, length, head_dim] = kv.keys_dims();
+            let ours = [attention.n_kv_heads, attention.head_dim];
+            assert!(
+                [heads, head_dim] == ours,
+                "DecoderBlock: the memory's keys and values are {heads} heads {head_dim} wide \
+                 and the cross-attention's {} heads {} wide (MemoryKv of another module)",
+                ours[0],
+                ours[1]
+            );
+            (b, length)
+        }
     };
     assert!(
         memory_batch == batch,
         "DecoderBlock: the memory's batch is {memory_batch} and the input's {batch}"
     );
-    if let Some(memory_width) = memory_width {
-        assert!(
-            memory_width == width,
-            "DecoderBlock: the memory is {memory_width} wide and the cross-attention takes \
-             {width}"
-        );
-    }
+    memory_mask.check([batch, attention.n_heads, tokens, length]);
 }

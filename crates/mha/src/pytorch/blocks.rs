@@ -117,7 +117,10 @@ fn load_stack<L: LoadPyTorch>(
         .collect::<Result<Vec<_>, _>>()?;
     weights.reject_layers_past(&format!("{prefix}layers."), layers.len())?;
     let norm = match norm {
-        Some(_) if !weights.contains(&format!("{prefix}norm.weight")) => {
+        Some(_)
+            if !weights.contains(&format!("{prefix}norm.weight"))
+                && !weights.contains(&format!("{prefix}norm.gamma")) =>
+        {
             return Err(ImportError::Convention {
                 key: format!("{prefix}norm.weight"),
                 message: "missing: the stack has a final norm (pre-norm blocks, or \
