@@ -278,6 +278,23 @@ fn absolute_positions_and_linears_without_inputs_take_zero_sizes() {
         assert_eq!(db, [5., 7., 9.], "{}", be.name);
         assert_eq!(x.grad(&grads).expect("dx").dims(), [2, 0]);
         assert_eq!(weight.grad(&grads).expect("dweight").dims(), [0, 3]);
+        // No output feature (`d_out = 0`): no output, and zero gradients for x and the
+        // weight, as PyTorch's `F.linear` (it panicked inside Burn on flex and ndarray).
+        for bias in [None, Some(Tensor::<1>::zeros([0], &ad).require_grad())] {
+            let what = format!("{} d_out 0, bias {}", be.name, bias.is_some());
+            let x = randn([2, 4], 3, &ad).require_grad();
+            let weight = Tensor::<2>::zeros([4, 0], &ad).require_grad();
+            let y = mha::linear::linear(x.clone(), weight.clone(), bias.clone());
+            assert_eq!(y.dims(), [2, 0], "{what}");
+            let grads = (y.sum() + x.clone().sum() * 0.0).backward();
+            let dx = x.grad(&grads).expect("dx");
+            assert_eq!(to_vec(dx), vec![0.0; 8], "{what}");
+            assert_eq!(
+                weight.grad(&grads).expect("dweight").dims(),
+                [4, 0],
+                "{what}"
+            );
+        }
     }
 }
 

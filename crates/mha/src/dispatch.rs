@@ -434,6 +434,13 @@ impl RowCall {
         }
     }
 
+    /// The call empty where `empty` says so though its input is not (a linear layer
+    /// without output features).
+    pub(crate) fn empty_if(mut self, empty: bool) -> Self {
+        self.empty |= empty;
+        self
+    }
+
     /// The call with the dtypes of its other tensors (a weight, a bias, the other
     /// summand, the moments): one unlike the input's makes it mixed, which our operations
     /// do not take.

@@ -145,6 +145,7 @@ impl Optimizer for AdamW {
         grad: Tensor<D>,
         state: Option<AdamWState<D>>,
     ) -> (Tensor<D>, Option<AdamWState<D>>) {
+        check_shapes(&tensor, &grad, state.as_ref());
         // A state of AMSGrad's (from Burn's optimizer) keeps a third moment.
         let (op, moments) = match &state {
             None => (RowOp::AdamW, vec![]),
@@ -189,6 +190,38 @@ impl Optimizer for AdamW {
 
     fn to_device<const D: usize>(state: AdamWState<D>, device: &Device) -> AdamWState<D> {
         <burn::optim::AdamW as Optimizer>::to_device(state, device)
+    }
+}
+
+/// Panics, naming both shapes, where a parameter's gradient or its moments in `state`
+/// are not of the parameter's shape (a state loaded for another parameter, or for this
+/// one before it changed shape): the fused step would read them in the wrong places, and
+/// Burn's would broadcast some.
+fn check_shapes<const D: usize>(
+    param: &Tensor<D>,
+    grad: &Tensor<D>,
+    state: Option<&AdamWState<D>>,
+) {
+    let shape = param.dims();
+    assert!(
+        grad.dims() == shape,
+        "AdamW: the gradient has shape {:?} and its parameter {shape:?}",
+        grad.dims()
+    );
+    if let Some(AdamWState { momentum }) = state {
+        let moments = [Some(&momentum.moment_1), Some(&momentum.moment_2)];
+        for moment in moments
+            .into_iter()
+            .chain([momentum.max_moment_2.as_ref()])
+            .flatten()
+        {
+            assert!(
+                moment.dims() == shape,
+                "AdamW: the state's moments have shape {:?} and their parameter {shape:?} (a \
+                 state of another parameter, or of this one before it changed shape)",
+                moment.dims()
+            );
+        }
     }
 }
 
@@ -246,7 +279,9 @@ pub fn clip_grad_norm<M: Module>(
         // Every gradient's squares on the host: the norm and the decision there.
         let norm = sum.host.sqrt() as f32;
         let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
+        // A NaN norm scales by NaN, as on the device and in PyTorch (without
+        // `error_if_nonfinite`): the step shows it rather than hide it on some backends.
+        if !(coef >= 1.0) {
             module.visit(&mut Scale {
                 grads,
                 factor: Factor::Host(coef),
@@ -561,6 +596,68 @@ mod tests {
                     false => assert_eq!(after, before, "{what}: a gradient within it changed"),
                 }
             }
+        }
+    }
+
+    /// A NaN among the gradients makes the norm NaN and every gradient NaN on every
+    /// backend, as PyTorch's clipping (the host's decision left them untouched).
+    #[test]
+    fn a_nan_gradient_clips_every_gradient_to_nan_on_every_backend() {
+        use super::clip_grad_norm;
+
+        for device in devices() {
+            let (model, mut grads) = layer_and_grads(&device, 1.0);
+            let weight = grads.remove::<2>(model.weight.id).unwrap();
+            let nan = Tensor::<2>::from_floats([[f32::NAN]], &weight.device());
+            let weight = weight.slice_assign([0..1, 0..1], nan);
+            grads.register(model.weight.id, weight);
+            let norm = clip_grad_norm(&mut grads, &model, 3.0).expect("gradients");
+            assert!(norm.into_scalar::<f32>().is_nan(), "{device:?}");
+            let [weight, bias] = grad_values(&model, &grads);
+            assert!(
+                weight.iter().chain(&bias).all(|g| g.is_nan()),
+                "{device:?}: a gradient kept its value"
+            );
+        }
+    }
+
+    /// A gradient or a state not of its parameter's shape is refused naming both shapes,
+    /// on every backend (flex's fused step read the moments in the wrong places).
+    #[test]
+    fn a_state_of_another_shape_is_refused_naming_both() {
+        use super::AdaptiveMomentumState;
+
+        for device in devices() {
+            let optim = AdamWConfig::new().build();
+            let param = Tensor::<2>::zeros([4, 8], &device).inner();
+            let grad = Tensor::<2>::ones([4, 8], &device).inner();
+            let refused = |grad: Tensor<2>, state: Option<AdamWState<2>>| {
+                let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    let _ = optim.step(1e-3, param.clone(), grad, state);
+                }));
+                *out.expect_err("refused").downcast::<String>().unwrap()
+            };
+            let moments = |dims: [usize; 2]| {
+                let m = Tensor::<2>::zeros(dims, &device).inner();
+                Some(AdamWState::new(AdaptiveMomentumState::new(1, m.clone(), m)))
+            };
+            let message = refused(grad.clone(), moments([8, 4]));
+            assert!(
+                message.starts_with(
+                    "AdamW: the state's moments have shape [8, 4] and their parameter [4, 8]"
+                ),
+                "{device:?}: {message}"
+            );
+            let message = refused(grad.clone(), moments([1, 8]));
+            assert!(
+                message.contains("have shape [1, 8]"),
+                "{device:?}: {message}"
+            );
+            let message = refused(Tensor::<2>::ones([4, 1], &device).inner(), None);
+            assert_eq!(
+                message, "AdamW: the gradient has shape [4, 1] and its parameter [4, 8]",
+                "{device:?}"
+            );
         }
     }
 

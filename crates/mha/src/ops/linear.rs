@@ -40,7 +40,8 @@ fn dtypes(linear: &Linear) -> Vec<burn::tensor::DType> {
 /// (the message names both).
 pub(crate) fn forward_gelu<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
     super::check_dtypes("Linear", x.dtype(), dtypes(linear));
-    match dispatch::row(RowCall::of(RowOp::LinearGelu, &x)) {
+    let no_output = linear.weight.val().dims()[1] == 0;
+    match dispatch::row(RowCall::of(RowOp::LinearGelu, &x).empty_if(no_output)) {
         #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {
             let weight = linear.weight.val();
@@ -94,7 +95,8 @@ pub(crate) fn columns<const D: usize>(
     let columns = columns.filter(|&c| c != [0, d_all]);
     let others = [Some(weight.dtype()), bias.as_ref().map(Tensor::dtype)];
     super::check_dtypes("Linear", x.dtype(), others.into_iter().flatten());
-    match dispatch::row(RowCall::of(RowOp::Linear, &x)) {
+    let width = columns.map_or(d_all, |[_, len]| len);
+    match dispatch::row(RowCall::of(RowOp::Linear, &x).empty_if(width == 0)) {
         #[cfg(feature = "cpu-kernels")]
         RowPath::Fused => {
             let mut dims = x.dims();
@@ -125,7 +127,7 @@ pub(crate) fn columns<const D: usize>(
         }
         RowPath::Empty => {
             let mut dims = x.dims();
-            dims[D - 1] = columns.map_or(d_all, |[_, len]| len);
+            dims[D - 1] = width;
             let (device, dtype) = (x.device(), x.dtype());
             match bias {
                 // Rows without input features (`d_in = 0`): the bias alone, as PyTorch's.
