@@ -359,6 +359,19 @@ fn blocks_return_the_weights_they_used() {
         let plain = encoder.forward(StackInput::new(x.clone())).unwrap().output;
         assert!(max_abs_diff(y, plain) <= 1e-6);
         assert_eq!(weights.len(), 2);
+        // Each layer's weights are its attention module's over its branch's input, the
+        // blocks walked by hand (pre-norm, causal).
+        let mut h = x.clone();
+        for (layer, (block, got)) in encoder.layers.iter().zip(&weights).enumerate() {
+            let input = mha::MhaInput::causal(block.norm1.forward(h.clone()))
+                .weights(mha::AttentionWeights::PerHead);
+            let out = block.self_attn.forward(input);
+            let want = out.weights.expect("asked for");
+            let what = format!("[{}] encoder weights of layer {layer}", be.name);
+            crate::util::assert_close(&what, got.clone(), want, be.forward_tol());
+            h = h.clone() + out.context;
+            h = h.clone() + block.feed_forward.forward(block.norm2.forward(h));
+        }
         for w in weights {
             let w = to_vec(w); // [2, 4, 5, 5]
             for (r, row) in w.chunks(5).enumerate() {
