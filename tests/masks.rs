@@ -339,6 +339,36 @@ fn the_weights_returned_under_dropout_are_those_that_made_the_context() {
             "[{}] averaged weights of dropout sum to 1 in every row: {sums:?}",
             be.name
         );
+
+        // Values without features (Dv = 0): an empty context, and the weights dropped as
+        // anywhere else.
+        let no_values = Tensor::<4>::zeros([2, 2, 6, 0], dev);
+        let out = scaled_dot_product_attention(
+            q.clone(),
+            k.clone(),
+            no_values,
+            &mask,
+            options(0.5, AttentionWeights::PerHead),
+        );
+        assert_eq!(out.context.dims(), [2, 4, 6, 0]);
+        let weights = to_vec(out.weights.unwrap());
+        let softmax = to_vec(attend(0.0, AttentionWeights::PerHead).weights.unwrap());
+        let dropped = weights
+            .iter()
+            .zip(&softmax)
+            .filter(|(w, p)| **w == 0.0 && **p > 0.0);
+        assert!(
+            dropped.count() > 5,
+            "[{}] Dv = 0: no weight dropped",
+            be.name
+        );
+        for (&w, &p) in weights.iter().zip(&softmax) {
+            assert!(
+                w == 0.0 || (w - 2.0 * p).abs() <= 1e-5,
+                "[{}] Dv = 0: {w}, {p}",
+                be.name
+            );
+        }
     }
 }
 

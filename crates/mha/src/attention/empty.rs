@@ -15,12 +15,13 @@ use crate::problem::Scores;
 /// The output `[B, H, Tq, Dv]` of attention over `query`, `key`, `value` under `mask`
 /// when there is no key or no output element, and the weights `weights` asks for: `[B,
 /// H, Tq, Tk]`, or averaged over the heads `[B, 1, Tq, Tk]` (zeros when there is no head
-/// to average).
+/// to average), after `dropout` as the other paths' weights.
 pub(super) fn attention(
     [query, key, value]: [Tensor<4>; 3],
     mask: &AttentionMask,
     scores: Scores,
     weights: AttentionWeights,
+    dropout: f64,
 ) -> (Tensor<4>, Option<Tensor<4>>) {
     let [batch, heads, queries, _] = query.dims();
     let [_, _, keys, d_v] = value.dims();
@@ -32,6 +33,10 @@ pub(super) fn attention(
         // Only the values are empty (Dv = 0): the weights exist.
         _ if !full.contains(&0) => {
             let per_head = super::explicit::weights(query.clone(), key.clone(), mask, scores);
+            let per_head = match dropout > 0.0 {
+                true => crate::dropout::apply(per_head, dropout),
+                false => per_head,
+            };
             Some(match weights {
                 AttentionWeights::Averaged => per_head.mean_dim(1),
                 _ => per_head,

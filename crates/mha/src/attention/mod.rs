@@ -146,7 +146,8 @@ pub fn scaled_dot_product_attention(
     let inputs = [query, key, value];
     let (context, weights) = match dispatch::attention(call) {
         AttentionPath::Empty => {
-            let (context, weights) = empty::attention(inputs, mask, scores, options.weights);
+            let (context, weights) =
+                empty::attention(inputs, mask, scores, options.weights, options.dropout);
             return AttentionOutput { context, weights };
         }
         #[cfg(feature = "cpu-kernels")]
