@@ -202,6 +202,59 @@ fn gelu_in_half_precision_rounds_once() {
     }
 }
 
+/// SiLU in f64, alone and in SwiGLU, values and gradients, to f64's digits on every
+/// backend with f64 (Burn's sigmoid computes in f32 on ndarray: 1e-8 off).
+#[test]
+fn silu_in_f64_keeps_f64s_digits() {
+    use mha::FeedForwardActivation;
+    let f64 = FloatDType::F64;
+    let xs: Vec<f64> = (-60..=60).map(|i| i as f64 / 7.0).collect();
+    let exact = |x: f64| x / (1.0 + (-x).exp());
+    let slope = |x: f64| {
+        let s = 1.0 / (1.0 + (-x).exp());
+        s + x * s * (1.0 - s)
+    };
+    let read = |t: Tensor<1>| {
+        t.into_data()
+            .convert::<f64>()
+            .try_into_vec::<f64>()
+            .unwrap()
+    };
+    for be in backends() {
+        if !be.other_float_dtypes().contains(&f64) {
+            continue;
+        }
+        let device = be.autodiff();
+        let x = Tensor::<1>::from_data(
+            burn::tensor::TensorData::new(xs.clone(), [xs.len()]),
+            (&device, burn::tensor::DType::F64),
+        )
+        .require_grad();
+        let y = FeedForwardActivation::Silu.forward(x.clone());
+        let grad = x.grad(&y.clone().sum().backward()).expect("a gradient");
+        for (what, got, want) in [
+            (
+                "value",
+                read(y.inner()),
+                xs.iter().map(|&x| exact(x)).collect::<Vec<_>>(),
+            ),
+            (
+                "gradient",
+                read(grad),
+                xs.iter().map(|&x| slope(x)).collect(),
+            ),
+        ] {
+            for ((&got, &want), &x) in got.iter().zip(&want).zip(&xs) {
+                assert!(
+                    (got - want).abs() <= 1e-14 * want.abs().max(1.0),
+                    "[{}] SiLU {what} at {x}: {got}, want {want}",
+                    be.name
+                );
+            }
+        }
+    }
+}
+
 /// One cast for any module: a decoder stack with T5 relative biases and an encoder stack
 /// with learned absolute positions, cast to each other dtype a backend computes in, have
 /// every parameter in it (tables and embeddings included), give the f32 stack's output

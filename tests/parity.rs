@@ -405,6 +405,19 @@ fn a_stack_has_a_final_norm_where_its_configuration_asks() {
     assert_eq!(kept.len() + 2, stored.len());
     let bytes = safetensors::serialize(kept, None).unwrap();
     let no_norm = mha::PyTorchWeights::from_bytes(&bytes, "no final norm").unwrap();
+    // And with the final norm under TensorFlow's names, gamma and beta.
+    let renamed: Vec<_> = stored
+        .tensors()
+        .into_iter()
+        .map(|(key, view)| {
+            let key = key
+                .replace("model.norm.weight", "model.norm.gamma")
+                .replace("model.norm.bias", "model.norm.beta");
+            (key, view)
+        })
+        .collect();
+    let bytes = safetensors::serialize(renamed, None).unwrap();
+    let legacy = mha::PyTorchWeights::from_bytes(&bytes, "gamma and beta").unwrap();
     for b in backends() {
         let dev = &b.device;
         let x = f.io("x", [2, 6, 16], dev);
@@ -446,6 +459,17 @@ fn a_stack_has_a_final_norm_where_its_configuration_asks() {
                 && err
                     .to_string()
                     .contains("configure `final_norm: Some(false)`"),
+            "{err}"
+        );
+        let named = stack(None, true).load_pytorch(&legacy, "model.").unwrap();
+        let what = format!("[{}] final norm as gamma and beta", b.name);
+        assert_close(&what, run(&named), run(&with), 0.0);
+        let err = stack(Some(false), true)
+            .load_pytorch(&legacy, "model.")
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("unexpected key `model.norm.gamma`"),
             "{err}"
         );
         let err = stack(Some(false), true)

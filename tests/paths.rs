@@ -535,6 +535,11 @@ fn check(
         );
     }
 
+    // The relative rounding of a gradient summed over many scores: f32's (f64's).
+    let summed = match dtype {
+        FloatDType::F64 => 1e-12,
+        _ => 1e-5,
+    };
     let device = &be.autodiff();
     let built = case.mask.build(device, dtype, true);
     let (mask, bias, table, sinks) = (built.mask, built.bias, built.table, built.sinks);
@@ -567,9 +572,9 @@ fn check(
             .grad(&grads)
             .unwrap_or_else(|| panic!("{what}: no gradient of the table"));
         // A bucket's gradient sums every score of its distances (tens of thousands in the
-        // long cases): beside the gradients' atol, an rtol of f32's accumulated rounding.
+        // long cases): beside the gradients' atol, an rtol of the accumulated rounding.
         let [atol, rtol] = grad_tol;
-        let tol = [atol, rtol.max(1e-5)];
+        let tol = [atol, rtol.max(summed)];
         close(&format!("{what}: dtable"), got, want, tol);
     }
     if let (Some(sinks), Some(want)) = (sinks, &want.dsinks) {
@@ -582,7 +587,7 @@ fn check(
             &format!("{what}: dsinks"),
             got,
             want,
-            [atol, rtol.max(1e-5)],
+            [atol, rtol.max(summed)],
         );
     }
 }

@@ -56,7 +56,7 @@ pub fn apply<const D: usize>(x: Tensor<D>, prob: f64) -> Tensor<D> {
 
 #[cfg(feature = "cpu-kernels")]
 mod cpu {
-    use burn::tensor::{Distribution, FloatDType, Tensor, TensorData};
+    use burn::tensor::{DType, Distribution, FloatDType, Tensor, TensorData};
     use rayon::prelude::*;
 
     /// Elements per parallel task.
@@ -85,15 +85,33 @@ mod cpu {
         let seed = (u64::from(drawn[0].to_bits()) << 32) ^ u64::from(drawn[1].to_bits());
         let seed = splitmix64(seed);
         let threshold = (keep * 4_294_967_296.0).round() as u64;
-        let scale = (1.0 / keep) as f32;
-        let mut mask = Vec::with_capacity(n);
-        mask.par_extend((0..n).into_par_iter().with_min_len(CHUNK).map(|i| {
-            match splitmix64(seed.wrapping_add(i as u64)) >> 32 < threshold {
-                true => scale,
-                false => 0.0f32,
+        let kept = |i: usize| splitmix64(seed.wrapping_add(i as u64)) >> 32 < threshold;
+        // The mask in f64 for f64 (its scale rounded to f32 showed in the gradients),
+        // else in f32, cast to the input's dtype.
+        let mask = match x.dtype() {
+            DType::F64 => {
+                let scale = 1.0 / keep;
+                let mut mask = Vec::with_capacity(n);
+                mask.par_extend(
+                    (0..n)
+                        .into_par_iter()
+                        .with_min_len(CHUNK)
+                        .map(|i| if kept(i) { scale } else { 0.0 }),
+                );
+                Tensor::<D>::from_data(TensorData::new(mask, dims), (&device, DType::F64))
             }
-        }));
-        let mask = Tensor::<D>::from_data(TensorData::new(mask, dims), &device);
+            _ => {
+                let scale = (1.0 / keep) as f32;
+                let mut mask = Vec::with_capacity(n);
+                mask.par_extend(
+                    (0..n)
+                        .into_par_iter()
+                        .with_min_len(CHUNK)
+                        .map(|i| if kept(i) { scale } else { 0.0f32 }),
+                );
+                Tensor::<D>::from_data(TensorData::new(mask, dims), &device)
+            }
+        };
         let dtype = FloatDType::from(x.dtype());
         let mask = match mask.dtype() == x.dtype() {
             true => mask,
@@ -107,6 +125,32 @@ mod cpu {
 mod tests {
     use super::*;
     use crate::testing::devices;
+
+    /// In f64 the kept values are scaled by `1 / keep` in f64, values and gradients (a
+    /// scale rounded to f32 was 5e-8 off at p = 0.1).
+    #[test]
+    fn f64_dropout_scales_in_f64() {
+        let f64 = burn::tensor::FloatDType::F64;
+        for device in devices().into_iter().filter(|d| d.supports_dtype(f64)) {
+            let x = Tensor::<1>::ones([4096], &device).cast(f64).require_grad();
+            let y = apply(x.clone(), 0.1);
+            let grad = x.grad(&y.clone().sum().backward()).expect("a gradient");
+            let scale = 1.0 / (1.0 - 0.1);
+            for values in [y.inner(), grad] {
+                let values: Vec<f64> = values.into_data().convert::<f64>().try_into_vec().unwrap();
+                assert!(values.iter().any(|&v| v != 0.0), "{device:?}: all dropped");
+                assert!(
+                    values
+                        .iter()
+                        .all(|&v| v == 0.0 || (v - scale).abs() <= 1e-15),
+                    "{device:?}: {:?}",
+                    values
+                        .iter()
+                        .find(|&&v| v != 0.0 && (v - scale).abs() > 1e-15)
+                );
+            }
+        }
+    }
 
     #[test]
     fn dropout_keeps_its_share_scaled_and_repeats_with_the_seed() {

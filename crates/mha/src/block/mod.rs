@@ -69,7 +69,7 @@ impl FeedForwardActivation {
                     _ => gelu_tanh(x),
                 }
             }
-            Self::Silu => burn::tensor::activation::silu(x),
+            Self::Silu => crate::ops::swiglu::silu(x),
         }
     }
 }

@@ -3,10 +3,20 @@
 //! with a backward of its own, one vectorised pass each way (`cpu::rows::swiglu`);
 //! elsewhere Burn's `silu` and a product.
 
-use burn::tensor::Tensor;
-use burn::tensor::activation::silu;
+use burn::tensor::{DType, Tensor};
 
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
+
+/// SiLU, `x σ(x)`, elementwise: Burn's, except in f64, where Burn's sigmoid computes in
+/// f32 on the backends without one of their own (ndarray: f64 values and gradients to
+/// f32's digits); there `x / (1 + e^-x)` in Burn's operations, `-x` clamped at 700 so
+/// that `e^-x` stays finite (its gradient there is below f64's smallest).
+pub(crate) fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    match x.dtype() {
+        DType::F64 => x.clone() * (x.neg().clamp_max(700.0).exp() + 1.0).recip(),
+        _ => burn::tensor::activation::silu(x),
+    }
+}
 
 /// `SiLU(gate) · up`, elementwise, with both gradients under autodiff.
 ///

@@ -131,11 +131,13 @@ fn load_stack<L: LoadPyTorch>(
         }
         Some(norm) => Some(norm.load_pytorch(weights, &format!("{prefix}norm."))?),
         None => {
-            weights.reject(
-                format!("{prefix}norm.weight"),
-                "the stack has no final norm (post-norm blocks, or `final_norm: Some(false)` \
-                 in its configuration; `Some(true)` gives it one)",
-            )?;
+            for name in ["weight", "gamma"] {
+                weights.reject(
+                    format!("{prefix}norm.{name}"),
+                    "the stack has no final norm (post-norm blocks, or `final_norm: \
+                     Some(false)` in its configuration; `Some(true)` gives it one)",
+                )?;
+            }
             None
         }
     };
