@@ -281,7 +281,7 @@ pub fn clip_grad_norm<M: Module>(
         let coef = max_norm / (norm + 1e-6);
         // A NaN norm scales by NaN, as on the device and in PyTorch (without
         // `error_if_nonfinite`): the step shows it rather than hide it on some backends.
-        if !(coef >= 1.0) {
+        if coef < 1.0 || coef.is_nan() {
             module.visit(&mut Scale {
                 grads,
                 factor: Factor::Host(coef),
