@@ -1077,6 +1077,122 @@ fn models_that_share_bert_or_gpt2_keys_but_compute_otherwise_are_named() {
         let want = format!("`model_type` of config.json: `{other}`");
         assert!(err.contains(&want), "{err}");
     }
+    // Each refusal names its own field; activations the blocks compute under another
+    // name load.
+    let path = crate::util::root().join("tests/fixtures/gpt2_lm.json");
+    let base: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let gpt2 = |key: &str, value: serde_json::Value| {
+        let mut config = base.clone();
+        config[key] = value;
+        serde_json::from_value::<Gpt2Config>(config)
+            .unwrap()
+            .block()
+    };
+    let err = gpt2("scale_attn_by_inverse_layer_idx", true.into())
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`scale_attn_by_inverse_layer_idx` of config.json: true"),
+        "{err}"
+    );
+    let err = gpt2("scale_attn_weights", false.into())
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`scale_attn_weights` of config.json"),
+        "{err}"
+    );
+    for (name, activation) in [
+        ("gelu_fast", FeedForwardActivation::GeluTanh),
+        ("relu", FeedForwardActivation::Relu),
+    ] {
+        let block = gpt2("activation_function", name.into()).unwrap();
+        assert_eq!(block.activation, activation, "{name}");
+    }
+}
+
+/// Fields a Llama-family `config.json` leaves out take transformers' defaults for its
+/// model type: Mistral's, Qwen2's and Qwen3's window of 4096 (which `null` turns off),
+/// Qwen2's first sliding layer 28, Mistral's 8 key/value heads; RoPE's base is
+/// `rope_scaling`'s first, as transformers 5 reads it; a partial rotation is refused.
+#[test]
+fn llama_family_fields_left_out_take_transformers_defaults() {
+    use serde_json::json;
+    let json = std::fs::read(crate::util::root().join("tests/fixtures/llama_layer.json")).unwrap();
+    let base: serde_json::Value = serde_json::from_slice(&json).unwrap();
+    let parse = |changes: serde_json::Value, removed: &[&str]| {
+        let mut config = base.clone();
+        for key in removed {
+            config.as_object_mut().unwrap().remove(*key);
+        }
+        for (key, value) in changes.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        let bytes = serde_json::to_vec(&config).unwrap();
+        HfConfig::from_json(&bytes, "config.json")
+    };
+    let block = |changes, removed: &[&str]| parse(changes, removed).and_then(|c| c.block());
+    let window = |changes, removed: &[&str]| block(changes, removed).unwrap().window;
+    let none: &[&str] = &["sliding_window"];
+    assert_eq!(window(json!({"model_type": "mistral"}), none), Some(4096));
+    let off = json!({"model_type": "mistral", "sliding_window": null});
+    assert_eq!(window(off, &[]), None);
+    assert_eq!(window(json!({"model_type": "llama"}), none), None);
+    // Qwen2: used, its 4096 slides from layer 28 by default: none of 4 layers.
+    let qwen2 = |changes: serde_json::Value| {
+        let mut all = json!({"model_type": "qwen2", "use_sliding_window": true,
+                             "num_hidden_layers": 4});
+        for (key, value) in changes.as_object().unwrap() {
+            all[key] = value.clone();
+        }
+        all
+    };
+    let absent: &[&str] = &["sliding_window", "max_window_layers"];
+    assert_eq!(window(qwen2(json!({})), absent), None);
+    assert_eq!(
+        window(qwen2(json!({"max_window_layers": 0})), none),
+        Some(4096)
+    );
+    let err = block(qwen2(json!({"max_window_layers": 2})), none).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`max_window_layers` of config.json: 2"),
+        "{err}"
+    );
+    assert_eq!(window(json!({"model_type": "qwen2"}), absent), None);
+    // Key/value heads.
+    let kv = |family: &str| {
+        parse(json!({"model_type": family}), &["num_key_value_heads"])
+            .unwrap()
+            .num_key_value_heads
+    };
+    assert_eq!(
+        [kv("llama"), kv("mistral"), kv("qwen2"), kv("qwen3")],
+        [None, Some(8), Some(32), Some(32)]
+    );
+    // RoPE's base: rope_scaling's, then rope_parameters', then the top level's.
+    let theta = |changes| match block(changes, &["rope_theta", "rope_parameters"])
+        .unwrap()
+        .positions
+    {
+        Positions::Rope { theta, .. } => theta,
+        other => panic!("{other:?}"),
+    };
+    let scaling = json!({"rope_scaling": {"rope_type": "default", "rope_theta": 1e6}});
+    assert_eq!(theta(scaling), 1e6);
+    assert_eq!(theta(json!({"rope_theta": 5e5})), 5e5);
+    let both = json!({"rope_theta": 5e5, "rope_parameters": {"rope_theta": 500.0}});
+    assert_eq!(theta(both), 500.0);
+    assert_eq!(theta(json!({})), 10_000.0);
+    let err = block(json!({"partial_rotary_factor": 0.5}), &[]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`partial_rotary_factor` of config.json: 0.5"),
+        "{err}"
+    );
+    assert!(block(json!({"partial_rotary_factor": 1.0}), &[]).is_ok());
 }
 
 /// GPT-2 with a head of its own (`tie_word_embeddings: false`): `lm_head.weight` is read

@@ -103,12 +103,15 @@ impl BertConfig {
         }
         let activation = match self.hidden_act.as_str() {
             "gelu" => FeedForwardActivation::Gelu,
-            "gelu_new" => FeedForwardActivation::GeluTanh,
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => FeedForwardActivation::GeluTanh,
             "relu" => FeedForwardActivation::Relu,
             other => {
                 return Err(refuse(
                     "hidden_act",
-                    format!("`{other}`: the layers take gelu, gelu_new or relu"),
+                    format!(
+                        "`{other}`: the layers take gelu, gelu_new (gelu_pytorch_tanh, \
+                         gelu_fast) or relu"
+                    ),
                 ));
             }
         };

@@ -95,19 +95,32 @@ impl Gpt2Config {
             ));
         }
         let activation = match self.activation_function.as_str() {
-            "gelu_new" | "gelu_pytorch_tanh" => FeedForwardActivation::GeluTanh,
+            // gelu_fast is gelu_new's formula (its √(2/π) written to 10 digits).
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => FeedForwardActivation::GeluTanh,
             "gelu" => FeedForwardActivation::Gelu,
+            "relu" => FeedForwardActivation::Relu,
             other => {
                 return Err(refuse(
                     "activation_function",
-                    format!("`{other}`: the blocks take gelu_new, gelu_pytorch_tanh or gelu"),
+                    format!(
+                        "`{other}`: the blocks take gelu_new (gelu_pytorch_tanh, gelu_fast), \
+                         gelu or relu"
+                    ),
                 ));
             }
         };
-        if !self.scale_attn_weights || self.scale_attn_by_inverse_layer_idx {
+        if !self.scale_attn_weights {
             return Err(refuse(
                 "scale_attn_weights",
-                "scores scaled otherwise than by 1/sqrt(head_dim) have no counterpart".into(),
+                "false: scores not scaled by 1/sqrt(head_dim) have no counterpart here".into(),
+            ));
+        }
+        if self.scale_attn_by_inverse_layer_idx {
+            return Err(refuse(
+                "scale_attn_by_inverse_layer_idx",
+                "true: scores scaled by each layer's own factor have no counterpart (the \
+                 blocks of one configuration share their scale)"
+                    .into(),
             ));
         }
         if self.add_cross_attention {

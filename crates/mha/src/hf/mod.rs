@@ -31,7 +31,9 @@
 //! `config.json`: RoPE scaling (`rope_type` other than `default`), an activation other
 //! than SiLU, Qwen2's and Qwen3's window on some of the layers only (`max_window_layers`
 //! between 0 and `num_hidden_layers`, or `layer_types` that disagree with them), RoPE
-//! parameters by layer type.
+//! parameters by layer type, RoPE over part of each head (`partial_rotary_factor`). A
+//! field the file leaves out takes transformers' default for the model type (see
+//! [`HfConfig::from_json`]).
 
 use std::path::Path;
 
@@ -135,7 +137,7 @@ pub struct HfConfig {
     /// with them.
     #[serde(default)]
     pub layer_types: Option<Vec<String>>,
-    /// The feed-forward's activation: `silu`.
+    /// The feed-forward's activation: `silu` (or `swish`, its other name).
     #[serde(default = "silu")]
     pub hidden_act: String,
     /// Tokens in the vocabulary.
@@ -147,6 +149,9 @@ pub struct HfConfig {
     /// blocks compute any length; a caller may hold generation to it.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
+    /// The share of each head RoPE turns (Phi's, StableLM's): 1 where given at all.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
 }
 
 /// RoPE's settings in `config.json` (`rope_parameters`, or the older `rope_scaling`).
@@ -173,6 +178,30 @@ fn silu() -> String {
     "silu".into()
 }
 
+/// Which of the fields whose absence means a default other than `null`'s a
+/// `config.json` gives (`null` included).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct GivenFields {
+    #[serde(default)]
+    sliding_window: Given,
+    #[serde(default)]
+    max_window_layers: Given,
+    #[serde(default)]
+    num_key_value_heads: Given,
+}
+
+impl Config for GivenFields {}
+
+/// Whether a field is in the file, whatever its value.
+#[derive(Clone, Debug, Default, Serialize)]
+struct Given(bool);
+
+impl<'de> Deserialize<'de> for Given {
+    fn deserialize<D: serde::Deserializer<'de>>(value: D) -> Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(value).map(|_| Given(true))
+    }
+}
+
 impl Config for HfConfig {}
 
 impl HfConfig {
@@ -182,15 +211,40 @@ impl HfConfig {
     /// [`ImportError::Io`] when the file cannot be read, [`ImportError::Config`] when it
     /// is not a configuration with the fields above.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
-        read_config(path.as_ref(), "Llama-family")
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json(&bytes, &path.display().to_string())
     }
 
-    /// Parses the JSON of a `config.json`; `source` names it in errors.
+    /// Parses the JSON of a `config.json`; `source` names it in errors. A field the file
+    /// leaves out takes transformers' default for its `model_type` (Mistral's, Qwen2's
+    /// and Qwen3's `sliding_window` 4096, which `null` turns off; Qwen2's and Qwen3's
+    /// `max_window_layers` 28; `num_key_value_heads` 8 for Mistral, 32 for Qwen2 and
+    /// Qwen3, `num_attention_heads` for Llama).
     ///
     /// # Errors
     /// [`ImportError::Config`] when it is not a configuration with the fields above.
     pub fn from_json(json: &[u8], source: &str) -> Result<Self, ImportError> {
-        parse_config(json, source, "Llama-family")
+        let mut config: Self = parse_config(json, source, "Llama-family")?;
+        let given: GivenFields = parse_config(json, source, "Llama-family")?;
+        let family = config.model_type.as_str();
+        if matches!(family, "mistral" | "qwen2" | "qwen3") && !given.sliding_window.0 {
+            config.sliding_window = Some(4096);
+        }
+        if matches!(family, "qwen2" | "qwen3") && !given.max_window_layers.0 {
+            config.max_window_layers = Some(28);
+        }
+        if !given.num_key_value_heads.0 {
+            config.num_key_value_heads = match family {
+                "mistral" => Some(8),
+                "qwen2" | "qwen3" => Some(32),
+                _ => None,
+            };
+        }
+        Ok(config)
     }
 
     /// The configuration of one decoder layer as a causal [`EncoderBlock`].
@@ -210,10 +264,13 @@ impl HfConfig {
                 format!("`{family}`: the layers that load are llama, mistral, qwen2 and qwen3"),
             ));
         }
-        if self.hidden_act != "silu" {
+        if !matches!(self.hidden_act.as_str(), "silu" | "swish") {
             return Err(convention(
                 "hidden_act",
-                format!("`{}`: the gated feed-forward takes silu", self.hidden_act),
+                format!(
+                    "`{}`: the gated feed-forward takes silu (swish)",
+                    self.hidden_act
+                ),
             ));
         }
         // Mistral's window covers every layer; Llama has none; Qwen2's and Qwen3's, when
@@ -287,10 +344,17 @@ impl HfConfig {
                 ));
             }
         }
-        let theta = self
-            .rope_parameters
-            .as_ref()
-            .and_then(|p| p.rope_theta)
+        if let Some(factor) = self.partial_rotary_factor.filter(|&f| f != 1.0) {
+            return Err(convention(
+                "partial_rotary_factor",
+                format!("{factor}: RoPE over part of each head has no counterpart (whole heads)"),
+            ));
+        }
+        // transformers 5's order: `rope_scaling`'s, then `rope_parameters`', then the
+        // top level's.
+        let theta = [&self.rope_scaling, &self.rope_parameters]
+            .into_iter()
+            .find_map(|p| p.as_ref().and_then(|p| p.rope_theta))
             .or(self.rope_theta)
             .unwrap_or(10_000.0);
         // The fields each family reads: Llama both biases, Qwen3 the attention's, Mistral
