@@ -445,3 +445,100 @@ fn blocks_return_the_weights_they_used() {
         }
     }
 }
+
+/// Biases of two dtypes joined by `and` add in the wider one (they panicked inside Burn),
+/// and the long calls' chunks add a position bias to an f16 bias in f32 (they rounded
+/// ALiBi's to f16): the same numbers as one bias holding the sum, and as the weights'
+/// path.
+#[test]
+fn biases_of_two_dtypes_add_in_the_wider() {
+    use burn::tensor::FloatDType;
+    for be in backends() {
+        let dev = &be.device;
+        let [q, k, v] = [1, 2, 3].map(|seed| randn([1, 2, 5, 4], seed, dev));
+        let [a, b] = [4, 5].map(|seed| randn([1, 2, 5, 5], seed, dev));
+        let attend = |mask: &AttentionMask| {
+            scaled_dot_product_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask,
+                SdpaOptions::default(),
+            )
+            .context
+        };
+        for dtype in be.other_float_dtypes() {
+            let what = format!("[{}] f32 and {dtype:?} biases", be.name);
+            // The other dtype's bias as it holds it, summed in f32 for the reference.
+            let other = b.clone().cast(dtype);
+            let sum = a.clone() + other.clone().cast(FloatDType::F32);
+            let joined = AttentionMask::bias(a.clone()).and(AttentionMask::bias(other));
+            let got = attend(&joined);
+            let want = attend(&AttentionMask::bias(sum));
+            crate::util::assert_close(&what, got, want, be.forward_tol());
+        }
+        // An f16 bias and ALiBi at a slope f16 cannot hold, over enough queries to run
+        // in chunks (no autodiff: the explicit path's chunks).
+        if be.other_float_dtypes().contains(&FloatDType::F16) {
+            let t = 300;
+            let [q, k, v] = [6, 7, 8].map(|seed| randn([1, 1, t, 8], seed, dev));
+            let bias = randn([1, 1, t, t], 9, dev).cast(FloatDType::F16);
+            let alibi = AttentionMask::position_bias(mha::PositionBias::Alibi {
+                slopes: vec![0.7071],
+            });
+            let mask = AttentionMask::causal()
+                .and(alibi)
+                .and(AttentionMask::bias(bias));
+            let run = |weights| {
+                let options = SdpaOptions::default().with_weights(weights);
+                scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options)
+            };
+            let chunked = run(AttentionWeights::None).context;
+            let whole = run(AttentionWeights::PerHead);
+            let want = whole.weights.unwrap().matmul(v.clone());
+            let what = format!("[{}] chunks of an f16 bias and ALiBi", be.name);
+            crate::util::assert_close(&what, chunked.clone(), want, be.forward_tol());
+            crate::util::assert_close(&what, chunked, whole.context, be.forward_tol());
+        }
+    }
+}
+
+/// Parts of masks that cannot broadcast together are refused by `and`, naming both
+/// shapes (they panicked inside Burn); an offset past any sequence is refused by name.
+#[test]
+fn masks_that_cannot_join_are_refused_naming_their_shapes() {
+    let d = crate::util::backends().next().unwrap().device.clone();
+    let message = |f: Box<dyn FnOnce()>| {
+        let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("refused");
+        err.downcast_ref::<String>().cloned().unwrap_or_default()
+    };
+    let padding = AttentionMask::key_lengths(&[2, 3], 4, &d);
+    let other = AttentionMask::blocking(bool_tensor(vec![false; 25], [5, 5], &d));
+    let got = message(Box::new(move || {
+        let _ = padding.and(other);
+    }));
+    assert_eq!(
+        got,
+        "AttentionMask::and: the boolean masks of shapes [2, 1, 1, 4] and [1, 1, 5, 5] do \
+         not broadcast together"
+    );
+    let [a, b] = [[2, 1, 3, 3], [1, 1, 4, 4]].map(|dims| Tensor::<4>::zeros(dims, &d));
+    let got = message(Box::new(move || {
+        let _ = AttentionMask::bias(a).and(AttentionMask::bias(b));
+    }));
+    assert!(
+        got.contains("the biases of shapes [2, 1, 3, 3] and [1, 1, 4, 4]"),
+        "{got}"
+    );
+    let got = message(Box::new(|| {
+        let offset = mha::CausalAlignment::Offset(i64::MAX);
+        let _ = AttentionMask::causal().aligned(offset);
+    }));
+    assert_eq!(
+        got,
+        format!(
+            "AttentionMask::aligned: the offset {} is beyond ±2^40 positions",
+            i64::MAX
+        )
+    );
+}

@@ -23,7 +23,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use burn::tensor::{Bool, Device, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, FloatDType, Tensor, TensorData};
 
 use crate::positions::PositionBias;
 
@@ -249,7 +249,17 @@ impl AttentionMask {
 
     /// The same mask with the causal part and the windows aligned as `alignment` says (see
     /// the type docs).
+    ///
+    /// # Panics
+    /// If an [`Offset`](CausalAlignment::Offset) is beyond ±2^40 (positions past any
+    /// sequence, whose arithmetic would overflow).
     pub fn aligned(mut self, alignment: CausalAlignment) -> Self {
+        if let CausalAlignment::Offset(k) = alignment {
+            assert!(
+                k.unsigned_abs() <= 1 << 40,
+                "AttentionMask::aligned: the offset {k} is beyond ±2^40 positions"
+            );
+        }
         self.rule.alignment = Some(alignment);
         self
     }
@@ -366,14 +376,18 @@ impl AttentionMask {
         }
     }
 
-    /// Both masks at once: a key is blocked if either blocks it; biases add; windows
-    /// intersect. The alignment of either aligns both, but the alignment of a mask that
-    /// places nothing by position (no causal part, window, packed sequences or position
-    /// bias) gives way to the other's.
+    /// Both masks at once: a key is blocked if either blocks it; biases add (in the wider
+    /// of their dtypes: f16 and bf16 meet in f32); windows intersect. The alignment of
+    /// either aligns both, but the alignment of a mask that places nothing by position
+    /// (no causal part, window, packed sequences or position bias) gives way to the
+    /// other's where the other is aligned explicitly (else it aligns the other's causal
+    /// part and windows: a padding mask aligned top-left, joined by a block's causal
+    /// rule, keeps the causal part top-left).
     ///
     /// # Panics
     /// If both are aligned differently and both place keys by position, if they pack
-    /// different sequences, or both have a position bias or both have sinks.
+    /// different sequences, or both have a position bias or both have sinks; if their
+    /// boolean parts, or their biases, do not broadcast together (naming both shapes).
     pub fn and(mut self, mut other: Self) -> Self {
         if !self.by_position() && other.rule.alignment.is_some() {
             self.rule.alignment = None;
@@ -389,10 +403,16 @@ impl AttentionMask {
             self.sinks.is_none() || other.sinks.is_none(),
             "AttentionMask::and: both masks have attention sinks"
         );
+        if let (Some(a), Some(b)) = (&self.blocked, &other.blocked) {
+            check_together("boolean masks", a.dims(), b.dims());
+        }
+        if let (Some(a), Some(b)) = (&self.bias, &other.bias) {
+            check_together("biases", a.dims(), b.dims());
+        }
         Self {
             rule: self.rule.and(other.rule),
             blocked: merge(self.blocked, other.blocked, |a, b| a.bool_or(b)),
-            bias: merge(self.bias, other.bias, |a, b| a + b),
+            bias: merge(self.bias, other.bias, add_biases),
             position: self.position.or(other.position),
             sinks: self.sinks.or(other.sinks),
         }
@@ -547,15 +567,38 @@ impl AttentionMask {
         Self {
             rule: Rule::default(),
             blocked: merge(blocked, rule, |a, b| a.bool_or(b)),
-            // In the bias's dtype (ALiBi's is made in f32).
-            bias: merge(bias, position, |a, b| {
-                let dtype = a.dtype();
-                a + b.cast(dtype)
-            }),
+            // In the wider dtype (ALiBi's is made in f32: an f16 bias rounded it).
+            bias: merge(bias, position, add_biases),
             position: None,
             sinks: self.sinks.clone(),
         }
     }
+}
+
+/// `a + b` in the wider of their dtypes (f16 and bf16 meet in f32).
+fn add_biases(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
+    let dtype = match (a.dtype(), b.dtype()) {
+        (x, y) if x == y => return a + b,
+        (DType::F64, _) | (_, DType::F64) => FloatDType::F64,
+        _ => FloatDType::F32,
+    };
+    let cast = |t: Tensor<4>| match t.dtype() == dtype.into() {
+        true => t,
+        false => t.cast(dtype),
+    };
+    cast(a) + cast(b)
+}
+
+/// Checks that two parts of masks joined by [`AttentionMask::and`] broadcast together.
+///
+/// # Panics
+/// Naming `what` and both shapes.
+fn check_together(what: &str, a: [usize; 4], b: [usize; 4]) {
+    let fits = a.iter().zip(b).all(|(&x, y)| x == y || x == 1 || y == 1);
+    assert!(
+        fits,
+        "AttentionMask::and: the {what} of shapes {a:?} and {b:?} do not broadcast together"
+    );
 }
 
 fn merge<T>(a: Option<T>, b: Option<T>, f: impl FnOnce(T, T) -> T) -> Option<T> {
