@@ -36,23 +36,27 @@ fn fixed_weights() -> Vec<f32> {
     w
 }
 
+/// A bias of -inf blocks in the statistics as the causal rule does, and so does one at
+/// the scores' blocked value or below (-1e30, -1e35), which attention blocks too.
 #[test]
 fn a_bias_of_minus_infinity_blocks_in_the_statistics_as_the_causal_rule_does() {
     for be in backends() {
-        let weights =
-            Tensor::<4>::from_data(TensorData::new(fixed_weights(), [1, 4, 4, 4]), &be.device);
-        // The causal rule as PyTorch's float mask: -inf above the diagonal.
-        let above: Vec<f32> = (0..16)
-            .map(|i| match i % 4 > i / 4 {
-                true => f32::NEG_INFINITY,
-                false => 0.0,
-            })
-            .collect();
-        let bias = Tensor::<4>::from_data(TensorData::new(above, [1, 1, 4, 4]), &be.device);
-        let by_rule =
-            LayerStats::from_weights("l", weights.clone(), &AttentionMask::causal(), None);
-        let by_bias = LayerStats::from_weights("l", weights, &AttentionMask::bias(bias), None);
-        assert_eq!(by_bias, by_rule, "[{}]", be.name);
+        for blocked in [f32::NEG_INFINITY, -1e30, -1e35] {
+            let weights =
+                Tensor::<4>::from_data(TensorData::new(fixed_weights(), [1, 4, 4, 4]), &be.device);
+            // The causal rule as PyTorch's float mask: -inf above the diagonal.
+            let above: Vec<f32> = (0..16)
+                .map(|i| match i % 4 > i / 4 {
+                    true => blocked,
+                    false => 0.0,
+                })
+                .collect();
+            let bias = Tensor::<4>::from_data(TensorData::new(above, [1, 1, 4, 4]), &be.device);
+            let by_rule =
+                LayerStats::from_weights("l", weights.clone(), &AttentionMask::causal(), None);
+            let by_bias = LayerStats::from_weights("l", weights, &AttentionMask::bias(bias), None);
+            assert_eq!(by_bias, by_rule, "[{}] {blocked}", be.name);
+        }
     }
 }
 

@@ -152,8 +152,10 @@ impl LayerStatsBuilder {
                         .map(|x| x != 0)
                         .collect()
                 });
-        // An additive bias of -inf blocks its key too (PyTorch's float masks).
+        // An additive bias of -inf blocks its key too (PyTorch's float masks), as does one
+        // at or below the dtype's blocked score, as attention reads it.
         if let Some(bias) = mask.additive_bias() {
+            let floor = crate::mask::blocked_score(bias.dtype());
             let bias: Vec<f32> = bias
                 .clone()
                 .expand(dims)
@@ -161,7 +163,7 @@ impl LayerStatsBuilder {
                 .convert::<f32>()
                 .try_into_vec::<f32>()
                 .expect("a float tensor converts to f32");
-            let by_bias = bias.into_iter().map(|x| x == f32::NEG_INFINITY);
+            let by_bias = bias.into_iter().map(|x| x <= floor);
             blocked = Some(match blocked {
                 Some(blocked) => blocked
                     .into_iter()

@@ -326,7 +326,9 @@ impl AttentionMask {
     }
 
     /// An additive bias on the scores (after scaling): ALiBi, relative positions, or
-    /// PyTorch's float `attn_mask`. An entry of `-inf` blocks that key like a boolean mask.
+    /// PyTorch's float `attn_mask`. An entry of `-inf` blocks that key like a boolean mask,
+    /// as does any at or below the scores' blocked value (-1e30; -16384 in f16): a row
+    /// whose every key is so blocked gives zeros.
     ///
     /// # Shapes
     /// - `bias`: broadcastable to `[B, H, Tq, Tk]`, aligned from the right as in
@@ -511,8 +513,9 @@ impl AttentionMask {
         }
     }
 
-    /// Everything that blocks, what blocks by position included, as one boolean tensor
-    /// broadcastable to `[B, H, Tq, Tk]`; `None` when nothing blocks.
+    /// The boolean part and what blocks by position, as one boolean tensor broadcastable
+    /// to `[B, H, Tq, Tk]`; `None` when neither blocks (a bias that blocks keys is not
+    /// in it).
     pub fn to_blocked(
         &self,
         queries: usize,
