@@ -57,6 +57,31 @@ fn a_bias_of_minus_infinity_blocks_in_the_statistics_as_the_causal_rule_does() {
             let by_bias = LayerStats::from_weights("l", weights, &AttentionMask::bias(bias), None);
             assert_eq!(by_bias, by_rule, "[{}] {blocked}", be.name);
         }
+        // Read at the weights' dtype, as attention reads it: an f32 bias of -1e9 blocks
+        // in f16 (it is -inf there), -65504 in f16 weights too, but not in f32 weights.
+        let f16 = burn::tensor::FloatDType::F16;
+        if be.other_float_dtypes().contains(&f16) {
+            let bias_of = |value: f32| {
+                let above: Vec<f32> = (0..16)
+                    .map(|i| if i % 4 > i / 4 { value } else { 0.0 })
+                    .collect();
+                Tensor::<4>::from_data(TensorData::new(above, [1, 1, 4, 4]), &be.device)
+            };
+            let weights =
+                Tensor::<4>::from_data(TensorData::new(fixed_weights(), [1, 4, 4, 4]), &be.device);
+            let stats = |weights: Tensor<4>, mask: &AttentionMask| {
+                LayerStats::from_weights("l", weights, mask, None)
+            };
+            let half = weights.clone().cast(f16);
+            let by_rule = stats(half.clone(), &AttentionMask::causal());
+            for value in [-1e9, -65504.0] {
+                let by_bias = stats(half.clone(), &AttentionMask::bias(bias_of(value)));
+                assert_eq!(by_bias, by_rule, "[{}] f16 weights, bias {value}", be.name);
+            }
+            let f32_rule = stats(weights.clone(), &AttentionMask::causal());
+            let by_bias = stats(weights, &AttentionMask::bias(bias_of(-65504.0)));
+            assert_ne!(by_bias, f32_rule, "[{}] f32 weights, bias -65504", be.name);
+        }
     }
 }
 

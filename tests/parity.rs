@@ -1186,10 +1186,21 @@ fn llama_family_fields_left_out_take_transformers_defaults() {
     let both = json!({"rope_theta": 5e5, "rope_parameters": {"rope_theta": 500.0}});
     assert_eq!(theta(both), 500.0);
     assert_eq!(theta(json!({})), 10_000.0);
+    // rope_scaling, where there is one, in place of rope_parameters.
+    let both = json!({"rope_theta": 5e5, "rope_parameters": {"rope_theta": 500.0},
+                      "rope_scaling": {"rope_type": "default"}});
+    assert_eq!(theta(both), 5e5);
     let err = block(json!({"partial_rotary_factor": 0.5}), &[]).unwrap_err();
     assert!(
         err.to_string()
-            .contains("`partial_rotary_factor` of config.json: 0.5"),
+            .contains("`partial_rotary_factor` of config.json: partial_rotary_factor 0.5"),
+        "{err}"
+    );
+    let nested = json!({"rope_parameters": {"rope_theta": 500.0, "partial_rotary_factor": 0.25}});
+    let err = block(nested, &[]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`rope_parameters` of config.json: partial_rotary_factor 0.25"),
         "{err}"
     );
     assert!(block(json!({"partial_rotary_factor": 1.0}), &[]).is_ok());

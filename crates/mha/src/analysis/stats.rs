@@ -153,11 +153,16 @@ impl LayerStatsBuilder {
                         .collect()
                 });
         // An additive bias of -inf blocks its key too (PyTorch's float masks), as does one
-        // at or below the dtype's blocked score, as attention reads it.
+        // at or below the blocked score of the weights' dtype, as attention reads it (the
+        // bias cast to that dtype).
         if let Some(bias) = mask.additive_bias() {
-            let floor = crate::mask::blocked_score(bias.dtype());
+            let dtype = weights.dtype();
+            let floor = crate::mask::blocked_score(dtype);
+            let bias = match bias.dtype() == dtype {
+                true => bias.clone(),
+                false => bias.clone().cast(burn::tensor::FloatDType::from(dtype)),
+            };
             let bias: Vec<f32> = bias
-                .clone()
                 .expand(dims)
                 .into_data()
                 .convert::<f32>()

@@ -1297,7 +1297,8 @@ mod tests {
             CausalAlignment::Offset(7),
             CausalAlignment::Offset(100),
             CausalAlignment::Offset(-40),
-            CausalAlignment::Offset(i64::MIN / 2),
+            CausalAlignment::Offset(-(1 << 40)),
+            CausalAlignment::Offset(1 << 40),
         ];
         for (queries, keys) in [(1, 1), (4, 3), (13, 4), (5, 30), (9, 9)] {
             let dims = Dims::of([[1, 1, queries, 8], [1, 1, keys, 8], [1, 1, keys, 8]]);

@@ -166,6 +166,9 @@ pub struct RopeParameters {
     /// The older spelling of `rope_type`.
     #[serde(default, rename = "type")]
     pub kind: Option<String>,
+    /// The share of each head RoPE turns, where given here: 1 where given at all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
     /// Parameters of the full-attention layers, where they differ by layer type (refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub full_attention: Option<Box<RopeParameters>>,
@@ -322,39 +325,46 @@ impl HfConfig {
                 ));
             }
         }
-        let rope = [&self.rope_parameters, &self.rope_scaling];
-        for (field, parameters) in ["rope_parameters", "rope_scaling"].into_iter().zip(rope) {
-            if let Some(p) = parameters
-                && (p.full_attention.is_some() || p.sliding_attention.is_some())
-            {
-                return Err(convention(
-                    field,
-                    "RoPE parameters by layer type (full_attention, sliding_attention) have \
-                     no counterpart: the layers share one RoPE"
-                        .into(),
-                ));
-            }
-            let kind = parameters
-                .as_ref()
-                .and_then(|p| p.rope_type.clone().or(p.kind.clone()));
-            if let Some(kind) = kind.filter(|kind| kind != "default") {
-                return Err(convention(
-                    field,
-                    format!("RoPE scaling `{kind}` has no counterpart (plain RoPE only)"),
-                ));
-            }
-        }
-        if let Some(factor) = self.partial_rotary_factor.filter(|&f| f != 1.0) {
+        // transformers 5 reads `rope_scaling` where there is one, else `rope_parameters`;
+        // the base is that one's, else the top level's.
+        let (field, parameters) = match &self.rope_scaling {
+            Some(scaling) => ("rope_scaling", Some(scaling)),
+            None => ("rope_parameters", self.rope_parameters.as_ref()),
+        };
+        if let Some(p) = parameters
+            && (p.full_attention.is_some() || p.sliding_attention.is_some())
+        {
             return Err(convention(
-                "partial_rotary_factor",
-                format!("{factor}: RoPE over part of each head has no counterpart (whole heads)"),
+                field,
+                "RoPE parameters by layer type (full_attention, sliding_attention) have \
+                 no counterpart: the layers share one RoPE"
+                    .into(),
             ));
         }
-        // transformers 5's order: `rope_scaling`'s, then `rope_parameters`', then the
-        // top level's.
-        let theta = [&self.rope_scaling, &self.rope_parameters]
-            .into_iter()
-            .find_map(|p| p.as_ref().and_then(|p| p.rope_theta))
+        let kind = parameters.and_then(|p| p.rope_type.clone().or(p.kind.clone()));
+        if let Some(kind) = kind.filter(|kind| kind != "default") {
+            return Err(convention(
+                field,
+                format!("RoPE scaling `{kind}` has no counterpart (plain RoPE only)"),
+            ));
+        }
+        let partial = [
+            ("partial_rotary_factor", self.partial_rotary_factor),
+            (field, parameters.and_then(|p| p.partial_rotary_factor)),
+        ];
+        for (field, factor) in partial {
+            if let Some(factor) = factor.filter(|&f| f != 1.0) {
+                return Err(convention(
+                    field,
+                    format!(
+                        "partial_rotary_factor {factor}: RoPE over part of each head has no \
+                         counterpart (whole heads)"
+                    ),
+                ));
+            }
+        }
+        let theta = parameters
+            .and_then(|p| p.rope_theta)
             .or(self.rope_theta)
             .unwrap_or(10_000.0);
         // The fields each family reads: Llama both biases, Qwen3 the attention's, Mistral
