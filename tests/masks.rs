@@ -477,15 +477,14 @@ fn biases_of_two_dtypes_add_in_the_wider() {
             let want = attend(&AttentionMask::bias(sum));
             crate::util::assert_close(&what, got, want, be.forward_tol());
         }
-        // An f16 bias and ALiBi at a slope f16 cannot hold, over enough queries to run
+        // An f16 bias and ALiBi at a slope f16 cannot hold (0.7), over enough queries to run
         // in chunks (no autodiff: the explicit path's chunks).
         if be.other_float_dtypes().contains(&FloatDType::F16) {
             let t = 300;
             let [q, k, v] = [6, 7, 8].map(|seed| randn([1, 1, t, 8], seed, dev));
             let bias = randn([1, 1, t, t], 9, dev).cast(FloatDType::F16);
-            let alibi = AttentionMask::position_bias(mha::PositionBias::Alibi {
-                slopes: vec![0.7071],
-            });
+            let alibi =
+                AttentionMask::position_bias(mha::PositionBias::Alibi { slopes: vec![0.7] });
             let mask = AttentionMask::causal()
                 .and(alibi)
                 .and(AttentionMask::bias(bias));
