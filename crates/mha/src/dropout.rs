@@ -70,6 +70,21 @@ mod cpu {
         z ^ (z >> 31)
     }
 
+    /// `n` values, `scale` where `kept` says so, else 0, in parallel.
+    fn scaled<E>(n: usize, scale: E, kept: impl Fn(usize) -> bool + Sync) -> Vec<E>
+    where
+        E: Copy + Default + Send + Sync,
+    {
+        let mut mask = Vec::with_capacity(n);
+        mask.par_extend(
+            (0..n)
+                .into_par_iter()
+                .with_min_len(CHUNK)
+                .map(|i| if kept(i) { scale } else { E::default() }),
+        );
+        mask
+    }
+
     /// `x` times a mask of `0` and `1 / keep`, element `i` kept when the top 32 bits of
     /// SplitMix64 of `seed + i` fall below `keep · 2^32`.
     pub(super) fn apply<const D: usize>(x: Tensor<D>, keep: f64) -> Tensor<D> {
@@ -89,29 +104,16 @@ mod cpu {
         // The mask in f64 for f64 (its scale rounded to f32 showed in the gradients),
         // else in f32, cast to the input's dtype.
         let mask = match x.dtype() {
-            DType::F64 => {
-                let scale = 1.0 / keep;
-                let mut mask = Vec::with_capacity(n);
-                mask.par_extend(
-                    (0..n)
-                        .into_par_iter()
-                        .with_min_len(CHUNK)
-                        .map(|i| if kept(i) { scale } else { 0.0 }),
-                );
-                Tensor::<D>::from_data(TensorData::new(mask, dims), (&device, DType::F64))
-            }
-            _ => {
-                let scale = (1.0 / keep) as f32;
-                let mut mask = Vec::with_capacity(n);
-                mask.par_extend(
-                    (0..n)
-                        .into_par_iter()
-                        .with_min_len(CHUNK)
-                        .map(|i| if kept(i) { scale } else { 0.0f32 }),
-                );
-                Tensor::<D>::from_data(TensorData::new(mask, dims), &device)
-            }
+            DType::F64 => (
+                TensorData::new(scaled(n, 1.0 / keep, kept), dims),
+                DType::F64,
+            ),
+            _ => (
+                TensorData::new(scaled(n, (1.0 / keep) as f32, kept), dims),
+                DType::F32,
+            ),
         };
+        let mask = Tensor::<D>::from_data(mask.0, (&device, mask.1));
         let dtype = FloatDType::from(x.dtype());
         let mask = match mask.dtype() == x.dtype() {
             true => mask,
