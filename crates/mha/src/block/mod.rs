@@ -10,7 +10,7 @@ mod input;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Dropout, Linear};
-use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 
 pub use config::{DecoderBlockConfig, EncoderBlockConfig};
 pub use input::{BlockInput, BlockOutput, StackInput};
@@ -50,25 +50,7 @@ impl FeedForwardActivation {
         match self {
             Self::Gelu => crate::ops::gelu::gelu(x),
             Self::Relu => burn::tensor::activation::relu(x),
-            Self::GeluTanh => {
-                // √(2/π); x³ as a product (a power of a negative base is NaN on some GPUs).
-                const SQRT_2_OVER_PI: f64 =
-                    core::f64::consts::FRAC_2_SQRT_PI * core::f64::consts::FRAC_1_SQRT_2;
-                let gelu_tanh = |x: Tensor<D>| {
-                    let cube = x.clone() * x.clone() * x.clone();
-                    let inner = (x.clone() + cube * 0.044715) * SQRT_2_OVER_PI;
-                    x * (inner.tanh() + 1.0) * 0.5
-                };
-                // Half precision in f32, rounded once, as PyTorch's (`1 + tanh` cancels
-                // for negative inputs).
-                match x.dtype() {
-                    DType::F16 | DType::BF16 => {
-                        let dtype = x.dtype();
-                        gelu_tanh(x.cast(FloatDType::F32)).cast(dtype)
-                    }
-                    _ => gelu_tanh(x),
-                }
-            }
+            Self::GeluTanh => crate::ops::gelu::gelu_tanh(x),
             Self::Silu => crate::ops::swiglu::silu(x),
         }
     }

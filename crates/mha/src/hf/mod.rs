@@ -49,7 +49,7 @@ use crate::error::CacheError;
 use crate::mask::AttentionMask;
 use crate::norm::{LayerNorm, NormKind};
 use crate::positions::{Positions, RopeLayout};
-use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_param};
+use crate::pytorch::{ImportError, LoadPyTorch, PyTorchWeights, load_param, read_file};
 use crate::stack::Encoder;
 
 mod bert;
@@ -60,11 +60,7 @@ pub use gpt2::{Gpt2Config, load_gpt2_block, load_gpt2_lm};
 
 /// Reads a `config.json` of `family` into `C`.
 fn read_config<C: Config>(path: &Path, family: &str) -> Result<C, ImportError> {
-    let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    parse_config(&bytes, &path.display().to_string(), family)
+    parse_config(&read_file(path)?, &path.display().to_string(), family)
 }
 
 /// The error of a block or stack built from a `config.json`'s numbers.
@@ -215,11 +211,7 @@ impl HfConfig {
     /// is not a configuration with the fields above.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json(&bytes, &path.display().to_string())
+        Self::from_json(&read_file(path)?, &path.display().to_string())
     }
 
     /// Parses the JSON of a `config.json`; `source` names it in errors. A field the file
@@ -619,10 +611,7 @@ pub fn load_pretrained(
     let weights = match (single.exists(), index.exists()) {
         (true, _) => PyTorchWeights::from_file(&single)?,
         (false, true) => {
-            let bytes = std::fs::read(&index).map_err(|source| ImportError::Io {
-                path: index.clone(),
-                source,
-            })?;
+            let bytes = read_file(&index)?;
             let index = ShardIndex::load_binary(&bytes).map_err(|err| ImportError::Config {
                 what: index.display().to_string(),
                 message: format!("not a safetensors index with a weight_map ({err})"),

@@ -37,6 +37,27 @@ pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     }
 }
 
+/// GELU's tanh approximation, `x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))`, in Burn's
+/// operations: in `x`'s dtype, or in f32 where the exact GELU's row path says so (half
+/// precision, rounded once, as PyTorch's: `1 + tanh` cancels for negative inputs).
+pub(crate) fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    // √(2/π); x³ as a product (a power of a negative base is NaN on some GPUs).
+    const SQRT_2_OVER_PI: f64 =
+        core::f64::consts::FRAC_2_SQRT_PI * core::f64::consts::FRAC_1_SQRT_2;
+    let formula = |x: Tensor<D>| {
+        let cube = x.clone() * x.clone() * x.clone();
+        let inner = (x.clone() + cube * 0.044715) * SQRT_2_OVER_PI;
+        x * (inner.tanh() + 1.0) * 0.5
+    };
+    match dispatch::row(RowCall::of(RowOp::Gelu, &x)) {
+        RowPath::BurnInF32 => {
+            let dtype = x.dtype();
+            formula(x.cast(burn::tensor::FloatDType::F32)).cast(dtype)
+        }
+        _ => formula(x),
+    }
+}
+
 /// `x Φ(x)` in Burn's operations, in `x`'s dtype. The products by constants (not a
 /// division: Burn's backward of a division by a scalar takes its reciprocal in f32, which
 /// an f64 gradient shows).

@@ -238,11 +238,7 @@ impl PyTorchWeights {
     /// safetensors.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ImportError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| ImportError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_bytes(&bytes, &path.display().to_string())
+        Self::from_bytes(&read_file(path)?, &path.display().to_string())
     }
 
     /// Reads the shards of one checkpoint (Hugging Face's `model-00001-of-00004.safetensors`
@@ -434,6 +430,14 @@ pub trait LoadPyTorch: Sized {
     /// An [`ImportError`] naming the key, when a key is missing, unexpected, or of
     /// another shape than this module's configuration implies.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError>;
+}
+
+/// The bytes of the file at `path`, or [`ImportError::Io`] naming it.
+pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, ImportError> {
+    std::fs::read(path).map_err(|source| ImportError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Replaces a parameter's value, keeping its id and whether it is trained.
