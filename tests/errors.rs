@@ -137,6 +137,14 @@ fn bad_block_and_stack_configs_name_the_field_and_values() {
             .map(|_| ())),
         "DecoderBlockConfig.dropout: must be in [0, 1), got 1.5"
     );
+    // The attention's scale, by the block's name for it.
+    assert_eq!(
+        err(DecoderBlockConfig::new(16, 4)
+            .with_attention_scale(Some(-1.0))
+            .try_init(&d)
+            .map(|_| ())),
+        "DecoderBlockConfig.attention_scale: must be positive and finite, got -1"
+    );
     assert_eq!(
         err(DecoderBlockConfig::new(15, 4).try_init(&d).map(|_| ())),
         "DecoderBlockConfig.d_model: 15 is not divisible by n_heads = 4"

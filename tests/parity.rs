@@ -1096,14 +1096,6 @@ fn models_that_share_bert_or_gpt2_keys_but_compute_otherwise_are_named() {
         err.contains("`scale_attn_by_inverse_layer_idx` of config.json: true"),
         "{err}"
     );
-    let err = gpt2("scale_attn_weights", false.into())
-        .map(|_| ())
-        .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("`scale_attn_weights` of config.json"),
-        "{err}"
-    );
     for (name, activation) in [
         ("gelu_fast", FeedForwardActivation::GeluTanh),
         ("relu", FeedForwardActivation::Relu),
@@ -1251,6 +1243,96 @@ fn gpt2_with_a_head_of_its_own_reads_it() {
         let got = own.forward(ids, AttentionMask::none());
         assert_close(
             &format!("[{}] untied head", b.name),
+            got,
+            want,
+            b.forward_tol(),
+        );
+    }
+}
+
+/// GPT-2 with `scale_attn_weights: false` (scores `Q Kᵀ`, unscaled) computes what GPT-2
+/// with scaled scores computes from queries `sqrt(head_dim)` times larger: the fixture's
+/// query columns of `c_attn` (weight and bias) scaled so load as the unscaled model. (Its
+/// key columns are made 30 times larger in both, so that the scores, small at the
+/// fixture's initialisation, are not all near 0 and the scale shows in the logits.)
+#[test]
+fn gpt2_with_unscaled_scores_is_gpt2_with_larger_queries() {
+    let path = crate::util::root().join("tests/fixtures/gpt2_lm.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let stored = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let json = crate::util::root().join("tests/fixtures/gpt2_lm.json");
+    let scaled_config = Gpt2Config::from_file(&json).unwrap();
+    let unscaled_config = Gpt2Config {
+        scale_attn_weights: false,
+        ..scaled_config.clone()
+    };
+    assert_eq!(scaled_config.block().unwrap().attention_scale, None);
+    assert_eq!(unscaled_config.block().unwrap().attention_scale, Some(1.0));
+    let width = scaled_config.n_embd;
+    let sqrt_head_dim = ((width / scaled_config.n_head) as f32).sqrt();
+    // `c_attn` is `[in, 3 · width]` (Conv1D's layout), its bias `[3 · width]`: each row's
+    // first `width` columns make the queries, the next `width` the keys.
+    let weights = |query_factor: f32| {
+        let changed: Vec<(String, Vec<u8>)> = stored
+            .tensors()
+            .into_iter()
+            .filter(|(key, _)| key.starts_with("model.") && key.contains(".attn.c_attn."))
+            .map(|(key, view)| {
+                let data = view
+                    .data()
+                    .chunks(4)
+                    .enumerate()
+                    .flat_map(|(i, b)| {
+                        let value = f32::from_le_bytes(b.try_into().unwrap());
+                        let factor = match (i % (3 * width)) / width {
+                            0 => query_factor,
+                            1 => 30.0,
+                            _ => 1.0,
+                        };
+                        (value * factor).to_le_bytes()
+                    })
+                    .collect();
+                (key, data)
+            })
+            .collect();
+        assert_eq!(changed.len(), 2 * scaled_config.n_layer);
+        let mut views: Vec<(String, safetensors::tensor::TensorView)> = stored
+            .tensors()
+            .into_iter()
+            .filter(|(key, _)| !changed.iter().any(|(k, _)| k == key))
+            .collect();
+        for (key, data) in &changed {
+            let view = stored.tensor(key).unwrap();
+            let view =
+                safetensors::tensor::TensorView::new(view.dtype(), view.shape().to_vec(), data);
+            views.push((key.clone(), view.unwrap()));
+        }
+        let bytes = safetensors::serialize(views, None).unwrap();
+        mha::PyTorchWeights::from_bytes(&bytes, "c_attn scaled").unwrap()
+    };
+    let (plain, larger) = (weights(1.0), weights(sqrt_head_dim));
+    let f = Fixture::load("gpt2_lm");
+    for b in backends() {
+        let load = |config: &Gpt2Config, weights| {
+            config
+                .init_causal_lm(&b.device)
+                .and_then(|lm| load_gpt2_lm(lm, weights, "model.transformer."))
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let ids = f.io::<2>("ids", [2, 9], &b.device).int();
+        let logits =
+            |config, weights| load(config, weights).forward(ids.clone(), AttentionMask::none());
+        let want = logits(&scaled_config, &larger);
+        let got = logits(&unscaled_config, &plain);
+        // The scale moves the logits far beyond the tolerance (the comparison can fail).
+        let moved = crate::util::max_abs_diff(logits(&scaled_config, &plain), got.clone());
+        assert!(
+            moved > 100.0 * b.forward_tol(),
+            "[{}] the scale moved the logits by {moved}",
+            b.name
+        );
+        assert_close(
+            &format!("[{}] unscaled scores", b.name),
             got,
             want,
             b.forward_tol(),

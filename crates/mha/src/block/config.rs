@@ -75,6 +75,10 @@ macro_rules! block_config {
             /// [`MultiHeadAttentionConfig::sinks`]). Default: false.
             #[config(default = false)]
             pub attention_sinks: bool,
+            /// Multiplies the attention's `Q Kᵀ`, in the self- and the cross-attention
+            /// (GPT-2's `scale_attn_weights: false` is 1). Default: `1 / sqrt(head_dim)`.
+            #[config(default = "None")]
+            pub attention_scale: Option<f64>,
             $($own)*
         }
 
@@ -111,6 +115,7 @@ macro_rules! block_config {
                     attention_out_bias: self.attention_out_bias,
                     qk_norm_eps: self.qk_norm_eps,
                     attention_sinks: self.attention_sinks,
+                    attention_scale: self.attention_scale,
                 }
             }
 
@@ -184,13 +189,15 @@ struct Parts {
     attention_out_bias: Option<bool>,
     qk_norm_eps: Option<f64>,
     attention_sinks: bool,
+    attention_scale: Option<f64>,
 }
 
 /// `err` of a block's attention as the block's `config` names it: the same fields, but
-/// the sinks (`attention_sinks`).
+/// the sinks (`attention_sinks`) and the scale (`attention_scale`).
 fn of_block(config: &'static str, err: ConfigError) -> ConfigError {
     let field = match err.field {
         "sinks" => "attention_sinks",
+        "scale" => "attention_scale",
         field => field,
     };
     ConfigError {
@@ -245,6 +252,7 @@ impl Parts {
             .with_bias(self.attention_bias)
             .with_out_bias(self.attention_out_bias)
             .with_dropout(self.dropout)
+            .with_scale(self.attention_scale)
             .with_positions(positions)
     }
 

@@ -38,7 +38,8 @@ pub struct Gpt2Config {
     /// The feed-forward's activation: `gelu_new` (GELU's tanh approximation) or `gelu`.
     #[serde(default = "gelu_new")]
     pub activation_function: String,
-    /// Whether the scores are scaled by `1/sqrt(head_dim)`.
+    /// Whether the scores are scaled by `1/sqrt(head_dim)` (when `false`, the blocks'
+    /// `attention_scale` is 1).
     #[serde(default = "yes")]
     pub scale_attn_weights: bool,
     /// Whether layer `i`'s scores are also divided by `i + 1`.
@@ -81,8 +82,9 @@ impl Gpt2Config {
     ///
     /// # Errors
     /// [`ImportError::Config`] naming the field the blocks cannot express: another model
-    /// type, another activation, unscaled scores or scores scaled by the layer's index,
-    /// cross-attention.
+    /// type, another activation, scores scaled by the layer's index, cross-attention.
+    /// Unscaled scores (`scale_attn_weights: false`) give the blocks an
+    /// `attention_scale` of 1.
     pub fn block(&self) -> Result<EncoderBlockConfig, ImportError> {
         let refuse = |field: &str, message: String| ImportError::Config {
             what: format!("`{field}` of config.json"),
@@ -109,12 +111,6 @@ impl Gpt2Config {
                 ));
             }
         };
-        if !self.scale_attn_weights {
-            return Err(refuse(
-                "scale_attn_weights",
-                "false: scores not scaled by 1/sqrt(head_dim) have no counterpart here".into(),
-            ));
-        }
         if self.scale_attn_by_inverse_layer_idx {
             return Err(refuse(
                 "scale_attn_by_inverse_layer_idx",
@@ -137,6 +133,7 @@ impl Gpt2Config {
             .with_activation(activation)
             .with_norm(NormKind::Layer)
             .with_layer_norm_eps(self.layer_norm_epsilon)
+            .with_attention_scale((!self.scale_attn_weights).then_some(1.0))
             .with_causal(true))
     }
 }
