@@ -2,8 +2,8 @@
 //! Burn's `nn::LayerNorm` with the same parameters and record, computed on flex and
 //! ndarray (f32) as one operation with a backward of its own (see `ops::norm`): one pass
 //! over the rows each way instead of the nine elementwise operations autodiff would
-//! otherwise record and walk back. Elsewhere it is Burn's `layer_norm` (f16 computed in
-//! f32, as Burn's module does). Its RMS form ([`NormKind::Rms`], [`LayerNorm::rms`]) is
+//! otherwise record and walk back. Elsewhere it is Burn's `layer_norm` (f16 and bf16
+//! computed in f32; Burn's module widens f16 only). Its RMS form ([`NormKind::Rms`], [`LayerNorm::rms`]) is
 //! Llama's `RMSNorm`, as Hugging Face computes it.
 
 use burn::config::Config;

@@ -27,7 +27,8 @@ pub struct Link {
 
 /// The statistics of one head, averaged over the query rows of a batch that count: rows
 /// past a sequence's length (padding) and rows whose keys are all blocked (by the mask's
-/// boolean part, its rule, or an additive bias of -inf) are left out.
+/// boolean part, its rule, or an additive bias at or below the value attention reads as
+/// blocked: -inf, or -1e30 and below; -16384 and below in f16) are left out.
 /// Positions are counted from the start of each sequence, queries' and keys' alike.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HeadStats {

@@ -33,7 +33,8 @@ pub struct BertConfig {
     pub num_hidden_layers: usize,
     /// The feed-forward's hidden width.
     pub intermediate_size: usize,
-    /// The feed-forward's activation: `gelu`.
+    /// The feed-forward's activation: `gelu`, `gelu_new`, `gelu_pytorch_tanh` or
+    /// `gelu_fast` (GELU's tanh approximation), or `relu`.
     #[serde(default = "gelu")]
     pub hidden_act: String,
     /// The layer norms' epsilon.

@@ -35,7 +35,8 @@ pub struct Gpt2Config {
     pub n_inner: Option<usize>,
     /// The layer norms' epsilon.
     pub layer_norm_epsilon: f64,
-    /// The feed-forward's activation: `gelu_new` (GELU's tanh approximation) or `gelu`.
+    /// The feed-forward's activation: `gelu_new`, `gelu_pytorch_tanh` or `gelu_fast`
+    /// (GELU's tanh approximation), `gelu`, or `relu`.
     #[serde(default = "gelu_new")]
     pub activation_function: String,
     /// Whether the scores are scaled by `1/sqrt(head_dim)` (when `false`, the blocks'

@@ -31,9 +31,11 @@
 //! `config.json`: RoPE scaling (`rope_type` other than `default`), an activation other
 //! than SiLU, Qwen2's and Qwen3's window on some of the layers only (`max_window_layers`
 //! between 0 and `num_hidden_layers`, or `layer_types` that disagree with them), RoPE
-//! parameters by layer type, RoPE over part of each head (`partial_rotary_factor`). A
-//! field the file leaves out takes transformers' default for the model type (see
-//! [`HfConfig::from_json`]).
+//! parameters by layer type, RoPE over part of each head (`partial_rotary_factor`). The
+//! fields that size the model (`model_type`, `hidden_size`, `intermediate_size`,
+//! `num_hidden_layers`, `num_attention_heads`, `rms_norm_eps`, `vocab_size`) are
+//! required; of the others, one the file leaves out takes transformers' default for the
+//! model type (see [`HfConfig::from_json`]).
 
 use std::path::Path;
 
@@ -93,7 +95,9 @@ pub struct HfConfig {
     pub num_hidden_layers: usize,
     /// Query heads.
     pub num_attention_heads: usize,
-    /// Key/value heads (GQA); `num_attention_heads` when absent.
+    /// Key/value heads (GQA). Left out of the file, transformers' default for the model
+    /// type ([`from_json`](Self::from_json): Mistral's 8, Qwen2's and Qwen3's 32); `None`
+    /// (Llama's absence, or `null`) means `num_attention_heads`.
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
     /// Head width; when absent, Qwen3's 128 and the others' `hidden_size /
@@ -214,9 +218,10 @@ impl HfConfig {
         Self::from_json(&read_file(path)?, &path.display().to_string())
     }
 
-    /// Parses the JSON of a `config.json`; `source` names it in errors. A field the file
-    /// leaves out takes transformers' default for its `model_type` (Mistral's, Qwen2's
-    /// and Qwen3's `sliding_window` 4096, which `null` turns off; Qwen2's and Qwen3's
+    /// Parses the JSON of a `config.json`; `source` names it in errors. The fields that
+    /// size the model are required; an optional field the file leaves out takes
+    /// transformers' default for its `model_type` (Mistral's, Qwen2's and Qwen3's
+    /// `sliding_window` 4096, which `null` turns off; Qwen2's and Qwen3's
     /// `max_window_layers` 28; `num_key_value_heads` 8 for Mistral, 32 for Qwen2 and
     /// Qwen3, `num_attention_heads` for Llama).
     ///
