@@ -1088,14 +1088,6 @@ fn models_that_share_bert_or_gpt2_keys_but_compute_otherwise_are_named() {
             .unwrap()
             .block()
     };
-    let err = gpt2("scale_attn_by_inverse_layer_idx", true.into())
-        .map(|_| ())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("`scale_attn_by_inverse_layer_idx` of config.json: true"),
-        "{err}"
-    );
     for (name, activation) in [
         ("gelu_fast", FeedForwardActivation::GeluTanh),
         ("relu", FeedForwardActivation::Relu),
@@ -1250,34 +1242,33 @@ fn gpt2_with_a_head_of_its_own_reads_it() {
     }
 }
 
-/// GPT-2 with `scale_attn_weights: false` (scores `Q Kᵀ`, unscaled) computes what GPT-2
-/// with scaled scores computes from queries `sqrt(head_dim)` times larger: the fixture's
-/// query columns of `c_attn` (weight and bias) scaled so load as the unscaled model. (Its
-/// key columns are made 30 times larger in both, so that the scores, small at the
-/// fixture's initialisation, are not all near 0 and the scale shows in the logits.)
+/// GPT-2's other scales of the scores, against GPT-2's own scale with larger or smaller
+/// queries: `scale_attn_weights: false` (scores `Q Kᵀ`) computes what the scaled model
+/// computes from queries `sqrt(head_dim)` times larger; `scale_attn_by_inverse_layer_idx`
+/// (block `i`'s scores also divided by `i + 1`) what it computes from block `i`'s queries
+/// divided by `i + 1`; the fixture's query columns of `c_attn` (weight and bias) so scaled
+/// load as the other model. Compared: every block's attention weights and the last hidden
+/// state. (The key columns are made 30 times larger in both, so that the scores, small at
+/// the fixture's initialisation, are not all near 0 and the scale shows.)
 #[test]
-fn gpt2_with_unscaled_scores_is_gpt2_with_larger_queries() {
+fn gpt2_scales_of_scores_are_gpt2_with_scaled_queries() {
     let path = crate::util::root().join("tests/fixtures/gpt2_lm.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let stored = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let json = crate::util::root().join("tests/fixtures/gpt2_lm.json");
     let scaled_config = Gpt2Config::from_file(&json).unwrap();
-    let unscaled_config = Gpt2Config {
-        scale_attn_weights: false,
-        ..scaled_config.clone()
-    };
-    assert_eq!(scaled_config.block().unwrap().attention_scale, None);
-    assert_eq!(unscaled_config.block().unwrap().attention_scale, Some(1.0));
     let width = scaled_config.n_embd;
     let sqrt_head_dim = ((width / scaled_config.n_head) as f32).sqrt();
     // `c_attn` is `[in, 3 · width]` (Conv1D's layout), its bias `[3 · width]`: each row's
     // first `width` columns make the queries, the next `width` the keys.
-    let weights = |query_factor: f32| {
+    let weights = |query_factor: &dyn Fn(usize) -> f32| {
         let changed: Vec<(String, Vec<u8>)> = stored
             .tensors()
             .into_iter()
             .filter(|(key, _)| key.starts_with("model.") && key.contains(".attn.c_attn."))
             .map(|(key, view)| {
+                let layer = key["model.transformer.h.".len()..].split('.').next();
+                let layer: usize = layer.unwrap().parse().unwrap();
                 let data = view
                     .data()
                     .chunks(4)
@@ -1285,7 +1276,7 @@ fn gpt2_with_unscaled_scores_is_gpt2_with_larger_queries() {
                     .flat_map(|(i, b)| {
                         let value = f32::from_le_bytes(b.try_into().unwrap());
                         let factor = match (i % (3 * width)) / width {
-                            0 => query_factor,
+                            0 => query_factor(layer),
                             1 => 30.0,
                             _ => 1.0,
                         };
@@ -1310,41 +1301,77 @@ fn gpt2_with_unscaled_scores_is_gpt2_with_larger_queries() {
         let bytes = safetensors::serialize(views, None).unwrap();
         mha::PyTorchWeights::from_bytes(&bytes, "c_attn scaled").unwrap()
     };
-    let (plain, larger) = (weights(1.0), weights(sqrt_head_dim));
+    let plain = weights(&|_| 1.0);
     let f = Fixture::load("gpt2_lm");
-    for b in backends() {
-        let load = |config: &Gpt2Config, weights| {
-            config
-                .init_causal_lm(&b.device)
-                .and_then(|lm| load_gpt2_lm(lm, weights, "model.transformer."))
-                .unwrap_or_else(|e| panic!("{e}"))
+    for (scale_attn_weights, by_layer) in [(false, false), (true, true), (false, true)] {
+        let config = Gpt2Config {
+            scale_attn_weights,
+            scale_attn_by_inverse_layer_idx: by_layer,
+            ..scaled_config.clone()
         };
-        let ids = f.io::<2>("ids", [2, 9], &b.device).int();
-        // The last hidden state (after `ln_f`, of order 1), before the head's small logits.
-        let logits = |config, weights| {
-            let lm = load(config, weights);
-            let x = lm.embed_tokens.forward(ids.clone());
-            lm.model.forward(BlockInput::new(x)).unwrap().output
+        let factor = |layer: usize| {
+            let unscaled = if scale_attn_weights {
+                1.0
+            } else {
+                sqrt_head_dim
+            };
+            let by_layer = if by_layer { (layer + 1) as f32 } else { 1.0 };
+            unscaled / by_layer
         };
-        let want = logits(&scaled_config, &larger);
-        let got = logits(&unscaled_config, &plain);
-        // The scale moves the state well beyond the tolerance (the comparison can fail).
-        let moved = crate::util::max_abs_diff(logits(&scaled_config, &plain), got.clone());
-        println!(
-            "[{}] the scale moved the hidden state by {moved:.2e}",
-            b.name
-        );
-        assert!(
-            moved > 10.0 * b.forward_tol(),
-            "[{}] the scale moved the hidden state by {moved}",
-            b.name
-        );
-        assert_close(
-            &format!("[{}] unscaled scores", b.name),
-            got,
-            want,
-            b.forward_tol(),
-        );
+        let what = format!("scale_attn_weights {scale_attn_weights}, by layer {by_layer}");
+        // Each block's scale, and the blocks' shared configuration where there is one.
+        for layer in 0..scaled_config.n_layer {
+            let scale = config.layer_block(layer).unwrap().attention_scale.unwrap();
+            let want = (factor(layer) / sqrt_head_dim) as f64;
+            assert!((scale - want).abs() < 1e-7 * want, "{what}: {scale}");
+        }
+        match by_layer {
+            false => assert_eq!(config.block().unwrap().attention_scale, Some(1.0)),
+            true => {
+                let err = config.block().map(|_| ()).unwrap_err().to_string();
+                assert!(
+                    err.contains("`scale_attn_by_inverse_layer_idx`")
+                        && err.contains("Gpt2Config::layer_block(i)"),
+                    "{err}"
+                );
+            }
+        }
+        let larger = weights(&factor);
+        for b in backends() {
+            let load = |config: &Gpt2Config, weights| {
+                config
+                    .init_causal_lm(&b.device)
+                    .and_then(|lm| load_gpt2_lm(lm, weights, "model.transformer."))
+                    .unwrap_or_else(|e| panic!("{e}"))
+            };
+            let ids = f.io::<2>("ids", [2, 9], &b.device).int();
+            // Every block's attention weights, and the last hidden state (after `ln_f`, of
+            // order 1, where the head's logits are small).
+            let run = |config, weights| {
+                let lm = load(config, weights);
+                let x = lm.embed_tokens.forward(ids.clone());
+                let out = lm.model.forward(BlockInput::new(x).weights()).unwrap();
+                (Tensor::cat(out.weights, 0), out.output)
+            };
+            let (want_weights, want) = run(&scaled_config, &larger);
+            let (got_weights, got) = run(&config, &plain);
+            // The scale moves the weights well beyond the tolerance (the comparison can
+            // fail).
+            let (plain_weights, _) = run(&scaled_config, &plain);
+            let moved = crate::util::max_abs_diff(plain_weights, got_weights.clone());
+            println!(
+                "[{}] {what}: the scale moved the weights by {moved:.2e}",
+                b.name
+            );
+            assert!(
+                moved > 10.0 * b.forward_tol(),
+                "[{}] {what}: {moved}",
+                b.name
+            );
+            let name = |part| format!("[{}] {what}: {part}", b.name);
+            assert_close(&name("weights"), got_weights, want_weights, b.forward_tol());
+            assert_close(&name("hidden state"), got, want, b.forward_tol());
+        }
     }
 }
 

@@ -79,14 +79,48 @@ impl Gpt2Config {
         read_config(path.as_ref(), "GPT-2")
     }
 
-    /// The configuration of one block as a causal [`EncoderBlock`].
+    /// The configuration of every block as a causal [`EncoderBlock`]. Unscaled scores
+    /// (`scale_attn_weights: false`) give the blocks an `attention_scale` of 1.
     ///
     /// # Errors
     /// [`ImportError::Config`] naming the field the blocks cannot express: another model
-    /// type, another activation, scores scaled by the layer's index, cross-attention.
-    /// Unscaled scores (`scale_attn_weights: false`) give the blocks an
-    /// `attention_scale` of 1.
+    /// type, another activation, cross-attention; and scores scaled by the layer's index
+    /// (`scale_attn_by_inverse_layer_idx`), where the blocks differ: see
+    /// [`layer_block`](Self::layer_block).
     pub fn block(&self) -> Result<EncoderBlockConfig, ImportError> {
+        if self.scale_attn_by_inverse_layer_idx {
+            return Err(ImportError::Config {
+                what: "`scale_attn_by_inverse_layer_idx` of config.json".into(),
+                message: "true: block i divides its scores by i + 1, so the blocks differ;                           build each with Gpt2Config::layer_block(i) (init_causal_lm does)"
+                    .into(),
+            });
+        }
+        self.shared_block()
+    }
+
+    /// The configuration of block `layer` (0 first) as a causal [`EncoderBlock`]:
+    /// [`block`](Self::block)'s, but where `scale_attn_by_inverse_layer_idx` is true, its
+    /// `attention_scale` also divided by `layer + 1`, as transformers' `GPT2Attention`
+    /// divides its scores.
+    ///
+    /// # Errors
+    /// As [`block`](Self::block), but for `scale_attn_by_inverse_layer_idx`.
+    pub fn layer_block(&self, layer: usize) -> Result<EncoderBlockConfig, ImportError> {
+        let config = self.shared_block()?;
+        if !self.scale_attn_by_inverse_layer_idx {
+            return Ok(config);
+        }
+        // The scale before the layer's own factor (a width the heads do not divide is
+        // refused when the block is built).
+        let scaled = match self.scale_attn_weights {
+            true => 1.0 / ((self.n_embd / self.n_head.max(1)).max(1) as f64).sqrt(),
+            false => 1.0,
+        };
+        Ok(config.with_attention_scale(Some(scaled / (layer + 1) as f64)))
+    }
+
+    /// What every block shares: [`block`](Self::block) but for the layer's own scale.
+    fn shared_block(&self) -> Result<EncoderBlockConfig, ImportError> {
         let refuse = |field: &str, message: String| ImportError::Config {
             what: format!("`{field}` of config.json"),
             message,
@@ -112,14 +146,6 @@ impl Gpt2Config {
                 ));
             }
         };
-        if self.scale_attn_by_inverse_layer_idx {
-            return Err(refuse(
-                "scale_attn_by_inverse_layer_idx",
-                "true: scores scaled by each layer's own factor have no counterpart (the \
-                 blocks of one configuration share their scale)"
-                    .into(),
-            ));
-        }
         if self.add_cross_attention {
             return Err(refuse(
                 "add_cross_attention",
@@ -146,14 +172,20 @@ impl Gpt2Config {
     /// `false`. Load it with [`load_gpt2_lm`].
     ///
     /// # Errors
-    /// As [`block`](Self::block).
+    /// As [`layer_block`](Self::layer_block).
     pub fn init_causal_lm(&self, device: &Device) -> Result<CausalLm, ImportError> {
-        let block = self.block()?.with_positions(Positions::Learned {
+        let block = self.shared_block()?.with_positions(Positions::Learned {
             max_len: self.n_positions,
         });
-        let model = EncoderConfig::new(block, self.n_layer)
+        let mut model = EncoderConfig::new(block, self.n_layer)
             .try_init(device)
             .map_err(super::unbuildable)?;
+        // Scores scaled by each layer's index: the blocks' own scales.
+        for (index, layer) in model.layers.iter_mut().enumerate() {
+            if let Some(scale) = self.layer_block(index)?.attention_scale {
+                layer.self_attn.scale = scale;
+            }
+        }
         let (vocab, width) = (self.vocab_size, self.n_embd);
         Ok(CausalLm {
             embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
