@@ -14,7 +14,7 @@ use mha::{
     Positions, PruneError, StackInput,
 };
 
-use crate::util::{Backend, assert_close, backends, randn};
+use crate::util::{Backend, assert_close, backends, panic_message, randn};
 
 fn close(what: &str, got: f64, want: f64) {
     assert!((got - want).abs() < 1e-6, "{what}: got {got}, want {want}");
@@ -954,17 +954,6 @@ fn bad_plans_and_masks_are_refused_by_name() {
         "HeadImportance::by_gradient: the loss of batch 0 must be one value [1] (a mean, say), \
          got [2]"
     );
-}
-
-fn panic_message(f: impl FnOnce()) -> String {
-    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("a panic");
-    match err.downcast::<String>() {
-        Ok(message) => *message,
-        Err(err) => err
-            .downcast::<&str>()
-            .map(|m| m.to_string())
-            .unwrap_or_default(),
-    }
 }
 
 #[cfg(feature = "plot")]

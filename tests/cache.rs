@@ -200,6 +200,56 @@ fn a_window_given_with_the_call_places_keys_as_the_cache_does() {
     }
 }
 
+/// A padding mask aligned top-left places nothing by position: a module's own position
+/// bias (ALiBi, learned relative biases) follows the cache's positions, not that
+/// alignment (the bias, joined to the mask, took it and the call was refused).
+#[test]
+fn a_position_bias_follows_the_cache_whatever_a_padding_mask_is_aligned() {
+    for be in backends() {
+        for positions in [Positions::Alibi, Positions::Relative { max_distance: 3 }] {
+            let m = attention(positions.clone(), 2, 57, &be.device);
+            let x = randn([2, 9, D_MODEL], 58, &be.device);
+            let want = m.forward(MhaInput::causal(x.clone())).context;
+            let mut cache = KvCache::new(9);
+            let got = decoded(&x, &[0..5, 5..6, 6..9], |x| {
+                let keys = cache.keys_seen(x.dims()[1]);
+                let nothing = Tensor::<2>::zeros([2, keys], &be.device).equal_elem(1.0);
+                let padding =
+                    AttentionMask::key_padding(nothing).aligned(mha::CausalAlignment::TopLeft);
+                m.forward_cached(x, &mut cache, padding).unwrap()
+            });
+            let what = format!(
+                "[{}] {positions:?} under a padding aligned top-left",
+                be.name
+            );
+            assert_close(&what, got, want, be.forward_tol());
+        }
+    }
+}
+
+/// A module with attention sinks of its own refuses a mask with sinks too, before the
+/// cache changes (the call wrote, then the attention refused).
+#[test]
+fn sinks_given_twice_are_refused_before_the_cache_changes() {
+    let device = crate::util::first_device();
+    let m = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
+        .with_sinks(true)
+        .init(&device);
+    let mut cache = KvCache::new(8);
+    m.forward_cached(
+        randn([1, 3, D_MODEL], 59, &device),
+        &mut cache,
+        AttentionMask::none(),
+    )
+    .unwrap();
+    let sinks = AttentionMask::sinks(Tensor::zeros([HEADS], &device));
+    let message = crate::util::panic_message(|| {
+        let _ = m.forward_cached(randn([1, 1, D_MODEL], 60, &device), &mut cache, sinks);
+    });
+    assert!(message.contains("the mask has sinks too"), "{message}");
+    assert_eq!(cache.len(), 3, "the refused call wrote nothing");
+}
+
 #[test]
 fn a_window_aligned_elsewhere_than_the_cache_is_refused_before_the_cache_changes() {
     let device = crate::util::first_device();

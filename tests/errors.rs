@@ -6,7 +6,7 @@ use mha::{
     LoadPyTorch, MhaInput, MultiHeadAttentionConfig, Positions, PyTorchWeights,
 };
 
-use crate::util::{Fixture, randn};
+use crate::util::{Fixture, panic_message, randn};
 
 fn dev() -> Device {
     crate::util::first_device()
@@ -389,15 +389,6 @@ fn a_decoder_block_refuses_a_bad_memory_before_writing_to_its_cache() {
         "{message}"
     );
     assert_eq!(cache.len(), 0);
-}
-
-/// Runs `f` and returns its panic's message.
-fn panic_message(f: impl FnOnce() + std::panic::UnwindSafe) -> String {
-    let err = std::panic::catch_unwind(f).expect_err("a panic");
-    err.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
 }
 
 #[test]

@@ -294,6 +294,19 @@ pub fn assert_close<const D: usize>(
     err
 }
 
+/// Runs `f` and returns its panic's message (a `String`, or the `&str` of a message
+/// without arguments).
+pub fn panic_message(f: impl FnOnce()) -> String {
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("a panic");
+    match err.downcast::<String>() {
+        Ok(message) => *message,
+        Err(err) => err
+            .downcast::<&str>()
+            .map(|m| m.to_string())
+            .unwrap_or_default(),
+    }
+}
+
 pub fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data()
         .convert::<f32>()

@@ -533,6 +533,8 @@ impl MultiHeadAttention {
                 cache.align(mask, tokens)
             }
         };
+        // What the attention refuses, refused before the cache changes.
+        self.check_attend(&mask, head_mask.as_ref());
         // The weights name the keys in the order of their positions: a sliding cache's
         // ring is then read in that order too.
         let ordered = !mask.is_none() || weights != AttentionWeights::None;
@@ -601,6 +603,25 @@ impl MultiHeadAttention {
         self.attend(Heads::Split([q, k, v]), &mask, weights, 0.0, head_mask)
     }
 
+    /// Panics, naming them, when the head mask does not have a weight per head, or when
+    /// both the module and the mask have attention sinks: what [`attend`](Self::attend)
+    /// refuses, checked again before a cached call writes.
+    fn check_attend(&self, mask: &AttentionMask, head_mask: Option<&Tensor<1>>) {
+        if let Some(head_mask) = head_mask {
+            let heads = head_mask.dims()[0];
+            assert_eq!(
+                heads, self.n_heads,
+                "MultiHeadAttention: the head mask has {heads} weights for {} heads",
+                self.n_heads
+            );
+        }
+        assert!(
+            self.sinks.is_none() || mask.sink_logits().is_none(),
+            "MultiHeadAttention: the module has attention sinks of its own (`sinks`) and the \
+             mask has sinks too (AttentionMask::sinks); give one of the two"
+        );
+    }
+
     /// Attention of the heads (`q` `[B, H, Tq, Dh]`, `k`, `v` `[B, Hkv, Tk, Dh]`, or
     /// packed), each head's output scaled by its weight in `head_mask` `[H]`, heads
     /// merged and projected out.
@@ -612,23 +633,11 @@ impl MultiHeadAttention {
         dropout: f64,
         head_mask: Option<Tensor<1>>,
     ) -> MhaOutput {
-        if let Some(head_mask) = &head_mask {
-            let heads = head_mask.dims()[0];
-            assert_eq!(
-                heads, self.n_heads,
-                "MultiHeadAttention: the head mask has {heads} weights for {} heads",
-                self.n_heads
-            );
-        }
+        self.check_attend(mask, head_mask.as_ref());
         let (batch, queries) = heads.batch_and_queries();
         let with_sinks;
         let mask = match &self.sinks {
             Some(sinks) => {
-                assert!(
-                    mask.sink_logits().is_none(),
-                    "MultiHeadAttention: the module has attention sinks of its own (`sinks`) \
-                     and the mask has sinks too (AttentionMask::sinks); give one of the two"
-                );
                 with_sinks = mask.clone().and(AttentionMask::sinks(sinks.val()));
                 &with_sinks
             }
@@ -872,6 +881,8 @@ impl MultiHeadAttention {
     /// `mask` with the bias by position of ALiBi or the learned relative biases, if the
     /// module has one (RoPE's positions turn the queries and keys instead).
     fn position_bias(&self, mask: AttentionMask) -> AttentionMask {
+        // The bias places keys by the call's positions (the cache's, in a cached call),
+        // not by the alignment of a mask that placed nothing by position.
         match &self.positions {
             Positions::Alibi => {
                 let slopes = match &self.pruned_from {
@@ -881,14 +892,15 @@ impl MultiHeadAttention {
                     }
                     None => alibi_slopes(self.n_heads),
                 };
-                mask.and(AttentionMask::position_bias(PositionBias::Alibi { slopes }))
+                let bias = AttentionMask::position_bias(PositionBias::Alibi { slopes });
+                mask.without_idle_alignment().and(bias)
             }
             positions => match (positions.buckets(), &self.position_table) {
                 (Some(buckets), Some(table)) => {
                     let table = table.val();
                     let bias =
                         AttentionMask::position_bias(PositionBias::Learned { table, buckets });
-                    mask.and(bias)
+                    mask.without_idle_alignment().and(bias)
                 }
                 _ => mask,
             },

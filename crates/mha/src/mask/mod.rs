@@ -420,6 +420,16 @@ impl AttentionMask {
         }
     }
 
+    /// The mask without its alignment where it places nothing by position (a padding
+    /// mask aligned top-left, say), for a part by position joined to it that follows the
+    /// call's own positions (a module's position bias, against its cache).
+    pub(crate) fn without_idle_alignment(mut self) -> Self {
+        if !self.by_position() {
+            self.rule.alignment = None;
+        }
+        self
+    }
+
     /// Whether the alignment counts: something places keys by position.
     pub(crate) fn by_position(&self) -> bool {
         let rule = &self.rule;
