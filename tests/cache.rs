@@ -619,3 +619,51 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
     );
     assert_eq!(no_memory.len(), 0, "the refused call wrote nothing");
 }
+
+/// A stack's call that a later layer refuses leaves every layer's cache as it was (layer 0
+/// wrote, then layer 1 refused); caches left uneven by a panic part-way through the stack
+/// are refused by name, not decoded at two positions.
+#[test]
+fn a_stack_refuses_before_its_first_layer_writes() {
+    let device = crate::util::first_device();
+    let block = EncoderBlockConfig::new(D_MODEL, HEADS)
+        .with_causal(true)
+        .with_dropout(0.0);
+    let x = randn([1, 5, D_MODEL], 61, &device);
+    // Layer 1 slides over a window the cache does not.
+    let mut windowed = EncoderConfig::new(block.clone(), 2).init(&device);
+    windowed.layers[1] = block.clone().with_window(Some(4)).init(&device);
+    let mut cache = mha::StackCache::new(2, KvCache::new(16));
+    let err = windowed
+        .forward(StackInput::new(x.clone()).cache(&mut cache))
+        .unwrap_err();
+    assert_eq!(
+        err,
+        CacheError::Window {
+            window: 4,
+            cache: None
+        }
+    );
+    let lens: Vec<usize> = cache.layers().iter().map(KvCache::len).collect();
+    assert_eq!(lens, [0, 0], "the refused call wrote nothing");
+    // Layer 1 has sinks of its own and the mask brings sinks: it panics after layer 0
+    // wrote (the layers are checked alike; a panic in one of them is not undone).
+    let mut sinks = EncoderConfig::new(block.clone(), 2).init(&device);
+    sinks.layers[1] = block.with_attention_sinks(true).init(&device);
+    let mask = AttentionMask::sinks(Tensor::zeros([HEADS], &device));
+    let message = crate::util::panic_message(|| {
+        let input = StackInput::new(x.clone()).mask(mask).cache(&mut cache);
+        let _ = sinks.forward(input);
+    });
+    assert!(message.contains("the mask has sinks too"), "{message}");
+    let lens: Vec<usize> = cache.layers().iter().map(KvCache::len).collect();
+    assert_eq!(lens, [5, 0]);
+    let err = sinks
+        .forward(StackInput::new(x).cache(&mut cache))
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "StackCache: layer 1's cache holds 0 positions and layer 0's 5 (caches of different \
+         sequences; reset it to start another sequence)"
+    );
+}

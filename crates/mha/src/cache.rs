@@ -23,7 +23,7 @@
 //! Decode on a device without autodiff: under autodiff every step's graph would keep the
 //! storage alive, and each write would copy it.
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Device, Tensor};
 
 use crate::error::CacheError;
 use crate::mask::{AttentionMask, CausalAlignment};
@@ -218,21 +218,14 @@ impl KvCache {
                 mask: AttentionMask::none(),
             });
         }
-        if !self.ring && self.len + tokens > self.slots {
-            return Err(CacheError::Full {
-                capacity: self.slots,
-                position: self.len,
-                tokens,
-            });
-        }
-        if let Some(store) = &self.store {
-            let like = check_like(&store.keys, &keys).and(check_like(&store.values, &values));
-            match (like, self.len) {
-                (Ok(()), _) => {}
-                // A new sequence of another shape: new storage.
-                (Err(_), 0) => self.store = None,
-                (Err(err), _) => return Err(err),
-            }
+        let brought = [Brought::of(&keys), Brought::of(&values)];
+        self.check_write(&brought)?;
+        if let Some(store) = &self.store
+            && (check_like(&store.keys, &brought[0]).is_err()
+                || check_like(&store.values, &brought[1]).is_err())
+        {
+            // A new sequence of another shape (`check_write` lets it through): new storage.
+            self.store = None;
         }
         let store = match self.store.take() {
             Some(store) => store,
@@ -248,6 +241,32 @@ impl KvCache {
         self.store = Some(store);
         self.len += tokens;
         Ok(seen)
+    }
+
+    /// What [`write`](Self::write) refuses, for the keys and values a call brings,
+    /// before anything is written (a stack checks every layer's first).
+    ///
+    /// # Errors
+    /// As [`write`](Self::write).
+    pub(crate) fn check_write(&self, [keys, values]: &[Brought; 2]) -> Result<(), CacheError> {
+        let tokens = keys.dims[2];
+        if tokens == 0 {
+            return Ok(());
+        }
+        if !self.ring && self.len + tokens > self.slots {
+            return Err(CacheError::Full {
+                capacity: self.slots,
+                position: self.len,
+                tokens,
+            });
+        }
+        match &self.store {
+            // A new sequence may take another shape.
+            Some(store) if self.len > 0 => {
+                check_like(&store.keys, keys).and(check_like(&store.values, values))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Positions `len..len + T` of a cache by position: written where they belong, then
@@ -346,24 +365,43 @@ fn storage(like: &Tensor<4>, slots: usize) -> Tensor<4> {
     Tensor::<4>::zeros([batch, heads, slots, width], &like.device()).cast(like.dtype())
 }
 
+/// The keys or values a call brings to a cache, `[B, Hkv, T, Dh]`: enough to check them
+/// before they are computed.
+pub(crate) struct Brought {
+    pub(crate) dims: [usize; 4],
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+}
+
+impl Brought {
+    /// What `t` is.
+    pub(crate) fn of(t: &Tensor<4>) -> Self {
+        Self {
+            dims: t.dims(),
+            dtype: t.dtype(),
+            device: t.device(),
+        }
+    }
+}
+
 /// # Errors
 /// [`CacheError::Device`] when `new` is on another device than `cached`,
 /// [`CacheError::DType`] of another dtype, else [`CacheError::Mismatch`] naming the first
 /// axis where `new` differs from `cached`.
-fn check_like(cached: &Tensor<4>, new: &Tensor<4>) -> Result<(), CacheError> {
-    if cached.device() != new.device() {
+fn check_like(cached: &Tensor<4>, new: &Brought) -> Result<(), CacheError> {
+    if cached.device() != new.device {
         return Err(CacheError::Device {
             cached: format!("{:?}", cached.device()),
-            got: format!("{:?}", new.device()),
+            got: format!("{:?}", new.device),
         });
     }
-    if cached.dtype() != new.dtype() {
+    if cached.dtype() != new.dtype {
         return Err(CacheError::DType {
             cached: cached.dtype(),
-            got: new.dtype(),
+            got: new.dtype,
         });
     }
-    let (cached, new) = (cached.dims(), new.dims());
+    let (cached, new) = (cached.dims(), new.dims);
     for (axis, what) in [(0, "batch"), (1, "key/value heads"), (3, "head width")] {
         if cached[axis] != new[axis] {
             return Err(CacheError::Mismatch {

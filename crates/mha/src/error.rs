@@ -165,6 +165,16 @@ pub enum CacheError {
         /// The stack, e.g. `Decoder`.
         module: &'static str,
     },
+    /// The caches of a stack's layers hold different numbers of positions (caches of
+    /// different sequences, or of a call stopped part-way through the stack).
+    Uneven {
+        /// The positions the first layer's cache holds.
+        first: usize,
+        /// The first layer whose cache holds another number.
+        layer: usize,
+        /// The positions it holds.
+        len: usize,
+    },
     /// A block that attends to a sliding window was given a cache of another window
     /// (or none).
     Window {
@@ -228,6 +238,11 @@ impl fmt::Display for CacheError {
                 f,
                 "{module}: neither the input nor its cache has the memory to attend to: make the \
                  cache with {module}::cache(memory, ..) or give the input a memory"
+            ),
+            CacheError::Uneven { first, layer, len } => write!(
+                f,
+                "StackCache: layer {layer}'s cache holds {len} positions and layer 0's \
+                 {first} (caches of different sequences; reset it to start another sequence)"
             ),
             CacheError::Window { window, cache } => write!(
                 f,

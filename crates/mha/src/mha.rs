@@ -10,7 +10,7 @@ use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
 
 use crate::attention::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
-use crate::cache::{KvCache, MemoryKv};
+use crate::cache::{Brought, KvCache, MemoryKv};
 use crate::error::{CacheError, Check, ConfigError};
 use crate::mask::AttentionMask;
 use crate::norm::LayerNorm;
@@ -501,6 +501,18 @@ impl MultiHeadAttention {
     ) -> Result<Tensor<3>, CacheError> {
         let out = self.cached(x, cache, mask, AttentionWeights::None, None)?;
         Ok(out.context)
+    }
+
+    /// The keys and values a cached self-attention call over `x` `[B, T, d_model]` brings
+    /// to its cache, before they are computed.
+    pub(crate) fn brought(&self, x: &Tensor<3>) -> [Brought; 2] {
+        let [batch, tokens, _] = x.dims();
+        let like = || Brought {
+            dims: [batch, self.n_kv_heads, tokens, self.head_dim],
+            dtype: x.dtype(),
+            device: x.device(),
+        };
+        [like(), like()]
     }
 
     /// [`forward_cached`](Self::forward_cached) with the weights over the keys the call

@@ -212,11 +212,12 @@ fn positioned(
     }
 }
 
-/// Checks that `cache` fits a stack of `layers` layers and that the absolute positions
-/// cover the next `tokens` (of the row with the least left padding, `shift`).
+/// Checks that `cache` fits a stack of `layers` layers, that its layers hold the same
+/// positions, and that the absolute positions cover the next `tokens` (of the row with the
+/// least left padding, `shift`).
 ///
 /// # Errors
-/// [`CacheError::Layers`], [`CacheError::PastPositions`].
+/// [`CacheError::Layers`], [`CacheError::Uneven`], [`CacheError::PastPositions`].
 fn check_cached(
     positions: &Option<AbsolutePositions>,
     layers: usize,
@@ -228,6 +229,18 @@ fn check_cached(
         return Err(CacheError::Layers {
             layers,
             caches: cache.layers.len(),
+        });
+    }
+    if let Some((layer, other)) = cache
+        .layers
+        .iter()
+        .enumerate()
+        .find(|(_, other)| other.len() != cache.len())
+    {
+        return Err(CacheError::Uneven {
+            first: cache.len(),
+            layer,
+            len: other.len(),
         });
     }
     // The positions the call's last token reaches, in the row with the least padding.
@@ -250,6 +263,8 @@ trait Block {
     fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError>;
     /// The heads of each of its attention layers.
     fn head_counts(&self) -> Vec<usize>;
+    /// What its forward over `x` with `cache` would refuse before it writes.
+    fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError>;
 }
 
 impl Block for EncoderBlock {
@@ -262,6 +277,10 @@ impl Block for EncoderBlock {
     fn head_counts(&self) -> Vec<usize> {
         self.head_counts()
     }
+
+    fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
+        self.check_cache(cache, x)
+    }
 }
 
 impl Block for DecoderBlock {
@@ -273,6 +292,10 @@ impl Block for DecoderBlock {
 
     fn head_counts(&self) -> Vec<usize> {
         self.head_counts()
+    }
+
+    fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
+        self.check_cache(cache, x)
     }
 }
 
@@ -316,6 +339,10 @@ impl<B: Block> Stack<'_, B> {
         let offset = match &cache {
             Some(cache) => {
                 check_cached(self.positions, layers, cache, x.dims()[1], shift)?;
+                // Every layer's refusal before the first layer writes.
+                for (block, layer) in self.blocks.iter().zip(&cache.layers) {
+                    block.check_cache(layer, &x)?;
+                }
                 cache.len()
             }
             None => 0,
@@ -419,8 +446,10 @@ impl Encoder {
     ///
     /// # Errors
     /// With a cache: [`CacheError::Layers`] for the caches of another stack,
+    /// [`CacheError::Uneven`] for layers' caches at different positions,
     /// [`CacheError::PastPositions`] past the learned positions, and the blocks' errors
-    /// ([`EncoderBlock::forward`]). Without a cache, none.
+    /// ([`EncoderBlock::forward`]), every layer's checked before the first writes, so that
+    /// a refused call leaves the cache as it was. Without a cache, none.
     ///
     /// # Panics
     /// As [`EncoderBlock::forward`], and if the head mask's heads per attention layer are
@@ -478,10 +507,11 @@ impl Decoder {
     ///
     /// # Errors
     /// With a cache: [`CacheError::Layers`] for the caches of another stack,
+    /// [`CacheError::Uneven`] for layers' caches at different positions,
     /// [`CacheError::NoMemory`] for a cache without a memory and an input without one,
     /// [`CacheError::PastPositions`] past the learned positions, and the blocks' errors
-    /// ([`DecoderBlock::forward`]: a block that is not causal, the caches'). Without a
-    /// cache, none.
+    /// ([`DecoderBlock::forward`]: a block that is not causal, the caches'), every
+    /// layer's checked before the first writes. Without a cache, none.
     ///
     /// # Panics
     /// As [`DecoderBlock::forward`], and if the head mask's heads per attention layer are

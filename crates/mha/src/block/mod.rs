@@ -198,18 +198,8 @@ impl EncoderBlock {
             "EncoderBlock: the input has a memory, and an encoder block has no \
              cross-attention (DecoderBlock has)"
         );
-        if cache.is_some() && !self.causal {
-            return Err(CacheError::NotCausal {
-                module: "EncoderBlock",
-            });
-        }
-        if let (Some(window), Some(cache)) = (self.window, cache.as_deref())
-            && cache.window() != Some(window)
-        {
-            return Err(CacheError::Window {
-                window,
-                cache: cache.window(),
-            });
+        if let Some(cache) = cache.as_deref() {
+            self.check_cache(cache, &x)?;
         }
         let [head] = head_masks(&inspect, "EncoderBlock", &self.head_counts());
         let rule = match (self.causal, self.window) {
@@ -241,6 +231,25 @@ impl EncoderBlock {
     /// The heads of its one attention layer (see [`crate::inspect`]).
     pub fn head_counts(&self) -> Vec<usize> {
         self.self_attn.head_counts()
+    }
+
+    /// What a call of `x` with `cache` would refuse before it writes: a block that is not
+    /// causal, a window the cache does not slide over, the cache's own refusals.
+    pub(crate) fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
+        if !self.causal {
+            return Err(CacheError::NotCausal {
+                module: "EncoderBlock",
+            });
+        }
+        if let Some(window) = self.window
+            && cache.window() != Some(window)
+        {
+            return Err(CacheError::Window {
+                window,
+                cache: cache.window(),
+            });
+        }
+        cache.check_write(&self.self_attn.brought(x))
     }
 }
 
@@ -309,10 +318,8 @@ impl DecoderBlock {
         check_pads("DecoderBlock", &left_padding, x.dims()[0]);
         let [batch, tokens, _] = x.dims();
         check_memory(&memory, &memory_mask, &self.cross_attn, [batch, tokens]);
-        if cache.is_some() && !self.causal {
-            return Err(CacheError::NotCausal {
-                module: "DecoderBlock",
-            });
+        if let Some(cache) = cache.as_deref() {
+            self.check_cache(cache, &x)?;
         }
         let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
         let attention = SelfAttention {
@@ -362,6 +369,17 @@ impl DecoderBlock {
     /// cross-attention's (see [`crate::inspect`]).
     pub fn head_counts(&self) -> Vec<usize> {
         vec![self.self_attn.n_heads, self.cross_attn.n_heads]
+    }
+
+    /// What a call of `x` with `cache` would refuse before it writes: a block that is not
+    /// causal, the cache's own refusals.
+    pub(crate) fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
+        if !self.causal {
+            return Err(CacheError::NotCausal {
+                module: "DecoderBlock",
+            });
+        }
+        cache.check_write(&self.self_attn.brought(x))
     }
 }
 
