@@ -389,6 +389,33 @@ fn a_decoder_block_refuses_a_bad_memory_before_writing_to_its_cache() {
         "{message}"
     );
     assert_eq!(cache.len(), 0);
+    // A memory of another dtype, or (where two backends are compiled in) on another
+    // device, as it is or projected by a module on that device.
+    let half = randn([2, 5, 16], 5, &d).cast(burn::tensor::DType::F16);
+    let mut others = vec![(half, "the memory is F16 and the input F32".to_string())];
+    let other = crate::util::backends().into_iter().find(|b| b.device != d);
+    if let Some(other) = &other {
+        let message = format!("the memory is on {:?} and the input on {d:?}", other.device);
+        others.push((randn([2, 5, 16], 5, &other.device), message));
+    }
+    for (memory, expected) in others {
+        let message = panic_message(std::panic::AssertUnwindSafe(|| {
+            let input = BlockInput::new(x.clone()).memory(memory.clone());
+            let _ = block.forward(input.cache(&mut cache));
+        }));
+        assert!(message.contains(&expected), "{message}");
+        assert_eq!(cache.len(), 0, "{expected}");
+        if memory.device() != d {
+            let there = DecoderBlockConfig::new(16, 4).init(&memory.device());
+            let kv = there.cross_attn.memory_kv(memory);
+            let message = panic_message(std::panic::AssertUnwindSafe(|| {
+                let input = BlockInput::new(x.clone()).memory_kv(&kv);
+                let _ = block.forward(input.cache(&mut cache));
+            }));
+            assert!(message.contains(&expected), "{message}");
+            assert_eq!(cache.len(), 0, "{expected}");
+        }
+    }
 }
 
 #[test]

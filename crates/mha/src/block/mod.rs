@@ -316,8 +316,7 @@ impl DecoderBlock {
             left_padding,
         } = input;
         check_pads("DecoderBlock", &left_padding, x.dims()[0]);
-        let [batch, tokens, _] = x.dims();
-        check_memory(&memory, &memory_mask, &self.cross_attn, [batch, tokens]);
+        check_memory(&memory, &memory_mask, &self.cross_attn, &x);
         if let Some(cache) = cache.as_deref() {
             self.check_cache(cache, &x)?;
         }
@@ -491,17 +490,18 @@ fn with_head(input: MhaInput, head_mask: Option<Tensor<1>>) -> MhaInput {
 }
 
 /// Panics naming the memory of a decoder block's cross-attention before its
-/// self-attention writes to a cache: a memory missing, of another batch than the input's,
-/// a tensor not as wide as `attention` takes, keys and values of another module's heads,
-/// or a memory mask that does not broadcast to the cross-attention's scores `[B, H,
-/// tokens, memory length]`.
+/// self-attention writes to a cache: a memory missing, of another batch, device or dtype
+/// than the input `x`'s, a tensor not as wide as `attention` takes, keys and values of
+/// another module's heads, or a memory mask that does not broadcast to the
+/// cross-attention's scores `[B, H, tokens, memory length]`.
 fn check_memory(
     memory: &Memory,
     memory_mask: &AttentionMask,
     attention: &MultiHeadAttention,
-    [batch, tokens]: [usize; 2],
+    x: &Tensor<3>,
 ) {
-    let (memory_batch, length) = match memory {
+    let [batch, tokens, _] = x.dims();
+    let (memory_batch, length, device, dtype) = match memory {
         Memory::None => panic!(
             "DecoderBlock: the input has no memory for the cross-attention \
              (BlockInput::memory or BlockInput::memory_kv)"
@@ -513,7 +513,7 @@ fn check_memory(
                 "DecoderBlock: the memory is {width} wide and the cross-attention takes {}",
                 attention.kdim
             );
-            (b, length)
+            (b, length, memory.device(), memory.dtype())
         }
         Memory::Projected(kv) => {
             let [b, heads, length, head_dim] = kv.keys_dims();
@@ -525,9 +525,19 @@ fn check_memory(
                 ours[0],
                 ours[1]
             );
-            (b, length)
+            (b, length, kv.keys.device(), kv.keys.dtype())
         }
     };
+    assert!(
+        device == x.device(),
+        "DecoderBlock: the memory is on {device:?} and the input on {:?}",
+        x.device()
+    );
+    assert!(
+        dtype == x.dtype(),
+        "DecoderBlock: the memory is {dtype:?} and the input {:?}",
+        x.dtype()
+    );
     assert!(
         memory_batch == batch,
         "DecoderBlock: the memory's batch is {memory_batch} and the input's {batch}"
