@@ -154,6 +154,49 @@ fn out_context(module: &MultiHeadAttention, x: &Tensor<3>, memory: &Tensor<3>) -
         .context
 }
 
+/// Masks over no keys or no queries are made from tensors of any rank (a `[B, 0]` key
+/// padding, PyTorch's for an empty memory, failed inside Burn) and change nothing; the
+/// rule of a mask over them is an empty boolean tensor.
+#[test]
+fn masks_over_no_keys_or_no_queries_are_made_and_applied() {
+    for be in backends() {
+        let d = &be.device;
+        for [b, t, m] in SHAPES {
+            let what = format!("{} [B {b}, T {t}, M {m}]", be.name);
+            let module = attention(&be, Positions::None);
+            let x = randn([b, t, 16], 1, d);
+            let memory = randn([b, m, 16], 2, d);
+            let want = out_context(&module, &x, &memory);
+            let nothing = |rows| Tensor::<2>::zeros([rows, m], d).equal_elem(1.0);
+            let masks = [
+                (
+                    "key padding [B, Tk]",
+                    AttentionMask::key_padding(nothing(b)),
+                ),
+                ("blocking [Tq, Tk]", AttentionMask::blocking(nothing(t))),
+                (
+                    "bias [Tq, Tk]",
+                    AttentionMask::bias(Tensor::<2>::zeros([t, m], d)),
+                ),
+            ];
+            for (name, mask) in masks {
+                let input = MhaInput::cross(x.clone(), memory.clone()).mask(mask);
+                let got = module.forward(input).context;
+                let what = format!("{what} {name}");
+                crate::util::assert_close(&what, got, want.clone(), be.forward_tol());
+            }
+            let blocked = AttentionMask::causal().to_blocked(t, m, d).unwrap();
+            assert_eq!(blocked.dims(), [1, 1, t, m], "{what}");
+            // Elsewhere, the keys after each query's, aligned bottom-right.
+            let values = to_vec(blocked.float());
+            let want: Vec<f32> = (0..t)
+                .flat_map(|i| (0..m).map(move |j| f32::from(u8::from(j + t > i + m))))
+                .collect();
+            assert_eq!(values, want, "{what}");
+        }
+    }
+}
+
 #[test]
 fn stacks_and_cached_decoding_take_zero_sized_inputs() {
     for be in backends() {
@@ -343,5 +386,35 @@ fn layer_and_rms_norms_and_cross_entropy_take_no_rows() {
             msg.contains("logits has rows but no class (shape [3, 0])"),
             "{msg}"
         );
+    }
+}
+
+/// The imported models take sequences of no tokens: BERT (its positions' reshape failed
+/// inside Burn), GPT-2 and Llama, each an empty output of its width.
+#[test]
+fn imported_models_take_no_tokens() {
+    use mha::hf::{BertConfig, Gpt2Config, HfConfig};
+    let fixture = |name: &str| crate::util::root().join(format!("tests/fixtures/{name}.json"));
+    for be in backends() {
+        let d = &be.device;
+        let none = Tensor::<2, Int>::zeros([2, 0], d);
+        let bert = BertConfig::from_file(fixture("bert_model")).unwrap();
+        let out =
+            bert.init_model(d)
+                .unwrap()
+                .forward(none.clone(), none.clone(), AttentionMask::none());
+        assert_eq!(out.dims(), [2, 0, bert.hidden_size], "{} BERT", be.name);
+        let gpt2 = Gpt2Config::from_file(fixture("gpt2_lm")).unwrap();
+        let out = gpt2
+            .init_causal_lm(d)
+            .unwrap()
+            .forward(none.clone(), AttentionMask::none());
+        assert_eq!(out.dims(), [2, 0, gpt2.vocab_size], "{} GPT-2", be.name);
+        let llama = HfConfig::from_file(fixture("llama_lm")).unwrap();
+        let out = llama
+            .init_causal_lm(d)
+            .unwrap()
+            .forward(none.clone(), AttentionMask::none());
+        assert_eq!(out.dims(), [2, 0, llama.vocab_size], "{} Llama", be.name);
     }
 }

@@ -91,6 +91,14 @@ fn bad_attention_configs_name_the_field_and_values() {
              max_distance above the exact buckets (2), got num_buckets 8, max_distance 2",
         ),
         (
+            // "No clipping" as the largest distance: the table's length overflowed.
+            MultiHeadAttentionConfig::new(8, 2).with_positions(Positions::Relative {
+                max_distance: usize::MAX,
+            }),
+            "MultiHeadAttentionConfig.positions: Relative's max_distance must be at most \
+             2147483647 (its table has 2 · max_distance + 1 buckets), got 18446744073709551615",
+        ),
+        (
             MultiHeadAttentionConfig::new(8, 2)
                 .with_kdim(Some(6))
                 .with_positions(Positions::Alibi),

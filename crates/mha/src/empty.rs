@@ -7,7 +7,22 @@
 //! Under autodiff the result depends on every input through a term that is exactly 0, so
 //! that each input's gradient exists, in its own shape, and is 0.
 
+use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, DType, Device, Tensor};
+
+/// `t` in `shape` (of as many elements): Burn's reshape, or for a tensor without elements
+/// a new one of `shape` in its dtype on its device (Burn's reshape reads a 0 in `shape`
+/// as "keep this axis", which fails where `t` has fewer axes). The new one takes no
+/// gradient: nothing flows through no element.
+pub(crate) fn reshape<const D: usize, const D2: usize, K: Basic>(
+    t: Tensor<D, K>,
+    shape: [usize; D2],
+) -> Tensor<D2, K> {
+    match shape.contains(&0) {
+        true => Tensor::empty(shape, (&t.device(), t.dtype())),
+        false => t.reshape(shape),
+    }
+}
 
 /// A one-element 0 that depends on `x`, whose gradient into `x` is 0 in `x`'s shape,
 /// whatever `x` holds (infinities and NaN included).

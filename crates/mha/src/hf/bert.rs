@@ -249,9 +249,13 @@ impl BertModel {
             "BertModel: {len} tokens, past its {most} learned positions"
         );
         let device = tokens.device();
-        let positions = Tensor::<1, Int>::arange(0..len as i64, &device)
-            .reshape([1, len])
-            .expand([batch, len]);
+        let positions = match len {
+            // Burn's reshape and expand read a 0 as "keep this axis".
+            0 => Tensor::<2, Int>::empty([batch, 0], &device),
+            _ => Tensor::<1, Int>::arange(0..len as i64, &device)
+                .reshape([1, len])
+                .expand([batch, len]),
+        };
         let x = self.word_embeddings.forward(tokens)
             + self.token_type_embeddings.forward(token_types)
             + self.position_embeddings.forward(positions);

@@ -160,6 +160,12 @@ impl Visibility {
             return None;
         }
         let (r, k) = (rows.len(), keys.len());
+        if r == 0 || k == 0 {
+            // Nothing to block; made as it is (Burn's reshapes read a 0 as "keep this
+            // axis").
+            let batch = self.packed.as_ref().map_or(1, |packed| packed.len());
+            return Some(Tensor::empty([batch, 1, r, k], device));
+        }
         let int = |range: Range<i64>, shape: [usize; 2]| {
             Tensor::<1, Int>::arange(range, device).reshape(shape)
         };

@@ -301,7 +301,7 @@ impl AttentionMask {
     /// - `padding`: `[B, Tk]`.
     pub fn key_padding(padding: Tensor<2, Bool>) -> Self {
         let [batch, keys] = padding.dims();
-        Self::blocking(padding.reshape([batch, 1, 1, keys]))
+        Self::blocking(crate::empty::reshape(padding, [batch, 1, 1, keys]))
     }
 
     /// Key padding from the number of valid keys of each sequence in the batch: keys
@@ -629,7 +629,10 @@ fn to_rank4<const D: usize, K: burn::tensor::kind::Basic>(
         D <= 4,
         "{what}: expected a tensor of rank at most 4, got rank {D}"
     );
-    tensor.unsqueeze::<4>()
+    let dims = tensor.dims();
+    let mut shape = [1; 4];
+    shape[4 - D..].copy_from_slice(&dims);
+    crate::empty::reshape(tensor, shape)
 }
 
 fn check_broadcast(what: &str, dims: [usize; 4], target: [usize; 4]) {

@@ -82,16 +82,26 @@ impl Buckets {
         self.len() == 0
     }
 
-    /// What makes T5's buckets unusable, if anything: no exact bucket, or a
-    /// `max_distance` not past the exact ones (the logarithmic buckets divide by both).
+    /// What makes the buckets unusable, if anything: clipped distances past `i32::MAX`
+    /// (a table of `2 · max + 1` buckets, and distances as `i64`); for T5's, no exact
+    /// bucket, or a `max_distance` not past the exact ones (the logarithmic buckets divide
+    /// by both).
     pub(crate) fn problem(&self) -> Option<String> {
-        let Buckets::T5 {
-            num_buckets,
-            max_distance,
-            bidirectional,
-        } = *self
-        else {
-            return None;
+        let (num_buckets, max_distance, bidirectional) = match *self {
+            Buckets::Clipped { max } => {
+                return (max > i32::MAX as usize).then(|| {
+                    format!(
+                        "Relative's max_distance must be at most {} (its table has 2 · \
+                         max_distance + 1 buckets), got {max}",
+                        i32::MAX
+                    )
+                });
+            }
+            Buckets::T5 {
+                num_buckets,
+                max_distance,
+                bidirectional,
+            } => (num_buckets, max_distance, bidirectional),
         };
         let exact = match bidirectional {
             true => num_buckets / 2 / 2,

@@ -150,10 +150,12 @@ impl Positions {
                 }
                 Ok(())
             }
-            Positions::T5 { .. } => match self.buckets().and_then(|b| b.problem()) {
-                Some(problem) => Err(fail(problem)),
-                None => Ok(()),
-            },
+            Positions::T5 { .. } | Positions::Relative { .. } => {
+                match self.buckets().and_then(|b| b.problem()) {
+                    Some(problem) => Err(fail(problem)),
+                    None => Ok(()),
+                }
+            }
             _ => Ok(()),
         }
     }
