@@ -89,6 +89,43 @@ fn a_finished_model_is_replaced_only_with_overwrite() {
     );
 }
 
+/// A run extended and stopped between its last checkpoint and installing its model
+/// (`model.bpk` still the shorter run's, the summary saying so): --resume installs and
+/// evaluates the last epoch's checkpoint (it evaluated, and kept, the shorter run's).
+#[test]
+fn an_extension_stopped_before_its_model_was_installed_installs_it() {
+    let root = scratch("extended");
+    let dir = root.join("run");
+    finished(&dir, "1");
+    let shorter = ["model.bpk", "model.bpk.sum"].map(|f| std::fs::read(dir.join(f)).unwrap());
+    let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let longer = std::fs::read(dir.join("model.bpk")).unwrap();
+    assert_ne!(longer, shorter[0]);
+    // What the disk held had the extension stopped after its checkpoint of epoch 2.
+    for (file, bytes) in ["model.bpk", "model.bpk.sum"].iter().zip(&shorter) {
+        std::fs::write(dir.join(file), bytes).unwrap();
+    }
+    let mut stopped = summary(&dir);
+    stopped["status"] = "interrupted".into();
+    stopped["model_epochs"] = 1.into();
+    let text = serde_json::to_string_pretty(&stopped).unwrap();
+    std::fs::write(dir.join("summary.json"), text).unwrap();
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("model.bpk holds the model of 1 epoch before the run was extended"),
+        "{text}"
+    );
+    let s = summary(&dir);
+    assert_eq!(
+        (s["status"].clone(), s["model_epochs"].clone()),
+        ("finished".into(), 2.into())
+    );
+    assert_eq!(std::fs::read(dir.join("model.bpk")).unwrap(), longer);
+}
+
 #[test]
 fn overwrite_removes_only_a_run_and_only_what_the_trainer_wrote() {
     let root = scratch("not-a-run");

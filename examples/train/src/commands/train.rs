@@ -286,11 +286,24 @@ fn evaluate_trained(
             config.epochs
         ),
     }
-    let model = match load_model(config, &run.model(), device) {
-        Ok(model) => model,
-        Err(e) => {
-            if run.model().exists() {
-                eprintln!("warning: {e:#}; evaluating the checkpoint of the last epoch");
+    // `model.bpk` is this run's unless the run was extended and stopped between its last
+    // checkpoint and installing its model: it then holds the shorter run's.
+    let current = summary.model_epochs.is_none_or(|epochs| epochs == config.epochs);
+    let installed = current.then(|| load_model(config, &run.model(), device));
+    let model = match installed {
+        Some(Ok(model)) => model,
+        other => {
+            match (other, summary.model_epochs) {
+                (Some(Err(e)), _) if run.model().exists() => {
+                    eprintln!("warning: {e:#}; evaluating the checkpoint of the last epoch")
+                }
+                (None, Some(epochs)) => println!(
+                    "model.bpk holds the model of {} before the run was extended: \
+                     installing the checkpoint of epoch {}",
+                    plural(epochs, "epoch"),
+                    config.epochs
+                ),
+                _ => {}
             }
             let model = load_model(config, &run.checkpoint(config.epochs), device)?;
             training::save_model(&model, run)?;
