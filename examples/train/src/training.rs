@@ -15,11 +15,6 @@ use burn::module::Module;
 use burn::module::ParamGroup;
 use burn::optim::ModuleOptimizer;
 use burn::optim::grad_clipping::GradientClippingConfig;
-use burn::optim::lr_scheduler::LrSchedulerConfig;
-use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::optim::lr_scheduler::sequential::SequentialLrSchedulerConfig;
 use burn::tensor::Device;
 use burn::train::checkpoint::KeepLastNCheckpoints;
 use burn::train::logger::FileMetricLogger;
@@ -201,7 +196,7 @@ pub fn train(
         ..Reached::default()
     }));
     let progress = Progress::new(plan, run.learner_summary(), reached.clone());
-    let learner = Learner::new(model, optimizer(config), schedule(config)?);
+    let learner = Learner::new(model, optimizer(config), config.lr_schedule()?);
     let (result, wall) = launch(config, run, start_epoch, devices, data, progress, learner);
     let reached = *reached.lock().expect("not poisoned");
     if let Some(err) = result.error {
@@ -467,34 +462,6 @@ pub fn optimizer(config: &TrainConfig) -> ModuleOptimizer {
             clipping.as_ref().map(GradientClippingConfig::init),
         ),
     }
-}
-
-/// The learning-rate schedule: a linear warmup from lr/100 to lr, a cosine decay to
-/// lr x `min_lr_ratio`, and that for any steps after it (those of an extended run).
-fn schedule(config: &TrainConfig) -> anyhow::Result<ModuleLrScheduler> {
-    let (start, floor) = (config.lr / 100.0, config.lr * config.min_lr_ratio);
-    let (warmup, decay) = (config.warmup(), config.decay());
-    let cosine = LrSchedulerConfig::Cosine(
-        CosineAnnealingLrSchedulerConfig::new(config.lr, decay).with_min_lr(floor),
-    );
-    // Without warmup (`--warmup 0`) the first step is at lr.
-    let (mut schedulers, mut milestones) = match warmup {
-        0 => (vec![cosine], vec![]),
-        _ => (
-            vec![
-                LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(start, config.lr, warmup)),
-                cosine,
-            ],
-            vec![warmup],
-        ),
-    };
-    if config.total_steps() > warmup + decay {
-        schedulers.push(LrSchedulerConfig::Constant(floor));
-        milestones.push(warmup + decay);
-    }
-    SequentialLrSchedulerConfig::new(schedulers, milestones)
-        .init()
-        .map_err(|e| anyhow::anyhow!("learning-rate schedule: {e}"))
 }
 
 /// Writes `summary.json`.

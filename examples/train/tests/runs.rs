@@ -235,6 +235,27 @@ fn every_check_comes_before_anything_is_written_or_removed() {
         ],
     );
     assert!(!fresh.exists());
+    // A learning-rate schedule Burn refuses (an lr whose hundredth, the warmup's start, is
+    // 0) or whose steps overflow: refused before --overwrite removes the old run.
+    let out = run(on_flex(&["--lr", "1e-322", "--overwrite", "--out"]).arg(&dir));
+    assert_fails(
+        &out,
+        &["the learning-rate schedule of `--lr` (`lr`) = 1e-322"],
+    );
+    assert_eq!(checksums(&dir), before);
+    let config = root.join("decay.json");
+    let decay = r#"{"epochs": 50, "steps_per_epoch": 100, "warmup_steps": 4096,
+                    "decay_steps": 18446744073709549568}"#;
+    std::fs::write(&config, decay).unwrap();
+    let out = run(on_flex(&["--overwrite", "--config"])
+        .arg(&config)
+        .arg("--out")
+        .arg(&dir));
+    assert_fails(
+        &out,
+        &["decay_steps", "18446744073709549568", "can be counted"],
+    );
+    assert_eq!(checksums(&dir), before);
 
     // A folder the run writes in that it cannot write: named, nothing changed. A file
     // where the run writes its metric logs stops even a root user.

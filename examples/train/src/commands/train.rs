@@ -288,7 +288,9 @@ fn evaluate_trained(
     }
     // `model.bpk` is this run's unless the run was extended and stopped between its last
     // checkpoint and installing its model: it then holds the shorter run's.
-    let current = summary.model_epochs.is_none_or(|epochs| epochs == config.epochs);
+    let current = summary
+        .model_epochs
+        .is_none_or(|epochs| epochs == config.epochs);
     let installed = current.then(|| load_model(config, &run.model(), device));
     let model = match installed {
         Some(Ok(model)) => model,

@@ -10,6 +10,11 @@
 use std::path::Path;
 
 use anyhow::Context;
+use burn::optim::lr_scheduler::LrSchedulerConfig;
+use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::optim::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::optim::lr_scheduler::sequential::SequentialLrSchedulerConfig;
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
@@ -154,6 +159,52 @@ impl TrainConfig {
         self.decay_steps
             .unwrap_or(self.total_steps().saturating_sub(self.warmup()))
             .max(1)
+    }
+
+    /// The learning-rate schedule: a linear warmup from lr/100 to lr, a cosine decay to
+    /// lr x `min_lr_ratio`, and that for any steps after it (those of an extended run).
+    /// Built when the configuration is checked, before anything is written.
+    ///
+    /// # Errors
+    /// Where Burn's schedulers refuse the rates (an lr whose hundredth is 0), or the
+    /// warmup and decay steps together overflow.
+    pub fn lr_schedule(&self) -> anyhow::Result<ModuleLrScheduler> {
+        let (start, floor) = (self.lr / 100.0, self.lr * self.min_lr_ratio);
+        let (warmup, decay) = (self.warmup(), self.decay());
+        let end = warmup.checked_add(decay).with_context(|| {
+            format!(
+                "{} = {decay} after {warmup} warmup steps: more steps than can be counted",
+                crate::fields::DECAY_STEPS.name()
+            )
+        })?;
+        let cosine = LrSchedulerConfig::Cosine(
+            CosineAnnealingLrSchedulerConfig::new(self.lr, decay).with_min_lr(floor),
+        );
+        // Without warmup (`--warmup 0`) the first step is at lr.
+        let (mut schedulers, mut milestones) = match warmup {
+            0 => (vec![cosine], vec![]),
+            _ => (
+                vec![
+                    LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(start, self.lr, warmup)),
+                    cosine,
+                ],
+                vec![warmup],
+            ),
+        };
+        if self.total_steps() > end {
+            schedulers.push(LrSchedulerConfig::Constant(floor));
+            milestones.push(end);
+        }
+        SequentialLrSchedulerConfig::new(schedulers, milestones)
+            .init()
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "the learning-rate schedule of {} = {:e} (a warmup from {start:e}, a \
+                     decay to {floor:e}): {e}",
+                    crate::fields::LR.name(),
+                    self.lr
+                )
+            })
     }
 
     /// Longest sequence a model reads: `input SEP output EOS`; for the text task, the

@@ -106,6 +106,8 @@ impl TrainConfig {
         if let Some(decay) = self.decay_steps {
             anyhow::ensure!(decay >= 1, "{} must be at least 1", DECAY_STEPS.name());
         }
+        // The schedule's own refusals (Burn's, of its rates), before anything is written.
+        self.lr_schedule()?;
         let n = self.devices.count();
         anyhow::ensure!(
             n >= 1,
