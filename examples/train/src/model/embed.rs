@@ -49,16 +49,22 @@ impl Embed {
         let device = ids.device();
         let tokens = self.tokens.forward(ids);
         let d_model = tokens.dims()[2];
-        let flat: Vec<i64> = at.iter().flatten().map(|&p| p as i64).collect();
+        // Positions from `first`: the sinusoids' rows are made for the positions asked for
+        // only (not from 0, which grew with every decoded token).
+        let first = match self.kind {
+            PositionKind::Sinusoidal => at.iter().flatten().min().copied().unwrap_or(0),
+            _ => 0,
+        };
+        let flat: Vec<i64> = at.iter().flatten().map(|&p| (p - first) as i64).collect();
         let index = |shape: [usize; 2]| {
             Tensor::<2, Int>::from_data(TensorData::new(flat.clone(), shape), &device)
         };
         match (&self.positions, self.kind) {
             (Some(learned), _) => tokens + learned.forward(index([batch, len])),
             (None, PositionKind::Sinusoidal) => {
-                let longest = at.iter().flatten().max().map_or(0, |&p| p + 1);
+                let end = at.iter().flatten().max().map_or(first, |&p| p + 1);
                 let dtype = FloatDType::from(tokens.dtype());
-                let table = sinusoids(0, longest, d_model, &device).cast(dtype); // [P, D]
+                let table = sinusoids(first, end - first, d_model, &device).cast(dtype);
                 let rows = table.select(0, index([1, batch * len]).reshape([batch * len]));
                 tokens + rows.reshape([batch, len, d_model])
             }

@@ -213,6 +213,7 @@ mod tests {
             let device = backend.device().unwrap();
             for positions in [
                 PositionKind::Learned,
+                PositionKind::Sinusoidal,
                 PositionKind::Rope,
                 PositionKind::Alibi,
             ] {
