@@ -521,7 +521,8 @@ impl RunDir {
     }
 
     /// Removes what epochs after `epoch` left (their metric logs, an incomplete
-    /// checkpoint), before a resumed run trains them again.
+    /// checkpoint), before a resumed run trains them again: the files the trainer writes
+    /// there, then each folder left empty; anything else in them is kept, and named.
     pub fn forget_after(&self, epoch: usize) -> anyhow::Result<()> {
         for folder in ["train", "valid", "checkpoints"] {
             let Ok(entries) = std::fs::read_dir(self.0.join(folder)) else {
@@ -533,8 +534,29 @@ impl RunDir {
                     .strip_prefix("epoch-")
                     .and_then(|n| n.parse::<usize>().ok())
                     .is_some_and(|n| n > epoch);
-                if later {
-                    remove(&entry.path())?;
+                if !later || !entry.path().is_dir() {
+                    continue;
+                }
+                let mut kept = Vec::new();
+                for file in std::fs::read_dir(entry.path())?.filter_map(Result::ok) {
+                    let file_name = file.file_name().to_string_lossy().into_owned();
+                    let parts = [folder.to_string(), name.clone(), file_name];
+                    match written_by_trainer(&parts) && !file.path().is_dir() {
+                        true => remove(&file.path())?,
+                        false => kept.push(file.path()),
+                    }
+                }
+                match kept.is_empty() {
+                    true => remove(&entry.path())?,
+                    false => {
+                        let kept: Vec<String> =
+                            kept.iter().map(|p| p.display().to_string()).collect();
+                        eprintln!(
+                            "warning: kept what the trainer did not write in {}: {}",
+                            entry.path().display(),
+                            kept.join(", ")
+                        );
+                    }
                 }
             }
         }

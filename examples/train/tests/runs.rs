@@ -126,6 +126,38 @@ fn an_extension_stopped_before_its_model_was_installed_installs_it() {
     assert_eq!(std::fs::read(dir.join("model.bpk")).unwrap(), longer);
 }
 
+/// --resume removes what the epochs it trains again left, but only what the trainer
+/// wrote there: a file of the user's in such a folder stays, and is named.
+#[test]
+fn resume_removes_only_what_the_trainer_wrote_in_the_epochs_it_trains_again() {
+    let root = scratch("forget");
+    let dir = root.join("run");
+    finished(&dir, "1");
+    // What an extension to 2 epochs stopped in its second left, and the user's notes.
+    for folder in ["train", "checkpoints"] {
+        let epoch = dir.join(folder).join("epoch-2");
+        std::fs::create_dir_all(&epoch).unwrap();
+        std::fs::write(epoch.join("notes.txt"), "mine").unwrap();
+    }
+    std::fs::write(dir.join("train/epoch-2/Loss.log"), "1,2.5\n").unwrap();
+    std::fs::write(dir.join("checkpoints/epoch-2/optim.bpk"), "cut short").unwrap();
+    let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("kept what the trainer did not write in"),
+        "{}",
+        stderr(&out)
+    );
+    for folder in ["train", "checkpoints"] {
+        let notes = dir.join(folder).join("epoch-2/notes.txt");
+        assert_eq!(std::fs::read_to_string(notes).unwrap(), "mine");
+    }
+    // The trainer's own files of that epoch were written again.
+    let log = std::fs::read_to_string(dir.join("train/epoch-2/Loss.log")).unwrap();
+    assert_ne!(log, "1,2.5\n");
+    assert_eq!(summary(&dir)["model_epochs"], 2);
+}
+
 #[test]
 fn overwrite_removes_only_a_run_and_only_what_the_trainer_wrote() {
     let root = scratch("not-a-run");
