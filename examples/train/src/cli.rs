@@ -96,7 +96,8 @@ pub struct GenerateArgs {
     /// likely character every time) [default: 0.8].
     #[arg(long)]
     pub temperature: Option<f64>,
-    /// Text runs: draw among the K most likely characters only [default: all].
+    /// Text runs: draw among the K most likely characters only, and any tied with the K-th
+    /// (as nanoGPT and transformers keep them) [default: all].
     #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
     /// Text runs: the seed of the draws (the same seed, the same text) [default: 1].
