@@ -155,8 +155,9 @@ fn out_context(module: &MultiHeadAttention, x: &Tensor<3>, memory: &Tensor<3>) -
 }
 
 /// Masks over no keys or no queries are made from tensors of any rank (a `[B, 0]` key
-/// padding, PyTorch's for an empty memory, failed inside Burn) and change nothing; the
-/// rule of a mask over them is an empty boolean tensor.
+/// padding, PyTorch's for an empty memory, failed inside Burn) and change nothing; a bias
+/// over nothing keeps its gradient; the rule of a mask over them is an empty boolean
+/// tensor.
 #[test]
 fn masks_over_no_keys_or_no_queries_are_made_and_applied() {
     for be in backends() {
@@ -185,6 +186,21 @@ fn masks_over_no_keys_or_no_queries_are_made_and_applied() {
                 let what = format!("{what} {name}");
                 crate::util::assert_close(&what, got, want.clone(), be.forward_tol());
             }
+            // Under autodiff a bias of any rank over nothing has its gradient, of its shape.
+            let ad = be.autodiff();
+            let module = attention(&be, Positions::None);
+            let (x, memory) = (randn([b, t, 16], 1, &ad), randn([b, m, 16], 2, &ad));
+            let rank2 = Tensor::<2>::zeros([t, m], &ad).require_grad();
+            let rank4 = Tensor::<4>::zeros([b, 1, t, m], &ad).require_grad();
+            let mask = AttentionMask::bias(rank2.clone()).and(AttentionMask::bias(rank4.clone()));
+            let out = module
+                .forward(MhaInput::cross(x, memory).mask(mask))
+                .context;
+            let grads = out.sum().backward();
+            let dims = |g: Option<Tensor<2>>| g.map(|g| g.dims());
+            assert_eq!(dims(rank2.grad(&grads)), Some([t, m]), "{what}");
+            let dims = rank4.grad(&grads).map(|g| g.dims());
+            assert_eq!(dims, Some([b, 1, t, m]), "{what}");
             let blocked = AttentionMask::causal().to_blocked(t, m, d).unwrap();
             assert_eq!(blocked.dims(), [1, 1, t, m], "{what}");
             // Elsewhere, the keys after each query's, aligned bottom-right.

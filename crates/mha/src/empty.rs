@@ -11,14 +11,16 @@ use burn::tensor::kind::Basic;
 use burn::tensor::{Bool, DType, Device, Tensor};
 
 /// `t` in `shape` (of as many elements): Burn's reshape, or for a tensor without elements
-/// a new one of `shape` in its dtype on its device (Burn's reshape reads a 0 in `shape`
-/// as "keep this axis", which fails where `t` has fewer axes). The new one takes no
-/// gradient: nothing flows through no element.
+/// whose shape changes, a new one of `shape` in its dtype on its device (Burn's reshape
+/// reads a 0 in `shape` as "keep this axis", which fails where `t` has fewer axes, or
+/// keeps the wrong one). The new one is not linked to `t` under autodiff (a tensor whose
+/// shape does not change is passed on, gradient and all).
 pub(crate) fn reshape<const D: usize, const D2: usize, K: Basic>(
     t: Tensor<D, K>,
     shape: [usize; D2],
 ) -> Tensor<D2, K> {
-    match shape.contains(&0) {
+    let same = t.dims().as_slice() == shape.as_slice();
+    match shape.contains(&0) && !same {
         true => Tensor::empty(shape, (&t.device(), t.dtype())),
         false => t.reshape(shape),
     }

@@ -337,8 +337,18 @@ impl AttentionMask {
     /// # Panics
     /// If `D > 4`.
     pub fn bias<const D: usize>(bias: Tensor<D>) -> Self {
+        let bias = match bias.dims().contains(&0) {
+            // A bias over nothing: zeros of its rank-4 shape that keep its (zero) gradient.
+            true => {
+                let shape = rank4_shape(bias.dims(), "AttentionMask::bias");
+                let (device, dtype) = (bias.device(), bias.dtype());
+                let link = std::iter::once_with(|| crate::empty::zero_of(bias));
+                crate::empty::zeros(shape, &device, dtype, link)
+            }
+            false => to_rank4(bias, "AttentionMask::bias"),
+        };
         Self {
-            bias: Some(to_rank4(bias, "AttentionMask::bias")),
+            bias: Some(bias),
             ..Self::default()
         }
     }
@@ -621,17 +631,25 @@ fn merge<T>(a: Option<T>, b: Option<T>, f: impl FnOnce(T, T) -> T) -> Option<T> 
     }
 }
 
-fn to_rank4<const D: usize, K: burn::tensor::kind::Basic>(
-    tensor: Tensor<D, K>,
-    what: &str,
-) -> Tensor<4, K> {
+/// `dims` aligned from the right in four axes.
+///
+/// # Panics
+/// Naming `what`, if there are more than four.
+fn rank4_shape<const D: usize>(dims: [usize; D], what: &str) -> [usize; 4] {
     assert!(
         D <= 4,
         "{what}: expected a tensor of rank at most 4, got rank {D}"
     );
-    let dims = tensor.dims();
     let mut shape = [1; 4];
     shape[4 - D..].copy_from_slice(&dims);
+    shape
+}
+
+fn to_rank4<const D: usize, K: burn::tensor::kind::Basic>(
+    tensor: Tensor<D, K>,
+    what: &str,
+) -> Tensor<4, K> {
+    let shape = rank4_shape(tensor.dims(), what);
     crate::empty::reshape(tensor, shape)
 }
 
