@@ -621,8 +621,9 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
 }
 
 /// A stack's call that a later layer refuses leaves every layer's cache as it was (layer 0
-/// wrote, then layer 1 refused); caches left uneven by a panic part-way through the stack
-/// are refused by name, not decoded at two positions.
+/// wrote, then layer 1 refused): by an error, or by a panic over the mask; caches left
+/// uneven by a panic part-way through the stack (any other: a device out of memory, here
+/// a norm of another width) are refused by name, not decoded at two positions.
 #[test]
 fn a_stack_refuses_before_its_first_layer_writes() {
     let device = crate::util::first_device();
@@ -630,6 +631,9 @@ fn a_stack_refuses_before_its_first_layer_writes() {
         .with_causal(true)
         .with_dropout(0.0);
     let x = randn([1, 5, D_MODEL], 61, &device);
+    let lens = |cache: &mha::StackCache| -> Vec<usize> {
+        cache.layers().iter().map(KvCache::len).collect()
+    };
     // Layer 1 slides over a window the cache does not.
     let mut windowed = EncoderConfig::new(block.clone(), 2).init(&device);
     windowed.layers[1] = block.clone().with_window(Some(4)).init(&device);
@@ -644,21 +648,48 @@ fn a_stack_refuses_before_its_first_layer_writes() {
             cache: None
         }
     );
-    let lens: Vec<usize> = cache.layers().iter().map(KvCache::len).collect();
-    assert_eq!(lens, [0, 0], "the refused call wrote nothing");
-    // Layer 1 has sinks of its own and the mask brings sinks: it panics after layer 0
-    // wrote (the layers are checked alike; a panic in one of them is not undone).
+    assert_eq!(lens(&cache), [0, 0], "the refused call wrote nothing");
+    // Layer 1 has sinks of its own and the mask brings sinks; layer 1 has 2 heads and
+    // the bias 4.
     let mut sinks = EncoderConfig::new(block.clone(), 2).init(&device);
-    sinks.layers[1] = block.with_attention_sinks(true).init(&device);
-    let mask = AttentionMask::sinks(Tensor::zeros([HEADS], &device));
+    sinks.layers[1] = block.clone().with_attention_sinks(true).init(&device);
+    let mut fewer_heads = EncoderConfig::new(block.clone(), 2).init(&device);
+    fewer_heads.layers[1] = EncoderBlockConfig::new(D_MODEL, 2)
+        .with_causal(true)
+        .init(&device);
+    let bias = Tensor::<4>::zeros([1, HEADS, 5, 5], &device);
+    for (stack, mask, wanted) in [
+        (
+            &sinks,
+            AttentionMask::sinks(Tensor::zeros([HEADS], &device)),
+            "the mask has sinks too",
+        ),
+        (
+            &fewer_heads,
+            AttentionMask::bias(bias),
+            "does not broadcast",
+        ),
+    ] {
+        let message = crate::util::panic_message(|| {
+            let input = StackInput::new(x.clone()).mask(mask).cache(&mut cache);
+            let _ = stack.forward(input);
+        });
+        assert!(message.contains(wanted), "{message}");
+        assert_eq!(
+            lens(&cache),
+            [0, 0],
+            "{wanted}: the refused call wrote nothing"
+        );
+    }
+    // A panic in layer 1 before its attention (its norm is of another width).
+    let mut broken = EncoderConfig::new(block.clone(), 2).init(&device);
+    broken.layers[1].norm1 = mha::LayerNorm::rms(D_MODEL / 2, 1e-5, &device);
     let message = crate::util::panic_message(|| {
-        let input = StackInput::new(x.clone()).mask(mask).cache(&mut cache);
-        let _ = sinks.forward(input);
+        let _ = broken.forward(StackInput::new(x.clone()).cache(&mut cache));
     });
-    assert!(message.contains("the mask has sinks too"), "{message}");
-    let lens: Vec<usize> = cache.layers().iter().map(KvCache::len).collect();
-    assert_eq!(lens, [5, 0]);
-    let err = sinks
+    assert!(message.contains("wide"), "{message}");
+    assert_eq!(lens(&cache), [5, 0]);
+    let err = broken
         .forward(StackInput::new(x).cache(&mut cache))
         .unwrap_err();
     assert_eq!(

@@ -615,6 +615,17 @@ impl MultiHeadAttention {
         self.attend(Heads::Split([q, k, v]), &mask, weights, 0.0, head_mask)
     }
 
+    /// Panics as a cached self-attention call over `x` `[B, T, d_model]` under `mask` with
+    /// `cache` would, before anything is written: a mask that does not fit the keys the
+    /// call sees, sinks given twice (a stack checks every layer's before the first writes).
+    pub(crate) fn check_cached_call(&self, x: &Tensor<3>, cache: &KvCache, mask: &AttentionMask) {
+        let [batch, tokens, _] = x.dims();
+        if tokens > 0 {
+            mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
+        }
+        self.check_attend(mask, None);
+    }
+
     /// Panics, naming them, when the head mask does not have a weight per head, or when
     /// both the module and the mask have attention sinks: what [`attend`](Self::attend)
     /// refuses, checked again before a cached call writes.
@@ -858,7 +869,8 @@ impl MultiHeadAttention {
     /// Queries and keys of self-attention, and its mask, with the positions applied: RoPE
     /// rotates the queries (at `offsets[0] + i`) and the keys (at `offsets[1] + j`),
     /// restarting at each packed sequence; ALiBi and the learned relative biases join the
-    /// mask as a bias by position, which follows the mask's alignment.
+    /// mask as a bias by position, which follows the mask's alignment where the mask
+    /// places keys by position, else the call's own positions (a cache's, when decoding).
     ///
     /// # Shapes
     /// - `q`: `[B, H, Tq, Dh]`, `k`: `[B, Hkv, Tk, Dh]`

@@ -13,6 +13,7 @@ use crate::block::{
 };
 use crate::cache::{KvCache, MemoryKv, StackCache};
 use crate::error::{CacheError, Check, ConfigError};
+use crate::mask::AttentionMask;
 use crate::norm::LayerNorm;
 use crate::positions::{AbsolutePositions, Positions};
 
@@ -263,8 +264,14 @@ trait Block {
     fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError>;
     /// The heads of each of its attention layers.
     fn head_counts(&self) -> Vec<usize>;
-    /// What its forward over `x` with `cache` would refuse before it writes.
-    fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError>;
+    /// What its forward over `x` under `mask` with `cache` would refuse before it writes
+    /// (errors, and panics over the mask).
+    fn check_cache(
+        &self,
+        cache: &KvCache,
+        x: &Tensor<3>,
+        mask: &AttentionMask,
+    ) -> Result<(), CacheError>;
 }
 
 impl Block for EncoderBlock {
@@ -278,8 +285,13 @@ impl Block for EncoderBlock {
         self.head_counts()
     }
 
-    fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
-        self.check_cache(cache, x)
+    fn check_cache(
+        &self,
+        cache: &KvCache,
+        x: &Tensor<3>,
+        mask: &AttentionMask,
+    ) -> Result<(), CacheError> {
+        self.check_cache(cache, x, mask)
     }
 }
 
@@ -294,8 +306,13 @@ impl Block for DecoderBlock {
         self.head_counts()
     }
 
-    fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
-        self.check_cache(cache, x)
+    fn check_cache(
+        &self,
+        cache: &KvCache,
+        x: &Tensor<3>,
+        mask: &AttentionMask,
+    ) -> Result<(), CacheError> {
+        self.check_cache(cache, x, mask)
     }
 }
 
@@ -341,7 +358,7 @@ impl<B: Block> Stack<'_, B> {
                 check_cached(self.positions, layers, cache, x.dims()[1], shift)?;
                 // Every layer's refusal before the first layer writes.
                 for (block, layer) in self.blocks.iter().zip(&cache.layers) {
-                    block.check_cache(layer, &x)?;
+                    block.check_cache(layer, &x, &mask)?;
                 }
                 cache.len()
             }

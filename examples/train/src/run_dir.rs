@@ -146,6 +146,18 @@ fn sort_out(
     Ok(())
 }
 
+/// Removes what [`sort_out`] found the trainer wrote under `root`, then its `folders`,
+/// deepest first, where nothing of the user's is left in them.
+fn remove_sorted(removed: Vec<PathBuf>, folders: &[PathBuf], root: &Path) -> anyhow::Result<()> {
+    for path in removal_order(removed, root) {
+        remove(&path)?;
+    }
+    for folder in folders.iter().rev() {
+        let _ = std::fs::remove_dir(folder);
+    }
+    Ok(())
+}
+
 /// The `status` of a summary read as JSON.
 fn status(summary: &serde_json::Value) -> Option<&str> {
     summary.get("status")?.as_str()
@@ -480,14 +492,7 @@ impl RunDir {
                 list(&kept)
             );
         }
-        for path in removal_order(removed, &self.0) {
-            remove(&path)?;
-        }
-        // The trainer's folders, deepest first, where nothing of the user's is left in them.
-        for folder in folders.iter().rev() {
-            let _ = std::fs::remove_dir(folder);
-        }
-        Ok(())
+        remove_sorted(removed, &folders, &self.0)
     }
 
     /// The names at the top of the directory: (the trainer's own, the others), each
@@ -522,45 +527,42 @@ impl RunDir {
 
     /// Removes what epochs after `epoch` left (their metric logs, an incomplete
     /// checkpoint), before a resumed run trains them again: the files the trainer writes
-    /// there, then each folder left empty; anything else in them is kept, and named.
+    /// there (and a link in place of an epoch's folder, not what it points to), then each
+    /// folder left empty; anything else in them is kept, and named.
     pub fn forget_after(&self, epoch: usize) -> anyhow::Result<()> {
+        let (mut removed, mut kept, mut folders) = (Vec::new(), Vec::new(), Vec::new());
         for folder in ["train", "valid", "checkpoints"] {
             let Ok(entries) = std::fs::read_dir(self.0.join(folder)) else {
                 continue;
             };
-            for entry in entries.filter_map(Result::ok) {
-                let name = entry.file_name().to_string_lossy().into_owned();
-                let later = name
-                    .strip_prefix("epoch-")
-                    .and_then(|n| n.parse::<usize>().ok())
-                    .is_some_and(|n| n > epoch);
-                if !later || !entry.path().is_dir() {
+            let mut later: Vec<String> = entries
+                .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .filter(|name| {
+                    name.strip_prefix("epoch-")
+                        .and_then(|n| n.parse::<usize>().ok())
+                        .is_some_and(|n| n > epoch)
+                })
+                .collect();
+            later.sort();
+            for name in later {
+                let path = self.0.join(folder).join(&name);
+                // A link where the epoch's folder goes: the trainer would write through it.
+                // The link goes; what it points to stays.
+                if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_symlink()) {
+                    removed.push(path);
                     continue;
                 }
-                let mut kept = Vec::new();
-                for file in std::fs::read_dir(entry.path())?.filter_map(Result::ok) {
-                    let file_name = file.file_name().to_string_lossy().into_owned();
-                    let parts = [folder.to_string(), name.clone(), file_name];
-                    match written_by_trainer(&parts) && !file.path().is_dir() {
-                        true => remove(&file.path())?,
-                        false => kept.push(file.path()),
-                    }
-                }
-                match kept.is_empty() {
-                    true => remove(&entry.path())?,
-                    false => {
-                        let kept: Vec<String> =
-                            kept.iter().map(|p| p.display().to_string()).collect();
-                        eprintln!(
-                            "warning: kept what the trainer did not write in {}: {}",
-                            entry.path().display(),
-                            kept.join(", ")
-                        );
-                    }
-                }
+                let parts = [folder.to_string(), name];
+                sort_out(&self.0, &parts, &mut removed, &mut kept, &mut folders)?;
             }
         }
-        Ok(())
+        if !kept.is_empty() {
+            eprintln!(
+                "warning: kept what the trainer did not write in the epochs it trains again: {}",
+                list(&kept)
+            );
+        }
+        remove_sorted(removed, &folders, &self.0)
     }
 
     /// Writes `config.json`.
@@ -828,7 +830,9 @@ fn partial(path: &Path) -> PathBuf {
 
 /// Removes a file or a folder, if it is there.
 fn remove(path: &Path) -> anyhow::Result<()> {
-    let removed = match path.is_dir() {
+    // A link is removed as a file: what it points to stays.
+    let is_folder = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
+    let removed = match is_folder {
         true => std::fs::remove_dir_all(path),
         false => std::fs::remove_file(path),
     };

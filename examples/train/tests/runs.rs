@@ -141,6 +141,13 @@ fn resume_removes_only_what_the_trainer_wrote_in_the_epochs_it_trains_again() {
     }
     std::fs::write(dir.join("train/epoch-2/Loss.log"), "1,2.5\n").unwrap();
     std::fs::write(dir.join("checkpoints/epoch-2/optim.bpk"), "cut short").unwrap();
+    // A link of the user's where an epoch's logs go: the link goes, what it points to
+    // stays (even files named as the trainer's).
+    let elsewhere = root.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    std::fs::write(elsewhere.join("Loss.log"), "theirs").unwrap();
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(&elsewhere, dir.join("valid/epoch-2")).unwrap();
     let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(
@@ -152,6 +159,10 @@ fn resume_removes_only_what_the_trainer_wrote_in_the_epochs_it_trains_again() {
         let notes = dir.join(folder).join("epoch-2/notes.txt");
         assert_eq!(std::fs::read_to_string(notes).unwrap(), "mine");
     }
+    assert_eq!(
+        std::fs::read_to_string(elsewhere.join("Loss.log")).unwrap(),
+        "theirs"
+    );
     // The trainer's own files of that epoch were written again.
     let log = std::fs::read_to_string(dir.join("train/epoch-2/Loss.log")).unwrap();
     assert_ne!(log, "1,2.5\n");

@@ -199,7 +199,7 @@ impl EncoderBlock {
              cross-attention (DecoderBlock has)"
         );
         if let Some(cache) = cache.as_deref() {
-            self.check_cache(cache, &x)?;
+            self.check_cache(cache, &x, &mask)?;
         }
         let [head] = head_masks(&inspect, "EncoderBlock", &self.head_counts());
         let rule = match (self.causal, self.window) {
@@ -233,9 +233,15 @@ impl EncoderBlock {
         self.self_attn.head_counts()
     }
 
-    /// What a call of `x` with `cache` would refuse before it writes: a block that is not
-    /// causal, a window the cache does not slide over, the cache's own refusals.
-    pub(crate) fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
+    /// What a call of `x` under `mask` with `cache` would refuse before it writes: a block
+    /// that is not causal, a window the cache does not slide over, the cache's own
+    /// refusals; and, panicking, what its self-attention refuses of the mask.
+    pub(crate) fn check_cache(
+        &self,
+        cache: &KvCache,
+        x: &Tensor<3>,
+        mask: &AttentionMask,
+    ) -> Result<(), CacheError> {
         if !self.causal {
             return Err(CacheError::NotCausal {
                 module: "EncoderBlock",
@@ -249,7 +255,9 @@ impl EncoderBlock {
                 cache: cache.window(),
             });
         }
-        cache.check_write(&self.self_attn.brought(x))
+        cache.check_write(&self.self_attn.brought(x))?;
+        self.self_attn.check_cached_call(x, cache, mask);
+        Ok(())
     }
 }
 
@@ -318,7 +326,7 @@ impl DecoderBlock {
         check_pads("DecoderBlock", &left_padding, x.dims()[0]);
         check_memory(&memory, &memory_mask, &self.cross_attn, &x);
         if let Some(cache) = cache.as_deref() {
-            self.check_cache(cache, &x)?;
+            self.check_cache(cache, &x, &mask)?;
         }
         let [head, cross_head] = head_masks(&inspect, "DecoderBlock", &self.head_counts());
         let attention = SelfAttention {
@@ -370,15 +378,23 @@ impl DecoderBlock {
         vec![self.self_attn.n_heads, self.cross_attn.n_heads]
     }
 
-    /// What a call of `x` with `cache` would refuse before it writes: a block that is not
-    /// causal, the cache's own refusals.
-    pub(crate) fn check_cache(&self, cache: &KvCache, x: &Tensor<3>) -> Result<(), CacheError> {
+    /// What a call of `x` under `mask` with `cache` would refuse before it writes: a block
+    /// that is not causal, the cache's own refusals; and, panicking, what its
+    /// self-attention refuses of the mask.
+    pub(crate) fn check_cache(
+        &self,
+        cache: &KvCache,
+        x: &Tensor<3>,
+        mask: &AttentionMask,
+    ) -> Result<(), CacheError> {
         if !self.causal {
             return Err(CacheError::NotCausal {
                 module: "DecoderBlock",
             });
         }
-        cache.check_write(&self.self_attn.brought(x))
+        cache.check_write(&self.self_attn.brought(x))?;
+        self.self_attn.check_cached_call(x, cache, mask);
+        Ok(())
     }
 }
 

@@ -91,7 +91,8 @@ impl Gpt2Config {
         if self.scale_attn_by_inverse_layer_idx {
             return Err(ImportError::Config {
                 what: "`scale_attn_by_inverse_layer_idx` of config.json".into(),
-                message: "true: block i divides its scores by i + 1, so the blocks differ;                           build each with Gpt2Config::layer_block(i) (init_causal_lm does)"
+                message: "true: block i divides its scores by i + 1, so the blocks differ; \
+                          build each with Gpt2Config::layer_block(i) (init_causal_lm does)"
                     .into(),
             });
         }
@@ -253,7 +254,7 @@ pub fn load_gpt2_lm(
 /// [`ImportError::Convention`] when `block` is not configured as GPT-2's (causal,
 /// pre-norm, layer norms, biases, a packed projection, not gated, without QK-norm or
 /// attention sinks: see
-/// [`Gpt2Config::block`]), and the import's errors naming a key.
+/// [`Gpt2Config::layer_block`]), and the import's errors naming a key.
 pub fn load_gpt2_block(
     mut block: EncoderBlock,
     weights: &PyTorchWeights,
@@ -286,7 +287,7 @@ pub fn load_gpt2_block(
             key: at("attn.c_attn.weight"),
             message: format!(
                 "GPT-2's block is {}, which the block is not; configure it as \
-                 Gpt2Config::block does",
+                 Gpt2Config::layer_block does",
                 wanted.join(", ")
             ),
         });
