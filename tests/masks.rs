@@ -240,6 +240,79 @@ fn fully_blocked_rows_give_zeros_and_finite_gradients_on_both_paths() {
     }
 }
 
+/// Rows blocked by low biases give zeros on every path, whatever the weights asked for
+/// (the explicit path gave a row biased -7e29 uniform weights where the tiles and the GPU
+/// kernels gave zeros): an f32 bias of -7e29 (below the kernels' dead row, -5e29); an f16
+/// bias of `finfo(f16).min` (Hugging Face's padding in f16) beside f32 queries; and in f16,
+/// a row of scores near -50000 blocked by -inf, whose sum overflowed to -inf in every
+/// column (a NaN softmax): zeros, and finite gradients.
+#[test]
+fn rows_blocked_by_low_biases_give_zeros_on_every_path_and_dtype() {
+    use burn::tensor::FloatDType;
+    let (b, h, t, d) = (1, 2, 4, 4);
+    // Row 2 of every head biased `low` on every key.
+    let bias_with = |low: f32, device: &Device| {
+        let values: Vec<f32> = (0..t * t)
+            .map(|i| if i / t == 2 { low } else { 0.0 })
+            .collect();
+        Tensor::<4>::from_data(TensorData::new(values, [1, 1, t, t]), device)
+    };
+    let dead_row = |ctx: Vec<f32>, what: &str| {
+        assert!(ctx.iter().all(|x| x.is_finite()), "{what}: {ctx:?}");
+        for hi in 0..h {
+            let start = (hi * t + 2) * d;
+            assert!(
+                ctx[start..start + d].iter().all(|&x| x == 0.0),
+                "{what}: row 2 of head {hi} is {:?}",
+                &ctx[start..start + d]
+            );
+            let other = &ctx[(hi * t + 1) * d..(hi * t + 2) * d];
+            assert!(other.iter().any(|&x| x != 0.0), "{what}: row 1 zero");
+        }
+    };
+    for be in backends() {
+        let dev = be.autodiff();
+        let mut cases = vec![("f32 bias -7e29", FloatDType::F32, bias_with(-7e29, &dev))];
+        // (ndarray has no f16.)
+        if be.other_float_dtypes().contains(&FloatDType::F16) {
+            let min = bias_with(-65504.0, &dev).cast(FloatDType::F16);
+            cases.push(("f16 bias finfo.min, f32 queries", FloatDType::F32, min));
+            let inf = bias_with(f32::NEG_INFINITY, &dev).cast(FloatDType::F16);
+            cases.push(("f16 scores near -50000, -inf bias", FloatDType::F16, inf));
+        }
+        for (name, dtype, bias) in cases {
+            let mask = AttentionMask::bias(bias);
+            // Scores of row 2 near -50000 (queries 100, keys -250, scale 1/2), finite in
+            // f16; the other rows' of order 1.
+            let (q, k) = match dtype {
+                FloatDType::F16 => {
+                    let q: Vec<f32> = (0..b * h * t * d)
+                        .map(|i| if (i / d) % t == 2 { 100.0 } else { 0.1 })
+                        .collect();
+                    let q = Tensor::<4>::from_data(TensorData::new(q, [b, h, t, d]), &dev);
+                    (q, Tensor::<4>::full([b, h, t, d], -250.0, &dev))
+                }
+                _ => (randn([b, h, t, d], 1, &dev), randn([b, h, t, d], 2, &dev)),
+            };
+            let q = q.cast(dtype).require_grad();
+            let k = k.cast(dtype).require_grad();
+            let v = randn([b, h, t, d], 3, &dev).cast(dtype).require_grad();
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let what = format!("[{}] {name}, {weights:?}", be.name);
+                let options = SdpaOptions::default().with_weights(weights);
+                let out =
+                    scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
+                dead_row(to_vec(out.context.clone()), &what);
+                let grads = out.context.cast(FloatDType::F32).sum().backward();
+                for (x, part) in [(&q, "q"), (&k, "k"), (&v, "v")] {
+                    let g = to_vec(x.grad(&grads).expect("a gradient"));
+                    assert!(g.iter().all(|x| x.is_finite()), "{what}: d{part} {g:?}");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn attention_dropout_acts_in_training_only() {
     for be in backends() {

@@ -5,10 +5,10 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Tensor, activation::softmax};
+use burn::tensor::{DType, Tensor, activation::softmax};
 
 use super::SdpaOptions;
-use crate::mask::{AttentionMask, blocked_score};
+use crate::mask::{AttentionMask, DEAD_ROW, blocked_score};
 use crate::problem::Scores;
 
 /// The attention weights `softmax(cap(Q Kᵀ · scale) + bias, masked)`, `[B, H, Tq, Tk]`,
@@ -53,6 +53,7 @@ pub(super) fn weights(
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();
     let query_dtype = query.dtype();
+    let blocked_score_of = blocked_score;
     let blocked_score = blocked_score(query_dtype);
     // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
     // the queries, `Dk` times fewer values than the scores (forward and backward).
@@ -84,6 +85,35 @@ pub(super) fn weights(
         Some(blocked) => s.mask_fill(blocked.clone(), blocked_score),
         None => s,
     };
+    // A row whose every key is blocked has no visible key, and gives zeros, as on the
+    // tiles and the GPU kernels: blocked by the boolean parts or the rule, or by a bias
+    // at or below what blocks a row there (`DEAD_ROW`, -5e29, for scores computed in f32
+    // or wider; -2^14, the blocked score, in f16) or below its own dtype's blocked score
+    // (an f16 mask's -2^14 or `finfo.min` blocks f32 queries too). Told from the masks,
+    // not from the scores: in f16 a real row's best score may lie as low as that.
+    let row_blocked = match query_dtype {
+        DType::F16 => blocked_score,
+        _ => DEAD_ROW,
+    };
+    let by_bias = mask.additive_bias().map(|own| {
+        let own_blocked = own.clone().lower_equal_elem(blocked_score_of(own.dtype()));
+        let cast = bias.clone().expect("the bias, cast");
+        cast.lower_equal_elem(row_blocked).bool_or(own_blocked)
+    });
+    let closed = match (blocked, by_bias) {
+        (Some(a), Some(b)) => Some(a.bool_or(b)),
+        (Some(closed), None) | (None, Some(closed)) => Some(closed),
+        (None, None) => None,
+    };
+    // Such rows' scores made 0 before the softmax, so that its values and gradients are
+    // finite whatever the scores were (in f16 a blocked row of very low scores overflows
+    // to -inf in every column, whose softmax is NaN).
+    let dims = s.dims();
+    let dead = closed.map(|closed| closed.bool_not().any_dim(3).bool_not().expand(dims));
+    let s = match &dead {
+        Some(dead) => s.mask_fill(dead.clone(), 0.0),
+        None => s,
+    };
     let weights = match mask.sink_logits() {
         // The sinks join the softmax as one more column, dropped after it.
         Some(sinks) => {
@@ -98,19 +128,10 @@ pub(super) fn weights(
         }
         None => softmax(s.clone(), 3),
     };
-    // A row whose every key is blocked, by the boolean parts or the rule or by a bias at
-    // or below the dtype's blocked score (`BLOCKED`, -1e30, or -2^14 in f16, as the GPU
-    // kernels read it: -inf among them), has no visible key: zero it. Told from the
-    // masks, not from the scores: in f16 a real row's best score may lie as low as that.
-    let by_bias = bias.map(|bias| bias.lower_equal_elem(blocked_score));
-    let closed = match (blocked, by_bias) {
-        (Some(a), Some(b)) => a.bool_or(b),
-        (Some(closed), None) | (None, Some(closed)) => closed,
-        (None, None) => return weights,
-    };
-    let open = closed.bool_not().any_dim(3); // broadcastable to [B, H, Tq, 1]
-    let dtype = weights.dtype();
-    weights * open.float().cast(dtype)
+    match dead {
+        Some(dead) => weights.mask_fill(dead, 0.0),
+        None => weights,
+    }
 }
 
 /// The context `[B, H, Tq, Dv]` and the weights `[B, H, Tq, Tk]` that make it: after

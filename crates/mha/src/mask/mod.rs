@@ -327,8 +327,10 @@ impl AttentionMask {
 
     /// An additive bias on the scores (after scaling): ALiBi, relative positions, or
     /// PyTorch's float `attn_mask`. An entry of `-inf` blocks that key like a boolean mask,
-    /// as does any at or below the scores' blocked value (-1e30; -16384 in f16): a row
-    /// whose every key is so blocked gives zeros.
+    /// as does any at or below the scores' blocked value (-1e30; -16384 in f16). A row
+    /// whose every key is blocked, or biased at or below -5e29 (-16384 with f16 queries),
+    /// or at or below the blocked value of the bias's own dtype (Hugging Face's f16
+    /// `finfo.min` beside f32 queries), gives zeros on every path.
     ///
     /// # Shapes
     /// - `bias`: broadcastable to `[B, H, Tq, Tk]`, aligned from the right as in
