@@ -27,8 +27,9 @@ pub struct Link {
 
 /// The statistics of one head, averaged over the query rows of a batch that count: rows
 /// past a sequence's length (padding) and rows whose keys are all blocked (by the mask's
-/// boolean part, its rule, or an additive bias at or below the value attention reads as
-/// blocked: -inf, or -1e30 and below; -16384 and below in f16) are left out.
+/// boolean part, its rule, or an additive bias low enough that attention gives the row
+/// zeros: -5e29 and below, -16384 and below in f16, see [`AttentionMask::bias`]) are left
+/// out.
 /// Positions are counted from the start of each sequence, queries' and keys' alike.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HeadStats {
@@ -139,46 +140,26 @@ impl LayerStatsBuilder {
             "LayerStatsBuilder::add: weights of {heads} heads after batches of {}",
             self.heads.len()
         );
-        let mut blocked: Option<Vec<bool>> =
-            mask.to_blocked(queries, keys, &weights.device())
-                .map(|b: Tensor<4, Bool>| {
-                    // Read as integers: backends store booleans as bytes or as u32.
-                    b.expand(dims)
-                        .int()
-                        .into_data()
-                        .convert::<i64>()
-                        .try_into_vec::<i64>()
-                        .expect("an integer tensor converts to i64")
-                        .into_iter()
-                        .map(|x| x != 0)
-                        .collect()
-                });
-        // An additive bias of -inf blocks its key too (PyTorch's float masks), as does one
-        // at or below the blocked score of the weights' dtype, as attention reads it (the
-        // bias cast to that dtype).
-        if let Some(bias) = mask.additive_bias() {
-            let dtype = weights.dtype();
-            let floor = crate::mask::blocked_score(dtype);
-            let bias = match bias.dtype() == dtype {
-                true => bias.clone(),
-                false => bias.clone().cast(burn::tensor::FloatDType::from(dtype)),
-            };
-            let bias: Vec<f32> = bias
-                .expand(dims)
+        // Read as integers: backends store booleans as bytes or as u32.
+        let read = |b: Tensor<4, Bool>| -> Vec<bool> {
+            b.expand(dims)
+                .int()
                 .into_data()
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .expect("a float tensor converts to f32");
-            let by_bias = bias.into_iter().map(|x| x <= floor);
-            blocked = Some(match blocked {
-                Some(blocked) => blocked
-                    .into_iter()
-                    .zip(by_bias)
-                    .map(|(a, b)| a || b)
-                    .collect(),
-                None => by_bias.collect(),
-            });
-        }
+                .convert::<i64>()
+                .try_into_vec::<i64>()
+                .expect("an integer tensor converts to i64")
+                .into_iter()
+                .map(|x| x != 0)
+                .collect()
+        };
+        // An additive bias of -inf blocks its key too (PyTorch's float masks), as does one
+        // low enough that attention reads it so for scores of the weights' dtype.
+        let by_rule = mask.to_blocked(queries, keys, &weights.device()).map(read);
+        let by_bias = mask.blocking_bias(weights.dtype()).map(read);
+        let blocked: Option<Vec<bool>> = match (by_rule, by_bias) {
+            (Some(a), Some(b)) => Some(a.into_iter().zip(b).map(|(a, b)| a || b).collect()),
+            (a, b) => a.or(b),
+        };
         let w: Vec<f32> = weights
             .into_data()
             .convert::<f32>()

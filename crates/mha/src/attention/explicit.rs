@@ -5,10 +5,10 @@
 
 use std::ops::Range;
 
-use burn::tensor::{DType, Tensor, activation::softmax};
+use burn::tensor::{Tensor, activation::softmax};
 
 use super::SdpaOptions;
-use crate::mask::{AttentionMask, DEAD_ROW, blocked_score};
+use crate::mask::{AttentionMask, blocked_score};
 use crate::problem::Scores;
 
 /// The attention weights `softmax(cap(Q Kᵀ · scale) + bias, masked)`, `[B, H, Tq, Tk]`,
@@ -53,7 +53,6 @@ pub(super) fn weights(
     let [_, kv_heads, keys, _] = key.dims();
     let device = query.device();
     let query_dtype = query.dtype();
-    let blocked_score_of = blocked_score;
     let blocked_score = blocked_score(query_dtype);
     // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
     // the queries, `Dk` times fewer values than the scores (forward and backward).
@@ -91,16 +90,7 @@ pub(super) fn weights(
     // or wider; -2^14, the blocked score, in f16) or below its own dtype's blocked score
     // (an f16 mask's -2^14 or `finfo.min` blocks f32 queries too). Told from the masks,
     // not from the scores: in f16 a real row's best score may lie as low as that.
-    let row_blocked = match query_dtype {
-        DType::F16 => blocked_score,
-        _ => DEAD_ROW,
-    };
-    let by_bias = mask.additive_bias().map(|own| {
-        let own_blocked = own.clone().lower_equal_elem(blocked_score_of(own.dtype()));
-        let cast = bias.clone().expect("the bias, cast");
-        cast.lower_equal_elem(row_blocked).bool_or(own_blocked)
-    });
-    let closed = match (blocked, by_bias) {
+    let closed = match (blocked, mask.blocking_bias(query_dtype)) {
         (Some(a), Some(b)) => Some(a.bool_or(b)),
         (Some(closed), None) | (None, Some(closed)) => Some(closed),
         (None, None) => None,

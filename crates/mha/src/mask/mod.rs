@@ -442,6 +442,25 @@ impl AttentionMask {
         self
     }
 
+    /// Where the additive bias blocks its key, for scores computed in `dtype` (the
+    /// queries'): at or below what blocks a row on the tiles and the GPU kernels once cast
+    /// to `dtype` ([`DEAD_ROW`], -5e29; the blocked score -2^14 in f16), or at or below the
+    /// blocked score of its own dtype (an f16 mask's `finfo.min` blocks f32 queries too).
+    /// `None` without a bias.
+    pub(crate) fn blocking_bias(&self, dtype: DType) -> Option<Tensor<4, Bool>> {
+        let bias = self.bias.as_ref()?;
+        let own = bias.clone().lower_equal_elem(blocked_score(bias.dtype()));
+        let floor = match dtype {
+            DType::F16 => blocked_score(dtype),
+            _ => DEAD_ROW,
+        };
+        let cast = match bias.dtype() == dtype {
+            true => bias.clone(),
+            false => bias.clone().cast(FloatDType::from(dtype)),
+        };
+        Some(cast.lower_equal_elem(floor).bool_or(own))
+    }
+
     /// Whether the alignment counts: something places keys by position.
     pub(crate) fn by_position(&self) -> bool {
         let rule = &self.rule;
