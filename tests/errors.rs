@@ -290,6 +290,34 @@ fn mask_of_the_wrong_size_panics_naming_the_shapes() {
     m.self_attention(randn([2, 5, 16], 1, &d), mha::AttentionMask::blocking(mask));
 }
 
+/// Other libraries' mask shapes, refused with the way to give them: PyTorch's 3-D
+/// `[B·H, Tq, Tk]` mask, and a `[B, Tk]` padding mask (Hugging Face's) given as a boolean
+/// or additive mask, read as `[Tq, Tk]`.
+#[test]
+fn masks_of_other_libraries_shapes_name_the_way_to_give_them() {
+    let d = dev();
+    let m = MultiHeadAttentionConfig::new(16, 4).init(&d);
+    let x = randn([2, 5, 16], 1, &d);
+    let three_d = burn::tensor::Tensor::<3>::zeros([8, 5, 5], &d);
+    let message = panic_message(|| {
+        m.self_attention(x.clone(), mha::AttentionMask::bias(three_d));
+    });
+    assert!(
+        message.contains(
+            "PyTorch's 3-D mask [B·H, Tq, Tk]: reshape it to [B, H, Tq, Tk] = [2, 4, 5, 5]"
+        ),
+        "{message}"
+    );
+    let padding = burn::tensor::Tensor::<2>::zeros([2, 5], &d).equal_elem(1.0);
+    let message = panic_message(|| {
+        m.self_attention(x, mha::AttentionMask::blocking(padding));
+    });
+    assert!(
+        message.contains("a [B, Tk] padding mask: AttentionMask::key_padding"),
+        "{message}"
+    );
+}
+
 /// The same on the GPU kernels' path, where self-attention keeps its heads packed (one
 /// product to Q, K and V, not the split heads `scaled_dot_product_attention` checks).
 #[cfg(feature = "wgpu")]

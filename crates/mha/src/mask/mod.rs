@@ -676,8 +676,25 @@ fn to_rank4<const D: usize, K: burn::tensor::kind::Basic>(
 
 fn check_broadcast(what: &str, dims: [usize; 4], target: [usize; 4]) {
     let fits = dims.iter().zip(target).all(|(&d, t)| d == t || d == 1);
-    assert!(
-        fits,
-        "attention mask: the {what} of shape {dims:?} does not broadcast to the scores [B, H, Tq, Tk] = {target:?}"
+    if fits {
+        return;
+    }
+    let [batch, heads, queries, keys] = target;
+    // The shapes of other libraries' masks, read here aligned from the right.
+    let hint = if dims == [1, batch * heads, queries, keys] {
+        format!(
+            " (PyTorch's 3-D mask [B·H, Tq, Tk]: reshape it to [B, H, Tq, Tk] = \
+             [{batch}, {heads}, {queries}, {keys}])"
+        )
+    } else if dims == [1, 1, batch, keys] {
+        " (a [B, Tk] padding mask: AttentionMask::key_padding, true = padding, or \
+         AttentionMask::key_lengths)"
+            .to_string()
+    } else {
+        String::new()
+    };
+    panic!(
+        "attention mask: the {what} of shape {dims:?} does not broadcast to the scores \
+         [B, H, Tq, Tk] = {target:?}{hint}"
     );
 }
