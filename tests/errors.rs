@@ -520,10 +520,10 @@ fn masks_by_position_that_cannot_hold_panic_naming_the_values() {
         "{message}"
     );
     let message = panic_message(|| {
-        AttentionMask::packed(&[vec![0, 4, 4]]);
+        AttentionMask::packed(&[vec![0, 4, 3]]);
     });
     assert!(
-        message.contains("cu_seqlens[0] = [0, 4, 4] must start at 0 and increase"),
+        message.contains("cu_seqlens[0] = [0, 4, 3] must start at 0 and never decrease"),
         "{message}"
     );
     let message = panic_message(|| {

@@ -313,6 +313,32 @@ fn rows_blocked_by_low_biases_give_zeros_on_every_path_and_dtype() {
     }
 }
 
+/// A packed row may hold a sequence of no token (FlashAttention's varlen allows it; it was
+/// refused): the same as the row without it, on every path, RoPE restarting as before.
+#[test]
+fn packed_sequences_of_no_token_change_nothing() {
+    for be in backends() {
+        let m = MultiHeadAttentionConfig::new(16, 4)
+            .with_positions(mha::Positions::rope())
+            .init(&be.device);
+        let x = randn([2, 6, 16], 11, &be.device);
+        let with_empty = [vec![0, 2, 2, 5, 6], vec![0, 0, 6, 6]];
+        let without = [vec![0, 2, 5, 6], vec![0, 6]];
+        for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+            let run = |rows: &[Vec<usize>]| {
+                let mask = AttentionMask::packed(rows).and(AttentionMask::causal());
+                let input = MhaInput::self_attn(x.clone()).mask(mask).weights(weights);
+                m.forward(input).context
+            };
+            let (got, want) = (run(&with_empty), run(&without));
+            let err = max_abs_diff(got, want.clone());
+            assert!(err <= 1e-6, "[{}] {weights:?}: {err}", be.name);
+            let size: f32 = to_vec(want).iter().map(|v| v.abs()).sum();
+            assert!(size > 0.0, "[{}] an output of zeros", be.name);
+        }
+    }
+}
+
 #[test]
 fn attention_dropout_acts_in_training_only() {
     for be in backends() {

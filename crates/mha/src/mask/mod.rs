@@ -227,15 +227,17 @@ impl AttentionMask {
     /// the sequences `cu_seqlens[b][s]..cu_seqlens[b][s + 1]`, one after the other, and no
     /// query attends across a boundary. Positions past a row's last boundary are padding:
     /// they see nothing and nothing sees them. Combine with [`causal`](Self::causal) for
-    /// causal attention within each sequence. Self-attention only (`Tq == Tk`).
+    /// causal attention within each sequence. A sequence of no token (a length repeated)
+    /// is allowed, as FlashAttention's varlen allows it. Self-attention only (`Tq == Tk`).
     ///
     /// # Panics
-    /// If a row's cumulative lengths do not start at 0 or do not increase, naming the row.
+    /// If a row's cumulative lengths do not start at 0 or decrease, naming the row.
     pub fn packed(cu_seqlens: &[Vec<usize>]) -> Self {
         for (b, row) in cu_seqlens.iter().enumerate() {
             assert!(
-                row.first() == Some(&0) && row.windows(2).all(|w| w[0] < w[1]),
-                "AttentionMask::packed: cu_seqlens[{b}] = {row:?} must start at 0 and increase"
+                row.first() == Some(&0) && row.windows(2).all(|w| w[0] <= w[1]),
+                "AttentionMask::packed: cu_seqlens[{b}] = {row:?} must start at 0 and never \
+                 decrease"
             );
         }
         Self {
