@@ -156,8 +156,8 @@ block_config!(
     /// Configuration of [`DecoderBlock`].
     DecoderBlockConfig {
         /// Whether the self-attention is causal (PyTorch's decoder layer called with a
-        /// causal `tgt_mask`, or `tgt_is_causal=True`, as every autoregressive decoder
-        /// is). A decoder block that is not (DETR's object queries, non-autoregressive
+        /// causal `tgt_mask`, as every autoregressive decoder is; `tgt_is_causal=True`
+        /// only hints that the mask is causal). A decoder block that is not (DETR's object queries, non-autoregressive
         /// decoding: `tgt_mask=None`) attends to every position and cannot decode through
         /// a cache. Default: true.
         #[config(default = true)]

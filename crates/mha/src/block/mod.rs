@@ -262,8 +262,8 @@ impl EncoderBlock {
 }
 
 /// Self-attention (causal unless configured otherwise), cross-attention to an encoded
-/// memory, and feed-forward: PyTorch's `nn.TransformerDecoderLayer` (with
-/// `tgt_is_causal=True`, or `tgt_mask=None` where not causal).
+/// memory, and feed-forward: PyTorch's `nn.TransformerDecoderLayer` (called with a causal
+/// `tgt_mask`, which `tgt_is_causal=True` only hints at; `tgt_mask=None` where not causal).
 #[derive(Module, Debug)]
 pub struct DecoderBlock {
     /// Self-attention (causal where `causal`).
