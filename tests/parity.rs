@@ -941,6 +941,55 @@ fn hugging_face_causal_lms_match_transformers_and_decode_through_the_cache() {
     }
 }
 
+/// A base model saved alone (`Qwen3Model`, `LlamaModel`: `embed_tokens.weight`,
+/// `layers.N.*`, `norm.weight`, no `model.`) loads as transformers loads it into its
+/// language model: tied, the same logits as the whole model's; untied, with the head's
+/// `lm_head.weight` beside it, or its absence named (it failed on `model.embed_tokens`).
+#[test]
+fn a_base_model_saved_alone_loads_as_transformers_loads_it() {
+    for (name, tied) in [("qwen3_lm", true), ("llama_lm", false)] {
+        let path = crate::util::root().join(format!("tests/fixtures/{name}.safetensors"));
+        let bytes = std::fs::read(&path).unwrap();
+        let stored = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
+        let config = HfConfig::from_file(&json).unwrap();
+        // The base model's keys, and the head's where `head` says.
+        let alone = |head: bool| {
+            let views: Vec<(String, safetensors::tensor::TensorView)> = stored
+                .tensors()
+                .into_iter()
+                .filter_map(|(key, view)| match key.strip_prefix("model.model.") {
+                    Some(inner) => Some((inner.to_string(), view)),
+                    None if head && key == "model.lm_head.weight" => {
+                        Some(("lm_head.weight".to_string(), view))
+                    }
+                    None => None,
+                })
+                .collect();
+            let bytes = safetensors::serialize(views, None).unwrap();
+            mha::PyTorchWeights::from_bytes(&bytes, "base model").unwrap()
+        };
+        let f = Fixture::load(name);
+        for b in backends() {
+            let ids = f.io::<2>("ids", [2, 9], &b.device).int();
+            let load = |weights: &mha::PyTorchWeights, prefix: &str| {
+                load_causal_lm(config.init_causal_lm(&b.device).unwrap(), weights, prefix)
+            };
+            let want = load(&f.weights, "model.")
+                .unwrap()
+                .forward(ids.clone(), AttentionMask::none());
+            let got = load(&alone(!tied), "")
+                .unwrap_or_else(|e| panic!("{name}: {e}"))
+                .forward(ids, AttentionMask::none());
+            assert_close(&format!("{name} [{}] base alone", b.name), got, want, 0.0);
+            if !tied {
+                let err = load(&alone(false), "").map(|_| ()).unwrap_err().to_string();
+                assert!(err.contains("lm_head.weight"), "{err}");
+            }
+        }
+    }
+}
+
 #[test]
 fn configurations_the_blocks_cannot_compute_are_named() {
     let json = std::fs::read(crate::util::root().join("tests/fixtures/llama_layer.json")).unwrap();
@@ -1156,6 +1205,24 @@ fn llama_family_fields_left_out_take_transformers_defaults() {
         [kv("llama"), kv("mistral"), kv("qwen2"), kv("qwen3")],
         [None, Some(8), Some(32), Some(32)]
     );
+    // The context: transformers' default for each, left out (the example's check of
+    // --tokens against it took no bound); `null` is none.
+    let context = |changes| {
+        parse(changes, &["max_position_embeddings"])
+            .unwrap()
+            .max_position_embeddings
+    };
+    let family = |name: &str| context(json!({"model_type": name}));
+    assert_eq!(
+        [
+            family("llama"),
+            family("mistral"),
+            family("qwen2"),
+            family("qwen3")
+        ],
+        [Some(2048), Some(131_072), Some(32_768), Some(32_768)]
+    );
+    assert_eq!(context(json!({"max_position_embeddings": null})), None);
     // RoPE's base: rope_scaling's, then rope_parameters', then the top level's.
     let theta = |changes| match block(changes, &["rope_theta", "rope_parameters"])
         .unwrap()

@@ -18,6 +18,7 @@
 //! printed as it grows: what decoding the prompt and the new tokens together adds to the
 //! decoded prompt (decoded alone, SentencePiece's first piece would lose its space).
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -26,7 +27,7 @@ use std::time::Instant;
 use anyhow::{Context, ensure};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use mha::ModuleDType;
-use mha::hf::{CausalLm, HfConfig, load_pretrained};
+use mha::hf::{CausalLm, HfConfig, load_causal_lm, read_pretrained};
 use tokenizers::Tokenizer;
 
 /// The backends this build has, the GPU first: `--backend` picks one, else the first.
@@ -66,16 +67,28 @@ struct Settings {
 }
 
 impl Settings {
-    fn parse(mut args: Vec<String>) -> anyhow::Result<Self> {
+    fn parse(args: Vec<String>) -> anyhow::Result<Self> {
         let first = BACKENDS.first().context("no backend compiled in")?;
-        let ids = match args.iter().position(|a| a == "--ids") {
-            Some(at) => {
-                args.remove(at);
-                true
-            }
-            None => false,
-        };
-        let a = &mut args;
+        let readme = "the flags are in examples/hf/README.md";
+        // In order: each flag with a value takes the next argument, whatever it is (a
+        // prompt may be "--ids").
+        let mut values: HashMap<String, String> = HashMap::new();
+        let mut ids = false;
+        let mut args = args.into_iter();
+        while let Some(arg) = args.next() {
+            let repeated = match arg.as_str() {
+                "--ids" => std::mem::replace(&mut ids, true),
+                "--model" | "--prompt" | "--tokens" | "--backend" | "--dtype" => {
+                    let value = args
+                        .next()
+                        .with_context(|| format!("{arg} needs a value"))?;
+                    values.insert(arg.clone(), value).is_some()
+                }
+                _ => true,
+            };
+            ensure!(!repeated, "unknown or repeated flag {arg}; {readme}");
+        }
+        let a = &values;
         let s = Settings {
             model: flag(a, "--model", PathBuf::new())?,
             prompt: flag(a, "--prompt", "Once upon a time".to_string())?,
@@ -84,12 +97,6 @@ impl Settings {
             dtype: flag(a, "--dtype", "f32".to_string())?,
             ids,
         };
-        let readme = "the flags are in examples/hf/README.md";
-        ensure!(
-            args.is_empty(),
-            "unknown or repeated flag {}; {readme}",
-            args[0]
-        );
         ensure!(
             !s.model.as_os_str().is_empty(),
             "--model DIR is needed: a Hugging Face model directory ({readme})"
@@ -114,13 +121,11 @@ impl Settings {
     }
 }
 
-/// The value after `name` in `args`, taken out of them, or `default` if they have none.
-fn flag<T: FromStr>(args: &mut Vec<String>, name: &str, default: T) -> anyhow::Result<T> {
-    let Some(at) = args.iter().position(|a| a == name) else {
+/// The value given for `name`, or `default` if none was.
+fn flag<T: FromStr>(values: &HashMap<String, String>, name: &str, default: T) -> anyhow::Result<T> {
+    let Some(value) = values.get(name) else {
         return Ok(default);
     };
-    ensure!(at + 1 < args.len(), "{name} needs a value");
-    let value = args.drain(at..at + 2).nth(1).unwrap_or_default();
     let parsed = value.parse().ok();
     parsed.with_context(|| format!("{name} {value}: not valid"))
 }
@@ -261,7 +266,7 @@ fn argmax(row: &[f32]) -> Option<u32> {
     best.map(|(i, _)| i as u32)
 }
 
-/// The `model_type` values of the models this example runs (`mha::hf::load_pretrained`).
+/// The `model_type` values of the models this example runs (`mha::hf::read_pretrained`).
 const LLAMA_FAMILY: [&str; 4] = ["llama", "mistral", "qwen2", "qwen3"];
 
 /// The `model_type` of the `config.json` at `path`, where it can be read.
@@ -413,13 +418,17 @@ fn main() -> anyhow::Result<()> {
     }
 
     let start = Instant::now();
-    let (config, lm) = load_pretrained(dir, &device)?;
+    // Built, cast, then loaded: the parameters are never all in f32 at once for another
+    // dtype, and a dtype the device does not compute in is named before any weight loads.
+    let (config, weights) = read_pretrained(dir)?;
     let lm = match dtype {
-        FloatDType::F32 => lm,
-        other => lm
+        FloatDType::F32 => config.init_causal_lm(&device)?,
+        other => config
+            .init_causal_lm(&device)?
             .try_to_dtype(other)
             .with_context(|| format!("--dtype {}", s.dtype))?,
     };
+    let lm = load_causal_lm(lm, &weights, "")?;
     eprintln!(
         "{} ({} layers, width {}, vocabulary {}) loaded on {} in {:.2} s, in {}",
         config.model_type,

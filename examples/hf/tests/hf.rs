@@ -171,3 +171,31 @@ fn a_model_of_another_family_is_refused_before_it_loads() {
         "{stderr}"
     );
 }
+
+/// Flags are read in order, each value the argument after its flag: a prompt may be
+/// "--ids" (that flag was taken out wherever it stood, and the prompt left without a
+/// value); a flag given twice is refused by name.
+#[test]
+fn flags_are_read_in_order() {
+    let model = model_dir();
+    let model = model.to_str().unwrap();
+    let out = run(&["--model", model, "--tokens", "1", "--prompt", "--ids"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.starts_with("--ids"), "{stdout}");
+    assert!(!stdout.contains("prompt ids:"), "{stdout}");
+    for repeated in [&["--ids", "--ids"][..], &["--tokens", "1", "--tokens", "2"]] {
+        let out = run(&[&["--model", model][..], repeated].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        let flag = repeated[0];
+        assert!(
+            stderr.contains(&format!("unknown or repeated flag {flag}")),
+            "{stderr}"
+        );
+    }
+    let out = run(&["--model", model, "--prompt"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--prompt needs a value"), "{stderr}");
+}

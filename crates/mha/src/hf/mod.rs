@@ -145,7 +145,8 @@ pub struct HfConfig {
     /// Whether the language-model head is the token embedding (no `lm_head.weight`).
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
-    /// The longest sequence the model was trained on, where `config.json` says it: the
+    /// The longest sequence the model was trained on (left out of the file,
+    /// transformers' default for the model type, see [`from_json`](Self::from_json)): the
     /// blocks compute any length; a caller may hold generation to it.
     #[serde(default)]
     pub max_position_embeddings: Option<usize>,
@@ -191,6 +192,8 @@ struct GivenFields {
     max_window_layers: Given,
     #[serde(default)]
     num_key_value_heads: Given,
+    #[serde(default)]
+    max_position_embeddings: Given,
 }
 
 impl Config for GivenFields {}
@@ -223,7 +226,8 @@ impl HfConfig {
     /// transformers' default for its `model_type` (Mistral's, Qwen2's and Qwen3's
     /// `sliding_window` 4096, which `null` turns off; Qwen2's and Qwen3's
     /// `max_window_layers` 28; `num_key_value_heads` 8 for Mistral, 32 for Qwen2 and
-    /// Qwen3, `num_attention_heads` for Llama).
+    /// Qwen3, `num_attention_heads` for Llama; `max_position_embeddings` 2048 for Llama,
+    /// 131072 for Mistral, 32768 for Qwen2 and Qwen3).
     ///
     /// # Errors
     /// [`ImportError::Config`] when it is not a configuration with the fields above.
@@ -236,6 +240,14 @@ impl HfConfig {
         }
         if matches!(family, "qwen2" | "qwen3") && !given.max_window_layers.0 {
             config.max_window_layers = Some(28);
+        }
+        if !given.max_position_embeddings.0 {
+            config.max_position_embeddings = match family {
+                "llama" => Some(2048),
+                "mistral" => Some(131_072),
+                "qwen2" | "qwen3" => Some(32_768),
+                _ => None,
+            };
         }
         if !given.num_key_value_heads.0 {
             config.num_key_value_heads = match family {
@@ -599,16 +611,31 @@ impl Config for ShardIndex {}
 /// A Llama-family causal language model from a directory as `save_pretrained` writes it
 /// (or as the Hugging Face Hub holds it): its `config.json`, and its weights in
 /// `model.safetensors` or in the shards `model.safetensors.index.json` lists; the
-/// parameters in f32, loaded from the stored dtype (cast the module, `to_dtype`, to
-/// compute in another). Returns the configuration with the model.
+/// parameters in f32, loaded from the stored dtype (to compute in another dtype without
+/// holding the model in f32 first, build it from [`read_pretrained`], cast it, then
+/// [`load_causal_lm`]). Returns the configuration with the model.
 ///
 /// # Errors
 /// [`ImportError::Io`] naming a file that cannot be read, and the errors of
-/// [`HfConfig::from_file`], [`HfConfig::init_causal_lm`] and [`load_causal_lm`].
+/// [`read_pretrained`], [`HfConfig::init_causal_lm`] and [`load_causal_lm`].
 pub fn load_pretrained(
     dir: impl AsRef<Path>,
     device: &Device,
 ) -> Result<(HfConfig, CausalLm), ImportError> {
+    let (config, weights) = read_pretrained(dir)?;
+    let lm = load_causal_lm(config.init_causal_lm(device)?, &weights, "")?;
+    Ok((config, lm))
+}
+
+/// The configuration and the weights of a directory as `save_pretrained` writes it: its
+/// `config.json`, and `model.safetensors` or the shards `model.safetensors.index.json`
+/// lists, read as stored.
+///
+/// # Errors
+/// [`ImportError::Io`] naming a file that cannot be read, the errors of
+/// [`HfConfig::from_file`] and [`PyTorchWeights::from_files`], and
+/// [`ImportError::Config`] for a directory without weights or an index that is not one.
+pub fn read_pretrained(dir: impl AsRef<Path>) -> Result<(HfConfig, PyTorchWeights), ImportError> {
     let dir = dir.as_ref();
     let config = HfConfig::from_file(dir.join("config.json"))?;
     let single = dir.join("model.safetensors");
@@ -633,15 +660,17 @@ pub fn load_pretrained(
             });
         }
     };
-    let lm = load_causal_lm(config.init_causal_lm(device)?, &weights, "")?;
-    Ok((config, lm))
+    Ok((config, weights))
 }
 
 /// Loads a Llama-family causal language model stored under `prefix` (`""` for a
 /// `model.safetensors` as Hugging Face writes it): `{prefix}model.embed_tokens.weight`,
 /// each layer's `{prefix}model.layers.N.*` ([`load_decoder_layer`]),
 /// `{prefix}model.norm.weight` and `{prefix}lm_head.weight` (not read when the head is the
-/// embedding, whose copy it then is).
+/// embedding, whose copy it then is). The base model saved alone (`LlamaModel`,
+/// `Qwen3Model`: `{prefix}embed_tokens.weight`, `{prefix}layers.N.*`, `{prefix}norm.weight`
+/// and no `model.`) loads too, as transformers loads it into its language model: with a
+/// tied head, or naming the `lm_head.weight` an untied one lacks.
 ///
 /// # Errors
 /// As [`load_decoder_layer`], for every key.
@@ -650,7 +679,16 @@ pub fn load_causal_lm(
     weights: &PyTorchWeights,
     prefix: &str,
 ) -> Result<CausalLm, ImportError> {
-    let at = |name: &str| format!("{prefix}{name}");
+    let base_alone = !weights.contains(&format!("{prefix}model.embed_tokens.weight"))
+        && weights.contains(&format!("{prefix}embed_tokens.weight"));
+    let base = match base_alone {
+        true => prefix.to_string(),
+        false => format!("{prefix}model."),
+    };
+    let at = |name: &str| match name.strip_prefix("model.") {
+        Some(inner) => format!("{base}{inner}"),
+        None => format!("{prefix}{name}"),
+    };
     let table = lm.embed_tokens.weight;
     lm.embed_tokens.weight = load_param(table, weights, &at("model.embed_tokens.weight"))?;
     lm.model.layers = lm
