@@ -990,6 +990,69 @@ fn a_base_model_saved_alone_loads_as_transformers_loads_it() {
     }
 }
 
+/// Prompts of different lengths decode together padded on the left
+/// (`forward_cached_padded`): each real token's logits are those of its row decoded alone
+/// (`forward_cached` read the padding as tokens), for Llama, Qwen3, GPT-2 (whose learned
+/// positions count from the first real token, as transformers' `generate` counts them)
+/// and Mistral (its window a ring of 4).
+#[test]
+fn left_padded_prompts_decode_as_each_alone() {
+    for name in ["llama_lm", "qwen3_lm", "gpt2_lm", "mistral_lm"] {
+        let f = Fixture::load(name);
+        let json = crate::util::root().join(format!("tests/fixtures/{name}.json"));
+        for b in backends() {
+            let d = &b.device;
+            let lm = match name {
+                "gpt2_lm" => Gpt2Config::from_file(&json)
+                    .and_then(|c| c.init_causal_lm(d))
+                    .and_then(|lm| load_gpt2_lm(lm, &f.weights, "model.transformer.")),
+                _ => HfConfig::from_file(&json)
+                    .and_then(|c| c.init_causal_lm(d))
+                    .and_then(|lm| load_causal_lm(lm, &f.weights, "model.")),
+            };
+            let lm = lm.unwrap_or_else(|e| panic!("{e}"));
+            let ids = f.io::<2>("ids", [2, 9], d).int();
+            // Row 1: its last 6 tokens after 3 pads (id 7, a real token's id).
+            let short = ids.clone().slice([1..2, 3..9]);
+            let pads = Tensor::<2, burn::tensor::Int>::full([1, 3], 7, d);
+            let padded = Tensor::cat(
+                vec![
+                    ids.clone().slice([0..1, 0..9]),
+                    Tensor::cat(vec![pads, short.clone()], 1),
+                ],
+                0,
+            );
+            // A prompt of 5 columns, then one token a call.
+            let decode =
+                |tokens: Tensor<2, burn::tensor::Int>, first: usize, pads: Option<Vec<usize>>| {
+                    let [rows, len] = tokens.dims();
+                    let mut cache = lm.cache(9);
+                    let mut out = Vec::new();
+                    let mut at = 0;
+                    for end in std::iter::once(first).chain(first + 1..=len) {
+                        let call = tokens.clone().slice([0..rows, at..end]);
+                        let logits = match &pads {
+                            Some(pads) => lm.forward_cached_padded(call, &mut cache, pads.clone()),
+                            None => lm.forward_cached(call, &mut cache),
+                        };
+                        out.push(logits.unwrap_or_else(|e| panic!("{e}")));
+                        at = end;
+                    }
+                    Tensor::cat(out, 1)
+                };
+            let together = decode(padded, 5, Some(vec![0, 3]));
+            let vocab = together.dims()[2];
+            let label = |row| format!("{name} [{}] row {row} padded", b.name);
+            let alone = decode(short, 2, None);
+            let got = together.clone().slice([1..2, 3..9, 0..vocab]);
+            assert_close(&label(1), got, alone, b.forward_tol());
+            let first = decode(ids.slice([0..1, 0..9]), 5, None);
+            let got = together.slice([0..1, 0..9, 0..vocab]);
+            assert_close(&label(0), got, first, b.forward_tol());
+        }
+    }
+}
+
 #[test]
 fn configurations_the_blocks_cannot_compute_are_named() {
     let json = std::fs::read(crate::util::root().join("tests/fixtures/llama_layer.json")).unwrap();

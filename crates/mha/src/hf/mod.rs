@@ -45,7 +45,9 @@ use burn::nn::{Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::block::{BlockInput, EncoderBlock, EncoderBlockConfig, FeedForwardActivation};
+use crate::block::{
+    BlockInput, EncoderBlock, EncoderBlockConfig, FeedForwardActivation, StackInput,
+};
 use crate::cache::{KvCache, StackCache};
 use crate::error::CacheError;
 use crate::mask::AttentionMask;
@@ -524,7 +526,8 @@ impl CausalLm {
     /// The logits of the next tokens `tokens` `[B, T]` against `cache`, which holds the
     /// keys and values of the tokens before them (from [`cache`](Self::cache)): a prompt,
     /// then one token per call; equal to those rows of [`forward`](Self::forward) over the
-    /// whole sequence.
+    /// whole sequence. Every row's tokens are read as real: prompts of different lengths
+    /// decode together through [`forward_cached_padded`](Self::forward_cached_padded).
     ///
     /// # Errors
     /// The cache's ([`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)).
@@ -536,8 +539,39 @@ impl CausalLm {
         tokens: Tensor<2, Int>,
         cache: &mut StackCache,
     ) -> Result<Tensor<3>, CacheError> {
+        self.cached(BlockInput::new(self.embed(tokens)), cache)
+    }
+
+    /// [`forward_cached`](Self::forward_cached) for a batch of prompts padded on the left:
+    /// row `b` begins with `pads[b]` padding tokens (any ids below the vocabulary's size),
+    /// the same `pads` at every call of the decode. Each real token's logits are those of
+    /// its row decoded alone, as transformers' `generate` gives them for a left-padded
+    /// batch (its padding masked, its positions counted from its first real token: GPT-2's
+    /// learned ones too); a padding token's are not meant to be read.
+    ///
+    /// # Errors
+    /// As [`forward_cached`](Self::forward_cached).
+    ///
+    /// # Panics
+    /// As [`forward_cached`](Self::forward_cached), and if `pads` does not have one entry
+    /// per row.
+    pub fn forward_cached_padded(
+        &self,
+        tokens: Tensor<2, Int>,
+        cache: &mut StackCache,
+        pads: Vec<usize>,
+    ) -> Result<Tensor<3>, CacheError> {
         let x = self.embed(tokens);
-        let hidden = self.model.forward(BlockInput::new(x).cache(cache))?.output;
+        self.cached(BlockInput::new(x).left_padding(pads), cache)
+    }
+
+    /// The logits of `input` through the stack and `cache`.
+    fn cached<'c>(
+        &self,
+        input: StackInput<'c>,
+        cache: &'c mut StackCache,
+    ) -> Result<Tensor<3>, CacheError> {
+        let hidden = self.model.forward(input.cache(cache))?.output;
         Ok(self.logits(hidden))
     }
 
