@@ -1053,6 +1053,80 @@ fn left_padded_prompts_decode_as_each_alone() {
     }
 }
 
+/// Burn's own attention module converts (`From`) with its numbers: its weights, biases
+/// (one projection without one), dropout and quiet softmax, under its padding and
+/// attention masks (rows with a visible key: Burn makes a row with none uniform), in
+/// self- and cross-attention, forward and every input's gradient.
+#[test]
+fn burns_attention_module_converts_with_its_numbers() {
+    use burn::nn::attention::{
+        MhaInput as BurnInput, MultiHeadAttentionConfig as BurnConfig, generate_autoregressive_mask,
+    };
+    for b in backends() {
+        let d = &b.autodiff();
+        for (quiet, query_bias) in [(false, true), (true, false)] {
+            let what = format!(
+                "[{}] quiet_softmax {quiet}, query_bias {query_bias}",
+                b.name
+            );
+            let burn = BurnConfig::new(16, 4)
+                .with_dropout(0.0)
+                .with_quiet_softmax(quiet)
+                .with_query_bias(query_bias)
+                .init(d);
+            let ours = mha::MultiHeadAttention::from(burn.clone());
+            assert_eq!(ours.sinks.is_some(), quiet, "{what}");
+            let x = crate::util::randn([2, 5, 16], 1, d).require_grad();
+            let memory = crate::util::randn([2, 7, 16], 2, d).require_grad();
+            // Row 0 pads its last 2 keys, row 1 none.
+            let pad = Tensor::<2>::from_data(
+                burn::tensor::TensorData::new(
+                    (0..14)
+                        .map(|i| if i >= 5 && i < 7 { 1.0f32 } else { 0.0 })
+                        .collect::<Vec<_>>(),
+                    [2, 7],
+                ),
+                d,
+            )
+            .equal_elem(1.0);
+            let want = burn
+                .forward(
+                    BurnInput::new(x.clone(), memory.clone(), memory.clone()).mask_pad(pad.clone()),
+                )
+                .context;
+            let got = ours
+                .forward(
+                    mha::MhaInput::new(x.clone(), memory.clone(), memory.clone())
+                        .mask(AttentionMask::key_padding(pad)),
+                )
+                .context;
+            assert_close(
+                &format!("{what} cross"),
+                got.clone(),
+                want.clone(),
+                b.forward_tol(),
+            );
+            let grads = |out: Tensor<3>| {
+                let g = (out * crate::util::randn([2, 5, 16], 3, d))
+                    .sum()
+                    .backward();
+                [x.grad(&g).unwrap(), memory.grad(&g).unwrap()]
+            };
+            let (got, want) = (grads(got), grads(want));
+            for ((name, got), want) in ["dx", "dmemory"].into_iter().zip(got).zip(want) {
+                assert_grad_close(&b, &format!("{what} cross {name}"), got, want);
+            }
+            // Causal self-attention through Burn's mask_attn.
+            let causal = generate_autoregressive_mask(2, 5, d);
+            let want = burn
+                .forward(BurnInput::self_attn(x.clone()).mask_attn(causal))
+                .context;
+            let got = ours.causal_self_attention(x.clone());
+            assert_close(&format!("{what} causal"), got, want, b.forward_tol());
+        }
+    }
+}
+
 #[test]
 fn configurations_the_blocks_cannot_compute_are_named() {
     let json = std::fs::read(crate::util::root().join("tests/fixtures/llama_layer.json")).unwrap();

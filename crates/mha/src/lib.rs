@@ -19,6 +19,7 @@ pub mod dropout;
 pub mod dtype;
 mod empty;
 pub mod error;
+mod from_burn;
 #[cfg(feature = "gpu-kernels")]
 mod gpu;
 pub mod hf;

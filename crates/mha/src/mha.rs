@@ -58,7 +58,8 @@ pub struct MultiHeadAttentionConfig {
     /// [`AttentionMask::sinks`]), initialised to 0. Default: none.
     #[config(default = false)]
     pub sinks: bool,
-    /// Dropout on the attention weights after the softmax, in training only. Default: 0.
+    /// Dropout on the attention weights after the softmax, in training only. Default: 0,
+    /// as PyTorch's (Burn's module defaults to 0.1).
     #[config(default = 0.0)]
     pub dropout: f64,
     /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(head_dim)`.
