@@ -1894,6 +1894,22 @@ fn layer_norm_files_load_across_burn_and_mha() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// PyTorch's default `ignore_index`, -100 (Hugging Face's labels), is given as it is:
+/// the fixture's loss with the ignored rows' targets made -100 (it could not be written).
+#[test]
+fn cross_entropy_takes_pytorchs_ignore_index_of_minus_100() {
+    let f = Fixture::load("cross_entropy");
+    for b in backends() {
+        let targets = f.io::<1>("targets", [37], &b.device).int();
+        let minus_100 = targets
+            .clone()
+            .mask_fill(targets.clone().equal_elem(0), -100);
+        let logits = || f.io::<2>("logits", [37, 13], &b.device);
+        let got = mha::loss::cross_entropy(logits(), minus_100, Some(-100));
+        check_forward(&b, &f, "cross-entropy, ignore_index -100", got, "out");
+    }
+}
+
 #[test]
 fn cross_entropy_loss_and_gradient_match_pytorch_with_and_without_autodiff() {
     // The fused operation on flex and ndarray, log_softmax and a gather on wgpu; rows whose

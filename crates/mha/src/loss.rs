@@ -10,8 +10,11 @@ use burn::tensor::{Int, Tensor};
 /// logits[r, targets[r]])`, a `[1]` tensor in the logits' dtype, differentiable with
 /// respect to the logits (f16 and bf16 logits reduced in f32, as PyTorch's).
 ///
-/// Unlike PyTorch's (and Burn's), a batch whose every target is ignored gives a loss of 0
-/// and a gradient of 0, not NaN.
+/// `ignore_index` is any integer: PyTorch's default `-100` (what Hugging Face's labels
+/// use) is `Some(-100)`; `None` ignores nothing. Unlike PyTorch's (and Burn's), a batch
+/// whose every target is ignored gives a loss of 0 and a gradient of 0, not NaN. Not
+/// offered: PyTorch's `weight`, `label_smoothing`, `reduction` other than the mean, class
+/// probabilities as targets, and `[N, C, d1, ..]` logits (flatten them to `[N·d1·.., C]`).
 ///
 /// # Panics
 /// If `targets` has not `N` rows, or a target (other than `ignore_index`) is not a class
@@ -32,7 +35,7 @@ use burn::tensor::{Int, Tensor};
 pub fn cross_entropy(
     logits: Tensor<2>,
     targets: Tensor<1, Int>,
-    ignore_index: Option<usize>,
+    ignore_index: Option<i64>,
 ) -> Tensor<1> {
     let [n, classes] = logits.dims();
     let [rows] = targets.dims();
@@ -49,7 +52,7 @@ pub fn cross_entropy(
         .convert::<i64>()
         .try_into_vec::<i64>()
         .expect("integer targets");
-    let ignored = |t: i64| ignore_index.is_some_and(|i| i as i64 == t);
+    let ignored = |t: i64| ignore_index == Some(t);
     if let Some((row, &t)) = values
         .iter()
         .enumerate()

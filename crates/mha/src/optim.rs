@@ -30,12 +30,14 @@
 //! # let _ = model;
 //! ```
 
+use std::collections::HashSet;
+
 use burn::config::Config;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{
     AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate, ModuleOptimizer, Optimizer,
 };
-use burn::tensor::{Device, FloatDType, Tensor};
+use burn::tensor::{DType, Device, FloatDType, Tensor};
 
 use crate::dispatch::{self, RowCall, RowOp, RowPath};
 use crate::error::{Check, ConfigError};
@@ -230,7 +232,9 @@ fn check_shapes<const D: usize>(
 /// them as one vector, and when it exceeds `max_norm`, every gradient multiplied by
 /// `max_norm / (norm + 1e-6)`. Returns that norm (before clipping), `[1]` in f32, or `None`
 /// when no parameter has a gradient in `grads`. Gradients in half precision are squared
-/// in f32 and scaled in their own dtype.
+/// in f32, gradients in f64 in f64 (a norm past f32's range still clips them), and each
+/// is scaled in its own dtype. A parameter met twice (tied) counts once, as in PyTorch's
+/// `parameters()`.
 ///
 /// On flex and ndarray in f32, each gradient's squares are summed in one parallel pass
 /// and the norm is read on the host, where the decision is made: a step whose norm is
@@ -272,6 +276,7 @@ pub fn clip_grad_norm<M: Module>(
         host: 0.0,
         device: None,
         first: None,
+        seen: HashSet::new(),
     };
     module.visit(&mut sum);
     let device = sum.first?;
@@ -285,18 +290,22 @@ pub fn clip_grad_norm<M: Module>(
             module.visit(&mut Scale {
                 grads,
                 factor: Factor::Host(coef),
+                seen: HashSet::new(),
             });
         }
         return Some(Tensor::from_floats([norm], &device));
     };
+    // In the dtype of the squares' sum: f64 where a gradient is f64, else f32.
     let norm = squares.add_scalar(sum.host).sqrt();
     let bound = Tensor::<1>::from_floats([max_norm], &norm.device());
+    let bound = bound.cast(FloatDType::from(norm.dtype()));
     let coef = bound / norm.clone().add_scalar(1e-6);
     module.visit(&mut Scale {
         grads,
         factor: Factor::Device(Box::new(coef.clamp_max(1.0))),
+        seen: HashSet::new(),
     });
-    Some(norm)
+    Some(norm.cast(FloatDType::F32))
 }
 
 /// The sum of the squares of every gradient: on the host where our kernel sums them (flex
@@ -307,6 +316,8 @@ struct SquareSums<'a> {
     device: Option<Tensor<1>>,
     /// The device of the first gradient met.
     first: Option<Device>,
+    /// The parameters counted (a tied one is met twice).
+    seen: HashSet<ParamId>,
 }
 
 impl ModuleVisitor for SquareSums<'_> {
@@ -314,6 +325,9 @@ impl ModuleVisitor for SquareSums<'_> {
         let Some(grad) = self.grads.get::<D>(param.id) else {
             return;
         };
+        if !self.seen.insert(param.id) {
+            return;
+        }
         self.first.get_or_insert_with(|| grad.device());
         match dispatch::row(RowCall::of(RowOp::SquareSum, &grad)) {
             RowPath::Empty => return,
@@ -324,9 +338,15 @@ impl ModuleVisitor for SquareSums<'_> {
             }
             RowPath::Burn | RowPath::BurnInF32 => {}
         }
-        let sum = grad.cast(FloatDType::F32).square().sum();
+        // f64 squared in f64 (f32 overflows past 1.8e19); half precision in f32.
+        let wide = match grad.dtype() {
+            DType::F64 => FloatDType::F64,
+            _ => FloatDType::F32,
+        };
+        let sum = grad.cast(wide).square().sum();
         self.device = Some(match self.device.take() {
-            Some(total) => total + sum,
+            Some(total) if total.dtype() == sum.dtype() => total + sum,
+            Some(total) => total.cast(FloatDType::F64) + sum.cast(FloatDType::F64),
             None => sum,
         });
     }
@@ -335,7 +355,7 @@ impl ModuleVisitor for SquareSums<'_> {
 /// The factor the gradients are multiplied by.
 enum Factor {
     Host(f32),
-    /// `[1]` in f32.
+    /// `[1]`, in f32 or in f64 where a gradient is f64.
     Device(Box<Tensor<1>>),
 }
 
@@ -343,10 +363,15 @@ enum Factor {
 struct Scale<'a> {
     grads: &'a mut GradientsParams,
     factor: Factor,
+    /// The parameters scaled (a tied one is met twice).
+    seen: HashSet<ParamId>,
 }
 
 impl ModuleVisitor for Scale<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !self.seen.insert(param.id) {
+            return;
+        }
         let Some(grad) = self.grads.remove::<D>(param.id) else {
             return;
         };
@@ -596,6 +621,83 @@ mod tests {
                     false => assert_eq!(after, before, "{what}: a gradient within it changed"),
                 }
             }
+        }
+    }
+
+    /// f64 gradients are squared in f64: a gradient of 1e20 (whose square f32 holds as
+    /// inf, which clipped every gradient to 0) clips to the bound as in PyTorch.
+    #[test]
+    fn f64_gradients_clip_past_f32s_range() {
+        use super::clip_grad_norm;
+        use crate::ModuleDType;
+        use burn::nn::LinearConfig;
+        use burn::optim::GradientsParams;
+        use burn::tensor::{DType, FloatDType, TensorData};
+
+        for device in devices() {
+            if !device.supports_dtype(DType::F64) {
+                continue;
+            }
+            let model = LinearConfig::new(2, 1).with_bias(false).init(&device);
+            let model = model.to_dtype(FloatDType::F64);
+            let grad = TensorData::new(vec![1e20f64, -1e20], [2, 1]);
+            let mut grads = GradientsParams::new();
+            let grad = Tensor::<2>::from_data(grad, &device).cast(FloatDType::F64);
+            grads.register(model.weight.id, grad);
+            let norm = clip_grad_norm(&mut grads, &model, 1.0).expect("gradients");
+            let want = 2f64.sqrt() * 1e20;
+            let norm = f64::from(norm.into_scalar::<f32>());
+            assert!((norm - want).abs() <= want * 1e-6, "{device:?}: {norm}");
+            let after = grads.get::<2>(model.weight.id).unwrap();
+            assert_eq!(after.dtype(), DType::F64);
+            let after = after.into_data().try_to_vec::<f64>().unwrap();
+            let half = 0.5f64.sqrt();
+            assert!(
+                (after[0] - half).abs() < 1e-12 && (after[1] + half).abs() < 1e-12,
+                "{device:?}: {after:?}"
+            );
+        }
+    }
+
+    /// A parameter a module holds twice (tied) counts once and is scaled once, as in
+    /// PyTorch's `parameters()` (its squares counted twice, its gradient scaled twice).
+    #[test]
+    fn a_tied_parameter_counts_once() {
+        use super::clip_grad_norm;
+        use burn::module::Module;
+        use burn::nn::{Linear, LinearConfig};
+        use burn::optim::GradientsParams;
+
+        #[derive(Module, Debug)]
+        struct Tied {
+            first: Linear,
+            second: Linear,
+        }
+
+        for device in devices() {
+            let linear = LinearConfig::new(3, 2).with_bias(false).init(&device);
+            let tied = Tied {
+                first: linear.clone(),
+                second: linear.clone(),
+            };
+            let mut grads = GradientsParams::new();
+            let tens = Tensor::<2>::ones([3, 2], &device) * 10.0;
+            grads.register(linear.weight.id, tens);
+            let norm = clip_grad_norm(&mut grads, &tied, 1.0).expect("gradients");
+            let want = 6f32.sqrt() * 10.0;
+            let norm = norm.into_scalar::<f32>();
+            assert!((norm - want).abs() <= want * 1e-6, "{device:?}: {norm}");
+            let after = grads.get::<2>(linear.weight.id).unwrap();
+            let after = after
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap();
+            let each = 10.0 / (want + 1e-6);
+            assert!(
+                after.iter().all(|&g| (g - each).abs() < 1e-6),
+                "{device:?}: {after:?}"
+            );
         }
     }
 

@@ -15,7 +15,7 @@ pub(crate) fn cross_entropy(
     logits: Tensor<2>,
     targets: Tensor<1, Int>,
     values: &[i64],
-    ignore_index: Option<usize>,
+    ignore_index: Option<i64>,
 ) -> Tensor<1> {
     let [n, classes] = logits.dims();
     match dispatch::row(RowCall::of(RowOp::CrossEntropy, &logits)) {
@@ -24,7 +24,7 @@ pub(crate) fn cross_entropy(
             let ignored = crate::cpu::rows::loss::IGNORED;
             let targets = values
                 .iter()
-                .map(|&t| match ignore_index.is_some_and(|i| i as i64 == t) {
+                .map(|&t| match ignore_index == Some(t) {
                     true => ignored,
                     false => t,
                 })
@@ -42,7 +42,7 @@ pub(crate) fn cross_entropy(
             };
             let inner = logits.dtype();
             let kept = match ignore_index {
-                Some(i) => targets.clone().not_equal_elem(i as i64),
+                Some(i) => targets.clone().not_equal_elem(i),
                 None => Tensor::<1, Bool>::full([n], true, &device),
             };
             let safe = targets.mask_fill(kept.clone().bool_not(), 0);

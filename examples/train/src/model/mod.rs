@@ -413,7 +413,7 @@ fn output_loss(
     let loss = mha::loss::cross_entropy(
         logits.clone().reshape([b * t, v]),
         targets.clone().reshape([b * t]),
-        ignore,
+        ignore.map(|id| id as i64),
     );
     SequenceOutput::new(loss, logits, None, targets)
 }
