@@ -10,7 +10,11 @@
 //!
 //! Loading PyTorch weights into a cast module keeps its dtype, as PyTorch's
 //! `load_state_dict` does (see [`crate::pytorch`]): cast, then load, and half-precision
-//! weights arrive as they are stored.
+//! weights arrive as they are stored. A Burn record (`save_file`, `load_file`) is the
+//! other way round: by default its tensors keep the dtype they were saved in, whatever
+//! the module they load into holds (an f32 record loaded into a bf16 module makes it f32
+//! again). Load, then cast; and a half-precision record loads only on a device that
+//! computes in that dtype.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, FloatDType, Tensor};

@@ -9,9 +9,12 @@
 //! until every group has the same size again, the greatest common divisor of the sizes
 //! left: the outputs stay equal, and the key/value projection is that much wider.
 //!
-//! To load a pruned module saved with Burn's recorders, build the full module from its
-//! configuration, prune it with the same plan (saved beside it, it serialises to JSON),
-//! and load the record into that.
+//! To load a pruned module saved with Burn's `save_file`, build the full module from its
+//! configuration, prune it with the same plan (saved beside it, it serialises to JSON;
+//! with every plan in turn, for a module pruned more than once), and load the record into
+//! that (`load_file`, `try_load_file`). Not into a module built at the smaller size: its
+//! shapes may match, but an ALiBi module would give its heads the slopes of a module of
+//! that many heads, not those of the heads it kept (which only the pruning records).
 
 use burn::module::Param;
 use burn::nn::Linear;
