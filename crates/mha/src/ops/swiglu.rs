@@ -9,11 +9,17 @@ use crate::dispatch::{self, RowCall, RowOp, RowPath};
 
 /// SiLU, `x σ(x)`, elementwise: Burn's, except in f64, where Burn's sigmoid computes in
 /// f32 on the backends without one of their own (ndarray: f64 values and gradients to
-/// f32's digits); there `x / (1 + e^-x)` in Burn's operations, `-x` clamped at 700 so
-/// that `e^-x` stays finite (its gradient there is below f64's smallest).
+/// f32's digits); there in Burn's operations, σ from `e = e^-|x|` (at most 1, never
+/// overflowing): `1 / (1 + e)` for `x >= 0`, `e / (1 + e)` below, to f64's digits at
+/// every `x`.
 pub(crate) fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     match x.dtype() {
-        DType::F64 => x.clone() * (x.neg().clamp_max(700.0).exp() + 1.0).recip(),
+        DType::F64 => {
+            let e = x.clone().abs().neg().exp();
+            let inverse = (e.clone() + 1.0).recip();
+            let negative = x.clone().lower_elem(0.0);
+            x * inverse.clone().mask_where(negative, e * inverse)
+        }
         _ => burn::tensor::activation::silu(x),
     }
 }
