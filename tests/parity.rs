@@ -1894,6 +1894,28 @@ fn layer_norm_files_load_across_burn_and_mha() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Without autodiff the loss is computed without its gradient (a validation loss wrote a
+/// gradient of the logits' size): the same loss as under autodiff, over rows in several
+/// parallel blocks, some ignored.
+#[test]
+fn cross_entropy_without_autodiff_is_the_loss_under_it() {
+    for b in backends() {
+        let (rows, classes) = (1000, 7);
+        let values: Vec<i64> = (0..rows as i64).map(|r| (r * 5 % 8) - 1).collect();
+        let targets = |device: &Device| {
+            let data = burn::tensor::TensorData::new(values.clone(), [rows]);
+            Tensor::<1, burn::tensor::Int>::from_data(data, device)
+        };
+        let logits = |device: &Device| crate::util::randn([rows, classes], 21, device) * 3.0;
+        let plain = mha::loss::cross_entropy(logits(&b.device), targets(&b.device), Some(-1));
+        let ad = b.autodiff();
+        let tracked = logits(&ad).require_grad();
+        let want = mha::loss::cross_entropy(tracked, targets(&ad), Some(-1)).inner();
+        let label = format!("[{}] cross-entropy without autodiff", b.name);
+        assert_close(&label, plain, want, 1e-6);
+    }
+}
+
 /// PyTorch's default `ignore_index`, -100 (Hugging Face's labels), is given as it is:
 /// the fixture's loss with the ignored rows' targets made -100 (it could not be written).
 #[test]

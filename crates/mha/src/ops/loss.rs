@@ -76,7 +76,9 @@ mod cpu {
     use burn::backend::tensor::FloatTensor;
 
     use crate::cpu::CpuTensors;
-    use crate::cpu::rows::loss::{cross_entropy_backward, cross_entropy_forward};
+    use crate::cpu::rows::loss::{
+        cross_entropy_backward, cross_entropy_forward, cross_entropy_loss,
+    };
     use crate::op::{Op, inputs};
 
     /// The mean cross-entropy (`[1, 1, 1, 1]`) of the logits `[1, 1, rows, classes]`
@@ -92,6 +94,12 @@ mod cpu {
         fn forward(self, logits: Vec<FloatTensor<B>>) -> (FloatTensor<B>, FloatTensor<B>) {
             let [logits] = inputs(logits);
             cross_entropy_forward::<B>(&logits, &self.targets)
+        }
+
+        /// Without a backward pass (a validation loss): no gradient of the logits' size.
+        fn output(self, logits: Vec<FloatTensor<B>>) -> FloatTensor<B> {
+            let [logits] = inputs(logits);
+            cross_entropy_loss::<B>(&logits, &self.targets)
         }
 
         fn backward(

@@ -26,8 +26,7 @@ pub(crate) fn cross_entropy_forward<B: CpuTensors>(
     let dims = dims_of::<B>(&logits);
     let classes = dims[3];
     let values = B::floats(&logits).contiguous(dims);
-    let counted = targets.iter().filter(|&&t| t != IGNORED).count();
-    let scale = 1.0 / counted.max(1) as f32;
+    let scale = scale(targets);
     let mut grad = vec![0.0f32; values.len()];
     let per = ROWS * classes.max(1);
     let grads = Chunks::new(&mut grad, per);
@@ -45,34 +44,70 @@ pub(crate) fn cross_entropy_forward<B: CpuTensors>(
     )
 }
 
+/// [`cross_entropy_forward`]'s loss alone, where no gradient is wanted (a validation
+/// loss): each block's rows through one row of scratch, not a gradient of the logits'
+/// size.
+pub(crate) fn cross_entropy_loss<B: CpuTensors>(
+    logits: &FloatTensor<B>,
+    targets: &[i64],
+) -> FloatTensor<B> {
+    let logits = B::readable(logits);
+    let dims = dims_of::<B>(&logits);
+    let classes = dims[3].max(1);
+    let values = B::floats(&logits).contiguous(dims);
+    let scale = scale(targets);
+    let blocks = values.len().div_ceil(ROWS * classes);
+    let losses: Vec<f64> = map_blocks(blocks, |c| {
+        let logits = &values[c * ROWS * classes..values.len().min((c + 1) * ROWS * classes)];
+        let targets = &targets[c * ROWS..targets.len().min((c + 1) * ROWS)];
+        let mut scratch = vec![0.0f32; classes];
+        logits
+            .chunks_exact(classes)
+            .zip(targets)
+            .map(|(row, &target)| row_loss(row, target, scale, &mut scratch))
+            .sum()
+    });
+    let loss = losses.iter().sum::<f64>() as f32 * scale;
+    B::from_rows(vec![loss], [1, 1, 1, 1])
+}
+
+/// One over the rows counted (those not [`IGNORED`]), 1 when none is.
+fn scale(targets: &[i64]) -> f32 {
+    let counted = targets.iter().filter(|&&t| t != IGNORED).count();
+    1.0 / counted.max(1) as f32
+}
+
 /// The summed loss of a block of rows; writes their gradients.
 fn rows(classes: usize, logits: &[f32], targets: &[i64], scale: f32, grad: &mut [f32]) -> f64 {
-    let mut sum = 0.0f64;
-    for ((row, &target), grad) in logits
+    logits
         .chunks_exact(classes)
         .zip(targets)
         .zip(grad.chunks_exact_mut(classes))
-    {
-        if target == IGNORED {
-            continue;
-        }
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0.0f32;
-        for (g, &l) in grad.iter_mut().zip(row) {
-            *g = (l - max).exp();
-            total += *g;
-        }
-        let target = target as usize;
-        // `ln Σ - (x_t - max)`: the maximum added back to a sum in f32 would round the
-        // loss to f32's spacing at the logits' size (0 for logits near 10^4).
-        sum += (total.ln() - (row[target] - max)) as f64;
-        let weight = scale / total;
-        for g in grad.iter_mut() {
-            *g *= weight;
-        }
-        grad[target] -= scale;
+        .map(|((row, &target), grad)| row_loss(row, target, scale, grad))
+        .sum()
+}
+
+/// The loss of one row (0 for an [`IGNORED`] target), its gradient written to `grad`
+/// (left as it is for an ignored row).
+fn row_loss(row: &[f32], target: i64, scale: f32, grad: &mut [f32]) -> f64 {
+    if target == IGNORED {
+        return 0.0;
     }
-    sum
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut total = 0.0f32;
+    for (g, &l) in grad.iter_mut().zip(row) {
+        *g = (l - max).exp();
+        total += *g;
+    }
+    let target = target as usize;
+    let weight = scale / total;
+    for g in grad.iter_mut() {
+        *g *= weight;
+    }
+    grad[target] -= scale;
+    // `ln Σ - (x_t - max)`: the maximum added back to a sum in f32 would round the loss
+    // to f32's spacing at the logits' size (0 for logits near 10^4).
+    (total.ln() - (row[target] - max)) as f64
 }
 
 /// `grad` (the logits' gradient kept by the forward pass) times the upstream gradient of
