@@ -1082,7 +1082,7 @@ fn burns_attention_module_converts_with_its_numbers() {
             let pad = Tensor::<2>::from_data(
                 burn::tensor::TensorData::new(
                     (0..14)
-                        .map(|i| if i >= 5 && i < 7 { 1.0f32 } else { 0.0 })
+                        .map(|i| if (5..7).contains(&i) { 1.0f32 } else { 0.0 })
                         .collect::<Vec<_>>(),
                     [2, 7],
                 ),
