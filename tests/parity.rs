@@ -1055,7 +1055,8 @@ fn left_padded_prompts_decode_as_each_alone() {
 
 /// Burn's own attention module converts (`From`) with its numbers: its weights, biases
 /// (one projection without one), dropout and quiet softmax, under its padding and
-/// attention masks (rows with a visible key: Burn makes a row with none uniform), in
+/// attention masks (rows with a visible key: Burn's ordinary softmax makes a row with none
+/// uniform), in
 /// self- and cross-attention, forward and every input's gradient.
 #[test]
 fn burns_attention_module_converts_with_its_numbers() {

@@ -10,7 +10,8 @@
 //! The packed projection is a parameter of its own (a leaf, as after a load), trained
 //! whether Burn's were or not.
 //! Burn fills blocked scores with `min_float` (-1e4 by default): a row whose keys are all
-//! blocked is uniform over them there, and 0 here; every other row is the same.
+//! blocked is uniform over them there with the ordinary softmax (0 with its quiet one),
+//! and 0 here; every other row is the same.
 
 use burn::module::Param;
 use burn::nn::Linear;

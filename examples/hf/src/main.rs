@@ -419,8 +419,8 @@ fn main() -> anyhow::Result<()> {
 
     let start = Instant::now();
     // Built, cast, then loaded: the parameters are never all in f32 at once for another
-    // dtype, and a dtype the device does not compute in is named before any weight loads.
-    let (config, weights) = read_pretrained(dir)?;
+    // dtype, and a dtype the device does not compute in is named before any weight is
+    // read.
     let lm = match dtype {
         FloatDType::F32 => config.init_causal_lm(&device)?,
         other => config
@@ -428,6 +428,7 @@ fn main() -> anyhow::Result<()> {
             .try_to_dtype(other)
             .with_context(|| format!("--dtype {}", s.dtype))?,
     };
+    let (config, weights) = read_pretrained(dir)?;
     let lm = load_causal_lm(lm, &weights, "")?;
     eprintln!(
         "{} ({} layers, width {}, vocabulary {}) loaded on {} in {:.2} s, in {}",

@@ -830,11 +830,15 @@ fn partial(path: &Path) -> PathBuf {
 
 /// Removes a file or a folder, if it is there.
 fn remove(path: &Path) -> anyhow::Result<()> {
-    // A link is removed as a file: what it points to stays.
-    let is_folder = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
-    let removed = match is_folder {
-        true => std::fs::remove_dir_all(path),
-        false => std::fs::remove_file(path),
+    // A link goes, not what it points to: as a file, or (a Windows link to a folder) as
+    // an empty folder.
+    let kind = std::fs::symlink_metadata(path).map(|m| m.file_type());
+    let removed = match kind {
+        Ok(kind) if kind.is_symlink() => {
+            std::fs::remove_file(path).or_else(|_| std::fs::remove_dir(path))
+        }
+        Ok(kind) if kind.is_dir() => std::fs::remove_dir_all(path),
+        _ => std::fs::remove_file(path),
     };
     match removed {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Tensor, activation::softmax};
+use burn::tensor::{DType, Tensor, activation::softmax};
 
 use super::SdpaOptions;
 use crate::mask::{AttentionMask, blocked_score};
@@ -90,19 +90,26 @@ pub(super) fn weights(
     // or wider; -2^14, the blocked score, in f16) or below its own dtype's blocked score
     // (an f16 mask's -2^14 or `finfo.min` blocks f32 queries too). Told from the masks,
     // not from the scores: in f16 a real row's best score may lie as low as that.
+    // (A mask without a boolean part or a bias closes a row only where its rule leaves
+    // the row no key: told on the host, no tensor made otherwise.)
+    let may_close = blocked.is_some() && mask.has_boolean_part()
+        || bias.is_some()
+        || mask.rule_empties_a_row(queries, keys);
     let closed = match (blocked, mask.blocking_bias(query_dtype)) {
+        _ if !may_close => None,
         (Some(a), Some(b)) => Some(a.bool_or(b)),
         (Some(closed), None) | (None, Some(closed)) => Some(closed),
         (None, None) => None,
     };
-    // Such rows' scores made 0 before the softmax, so that its values and gradients are
-    // finite whatever the scores were (in f16 a blocked row of very low scores overflows
-    // to -inf in every column, whose softmax is NaN).
     let dims = s.dims();
     let dead = closed.map(|closed| closed.bool_not().any_dim(3).bool_not().expand(dims));
-    let s = match &dead {
-        Some(dead) => s.mask_fill(dead.clone(), 0.0),
-        None => s,
+    // In f16 such rows' scores are made 0 before the softmax, so that its values and
+    // gradients are finite whatever the scores were (a blocked row of very low scores
+    // overflows to -inf in every column, whose softmax is NaN); wider dtypes hold the
+    // blocked score and the scores' sum.
+    let s = match (&dead, query_dtype) {
+        (Some(dead), DType::F16) => s.mask_fill(dead.clone(), 0.0),
+        _ => s,
     };
     let weights = match mask.sink_logits() {
         // The sinks join the softmax as one more column, dropped after it.

@@ -444,6 +444,20 @@ impl AttentionMask {
         self
     }
 
+    /// Whether the mask has a boolean part (a tensor of blocked keys).
+    pub(crate) fn has_boolean_part(&self) -> bool {
+        self.blocked.is_some()
+    }
+
+    /// Whether the rule alone leaves some query row of a `[Tq, Tk]` problem without a key
+    /// (causal with more queries than keys, a window past the keys, a packed row's
+    /// padding), read on the host.
+    pub(crate) fn rule_empties_a_row(&self, queries: usize, keys: usize) -> bool {
+        let visibility = self.visibility(queries, keys);
+        let rows = self.rule.packed.as_ref().map_or(1, |packed| packed.len());
+        (0..rows).any(|b| (0..queries).any(|q| visibility.keys_of(b, q).is_empty()))
+    }
+
     /// Where the additive bias blocks its key, for scores computed in `dtype` (the
     /// queries'): at or below what blocks a row on the tiles and the GPU kernels once cast
     /// to `dtype` ([`DEAD_ROW`], -5e29; the blocked score -2^14 in f16), or at or below the
@@ -451,15 +465,16 @@ impl AttentionMask {
     /// `None` without a bias.
     pub(crate) fn blocking_bias(&self, dtype: DType) -> Option<Tensor<4, Bool>> {
         let bias = self.bias.as_ref()?;
-        let own = bias.clone().lower_equal_elem(blocked_score(bias.dtype()));
         let floor = match dtype {
             DType::F16 => blocked_score(dtype),
             _ => DEAD_ROW,
         };
-        let cast = match bias.dtype() == dtype {
-            true => bias.clone(),
-            false => bias.clone().cast(FloatDType::from(dtype)),
-        };
+        // Of the scores' own dtype, the floor is at or above the blocked score.
+        if bias.dtype() == dtype {
+            return Some(bias.clone().lower_equal_elem(floor));
+        }
+        let own = bias.clone().lower_equal_elem(blocked_score(bias.dtype()));
+        let cast = bias.clone().cast(FloatDType::from(dtype));
         Some(cast.lower_equal_elem(floor).bool_or(own))
     }
 

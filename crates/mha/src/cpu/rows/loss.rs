@@ -45,8 +45,7 @@ pub(crate) fn cross_entropy_forward<B: CpuTensors>(
 }
 
 /// [`cross_entropy_forward`]'s loss alone, where no gradient is wanted (a validation
-/// loss): each block's rows through one row of scratch, not a gradient of the logits'
-/// size.
+/// loss): no gradient of the logits' size written.
 pub(crate) fn cross_entropy_loss<B: CpuTensors>(
     logits: &FloatTensor<B>,
     targets: &[i64],
@@ -60,11 +59,10 @@ pub(crate) fn cross_entropy_loss<B: CpuTensors>(
     let losses: Vec<f64> = map_blocks(blocks, |c| {
         let logits = &values[c * ROWS * classes..values.len().min((c + 1) * ROWS * classes)];
         let targets = &targets[c * ROWS..targets.len().min((c + 1) * ROWS)];
-        let mut scratch = vec![0.0f32; classes];
         logits
             .chunks_exact(classes)
             .zip(targets)
-            .map(|(row, &target)| row_loss(row, target, scale, &mut scratch))
+            .map(|(row, &target)| row_lse_loss(row, target))
             .sum()
     });
     let loss = losses.iter().sum::<f64>() as f32 * scale;
@@ -85,6 +83,17 @@ fn rows(classes: usize, logits: &[f32], targets: &[i64], scale: f32, grad: &mut 
         .zip(grad.chunks_exact_mut(classes))
         .map(|((row, &target), grad)| row_loss(row, target, scale, grad))
         .sum()
+}
+
+/// The loss of one row (0 for an [`IGNORED`] target) without its gradient: as
+/// [`row_loss`] computes it.
+fn row_lse_loss(row: &[f32], target: i64) -> f64 {
+    if target == IGNORED {
+        return 0.0;
+    }
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f32 = row.iter().map(|&l| (l - max).exp()).sum();
+    (total.ln() - (row[target as usize] - max)) as f64
 }
 
 /// The loss of one row (0 for an [`IGNORED`] target), its gradient written to `grad`
