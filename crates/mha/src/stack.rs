@@ -274,47 +274,34 @@ trait Block {
     ) -> Result<(), CacheError>;
 }
 
-impl Block for EncoderBlock {
-    const READS_MEMORY: bool = false;
+/// `Block` for a block type, by its own methods of the same names.
+macro_rules! block {
+    ($block:ty, reads_memory: $reads:expr) => {
+        impl Block for $block {
+            const READS_MEMORY: bool = $reads;
 
-    fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
-        self.forward(input)
-    }
+            fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
+                self.forward(input)
+            }
 
-    fn head_counts(&self) -> Vec<usize> {
-        self.head_counts()
-    }
+            fn head_counts(&self) -> Vec<usize> {
+                self.head_counts()
+            }
 
-    fn check_cache(
-        &self,
-        cache: &KvCache,
-        x: &Tensor<3>,
-        mask: &AttentionMask,
-    ) -> Result<(), CacheError> {
-        self.check_cache(cache, x, mask)
-    }
+            fn check_cache(
+                &self,
+                cache: &KvCache,
+                x: &Tensor<3>,
+                mask: &AttentionMask,
+            ) -> Result<(), CacheError> {
+                self.check_cache(cache, x, mask)
+            }
+        }
+    };
 }
 
-impl Block for DecoderBlock {
-    const READS_MEMORY: bool = true;
-
-    fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
-        self.forward(input)
-    }
-
-    fn head_counts(&self) -> Vec<usize> {
-        self.head_counts()
-    }
-
-    fn check_cache(
-        &self,
-        cache: &KvCache,
-        x: &Tensor<3>,
-        mask: &AttentionMask,
-    ) -> Result<(), CacheError> {
-        self.check_cache(cache, x, mask)
-    }
-}
+block!(EncoderBlock, reads_memory: false);
+block!(DecoderBlock, reads_memory: true);
 
 /// What a stack is made of.
 struct Stack<'a, B> {

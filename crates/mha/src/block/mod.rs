@@ -242,22 +242,13 @@ impl EncoderBlock {
         x: &Tensor<3>,
         mask: &AttentionMask,
     ) -> Result<(), CacheError> {
-        if !self.causal {
-            return Err(CacheError::NotCausal {
-                module: "EncoderBlock",
-            });
-        }
-        if let Some(window) = self.window
-            && cache.window() != Some(window)
-        {
-            return Err(CacheError::Window {
-                window,
-                cache: cache.window(),
-            });
-        }
-        cache.check_write(&self.self_attn.brought(x))?;
-        self.self_attn.check_cached_call(x, cache, mask);
-        Ok(())
+        let block = CachedBlock {
+            module: "EncoderBlock",
+            causal: self.causal,
+            window: self.window,
+            attention: &self.self_attn,
+        };
+        block.check(cache, x, mask)
     }
 }
 
@@ -387,13 +378,50 @@ impl DecoderBlock {
         x: &Tensor<3>,
         mask: &AttentionMask,
     ) -> Result<(), CacheError> {
+        let block = CachedBlock {
+            module: "DecoderBlock",
+            causal: self.causal,
+            window: None,
+            attention: &self.self_attn,
+        };
+        block.check(cache, x, mask)
+    }
+}
+
+/// What a block's cached call depends on: its name in errors, whether it is causal, its
+/// window, its self-attention.
+struct CachedBlock<'a> {
+    module: &'static str,
+    causal: bool,
+    window: Option<usize>,
+    attention: &'a MultiHeadAttention,
+}
+
+impl CachedBlock<'_> {
+    /// What a call of `x` under `mask` with `cache` would refuse before it writes: a block
+    /// that is not causal, a window the cache does not slide over, the cache's own
+    /// refusals; and, panicking, what the self-attention refuses of the mask.
+    fn check(
+        &self,
+        cache: &KvCache,
+        x: &Tensor<3>,
+        mask: &AttentionMask,
+    ) -> Result<(), CacheError> {
         if !self.causal {
             return Err(CacheError::NotCausal {
-                module: "DecoderBlock",
+                module: self.module,
             });
         }
-        cache.check_write(&self.self_attn.brought(x))?;
-        self.self_attn.check_cached_call(x, cache, mask);
+        if let Some(window) = self.window
+            && cache.window() != Some(window)
+        {
+            return Err(CacheError::Window {
+                window,
+                cache: cache.window(),
+            });
+        }
+        cache.check_write(&self.attention.brought(x))?;
+        self.attention.check_cached_call(x, cache, mask);
         Ok(())
     }
 }
