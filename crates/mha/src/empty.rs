@@ -2,7 +2,8 @@
 //! elements), made without running a Burn operation on an empty tensor: several backends
 //! fail on them inside Burn (a reshape to a shape with a 0 reads the 0 as "keep this
 //! axis"), or leave garbage in a product over an empty axis. [`crate::dispatch`] decides
-//! when an operation takes this path.
+//! when an operation takes this path; `narrow` and `reshape` test their own empty
+//! case.
 //!
 //! Under autodiff the result depends on every input through a term that is exactly 0, so
 //! that each input's gradient exists, in its own shape, and is 0.

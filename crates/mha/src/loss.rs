@@ -1,7 +1,8 @@
 //! [`cross_entropy`]: the loss of a classifier over its logits, PyTorch's
 //! `F.cross_entropy(logits, targets, ignore_index=…)`, computed on flex and ndarray (f32)
-//! as one operation that writes its gradient in the same pass over the logits (see
-//! `ops::loss`), elsewhere with Burn's operations.
+//! as one operation that writes its gradient in the same pass over the logits (the loss
+//! alone, without a gradient, where none is tracked; see `ops::loss`), elsewhere with
+//! Burn's operations.
 
 use burn::tensor::{Int, Tensor};
 

@@ -301,8 +301,9 @@ impl DecoderBlock {
     /// cache's errors ([`MultiHeadAttention::forward_cached`]); without a cache, none.
     ///
     /// # Panics
-    /// If the shapes disagree, a mask does not broadcast, the input has no memory, or the
-    /// head mask does not have the block's two attention layers.
+    /// If the shapes disagree, a mask does not broadcast, the input has no memory (or one
+    /// on another device or of another dtype than `x`), or the head mask does not have
+    /// the block's two attention layers.
     pub fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
         let weights = input.attention_weights();
         let BlockInput {

@@ -363,8 +363,9 @@ impl AttentionMask {
     /// alignment (see the type docs).
     ///
     /// # Panics
-    /// If a learned table has not one column per bucket (`[H, buckets.len()]`), or T5's
-    /// buckets have no exact bucket or a `max_distance` not past them, naming the values.
+    /// If a learned table has not one column per bucket (`[H, buckets.len()]`), T5's
+    /// buckets have no exact bucket or a `max_distance` not past them, or clipped
+    /// distances go past `i32::MAX`, naming the values.
     pub fn position_bias(bias: PositionBias) -> Self {
         bias.check();
         Self {

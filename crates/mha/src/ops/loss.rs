@@ -1,6 +1,7 @@
 //! Cross-entropy over rows of logits. On the CPU backends it is one operation that
-//! writes its gradient in the same pass over the logits, the backward pass scaling it;
-//! elsewhere `log_softmax`, a gather and a masked mean.
+//! writes its gradient in the same pass over the logits, the backward pass scaling it
+//! (where nothing is tracked, the loss alone); elsewhere `log_softmax`, a gather and a
+//! masked mean.
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Bool, DType, Int, Tensor};
