@@ -300,6 +300,18 @@ fn windows_and_packing() -> Vec<Case> {
             },
             Some(2.0),
         ),
+        // Query and key head dim 128 in f32: the GPU's dQ kernel takes tiles of 16 or
+        // 32 queries and 32 or 16 keys on 32 units, fewer than a tile's 47 diagonals,
+        // whose table gradients it sums (the diagonals past the units were left out).
+        case(
+            "T5 buckets, causal, head dims 128/8",
+            [1, 2, 2, 40, 40, 128, 8],
+            MaskSpec {
+                position: Some(table(2, t5(false), 46)),
+                ..MaskSpec::causal()
+            },
+            None,
+        ),
     ]
 }
 

@@ -429,8 +429,13 @@ fn dq_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
     let mut scratch = shared_tile::<f32>(comptime!(t.scratch()));
     let mut ring = Shared::<[f32]>::new_slice(comptime!(t.bq + t.bk));
     let unit = UNIT_POS as usize;
-    if unit < comptime!(t.bq + t.bk) {
-        ring[unit] = 0.0f32;
+    // Slot `u` zeroed by the unit that sums the first tile's diagonal `u` (`pd_tile`).
+    #[unroll]
+    for step in 0..comptime!((t.bq + t.bk).div_ceil(t.units)) {
+        let slot = comptime!(step * t.units) + unit;
+        if slot < comptime!(t.bq + t.bk) {
+            ring[slot] = 0.0f32;
+        }
     }
     // The unit's query's sum over the keys, for a bias without keys.
     let mut row_sum = 0.0f32;
@@ -750,9 +755,10 @@ fn bias_rest<F: Float, M: Int, N: Size>(
 }
 
 /// The diagonal sums of one dS tile (keys `t0 ..`, the `n`-th tile of the cube) for the
-/// bias by distance's gradient: unit `u` sums the tile's diagonal `u` (key − query =
-/// `t0 - first - (bq - 1) + u`) and adds what earlier tiles left of it in `ring`; a
-/// diagonal no later tile reaches (`u < bk`) is written to the cube's partial row, the
+/// bias by distance's gradient: unit `u` sums the tile's diagonals `u`, `u + units`, ...
+/// (diagonal `d`: key − query = `t0 - first - (bq - 1) + d`; a tile has `bq + bk - 1`,
+/// which may be more than the units) and adds what earlier tiles left of each in `ring`;
+/// a diagonal no later tile reaches (`d < bk`) is written to the cube's partial row, the
 /// others carried in `ring`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -772,28 +778,32 @@ fn pd_tile<F: Float, M: Int, N: Size, W: Float>(
     match dpd {
         ComptimeOption::Some(dpd) => {
             let (at, columns) = pd_row(p, blk, t);
-            if unit < comptime!(t.bq + t.bk - 1) {
-                let mut sum = 0.0f32;
-                #[unroll]
-                for r in 0..t.bq {
-                    let c = unit as i32 + comptime!(r as i32 - (t.bq as i32 - 1));
-                    if c >= 0 && c < t.bk as i32 {
-                        sum += element(ds_tile, ds, c as usize, r);
+            #[unroll]
+            for step in 0..comptime!((t.bq + t.bk - 1).div_ceil(t.units)) {
+                let d = comptime!(step * t.units) + unit;
+                if d < comptime!(t.bq + t.bk - 1) {
+                    let mut sum = 0.0f32;
+                    #[unroll]
+                    for r in 0..t.bq {
+                        let c = d as i32 + comptime!(r as i32 - (t.bq as i32 - 1));
+                        if c >= 0 && c < t.bk as i32 {
+                            sum += element(ds_tile, ds, c as usize, r);
+                        }
                     }
-                }
-                let slot = (n * t.bk + unit) % comptime!(t.bq + t.bk);
-                let total = ring[slot] + sum;
-                if unit < t.bk {
-                    let column = t0 - blk.first as i32 - comptime!(t.bq as i32 - 1)
-                        + unit as i32
-                        + p.q.shape(2) as i32
-                        - 1;
-                    if column >= 0 && column < columns as i32 {
-                        dpd[at + column as usize] = total;
+                    let slot = (n * t.bk + d) % comptime!(t.bq + t.bk);
+                    let total = ring[slot] + sum;
+                    if d < t.bk {
+                        let column = t0 - blk.first as i32 - comptime!(t.bq as i32 - 1)
+                            + d as i32
+                            + p.q.shape(2) as i32
+                            - 1;
+                        if column >= 0 && column < columns as i32 {
+                            dpd[at + column as usize] = total;
+                        }
+                        ring[slot] = 0.0f32;
+                    } else {
+                        ring[slot] = total;
                     }
-                    ring[slot] = 0.0f32;
-                } else {
-                    ring[slot] = total;
                 }
             }
         }
@@ -821,11 +831,16 @@ fn pd_rest<F: Float, M: Int, N: Size>(
             // The column of the cube's first diagonal.
             let first =
                 lo - comptime!(t.bq as i32 - 1) + p.q.shape(2) as i32 - 1 - blk.first as i32;
-            if n > 0 && unit >= t.bk && unit < comptime!(t.bq + t.bk - 1) {
-                let at_ring = (n - 1) * t.bk + unit;
-                let column = first + at_ring as i32;
-                if column >= 0 && column < columns as i32 {
-                    dpd[at + column as usize] = ring[at_ring % comptime!(t.bq + t.bk)];
+            // Diagonal `d` of the last tile, summed by the unit `pd_tile` gave it.
+            #[unroll]
+            for step in 0..comptime!((t.bq + t.bk - 1).div_ceil(t.units)) {
+                let d = comptime!(step * t.units) + unit;
+                if n > 0 && d >= t.bk && d < comptime!(t.bq + t.bk - 1) {
+                    let at_ring = (n - 1) * t.bk + d;
+                    let column = first + at_ring as i32;
+                    if column >= 0 && column < columns as i32 {
+                        dpd[at + column as usize] = ring[at_ring % comptime!(t.bq + t.bk)];
+                    }
                 }
             }
         }
