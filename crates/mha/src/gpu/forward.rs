@@ -375,7 +375,10 @@ fn forward_block<F: Float, M: Int, N: Size, W: Float, P: TileProduct>(
             for j in 0..o_cols {
                 let d = c0_o + j;
                 if d < t.d_v {
-                    out[at + d * col_stride] = F::cast_from(o[comptime!(i * o_cols + j)] * inv);
+                    // A dead row is zeros even where a value it summed is not finite
+                    // (`inf · 0` is NaN), as on the CPU.
+                    let value = select(dead, 0.0f32, o[comptime!(i * o_cols + j)] * inv);
+                    out[at + d * col_stride] = F::cast_from(value);
                 }
             }
             if tx == 0 {

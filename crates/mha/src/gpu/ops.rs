@@ -339,9 +339,69 @@ pub(crate) trait GpuAttention: Backend {
 }
 
 /// A tensor as the kernels read it: laid out in rows (a tensor tiled for a matrix product
-/// is un-tiled first).
+/// is un-tiled first), over a buffer the kernels' 32-bit indices reach whole
+/// ([`Reach`]).
 fn binding(t: CubeTensor) -> TensorBinding {
-    untile(t).binding()
+    let mut t = untile(t);
+    let elem = t.dtype.size() as u64;
+    let used = t.handle.size_in_used();
+    match Reach::of(used, elem, t.meta.shape(), t.meta.strides()) {
+        Reach::Whole => t.binding(),
+        Reach::Trim { bytes } => {
+            t.handle = t.handle.clone().offset_end(used - bytes);
+            t.binding()
+        }
+        Reach::Copy => burn_cubecl::kernel::into_contiguous(t).binding(),
+    }
+}
+
+/// How a view is bound for kernels that index in 32 bits (CubeCL's default addressing:
+/// a buffer's length and a tensor's strides are passed as `u32`, and the kernels' sizes
+/// are bounded by `i32::MAX` elements, see `dispatch::gpu_indexed`). A view into a larger
+/// buffer (a cache's store narrowed to the keys seen, at a batch and capacity past 2^31
+/// elements) would be read at wrapped indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reach {
+    /// The buffer's used part holds at most `i32::MAX` elements: bound as it is.
+    Whole,
+    /// The elements the view reaches (its last one's index, plus one) are within
+    /// `i32::MAX`: bound over those `bytes` only (rounded up to 4, a storage binding's
+    /// granule, within the buffer).
+    Trim {
+        /// The bytes bound.
+        bytes: u64,
+    },
+    /// The view reaches past `i32::MAX` elements (its strides do): copied to a tensor of
+    /// its own, whose elements the dispatcher bounds (Burn's copy indexes in 64 bits).
+    Copy,
+}
+
+impl Reach {
+    /// The binding of a view of `shape` at `strides` over `used` bytes of elements of
+    /// `elem` bytes.
+    fn of(used: u64, elem: u64, shape: &[usize], strides: &[usize]) -> Self {
+        let most = i32::MAX as u64;
+        if used / elem.max(1) <= most {
+            return Reach::Whole;
+        }
+        let reach = match shape.contains(&0) {
+            true => 0,
+            false => shape
+                .iter()
+                .zip(strides)
+                .map(|(&n, &stride)| (n as u64 - 1).saturating_mul(stride as u64))
+                .fold(1u64, u64::saturating_add),
+        };
+        match reach <= most {
+            // (A view of nothing never reaches the kernels; a binding of no bytes is
+            // invalid.)
+            true if reach == 0 => Reach::Whole,
+            true => Reach::Trim {
+                bytes: (reach * elem).next_multiple_of(4).min(used),
+            },
+            false => Reach::Copy,
+        }
+    }
 }
 
 /// The call's tensors as bindings: the mask as the device stores it (u8 or u32), the
@@ -1011,4 +1071,33 @@ fn call(
         Some(packed) => <Dispatch as GpuAttention>::gpu_attention_packed(spec, packed, inputs),
         None => <Dispatch as GpuAttention>::gpu_attention(spec, inputs),
     })
+}
+
+#[cfg(test)]
+mod reach_tests {
+    use super::Reach;
+
+    /// A cache's store `[64, 8, 65536, 128]` in f16 (2^32 elements) narrowed to its first
+    /// keys: its strides reach past 2^31 elements, so it is copied; the same store with a
+    /// batch of 1 narrowed to 4096 keys reaches 2^29 + ... elements: bound over those.
+    #[test]
+    fn views_into_buffers_past_32_bits_are_trimmed_or_copied() {
+        let store = [64usize, 8, 65536, 128];
+        let strides = [8 * 65536 * 128, 65536 * 128, 128, 1];
+        let used = store.iter().product::<usize>() as u64 * 2;
+        let view = [64, 8, 4096, 128];
+        assert_eq!(Reach::of(used, 2, &view, &strides), Reach::Copy);
+        let one = [1, 8, 4096, 128];
+        let reach = 7 * 65536 * 128 + 4095 * 128 + 127 + 1;
+        let bytes = (reach as u64 * 2).next_multiple_of(4);
+        assert_eq!(Reach::of(used, 2, &one, &strides), Reach::Trim { bytes });
+        // Within 2^31 elements, as it is; a view of nothing as it is too.
+        assert_eq!(Reach::of(1 << 30, 4, &one, &strides), Reach::Whole);
+        assert_eq!(
+            Reach::of(used, 2, &[0, 8, 4096, 128], &strides),
+            Reach::Whole
+        );
+        // An odd number of f16 elements: rounded up to 4 bytes, within the buffer.
+        assert_eq!(Reach::of(used, 2, &[3], &[1]), Reach::Trim { bytes: 8 });
+    }
 }
