@@ -313,6 +313,63 @@ fn rows_blocked_by_low_biases_give_zeros_on_every_path_and_dtype() {
     }
 }
 
+/// An f16 bias that blocks its row (Hugging Face's `finfo(f16).min`) still blocks it once
+/// joined to a bias in f32 (ALiBi's, made in f32; or another mask's): zeros beside f32
+/// queries on every path, the explicit one in query chunks (256 queries, no autodiff) or
+/// whole (weights asked for), and the tiles (the joined bias is f32). It was -65504 in
+/// f32 once joined, a low score but no block: near-uniform weights.
+#[test]
+fn an_f16_blocking_bias_joined_to_an_f32_bias_still_blocks() {
+    use burn::tensor::FloatDType;
+    use mha::{PositionBias, positions::alibi_slopes};
+    let (h, t, d) = (2, 256, 4);
+    for be in backends() {
+        // (ndarray has no f16.)
+        if !be.other_float_dtypes().contains(&FloatDType::F16) {
+            continue;
+        }
+        let dev = &be.device;
+        let values: Vec<f32> = (0..t * t)
+            .map(|i| if i / t == 2 { -65504.0 } else { 0.0 })
+            .collect();
+        let f16_bias = Tensor::<4>::from_data(TensorData::new(values, [1, 1, t, t]), dev)
+            .cast(FloatDType::F16);
+        let alibi = PositionBias::Alibi {
+            slopes: alibi_slopes(h),
+        };
+        let joined = [
+            ("ALiBi", AttentionMask::position_bias(alibi)),
+            (
+                "an f32 bias",
+                AttentionMask::bias(randn([1, 1, t, t], 4, dev)),
+            ),
+        ];
+        let [q, k, v] = [1, 2, 3].map(|seed| randn([1, h, t, d], seed, dev));
+        for (name, other) in joined {
+            let mask = AttentionMask::bias(f16_bias.clone()).and(other);
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let what = format!("[{}] joined to {name}, {weights:?}", be.name);
+                let options = SdpaOptions::default().with_weights(weights);
+                let out =
+                    scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), &mask, options);
+                let ctx = to_vec(out.context);
+                for hi in 0..h {
+                    let row = |r: usize| &ctx[(hi * t + r) * d..(hi * t + r + 1) * d];
+                    assert!(
+                        row(2).iter().all(|&x| x == 0.0),
+                        "{what}: head {hi} row 2 {:?}",
+                        row(2)
+                    );
+                    assert!(
+                        row(1).iter().any(|&x| x != 0.0),
+                        "{what}: head {hi} row 1 zero"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A packed row may hold a sequence of no token (FlashAttention's varlen allows it; it was
 /// refused): the same as the row without it, on every path, RoPE restarting as before.
 #[test]

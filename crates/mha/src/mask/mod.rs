@@ -637,7 +637,9 @@ impl AttentionMask {
     }
 }
 
-/// `a + b` in the wider of their dtypes (f16 and bf16 meet in f32).
+/// `a + b` in the wider of their dtypes (f16 and bf16 meet in f32). A bias cast wider
+/// keeps what blocks in its own dtype blocked ([`AttentionMask::blocking_bias`]): an f16
+/// `finfo.min` becomes the wider dtype's blocked score, not -65504.
 fn add_biases(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
     let dtype = match (a.dtype(), b.dtype()) {
         (x, y) if x == y => return a + b,
@@ -646,7 +648,10 @@ fn add_biases(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
     };
     let cast = |t: Tensor<4>| match t.dtype() == dtype.into() {
         true => t,
-        false => t.cast(dtype),
+        false => {
+            let blocks = t.clone().lower_equal_elem(blocked_score(t.dtype()));
+            t.cast(dtype).mask_fill(blocks, blocked_score(dtype.into()))
+        }
     };
     cast(a) + cast(b)
 }
