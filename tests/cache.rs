@@ -8,7 +8,7 @@ use std::ops::Range;
 use burn::module::Param;
 use burn::tensor::{Device, Tensor};
 use mha::{
-    AttentionMask, CacheError, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
+    AttentionMask, BlockInput, CacheError, DecoderBlockConfig, DecoderConfig, EncoderBlockConfig,
     EncoderConfig, HeadMask, KvCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
     Positions, RopeLayout, StackInput,
 };
@@ -564,7 +564,30 @@ fn bad_calls_are_refused_by_name_and_change_nothing() {
     m.forward_cached(other_batch, &mut cache, AttentionMask::none())
         .unwrap();
     let packed = AttentionMask::packed(&[vec![0, 1]]);
-    let err = m.forward_cached(x.clone().narrow(1, 0, 1), &mut cache, packed);
+    let err = m.forward_cached(x.clone().narrow(1, 0, 1), &mut cache, packed.clone());
+    assert_eq!(err.unwrap_err(), CacheError::Packed);
+    // Blocks and stacks too, over a cache that holds positions (their check of the mask
+    // against the cache's keys came first, and panicked).
+    let causal = EncoderConfig::new(encoder_block(Positions::None), 2).init(&device);
+    let mut caches = causal.cache(KvCache::new(8));
+    causal
+        .forward(StackInput::new(x.clone().narrow(1, 0, 2)).cache(&mut caches))
+        .unwrap();
+    let err = causal.forward(
+        StackInput::new(x.clone().narrow(1, 0, 1))
+            .mask(packed.clone())
+            .cache(&mut caches),
+    );
+    assert_eq!(err.unwrap_err(), CacheError::Packed);
+    let mut one = KvCache::new(8);
+    causal.layers[0]
+        .forward(BlockInput::new(x.clone().narrow(1, 0, 2)).cache(&mut one))
+        .unwrap();
+    let err = causal.layers[0].forward(
+        BlockInput::new(x.clone().narrow(1, 0, 1))
+            .mask(packed)
+            .cache(&mut one),
+    );
     assert_eq!(err.unwrap_err(), CacheError::Packed);
 
     let bidirectional =

@@ -421,6 +421,11 @@ impl CachedBlock<'_> {
                 cache: cache.window(),
             });
         }
+        // First, as the module's cached call refuses it (and before the mask's shape is
+        // checked against the cache's keys, which a packed mask's never fits).
+        if mask.rule().packed.is_some() {
+            return Err(CacheError::Packed);
+        }
         cache.check_write(&self.attention.brought(x))?;
         self.attention.check_cached_call(x, cache, mask);
         Ok(())
