@@ -330,6 +330,69 @@ fn statistics_count_positions_within_each_packed_sequence() {
     }
 }
 
+/// A decoding step's weights (`Tq` queries, the last of `Tk` keys, under the causal
+/// rule aligned bottom-right or at an offset) count each query at its own position among
+/// the keys: their statistics are those of the same rows in the whole sequence's weights.
+#[test]
+fn a_decoding_steps_weights_count_positions_among_the_keys() {
+    for be in backends() {
+        let d = &be.device;
+        let tensor =
+            |values: Vec<f32>, dims| Tensor::<4>::from_data(TensorData::new(values, dims), d);
+        // Row q of 4 causal positions: most weight on itself, some on the one before.
+        let mut whole = vec![0.0f32; 16];
+        for q in 0..4 {
+            for k in 0..=q {
+                whole[q * 4 + k] = 0.1 / q.max(1) as f32;
+            }
+            whole[q * 4 + q] = if q == 0 { 1.0 } else { 0.7 };
+            if q > 0 {
+                whole[q * 4 + q - 1] += 0.2;
+            }
+        }
+        // The whole sequence's last row alone, then its last two rows.
+        let causal = AttentionMask::causal();
+        let cases = [
+            (&whole[12..], 1, causal.clone()),
+            (&whole[8..], 2, causal.clone()),
+            (
+                &whole[8..],
+                2,
+                causal.clone().aligned(mha::CausalAlignment::Offset(2)),
+            ),
+        ];
+        for (rows, queries, mask) in cases {
+            let what = format!("[{}] last {queries} rows, {mask:?}", be.name);
+            let step = LayerStats::from_weights(
+                "l",
+                tensor(rows.to_vec(), [1, 1, queries, 4]),
+                &mask,
+                None,
+            );
+            let mut builder = LayerStatsBuilder::new("l");
+            // The whole sequence's rows `4 - queries..`: the same rows, weights blocked
+            // elsewhere by query lengths of the whole being unavailable, so built from
+            // the full weights with the earlier rows blocked by a bias.
+            let mut blocked = vec![0.0f32; 16];
+            for v in blocked.iter_mut().take((4 - queries) * 4) {
+                *v = f32::NEG_INFINITY;
+            }
+            let dead = AttentionMask::bias(tensor(blocked, [1, 1, 4, 4])).and(causal.clone());
+            builder.add(tensor(whole.clone(), [1, 1, 4, 4]), &dead, None);
+            let want = builder.finish();
+            let (got, want) = (&step.heads[0], &want.heads[0]);
+            assert_eq!(got.rows, want.rows, "{what}");
+            close(&format!("{what} same"), got.same, want.same);
+            close(&format!("{what} previous"), got.previous, want.previous);
+            close(&format!("{what} distance"), got.distance, want.distance);
+            close(&format!("{what} first"), got.first, want.first);
+            close(&format!("{what} entropy"), got.entropy, want.entropy);
+            assert_eq!(got.strongest, want.strongest, "{what}");
+            close(&format!("{what} same, by hand"), got.same, 0.7);
+        }
+    }
+}
+
 /// A module and a random input of width 16.
 fn attention(
     heads: usize,
@@ -490,6 +553,51 @@ fn a_pruned_attention_equals_the_masked_one_in_values_and_gradients() {
             let pruned = m.prune(&plan).unwrap();
             assert_eq!(pruned.n_heads, heads - remove.len(), "{what}");
         }
+    }
+}
+
+/// Whether each float parameter of `module` tracks its gradient, in visiting order.
+fn require_grads<M: Module>(module: &M) -> Vec<bool> {
+    struct Visit(Vec<bool>);
+    impl burn::module::ModuleVisitor for Visit {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.val().is_require_grad());
+        }
+    }
+    let mut visit = Visit(Vec::new());
+    module.visit(&mut visit);
+    visit.0
+}
+
+/// A pruned module's parameters are trained or frozen as those they were cut from: a
+/// frozen module stays frozen, the fixed sinks of Burn's quiet softmax stay fixed.
+#[test]
+fn pruning_keeps_each_parameter_trained_or_frozen_as_it_was() {
+    let plan = PrunePlan {
+        remove: vec![vec![1]],
+    };
+    for be in backends() {
+        let d = &be.autodiff();
+        let mut m = attention(4, 2, Positions::Relative { max_distance: 3 }, d);
+        m.sinks = Some(Param::from_tensor(randn([4], 9, d)));
+        for frozen in [false, true] {
+            let what = format!("[{}] frozen {frozen}", be.name);
+            let m = match frozen {
+                true => m.clone().no_grad(),
+                false => m.clone(),
+            };
+            let got = require_grads(&m.prune(&plan).unwrap());
+            // The packed projection and its bias, the output's, the table, the sinks.
+            assert_eq!(got.len(), 6, "{what}");
+            assert!(got.iter().all(|&g| g != frozen), "{what}: {got:?}");
+        }
+        let burn = burn::nn::attention::MultiHeadAttentionConfig::new(16, 4)
+            .with_quiet_softmax(true)
+            .init(d);
+        let pruned = MultiHeadAttention::from(burn).prune(&plan).unwrap();
+        let what = format!("[{}] Burn's quiet softmax", be.name);
+        assert!(!pruned.sinks.unwrap().val().is_require_grad(), "{what}");
+        assert!(pruned.out_proj.weight.val().is_require_grad(), "{what}");
     }
 }
 

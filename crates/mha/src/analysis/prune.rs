@@ -9,6 +9,9 @@
 //! until every group has the same size again, the greatest common divisor of the sizes
 //! left: the outputs stay equal, and the key/value projection is that much wider.
 //!
+//! Each parameter of a pruned module is a new one (a new id: an optimizer's state for the
+//! full module does not carry over), trained or frozen as the one it was cut from.
+//!
 //! To load a pruned module saved with Burn's `save_file`, build the full module from its
 //! configuration, prune it with the same plan (saved beside it, it serialises to JSON;
 //! with every plan in turn, for a module pruned more than once), and load the record into
@@ -16,7 +19,7 @@
 //! shapes may match, but an ALiBi module would give its heads the slopes of a module of
 //! that many heads, not those of the heads it kept (which only the pruning records).
 
-use burn::module::Param;
+use burn::module::{Param, ParamId};
 use burn::nn::Linear;
 use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -171,16 +174,12 @@ fn prune_attention(
         }),
     };
     let out_proj = Linear {
-        weight: Param::from_tensor(select(
-            attention.out_proj.weight.val(),
-            0,
-            &columns(&kept, 0),
-        )),
+        weight: select_param(&attention.out_proj.weight, 0, &columns(&kept, 0)),
         bias: attention
             .out_proj
             .bias
             .as_ref()
-            .map(|b| Param::from_tensor(b.val().detach())),
+            .map(|b| like(b, b.val().detach())),
     };
     let original = match &attention.pruned_from {
         Some(from) => PrunedFrom {
@@ -210,20 +209,39 @@ fn prune_attention(
         position_table: attention
             .position_table
             .as_ref()
-            .map(|t| Param::from_tensor(select(t.val(), 0, &kept))),
-        sinks: attention
-            .sinks
-            .as_ref()
-            .map(|t| Param::from_tensor(select(t.val(), 0, &kept))),
+            .map(|t| select_param(t, 0, &kept)),
+        sinks: attention.sinks.as_ref().map(|t| select_param(t, 0, &kept)),
         pruned_from: Some(original),
     })
 }
 
-/// `norm` with its scale as a new leaf.
+/// `norm` with its scale and shift as new leaves.
 fn detached(norm: &crate::norm::LayerNorm) -> crate::norm::LayerNorm {
     let mut norm = norm.clone();
-    norm.gamma = Param::from_tensor(norm.gamma.val().detach());
+    norm.gamma = like(&norm.gamma, norm.gamma.val().detach());
+    norm.beta = norm.beta.as_ref().map(|b| like(b, b.val().detach()));
     norm
+}
+
+/// `value` (a leaf) as a new parameter trained as `source` is: frozen where it is
+/// (`Module::freeze`, `no_grad`, the fixed sinks of a module converted from Burn's), with
+/// its load and save mappers; a new id, since its shape is not `source`'s.
+fn like<const D: usize>(source: &Param<Tensor<D>>, value: Tensor<D>) -> Param<Tensor<D>> {
+    let (_, old, mapper) = source.clone().consume();
+    let value = match old.is_require_grad() {
+        true => value.require_grad(),
+        false => value,
+    };
+    Param::from_mapped_value(ParamId::new(), value, mapper)
+}
+
+/// The entries `index` of `param` along `dim`, as a new parameter trained as `param` is.
+fn select_param<const D: usize>(
+    param: &Param<Tensor<D>>,
+    dim: usize,
+    index: &[usize],
+) -> Param<Tensor<D>> {
+    like(param, select(param.val(), dim, index))
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -245,11 +263,8 @@ fn select<const D: usize>(x: Tensor<D>, dim: usize, index: &[usize]) -> Tensor<D
 /// `linear` with only the output columns `cols`.
 fn select_outputs(linear: &Linear, cols: &[usize]) -> Linear {
     Linear {
-        weight: Param::from_tensor(select(linear.weight.val(), 1, cols)),
-        bias: linear
-            .bias
-            .as_ref()
-            .map(|b| Param::from_tensor(select(b.val(), 0, cols))),
+        weight: select_param(&linear.weight, 1, cols),
+        bias: linear.bias.as_ref().map(|b| select_param(b, 0, cols)),
     }
 }
 

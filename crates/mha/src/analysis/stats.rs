@@ -8,6 +8,7 @@
 //! weight on its sink has small weights everywhere, and the entropy of what is left.
 
 use core::fmt;
+use std::collections::BTreeMap;
 
 use burn::tensor::{Bool, Tensor};
 use serde::{Deserialize, Serialize};
@@ -30,7 +31,10 @@ pub struct Link {
 /// boolean part, its rule, or an additive bias low enough that attention gives the row
 /// zeros: -5e29 and below, -16384 and below in f16, see [`AttentionMask::bias`]) are left
 /// out.
-/// Positions are counted from the start of each sequence, queries' and keys' alike.
+/// Positions are counted from the start of each sequence, queries' and keys' alike: a
+/// query's own position is where the mask's rule places it among the keys (the last `Tq`
+/// of `Tk` for a causal mask aligned bottom-right, as in a decoding step's weights), its
+/// row's index where the mask has no rule (cross-attention).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HeadStats {
     /// The head.
@@ -130,9 +134,7 @@ impl LayerStatsBuilder {
             );
         }
         if self.heads.is_empty() {
-            self.heads = (0..heads)
-                .map(|_| Accumulator::new(queries, keys))
-                .collect();
+            self.heads = (0..heads).map(|_| Accumulator::default()).collect();
         }
         assert_eq!(
             self.heads.len(),
@@ -165,10 +167,16 @@ impl LayerStatsBuilder {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .expect("a float tensor converts to f32");
-        // Positions counted from each packed sequence's start.
+        // Positions counted from each packed sequence's start; query `q` at key
+        // `q + offset` where the mask places queries among the keys (a causal or windowed
+        // rule, or an alignment: a decoding step's `Tq` queries are the last of `Tk`
+        // keys), at key `q` elsewhere.
         let visibility = mask.visibility(queries, keys);
+        let offset = match visibility.blocks() || mask.is_aligned() {
+            true => visibility.offset,
+            false => 0,
+        };
         for (h, acc) in self.heads.iter_mut().enumerate() {
-            acc.fit(queries, keys);
             for b in 0..batch {
                 let rows = query_lengths.map_or(queries, |l| l[b].min(queries));
                 for q in 0..rows {
@@ -180,7 +188,7 @@ impl LayerStatsBuilder {
                     };
                     if visible > 0 {
                         let row = Row {
-                            own: q as i64,
+                            own: (q as i64).saturating_add(offset),
                             start: visibility.sequence_start(b, q),
                             blocked,
                             visible,
@@ -208,7 +216,7 @@ impl LayerStatsBuilder {
 
 /// One query row of a head's weights, as [`Accumulator::row`] reads it.
 struct Row<'a> {
-    /// The key at the query's own position (the query's index: may lie past the keys).
+    /// The key at the query's own position (may lie before or past the keys).
     own: i64,
     /// The first key of the query's sequence.
     start: usize,
@@ -219,9 +227,8 @@ struct Row<'a> {
 }
 
 /// Sums over the rows of one head.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 struct Accumulator {
-    keys: usize,
     rows: usize,
     entropy: f64,
     normalized: f64,
@@ -230,44 +237,12 @@ struct Accumulator {
     previous: f64,
     previous_rows: usize,
     first: f64,
-    /// Per link: sum of weights, rows.
-    links: Vec<(f64, usize)>,
+    /// Per link, by query position, then key position: sum of weights, rows (only the
+    /// query positions some row was at: a decoding step's one query may be at any).
+    links: BTreeMap<usize, Vec<(f64, usize)>>,
 }
 
 impl Accumulator {
-    fn new(queries: usize, keys: usize) -> Self {
-        Self {
-            keys,
-            rows: 0,
-            entropy: 0.0,
-            normalized: 0.0,
-            distance: 0.0,
-            same: 0.0,
-            previous: 0.0,
-            previous_rows: 0,
-            first: 0.0,
-            links: vec![(0.0, 0); queries * keys],
-        }
-    }
-
-    /// Makes room for the links of `queries` x `keys` weights (a batch longer than the
-    /// earlier ones).
-    fn fit(&mut self, queries: usize, keys: usize) {
-        let old_queries = self.links.len() / self.keys.max(1);
-        if queries <= old_queries && keys <= self.keys {
-            return;
-        }
-        let (new_queries, new_keys) = (queries.max(old_queries), keys.max(self.keys));
-        let mut links = vec![(0.0, 0); new_queries * new_keys];
-        for q in 0..old_queries {
-            for k in 0..self.keys {
-                links[q * new_keys + k] = self.links[q * self.keys + k];
-            }
-        }
-        self.links = links;
-        self.keys = new_keys;
-    }
-
     fn row(&mut self, row: Row, weights: &[f32]) {
         let Row {
             own,
@@ -294,7 +269,11 @@ impl Accumulator {
             let seen = blocked.is_none_or(|blocked| !blocked[k]);
             if visible > 1 && seen && k >= start && own >= start as i64 {
                 let query = own as usize - start;
-                let link = &mut self.links[query * self.keys + k - start];
+                let row = self.links.entry(query).or_default();
+                if row.len() < weights.len() - start {
+                    row.resize(weights.len() - start, (0.0, 0));
+                }
+                let link = &mut row[k - start];
                 link.0 += p;
                 link.1 += 1;
             }
@@ -315,20 +294,22 @@ impl Accumulator {
 
     fn finish(self, head: usize) -> HeadStats {
         let mean = |sum: f64, n: usize| if n == 0 { 0.0 } else { sum / n as f64 };
-        let strongest = self
-            .links
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, n))| *n > 0)
-            .map(|(i, &(sum, n))| Link {
-                query: i / self.keys,
-                key: i % self.keys,
-                weight: sum / n as f64,
-            })
-            .fold(None, |best: Option<Link>, link| match best {
-                Some(b) if b.weight >= link.weight => Some(b),
-                _ => Some(link),
-            });
+        let strongest =
+            self.links
+                .iter()
+                .flat_map(|(&query, row)| {
+                    row.iter().enumerate().filter(|(_, (_, n))| *n > 0).map(
+                        move |(key, &(sum, n))| Link {
+                            query,
+                            key,
+                            weight: sum / n as f64,
+                        },
+                    )
+                })
+                .fold(None, |best: Option<Link>, link| match best {
+                    Some(b) if b.weight >= link.weight => Some(b),
+                    _ => Some(link),
+                });
         HeadStats {
             head,
             rows: self.rows,

@@ -490,6 +490,11 @@ impl AttentionMask {
         self.rule.causal
     }
 
+    /// Whether the mask was given an alignment ([`aligned`](Self::aligned)).
+    pub(crate) fn is_aligned(&self) -> bool {
+        self.rule.alignment.is_some()
+    }
+
     /// Whether nothing is blocked and there is no bias and no sink.
     pub fn is_none(&self) -> bool {
         self.rule.is_none()
