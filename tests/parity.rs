@@ -1128,6 +1128,183 @@ fn burns_attention_module_converts_with_its_numbers() {
     }
 }
 
+/// Burn's module converts with its dropout as it is: frozen (no dropout, as Burn's), or
+/// dropping as many weights as Burn's in training.
+#[test]
+fn burns_attention_module_converts_with_its_dropout_frozen_or_not() {
+    use burn::nn::attention::{MhaInput as BurnInput, MultiHeadAttentionConfig as BurnConfig};
+    for b in backends() {
+        let d = &b.autodiff();
+        let burn = BurnConfig::new(16, 4).with_dropout(0.5).init(d);
+        let x = crate::util::randn([2, 5, 16], 1, d);
+        let frozen = burn.clone().freeze();
+        let want = frozen.forward(BurnInput::self_attn(x.clone())).context;
+        let ours = mha::MultiHeadAttention::from(frozen);
+        let got = ours.forward(mha::MhaInput::self_attn(x.clone())).context;
+        assert_close(&format!("[{}] frozen", b.name), got, want, b.forward_tol());
+        // In training both drop: the output moves away from the frozen module's.
+        let ours = mha::MultiHeadAttention::from(burn);
+        let want = ours
+            .clone()
+            .freeze()
+            .forward(mha::MhaInput::self_attn(x.clone()))
+            .context;
+        let got = ours.forward(mha::MhaInput::self_attn(x)).context;
+        let moved = (got - want).abs().max().into_scalar::<f32>();
+        assert!(moved > 1e-3, "[{}] training: moved {moved}", b.name);
+    }
+}
+
+/// Burn's layer norm with random parameters (Burn starts them at 1 and 0, where a norm
+/// taken for another would not show).
+fn shaken(norm: &mut burn::nn::LayerNorm, seed: u64, device: &Device) {
+    let d = norm.gamma.dims();
+    norm.gamma = Param::from_tensor(crate::util::randn(d, seed, device) * 0.5 + 1.0);
+    norm.beta = Some(Param::from_tensor(crate::util::randn(d, seed + 1, device)));
+}
+
+/// Burn's transformer encoder and decoder convert (`TryFrom`) with their numbers: post-
+/// and pre-norm (whose norms Burn names across the branches), GELU (exact and tanh) and
+/// ReLU, a layer norm's epsilon of Burn's choosing, under Burn's padding and causal masks;
+/// forward and the inputs' gradients. An activation with no counterpart is refused by
+/// name.
+#[test]
+fn burns_transformer_converts_with_its_numbers() {
+    use burn::nn::activation::ActivationConfig;
+    use burn::nn::attention::generate_autoregressive_mask;
+    use burn::nn::transformer::{
+        TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoderConfig,
+        TransformerEncoderInput,
+    };
+    let cases = [
+        (false, ActivationConfig::Gelu),
+        (false, ActivationConfig::Relu),
+        (true, ActivationConfig::Relu),
+        (true, ActivationConfig::GeluApproximate),
+    ];
+    for b in backends() {
+        let d = &b.autodiff();
+        for (norm_first, activation) in cases.clone() {
+            let what = format!("[{}] norm_first {norm_first}, {activation:?}", b.name);
+            // Burn's gradient of exact GELU is the tanh approximation's derivative but on
+            // flex (Burn's default `gelu_backward`; ours is exact GELU's, checked against
+            // PyTorch's in the blocks' tests): its gradients are compared there only.
+            let burns_gradient_exact =
+                !matches!(activation, ActivationConfig::Gelu) || b.name == "flex";
+            let mut encoder = TransformerEncoderConfig::new(16, 32, 4, 2)
+                .with_dropout(0.0)
+                .with_norm_first(norm_first)
+                .with_activation(activation.clone())
+                .with_layer_norm_eps(1e-3)
+                .init(d);
+            let mut decoder = TransformerDecoderConfig::new(16, 32, 4, 2)
+                .with_dropout(0.0)
+                .with_norm_first(norm_first)
+                .with_activation(activation)
+                .init(d);
+            let mut seed = 10;
+            for layer in &mut encoder.layers {
+                for norm in [&mut layer.norm_1, &mut layer.norm_2] {
+                    shaken(norm, seed, d);
+                    seed += 2;
+                }
+            }
+            for layer in &mut decoder.layers {
+                for norm in [&mut layer.norm_1, &mut layer.norm_2, &mut layer.norm_3] {
+                    shaken(norm, seed, d);
+                    seed += 2;
+                }
+            }
+            let ours_encoder = mha::Encoder::try_from(encoder.clone()).unwrap();
+            let ours_decoder = mha::Decoder::try_from(decoder.clone()).unwrap();
+            assert_eq!(ours_encoder.layers[0].norm1.epsilon(), 1e-3, "{what}");
+            let x = crate::util::randn([2, 5, 16], 1, d).require_grad();
+            let memory = crate::util::randn([2, 7, 16], 2, d).require_grad();
+            // Row 0 pads its last 2 tokens, row 1 none.
+            let pad = |len: usize| {
+                let values = (0..2 * len)
+                    .map(|i| i >= len - 2 && i < len)
+                    .collect::<Vec<_>>();
+                Tensor::<2, burn::tensor::Bool>::from_data(
+                    burn::tensor::TensorData::new(values, [2, len]),
+                    d,
+                )
+            };
+            let causal = generate_autoregressive_mask(2, 5, d);
+            // The gradients of x, and of the memory where it was read.
+            let grads = |out: Tensor<3>| {
+                let g = (out * crate::util::randn([2, 5, 16], 3, d))
+                    .sum()
+                    .backward();
+                [x.grad(&g), memory.grad(&g)]
+            };
+            // The encoder over padded tokens, causal through Burn's attention mask.
+            let want = encoder.forward(
+                TransformerEncoderInput::new(x.clone())
+                    .mask_pad(pad(5))
+                    .mask_attn(causal.clone()),
+            );
+            let mask = AttentionMask::key_padding(pad(5)).and(AttentionMask::blocking(
+                causal.clone().unsqueeze_dim::<4>(1),
+            ));
+            let got = ours_encoder
+                .forward(mha::StackInput::new(x.clone()).mask(mask))
+                .unwrap()
+                .output;
+            assert_close(
+                &format!("{what} encoder"),
+                got.clone(),
+                want.clone(),
+                b.forward_tol(),
+            );
+            if burns_gradient_exact {
+                let [got, want] = [grads(got), grads(want)].map(|[dx, _]| dx.unwrap());
+                assert_grad_close(&b, &format!("{what} encoder dx"), got, want);
+            }
+            // The decoder, causal, over a padded memory.
+            let want = decoder.forward(
+                TransformerDecoderInput::new(x.clone(), memory.clone())
+                    .target_mask_attn(causal.clone())
+                    .memory_mask_pad(pad(7)),
+            );
+            let got = ours_decoder
+                .forward(
+                    mha::StackInput::new(x.clone())
+                        .memory(memory.clone())
+                        .mask(AttentionMask::blocking(causal.unsqueeze_dim::<4>(1)))
+                        .memory_mask(AttentionMask::key_padding(pad(7))),
+                )
+                .unwrap()
+                .output;
+            assert_close(
+                &format!("{what} decoder"),
+                got.clone(),
+                want.clone(),
+                b.forward_tol(),
+            );
+            if !burns_gradient_exact {
+                continue;
+            }
+            let (got, want) = (grads(got), grads(want));
+            for ((name, got), want) in ["dx", "dmemory"].into_iter().zip(got).zip(want) {
+                let (got, want) = (got.unwrap(), want.unwrap());
+                assert_grad_close(&b, &format!("{what} decoder {name}"), got, want);
+            }
+        }
+        let tanh = TransformerEncoderConfig::new(16, 32, 4, 1)
+            .with_activation(ActivationConfig::Tanh)
+            .init(d);
+        let err = mha::Encoder::try_from(tanh).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "TransformerEncoderLayer.pwff.activation: Burn's Tanh has no counterpart here \
+             (GELU, exact or tanh, and ReLU convert)",
+            "[{}]",
+            b.name
+        );
+    }
+}
+
 #[test]
 fn configurations_the_blocks_cannot_compute_are_named() {
     let json = std::fs::read(crate::util::root().join("tests/fixtures/llama_layer.json")).unwrap();

@@ -356,3 +356,26 @@ impl fmt::Display for DTypeError {
 }
 
 impl std::error::Error for DTypeError {}
+
+/// A Burn module with a part this crate has no counterpart for, refused by its `TryFrom`
+/// (Burn's transformer layers and stacks, see [`EncoderBlock`](crate::EncoderBlock)'s).
+///
+/// The message names the module, the part and what it is, e.g.
+/// `TransformerEncoderLayer.pwff.activation: Burn's Tanh has no counterpart here (GELU, exact or tanh, and ReLU convert)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConversionError {
+    /// The Burn module, e.g. `TransformerEncoderLayer`.
+    pub module: &'static str,
+    /// Its part, e.g. `pwff.activation`.
+    pub field: &'static str,
+    /// What it is, and what converts.
+    pub message: String,
+}
+
+impl fmt::Display for ConversionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}: {}", self.module, self.field, self.message)
+    }
+}
+
+impl std::error::Error for ConversionError {}

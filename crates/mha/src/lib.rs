@@ -51,7 +51,7 @@ pub use block::{
 };
 pub use cache::{KvCache, MemoryKv, StackCache};
 pub use dtype::ModuleDType;
-pub use error::{CacheError, ConfigError, DTypeError, PruneError};
+pub use error::{CacheError, ConfigError, ConversionError, DTypeError, PruneError};
 pub use inspect::{HeadMask, Inspect};
 pub use mask::{AttentionMask, CausalAlignment};
 pub use mha::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};

@@ -112,6 +112,25 @@ impl LayerNorm {
         }
     }
 
+    /// A layer norm of `gamma` and `beta` with `epsilon` (a module converted from
+    /// another's parameters).
+    ///
+    /// # Panics
+    /// If `epsilon` is negative or not finite.
+    pub(crate) fn layer(
+        gamma: Param<Tensor<1>>,
+        beta: Option<Param<Tensor<1>>>,
+        epsilon: f64,
+    ) -> Self {
+        check_epsilon("LayerNorm", epsilon);
+        Self {
+            gamma,
+            beta,
+            epsilon,
+            kind: NormKind::Layer,
+        }
+    }
+
     /// Layer or RMS normalisation.
     pub fn kind(&self) -> NormKind {
         self.kind
