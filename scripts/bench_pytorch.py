@@ -23,7 +23,9 @@ GFLOP/s count the same work as the Rust benchmark: `8·B·T·D²` for the projec
 way in PyTorch (token embedding plus sinusoidal positions, pre-norm causal
 `nn.TransformerEncoderLayer`s with GELU and no dropout, a final LayerNorm, a linear head;
 cross-entropy over the output tokens, backward, clipping of the gradient norm at 1, AdamW
-with weight decay 0.01) on batches of 64 reversals of 8 to 16 symbols (10 symbols), right
+with weight decay 0.01; the norm clipped is all the gradients' together, where the
+trainer's synthetic tasks clip each parameter's, a few small reductions either way) on
+batches of 64 reversals of 8 to 16 symbols (10 symbols), right
 padded to the longest of each batch, a fresh batch per step: at the trainer's default
 size (d_model 64, 2 layers, 4 heads, feed-forward 256) and at the reference size
 (d_model 128, 3 layers, 4 heads, feed-forward 512), like `cargo run --release -p bench --
@@ -327,6 +329,9 @@ def main():
     parser.add_argument("--long-core", type=int, help="also time the causal core alone at this many positions, with peak memory")
     parser.add_argument("--queued", action="store_true", help="also time each call queued (see above)")
     args = parser.parse_args()
+    for flag in ("runs", "train_steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     global QUEUE
     QUEUE = args.queued
 

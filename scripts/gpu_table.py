@@ -120,22 +120,27 @@ def training(out):
     return lines
 
 
-def log_tables(out, step, title, header, heading=None):
+def log_tables(out, step, title, header, headings=None):
     """The tables of the benchmark's OUT/STEP-BUILD.log (`--floor`, `--overhead`,
-    `--decode`), a section for each build named by `title`, each table's heading (a line
-    `## ...` holding `heading`, `STEP` where it is not given) one level down, each table (a
-    line starting with `header`) apart from the one before it."""
+    `--decode`), a section for each build named by `title`: the log's sections whose
+    heading (a line `## ...`) holds one of `headings` (`STEP` where not given), each
+    heading one level down, each table (a line starting with `header`) apart from the one
+    before it. The log's other sections (the table of the shapes a `--floor` step prints
+    after its own) are left out."""
     lines = []
     for path in sorted(glob.glob(os.path.join(out, f"{step}-*.log"))):
         build = os.path.basename(path)[len(step) + 1:-len(".log")]
         lines.append("\n## " + title.format(build))
+        inside = False
         with open(path) as f:
             for line in f:
-                if line.startswith("## ") and (heading or step) in line:
-                    lines.append("\n#" + line.rstrip("\n"))
-                elif line.startswith(header):
+                if line.startswith("## "):
+                    inside = any(h in line for h in (headings or [step]))
+                    if inside:
+                        lines.extend(["", "#" + line.rstrip("\n")])
+                elif inside and line.startswith(header):
                     lines.extend(["", line.rstrip("\n")])
-                elif line.startswith("|"):
+                elif inside and line.startswith("|"):
                     lines.append(line.rstrip("\n"))
     return lines
 
@@ -342,7 +347,7 @@ def main(out):
             lines.append(f"| {who} | {positions} | {dtype} | {cell(ms)} | {queued_ms} | {peak} |")
     lines.extend(log_tables(out, "floor", "The floor of a call ({}): next to nothing to compute", "| call |"))
     lines.extend(log_tables(out, "overhead", "Around the kernels ({}): one call of each module", "| module |"))
-    lines.extend(log_tables(out, "decode", "One decoding step ({}: `_tiles` on the tiled forward, else on the decoding kernels)", "| batch |", "one decoding step"))
+    lines.extend(log_tables(out, "decode", "One decoding step ({}: `_tiles` on the tiled forward, else on the decoding kernels)", "| batch |", ["one decoding step", "the attention core in a decoding step"]))
     def tiles_key(path):
         build, dtype, *first = os.path.basename(path)[len("tiles-"):-len(".log")].split("-")
         return (build, dtype, [int(x) if x.isdigit() else 0 for x in first])

@@ -33,8 +33,9 @@
 #    after every step it rewrites
 #    OUT/gpu_table.md (scripts/gpu_table.py) and OUT/gpu_table.tar.gz (every result and
 #    log). The whole run stays within 9 minutes (MHA_GPU_TABLE_BUDGET seconds): a step
-#    that would pass it is skipped and says so. Autotuning is bounded
-#    (CUBECL_AUTOTUNE_LEVEL=minimal).
+#    whose limit would pass it is given what is left (and, stopped there, says so, not
+#    counted as failed), one with under 20 s left is skipped and says so. Autotuning is
+#    bounded (CUBECL_AUTOTUNE_LEVEL=minimal).
 #        scripts/gpu_table.sh --tiles PACK OUT
 #    instead times the causal core at 4096 positions with each of the kernels' tiles that
 #    fit first in their order of preference (MHA_GPU_TILES), kernel by kernel: SPIR-V in
@@ -68,10 +69,25 @@ xz_level=9
 # ICD and no adapter ("no adapter found on the requested graphics API"; H200, 2026-11-27).
 loader_debs="libvulkan1 libglvnd0 libglx0 libegl1 libgl1 libgles2 libopengl0"
 
+# `pack_dir_free PACK`: ends the script unless PACK is new, empty or an earlier pack
+# (its `commit` beside nothing but a pack's files), which `pack` replaces: it removes
+# nothing else.
+pack_dir_free() {
+    local dir="$1"
+    local listing
+    [ -d "$dir" ] && listing=$(ls -A "$dir") && [ -n "$listing" ] || return 0
+    if [ ! -f "$dir/commit" ] ||
+        grep -vxE 'commit|bench-(wgsl|spirv)(\.xz)?|mha-tests(\.xz)?|debs' <<< "$listing" > /dev/null; then
+        echo "error: $dir holds files that are not an earlier pack's; name a new or empty folder" >&2
+        exit 2
+    fi
+}
+
 # `pack PACK WGPU_BIN [VULKAN_BIN] [TESTS_BIN]`: the binaries stripped and compressed
-# into PACK (an empty VULKAN_BIN: none).
+# into PACK (an empty VULKAN_BIN: none), in place of an earlier pack there.
 pack() {
     local dir="$1" wgpu="$2" vulkan="${3:-}" tests="${4:-}"
+    pack_dir_free "$dir"
     rm -rf "$dir"
     mkdir -p "$dir"
     strip -o "$dir/bench-wgsl" "$wgpu"
@@ -114,6 +130,7 @@ for line in sys.stdin:
 
 if [ "${1:-}" = "--pack" ]; then
     dir="${2:-gpu-pack}"
+    pack_dir_free "$dir"
     echo "== release builds of the benchmark (wgpu, then vulkan): long the first time" >&2
     cargo build --release -p bench --features wgpu
     cp "$target/release/bench" "$target/release/bench-wgpu-pack"
@@ -163,7 +180,8 @@ case "${1:-}" in
         pack_dir="$out/pack"
         xz_level=0
         bin="$target/debug/bench"
-        [ -x "$bin" ] || cargo build -q --features ndarray,wgpu --bins
+        # Built (or found up to date) every time: an older binary would be packed.
+        cargo build -q --features ndarray,wgpu --bins
         tests=$(lib_tests ndarray,wgpu)
         mkdir -p "$out"
         pack "$pack_dir" "$bin" "" "$tests"
@@ -220,28 +238,47 @@ archive() {
     fi
 }
 
-# `step NAME SECONDS CMD...`: CMD in a process of its own under a limit of SECONDS (and of
-# what is left of the budget), its output in OUT/NAME.log; then the table and archive.
+# `step NAME SECONDS CMD...`: CMD in a process of its own under a limit of SECONDS, or of
+# what is left of the budget where that is less (a step stopped there is said so, not
+# counted as failed), its output in OUT/NAME.log; then the table and archive. Under 20 s
+# left, the step is skipped.
 step() {
     local name="$1" limit="$2"
     shift 2
-    local left=$((budget - (SECONDS - started)))
+    local left=$((budget - (SECONDS - started))) cut=0
     if [ "$left" -lt 20 ]; then
         echo "== $name: skipped, ${left}s left of the budget" >&2
         printf '%s\tskipped: budget spent\t0\n' "$name" >> "$out/steps.tsv"
         return
     fi
-    [ "$limit" -le "$left" ] || limit=$left
+    if [ "$limit" -gt "$left" ]; then
+        limit=$left
+        cut=1
+    fi
     echo "== $name (at most ${limit}s)" >&2
     local t0=$SECONDS status rc=0
     timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1 || rc=$?
+    local took=$((SECONDS - t0))
+    # 124: the limit's SIGTERM ended it; 137: a SIGKILL, the limit's (10 s after its
+    # SIGTERM) or another's (the kernel's, out of memory) before the limit.
+    if [ "$rc" -eq 137 ] && [ "$took" -lt "$limit" ]; then
+        rc=killed
+    fi
     case $rc in
         0) status=ok ;;
-        124 | 137) status="timed out after ${limit}s"; failed=1 ;;
+        124 | 137)
+            if [ "$cut" -eq 1 ]; then
+                status="stopped at the end of the budget after ${limit}s"
+            else
+                status="timed out after ${limit}s"
+                failed=1
+            fi
+            ;;
+        killed) status="killed (SIGKILL) after ${took}s"; failed=1 ;;
         *) status="failed (exit $rc)"; failed=1 ;;
     esac
     echo "   $status" >&2
-    printf '%s\t%s\t%s\n' "$name" "$status" "$((SECONDS - t0))" >> "$out/steps.tsv"
+    printf '%s\t%s\t%s\n' "$name" "$status" "$took" >> "$out/steps.tsv"
     archive
 }
 

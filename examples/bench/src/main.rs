@@ -15,7 +15,8 @@
 //! for half a second where the second is short (a decoding step, which fills a cache,
 //! after one run only); the device is synchronised after each run, so GPU numbers include
 //! the kernels, not only their launch. With `--queued` each call of 2 s or less is also
-//! timed queued (not a decoding step, the window's, nor the trainer's): batches of calls issued back to
+//! timed queued (not a step over a cache, which each call changes, the window's, nor the
+//! trainer's; the decoding step recomputed and the core alone in one are): batches of calls issued back to
 //! back before one sync (enough to keep the device busy for 25 ms, 2 to 64 calls), the
 //! median per call, in a second table and as `queued_ms` in the JSON; on a GPU the synced
 //! time holds one round trip to the device.
@@ -166,8 +167,9 @@ struct Cli {
     /// T, H, Dh]` in memory (`core-bthd`). Nothing is timed with `--overhead`.
     #[arg(long)]
     variants: bool,
-    /// Also time each call of 2 s or less queued (not a decoding step, the window's, nor
-    /// the trainer's):
+    /// Also time each call of 2 s or less queued (not a step over a cache, which each call
+    /// changes, the window's, nor the trainer's; the decoding step recomputed and the core
+    /// alone in one are):
     /// calls issued back to back before one sync, as a training loop issues them, enough
     /// of them to keep the device busy for 25 ms (2 to 64); the median per call over
     /// `--runs` such batches, beside the synced time (a second table, and `queued_ms` in
@@ -1264,6 +1266,10 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
         .map(|name| shape_named(name))
         .collect::<anyhow::Result<_>>()?;
     anyhow::ensure!(cli.runs > 0, "--runs must be at least 1, got 0");
+    anyhow::ensure!(
+        cli.train_steps > 0 || cli.no_train,
+        "--train-steps must be at least 1, got 0 (--no-train skips the trainer's steps)"
+    );
     if let Some(short) = cli.decode_at.iter().find(|&&c| c < 2) {
         anyhow::bail!("--decode-at {short}: a decoding step needs a position before it");
     }
