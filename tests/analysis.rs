@@ -393,6 +393,91 @@ fn a_decoding_steps_weights_count_positions_among_the_keys() {
     }
 }
 
+/// A batch padded on the left (as for generation) counts positions from each sequence's
+/// first token: its statistics, whole or a decoding step, are those of the same sequence
+/// unpadded, its padding rows left out and its first token the first one seen.
+#[test]
+fn a_left_padded_batch_counts_positions_from_its_first_token() {
+    for be in backends() {
+        let d = &be.device;
+        let tensor =
+            |values: Vec<f32>, dims| Tensor::<4>::from_data(TensorData::new(values, dims), d);
+        // Row q of 4 causal positions: 0.4 on the first token, 0.4 on itself (0.8 at
+        // q = 1, all at q = 0), the rest spread over the others.
+        let mut whole = vec![0.0f32; 16];
+        for q in 0..4usize {
+            let others = q.saturating_sub(1);
+            for k in 1..q {
+                whole[q * 4 + k] = 0.2 / others as f32;
+            }
+            whole[q * 4] += 0.4;
+            whole[q * 4 + q] += if q == 0 { 0.6 } else { 0.4 };
+            if q == 1 {
+                whole[q * 4 + q] += 0.2;
+            }
+        }
+        // The same rows behind 2 padding keys, the padding rows holding weights of their
+        // own (a model writes something there) that must not count.
+        let pad = 2;
+        let keys = 4 + pad;
+        let mut padded = vec![0.25f32; keys * keys];
+        for q in 0..4 {
+            for k in 0..keys {
+                padded[(q + pad) * keys + k] = match k < pad {
+                    true => 0.0,
+                    false => whole[q * 4 + k - pad],
+                };
+            }
+        }
+        let padding = Tensor::<2, Bool>::from_data(
+            TensorData::new((0..keys).map(|k| k < pad).collect::<Vec<_>>(), [1, keys]),
+            d,
+        );
+        let masked = AttentionMask::key_padding(padding).and(AttentionMask::causal());
+        let cases = [
+            ("whole", &whole[..], 4, &padded[..], keys),
+            (
+                "a decoding step",
+                &whole[12..],
+                1,
+                &padded[(keys - 1) * keys..],
+                1,
+            ),
+        ];
+        for (case, rows, queries, padded_rows, padded_queries) in cases {
+            let what = format!("[{}] {case}", be.name);
+            let want = LayerStats::from_weights(
+                "l",
+                tensor(rows.to_vec(), [1, 1, queries, 4]),
+                &AttentionMask::causal(),
+                None,
+            );
+            let got = LayerStats::from_weights(
+                "l",
+                tensor(padded_rows.to_vec(), [1, 1, padded_queries, keys]),
+                &masked,
+                None,
+            );
+            let (got, want) = (&got.heads[0], &want.heads[0]);
+            assert_eq!(got.rows, want.rows, "{what}");
+            close(&format!("{what} first"), got.first, want.first);
+            close(&format!("{what} same"), got.same, want.same);
+            close(&format!("{what} previous"), got.previous, want.previous);
+            close(&format!("{what} distance"), got.distance, want.distance);
+            close(&format!("{what} entropy"), got.entropy, want.entropy);
+            assert_eq!(got.strongest, want.strongest, "{what}");
+            close(
+                &format!("{what} first, by hand"),
+                got.first,
+                match case {
+                    "whole" => (1.0 + 0.4 * 3.0) / 4.0,
+                    _ => 0.4,
+                },
+            );
+        }
+    }
+}
+
 /// A module and a random input of width 16.
 fn attention(
     heads: usize,

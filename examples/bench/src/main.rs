@@ -345,7 +345,11 @@ struct Record {
     subject: &'static str,
     /// `forward`, `forward+backward` or `train-step`.
     pass: &'static str,
+    /// The median milliseconds of a call, the device synced after each; for the trainer's
+    /// `train-step` rows, the mean of `runs` steps issued one after another with one sync
+    /// at the end (its throughput, as training runs).
     median_ms: f64,
+    /// The calls timed (the trainer's: its steps).
     runs: usize,
     /// The median milliseconds per call queued (`--queued`): `queued_calls` calls issued
     /// before one sync.

@@ -34,7 +34,11 @@ pub struct Link {
 /// Positions are counted from the start of each sequence, queries' and keys' alike: a
 /// query's own position is where the mask's rule places it among the keys (the last `Tq`
 /// of `Tk` for a causal mask aligned bottom-right, as in a decoding step's weights), its
-/// row's index where the mask has no rule (cross-attention).
+/// row's index where the mask has no rule (cross-attention). A sequence starts at its
+/// first key that some query row sees through the mask's boolean part or a blocking
+/// bias: the keys before it are left padding (a batch padded on the left for
+/// generation), not positions, and where the rule places queries among the keys, the
+/// rows placed on them are padding too and left out.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HeadStats {
     /// The head.
@@ -156,12 +160,17 @@ impl LayerStatsBuilder {
         };
         // An additive bias of -inf blocks its key too (PyTorch's float masks), as does one
         // low enough that attention reads it so for scores of the weights' dtype.
-        let by_rule = mask.to_blocked(queries, keys, &weights.device()).map(read);
-        let by_bias = mask.blocking_bias(weights.dtype()).map(read);
-        let blocked: Option<Vec<bool>> = match (by_rule, by_bias) {
+        let or = |a: Option<Vec<bool>>, b: Option<Vec<bool>>| match (a, b) {
             (Some(a), Some(b)) => Some(a.into_iter().zip(b).map(|(a, b)| a || b).collect()),
             (a, b) => a.or(b),
         };
+        let by_rule = mask.to_blocked(queries, keys, &weights.device()).map(read);
+        let by_bias = mask.blocking_bias(weights.dtype()).map(read);
+        // What the given tensors block (the boolean part and a blocking bias), apart from
+        // the rule: the keys before the first one some row of a sequence sees there are
+        // its left padding.
+        let given = or(mask.blocked().cloned().map(read), by_bias.clone());
+        let blocked = or(by_rule, by_bias);
         let w: Vec<f32> = weights
             .into_data()
             .convert::<f32>()
@@ -172,14 +181,35 @@ impl LayerStatsBuilder {
         // rule, or an alignment: a decoding step's `Tq` queries are the last of `Tk`
         // keys), at key `q` elsewhere.
         let visibility = mask.visibility(queries, keys);
-        let offset = match visibility.blocks() || mask.is_aligned() {
+        let placed = visibility.blocks() || mask.is_aligned();
+        let offset = match placed {
             true => visibility.offset,
             false => 0,
         };
+        let rows_of = |b: usize| query_lengths.map_or(queries, |l| l[b].min(queries));
+        // Per batch row, its first key that some row of some head sees through the given
+        // tensors (0 where they block nothing, or every key).
+        let padded: Vec<usize> = (0..batch)
+            .map(|b| {
+                let Some(given) = &given else { return 0 };
+                (0..heads)
+                    .flat_map(|h| {
+                        (0..rows_of(b)).map(move |q| ((b * heads + h) * queries + q) * keys)
+                    })
+                    .filter_map(|at| given[at..at + keys].iter().position(|&x| !x))
+                    .min()
+                    .unwrap_or(0)
+            })
+            .collect();
         for (h, acc) in self.heads.iter_mut().enumerate() {
             for b in 0..batch {
-                let rows = query_lengths.map_or(queries, |l| l[b].min(queries));
-                for q in 0..rows {
+                for q in 0..rows_of(b) {
+                    let own = (q as i64).saturating_add(offset);
+                    let start = visibility.sequence_start(b, q).max(padded[b]);
+                    if placed && own < padded[b] as i64 {
+                        // A query placed on a key of the left padding: padding itself.
+                        continue;
+                    }
                     let at = ((b * heads + h) * queries + q) * keys;
                     let blocked = blocked.as_ref().map(|blocked| &blocked[at..at + keys]);
                     let visible = match blocked {
@@ -188,8 +218,8 @@ impl LayerStatsBuilder {
                     };
                     if visible > 0 {
                         let row = Row {
-                            own: (q as i64).saturating_add(offset),
-                            start: visibility.sequence_start(b, q),
+                            own,
+                            start,
                             blocked,
                             visible,
                         };
