@@ -76,9 +76,25 @@ struct Settings {
 }
 
 impl Settings {
-    fn parse(mut args: Vec<String>) -> anyhow::Result<Self> {
+    fn parse(args: Vec<String>) -> anyhow::Result<Self> {
         let first = BACKENDS.first().context("no backend compiled in")?;
-        let (a, first) = (&mut args, first.to_string());
+        let readme = "the flags are in examples/gpt/README.md";
+        // `--flag value` pairs, read in order: a value is taken as it is, even one that
+        // starts with `--` (a prompt may).
+        let mut pairs: Vec<(String, String)> = Vec::new();
+        let mut args = args.into_iter();
+        while let Some(name) = args.next() {
+            ensure!(
+                name.starts_with("--"),
+                "{name:?}: a flag was expected (`--flag value`); {readme}"
+            );
+            ensure!(pairs.iter().all(|(n, _)| *n != name), "{name} given twice");
+            let value = args
+                .next()
+                .with_context(|| format!("{name} needs a value"))?;
+            pairs.push((name, value));
+        }
+        let (a, first) = (&mut pairs, first.to_string());
         let s = Settings {
             steps: flag(a, "--steps", 2000)?,
             batch: flag(a, "--batch", 12)?,
@@ -97,12 +113,9 @@ impl Settings {
             seed: flag(a, "--seed", 42)?,
             backend: flag(a, "--backend", first)?,
         };
-        let readme = "the flags are in examples/gpt/README.md";
-        ensure!(
-            args.is_empty(),
-            "unknown or repeated flag {}; {readme}",
-            args[0]
-        );
+        if let Some((name, _)) = pairs.first() {
+            anyhow::bail!("unknown flag {name}; {readme}");
+        }
         let (backends, b) = (BACKENDS.join(", "), &&*s.backend);
         ensure!(BACKENDS.contains(b), "--backend: this build has {backends}");
         let counts = [
@@ -137,13 +150,17 @@ impl Settings {
     }
 }
 
-/// The value after `name` in `args`, taken out of them, or `default` if they have none.
-fn flag<T: FromStr>(args: &mut Vec<String>, name: &str, default: T) -> anyhow::Result<T> {
-    let Some(at) = args.iter().position(|a| a == name) else {
+/// The value of flag `name` among `pairs`, taken out of them, or `default` if they have
+/// none.
+fn flag<T: FromStr>(
+    pairs: &mut Vec<(String, String)>,
+    name: &str,
+    default: T,
+) -> anyhow::Result<T> {
+    let Some(at) = pairs.iter().position(|(n, _)| n == name) else {
         return Ok(default);
     };
-    ensure!(at + 1 < args.len(), "{name} needs a value");
-    let value = args.drain(at..at + 2).nth(1).unwrap_or_default();
+    let (_, value) = pairs.remove(at);
     let parsed = value.parse().ok();
     parsed.with_context(|| format!("{name} {value}: not valid"))
 }
@@ -472,6 +489,26 @@ fn pick(logits: &[f32], temperature: f64, top_k: usize, rng: &mut u64) -> usize 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flags_are_read_in_order_and_bad_ones_refused_by_name() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // A prompt that looks like a flag is the prompt, and `--steps` after it is read.
+        let s = Settings::parse(args(&["--prompt", "--steps", "--steps", "7"])).unwrap();
+        assert_eq!((s.prompt.as_str(), s.steps), ("--steps", 7));
+        let refused = |a: &[&str]| Settings::parse(args(a)).unwrap_err().to_string();
+        let cases: [(&[&str], &str); 5] = [
+            (&["--steps", "3", "--steps", "4"], "--steps given twice"),
+            (&["--steps"], "--steps needs a value"),
+            (&["--stepz", "3"], "unknown flag --stepz"),
+            (&["3"], "\"3\": a flag was expected"),
+            (&["--steps", "x"], "--steps x: not valid"),
+        ];
+        for (a, want) in cases {
+            let got = refused(a);
+            assert!(got.contains(want), "{a:?}: {got}");
+        }
+    }
 
     #[test]
     fn cached_decoding_gives_the_logits_of_a_whole_forward() {
