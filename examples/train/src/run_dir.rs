@@ -304,6 +304,49 @@ impl RunDir {
         Ok(())
     }
 
+    /// Checks that Burn's learner can read what it reads at the end of training, when it
+    /// counts the epochs for its summary: every entry of the directory and of its folders
+    /// (followed where it is a link), and the names of the folders in those (UTF-8). It
+    /// panics on one it cannot read (a link to nothing, a folder it may not list): this
+    /// names it before anything is written or removed.
+    ///
+    /// # Errors
+    /// Naming the entry and why it cannot be read.
+    pub fn check_learner_reads(&self) -> anyhow::Result<()> {
+        let unreadable = |path: &Path, why: &str| {
+            anyhow::anyhow!(
+                "{}: {why}, and Burn's learner reads every entry of the run directory and of \
+                 its folders when training ends: move it away",
+                path.display()
+            )
+        };
+        let Ok(entries) = std::fs::read_dir(&self.0) else {
+            return Ok(()); // Not made yet.
+        };
+        for entry in entries {
+            let path = entry
+                .map_err(|e| unreadable(&self.0, &e.to_string()))?
+                .path();
+            let meta = std::fs::metadata(&path)
+                .map_err(|e| unreadable(&path, &format!("cannot be read ({e})")))?;
+            if !meta.is_dir() {
+                continue;
+            }
+            let inner = std::fs::read_dir(&path)
+                .map_err(|e| unreadable(&path, &format!("cannot be listed ({e})")))?;
+            for entry in inner {
+                let path = entry.map_err(|e| unreadable(&path, &e.to_string()))?.path();
+                let meta = std::fs::metadata(&path)
+                    .map_err(|e| unreadable(&path, &format!("cannot be read ({e})")))?;
+                let utf8 = path.file_name().is_some_and(|n| n.to_str().is_some());
+                if meta.is_dir() && !utf8 {
+                    return Err(unreadable(&path, "its name is not UTF-8"));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Locks the directory for this process (making it if absent) until the lock is
     /// dropped: a second command on the same run is refused while the first runs. The lock
     /// is the operating system's on the file `.lock` (which holds the process id, for the
@@ -481,6 +524,7 @@ impl RunDir {
             self.describe()
         );
         self.check_writable()?;
+        self.check_learner_reads()?;
         let (mut removed, mut kept, mut folders) = (Vec::new(), others, Vec::new());
         for name in ours {
             sort_out(&self.0, &[name], &mut removed, &mut kept, &mut folders)?;
@@ -882,7 +926,12 @@ impl<R: Checkpoint> Checkpointer<R> for PartCheckpointer {
     }
 
     fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {
-        remove(&self.path(epoch)).map_err(|e| CheckpointerError::Unknown(format!("{e:#}")))?;
+        let path = self.path(epoch);
+        // The weights, then their checksum (weights without one still load).
+        let sum = checksum_file(&path);
+        for file in [&path, &sum] {
+            remove(file).map_err(|e| CheckpointerError::Unknown(format!("{e:#}")))?;
+        }
         // The last part out removes the epoch's folder.
         let _ = std::fs::remove_dir(self.run.epoch(epoch));
         Ok(())

@@ -299,6 +299,16 @@ fn every_check_comes_before_anything_is_written_or_removed() {
         &["decay_steps", "18446744073709549568", "can be counted"],
     );
     assert_eq!(checksums(&dir), before);
+    // Resumed for more epochs than can be counted: refused, not an overflow.
+    let out = run(on_flex(&["--resume", "--epochs", "18446744073709551615", "--out"]).arg(&dir));
+    assert_fails(
+        &out,
+        &[
+            "`--epochs` (`epochs`) 18446744073709551615",
+            "can be counted",
+        ],
+    );
+    assert_eq!(checksums(&dir), before);
 
     // A folder the run writes in that it cannot write: named, nothing changed. A file
     // where the run writes its metric logs stops even a root user.
@@ -311,6 +321,21 @@ fn every_check_comes_before_anything_is_written_or_removed() {
     assert_eq!(checksums(&dir), before);
     std::fs::remove_file(dir.join("train")).unwrap();
     std::fs::rename(&logs, dir.join("train")).unwrap();
+    // A link to nothing among the user's files, which Burn's learner would read (and
+    // panic on) when training ends: named before anything is written, --resume and
+    // --overwrite alike.
+    let before = checksums(&dir);
+    #[cfg(unix)]
+    for place in ["latest.bpk", "checkpoints/latest.bpk"] {
+        let link = dir.join(place);
+        std::os::unix::fs::symlink(root.join("gone.bpk"), &link).unwrap();
+        for flags in [&["--resume", "--epochs", "2"][..], &["--overwrite"]] {
+            let out = run(on_flex(flags).arg("--out").arg(&dir));
+            assert_fails(&out, &[place, "cannot be read", "move it away"]);
+        }
+        std::fs::remove_file(&link).unwrap();
+        assert_eq!(checksums(&dir), before);
+    }
     // A read-only folder. The permission bits bind every user but root: as root, the
     // trainer runs as `nobody` (a copy of it that user can run, in a run directory it can
     // lock).

@@ -149,6 +149,7 @@ fn prepare_resume(
     };
     let lock = run.lock()?;
     run.check_writable()?;
+    run.check_learner_reads()?;
     // `--resume` changes nothing that decides the loss: the run would diverge again.
     anyhow::ensure!(
         !run.diverged(),

@@ -141,7 +141,8 @@ impl TrainConfig {
 
     /// Optimizer steps of the whole run.
     pub fn total_steps(&self) -> usize {
-        self.epochs * self.steps_per_epoch
+        // Saturating: `validate` refuses a run whose steps overflow, and may come after.
+        self.epochs.saturating_mul(self.steps_per_epoch)
     }
 
     /// Steps of warmup: as set (0: none, the first step at lr), or a tenth of the run, at
@@ -612,6 +613,13 @@ mod tests {
                 "weight_decay",
                 TrainConfig {
                     weight_decay: f32::INFINITY,
+                    ..TrainConfig::default()
+                },
+            ),
+            (
+                "grad_clip",
+                TrainConfig {
+                    grad_clip: f32::INFINITY,
                     ..TrainConfig::default()
                 },
             ),

@@ -57,8 +57,8 @@ impl TrainConfig {
             self.lr
         );
         anyhow::ensure!(
-            self.grad_clip > 0.0,
-            "{} must be positive, got {}",
+            self.grad_clip > 0.0 && self.grad_clip.is_finite(),
+            "{} must be positive and finite, got {}",
             GRAD_CLIP.name(),
             self.grad_clip
         );

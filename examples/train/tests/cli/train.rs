@@ -158,6 +158,13 @@ fn a_short_run_on_the_best_backend_learns_and_writes_its_files() {
     ] {
         assert!(dir.join(file).exists(), "{file} missing");
     }
+    // The last two epochs' checkpoints are kept, and only they (their folders whole).
+    let mut kept: Vec<String> = std::fs::read_dir(dir.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["epoch-2", "epoch-3"]);
     let generated = run(trainer()
         .args(["generate", "--out"])
         .arg(&dir)
