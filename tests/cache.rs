@@ -680,6 +680,9 @@ fn a_stack_refuses_before_its_first_layer_writes() {
     fewer_heads.layers[1] = EncoderBlockConfig::new(D_MODEL, 2)
         .with_causal(true)
         .init(&device);
+    // Layer 1 adds ALiBi of its own and the mask brings a position bias.
+    let mut alibi = EncoderConfig::new(block.clone(), 2).init(&device);
+    alibi.layers[1] = block.clone().with_positions(Positions::Alibi).init(&device);
     let bias = Tensor::<4>::zeros([1, HEADS, 5, 5], &device);
     for (stack, mask, wanted) in [
         (
@@ -692,6 +695,13 @@ fn a_stack_refuses_before_its_first_layer_writes() {
             AttentionMask::bias(bias),
             "does not broadcast",
         ),
+        (
+            &alibi,
+            AttentionMask::position_bias(mha::PositionBias::Alibi {
+                slopes: vec![0.5; HEADS],
+            }),
+            "the mask has one too",
+        ),
     ] {
         let message = crate::util::panic_message(|| {
             let input = StackInput::new(x.clone()).mask(mask).cache(&mut cache);
@@ -703,6 +713,47 @@ fn a_stack_refuses_before_its_first_layer_writes() {
             [0, 0],
             "{wanted}: the refused call wrote nothing"
         );
+    }
+    // A decoder whose layer 1 cross-attends with 2 heads, and one whose layer 1's
+    // cross-attention has sinks of its own: the memory mask refused by layer 1 before
+    // layer 0 writes, the memory's keys and values in the cache or given with the input.
+    let decoder = DecoderBlockConfig::new(D_MODEL, HEADS).with_dropout(0.0);
+    let memory = randn([1, 7, D_MODEL], 62, &device);
+    let mut fewer_cross = DecoderConfig::new(decoder.clone(), 2).init(&device);
+    fewer_cross.layers[1].cross_attn = MultiHeadAttentionConfig::new(D_MODEL, 2).init(&device);
+    let mut cross_sinks = DecoderConfig::new(decoder.clone(), 2).init(&device);
+    cross_sinks.layers[1].cross_attn = MultiHeadAttentionConfig::new(D_MODEL, HEADS)
+        .with_sinks(true)
+        .init(&device);
+    let memory_bias = Tensor::<4>::zeros([1, HEADS, 5, 7], &device);
+    for (stack, memory_mask, wanted) in [
+        (
+            &fewer_cross,
+            AttentionMask::bias(memory_bias),
+            "does not broadcast",
+        ),
+        (
+            &cross_sinks,
+            AttentionMask::sinks(Tensor::zeros([HEADS], &device)),
+            "the mask has sinks too",
+        ),
+    ] {
+        for given in [false, true] {
+            let mut cache = stack.cache(memory.clone(), KvCache::new(16));
+            let message = crate::util::panic_message(|| {
+                let mut input = StackInput::new(x.clone()).memory_mask(memory_mask.clone());
+                if given {
+                    input = input.memory(memory.clone());
+                }
+                let _ = stack.forward(input.cache(&mut cache));
+            });
+            assert!(message.contains(wanted), "{message}");
+            assert_eq!(
+                lens(&cache),
+                [0, 0],
+                "{wanted}, memory given {given}: the refused call wrote nothing"
+            );
+        }
     }
     // A panic in layer 1 before its attention (its norm is of another width).
     let mut broken = EncoderConfig::new(block.clone(), 2).init(&device);

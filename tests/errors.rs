@@ -345,6 +345,23 @@ fn an_encoder_block_refuses_a_memory() {
     let _ = block.forward(BlockInput::new(x.clone()).memory(x));
 }
 
+/// An encoder's memory mask (PyTorch's `memory_key_padding_mask` ported to the wrong
+/// stack) is refused, not ignored.
+#[test]
+#[should_panic(
+    expected = "EncoderBlock: the input has a memory mask, and an encoder block has no cross-attention to apply it to (its own mask is BlockInput::mask)"
+)]
+fn an_encoder_refuses_a_memory_mask() {
+    let encoder = mha::EncoderConfig::new(EncoderBlockConfig::new(16, 4), 2).init(&dev());
+    let padding = burn::tensor::Tensor::<2, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(vec![false, false, false, true, true], [1, 5]),
+        &dev(),
+    );
+    let input = mha::StackInput::new(randn([1, 5, 16], 1, &dev()))
+        .memory_mask(mha::AttentionMask::key_padding(padding));
+    let _ = encoder.forward(input);
+}
+
 #[test]
 #[should_panic(
     expected = "DecoderBlock: the input has no memory for the cross-attention (BlockInput::memory or BlockInput::memory_kv)"

@@ -625,12 +625,27 @@ impl MultiHeadAttention {
             mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
         }
         self.check_attend(mask, None);
+        assert!(
+            !self.adds_position_bias() || mask.position().is_none(),
+            "MultiHeadAttention: the module adds a position bias of its own ({:?}) and the \
+             mask has one too (AttentionMask::position_bias); give one of the two",
+            self.positions
+        );
+    }
+
+    /// Whether the module adds a position bias to the mask it is called with (ALiBi, or a
+    /// learned table of buckets).
+    fn adds_position_bias(&self) -> bool {
+        match &self.positions {
+            Positions::Alibi => true,
+            positions => positions.buckets().is_some() && self.position_table.is_some(),
+        }
     }
 
     /// Panics, naming them, when the head mask does not have a weight per head, or when
     /// both the module and the mask have attention sinks: what [`attend`](Self::attend)
     /// refuses, checked again before a cached call writes.
-    fn check_attend(&self, mask: &AttentionMask, head_mask: Option<&Tensor<1>>) {
+    pub(crate) fn check_attend(&self, mask: &AttentionMask, head_mask: Option<&Tensor<1>>) {
         if let Some(head_mask) = head_mask {
             let heads = head_mask.dims()[0];
             assert_eq!(

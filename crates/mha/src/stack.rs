@@ -272,6 +272,8 @@ trait Block {
         x: &Tensor<3>,
         mask: &AttentionMask,
     ) -> Result<(), CacheError>;
+    /// What its forward refuses of `memory` and `memory_mask` (panicking).
+    fn check_memory(&self, memory: &Memory, memory_mask: &AttentionMask, x: &Tensor<3>);
 }
 
 /// `Block` for a block type, by its own methods of the same names.
@@ -295,6 +297,10 @@ macro_rules! block {
                 mask: &AttentionMask,
             ) -> Result<(), CacheError> {
                 self.check_cache(cache, x, mask)
+            }
+
+            fn check_memory(&self, memory: &Memory, memory_mask: &AttentionMask, x: &Tensor<3>) {
+                self.check_memory(memory, memory_mask, x)
             }
         }
     };
@@ -340,12 +346,28 @@ impl<B: Block> Stack<'_, B> {
         let shift = left_padding
             .as_ref()
             .map_or(0, |p| p.iter().copied().min().unwrap_or(0));
+        // With a cache, the memory's keys and values come from it where the input has no
+        // memory.
+        let from_cache = cache.is_some() && B::READS_MEMORY && matches!(memory, Memory::None);
         let offset = match &cache {
             Some(cache) => {
                 check_cached(self.positions, layers, cache, x.dims()[1], shift)?;
-                // Every layer's refusal before the first layer writes.
-                for (block, layer) in self.blocks.iter().zip(&cache.layers) {
+                let kvs = &cache.memory;
+                if from_cache && kvs.is_empty() && layers > 0 {
+                    return Err(CacheError::NoMemory { module: self.name });
+                }
+                if from_cache && kvs.len() != layers {
+                    return Err(CacheError::Layers {
+                        layers,
+                        caches: kvs.len(),
+                    });
+                }
+                // Every layer's refusal, of its cache and of its memory, before the first
+                // layer writes.
+                for (i, (block, layer)) in self.blocks.iter().zip(&cache.layers).enumerate() {
                     block.check_cache(layer, &x, &mask)?;
+                    let kv = kvs.get(i).filter(|_| from_cache);
+                    block.check_memory(&layer_memory(&memory, kv), &memory_mask, &x);
                 }
                 cache.len()
             }
@@ -358,16 +380,6 @@ impl<B: Block> Stack<'_, B> {
                 layers: caches,
                 memory: kvs,
             }) => {
-                let from_cache = B::READS_MEMORY && matches!(memory, Memory::None);
-                if from_cache && kvs.is_empty() && layers > 0 {
-                    return Err(CacheError::NoMemory { module: self.name });
-                }
-                if from_cache && kvs.len() != layers {
-                    return Err(CacheError::Layers {
-                        layers,
-                        caches: kvs.len(),
-                    });
-                }
                 let kvs = kvs.iter().map(|kv| Some(kv).filter(|_| from_cache));
                 caches
                     .iter_mut()
@@ -392,15 +404,9 @@ impl<B: Block> Stack<'_, B> {
         let mut first = 0;
         for (block, (cache, kv)) in self.blocks.iter().zip(parts) {
             let attention_layers = block.head_counts().len();
-            let memory = match (&memory, kv) {
-                (_, Some(kv)) => Memory::Projected(kv),
-                (Memory::Tensor(m), None) => Memory::Tensor(m.clone()),
-                (Memory::Projected(kv), None) => Memory::Projected(kv),
-                (Memory::None, None) => Memory::None,
-            };
             let out = block.forward(BlockInput {
                 x,
-                memory,
+                memory: layer_memory(&memory, kv),
                 mask: mask.clone(),
                 memory_mask: memory_mask.clone(),
                 cache,
@@ -415,6 +421,17 @@ impl<B: Block> Stack<'_, B> {
             output: norm(self.norm, x),
             weights,
         })
+    }
+}
+
+/// The memory of one layer of a stack: its keys and values `kv` from the cache, else the
+/// input's memory.
+fn layer_memory<'a>(memory: &Memory<'a>, kv: Option<&'a MemoryKv>) -> Memory<'a> {
+    match (memory, kv) {
+        (_, Some(kv)) => Memory::Projected(kv),
+        (Memory::Tensor(m), None) => Memory::Tensor(m.clone()),
+        (Memory::Projected(kv), None) => Memory::Projected(kv),
+        (Memory::None, None) => Memory::None,
     }
 }
 

@@ -187,17 +187,13 @@ impl EncoderBlock {
             x,
             memory,
             mask,
+            memory_mask,
             cache,
             inspect,
             left_padding,
-            ..
         } = input;
         check_pads("EncoderBlock", &left_padding, x.dims()[0]);
-        assert!(
-            matches!(memory, Memory::None),
-            "EncoderBlock: the input has a memory, and an encoder block has no \
-             cross-attention (DecoderBlock has)"
-        );
+        check_no_memory(&memory, &memory_mask);
         if let Some(cache) = cache.as_deref() {
             self.check_cache(cache, &x, &mask)?;
         }
@@ -249,6 +245,17 @@ impl EncoderBlock {
             attention: &self.self_attn,
         };
         block.check(cache, x, mask)
+    }
+
+    /// Panics as its forward does over a memory or a memory mask (it has no
+    /// cross-attention).
+    pub(crate) fn check_memory(
+        &self,
+        memory: &Memory,
+        memory_mask: &AttentionMask,
+        _x: &Tensor<3>,
+    ) {
+        check_no_memory(memory, memory_mask);
     }
 }
 
@@ -386,6 +393,12 @@ impl DecoderBlock {
             attention: &self.self_attn,
         };
         block.check(cache, x, mask)
+    }
+
+    /// Panics as its forward does over the memory of its cross-attention and its mask
+    /// (see [`check_memory`]).
+    pub(crate) fn check_memory(&self, memory: &Memory, memory_mask: &AttentionMask, x: &Tensor<3>) {
+        check_memory(memory, memory_mask, &self.cross_attn, x);
     }
 }
 
@@ -539,12 +552,28 @@ fn with_head(input: MhaInput, head_mask: Option<Tensor<1>>) -> MhaInput {
     }
 }
 
+/// Panics when an encoder block's input has a memory or a memory mask: it has no
+/// cross-attention to give them to (a memory mask ignored would leave padding attended).
+pub(crate) fn check_no_memory(memory: &Memory, memory_mask: &AttentionMask) {
+    assert!(
+        matches!(memory, Memory::None),
+        "EncoderBlock: the input has a memory, and an encoder block has no \
+         cross-attention (DecoderBlock has)"
+    );
+    assert!(
+        memory_mask.is_none(),
+        "EncoderBlock: the input has a memory mask, and an encoder block has no \
+         cross-attention to apply it to (its own mask is BlockInput::mask)"
+    );
+}
+
 /// Panics naming the memory of a decoder block's cross-attention before its
 /// self-attention writes to a cache: a memory missing, of another batch, device or dtype
 /// than the input `x`'s, a tensor not as wide as `attention` takes, keys and values of
-/// another module's heads, or a memory mask that does not broadcast to the
-/// cross-attention's scores `[B, H, tokens, memory length]`.
-fn check_memory(
+/// another module's heads, a memory mask that does not broadcast to the
+/// cross-attention's scores `[B, H, tokens, memory length]`, or one with attention sinks
+/// where the cross-attention has its own.
+pub(crate) fn check_memory(
     memory: &Memory,
     memory_mask: &AttentionMask,
     attention: &MultiHeadAttention,
@@ -593,4 +622,5 @@ fn check_memory(
         "DecoderBlock: the memory's batch is {memory_batch} and the input's {batch}"
     );
     memory_mask.check([batch, attention.n_heads, tokens, length]);
+    attention.check_attend(memory_mask, None);
 }
