@@ -1826,6 +1826,45 @@ fn hugging_face_t5_attention_matches_transformers() {
                 table.grad(&grads).expect("the table has a gradient"),
                 hf.transpose(),
             );
+            // A later layer of T5's stack: its own projections, no table (T5 lends it the
+            // first layer's). Refused until the table is shared under its key, then the
+            // same numbers.
+            let mut weights = f.weights.clone();
+            for key in ["q.weight", "k.weight", "v.weight", "o.weight"] {
+                weights
+                    .share(&format!("model.{key}"), &format!("layer.1.{key}"))
+                    .unwrap();
+            }
+            let later =
+                |weights: &mha::PyTorchWeights| config.init(&dev).load_pytorch(weights, "layer.1.");
+            let refused = later(&weights).map(|_| ()).unwrap_err().to_string();
+            assert!(refused.contains("PyTorchWeights::share"), "{refused}");
+            let table = "relative_attention_bias.weight";
+            weights
+                .share(&format!("model.{table}"), &format!("layer.1.{table}"))
+                .unwrap();
+            let shared = later(&weights).unwrap_or_else(|e| panic!("{e}"));
+            let x = f.io("x", [2, 12, 24], &dev);
+            let mask = match decoder {
+                true => AttentionMask::causal(),
+                false => AttentionMask::key_padding(f.io_mask("key_padding", [2, 12], &dev)),
+            };
+            check_forward(&b, &f, "out", shared.self_attention(x, mask), "out");
+            // Shared under a key that holds a tensor, or from one that holds none: refused.
+            let taken = weights
+                .share("model.q.weight", "layer.1.q.weight")
+                .unwrap_err();
+            assert!(
+                taken.to_string().contains("holds a tensor already"),
+                "{taken}"
+            );
+            let absent = weights
+                .share("model.nothing", "layer.2.q.weight")
+                .unwrap_err();
+            assert!(
+                matches!(absent, mha::ImportError::MissingKey { .. }),
+                "{absent}"
+            );
         }
     }
 }

@@ -351,7 +351,8 @@ fn load_position_table(
              [{heads}, {len}], which the weights lack: store it under this key in that layout \
              (see MultiHeadAttention::position_table), or under relative_attention_bias.weight \
              as Hugging Face's T5 does ([buckets, heads]; T5 keeps it in the first layer of each \
-             stack only and the others reuse it: give every layer that table)",
+             stack only and the others reuse it: put it under each layer's key with \
+             PyTorchWeights::share)",
             mha.positions
         ),
     })

@@ -10,13 +10,17 @@
 //! | `nn.TransformerEncoder` / `nn.TransformerDecoder` | [`Encoder`] / [`Decoder`] |
 //!
 //! Build the module from a configuration that matches the PyTorch one (sizes, bias,
-//! `norm_first`, activation, a decoder layer's causal self-attention, a stack's final
-//! norm: [`EncoderBlockConfig::pytorch`](crate::EncoderBlockConfig::pytorch) and
+//! `norm_first`, activation, a stack's final norm:
+//! [`EncoderBlockConfig::pytorch`](crate::EncoderBlockConfig::pytorch) and
 //! [`DecoderBlockConfig::pytorch`](crate::DecoderBlockConfig::pytorch) take PyTorch's
-//! defaults), then call [`LoadPyTorch::load_pytorch`]. PyTorch stores a linear weight as
-//! `[out, in]`; Burn as `[in, out]`: the import transposes. A missing key, a key the
-//! module has no place for (such as `bias_k` of `add_bias_kv=True`), or a shape that
-//! differs is an [`ImportError`] naming the key and both shapes. What leaves no key
+//! defaults; and a decoder layer's self-attention, causal unless configured otherwise, as
+//! PyTorch's layer called with a causal `tgt_mask`), then call
+//! [`LoadPyTorch::load_pytorch`]. PyTorch stores a linear weight as `[out, in]`; Burn as
+//! `[in, out]`: the import transposes. A missing key, a key of these PyTorch modules that
+//! the module has no place for (such as `bias_k` of `add_bias_kv=True`, a bias the module
+//! was configured without, a decoder layer's `multihead_attn` in an encoder block, a layer
+//! past the last), or a shape that differs is an [`ImportError`] naming the key and both
+//! shapes; keys of other modules under the same prefix are not read. What leaves no key
 //! cannot be checked: the settings above, and `add_zero_attn=True` (a zero key and value
 //! appended to every sequence), which these modules do not compute.
 //!
@@ -45,8 +49,10 @@
 //! [`ImportError::Convention`] saying what to change. The table's layouts differ:
 //! Hugging Face's embedding is `[buckets, heads]`, [`MultiHeadAttention::position_table`]
 //! `[heads, buckets]`; the import transposes. T5 keeps the table in the first layer of a
-//! stack and lends it to the others; each mha module has its own: give the others the
-//! first one's (`layer.position_table = first.position_table.clone()`). The import covers
+//! stack and lends it to the others; each mha module has its own, loaded by its own keys:
+//! put the first layer's table under each other layer's key before loading it
+//! ([`PyTorchWeights::share`]; a layer configured with T5's positions whose weights lack
+//! the table is an error, never a random table). The import covers
 //! T5's attention, not its blocks (whose table lives in the first layer of a stack and
 //! whose feed-forward has no biases), nor its stacks.
 //!
@@ -300,6 +306,39 @@ impl PyTorchWeights {
             tensors.insert(key, data);
         }
         Ok(Self { tensors, others })
+    }
+
+    /// Puts the tensor under `key` under `under` too: a tensor a model stores once for
+    /// several layers, as T5 keeps its relative-position table in the first layer of each
+    /// stack (`encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight`) and
+    /// the other layers use it, so that each layer loads it by its own keys.
+    ///
+    /// # Errors
+    /// [`ImportError::MissingKey`] when `key` is absent, [`ImportError::Dtype`] when it is
+    /// not a float tensor, [`ImportError::Config`] when `under` holds a tensor already
+    /// (naming both keys).
+    pub fn share(&mut self, key: &str, under: &str) -> Result<(), ImportError> {
+        if let Some(dtype) = self.others.get(key) {
+            return Err(ImportError::Dtype {
+                key: key.to_string(),
+                dtype: dtype.clone(),
+            });
+        }
+        if self.contains(under) {
+            return Err(ImportError::Config {
+                what: format!("PyTorchWeights::share({key:?}, {under:?})"),
+                message: format!("key `{under}` holds a tensor already"),
+            });
+        }
+        let data = self
+            .tensors
+            .get(key)
+            .ok_or_else(|| ImportError::MissingKey {
+                key: key.to_string(),
+            })?
+            .clone();
+        self.tensors.insert(under.to_string(), data);
+        Ok(())
     }
 
     /// The keys, in no particular order.
