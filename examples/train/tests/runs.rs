@@ -61,6 +61,16 @@ fn a_finished_model_is_replaced_only_with_overwrite() {
         2
     );
     assert_eq!(checksums(&dir), before);
+    // Unfinished (killed before its model was installed), with no usable checkpoint:
+    // refused too, the checkpoints kept, not removed to train again from the start.
+    std::fs::remove_file(dir.join("model.bpk")).unwrap();
+    let before = checksums(&dir);
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert_fails(
+        &out,
+        &["none of its checkpoints can be used", "--overwrite"],
+    );
+    assert_eq!(checksums(&dir), before);
 
     // Evaluated again on other examples, which --help lists as a change --resume takes.
     let dir = root.join("again");

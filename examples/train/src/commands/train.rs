@@ -178,12 +178,17 @@ fn prepare_resume(
         );
     }
     if complete.is_some_and(|epoch| epoch > done) {
-        match done {
-            0 => eprintln!("warning: no checkpoint of {dir} can be used: training starts over"),
-            epoch => eprintln!(
-                "warning: resuming from the checkpoint of epoch {epoch}, the newest that can be used"
-            ),
-        }
+        // Training again from the start would remove every checkpoint (which another
+        // build might read): the user decides.
+        anyhow::ensure!(
+            done > 0,
+            "{dir}: none of its checkpoints can be used (the warnings above say why): \
+             --resume would train again from the start and remove them; start over with \
+             --overwrite, or move them elsewhere first"
+        );
+        eprintln!(
+            "warning: resuming from the checkpoint of epoch {done}, the newest that can be used"
+        );
     }
     let mut config = stored.resumed(args.apply(stored.clone()), done)?;
     let devices = backend.devices(&config.devices)?;
