@@ -60,6 +60,22 @@ def leaf(*shape):
     return torch.randn(*shape).requires_grad_(True)
 
 
+def distinct(module):
+    """Every parameter of `module` moved off its initial value (in place): biases that
+    PyTorch starts at zero (`in_proj_bias`, `out_proj.bias`, the norms' shifts) and the
+    layers a stack deep-copies from one become values of their own, so that importing a
+    bias into another's place, or one layer's weights into another, changes the numbers.
+    Norm scales stay near 1."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+
+
 def causal_self_attention():
     torch.manual_seed(0)
     B, T, E, H = 2, 6, 16, 4
@@ -91,11 +107,7 @@ def encoder_layer(name, norm_first, activation, seed):
     B, T, E, H, FF = 2, 6, 16, 4, 32
     layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, activation=activation,
                                        batch_first=True, norm_first=norm_first).eval()
-    with torch.no_grad():
-        for n in (layer.norm1, layer.norm2):
-            n.weight.normal_(1.0, 0.1)
-            n.bias.normal_(0.0, 0.1)
-        layer.self_attn.in_proj_bias.normal_(0.0, 0.1)
+    distinct(layer)
     x = leaf(B, T, E)
     padding = torch.zeros(B, T, dtype=torch.bool)
     padding[1, 4:] = True
@@ -108,10 +120,7 @@ def decoder_layer():
     B, T, S, E, H, FF = 2, 5, 7, 16, 4, 32
     layer = nn.TransformerDecoderLayer(E, H, FF, dropout=0.0, activation="gelu",
                                        batch_first=True, norm_first=True).eval()
-    with torch.no_grad():
-        for n in (layer.norm1, layer.norm2, layer.norm3):
-            n.weight.normal_(1.0, 0.1)
-            n.bias.normal_(0.0, 0.1)
+    distinct(layer)
     x, memory = leaf(B, T, E), leaf(B, S, E)
     memory_padding = torch.zeros(B, S, dtype=torch.bool)
     memory_padding[0, 6:] = True
@@ -130,10 +139,7 @@ def encoder_stack():
     layer = nn.TransformerEncoderLayer(E, H, FF, dropout=0.0, activation="gelu",
                                        batch_first=True, norm_first=True)
     stack = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(E), enable_nested_tensor=False).eval()
-    with torch.no_grad():
-        for name, p in stack.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    distinct(stack)
     x = leaf(B, T, E)
     padding = torch.zeros(B, T, dtype=torch.bool)
     padding[0, 5:] = True

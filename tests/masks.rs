@@ -658,6 +658,54 @@ fn biases_of_two_dtypes_add_in_the_wider() {
     }
 }
 
+/// A causal rule or a window aligned at the farthest offset a mask takes (±2^40) means
+/// what it says on every path, the weights' included (the explicit path made the
+/// positions as integers of the device, i32 on wgpu, and panicked): every key seen, or
+/// none (zeros).
+#[test]
+fn masks_aligned_far_away_see_every_key_or_none() {
+    use mha::CausalAlignment::Offset;
+    for be in backends() {
+        let dev = &be.device;
+        // 2 queries, 3 keys.
+        let q = randn([1, 2, 2, 4], 1, dev);
+        let [k, v] = [2, 3].map(|seed| randn([1, 2, 3, 4], seed, dev));
+        let far = 1i64 << 40;
+        let run = |mask: &AttentionMask, weights| {
+            let options = SdpaOptions::default().with_weights(weights);
+            scaled_dot_product_attention(q.clone(), k.clone(), v.clone(), mask, options)
+        };
+        let open = run(&AttentionMask::none(), AttentionWeights::PerHead);
+        let cases = [
+            (AttentionMask::causal().aligned(Offset(far)), true),
+            (AttentionMask::causal().aligned(Offset(3_000_000_000)), true),
+            (AttentionMask::causal().aligned(Offset(-far)), false),
+            (AttentionMask::sliding_window(2).aligned(Offset(far)), false),
+            (AttentionMask::local(1).aligned(Offset(-far)), false),
+        ];
+        for (mask, sees_all) in cases {
+            for weights in [AttentionWeights::None, AttentionWeights::PerHead] {
+                let what = format!("[{}] {mask:?}, weights {weights:?}", be.name);
+                let out = run(&mask, weights);
+                let want = match sees_all {
+                    true => open.context.clone(),
+                    false => open.context.clone().zeros_like(),
+                };
+                let diff = max_abs_diff(out.context, want);
+                assert!(diff < 1e-5, "{what}: context off by {diff}");
+                if let Some(w) = out.weights {
+                    let want = match sees_all {
+                        true => open.weights.clone().unwrap(),
+                        false => w.clone().zeros_like(),
+                    };
+                    let diff = max_abs_diff(w, want);
+                    assert!(diff < 1e-5, "{what}: weights off by {diff}");
+                }
+            }
+        }
+    }
+}
+
 /// Parts of masks that cannot broadcast together are refused by `and`, naming both
 /// shapes (they panicked inside Burn); an offset past any sequence is refused by name.
 #[test]

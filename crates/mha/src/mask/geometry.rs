@@ -169,10 +169,14 @@ impl Visibility {
         let int = |range: Range<i64>, shape: [usize; 2]| {
             Tensor::<1, Int>::arange(range, device).reshape(shape)
         };
-        // Key j minus query i's own position.
-        let start = rows.start as i64 + self.offset;
-        let own = int(start..start + r as i64, [r, 1]);
+        // Key j minus query i's row, small whatever the offset; the rule's bounds on the
+        // distance from the own position, `i + offset`, become bounds on it, cut to one
+        // past every key of every query (an offset may reach 2^40, past the device's
+        // integers: i32 on some).
+        let own = int(rows.start as i64..rows.end as i64, [r, 1]);
         let distance = int(keys.start as i64..keys.end as i64, [1, k]) - own; // [r, k]
+        let far = (self.queries + self.keys + 1) as i64;
+        let bound = |d: i64| self.offset.saturating_add(d).clamp(-far, far);
         let mut blocked: Option<Tensor<2, Bool>> = None;
         let mut block = |b: Tensor<2, Bool>| {
             blocked = Some(match blocked.take() {
@@ -181,11 +185,12 @@ impl Visibility {
             })
         };
         if self.causal {
-            block(distance.clone().greater_elem(0));
+            block(distance.clone().greater_elem(bound(0)));
         }
         if let Some(w) = self.window {
-            block(distance.clone().greater_elem(w.after as i64));
-            block(distance.lower_elem(-(w.before as i64)));
+            let [after, before] = [w.after, w.before].map(|n| i64::try_from(n).unwrap_or(i64::MAX));
+            block(distance.clone().greater_elem(bound(after)));
+            block(distance.lower_elem(bound(before.saturating_neg())));
         }
         let by_position = blocked.map(|b| b.reshape([1, 1, r, k]));
         let Some(packed) = &self.packed else {
