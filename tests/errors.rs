@@ -1222,6 +1222,84 @@ fn imports_refuse_layers_and_sinks_the_module_cannot_take() {
     }
 }
 
+/// Numbers of a `config.json` no model can be built with are named as the file names
+/// them (they were named by the blocks' fields: `EncoderBlockConfig.d_ff`), with the
+/// file's names of the other fields the message speaks of; a BERT of no layers has its
+/// numbers checked all the same (a negative epsilon panicked in its embeddings' norm).
+#[test]
+fn config_numbers_no_model_takes_are_named_as_the_file_names_them() {
+    let d = dev();
+    let edited = |fixture: &str, edit: &[(&str, serde_json::Value)]| -> Vec<u8> {
+        let path = crate::util::root().join(format!("tests/fixtures/{fixture}.json"));
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+        let object = json.as_object_mut().unwrap();
+        for (field, value) in edit {
+            match value.is_null() {
+                true => object.remove(*field),
+                false => object.insert(field.to_string(), value.clone()),
+            };
+        }
+        serde_json::to_vec(&json).unwrap()
+    };
+    let llama = |edit: &[(&str, serde_json::Value)]| {
+        let bytes = edited("mistral_lm", edit);
+        mha::hf::HfConfig::from_json(&bytes, "config.json")
+            .and_then(|c| c.init_causal_lm(&d))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let gpt2 = |edit: &[(&str, serde_json::Value)]| {
+        let config: mha::hf::Gpt2Config = serde_json::from_slice(&edited("gpt2_lm", edit)).unwrap();
+        config
+            .init_causal_lm(&d)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    let bert = |edit: &[(&str, serde_json::Value)]| {
+        let config: mha::hf::BertConfig =
+            serde_json::from_slice(&edited("bert_model", edit)).unwrap();
+        config.init_model(&d).map(|_| ()).unwrap_err().to_string()
+    };
+    let null = serde_json::Value::Null;
+    let cases = [
+        (
+            llama(&[("intermediate_size", 0.into())]),
+            "`intermediate_size` of config.json: must be at least 1, got 0 (as the model's \
+             EncoderBlockConfig.d_ff)",
+        ),
+        (
+            // Mistral's default of 8 key-value heads, for 4 heads.
+            llama(&[
+                ("num_attention_heads", 4.into()),
+                ("num_key_value_heads", null),
+            ]),
+            "`num_attention_heads` of config.json: 4 is not divisible by n_kv_heads = 8 (as \
+             the model's EncoderBlockConfig.n_heads; n_kv_heads is `num_key_value_heads`)",
+        ),
+        (
+            llama(&[("num_hidden_layers", 0.into())]),
+            "`num_hidden_layers` of config.json: must be at least 1, got 0",
+        ),
+        (
+            gpt2(&[("n_inner", 0.into())]),
+            "`n_inner` of config.json: must be at least 1, got 0",
+        ),
+        (
+            bert(&[
+                ("num_hidden_layers", 0.into()),
+                ("layer_norm_eps", (-1.0).into()),
+            ]),
+            "`layer_norm_eps` of config.json:",
+        ),
+    ];
+    for (got, want) in cases {
+        assert!(got.contains(want), "{got:?} lacks {want:?}");
+    }
+}
+
 #[test]
 fn language_models_refuse_token_ids_past_their_tables_by_place() {
     use burn::tensor::{Int, Tensor, TensorData};

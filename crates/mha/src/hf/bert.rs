@@ -278,8 +278,18 @@ impl BertConfig {
     /// As [`block`](Self::block).
     pub fn init_model(&self, device: &Device) -> Result<BertModel, ImportError> {
         let block = self.block()?;
+        if self.num_hidden_layers == 0 {
+            // Its numbers checked all the same (the embeddings' norm shares its epsilon).
+            block
+                .try_init(device)
+                .map_err(|err| super::unbuildable(err, BERT_NAMES))?;
+        }
         let layers = (0..self.num_hidden_layers)
-            .map(|_| block.try_init(device).map_err(super::unbuildable))
+            .map(|_| {
+                block
+                    .try_init(device)
+                    .map_err(|err| super::unbuildable(err, BERT_NAMES))
+            })
             .collect::<Result<_, _>>()?;
         let embedding = |n| EmbeddingConfig::new(n, self.hidden_size).init(device);
         let norm = LayerNormConfig::new(self.hidden_size).with_epsilon(self.layer_norm_eps);
@@ -328,3 +338,11 @@ pub fn load_bert_model(
     weights.reject_layers_past(&format!("{prefix}encoder.layer."), model.layers.len())?;
     Ok(model)
 }
+
+/// BERT's `config.json` names of the blocks' fields.
+const BERT_NAMES: &[(&str, &str)] = &[
+    ("d_model", "hidden_size"),
+    ("n_heads", "num_attention_heads"),
+    ("d_ff", "intermediate_size"),
+    ("layer_norm_eps", "layer_norm_eps"),
+];

@@ -180,7 +180,7 @@ impl Gpt2Config {
         });
         let mut model = EncoderConfig::new(block, self.n_layer)
             .try_init(device)
-            .map_err(super::unbuildable)?;
+            .map_err(|err| super::unbuildable(err, GPT2_NAMES))?;
         // Scores scaled by each layer's index: the blocks' own scales.
         for (index, layer) in model.layers.iter_mut().enumerate() {
             if let Some(scale) = self.layer_block(index)?.attention_scale {
@@ -320,3 +320,13 @@ fn conv1d(linear: Linear, weights: &PyTorchWeights, prefix: &str) -> Result<Line
         },
     })
 }
+
+/// GPT-2's `config.json` names of the blocks' and the stack's fields.
+const GPT2_NAMES: &[(&str, &str)] = &[
+    ("d_model", "n_embd"),
+    ("n_heads", "n_head"),
+    ("d_ff", "n_inner"),
+    ("layer_norm_eps", "layer_norm_epsilon"),
+    ("n_layers", "n_layer"),
+    ("block.positions", "n_positions"),
+];

@@ -67,13 +67,50 @@ fn read_config<C: Config>(path: &Path, family: &str) -> Result<C, ImportError> {
     parse_config(&read_file(path)?, &path.display().to_string(), family)
 }
 
-/// The error of a block or stack built from a `config.json`'s numbers.
-fn unbuildable(err: crate::error::ConfigError) -> ImportError {
-    ImportError::Config {
-        what: "config.json".into(),
-        message: err.to_string(),
-    }
+/// The error of a block or stack built from a `config.json`'s numbers, naming the file's
+/// field where `names` maps the block's (or the stack's) field to it, and the file's names
+/// of the other fields the message speaks of.
+fn unbuildable(err: crate::error::ConfigError, names: &[(&str, &str)]) -> ImportError {
+    let theirs = |ours: &str| names.iter().find(|(o, _)| *o == ours).map(|&(_, t)| t);
+    let glossary: Vec<String> = names
+        .iter()
+        .filter(|&&(ours, _)| ours != err.field && err.message.contains(ours))
+        .map(|(ours, json)| format!("{ours} is `{json}`"))
+        .collect();
+    let (what, ours) = match theirs(err.field) {
+        Some(json) => (format!("`{json}` of config.json"), err.to_string()),
+        None => ("config.json".to_string(), err.to_string()),
+    };
+    let message = match (theirs(err.field), glossary.is_empty()) {
+        (Some(_), true) => format!(
+            "{} (as the model's {}.{})",
+            err.message, err.config, err.field
+        ),
+        (Some(_), false) => format!(
+            "{} (as the model's {}.{}; {})",
+            err.message,
+            err.config,
+            err.field,
+            glossary.join(", ")
+        ),
+        (None, true) => ours,
+        (None, false) => format!("{ours} ({})", glossary.join(", ")),
+    };
+    ImportError::Config { what, message }
 }
+
+/// The Llama family's `config.json` names of the blocks' and the stack's fields.
+const LLAMA_NAMES: &[(&str, &str)] = &[
+    ("d_model", "hidden_size"),
+    ("n_heads", "num_attention_heads"),
+    ("n_kv_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("d_ff", "intermediate_size"),
+    ("layer_norm_eps", "rms_norm_eps"),
+    ("window", "sliding_window"),
+    ("positions", "rope_theta"),
+    ("n_layers", "num_hidden_layers"),
+];
 
 /// Parses the JSON of a `config.json` of `family`; `source` names it in errors.
 fn parse_config<C: Config>(json: &[u8], source: &str, family: &str) -> Result<C, ImportError> {
@@ -619,7 +656,7 @@ impl HfConfig {
         let block = self.block()?;
         let model = crate::stack::EncoderConfig::new(block, self.num_hidden_layers)
             .try_init(device)
-            .map_err(unbuildable)?;
+            .map_err(|err| unbuildable(err, LLAMA_NAMES))?;
         let (vocab, width) = (self.vocab_size, self.hidden_size);
         Ok(CausalLm {
             embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
