@@ -288,6 +288,18 @@ fn stacks_and_cached_decoding_take_zero_sized_inputs() {
                     let want = step(&mut fresh.clone());
                     crate::util::assert_close(&what, step(&mut cache), want, 0.0);
                 }
+                // An empty call on a cache that holds positions, its mask over the keys
+                // it sees (they are the cache's): nothing written, nothing out.
+                let held = cache.len();
+                for mask in [
+                    AttentionMask::key_lengths(&vec![held; rows], cache.keys_seen(0), device),
+                    AttentionMask::causal(),
+                ] {
+                    let empty = randn([rows, 0, 16], 5, device);
+                    let out = module.forward_cached(empty, &mut cache, mask).unwrap();
+                    assert_eq!(out.dims(), [rows, 0, 16], "{what}: an empty call");
+                    assert_eq!(cache.len(), held, "{what}: an empty call");
+                }
             }
             let block = DecoderBlockConfig::new(16, 2)
                 .with_dropout(0.0)
@@ -300,6 +312,22 @@ fn stacks_and_cached_decoding_take_zero_sized_inputs() {
             let out = decoder.forward(input).unwrap().output;
             assert_eq!(out.dims(), [rows, t, 16], "{what}");
             finite(out);
+            // Then an empty call, asking for the weights: over the keys it sees, none
+            // weighed ([B, H, 0, keys seen]).
+            let seen = cache.layers()[0].keys_seen(0);
+            let input = StackInput::new(randn([rows, 0, 16], 1, device))
+                .memory(randn([rows, m, 16], 2, device))
+                .mask(AttentionMask::key_lengths(&vec![t; rows], seen, device))
+                .weights()
+                .cache(&mut cache);
+            let out = decoder.forward(input).unwrap();
+            assert_eq!(out.output.dims(), [rows, 0, 16], "{what}: an empty call");
+            assert_eq!(
+                out.weights[0].dims(),
+                [rows, 2, 0, seen],
+                "{what}: an empty call"
+            );
+            assert_eq!(cache.len(), t, "{what}: an empty call");
         }
     }
 }

@@ -537,17 +537,29 @@ impl MultiHeadAttention {
         let offset = cache.len();
         let (q, k, mask) = self.positioned(q, k, mask, [offset, offset]);
         let [batch, _, tokens, _] = q.dims();
-        let mask = match tokens {
-            0 => mask,
-            // A mask that does not fit the keys the call sees, or places them from
-            // another query, panics before the cache changes.
-            _ => {
-                mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
-                cache.align(mask, tokens)
-            }
-        };
+        // A mask that does not fit the keys the call sees, or places them from another
+        // query, panics before the cache changes.
+        let seen = cache.keys_seen(tokens);
+        mask.check([batch, self.n_heads, tokens, seen]);
         // What the attention refuses, refused before the cache changes.
         self.check_attend(&mask, head_mask.as_ref());
+        if tokens == 0 {
+            // No query: nothing written, nothing attended; the weights over the keys the
+            // call sees, none of them weighed.
+            let mut out = self.attend(
+                Heads::Split([q, k, v]),
+                &AttentionMask::none(),
+                weights,
+                0.0,
+                head_mask,
+            );
+            out.weights = out.weights.map(|w| {
+                let [b, h, _, _] = w.dims();
+                Tensor::empty([b, h, 0, seen], (&w.device(), w.dtype()))
+            });
+            return Ok(out);
+        }
+        let mask = cache.align(mask, tokens);
         // The weights name the keys in the order of their positions: a sliding cache's
         // ring is then read in that order too.
         let ordered = !mask.is_none() || weights != AttentionWeights::None;
@@ -621,9 +633,7 @@ impl MultiHeadAttention {
     /// call sees, sinks given twice (a stack checks every layer's before the first writes).
     pub(crate) fn check_cached_call(&self, x: &Tensor<3>, cache: &KvCache, mask: &AttentionMask) {
         let [batch, tokens, _] = x.dims();
-        if tokens > 0 {
-            mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
-        }
+        mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
         self.check_attend(mask, None);
         assert!(
             !self.adds_position_bias() || mask.position().is_none(),
