@@ -475,6 +475,12 @@ fn a_left_padded_batch_counts_positions_from_its_first_token() {
                 },
             );
         }
+        // Without padding, a query the rule places before the first key still counts
+        // where it sees one: 3 queries over 2 keys, a local window of 1 aligned
+        // bottom-right (the first query at -1 sees key 0).
+        let w = tensor(vec![1.0, 0.0, 0.5, 0.5, 0.5, 0.5], [1, 1, 3, 2]);
+        let stats = LayerStats::from_weights("l", w, &AttentionMask::local(1), None);
+        assert_eq!(stats.heads[0].rows, 3, "[{}] a local window", be.name);
     }
 }
 

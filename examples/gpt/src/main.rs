@@ -84,9 +84,13 @@ impl Settings {
         let mut pairs: Vec<(String, String)> = Vec::new();
         let mut args = args.into_iter();
         while let Some(name) = args.next() {
+            if name == "--help" || name == "-h" {
+                println!("usage: gpt [--flag value]...; {readme}");
+                std::process::exit(0);
+            }
             ensure!(
-                name.starts_with("--"),
-                "{name:?}: a flag was expected (`--flag value`); {readme}"
+                name.starts_with("--") && !name.contains('='),
+                "{name:?}: a flag was expected (`--flag value`, not `--flag=value`); {readme}"
             );
             ensure!(pairs.iter().all(|(n, _)| *n != name), "{name} given twice");
             let value = args
@@ -497,11 +501,15 @@ mod tests {
         let s = Settings::parse(args(&["--prompt", "--steps", "--steps", "7"])).unwrap();
         assert_eq!((s.prompt.as_str(), s.steps), ("--steps", 7));
         let refused = |a: &[&str]| Settings::parse(args(a)).unwrap_err().to_string();
-        let cases: [(&[&str], &str); 5] = [
+        let cases: [(&[&str], &str); 6] = [
             (&["--steps", "3", "--steps", "4"], "--steps given twice"),
             (&["--steps"], "--steps needs a value"),
             (&["--stepz", "3"], "unknown flag --stepz"),
             (&["3"], "\"3\": a flag was expected"),
+            (
+                &["--steps=5", "--lr", "0.01"],
+                "\"--steps=5\": a flag was expected",
+            ),
             (&["--steps", "x"], "--steps x: not valid"),
         ];
         for (a, want) in cases {

@@ -38,7 +38,9 @@ pub struct Link {
 /// first key that some query row sees through the mask's boolean part or a blocking
 /// bias: the keys before it are left padding (a batch padded on the left for
 /// generation), not positions, and where the rule places queries among the keys, the
-/// rows placed on them are padding too and left out.
+/// rows placed on them are padding too and left out. (A window given as a boolean part or
+/// a bias, not as the mask's rule, reads so too where no row sees the first keys: give
+/// windows as [`AttentionMask::sliding_window`].)
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct HeadStats {
     /// The head.
@@ -206,7 +208,7 @@ impl LayerStatsBuilder {
                 for q in 0..rows_of(b) {
                     let own = (q as i64).saturating_add(offset);
                     let start = visibility.sequence_start(b, q).max(padded[b]);
-                    if placed && own < padded[b] as i64 {
+                    if placed && padded[b] > 0 && own < padded[b] as i64 {
                         // A query placed on a key of the left padding: padding itself.
                         continue;
                     }

@@ -483,7 +483,7 @@ impl SelfAttention {
 
 /// `mask` and the left padding `pads` of a self-attention call of `tokens` tokens through
 /// `cache` (or none): the keys it sees blocked where they are padding (a call of no token
-/// sees no key: `mask` as it is).
+/// weighs no key: `mask` as it is).
 pub(crate) fn with_padding(
     mask: AttentionMask,
     pads: &[usize],

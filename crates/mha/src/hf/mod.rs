@@ -108,7 +108,6 @@ const LLAMA_NAMES: &[(&str, &str)] = &[
     ("d_ff", "intermediate_size"),
     ("layer_norm_eps", "rms_norm_eps"),
     ("window", "sliding_window"),
-    ("positions", "rope_theta"),
     ("n_layers", "num_hidden_layers"),
 ];
 
