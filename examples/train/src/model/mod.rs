@@ -534,12 +534,18 @@ impl InferenceStep for Model {
     type Input = SeqBatch;
     type Output = SequenceOutput;
 
+    /// The batch's loss once per row: Burn's loss metric weighs a batch by the loss's
+    /// length, so that a short last batch counts as its rows do and the epoch's loss is
+    /// the mean over the rows (a `[1]` loss counted each batch as one).
     fn step(&self, batch: SeqBatch) -> SequenceOutput {
         let device = batch.joined.device();
-        mha::on_cpu_workers(&device, || match batch.mixed.clone() {
+        let mut out = mha::on_cpu_workers(&device, || match batch.mixed.clone() {
             Some(mixed) => compute_copy(self, mixed.dtype).forward_loss(batch),
             None => self.forward_loss(batch),
-        })
+        });
+        let rows = out.targets.dims()[0];
+        out.loss = out.loss.expand([rows]);
+        out
     }
 }
 
@@ -627,8 +633,21 @@ mod tests {
                 })
                 .collect();
             let batch = crate::lm::TextBatcher::default().batch(windows, &device);
+            // Validated, the loss is counted once per window (Burn's metric weighs a
+            // batch by the loss's length).
+            let valid = InferenceStep::step(&model, batch.clone()).loss;
+            assert_eq!(
+                valid.dims(),
+                [3],
+                "{backend}: the validation loss per window"
+            );
             let out = model.forward_loss(batch);
             let loss = out.loss.clone().into_scalar::<f32>();
+            let mean = valid.mean().into_scalar::<f32>();
+            assert!(
+                (mean - loss).abs() < 1e-5,
+                "{backend}: validated {mean}, {loss}"
+            );
             // Small logits (h · E^T with E of deviation 0.02): about the uniform guess's
             // loss, ln V; Burn's N(0, 1) embedding would give several times that.
             assert!(
