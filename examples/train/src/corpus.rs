@@ -93,7 +93,7 @@ impl Corpus {
              must fit in the validation split (the last 10%) as in the training split; give \
              at least {} or a smaller block size",
             plural(len, "character"),
-            block + 1,
+            block.saturating_add(1),
             plural(Self::shortest_text(block), "character"),
         );
         Ok(Self { vocab, ids, split })

@@ -158,18 +158,19 @@ fn sample(
             .map(char::to_string)
             .unwrap_or_default(),
     };
-    let prompt = args
-        .prompt
-        .as_deref()
-        .or(args.input.as_deref())
-        .unwrap_or(&default);
+    // Named as the user gave it: `--prompt`, or the text after the flags.
+    let (prompt, given_as) = match (args.prompt.as_deref(), args.input.as_deref()) {
+        (Some(prompt), _) => (prompt, "--prompt"),
+        (None, Some(input)) => (input, "the prompt"),
+        (None, None) => (default.as_str(), "the default prompt"),
+    };
     anyhow::ensure!(
         !prompt.is_empty(),
-        "--prompt is empty: give the model at least one character to continue"
+        "{given_as} is empty: give the model at least one character to continue"
     );
     let ids: Vec<usize> = corpus
         .encode(prompt)
-        .map_err(|e| anyhow::anyhow!("--prompt: {e}"))?
+        .map_err(|e| anyhow::anyhow!("{given_as}: {e}"))?
         .into_iter()
         .map(|id| id as usize)
         .collect();

@@ -229,6 +229,12 @@ impl TaskConfig {
             N_SYMBOLS.name(),
             self.n_symbols
         );
+        anyhow::ensure!(
+            self.n_symbols <= LONGEST,
+            "{} must be at most {LONGEST}, got {}",
+            N_SYMBOLS.name(),
+            self.n_symbols
+        );
         self.task.rules().validate(self)?;
         let [train, valid] = self.split_sizes().unwrap_or([1, 1]);
         anyhow::ensure!(

@@ -98,6 +98,14 @@ fn a_rejected_setting_writes_nothing() {
             "`--max-len` (`task.max_len`) must be at most 1048576, got 9223372036854775807",
         ),
         (
+            &["--symbols", "18446744073709551615"][..],
+            "`--symbols` (`task.n_symbols`) must be at most 1048576, got 18446744073709551615",
+        ),
+        (
+            &["--task", "text", "--block-size", "18446744073709551615"][..],
+            "too short for a block size of 18446744073709551615",
+        ),
+        (
             &["--task", "text", "--block-size", "1000000000000"][..],
             "too short for a block size of 1000000000000, whose windows of 1000000000001 must \
              fit in the validation split (the last 10%) as in the training split; give at least \

@@ -125,6 +125,15 @@ fn the_text_task_learns_on_every_backend_and_samples() {
                 "'→', '☺'",
             ],
         );
+        // Given after the flags, it is named as the prompt, not as a flag never typed.
+        for (prompt, wanted) in [("", "the prompt is empty"), ("☺", "the prompt: ")] {
+            let out = run(trainer()
+                .args(["--backend", backend.name(), "generate", "--out"])
+                .arg(&dir)
+                .arg(prompt));
+            assert_error(&out, &[wanted]);
+            assert!(!stderr(&out).contains("--prompt"), "{}", stderr(&out));
+        }
     }
 }
 
