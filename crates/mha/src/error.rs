@@ -1,5 +1,5 @@
-//! Errors a user can cause: through a configuration, a decode cache, a pruning plan or a
-//! dtype.
+//! Errors a user can cause: through a configuration, a decode cache, a pruning plan, a
+//! dtype, or a conversion of Burn's modules.
 
 use core::fmt;
 

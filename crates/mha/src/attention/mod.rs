@@ -41,7 +41,8 @@ use crate::problem::Scores;
 /// Which attention weights to return.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AttentionWeights {
-    /// None: the cheapest, and the only mode that can use the tiles.
+    /// None: the cheapest, and the only mode that can use the CPU tiles and the GPU
+    /// kernels.
     #[default]
     None,
     /// Per head: `[B, H, Tq, Tk]`.
