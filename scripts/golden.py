@@ -825,6 +825,38 @@ def cross_entropy():
     save("cross_entropy", None, {"logits": logits}, loss, extra={"targets": targets})
 
 
+def cross_entropy_options():
+    """`F.cross_entropy` with PyTorch's other arguments, over 23 rows of 7 classes (rows 3
+    and 11 ignored, at -100): `io.<case>.out` and `io.<case>.grad.logits` for the random
+    upstream gradient `io.<case>.grad_out` of each case, the class weights `io.weight`."""
+    torch.manual_seed(29)
+    logits = torch.randn(23, 7) * 4
+    targets = torch.randint(0, 7, (23,))
+    targets[[3, 11]] = -100
+    weight = torch.rand(7) + 0.2
+    cases = {
+        "smooth": dict(label_smoothing=0.1),
+        "weight": dict(weight=weight),
+        "weight_smooth": dict(weight=weight, label_smoothing=0.25),
+        "sum": dict(label_smoothing=0.1, reduction="sum"),
+        "none": dict(weight=weight, label_smoothing=0.1, reduction="none"),
+        "plain_sum": dict(reduction="sum"),
+    }
+    g = torch.Generator().manual_seed(1234)
+    tensors = {"io.logits": logits, "io.targets": targets.float(), "io.weight": weight}
+    for name, kw in cases.items():
+        x = logits.clone().requires_grad_(True)
+        out = F.cross_entropy(x, targets, ignore_index=-100, **kw).reshape(-1)
+        grad_out = torch.randn(out.shape, generator=g)
+        (out * grad_out).sum().backward()
+        tensors[f"io.{name}.out"] = out.detach().clone()
+        tensors[f"io.{name}.grad_out"] = grad_out
+        tensors[f"io.{name}.grad.logits"] = x.grad.detach().clone()
+    path = os.path.join(OUT, "cross_entropy_options.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    print(f"{path}: {len(tensors)} tensors")
+
+
 def position_tables():
     """What positions are made of, to compare exactly: T5's bucket of every distance in
     -300..=300 for four configurations, sinusoids, ALiBi's slopes for 1..=16 heads."""
@@ -917,6 +949,7 @@ FIXTURES = {
     "qwen3_lm": lambda: hf_causal_lm("qwen3_lm", "qwen3", 48, tied=True, head_dim=16),
     "hf_tiny_llama": hf_tiny_llama,
     "cross_entropy": cross_entropy,
+    "cross_entropy_options": cross_entropy_options,
     "mha_t5_hf_encoder": lambda: hf_t5_attention("mha_t5_hf_encoder", False, 41),
     "mha_t5_hf_decoder": lambda: hf_t5_attention("mha_t5_hf_decoder", True, 42),
     "mha_bf16": lambda: half_precision("mha_bf16", torch.bfloat16, 31),

@@ -2133,6 +2133,123 @@ fn cross_entropy_without_autodiff_is_the_loss_under_it() {
     }
 }
 
+/// `F.cross_entropy`'s other arguments against PyTorch: label smoothing, class weights,
+/// both, and the sum and per-row reductions (rows ignored at -100), the loss and the
+/// logits' gradient on every backend; and a mean over no weight is 0, not NaN.
+#[test]
+fn cross_entropy_with_weights_smoothing_and_reductions_matches_pytorch() {
+    use mha::loss::{CrossEntropyOptions, Reduction, cross_entropy_with};
+    let f = Fixture::load("cross_entropy_options");
+    let shape = [23, 7];
+    for b in backends() {
+        let device = b.autodiff();
+        let weight = f.io::<1>("weight", [7], &device);
+        let targets = f.io::<1>("targets", [23], &device).int();
+        let base = CrossEntropyOptions::default().with_ignore_index(Some(-100));
+        let cases = [
+            ("smooth", base.clone().with_label_smoothing(0.1), 1),
+            ("weight", base.clone().with_weight(weight.clone()), 1),
+            (
+                "weight_smooth",
+                base.clone()
+                    .with_weight(weight.clone())
+                    .with_label_smoothing(0.25),
+                1,
+            ),
+            (
+                "sum",
+                base.clone()
+                    .with_label_smoothing(0.1)
+                    .with_reduction(Reduction::Sum),
+                1,
+            ),
+            (
+                "none",
+                base.clone()
+                    .with_weight(weight.clone())
+                    .with_label_smoothing(0.1)
+                    .with_reduction(Reduction::None),
+                23,
+            ),
+            ("plain_sum", base.clone().with_reduction(Reduction::Sum), 1),
+        ];
+        for (case, options, len) in cases {
+            let what = format!("[{}] cross-entropy, {case}", b.name);
+            let logits = f.io::<2>("logits", shape, &device).require_grad();
+            let loss = cross_entropy_with(logits.clone(), targets.clone(), &options);
+            let want = f.io::<1>(&format!("{case}.out"), [len], &device);
+            assert_close(&what, loss.clone(), want, b.forward_tol());
+            let grad_out = f.io::<1>(&format!("{case}.grad_out"), [len], &device);
+            let grads = (loss * grad_out).sum().backward();
+            let grad = logits.grad(&grads).expect("a gradient");
+            let want = f.io::<2>(&format!("{case}.grad.logits"), shape, &b.device);
+            assert_grad_close(&b, &format!("{what}, gradient"), grad, want);
+        }
+        // In every other float dtype: the loss in that dtype, PyTorch's to its precision.
+        for dtype in b.other_float_dtypes() {
+            let what = format!("[{} {dtype:?}] cross-entropy, weight_smooth", b.name);
+            let logits = f.io::<2>("logits", shape, &device).cast(dtype);
+            let options = base
+                .clone()
+                .with_weight(weight.clone())
+                .with_label_smoothing(0.25);
+            let loss = cross_entropy_with(logits, targets.clone(), &options);
+            assert_eq!(loss.dtype(), dtype.into(), "{what}");
+            let want = f.io::<1>("weight_smooth.out", [1], &device);
+            let [atol, rtol] = b.tolerances_against_f32(dtype)[0];
+            let largest = want.clone().abs().max().into_scalar::<f32>() as f64;
+            let tol = (atol + rtol * largest) as f32;
+            assert_close(&what, loss.cast(burn::tensor::FloatDType::F32), want, tol);
+        }
+        // Weights of 0 on every kept row's class: a mean over no weight, 0 and a
+        // gradient of 0 (PyTorch's is NaN).
+        let logits = f.io::<2>("logits", shape, &device).require_grad();
+        let zero_on_targets = Tensor::<1>::zeros([7], &device);
+        let options = base.clone().with_weight(zero_on_targets);
+        let loss = cross_entropy_with(logits.clone(), targets.clone(), &options);
+        let grads = loss.clone().backward();
+        let what = format!("[{}] cross-entropy over no weight", b.name);
+        assert_close(&what, loss, Tensor::zeros([1], &device), 0.0);
+        let grad = logits.grad(&grads).expect("a gradient");
+        assert_close(&what, grad, Tensor::zeros(shape, &device), 0.0);
+    }
+}
+
+/// Bad class weights and label smoothing are refused by name.
+#[test]
+fn cross_entropy_with_refuses_bad_weights_and_smoothing() {
+    use mha::loss::{CrossEntropyOptions, cross_entropy_with};
+    let d = crate::util::first_device();
+    let logits = || Tensor::<2>::zeros([3, 4], &d);
+    let targets = || Tensor::<1, burn::tensor::Int>::zeros([3], &d);
+    let refused = |options: CrossEntropyOptions| {
+        crate::util::panic_message(|| {
+            let _ = cross_entropy_with(logits(), targets(), &options);
+        })
+    };
+    let weight = |values: Vec<f32>| {
+        let n = values.len();
+        Tensor::<1>::from_data(burn::tensor::TensorData::new(values, [n]), &d)
+    };
+    let cases = [
+        (
+            refused(CrossEntropyOptions::default().with_label_smoothing(1.5)),
+            "cross_entropy_with: label_smoothing must be in [0, 1], got 1.5",
+        ),
+        (
+            refused(CrossEntropyOptions::default().with_weight(weight(vec![1.0; 3]))),
+            "cross_entropy_with: weight has shape [3], not [C] = [4] (logits [3, 4])",
+        ),
+        (
+            refused(CrossEntropyOptions::default().with_weight(weight(vec![1.0, -1.0, 1.0, 1.0]))),
+            "cross_entropy_with: weight[1] = -1: class weights must be finite and not negative",
+        ),
+    ];
+    for (got, want) in cases {
+        assert_eq!(got, want);
+    }
+}
+
 /// PyTorch's default `ignore_index`, -100 (Hugging Face's labels), is given as it is:
 /// the fixture's loss with the ignored rows' targets made -100 (it could not be written).
 #[test]
