@@ -41,31 +41,31 @@ pub fn cross_entropy(
     targets: Tensor<1, Int>,
     ignore_index: Option<i64>,
 ) -> Tensor<1> {
+    let values = checked_targets("cross_entropy", &logits, &targets, ignore_index);
+    crate::ops::loss::cross_entropy(logits, targets, &values, ignore_index)
+}
+
+/// The targets' values, once there is one per row of `logits` `[N, C]` and each is a
+/// class index below `C` or `ignore_index`.
+///
+/// # Panics
+/// Naming `function` and the shapes, or the row and the values.
+fn checked_targets(
+    function: &str,
+    logits: &Tensor<2>,
+    targets: &Tensor<1, Int>,
+    ignore_index: Option<i64>,
+) -> Vec<i64> {
     let [n, classes] = logits.dims();
     let [rows] = targets.dims();
     assert!(
         rows == n,
-        "cross_entropy: targets has {rows} rows, logits {n} (shape [{n}, {classes}])"
+        "{function}: targets has {rows} rows, logits {n} (shape [{n}, {classes}])"
     );
     assert!(
         classes > 0 || n == 0,
-        "cross_entropy: logits has rows but no class (shape [{n}, {classes}])"
+        "{function}: logits has rows but no class (shape [{n}, {classes}])"
     );
-    let values = checked_targets("cross_entropy", [n, classes], &targets, ignore_index);
-    crate::ops::loss::cross_entropy(logits, targets, &values, ignore_index)
-}
-
-/// The targets' values, once each is checked to be a class index below `classes` or
-/// `ignore_index`.
-///
-/// # Panics
-/// Naming `function`, the row and the values, for a target that is neither.
-fn checked_targets(
-    function: &str,
-    [n, classes]: [usize; 2],
-    targets: &Tensor<1, Int>,
-    ignore_index: Option<i64>,
-) -> Vec<i64> {
     let values: Vec<i64> = targets
         .to_data()
         .convert::<i64>()
@@ -192,16 +192,8 @@ pub fn cross_entropy_with(
     if weight.is_none() && smoothing == 0.0 && *reduction == Reduction::Mean {
         return cross_entropy(logits, targets, ignore_index);
     }
+    let values = checked_targets("cross_entropy_with", &logits, &targets, ignore_index);
     let [n, classes] = logits.dims();
-    let [rows] = targets.dims();
-    assert!(
-        rows == n,
-        "cross_entropy_with: targets has {rows} rows, logits {n} (shape [{n}, {classes}])"
-    );
-    assert!(
-        classes > 0 || n == 0,
-        "cross_entropy_with: logits has rows but no class (shape [{n}, {classes}])"
-    );
     let device = logits.device();
     let dtype = logits.dtype();
     let weight = weight.as_ref().map(|w| {
@@ -216,7 +208,6 @@ pub fn cross_entropy_with(
         }
         Tensor::<1>::from_data(TensorData::new(values, [classes]), (&device, DType::F32))
     });
-    let values = checked_targets("cross_entropy_with", [n, classes], &targets, ignore_index);
     let back = |loss: Tensor<1>| match loss.dtype() == dtype {
         true => loss,
         false => loss.cast(FloatDType::from(dtype)),
