@@ -404,7 +404,7 @@ fn a_left_padded_batch_counts_positions_from_its_first_token() {
             |values: Vec<f32>, dims| Tensor::<4>::from_data(TensorData::new(values, dims), d);
         // Row q of 4 causal positions: 0.4 on the first token, 0.4 on itself (0.8 at
         // q = 1, all at q = 0), the rest spread over the others.
-        let mut whole = vec![0.0f32; 16];
+        let mut whole = [0.0f32; 16];
         for q in 0..4usize {
             let others = q.saturating_sub(1);
             for k in 1..q {

@@ -204,11 +204,11 @@ impl LayerStatsBuilder {
             })
             .collect();
         for (h, acc) in self.heads.iter_mut().enumerate() {
-            for b in 0..batch {
+            for (b, &pad) in padded.iter().enumerate() {
                 for q in 0..rows_of(b) {
                     let own = (q as i64).saturating_add(offset);
-                    let start = visibility.sequence_start(b, q).max(padded[b]);
-                    if placed && padded[b] > 0 && own < padded[b] as i64 {
+                    let start = visibility.sequence_start(b, q).max(pad);
+                    if placed && pad > 0 && own < pad as i64 {
                         // A query placed on a key of the left padding: padding itself.
                         continue;
                     }
