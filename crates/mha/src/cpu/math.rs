@@ -2,7 +2,8 @@
 //! library does not, and the softmax calls it for every score) and a dot product in eight
 //! lanes.
 
-/// `e^x` to within 2 ulp in `[-87.3, 88.7]`, 0 below (Cephes' `expf`: `x = n ln 2 +
+/// `e^x` to within 2 ulp in `[-87.3, 88.3]`, 0 below, infinite above 88.37 (where
+/// `2^n` leaves f32: the softmax's arguments are at most 0) (Cephes' `expf`: `x = n ln 2 +
 /// r`, a degree-6 polynomial for `e^r`, `2^n` through the exponent bits); branch-free
 /// so that loops over it vectorise.
 #[inline(always)]
