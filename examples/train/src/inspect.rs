@@ -107,7 +107,11 @@ pub fn inspect(
     check_prune(&counts, prune)?;
     let dir = run.0.join("inspect");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let held_out: Vec<Example> = (0..examples.max(1))
+    // Drawn after the held-out examples the accuracies are measured on (the first
+    // `eval_examples`), so that the examples that rank the heads for pruning do not score
+    // the pruned model.
+    let first = config.eval_examples;
+    let held_out: Vec<Example> = (first..first.saturating_add(examples.max(1)))
         .map(|i| config.task.example(config.seed, Split::Valid, i))
         .collect();
     // Batches of one size (within one example): the importances are means over batches.

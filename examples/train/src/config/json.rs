@@ -129,7 +129,10 @@ fn check_type(given: &Value, known: &Value, path: &str) -> anyhow::Result<()> {
     }
     let defaults = serde_json::to_value(TrainConfig::default()).expect("a config serialises");
     let optional = lookup(&defaults, path).is_some_and(Value::is_null);
+    // A whole number past u64 (serde_json reads it as a float); u64::MAX itself, which
+    // rounds to 2^64 as a float, is a u64.
     if known.is_u64()
+        && !given.is_u64()
         && let Some(big) = given
             .as_f64()
             .filter(|v| *v >= u64::MAX as f64 && v.fract() == 0.0)

@@ -395,6 +395,20 @@ mod tests {
                 assert!(!err.contains(internal), "{text}: {err}");
             }
         }
+        // The largest seed is a seed (it rounds to 2^64 as a float), one past it is not: a
+        // run's own config.json, written with its seed, reads back.
+        let max = TrainConfig::from_json(r#"{"seed": 18446744073709551615}"#).unwrap();
+        assert_eq!(max.seed, u64::MAX);
+        let written = TrainConfig::from_json(&max.to_json().unwrap()).unwrap();
+        assert_eq!(written.seed, u64::MAX);
+        let err = format!(
+            "{:#}",
+            TrainConfig::from_json(r#"{"seed": 18446744073709551616}"#).unwrap_err()
+        );
+        assert!(
+            err.contains("`seed` = 18446744073709551616: too large"),
+            "{err}"
+        );
         // What a file gives is echoed short and escaped.
         let long = format!(r#"{{"task": "{}\u001b[31m"}}"#, "x".repeat(100_000));
         let err = format!("{:#}", TrainConfig::from_json(&long).unwrap_err());
