@@ -82,7 +82,7 @@ impl Backend {
             #[cfg(feature = "ndarray")]
             Backend::Ndarray => return Ok(Device::ndarray()),
             #[cfg(feature = "wgpu")]
-            Backend::Wgpu => return Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+            Backend::Wgpu => return wgpu_device(),
             #[cfg(feature = "cuda")]
             Backend::Cuda => return Ok(Device::cuda(0)),
             _ => {}
@@ -207,6 +207,35 @@ impl Backend {
         }
         let _ = device;
         None
+    }
+}
+
+/// wgpu's default device, once it is known to have an adapter: without one (no GPU
+/// driver, no software one) Burn panics at the device's first use, here turned into an
+/// error naming what to do.
+#[cfg(feature = "wgpu")]
+fn wgpu_device() -> anyhow::Result<Device> {
+    let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+    // The probe's panic is the error below: the default hook's message silenced for it
+    // (the process has one thread this early).
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let probe = std::panic::catch_unwind(|| device.supports_dtype(burn::tensor::DType::F32));
+    std::panic::set_hook(hook);
+    match probe {
+        Ok(_) => Ok(device),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no reason given");
+            anyhow::bail!(
+                "--backend wgpu: no GPU adapter can be opened ({why}): install the GPU's \
+                 Vulkan, Metal or DirectX driver (or Mesa's software one, lavapipe: \
+                 apt-get install mesa-vulkan-drivers), or choose --backend flex"
+            )
+        }
     }
 }
 
