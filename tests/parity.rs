@@ -2215,6 +2215,50 @@ fn cross_entropy_with_weights_smoothing_and_reductions_matches_pytorch() {
     }
 }
 
+/// An ignored row counts for nothing whatever its logits (one of -inf gave NaN through a
+/// product by 0; PyTorch replaces the row), and f64 logits are computed in f64.
+#[test]
+fn cross_entropy_with_leaves_ignored_rows_out_and_computes_f64_in_f64() {
+    use burn::tensor::{FloatDType, Int, TensorData};
+    use mha::loss::{CrossEntropyOptions, Reduction, cross_entropy_with};
+    for b in backends() {
+        let d = &b.device;
+        let logits = Tensor::<2>::from_data(
+            TensorData::new(vec![f32::NEG_INFINITY, 0.0, 0.0, 0.0], [2, 2]),
+            d,
+        );
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![-100i64, 1], [2]), d);
+        for smoothing in [0.0, 0.3] {
+            let options = CrossEntropyOptions::default()
+                .with_ignore_index(Some(-100))
+                .with_label_smoothing(smoothing)
+                .with_reduction(Reduction::Sum);
+            let got = cross_entropy_with(logits.clone(), targets.clone(), &options);
+            let got = got.into_scalar::<f32>();
+            let want = std::f32::consts::LN_2; // row 1 alone: uniform over 2 classes
+            assert!(
+                (got - want).abs() < 1e-6,
+                "[{}] smoothing {smoothing}: {got}, want {want}",
+                b.name
+            );
+        }
+        if b.other_float_dtypes().contains(&FloatDType::F64) {
+            // ln(1 + e^1e-9): 1e-9 is lost in f32.
+            let data = TensorData::new(vec![1e-9f64, 0.0], [1, 2]);
+            let logits = Tensor::<2>::from_data(data, (d, burn::tensor::DType::F64));
+            let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![1i64], [1]), d);
+            let options = CrossEntropyOptions::default().with_reduction(Reduction::Sum);
+            let got = cross_entropy_with(logits, targets, &options).into_scalar::<f64>();
+            let want = (1.0f64 + 1e-9f64.exp()).ln();
+            assert!(
+                (got - want).abs() < 1e-15,
+                "[{}] f64: {got:e}, want {want:e}",
+                b.name
+            );
+        }
+    }
+}
+
 /// Bad class weights and label smoothing are refused by name.
 #[test]
 fn cross_entropy_with_refuses_bad_weights_and_smoothing() {

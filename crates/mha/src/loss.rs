@@ -6,7 +6,7 @@
 //! weights, label smoothing and the reduction.
 
 use burn::tensor::activation::log_softmax;
-use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, FloatDType, Int, Tensor, TensorData};
 
 /// The mean cross-entropy of `logits` `[N, C]` against class indices `targets` `[N]`,
 /// over the rows whose target is not `ignore_index`: `mean(logsumexp(logits[r]) -
@@ -145,8 +145,8 @@ impl CrossEntropyOptions {
 /// label_smoothing)` for logits `[N, C]` and class indices `targets` `[N]`: row `r`'s
 /// loss is `(1 - ε) · w[t_r] · nll_r + (ε / C) · Σ_c w[c] · (-log p_rc)` with
 /// `nll_r = -log p_r,t_r` (0 for a row whose target is `ignore_index`), reduced as
-/// `options.reduction` says. Differentiable with respect to the logits; in the logits'
-/// dtype, computed in f32 for f16 and bf16 logits. With the default options it is
+/// `options.reduction` says. Differentiable with respect to the logits (the class weights
+/// are constants); in the logits' dtype, computed in f32 for f16 and bf16 logits. With the default options it is
 /// [`cross_entropy`] (its fused operation on the CPU backends).
 ///
 /// As [`cross_entropy`], and unlike PyTorch's (NaN), a mean over no weight (every target
@@ -196,17 +196,22 @@ pub fn cross_entropy_with(
     let [n, classes] = logits.dims();
     let device = logits.device();
     let dtype = logits.dtype();
+    // f16 and bf16 computed in f32 (as PyTorch's autocast does), f32 and f64 in their own.
+    let work = match dtype {
+        DType::F16 | DType::BF16 => DType::F32,
+        other => other,
+    };
     let weight = weight.as_ref().map(|w| {
         let dims = w.dims();
         assert!(
             dims == [classes],
             "cross_entropy_with: weight has shape {dims:?}, not [C] = [{classes}] (logits [{n}, {classes}])"
         );
-        let values: Vec<f32> = w.to_data().convert::<f32>().try_to_vec().expect("float weights");
+        let values: Vec<f64> = w.to_data().convert::<f64>().try_to_vec().expect("float weights");
         if let Some((c, w)) = values.iter().enumerate().find(|(_, w)| !(w.is_finite() && **w >= 0.0)) {
             panic!("cross_entropy_with: weight[{c}] = {w}: class weights must be finite and not negative");
         }
-        Tensor::<1>::from_data(TensorData::new(values, [classes]), (&device, DType::F32))
+        Tensor::<1>::from_data(TensorData::new(values, [classes]), (&device, work))
     });
     let back = |loss: Tensor<1>| match loss.dtype() == dtype {
         true => loss,
@@ -214,44 +219,46 @@ pub fn cross_entropy_with(
     };
     if n == 0 {
         // Nothing to reduce (Burn's reductions over no row): 0, or no row.
-        let zero = logits.sum().cast(FloatDType::F32) * 0.0;
+        let zero = logits.sum().cast(FloatDType::from(work)) * 0.0;
         return back(match reduction {
-            Reduction::None => Tensor::empty([0], (&device, DType::F32)),
+            Reduction::None => Tensor::empty([0], (&device, work)),
             _ => zero,
         });
     }
-    // Ignored rows read class 0 and count for nothing.
-    let kept: Vec<f32> = values
-        .iter()
-        .map(|&t| f32::from(ignore_index != Some(t)))
-        .collect();
+    // Ignored rows read class 0, and their losses are replaced by 0 (not multiplied by
+    // it: a logit of -inf there would give NaN).
+    let ignored: Vec<bool> = values.iter().map(|&t| ignore_index == Some(t)).collect();
     let classes_of: Vec<i64> = values
         .iter()
-        .map(|&t| if ignore_index == Some(t) { 0 } else { t })
+        .zip(&ignored)
+        .map(|(&t, &ignored)| if ignored { 0 } else { t })
         .collect();
-    let kept = Tensor::<1>::from_data(TensorData::new(kept, [n]), (&device, DType::F32));
+    let ignored = Tensor::<1, Bool>::from_data(TensorData::new(ignored, [n]), &device);
     let picked = Tensor::<1, Int>::from_data(TensorData::new(classes_of, [n]), &device);
-    let logits = match dtype == DType::F32 {
+    let logits = match dtype == work {
         true => logits,
-        false => logits.cast(FloatDType::F32),
+        false => logits.cast(FloatDType::from(work)),
     };
     let log_p = log_softmax(logits, 1); // [N, C]
     let nll = -log_p
         .clone()
         .gather(1, picked.clone().reshape([n, 1]))
         .reshape([n]);
+    let nll = nll.mask_fill(ignored.clone(), 0.0);
     // Each kept row's target weight (1 without weights), 0 for an ignored row.
     let row_weight = match &weight {
-        Some(w) => w.clone().select(0, picked) * kept.clone(),
-        None => kept.clone(),
-    };
+        Some(w) => w.clone().select(0, picked),
+        None => Tensor::ones([n], (&device, work)),
+    }
+    .mask_fill(ignored.clone(), 0.0);
     let mut loss = nll * row_weight.clone();
     if smoothing > 0.0 {
         let spread = match &weight {
             Some(w) => log_p * w.clone().reshape([1, classes]),
             None => log_p,
         };
-        let smooth = -spread.sum_dim(1).reshape([n]) * kept;
+        let smooth = -spread.sum_dim(1).reshape([n]);
+        let smooth = smooth.mask_fill(ignored, 0.0);
         loss = loss * (1.0 - smoothing) + smooth * (smoothing / classes as f64);
     }
     back(match reduction {
@@ -260,7 +267,11 @@ pub fn cross_entropy_with(
         Reduction::Mean => {
             // Over the kept rows' weights; over none, 0 (not 0 / 0).
             let total = row_weight.sum();
-            let none = total.clone().equal_elem(0.0).float();
+            let none = total
+                .clone()
+                .equal_elem(0.0)
+                .float()
+                .cast(FloatDType::from(work));
             loss.sum() * (-none.clone() + 1.0) / (total + none)
         }
     })

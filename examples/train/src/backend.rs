@@ -215,27 +215,32 @@ impl Backend {
 /// error naming what to do.
 #[cfg(feature = "wgpu")]
 fn wgpu_device() -> anyhow::Result<Device> {
+    use std::sync::OnceLock;
+    /// The probe's outcome, once per process: its panic's message, if it panicked.
+    static PROBE: OnceLock<Option<String>> = OnceLock::new();
     let device = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
-    // The probe's panic is the error below: the default hook's message silenced for it
-    // (the process has one thread this early).
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let probe = std::panic::catch_unwind(|| device.supports_dtype(burn::tensor::DType::F32));
-    std::panic::set_hook(hook);
-    match probe {
-        Ok(_) => Ok(device),
-        Err(panic) => {
-            let why = panic
+    let failed = PROBE.get_or_init(|| {
+        // The probe's panic is the error below: the default hook's message silenced for
+        // it (once, by one thread: others asking meanwhile wait for its outcome).
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let probe = std::panic::catch_unwind(|| device.supports_dtype(burn::tensor::DType::F32));
+        std::panic::set_hook(hook);
+        probe.err().map(|panic| {
+            panic
                 .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("no reason given");
-            anyhow::bail!(
-                "--backend wgpu: no GPU adapter can be opened ({why}): install the GPU's \
-                 Vulkan, Metal or DirectX driver (or Mesa's software one, lavapipe: \
-                 apt-get install mesa-vulkan-drivers), or choose --backend flex"
-            )
-        }
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "no reason given".into())
+        })
+    });
+    match failed {
+        None => Ok(device),
+        Some(why) => anyhow::bail!(
+            "--backend wgpu: no GPU adapter can be opened ({why}): install the GPU's \
+             Vulkan, Metal or DirectX driver (or Mesa's software one, lavapipe: \
+             apt-get install mesa-vulkan-drivers), or choose --backend flex"
+        ),
     }
 }
 

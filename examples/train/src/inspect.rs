@@ -108,8 +108,8 @@ pub fn inspect(
     let dir = run.0.join("inspect");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     // Drawn after the held-out examples the accuracies are measured on (the first
-    // `eval_examples`), so that the examples that rank the heads for pruning do not score
-    // the pruned model.
+    // `eval_examples`): other draws rank the heads for pruning than those that score the
+    // pruned model (on a small held-out split the same inputs recur among both).
     let first = config.eval_examples;
     let held_out: Vec<Example> = (first..first.saturating_add(examples.max(1)))
         .map(|i| config.task.example(config.seed, Split::Valid, i))

@@ -99,7 +99,7 @@ fn a_rejected_setting_writes_nothing() {
         ),
         (
             &["--symbols", "18446744073709551615"][..],
-            "`--symbols` (`task.n_symbols`) must be at most 1048576, got 18446744073709551615",
+            "`--symbols` (`task.n_symbols`) must be at most 4294967296, got 18446744073709551615",
         ),
         (
             &["--task", "text", "--block-size", "18446744073709551615"][..],
