@@ -77,24 +77,20 @@ fn unbuildable(err: crate::error::ConfigError, names: &[(&str, &str)]) -> Import
         .filter(|&&(ours, _)| ours != err.field && err.message.contains(ours))
         .map(|(ours, json)| format!("{ours} is `{json}`"))
         .collect();
-    let (what, ours) = match theirs(err.field) {
-        Some(json) => (format!("`{json}` of config.json"), err.to_string()),
+    let mut notes = Vec::new();
+    let (what, head) = match theirs(err.field) {
+        Some(json) => {
+            notes.push(format!("as the model's {}.{}", err.config, err.field));
+            (format!("`{json}` of config.json"), err.message.clone())
+        }
         None => ("config.json".to_string(), err.to_string()),
     };
-    let message = match (theirs(err.field), glossary.is_empty()) {
-        (Some(_), true) => format!(
-            "{} (as the model's {}.{})",
-            err.message, err.config, err.field
-        ),
-        (Some(_), false) => format!(
-            "{} (as the model's {}.{}; {})",
-            err.message,
-            err.config,
-            err.field,
-            glossary.join(", ")
-        ),
-        (None, true) => ours,
-        (None, false) => format!("{ours} ({})", glossary.join(", ")),
+    if !glossary.is_empty() {
+        notes.push(glossary.join(", "));
+    }
+    let message = match notes.is_empty() {
+        true => head,
+        false => format!("{head} ({})", notes.join("; ")),
     };
     ImportError::Config { what, message }
 }
