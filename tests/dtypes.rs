@@ -486,3 +486,43 @@ fn half_precision_hugging_face_checkpoints_load_as_stored() {
         }
     }
 }
+
+/// Absolute positions add in the input's dtype, whatever the dtype of a learned table
+/// (as a sinusoid's, computed in f64, is rounded to it): `add` and `add_padded` of an f32
+/// table to an input of each other dtype give that dtype, and the f32 sum of the same
+/// (rounded) input to the dtype's tolerance.
+#[test]
+fn absolute_positions_add_in_the_inputs_dtype() {
+    use mha::positions::AbsolutePositions;
+    for b in backends() {
+        let device = b.device.clone();
+        let x = randn([2, 3, 8], 11, &device);
+        let learned = AbsolutePositions::learned(8, 8, &device);
+        for dtype in b.other_float_dtypes() {
+            let label = format!("[{}] {dtype:?}", b.name);
+            let input = x.clone().cast(dtype);
+            let rounded = input.clone().cast(FloatDType::F32);
+            let [[atol, _], _] = b.tolerances_against_f32(dtype);
+            for (what, got, want) in [
+                (
+                    "add",
+                    learned.add(input.clone(), 2),
+                    learned.add(rounded.clone(), 2),
+                ),
+                (
+                    "add_padded",
+                    learned.add_padded(input.clone(), 2, &[0, 1]),
+                    learned.add_padded(rounded.clone(), 2, &[0, 1]),
+                ),
+            ] {
+                assert_eq!(got.dtype(), DType::from(dtype), "{what} {label}");
+                assert_close(
+                    &format!("{what} {label}"),
+                    got.cast(FloatDType::F32),
+                    want,
+                    atol as f32,
+                );
+            }
+        }
+    }
+}

@@ -66,7 +66,8 @@ impl AbsolutePositions {
         }
     }
 
-    /// `x` with the positions of its rows added: row `t` stands at `offset + t`.
+    /// `x` with the positions of its rows added: row `t` stands at `offset + t`. The sum
+    /// is in `x`'s dtype, whatever the learned table's (it is cast to `x`'s).
     ///
     /// # Shapes
     /// `[B, T, d_model]` -> `[B, T, d_model]`.
@@ -91,6 +92,7 @@ impl AbsolutePositions {
                 l.embedding
                     .forward(ids.reshape([1, len]))
                     .squeeze_dim::<2>(0)
+                    .cast(x.dtype())
             }
         };
         x + positions.unsqueeze::<3>() // [B, T, D] + [1, T, D]
