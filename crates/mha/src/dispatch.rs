@@ -213,7 +213,7 @@ impl AttentionCall {
                     && floats.clone().all(|t| t == dtype);
                 let (d_k, d_v) = (q_dims[3], v_dims[3]);
                 let table_too = table.clone().all(|t| t == dtype);
-                let indexed = gpu_indexed(dims, mask, device.is_autodiff());
+                let indexed = gpu_indexed(dims, mask);
                 let heads = [d_k, d_v];
                 let fit = || gpu_tiles_fit(device, heads, dtype.size(), device.is_autodiff());
                 one_float && table_too && indexed && d_k > 0 && d_v > 0 && fit()
@@ -275,16 +275,23 @@ pub(crate) fn gpu_largest_binding(device: &Device) -> u64 {
 #[cfg(feature = "gpu-kernels")]
 /// Whether the GPU kernels' 32-bit indices reach every element of a call over `[query,
 /// key, value]` shapes and `mask` (the bound `gpu::launch::Sizes` asserts, the bias's and
-/// boolean mask's own sizes, and, where a `backward` may follow, the partial sums of the
-/// bias's and the position table's gradients): past `i32::MAX` elements a call takes the
-/// explicit path.
-fn gpu_indexed(qkv: [[usize; 4]; 3], mask: &AttentionMask, backward: bool) -> bool {
-    let learned = matches!(mask.position(), Some(crate::PositionBias::Learned { .. }));
+/// boolean mask's own sizes, and the partial sums of the gradients of a bias and of a
+/// learned position table that autodiff tracks, which the backward pass computes): past
+/// `i32::MAX` elements a call takes the explicit path. A bias or a table that is not
+/// tracked (a constant, a frozen parameter) has no gradient, so no partial sums.
+fn gpu_indexed(qkv: [[usize; 4]; 3], mask: &AttentionMask) -> bool {
+    let table_grad = match mask.position() {
+        Some(crate::PositionBias::Learned { table, .. }) => table.is_tracked(),
+        _ => false,
+    };
     gpu_indexed_dims(
         qkv,
         mask.additive_bias().map(|t| t.dims()),
         mask.blocked().map(|t| t.dims()),
-        [backward, backward && learned],
+        [
+            mask.additive_bias().is_some_and(Tensor::is_tracked),
+            table_grad,
+        ],
     )
 }
 
@@ -624,10 +631,10 @@ mod tests {
     fn calls_past_the_gpu_kernels_32_bit_indices_are_not_theirs() {
         let none = AttentionMask::none();
         let small = [1, 8, 16384, 128];
-        assert!(gpu_indexed([small; 3], &none, true));
+        assert!(gpu_indexed([small; 3], &none));
         // 64 x 32 heads x 8193 positions x 256 values: past i32::MAX elements.
         let large = [64, 32, 4096, 128];
-        assert!(!gpu_indexed([large; 3], &none, false));
+        assert!(!gpu_indexed([large; 3], &none));
         // A bias shared by the batch, [1, H, T, T]: within i32 itself, but the partial sums
         // of its gradient hold one copy for each batch row: 7 rows of 2^28 elements are
         // within, 8 past, where a backward may follow (without one, within).
@@ -641,6 +648,35 @@ mod tests {
         assert!(gpu_indexed_dims(one, None, None, [true; 2]));
         assert!(!gpu_indexed_dims(many, None, None, [true; 2]));
         assert!(gpu_indexed_dims(many, None, None, [true, false]));
+    }
+
+    /// Only a bias or a table that autodiff tracks has the partial sums of a gradient
+    /// counted: a constant one (a padding bias, a frozen table) of the same sizes on an
+    /// autodiff device keeps the kernels (where counting them sent it to the explicit
+    /// path, which keeps every score for the backward pass).
+    #[cfg(all(feature = "gpu-kernels", feature = "flex"))]
+    #[test]
+    fn untracked_biases_and_tables_count_no_gradient_sums() {
+        let device = Device::flex().autodiff();
+        // Broadcast views: the sizes the call sees, one element stored.
+        let bias = |tracked: bool| {
+            let one = Tensor::<4>::zeros([1, 1, 1, 1], &device).set_require_grad(tracked);
+            AttentionMask::bias(one.expand([1, 16, 4096, 4096]))
+        };
+        let eight = [[8, 16, 4096, 64]; 3];
+        assert!(gpu_indexed(eight, &bias(false)));
+        // Tracked through the expand (not a leaf): its gradient's sums count.
+        assert!(!gpu_indexed(eight, &bias(true)));
+        let table = |tracked: bool| {
+            let table = Tensor::<2>::zeros([1, 1], &device).set_require_grad(tracked);
+            AttentionMask::position_bias(crate::PositionBias::Learned {
+                table: table.expand([64, 31]),
+                buckets: crate::positions::Buckets::Clipped { max: 15 },
+            })
+        };
+        let many = [[2, 64, 16384, 64]; 3];
+        assert!(gpu_indexed(many, &table(false)));
+        assert!(!gpu_indexed(many, &table(true)));
     }
 
     #[test]
