@@ -24,14 +24,20 @@ use burn::tensor::Device;
 /// some gradients in another order, as PyTorch's threads do). Wrap a whole step
 /// (forward, backward, optimizer), not each call: the hand-over is then paid once; and
 /// not a loop that waits on something else: the spinning workers keep their cores busy
-/// for as long as `f` gives them work. One call spins at a time. Steps run at once from several
-/// threads (one per CPU device, say) share the workers, and a spinning worker may take
-/// up another thread's whole step, so a step can wait for the end of another: do not
-/// hold a lock that another thread's step needs across tensor operations.
+/// for as long as `f` gives them work. One call spins at a time.
 ///
-/// Inside `f`, do not wait for another thread that itself needs the pool (a data loader
-/// running tensor operations, say): with one worker (`RAYON_NUM_THREADS=1`) that wait
-/// never ends.
+/// Calls made at once from several threads (one per CPU device, say) share the workers:
+/// a worker that waits inside one call's operations runs whatever work is queued,
+/// another thread's whole call included, on top of the one it waits in, and a call
+/// returns only once the workers spinning for it have stopped, which may be once they
+/// have finished another thread's call. So a call can wait for the end of another, and
+/// inside `f` nothing may wait for another thread: not a barrier or a collective
+/// operation (an all-reduce of gradients between the devices' steps), not a channel's
+/// receive, not a lock another thread holds across tensor operations, not a data loader
+/// running tensor operations of its own. Whatever the number of workers, such a wait can
+/// end up waiting for itself, and never ends. Threads whose steps must meet each install
+/// a pool of their own, where their operations then run:
+/// `rayon::ThreadPoolBuilder::new().num_threads(n).build()?.install(|| mha::on_cpu_workers(&device, step))`.
 ///
 /// ```
 /// use burn::tensor::{Device, Tensor};
@@ -266,6 +272,50 @@ mod tests {
                 .collect();
             for thread in threads {
                 thread.join().expect("a step's thread panicked");
+            }
+        });
+    }
+
+    /// Steps that meet inside (at a barrier, as data-parallel steps at an all-reduce),
+    /// each in a pool of its own as the documentation says, all finish: each waits in its
+    /// own pool, where no other thread's step can run on top of it.
+    #[test]
+    fn steps_that_meet_inside_finish_in_pools_of_their_own() {
+        let device = crate::testing::devices().remove(0);
+        within_a_minute("steps meeting at a barrier", move || {
+            let threads = 2;
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads));
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (device, barrier) = (device.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let pool = rayon::ThreadPoolBuilder::new()
+                            .num_threads(2)
+                            .build()
+                            .expect("a pool");
+                        for i in 0..20 {
+                            let n = 1000 * (t + 1) + i;
+                            let sums = pool.install(|| {
+                                on_cpu_workers(&device, || {
+                                    let sum =
+                                        || (0..n).into_par_iter().with_max_len(64).sum::<usize>();
+                                    let before = sum();
+                                    barrier.wait();
+                                    let x = Tensor::<2>::ones([32, 32], &device);
+                                    let product = x.clone().matmul(x).sum().into_scalar::<f32>();
+                                    (before, sum(), product)
+                                })
+                            });
+                            assert_eq!(
+                                sums,
+                                (n * (n - 1) / 2, n * (n - 1) / 2, 32.0 * 32.0 * 32.0)
+                            );
+                        }
+                    })
+                })
+                .collect();
+            for handle in handles {
+                handle.join().expect("a step's thread panicked");
             }
         });
     }
