@@ -114,6 +114,32 @@ fn mha_causal_self_attention_with_per_head_weights() {
     }
 }
 
+/// Weights imported into a module fine-tuned with Burn's LoRA (`Module::apply_lora`,
+/// before the import): the adapters stay, over PyTorch's weights (their second factor
+/// starts at 0: PyTorch's output), and are what trains (the bases frozen).
+#[test]
+fn lora_adapters_stay_through_the_import() {
+    use burn::module::Lora;
+    use burn::optim::GradientsParams;
+    let f = Fixture::load("mha_causal_self");
+    for b in backends() {
+        let dev = b.autodiff();
+        let adapted = MultiHeadAttentionConfig::new(16, 4)
+            .init(&dev)
+            .apply_lora(Lora::new(2, 4.0));
+        let params = adapted.num_params();
+        let mha = adapted.load_pytorch(&f.weights, "model.").unwrap();
+        assert_eq!(mha.num_params(), params, "[{}]: adapters lost", b.name);
+        let x = f.io("x", [2, 6, 16], &dev).require_grad();
+        let out = mha.forward(MhaInput::causal(x));
+        check_forward(&b, &f, "out", out.context.clone(), "out");
+        let grads = GradientsParams::from_grads(backward(&f, &out.context, &dev), &mha);
+        // The packed input projection's and the output projection's adapters, two
+        // factors each.
+        assert_eq!(grads.len(), 4, "[{}]: trained parameters", b.name);
+    }
+}
+
 #[test]
 fn mha_cross_attention_kdim_vdim_padding_no_bias_averaged_weights() {
     let f = Fixture::load("mha_cross_kdim_vdim");

@@ -10,7 +10,12 @@
 //! left: the outputs stay equal, and the key/value projection is that much wider.
 //!
 //! Each parameter of a pruned module is a new one (a new id: an optimizer's state for the
-//! full module does not carry over), trained or frozen as the one it was cut from.
+//! full module does not carry over), trained or frozen as the one it was cut from. One
+//! with a LoRA adapter (Burn's `Module::apply_lora`) is cut from its value with the
+//! adapter's product added (`Param::val`): the pruned module computes what the adapted
+//! one did, that adapter merged into a parameter frozen as its base was (the parameters
+//! pruning does not cut, a feed-forward's, keep theirs). Prune before attaching adapters
+//! to fine-tune the pruned attention.
 //!
 //! To load a pruned module saved with Burn's `save_file`, build the full module from its
 //! configuration, prune it with the same plan (saved beside it, it serialises to JSON;

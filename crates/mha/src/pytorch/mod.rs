@@ -96,7 +96,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use burn::module::Param;
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::Linear;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors};
@@ -479,9 +479,25 @@ pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, ImportError> {
     })
 }
 
-/// Replaces a parameter's value, keeping its id and whether it is trained.
+/// Replaces a parameter's value, keeping its id, whether it is trained, and what Burn
+/// attached to it (a LoRA adapter of `Module::apply_lora` stays, over the new value).
 pub(crate) fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> Param<Tensor<D>> {
-    param.map(|old| value.set_require_grad(old.is_require_grad()))
+    // `Module::map` maps the base value first, then the adapter's own parameters, which
+    // stay as they are, and puts the adapter back (`Param::map` would drop it).
+    struct Set<const D: usize>(Option<Tensor<D>>);
+    impl<const D: usize> ModuleMapper for Set<D> {
+        fn map_float<const E: usize>(&mut self, param: Param<Tensor<E>>) -> Param<Tensor<E>> {
+            match self.0.take() {
+                Some(value) => param.map(|old| {
+                    // The base is the parameter mapped first: `E` is `D` (its shape).
+                    let value: Tensor<E> = value.reshape(old.shape());
+                    value.set_require_grad(old.is_require_grad())
+                }),
+                None => param,
+            }
+        }
+    }
+    Module::map(param, &mut Set(Some(value)))
 }
 
 /// `param` with the value under `key`, of the parameter's own shape, in its dtype and on
