@@ -10,7 +10,8 @@ use mha::{
 };
 
 use crate::util::{
-    Backend, Fixture, assert_close, backends, max_abs_diff, param_grads, param_values, randn,
+    Backend, Fixture, assert_close, assert_grad_close, backends, max_abs_diff, param_grads,
+    param_values, randn,
 };
 
 /// The distance from `x` (in `[1, 2)`) to the next value of `dtype`: its unit in the last
@@ -524,5 +525,123 @@ fn absolute_positions_add_in_the_inputs_dtype() {
                 );
             }
         }
+    }
+}
+
+/// Modules quantized with Burn's `Module::quantize_weights` (every float parameter, Q8
+/// symmetric, per tensor): attention with sinks and a T5 table, a decoder stack (norms,
+/// GELU feed-forwards, cross-attention) and a causal encoder stack with learned positions
+/// run, and give what the same modules with each parameter dequantized give (their exact
+/// meaning), forward and the input's gradient.
+#[test]
+fn quantized_modules_compute_with_their_dequantized_weights() {
+    use burn::module::{ModuleMapper, Param, Quantizer};
+    use burn::tensor::quantization::{Calibration, QuantValue};
+    use mha::{AttentionMask, MhaInput};
+
+    struct Dequantize;
+    impl ModuleMapper for Dequantize {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.map(|t| t.dequantize())
+        }
+    }
+    fn check<M: Module>(b: &Backend, name: &str, module: M, run: impl Fn(&M) -> Tensor<3>) {
+        let device = b.device.clone();
+        let scheme = device
+            .settings()
+            .quantization
+            .scheme
+            .with_value(QuantValue::Q8S);
+        let quantized = module.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme));
+        assert!(
+            quantized
+                .float_dtypes()
+                .iter()
+                .all(|d| matches!(d, DType::QFloat(_))),
+            "{name} [{}]: {:?}",
+            b.name,
+            quantized.float_dtypes()
+        );
+        let dequantized = quantized.clone().map(&mut Dequantize);
+        assert_eq!(
+            dequantized.float_dtypes(),
+            [DType::F32],
+            "{name} [{}]",
+            b.name
+        );
+        assert_close(
+            &format!("{name} [{}] quantized", b.name),
+            run(&quantized),
+            run(&dequantized),
+            b.forward_tol(),
+        );
+    }
+
+    let t5 = Positions::T5 {
+        num_buckets: 8,
+        max_distance: 20,
+        bidirectional: false,
+    };
+    for b in backends() {
+        let device = b.device.clone();
+        let x = randn([2, 6, 16], 1, &device);
+        let memory = randn([2, 5, 16], 2, &device);
+        let attention = MultiHeadAttentionConfig::new(16, 4)
+            .with_sinks(true)
+            .with_positions(t5.clone())
+            .init(&device);
+        check(&b, "attention", attention, |m| {
+            m.forward(MhaInput::causal(x.clone()).mask(AttentionMask::none()))
+                .context
+        });
+        let decoder = DecoderConfig::new(
+            DecoderBlockConfig::new(16, 4)
+                .with_d_ff(Some(32))
+                .with_dropout(0.0)
+                .with_positions(t5.clone()),
+            2,
+        )
+        .init(&device);
+        check(&b, "decoder", decoder, |m| {
+            let input = StackInput::new(x.clone()).memory(memory.clone());
+            m.forward(input).unwrap().output
+        });
+        let encoder = EncoderConfig::new(
+            EncoderBlockConfig::new(16, 4)
+                .with_d_ff(Some(32))
+                .with_dropout(0.0)
+                .with_causal(true)
+                .with_positions(Positions::Learned { max_len: 16 }),
+            2,
+        )
+        .init(&device);
+        check(&b, "encoder", encoder, |m| {
+            m.forward(StackInput::new(x.clone())).unwrap().output
+        });
+        // Under autodiff the parameters are constants (a quantized tensor has no
+        // gradient); the input's gradient flows through them.
+        let dev = b.autodiff();
+        let attention = MultiHeadAttentionConfig::new(16, 4).init(&dev);
+        let input = randn([2, 6, 16], 1, &dev).require_grad();
+        let weights = randn([2, 6, 16], 3, &dev);
+        let scheme = dev
+            .settings()
+            .quantization
+            .scheme
+            .with_value(QuantValue::Q8S);
+        let quantized =
+            attention.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme));
+        let dequantized = quantized.clone().map(&mut Dequantize);
+        let grad = |m: &mha::MultiHeadAttention| {
+            let out = m.forward(MhaInput::causal(input.clone())).context;
+            let grads = (out * weights.clone()).sum().backward();
+            input.grad(&grads).expect("the input's gradient")
+        };
+        assert_grad_close(
+            &b,
+            &format!("attention [{}] quantized, the input's gradient", b.name),
+            grad(&quantized),
+            grad(&dequantized),
+        );
     }
 }

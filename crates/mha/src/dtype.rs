@@ -15,6 +15,12 @@
 //! the module they load into holds (an f32 record loaded into a bf16 module makes it f32
 //! again). Load, then cast; and a half-precision record loads only on a device that
 //! computes in that dtype.
+//!
+//! A module quantized with Burn's `Module::quantize_weights` keeps its parameters
+//! quantized at rest and dequantizes each where it is read, into the input's dtype (a
+//! position table and sinks into the device's float dtype): it computes what the module
+//! with the dequantized parameters computes, in float, and under autodiff its parameters
+//! are constants, as Burn's quantized tensors are.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{DType, FloatDType, Tensor};
@@ -108,3 +114,29 @@ pub trait ModuleDType: Module + Sized {
 }
 
 impl<M: Module> ModuleDType for M {}
+
+/// A parameter's value as the computation with an input of `dtype` reads it: a quantized
+/// one (Burn's `Module::quantize_weights`) dequantized and cast to `dtype`; any other as it
+/// is (its dtype is checked where it meets the input). Dequantized whole, before any part
+/// is cut from it: a slice of a quantized tensor may be quantized again on some backends.
+pub(crate) fn dequantized<const D: usize>(param: Tensor<D>, dtype: DType) -> Tensor<D> {
+    match param.dtype() {
+        DType::QFloat(_) => {
+            let value = param.dequantize();
+            match value.dtype() == dtype {
+                true => value,
+                false => value.cast(dtype),
+            }
+        }
+        _ => param,
+    }
+}
+
+/// A parameter's value read where no input gives a dtype (a position table, sinks): a
+/// quantized one dequantized to the device's float dtype, any other as it is.
+pub(crate) fn float_value<const D: usize>(param: Tensor<D>) -> Tensor<D> {
+    match param.dtype() {
+        DType::QFloat(_) => param.dequantize(),
+        _ => param,
+    }
+}

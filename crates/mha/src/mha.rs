@@ -687,7 +687,8 @@ impl MultiHeadAttention {
         let with_sinks;
         let mask = match &self.sinks {
             Some(sinks) => {
-                with_sinks = mask.clone().and(AttentionMask::sinks(sinks.val()));
+                let sinks = crate::dtype::float_value(sinks.val());
+                with_sinks = mask.clone().and(AttentionMask::sinks(sinks));
                 &with_sinks
             }
             None => mask,
@@ -763,7 +764,7 @@ impl MultiHeadAttention {
         let mask = self.position_bias(mask.clone());
         let mask = match &self.sinks {
             Some(sinks) if mask.sink_logits().is_none() => {
-                mask.and(AttentionMask::sinks(sinks.val()))
+                mask.and(AttentionMask::sinks(crate::dtype::float_value(sinks.val())))
             }
             _ => mask,
         };
@@ -947,7 +948,7 @@ impl MultiHeadAttention {
             }
             positions => match (positions.buckets(), &self.position_table) {
                 (Some(buckets), Some(table)) => {
-                    let table = table.val();
+                    let table = crate::dtype::float_value(table.val());
                     let bias =
                         AttentionMask::position_bias(PositionBias::Learned { table, buckets });
                     mask.without_idle_alignment().and(bias)

@@ -39,7 +39,15 @@ fn dtypes(linear: &Linear) -> Vec<burn::tensor::DType> {
 /// If the last axis of `x` is not the layer's `d_input`, or the layer is of another dtype
 /// (the message names both).
 pub(crate) fn forward_gelu<const D: usize>(linear: &Linear, x: Tensor<D>) -> Tensor<D> {
-    super::check_dtypes("Linear", x.dtype(), dtypes(linear));
+    let dtypes = dtypes(linear);
+    if dtypes
+        .iter()
+        .any(|d| matches!(d, burn::tensor::DType::QFloat(_)))
+    {
+        // Quantized: the product dequantizes the layer (`columns`).
+        return super::gelu::gelu(forward(linear, x));
+    }
+    super::check_dtypes("Linear", x.dtype(), dtypes);
     let no_output = linear.weight.val().dims()[1] == 0;
     match dispatch::row(RowCall::of(RowOp::LinearGelu, &x).empty_if(no_output)) {
         #[cfg(feature = "cpu-kernels")]
@@ -83,6 +91,8 @@ pub(crate) fn columns<const D: usize>(
     bias: Option<Tensor<1>>,
     columns: Option<[usize; 2]>,
 ) -> Tensor<D> {
+    let weight = crate::dtype::dequantized(weight, x.dtype());
+    let bias = bias.map(|b| crate::dtype::dequantized(b, x.dtype()));
     let [d_in, d_all] = weight.dims();
     assert!(
         x.dims()[D - 1] == d_in,

@@ -19,6 +19,8 @@ pub(crate) fn layer_norm<const D: usize>(
     beta: Option<Tensor<1>>,
     epsilon: f64,
 ) -> Tensor<D> {
+    let gamma = crate::dtype::dequantized(gamma, x.dtype());
+    let beta = beta.map(|b| crate::dtype::dequantized(b, x.dtype()));
     let others = [Some(gamma.dtype()), beta.as_ref().map(Tensor::dtype)];
     super::check_dtypes("LayerNorm", x.dtype(), others.into_iter().flatten());
     match dispatch::row(RowCall::of(RowOp::LayerNorm, &x)) {
@@ -57,6 +59,7 @@ pub(crate) fn layer_norm<const D: usize>(
 /// Hugging Face's `LlamaRMSNorm`, which normalises in f32 whatever the input's dtype and
 /// scales in the input's dtype.
 pub(crate) fn rms_norm<const D: usize>(x: Tensor<D>, gamma: Tensor<1>, epsilon: f64) -> Tensor<D> {
+    let gamma = crate::dtype::dequantized(gamma, x.dtype());
     super::check_dtypes("RMSNorm", x.dtype(), [gamma.dtype()]);
     match dispatch::row(RowCall::of(RowOp::RmsNorm, &x)) {
         #[cfg(feature = "cpu-kernels")]

@@ -134,7 +134,9 @@ impl AbsolutePositions {
             AbsolutePositions::Sinusoidal(_) => {
                 sinusoids(0, end.max(1), d_model, &device).cast(x.dtype())
             }
-            AbsolutePositions::Learned(l) => l.embedding.weight.val().cast(x.dtype()),
+            AbsolutePositions::Learned(l) => {
+                crate::dtype::dequantized(l.embedding.weight.val(), x.dtype()).cast(x.dtype())
+            }
         };
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [batch * len]), &device);
         x + table.select(0, ids).reshape([batch, len, d_model])
