@@ -645,3 +645,74 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
         );
     }
 }
+
+/// QLoRA (Burn's `Module::apply_qlora`: every parameter quantized, a LoRA adapter on each
+/// weight matrix) on an encoder block: with the adapters moved off their initial values
+/// (the second factor starts at 0, which adds nothing), the block computes what its
+/// materialized form (each adapter merged into a dense weight) computes, and what trains
+/// is the adapters, two factors for each of its four weight matrices (the packed input
+/// projection, the output projection, the feed-forward's two).
+#[test]
+fn qlora_blocks_compute_their_materialized_weights_and_train_the_adapters() {
+    use burn::module::{Lora, ModuleMapper, Param, QLora, Quantizer};
+    use burn::optim::GradientsParams;
+    use burn::tensor::quantization::{Calibration, QuantValue};
+    use mha::BlockInput;
+
+    /// Adds 0.05 to every float parameter that is not quantized (the adapters' factors).
+    struct Shift;
+    impl ModuleMapper for Shift {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.map(|t| match t.dtype() {
+                DType::QFloat(_) => t,
+                _ => {
+                    let trained = t.is_require_grad();
+                    let shifted = (t + 0.05).detach();
+                    match trained {
+                        true => shifted.require_grad(),
+                        false => shifted,
+                    }
+                }
+            })
+        }
+    }
+    for b in backends() {
+        let dev = b.autodiff();
+        let scheme = dev
+            .settings()
+            .quantization
+            .scheme
+            .with_value(QuantValue::Q8S);
+        let qlora = QLora::new(
+            Lora::new(2, 4.0),
+            Quantizer::new(Calibration::MinMax, scheme),
+        );
+        let block = EncoderBlockConfig::new(16, 4)
+            .with_d_ff(Some(32))
+            .with_dropout(0.0)
+            .with_causal(true)
+            .init(&dev)
+            .apply_qlora(qlora);
+        let x = randn([2, 6, 16], 1, &dev).require_grad();
+        let before = block.forward(BlockInput::new(x.clone())).unwrap().output;
+        let block = block.map(&mut Shift);
+        let merged = block.clone().materialize();
+        let out = block.forward(BlockInput::new(x.clone())).unwrap().output;
+        let moved = max_abs_diff(out.clone(), before);
+        assert!(
+            moved > 1e-2,
+            "[{}]: the adapters moved the output by {moved}",
+            b.name
+        );
+        let want = merged.forward(BlockInput::new(x.clone())).unwrap().output;
+        assert_close(
+            &format!("QLoRA block [{}] against its materialized form", b.name),
+            out.clone(),
+            want,
+            b.forward_tol(),
+        );
+        let weights = randn([2, 6, 16], 3, &dev);
+        let grads = GradientsParams::from_grads((out * weights).sum().backward(), &block);
+        assert_eq!(grads.len(), 8, "[{}]: trained parameters", b.name);
+    }
+}
