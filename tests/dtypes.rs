@@ -537,6 +537,7 @@ fn absolute_positions_add_in_the_inputs_dtype() {
 fn quantized_modules_compute_with_their_dequantized_weights() {
     use burn::module::{ModuleMapper, Param, Quantizer};
     use burn::tensor::quantization::{Calibration, QuantValue};
+    use mha::analysis::Heads;
     use mha::{AttentionMask, MhaInput};
 
     struct Dequantize;
@@ -618,6 +619,65 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
         check(&b, "encoder", encoder, |m| {
             m.forward(StackInput::new(x.clone())).unwrap().output
         });
+        // Cast to another dtype, the quantized parameters stay quantized, read in it.
+        let quantize = |m: mha::MultiHeadAttention| {
+            let scheme = device
+                .settings()
+                .quantization
+                .scheme
+                .with_value(QuantValue::Q8S);
+            m.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme))
+        };
+        let quantized = quantize(MultiHeadAttentionConfig::new(16, 4).init(&device));
+        let dtype = b.other_float_dtypes()[0];
+        let cast = quantized.clone().to_dtype(dtype);
+        assert_eq!(
+            cast.float_dtypes(),
+            quantized.float_dtypes(),
+            "[{}]",
+            b.name
+        );
+        let rounded = x.clone().cast(dtype);
+        let out = cast.forward(MhaInput::causal(rounded.clone())).context;
+        assert_eq!(out.dtype(), DType::from(dtype), "[{}]", b.name);
+        let [[atol, _], _] = b.tolerances_against_f32(dtype);
+        let want = quantized
+            .forward(MhaInput::causal(rounded.cast(FloatDType::F32)))
+            .context;
+        let what = format!("attention [{}] quantized, in {dtype:?}", b.name);
+        assert_close(&what, out.cast(FloatDType::F32), want, atol as f32);
+        // Pruned, from the dequantized values (a selection of quantized values would be
+        // quantized again on some backends): the dequantized module pruned.
+        let plan = mha::analysis::PrunePlan::removing(1, &[(0, 1)]);
+        let pruned = quantized.prune(&plan).unwrap();
+        assert_eq!(pruned.float_dtypes(), [DType::F32], "[{}]", b.name);
+        let want = quantized.clone().map(&mut Dequantize).prune(&plan).unwrap();
+        assert_close(
+            &format!("attention [{}] quantized, pruned", b.name),
+            pruned.forward(MhaInput::causal(x.clone())).context,
+            want.forward(MhaInput::causal(x.clone())).context,
+            b.forward_tol(),
+        );
+        // Burn's own attention, quantized, converts with its numbers.
+        let burn = burn::nn::attention::MultiHeadAttentionConfig::new(16, 4)
+            .with_dropout(0.0)
+            .init(&device);
+        let scheme = device
+            .settings()
+            .quantization
+            .scheme
+            .with_value(QuantValue::Q8S);
+        let burn = burn.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme));
+        let ours = mha::MultiHeadAttention::from(burn.clone());
+        let want = burn
+            .forward(burn::nn::attention::MhaInput::self_attn(x.clone()))
+            .context;
+        assert_close(
+            &format!("Burn's attention [{}] quantized, converted", b.name),
+            ours.forward(MhaInput::self_attn(x.clone())).context,
+            want,
+            b.forward_tol(),
+        );
         // Under autodiff the parameters are constants (a quantized tensor has no
         // gradient); the input's gradient flows through them.
         let dev = b.autodiff();

@@ -68,6 +68,7 @@ pub trait ModuleDType: Module + Sized {
 
     /// Every float parameter cast to `dtype`, each keeping its id and whether it is
     /// trained (a cast parameter is a leaf of its own, as after PyTorch's `module.to`).
+    /// Quantized parameters stay as they are: they are read in the input's dtype.
     ///
     /// # Errors
     /// [`DTypeError`] naming the dtype and the device when a device of the module's
@@ -90,6 +91,9 @@ pub trait ModuleDType: Module + Sized {
         impl ModuleMapper for Cast {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
                 let dtype = self.0;
+                if matches!(param.val().dtype(), DType::QFloat(_)) {
+                    return param;
+                }
                 param.map(|tensor| {
                     let require_grad = tensor.is_require_grad();
                     let cast = tensor.cast(dtype).detach();

@@ -36,10 +36,14 @@ use crate::norm::LayerNorm;
 use crate::stack::{Decoder, Encoder};
 
 /// Burn's attention module with its weights and settings (see the module docs: the packed
-/// projection, the biases, `quiet_softmax` as fixed sinks of 0).
+/// projection, the biases, `quiet_softmax` as fixed sinks of 0). Of a quantized module
+/// (`quantize_weights`), the query, key and value projections are packed dequantized (a
+/// concatenation of quantized tensors would quantize them again, on one new scale); the
+/// output projection stays as it is.
 impl From<BurnAttention> for MultiHeadAttention {
     fn from(burn: BurnAttention) -> Self {
-        let weight = burn.query.weight.val();
+        let value = |param: &Param<Tensor<_>>| crate::dtype::float_value(param.val());
+        let weight = value(&burn.query.weight);
         let (device, dtype) = (weight.device(), weight.dtype());
         let [d_model, n_heads] = [burn.d_model, burn.n_heads];
         let linears = [&burn.query, &burn.key, &burn.value];
@@ -50,10 +54,10 @@ impl From<BurnAttention> for MultiHeadAttention {
             .with_out_bias(Some(burn.output.bias.is_some()))
             .with_sinks(burn.quiet_softmax)
             .init(&device);
-        let weights = linears.iter().map(|l| l.weight.val()).collect();
+        let weights = linears.iter().map(|l| value(&l.weight)).collect();
         let bias = any_bias.then(|| {
             let biases = linears.iter().map(|l| match &l.bias {
-                Some(bias) => bias.val(),
+                Some(bias) => crate::dtype::float_value(bias.val()),
                 None => Tensor::zeros([d_model], (&device, dtype)),
             });
             Param::from_tensor(Tensor::cat(biases.collect(), 0).detach())

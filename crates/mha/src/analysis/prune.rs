@@ -15,7 +15,8 @@
 //! adapter's product added (`Param::val`): the pruned module computes what the adapted
 //! one did, that adapter merged into a parameter frozen as its base was (the parameters
 //! pruning does not cut, a feed-forward's, keep theirs). Prune before attaching adapters
-//! to fine-tune the pruned attention.
+//! to fine-tune the pruned attention. A quantized parameter (Burn's `quantize_weights`)
+//! is cut from its dequantized value: the pruned attention's parameters are floats.
 //!
 //! To load a pruned module saved with Burn's `save_file`, build the full module from its
 //! configuration, prune it with the same plan (saved beside it, it serialises to JSON;
@@ -246,7 +247,12 @@ fn select_param<const D: usize>(
     dim: usize,
     index: &[usize],
 ) -> Param<Tensor<D>> {
-    like(param, select(param.val(), dim, index))
+    // Dequantized first: the selection of a quantized tensor is quantized again, on a new
+    // scale, on some backends (wgpu), which would change the weights kept.
+    like(
+        param,
+        select(crate::dtype::float_value(param.val()), dim, index),
+    )
 }
 
 fn gcd(a: usize, b: usize) -> usize {
