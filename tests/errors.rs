@@ -28,6 +28,13 @@ fn bad_attention_configs_name_the_field_and_values() {
             "MultiHeadAttentionConfig.n_heads: 8 is not divisible by n_kv_heads = 3",
         ),
         (
+            MultiHeadAttentionConfig::new(16, 4)
+                .with_sinks(true)
+                .with_quiet_softmax(true),
+            "MultiHeadAttentionConfig.quiet_softmax: quiet_softmax gives fixed sinks of 0, \
+             sinks learned ones: give one of the two",
+        ),
+        (
             MultiHeadAttentionConfig::new(0, 1),
             "MultiHeadAttentionConfig.d_model: must be at least 1, got 0",
         ),

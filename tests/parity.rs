@@ -1150,6 +1150,21 @@ fn burns_attention_module_converts_with_its_numbers() {
                 .context;
             let got = ours.causal_self_attention(x.clone());
             assert_close(&format!("{what} causal"), got, want, b.forward_tol());
+            // Its record loads into the module its configuration builds: the sinks of a
+            // quiet softmax stay fixed (`sinks: true` would train them).
+            let built = MultiHeadAttentionConfig::new(16, 4)
+                .with_bias(true)
+                .with_quiet_softmax(quiet)
+                .init(d)
+                .load_record(ours.clone().into_record());
+            let fixed = built.sinks.as_ref().map(|s| s.val().is_require_grad());
+            assert_eq!(fixed, quiet.then_some(false), "{what}");
+            assert_close(
+                &format!("{what} reloaded"),
+                built.causal_self_attention(x.clone()),
+                ours.causal_self_attention(x.clone()),
+                0.0,
+            );
         }
     }
 }

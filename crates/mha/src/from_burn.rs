@@ -8,7 +8,9 @@
 //! layout, as this crate's) become the columns of one packed projection, in that order;
 //! `output` is the output projection. A projection Burn built without a bias gets zeros in
 //! the packed bias: the same numbers (trained further, they may move). `quiet_softmax`
-//! (`exp(s) / (1 + Σ exp)`) is a sink logit of 0 in every head, kept fixed (not trained).
+//! (`exp(s) / (1 + Σ exp)`) is a sink logit of 0 in every head, kept fixed (not trained):
+//! the configuration's `quiet_softmax`, which a module built to load the converted one's
+//! record takes too.
 //! The packed projection is a parameter of its own (a leaf, as after a load), trained
 //! whether Burn's were or not.
 //! Burn puts `min_float` (-1e4 by default) in place of a blocked score: a row whose keys
@@ -52,7 +54,7 @@ impl From<BurnAttention> for MultiHeadAttention {
             .with_dropout(burn.dropout.prob)
             .with_bias(any_bias)
             .with_out_bias(Some(burn.output.bias.is_some()))
-            .with_sinks(burn.quiet_softmax)
+            .with_quiet_softmax(burn.quiet_softmax)
             .init(&device);
         let weights = linears.iter().map(|l| value(&l.weight)).collect();
         let bias = any_bias.then(|| {
@@ -70,7 +72,7 @@ impl From<BurnAttention> for MultiHeadAttention {
         // Burn's dropout itself: its probability and whether it behaves as in training
         // (cleared by `freeze`).
         module.dropout = burn.dropout;
-        // Fixed logits of 0: Burn's quiet softmax is not learned.
+        // Fixed logits of 0 (the configuration's `quiet_softmax`), in the weights' dtype.
         module.sinks = module.sinks.map(|_| {
             let zeros = Tensor::zeros([n_heads], (&device, dtype));
             Param::from_tensor(zeros).set_require_grad(false)

@@ -58,6 +58,12 @@ pub struct MultiHeadAttentionConfig {
     /// [`AttentionMask::sinks`]), initialised to 0. Default: none.
     #[config(default = false)]
     pub sinks: bool,
+    /// Burn's `quiet_softmax`: sinks of 0, fixed (not trained), so that a row's weights
+    /// may sum to less than 1. A module converted from Burn's with `quiet_softmax` has
+    /// them; build one this way to load its record (`sinks: true` would train them).
+    /// Default: `false`.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
     /// Dropout on the attention weights after the softmax, in training only. Default: 0,
     /// as PyTorch's (Burn's module defaults to 0.1).
     #[config(default = 0.0)]
@@ -302,6 +308,15 @@ impl MultiHeadAttentionConfig {
         if let Some(epsilon) = self.qk_norm_eps {
             check.positive_f32("qk_norm_eps", epsilon)?;
         }
+        if self.sinks && self.quiet_softmax {
+            return Err(ConfigError {
+                config: "MultiHeadAttentionConfig",
+                field: "quiet_softmax",
+                message: "quiet_softmax gives fixed sinks of 0, sinks learned ones: give one \
+                          of the two"
+                    .into(),
+            });
+        }
         let head_dim = self.head_dim.unwrap_or(self.d_model / self.n_heads);
         check.nonzero("head_dim", head_dim)?;
         self.positions
@@ -378,9 +393,15 @@ impl MultiHeadAttentionConfig {
                 .positions
                 .buckets()
                 .map(|buckets| Initializer::Zeros.init([self.n_heads, buckets.len()], device)),
-            sinks: self
-                .sinks
-                .then(|| Initializer::Zeros.init([self.n_heads], device)),
+            sinks: match (self.sinks, self.quiet_softmax) {
+                (_, true) => Some(
+                    Initializer::Zeros
+                        .init([self.n_heads], device)
+                        .set_require_grad(false),
+                ),
+                (true, false) => Some(Initializer::Zeros.init([self.n_heads], device)),
+                (false, false) => None,
+            },
             pruned_from: None,
         })
     }
