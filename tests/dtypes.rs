@@ -776,3 +776,33 @@ fn qlora_blocks_compute_their_materialized_weights_and_train_the_adapters() {
         assert_eq!(grads.len(), 8, "[{}]: trained parameters", b.name);
     }
 }
+
+/// A half-precision record (an f16 module's, made on flex) loads into an f32 module on
+/// every backend, ndarray included (no f16 arithmetic there), cast as it loads
+/// (`ModuleRecord::cast_to_module_dtype`, as the `dtype` docs say): the module stays f32,
+/// with the record's values.
+#[test]
+fn a_half_precision_record_loads_cast_into_an_f32_module_everywhere() {
+    use burn::store::ModuleRecord;
+    let flex = crate::util::first_device();
+    let half = MultiHeadAttentionConfig::new(16, 4)
+        .init(&flex)
+        .to_dtype(FloatDType::F16);
+    let want = param_values(&half);
+    let bytes = half.into_record().into_bytes().unwrap();
+    for b in backends() {
+        let record = ModuleRecord::from_bytes(bytes.clone())
+            .unwrap()
+            .cast_to_module_dtype();
+        let module = MultiHeadAttentionConfig::new(16, 4)
+            .init(&b.device)
+            .try_load_record(record)
+            .unwrap_or_else(|e| panic!("[{}]: {e:?}", b.name));
+        assert_eq!(module.float_dtypes(), [DType::F32], "[{}]", b.name);
+        for (n, (got, want)) in param_values(&module).into_iter().zip(&want).enumerate() {
+            let want = want.clone().cast(FloatDType::F32).to_device(&b.device);
+            let what = format!("[{}] parameter {n}", b.name);
+            assert_close(&what, got, want, 0.0);
+        }
+    }
+}

@@ -13,8 +13,11 @@
 //! weights arrive as they are stored. A Burn record (`save_file`, `load_file`) is the
 //! other way round: by default its tensors keep the dtype they were saved in, whatever
 //! the module they load into holds (an f32 record loaded into a bf16 module makes it f32
-//! again). Load, then cast; and a half-precision record loads only on a device that
-//! computes in that dtype.
+//! again): load, then cast. To load into the module's own dtypes instead, cast the
+//! record as it loads: `module.try_load_record(ModuleRecord::load(path)?.cast_to_module_dtype())`
+//! (Burn's `burn::store::ModuleRecord`), which also loads a half-precision record on a
+//! device that has no arithmetic in that dtype (ndarray), where loading it as it is
+//! fails inside the backend.
 //!
 //! A module quantized with Burn's `Module::quantize_weights` keeps its parameters
 //! quantized at rest and dequantizes each where it is read, into the input's dtype (a
