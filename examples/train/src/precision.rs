@@ -70,22 +70,27 @@ impl Precision {
         }
     }
 
-    /// Checks that `backend`'s `device` computes in the dtype, before anything is built or
-    /// written.
+    /// Checks that every one of `backend`'s `devices` (those a run trains on) computes in
+    /// the dtype, before anything is built or written.
     ///
     /// # Errors
-    /// Naming the flag, the dtype and the backend, and the dtypes it has.
-    pub fn check(self, backend: Backend, device: &Device) -> anyhow::Result<()> {
-        if device.supports_dtype(self.dtype()) {
+    /// Naming the flag, the dtype, the backend and the device (among several), and the
+    /// dtypes it has.
+    pub fn check(self, backend: Backend, devices: &[Device]) -> anyhow::Result<()> {
+        let Some(device) = devices.iter().find(|d| !d.supports_dtype(self.dtype())) else {
             return Ok(());
-        }
+        };
         let has: Vec<&str> = [Precision::F32, Precision::F16, Precision::Bf16]
             .into_iter()
             .filter(|p| device.supports_dtype(p.dtype()))
             .map(Precision::name)
             .collect();
+        let which = match devices.len() {
+            1 => "this device".to_string(),
+            n => format!("{device:?}, one of the {n} devices it trains on"),
+        };
         anyhow::bail!(
-            "{} = {}: the {backend} backend does not compute in {} on this device; it has {}",
+            "{} = {}: the {backend} backend does not compute in {} on {which}; it has {}",
             DTYPE.name(),
             self.name(),
             self.name(),

@@ -122,7 +122,7 @@ fn prepare_new(
     config.kind().prepare(&mut config)?;
     crate::memory::training(&config).check(backend)?;
     let devices = backend.devices(&config.devices)?;
-    config.dtype.check(backend, &devices[0])?;
+    config.dtype.check(backend, &devices)?;
     let lock = run.lock()?;
     run.prepare_new(args.overwrite)?;
     run.write_config(&config)?;
@@ -193,7 +193,8 @@ fn prepare_resume(
     let mut config = stored.resumed(args.apply(stored.clone()), done)?;
     let devices = backend.devices(&config.devices)?;
     config.kind().prepare(&mut config)?;
-    config.dtype.check(backend, &device).map_err(|err| {
+    // On the devices it trains on (`device` is the backend's default).
+    config.dtype.check(backend, &devices).map_err(|err| {
         let others: Vec<&str> = Backend::compiled()
             .into_iter()
             .filter(|b| *b != backend)
