@@ -916,3 +916,114 @@ fn zero_and_one_sized_calls_match_f64_attention() {
     }
     check_cases(cases);
 }
+
+/// Gradients asked for some inputs only (a frozen key and value, a bias alone, the sinks
+/// alone, ...), on every path that differentiates (the tiles, the GPU kernels, the
+/// explicit path in chunks): each one asked for equals the one computed with every
+/// input tracked; those not asked for are absent. (The tiles skip the products of a
+/// gradient no one asks for, and their whole pass for the sinks alone.)
+#[test]
+fn gradients_of_some_inputs_equal_those_of_all() {
+    use mha::AttentionMask;
+    let [b, h, hkv, t, d] = [2, 4, 2, 70, 16];
+    for be in backends() {
+        let device = be.autodiff();
+        let values = |len, seed| normal(len, seed);
+        let q = tensor(
+            &values(b * h * t * d, 1),
+            [b, h, t, d],
+            &device,
+            FloatDType::F32,
+        );
+        let k = tensor(
+            &values(b * hkv * t * d, 2),
+            [b, hkv, t, d],
+            &device,
+            FloatDType::F32,
+        );
+        let v = tensor(
+            &values(b * hkv * t * d, 3),
+            [b, hkv, t, d],
+            &device,
+            FloatDType::F32,
+        );
+        let bias = tensor(
+            &values(h * t * t, 4),
+            [1, h, t, t],
+            &device,
+            FloatDType::F32,
+        );
+        let sinks = Tensor::<1>::from_floats([0.5, -1.0, 0.0, 2.0], &device);
+        let upstream = tensor(
+            &values(b * h * t * d, 5),
+            [b, h, t, d],
+            &device,
+            FloatDType::F32,
+        );
+        // Inputs tracked: [q, k, v, bias, sinks].
+        let run = |tracked: [bool; 5]| {
+            let track = |x: Tensor<4>, on: bool| match on {
+                true => x.require_grad(),
+                false => x,
+            };
+            let [q, k, v, bias] = [&q, &k, &v, &bias]
+                .into_iter()
+                .zip(tracked)
+                .map(|(x, on)| track(x.clone(), on))
+                .collect::<Vec<_>>()
+                .try_into()
+                .unwrap();
+            let sinks = match tracked[4] {
+                true => sinks.clone().require_grad(),
+                false => sinks.clone(),
+            };
+            let mask = AttentionMask::causal()
+                .and(AttentionMask::bias(bias.clone()))
+                .and(AttentionMask::sinks(sinks.clone()));
+            let out = scaled_dot_product_attention(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                &mask,
+                SdpaOptions::default(),
+            );
+            let grads = (out.context * upstream.clone()).sum().backward();
+            let four = [&q, &k, &v, &bias].map(|x| x.grad(&grads));
+            let sinks = sinks.grad(&grads).map(|g| g.reshape([1, 1, 1, h]));
+            [
+                four[0].clone(),
+                four[1].clone(),
+                four[2].clone(),
+                four[3].clone(),
+                sinks,
+            ]
+        };
+        let all = run([true; 5]);
+        let names = ["dq", "dk", "dv", "dbias", "dsinks"];
+        for tracked in [
+            [true, false, false, false, false],
+            [false, true, false, false, false],
+            [false, false, true, false, false],
+            [false, true, true, false, false],
+            [true, false, false, true, false],
+            [false, false, false, true, false],
+            [false, false, false, false, true],
+        ] {
+            let some = run(tracked);
+            for (i, (got, want)) in some.into_iter().zip(&all).enumerate() {
+                let what = format!("[{}] {} of {tracked:?}", be.name, names[i]);
+                match (got, tracked[i]) {
+                    (Some(got), true) => {
+                        let want = want.clone().expect("every gradient with all tracked");
+                        crate::util::assert_close(&what, got, want, 0.0);
+                    }
+                    (None, false) => {}
+                    (got, _) => panic!(
+                        "{what}: {}",
+                        if got.is_some() { "given" } else { "missing" }
+                    ),
+                }
+            }
+        }
+    }
+}

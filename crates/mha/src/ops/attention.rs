@@ -216,21 +216,37 @@ mod cpu {
                 .map(|sinks| {
                     crate::sinks::grad::<B>(grad.clone(), output.clone(), lse.clone(), sinks)
                 });
-            let grads = tiled_backward::<B>(
-                problem.dims,
-                &problem.scoring,
-                qkv.each_ref(),
-                [&output, &lse, &grad],
-                problem.blocked.as_ref(),
-                [problem.bias.as_ref(), problem.table.as_ref()],
-                [bias_grad, table_grad],
-            );
-            let mut in_order = vec![Some(grads.dq), Some(grads.dk), Some(grads.dv)];
+            // The tiles' pass only for what it computes: not for the sinks' alone.
+            let qkv_grad = [wanted[0], wanted[1], wanted[2]];
+            let tiles = (qkv_grad.contains(&true) || bias_grad || table_grad).then(|| {
+                tiled_backward::<B>(
+                    problem.dims,
+                    &problem.scoring,
+                    qkv.each_ref(),
+                    [&output, &lse, &grad],
+                    problem.blocked.as_ref(),
+                    [problem.bias.as_ref(), problem.table.as_ref()],
+                    qkv_grad,
+                    [bias_grad, table_grad],
+                )
+            });
+            let (mut in_order, bias, table) = match tiles {
+                Some(grads) => {
+                    let [q, k, v] = qkv_grad;
+                    let in_order = vec![
+                        q.then_some(grads.dq),
+                        k.then_some(grads.dk),
+                        v.then_some(grads.dv),
+                    ];
+                    (in_order, grads.bias, grads.table)
+                }
+                None => (vec![None, None, None], None, None),
+            };
             if has_bias {
-                in_order.push(grads.bias);
+                in_order.push(bias);
             }
             if has_table {
-                in_order.push(grads.table);
+                in_order.push(table);
             }
             if sinks.is_some() {
                 in_order.push(sinks_grad);

@@ -29,23 +29,28 @@ use crate::mask::Visibility;
 /// Backward pass: the gradients of the inputs `[q, k, v, output, grad]` of [`forward`](super::forward)
 /// (`grad`: the output's gradient, `[B, H, Tq, Dv]`) from the log-sum-exp `[B, H, Tq]`
 /// it returned, and the bias's and the position table's when `wanted` gives their shapes.
+/// The products of a gradient of the query, key or value that `qkv` does not ask for are
+/// skipped (its rows come back zeros).
 pub(super) fn backward(
     dims: Dims,
     inputs: [Grid<f32>; 5],
     lse: &[f32],
     extra: Extra,
+    qkv: [bool; 3],
     wanted: [Option<[usize; 4]>; 2],
 ) -> Gradients {
     // Cut for the pool's threads whether the call runs on them or, small and outside the
     // pool, on this one: the key ranges, and with them the order dQ's parts are summed in,
     // and so its numbers, are the same inside and outside `on_cpu_workers`.
     let threads = rayon::current_num_threads();
-    backward_on(Isa::best(), threads, dims, inputs, lse, extra, wanted)
+    backward_on(Isa::best(), threads, dims, inputs, lse, extra, qkv, wanted)
 }
 
 /// [`backward`] with the given instruction set, its heads cut for `threads` threads (and
-/// run on at most as many); `[q, k, v, output, grad]`; `wanted`: the bias's and the
-/// table's shapes, when their gradients are wanted.
+/// run on at most as many); `[q, k, v, output, grad]`; `qkv`: the gradients of the
+/// query, key and value wanted; `wanted`: the bias's and the table's shapes, when their
+/// gradients are wanted.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn backward_on(
     isa: Isa,
     threads: usize,
@@ -53,6 +58,7 @@ pub(super) fn backward_on(
     [q, k, v, output, grad]: [Grid<f32>; 5],
     lse: &[f32],
     extra: Extra,
+    qkv: [bool; 3],
     [bias_grad, table_grad]: [Option<[usize; 4]>; 2],
 ) -> Gradients {
     let Dims {
@@ -115,6 +121,7 @@ pub(super) fn backward_on(
                     range: range.clone(),
                     kv: &mut kv,
                     dq,
+                    qkv,
                 });
             }
             for (j, key) in range.enumerate() {
@@ -409,6 +416,7 @@ impl<'a> Head<'a> {
     /// Adds this query head's share of the gradients of the keys in `range` to `kv`, and
     /// its partial `dQ` over them (unscaled, `[Tq, Dk]`) to `dq`.
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
     fn backward_in<A: Arch>(
         &self,
         dims: Dims,
@@ -417,6 +425,7 @@ impl<'a> Head<'a> {
         range: Range<usize>,
         kv: &mut KeyGrads,
         dq: &mut [f32],
+        [want_q, want_k, want_v]: [bool; 3],
     ) {
         let Dims {
             queries, d_k, d_v, ..
@@ -468,15 +477,20 @@ impl<'a> Head<'a> {
                         }
                     }
                     // dV += Pᵀ dO
-                    band.gemm::<A>(
-                        TileRows::Keys,
-                        true,
-                        [nk, d_v, nq],
-                        (p.as_ptr(), QT, 1),
-                        (self.go.as_ptr().add(q0 * d_v), d_v),
-                        (kv.dv.as_mut_ptr().add(j0 * d_v), d_v),
-                        true,
-                    );
+                    if want_v {
+                        band.gemm::<A>(
+                            TileRows::Keys,
+                            true,
+                            [nk, d_v, nq],
+                            (p.as_ptr(), QT, 1),
+                            (self.go.as_ptr().add(q0 * d_v), d_v),
+                            (kv.dv.as_mut_ptr().add(j0 * d_v), d_v),
+                            true,
+                        );
+                    }
+                    if !(want_q || want_k || kv.bias.is_some() || !kv.table.is_empty()) {
+                        continue; // dS feeds nothing wanted.
+                    }
                     // dPᵀ = V dOᵀ; dSᵀ = Pᵀ ⊙ (dPᵀ - rowsum(dO ⊙ O))
                     band.gemm::<A>(
                         TileRows::Keys,
@@ -531,25 +545,29 @@ impl<'a> Head<'a> {
                         }
                     }
                     // dK += dSᵀ (Q·scale)
-                    band.gemm::<A>(
-                        TileRows::Keys,
-                        true,
-                        [nk, d_k, nq],
-                        (ds.as_ptr(), QT, 1),
-                        (self.qs.as_ptr().add(q0 * d_k), d_k),
-                        (kv.dk.as_mut_ptr().add(j0 * d_k), d_k),
-                        true,
-                    );
+                    if want_k {
+                        band.gemm::<A>(
+                            TileRows::Keys,
+                            true,
+                            [nk, d_k, nq],
+                            (ds.as_ptr(), QT, 1),
+                            (self.qs.as_ptr().add(q0 * d_k), d_k),
+                            (kv.dk.as_mut_ptr().add(j0 * d_k), d_k),
+                            true,
+                        );
+                    }
                     // dQ += dS K
-                    band.gemm::<A>(
-                        TileRows::Queries,
-                        true,
-                        [nq, d_k, nk],
-                        (ds.as_ptr(), 1, QT),
-                        (kp, ks),
-                        (dq.as_mut_ptr().add(q0 * d_k), d_k),
-                        true,
-                    );
+                    if want_q {
+                        band.gemm::<A>(
+                            TileRows::Queries,
+                            true,
+                            [nq, d_k, nk],
+                            (ds.as_ptr(), 1, QT),
+                            (kp, ks),
+                            (dq.as_mut_ptr().add(q0 * d_k), d_k),
+                            true,
+                        );
+                    }
                 }
             }
         }
@@ -565,6 +583,8 @@ struct HeadBackward<'a> {
     range: Range<usize>,
     kv: &'a mut KeyGrads,
     dq: &'a mut [f32],
+    /// The gradients of the query, key and value wanted.
+    qkv: [bool; 3],
 }
 
 impl Kernel for HeadBackward<'_> {
@@ -580,8 +600,9 @@ impl Kernel for HeadBackward<'_> {
             range,
             kv,
             dq,
+            qkv,
         } = self;
-        head.backward_in::<A>(dims, kv_in, extra, range, kv, dq);
+        head.backward_in::<A>(dims, kv_in, extra, range, kv, dq, qkv);
     }
 }
 

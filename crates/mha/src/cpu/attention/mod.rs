@@ -137,8 +137,10 @@ pub(crate) fn tiled_forward<B: CpuTensors>(
 }
 
 /// The gradients of the query, key and value of [`tiled_forward`] from its `output`,
-/// `lse` and the output's gradient `grad`; the bias's (in its own shape, summed over the
-/// axes it broadcasts along) and the table's when asked for.
+/// `lse` and the output's gradient `grad` (those `qkv` does not ask for are not computed:
+/// zeros); the bias's (in its own shape, summed over the axes it broadcasts along) and the
+/// table's when asked for.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn tiled_backward<B: CpuTensors>(
     dims: Dims,
     scoring: &Scoring,
@@ -146,6 +148,7 @@ pub(crate) fn tiled_backward<B: CpuTensors>(
     [output, lse, grad]: [&FloatTensor<B>; 3],
     blocked: Option<&BoolTensor<B>>,
     [bias, table]: [Option<&FloatTensor<B>>; 2],
+    qkv: [bool; 3],
     [bias_grad, table_grad]: [bool; 2],
 ) -> Grads<B> {
     let mask = Mask::<B>::new(blocked, bias, table);
@@ -172,7 +175,7 @@ pub(crate) fn tiled_backward<B: CpuTensors>(
     });
     let inputs = [&q, &k, &v, &o, &g].map(B::floats);
     let wanted = [bias_shape, table_shape];
-    let grads = backward(dims, inputs, &lse, mask.extra(scoring), wanted);
+    let grads = backward(dims, inputs, &lse, mask.extra(scoring), qkv, wanted);
     let d = dims;
     Grads {
         dq: from_heads::<B>(grads.dq, [d.batch, d.heads, d.queries, d.d_k]),

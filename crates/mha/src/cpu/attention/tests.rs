@@ -324,7 +324,8 @@ fn tiles_match_f64_attention_forward_and_backward() {
                     (case.table_len() > 0).then_some([1, 1, d.heads, case.table_len() / d.heads]);
                 let extra = case.extra();
                 let wanted = [bias_shape, table_shape];
-                let grads = backward_on(isa, threads, d, inputs, &got_lse, extra, wanted);
+                let grads =
+                    backward_on(isa, threads, d, inputs, &got_lse, extra, [true; 3], wanted);
                 let name = format!("{name}, {threads} threads");
                 assert_close(&format!("{name}: dq"), &grads.dq, &dq, q_shape);
                 assert_close(&format!("{name}: dk"), &grads.dk, &dk, k_shape);
@@ -420,7 +421,7 @@ fn attention_speed() {
                     out_grid,
                     dense(&g, shape),
                 ];
-                let r = backward_on(isa, 1, dims, inputs, &lse, extra(), [None, None]);
+                let r = backward_on(isa, 1, dims, inputs, &lse, extra(), [true; 3], [None, None]);
                 std::hint::black_box(r.dq);
             }
             let bwd = start.elapsed().as_secs_f64() / reps as f64;
