@@ -168,8 +168,10 @@ impl Optimizer for AdamW {
             let momentum = AdaptiveMomentumState::new(time, grad.clone(), grad);
             return (tensor, Some(AdamWState::new(momentum)));
         }
+        // A tensor autodiff tracks (a step called directly on one, where Burn's optimizers
+        // pass the inner tensors) takes Burn's operations, whose step is differentiable.
         #[cfg(feature = "cpu-kernels")]
-        if path == RowPath::Fused {
+        if path == RowPath::Fused && ![&tensor, &grad].iter().any(|t| t.is_tracked()) {
             // Burn's numbers, each rounded to f32 where Burn rounds it.
             let time = state.as_ref().map_or(1, |s| s.momentum.time + 1);
             let t = i32::try_from(time).unwrap_or(i32::MAX);
@@ -509,6 +511,34 @@ mod tests {
                 );
             }
             assert_eq!(state.unwrap().momentum.time, 1);
+        }
+    }
+
+    /// A step called directly on a tracked parameter (Burn's optimizers pass the inner
+    /// tensors) is differentiable, as Burn's AdamW's: the parameter's gradient through it
+    /// is Burn's (where the fused step gave none, silently).
+    #[test]
+    fn a_step_on_a_tracked_parameter_is_differentiable_as_burns() {
+        for device in devices() {
+            let device = device.autodiff();
+            let optim = AdamWConfig::new().with_weight_decay(0.1).build();
+            let values = [1.0, -2.0, 0.5, 0.0];
+            let grad = Tensor::<1>::from_floats([0.3, -0.1, 0.0, 2.0], &device);
+            let through = |moved: Tensor<1>, param: &Tensor<1>| {
+                let grads = (moved * Tensor::from_floats([1.0, 2.0, 3.0, 4.0], &device))
+                    .sum()
+                    .backward();
+                param
+                    .grad(&grads)
+                    .map(|g| g.into_data().to_vec::<f32>().unwrap())
+            };
+            let ours = Tensor::<1>::from_floats(values, &device).require_grad();
+            let (moved, _) = optim.step(0.01, ours.clone(), grad.clone(), None);
+            let burns = Tensor::<1>::from_floats(values, &device).require_grad();
+            let (burn_moved, _) = optim.burn.step(0.01, burns.clone(), grad, None);
+            let want = through(burn_moved, &burns);
+            assert!(want.is_some(), "{device:?}: Burn's step is differentiable");
+            assert_eq!(through(moved, &ours), want, "{device:?}");
         }
     }
 
