@@ -528,6 +528,18 @@ fn absolute_positions_add_in_the_inputs_dtype() {
     }
 }
 
+/// Burn's quantizer of every float parameter to 8 bits, symmetric, one scale per tensor
+/// (min-max), on `device`'s quantization settings: what the quantized tests apply.
+fn q8(device: &burn::tensor::Device) -> burn::module::Quantizer {
+    use burn::tensor::quantization::{Calibration, QuantValue};
+    let scheme = device
+        .settings()
+        .quantization
+        .scheme
+        .with_value(QuantValue::Q8S);
+    burn::module::Quantizer::new(Calibration::MinMax, scheme)
+}
+
 /// Modules quantized with Burn's `Module::quantize_weights` (every float parameter, Q8
 /// symmetric, per tensor): attention with sinks and a T5 table, a decoder stack (norms,
 /// GELU feed-forwards, cross-attention) and a causal encoder stack with learned positions
@@ -535,8 +547,7 @@ fn absolute_positions_add_in_the_inputs_dtype() {
 /// meaning), forward and the input's gradient.
 #[test]
 fn quantized_modules_compute_with_their_dequantized_weights() {
-    use burn::module::{ModuleMapper, Param, Quantizer};
-    use burn::tensor::quantization::{Calibration, QuantValue};
+    use burn::module::{ModuleMapper, Param};
     use mha::analysis::Heads;
     use mha::{AttentionMask, MhaInput};
 
@@ -548,12 +559,7 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
     }
     fn check<M: Module>(b: &Backend, name: &str, module: M, run: impl Fn(&M) -> Tensor<3>) {
         let device = b.device.clone();
-        let scheme = device
-            .settings()
-            .quantization
-            .scheme
-            .with_value(QuantValue::Q8S);
-        let quantized = module.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme));
+        let quantized = module.quantize_weights(&mut q8(&device));
         assert!(
             quantized
                 .float_dtypes()
@@ -620,14 +626,7 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
             m.forward(StackInput::new(x.clone())).unwrap().output
         });
         // Cast to another dtype, the quantized parameters stay quantized, read in it.
-        let quantize = |m: mha::MultiHeadAttention| {
-            let scheme = device
-                .settings()
-                .quantization
-                .scheme
-                .with_value(QuantValue::Q8S);
-            m.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme))
-        };
+        let quantize = |m: mha::MultiHeadAttention| m.quantize_weights(&mut q8(&device));
         let quantized = quantize(MultiHeadAttentionConfig::new(16, 4).init(&device));
         let dtype = b.other_float_dtypes()[0];
         let cast = quantized.clone().to_dtype(dtype);
@@ -662,12 +661,7 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
         let burn = burn::nn::attention::MultiHeadAttentionConfig::new(16, 4)
             .with_dropout(0.0)
             .init(&device);
-        let scheme = device
-            .settings()
-            .quantization
-            .scheme
-            .with_value(QuantValue::Q8S);
-        let burn = burn.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme));
+        let burn = burn.quantize_weights(&mut q8(&device));
         let ours = mha::MultiHeadAttention::from(burn.clone());
         let want = burn
             .forward(burn::nn::attention::MhaInput::self_attn(x.clone()))
@@ -684,13 +678,7 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
         let attention = MultiHeadAttentionConfig::new(16, 4).init(&dev);
         let input = randn([2, 6, 16], 1, &dev).require_grad();
         let weights = randn([2, 6, 16], 3, &dev);
-        let scheme = dev
-            .settings()
-            .quantization
-            .scheme
-            .with_value(QuantValue::Q8S);
-        let quantized =
-            attention.quantize_weights(&mut Quantizer::new(Calibration::MinMax, scheme));
+        let quantized = attention.quantize_weights(&mut q8(&dev));
         let dequantized = quantized.clone().map(&mut Dequantize);
         let grad = |m: &mha::MultiHeadAttention| {
             let out = m.forward(MhaInput::causal(input.clone())).context;
@@ -714,9 +702,8 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
 /// projection, the output projection, the feed-forward's two).
 #[test]
 fn qlora_blocks_compute_their_materialized_weights_and_train_the_adapters() {
-    use burn::module::{Lora, ModuleMapper, Param, QLora, Quantizer};
+    use burn::module::{Lora, ModuleMapper, Param, QLora};
     use burn::optim::GradientsParams;
-    use burn::tensor::quantization::{Calibration, QuantValue};
     use mha::BlockInput;
 
     /// Adds 0.05 to every float parameter that is not quantized (the adapters' factors).
@@ -738,15 +725,7 @@ fn qlora_blocks_compute_their_materialized_weights_and_train_the_adapters() {
     }
     for b in backends() {
         let dev = b.autodiff();
-        let scheme = dev
-            .settings()
-            .quantization
-            .scheme
-            .with_value(QuantValue::Q8S);
-        let qlora = QLora::new(
-            Lora::new(2, 4.0),
-            Quantizer::new(Calibration::MinMax, scheme),
-        );
+        let qlora = QLora::new(Lora::new(2, 4.0), q8(&dev));
         let block = EncoderBlockConfig::new(16, 4)
             .with_d_ff(Some(32))
             .with_dropout(0.0)

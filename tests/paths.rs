@@ -928,38 +928,16 @@ fn gradients_of_some_inputs_equal_those_of_all() {
     let [b, h, hkv, t, d] = [2, 4, 2, 70, 16];
     for be in backends() {
         let device = be.autodiff();
-        let values = |len, seed| normal(len, seed);
-        let q = tensor(
-            &values(b * h * t * d, 1),
-            [b, h, t, d],
-            &device,
-            FloatDType::F32,
-        );
-        let k = tensor(
-            &values(b * hkv * t * d, 2),
-            [b, hkv, t, d],
-            &device,
-            FloatDType::F32,
-        );
-        let v = tensor(
-            &values(b * hkv * t * d, 3),
-            [b, hkv, t, d],
-            &device,
-            FloatDType::F32,
-        );
-        let bias = tensor(
-            &values(h * t * t, 4),
-            [1, h, t, t],
-            &device,
-            FloatDType::F32,
-        );
+        let random = |dims: [usize; 4], seed| {
+            let len = dims.iter().product();
+            tensor(&normal(len, seed), dims, &device, FloatDType::F32)
+        };
+        let q = random([b, h, t, d], 1);
+        let k = random([b, hkv, t, d], 2);
+        let v = random([b, hkv, t, d], 3);
+        let bias = random([1, h, t, t], 4);
         let sinks = Tensor::<1>::from_floats([0.5, -1.0, 0.0, 2.0], &device);
-        let upstream = tensor(
-            &values(b * h * t * d, 5),
-            [b, h, t, d],
-            &device,
-            FloatDType::F32,
-        );
+        let upstream = random([b, h, t, d], 5);
         // Inputs tracked: [q, k, v, bias, sinks].
         let run = |tracked: [bool; 5]| {
             let track = |x: Tensor<4>, on: bool| match on {
