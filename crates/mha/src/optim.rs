@@ -530,7 +530,7 @@ mod tests {
                     .backward();
                 param
                     .grad(&grads)
-                    .map(|g| g.into_data().to_vec::<f32>().unwrap())
+                    .map(|g| g.into_data().try_to_vec::<f32>().unwrap())
             };
             let ours = Tensor::<1>::from_floats(values, &device).require_grad();
             let (moved, _) = optim.step(0.01, ours.clone(), grad.clone(), None);
