@@ -140,6 +140,36 @@ fn lora_adapters_stay_through_the_import() {
     }
 }
 
+/// PyTorch's weights load into a module with Burn's quiet softmax (`quiet_softmax`), whose
+/// sinks stay fixed at 0 (a file's learned sinks are refused: see the gpt-oss test).
+#[test]
+fn a_quiet_softmax_module_loads_pytorch_weights_with_its_sinks_fixed() {
+    let f = Fixture::load("mha_causal_self");
+    for b in backends() {
+        let dev = b.autodiff();
+        let quiet = MultiHeadAttentionConfig::new(16, 4)
+            .with_quiet_softmax(true)
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let sinks = quiet.sinks.as_ref().expect("sinks").val();
+        assert!(!sinks.is_require_grad(), "[{}]", b.name);
+        assert_eq!(sinks.abs().sum().into_scalar::<f32>(), 0.0, "[{}]", b.name);
+        // The weights are PyTorch's: its projections' values.
+        let plain = MultiHeadAttentionConfig::new(16, 4)
+            .init(&dev)
+            .load_pytorch(&f.weights, "model.")
+            .unwrap();
+        let values = |m: &mha::MultiHeadAttention| param_values(m);
+        let (got, want) = (values(&quiet), values(&plain));
+        // The quiet module has its sinks last, besides.
+        assert_eq!(got.len(), want.len() + 1, "[{}]", b.name);
+        for (n, (got, want)) in got.into_iter().zip(want).enumerate() {
+            assert_close(&format!("[{}] parameter {n}", b.name), got, want, 0.0);
+        }
+    }
+}
+
 #[test]
 fn mha_cross_attention_kdim_vdim_padding_no_bias_averaged_weights() {
     let f = Fixture::load("mha_cross_kdim_vdim");
@@ -698,6 +728,7 @@ fn gpt_oss_attention_with_sinks_matches_transformers() {
         check_decoded(&b, &f, &config, mha::KvCache::sliding(4), 1);
     }
     let err = config
+        .clone()
         .with_sinks(false)
         .init(&Device::default())
         .load_pytorch(&f.weights, "model.")
@@ -705,6 +736,18 @@ fn gpt_oss_attention_with_sinks_matches_transformers() {
         .to_string();
     assert!(
         err.contains("model.sinks") && err.contains("sinks"),
+        "{err}"
+    );
+    // Burn's quiet softmax has sinks fixed at 0: learned ones are refused, by that name.
+    let err = config
+        .with_sinks(false)
+        .with_quiet_softmax(true)
+        .init(&Device::default())
+        .load_pytorch(&f.weights, "model.")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.sinks") && err.contains("quiet_softmax"),
         "{err}"
     );
 }

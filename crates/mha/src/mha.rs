@@ -162,6 +162,10 @@ pub struct MultiHeadAttention {
     /// The attention sinks' logits, `[H]`, if any: each head's softmax over a row's keys
     /// includes `exp(sinks[h])` for a key without a value (see [`AttentionMask::sinks`]).
     pub sinks: Option<Param<Tensor<1>>>,
+    /// The sinks are Burn's quiet softmax, fixed at 0 (the configuration's
+    /// `quiet_softmax`): not learned, so a weight file's `sinks` is refused.
+    #[module(skip)]
+    pub quiet_softmax: bool,
     /// For a module made by [`Heads::prune`](crate::analysis::Heads::prune), where its
     /// heads came from; `None` otherwise.
     #[module(skip)]
@@ -402,6 +406,7 @@ impl MultiHeadAttentionConfig {
                 (true, false) => Some(Initializer::Zeros.init([self.n_heads], device)),
                 (false, false) => None,
             },
+            quiet_softmax: self.quiet_softmax,
             pruned_from: None,
         })
     }
@@ -687,8 +692,12 @@ impl MultiHeadAttention {
         }
         assert!(
             self.sinks.is_none() || mask.sink_logits().is_none(),
-            "MultiHeadAttention: the module has attention sinks of its own (`sinks`) and the \
-             mask has sinks too (AttentionMask::sinks); give one of the two"
+            "MultiHeadAttention: the module has attention sinks of its own ({}) and the mask \
+             has sinks too (AttentionMask::sinks); give one of the two",
+            match self.quiet_softmax {
+                true => "`quiet_softmax`: fixed at 0",
+                false => "`sinks`",
+            }
         );
     }
 

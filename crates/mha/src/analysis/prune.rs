@@ -217,6 +217,7 @@ fn prune_attention(
             .as_ref()
             .map(|t| select_param(t, 0, &kept)),
         sinks: attention.sinks.as_ref().map(|t| select_param(t, 0, &kept)),
+        quiet_softmax: attention.quiet_softmax,
         pruned_from: Some(original),
     })
 }

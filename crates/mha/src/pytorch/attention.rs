@@ -43,6 +43,14 @@ fn load_sinks(
     key: &str,
 ) -> Result<Option<Param<Tensor<1>>>, ImportError> {
     match &mha.sinks {
+        Some(sinks) if mha.quiet_softmax => {
+            weights.reject(
+                key.to_string(),
+                "the module's sinks are Burn's quiet softmax, fixed at 0 (`quiet_softmax`); \
+                 configure learned ones with `sinks` instead",
+            )?;
+            Ok(Some(sinks.clone()))
+        }
         Some(sinks) => {
             let loaded = Place::of(sinks).load(weights, key, [mha.n_heads])?;
             // A logit of +inf or NaN makes every row's weights NaN or 0: refused here,
