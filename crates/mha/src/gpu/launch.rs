@@ -856,9 +856,12 @@ fn decode(
 /// The gradients (in the inputs' dtype, of the inputs' shapes, laid out as the heads of a
 /// `[B, T, heads·D]` tensor) of attention over `inputs` under `scoring`, from its output
 /// `out` and log-sum-exp `lse` (as [`forward`] writes them) and the output's gradient
-/// `grad` (`[B, H, Tq, Dv]`, any strides); and, where `[bias, pd]` ask for them, of the
+/// `grad` (`[B, H, Tq, Dv]`, any strides); and, where `[.., bias, pd]` ask for them, of the
 /// bias (of its own shape, contiguous: summed over the axes it broadcasts along) and of
-/// the bias by distance (`[1, 1, H, Tq + Tk - 1]`).
+/// the bias by distance (`[1, 1, H, Tq + Tk - 1]`). dQ's kernel runs only where
+/// `[q, kv, ..]` asks for the query's gradient or the bias's or the table's are asked for,
+/// dK's and dV's only where it asks for theirs: a gradient not asked for holds nothing
+/// meaningful.
 ///
 /// With `packed`, dQ, dK and dV are written side by side into one new `[B, T, (H +
 /// 2·Hkv)·D]` tensor, the gradient of a packed projection's output (see [`packed`]):
@@ -874,7 +877,7 @@ pub(crate) fn backward(
     scoring: Scoring,
     [out, lse]: [&TensorBinding; 2],
     grad: &TensorBinding,
-    [bias_grad, pd_grad]: [bool; 2],
+    [q_grad, kv_grad, bias_grad, pd_grad]: [bool; 4],
     packed: bool,
 ) -> Grads {
     let n = inputs.dims();
@@ -944,45 +947,50 @@ pub(crate) fn backward(
         None => ComptimeOptionArgs::None,
     };
     let width = inputs.width(Some(grad));
-    launch!(
-        tq.frag,
-        dq_kernel(
-            client,
-            grid(client, blocks * n.batch * n.heads),
-            CubeDim::new_1d(tq.units as u32),
-            width,
-            inputs.problem(&n, scoring),
-            grad.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            contiguous(row_shape, &delta),
-            raw(dq_shape, dq_strides, &dq),
-            partial_arg(&bias_partial),
-            partial_arg(&pd_partial),
-            tq,
-            [inputs.elem, inputs.mask_elem, weights(tq.frag, inputs.elem)],
-        )
-    );
-    launch!(
-        tkv.frag,
-        dkv_kernel(
-            client,
-            grid(client, n.keys.div_ceil(tkv.bk) * n.batch * n.kv_heads),
-            CubeDim::new_1d(tkv.units as u32),
-            width,
-            inputs.problem(&n, scoring),
-            grad.clone().into_tensor_arg(),
-            lse.clone().into_tensor_arg(),
-            contiguous(row_shape, &delta),
-            raw(dk_shape, dk_strides, &dk),
-            raw(dv_shape, dv_strides, &dv),
-            tkv,
-            [
-                inputs.elem,
-                inputs.mask_elem,
-                weights(tkv.frag, inputs.elem)
-            ],
-        )
-    );
+    // dQ's kernel also sums the bias's and the table's partial rows.
+    if q_grad || bias_partial.is_some() || pd_partial.is_some() {
+        launch!(
+            tq.frag,
+            dq_kernel(
+                client,
+                grid(client, blocks * n.batch * n.heads),
+                CubeDim::new_1d(tq.units as u32),
+                width,
+                inputs.problem(&n, scoring),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                contiguous(row_shape, &delta),
+                raw(dq_shape, dq_strides, &dq),
+                partial_arg(&bias_partial),
+                partial_arg(&pd_partial),
+                tq,
+                [inputs.elem, inputs.mask_elem, weights(tq.frag, inputs.elem)],
+            )
+        );
+    }
+    if kv_grad {
+        launch!(
+            tkv.frag,
+            dkv_kernel(
+                client,
+                grid(client, n.keys.div_ceil(tkv.bk) * n.batch * n.kv_heads),
+                CubeDim::new_1d(tkv.units as u32),
+                width,
+                inputs.problem(&n, scoring),
+                grad.clone().into_tensor_arg(),
+                lse.clone().into_tensor_arg(),
+                contiguous(row_shape, &delta),
+                raw(dk_shape, dk_strides, &dk),
+                raw(dv_shape, dv_strides, &dv),
+                tkv,
+                [
+                    inputs.elem,
+                    inputs.mask_elem,
+                    weights(tkv.frag, inputs.elem)
+                ],
+            )
+        );
+    }
     Grads {
         dq,
         dk,

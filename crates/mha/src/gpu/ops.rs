@@ -239,6 +239,8 @@ fn backward_meta(
     _out: &TensorSpec,
     _lse: &TensorSpec,
     _grad: &TensorSpec,
+    _q_grad: &bool,
+    _kv_grad: &bool,
     bias_grad: &bool,
     pd_grad: &bool,
     sinks_grad: &bool,
@@ -266,11 +268,15 @@ fn packed_backward_meta(
     out: &TensorSpec,
     lse: &TensorSpec,
     grad: &TensorSpec,
+    q_grad: &bool,
+    kv_grad: &bool,
     bias_grad: &bool,
     pd_grad: &bool,
     sinks_grad: &bool,
 ) -> PackedGradsMetadata {
-    let grads = backward_meta(spec, inputs, out, lse, grad, bias_grad, pd_grad, sinks_grad);
+    let grads = backward_meta(
+        spec, inputs, out, lse, grad, q_grad, kv_grad, bias_grad, pd_grad, sinks_grad,
+    );
     PackedGradsMetadata {
         // The packed tensor, which the call's query holds.
         dqkv: inputs.q.clone(),
@@ -306,7 +312,8 @@ pub(crate) trait GpuAttention: Backend {
     /// The gradients of the query, key and value, and of the bias, the bias by distance
     /// and the sinks where `bias_grad`, `pd_grad` and `sinks_grad` ask for them, from the
     /// output `out`, the log-sum-exp `lse` (both with the sinks) and the output's gradient
-    /// `grad`.
+    /// `grad`. The query's is not computed without `q_grad` (nor the key's and value's
+    /// without `kv_grad`): those tensors then hold nothing meaningful.
     #[fusion(meta = backward_meta)]
     #[allow(clippy::too_many_arguments)]
     fn gpu_attention_backward(
@@ -315,6 +322,8 @@ pub(crate) trait GpuAttention: Backend {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        q_grad: bool,
+        kv_grad: bool,
         bias_grad: bool,
         pd_grad: bool,
         sinks_grad: bool,
@@ -332,6 +341,8 @@ pub(crate) trait GpuAttention: Backend {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        q_grad: bool,
+        kv_grad: bool,
         bias_grad: bool,
         pd_grad: bool,
         sinks_grad: bool,
@@ -521,13 +532,15 @@ impl GpuAttention for CubeBackend {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        q_grad: bool,
+        kv_grad: bool,
         bias_grad: bool,
         pd_grad: bool,
         sinks_grad: bool,
     ) -> Grads<Self> {
         let like = inputs.q.clone();
         let shapes = [&inputs.q, &inputs.k, &inputs.v].map(dims);
-        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let wanted = [q_grad, kv_grad, bias_grad, pd_grad, sinks_grad];
         let (grads, extras) = cube_backward(spec, inputs, [out, lse, grad], wanted, false);
         let [dq, dk, dv] = [grads.dq, grads.dk, grads.dv];
         Grads {
@@ -547,6 +560,8 @@ impl GpuAttention for CubeBackend {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        q_grad: bool,
+        kv_grad: bool,
         bias_grad: bool,
         pd_grad: bool,
         sinks_grad: bool,
@@ -554,7 +569,7 @@ impl GpuAttention for CubeBackend {
         let qkv = inputs.q.clone();
         let heads = [packed.heads, packed.kv_heads, packed.head_dim];
         let inputs = unpacked(packed, inputs);
-        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let wanted = [q_grad, kv_grad, bias_grad, pd_grad, sinks_grad];
         // Where the key's and value's columns cannot start a binding, the three
         // gradients of their own, then side by side.
         if !launch::packed(&qkv.client, heads, qkv.dtype.size()) {
@@ -592,7 +607,7 @@ fn cube_backward(
     spec: Spec,
     inputs: Inputs<CubeBackend>,
     [out, lse, grad]: [CubeTensor; 3],
-    [bias_grad, pd_grad, sinks_grad]: [bool; 3],
+    [q_grad, kv_grad, bias_grad, pd_grad, sinks_grad]: [bool; 5],
     packed: bool,
 ) -> (launch::Grads, Extras) {
     let like = inputs.q.clone();
@@ -614,7 +629,7 @@ fn cube_backward(
         spec.scoring(),
         [&binding(out), &binding(lse)],
         &binding(grad),
-        [bias_grad, pd_grad],
+        [q_grad, kv_grad, bias_grad, pd_grad],
         packed,
     );
     let extras = Extras {
@@ -721,12 +736,14 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        q_grad: bool,
+        kv_grad: bool,
         bias_grad: bool,
         pd_grad: bool,
         sinks_grad: bool,
     ) -> Grads<Self> {
         let [out, lse, grad] = [out, lse, grad].map(Self::inner);
-        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let wanted = [q_grad, kv_grad, bias_grad, pd_grad, sinks_grad];
         let grads = backward_of::<B>(spec, inner(inputs), [out, lse, grad], wanted);
         let outer = |t: Extra<B>| Extra::of(t.into_option().map(Self::from_inner));
         Grads {
@@ -746,12 +763,14 @@ impl<B: GpuAttention, C: CheckpointStrategy> GpuAttention for Autodiff<B, C> {
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        q_grad: bool,
+        kv_grad: bool,
         bias_grad: bool,
         pd_grad: bool,
         sinks_grad: bool,
     ) -> PackedGrads<Self> {
         let [out, lse, grad] = [out, lse, grad].map(Self::inner);
-        let wanted = [bias_grad, pd_grad, sinks_grad];
+        let wanted = [q_grad, kv_grad, bias_grad, pd_grad, sinks_grad];
         let grads = packed_backward_of::<B>(spec, packed, inner(inputs), [out, lse, grad], wanted);
         let outer = |t: Extra<B>| Extra::of(t.into_option().map(Self::from_inner));
         PackedGrads {
@@ -799,9 +818,9 @@ fn backward_of<B: GpuAttention>(
     spec: Spec,
     inputs: Inputs<B>,
     [out, lse, grad]: [FloatTensor<B>; 3],
-    [bias, pd, sinks]: [bool; 3],
+    [q, kv, bias, pd, sinks]: [bool; 5],
 ) -> Grads<B> {
-    B::gpu_attention_backward(spec, inputs, out, lse, grad, bias, pd, sinks)
+    B::gpu_attention_backward(spec, inputs, out, lse, grad, q, kv, bias, pd, sinks)
 }
 
 /// [`GpuAttention::gpu_attention_backward_packed`] with its tensors and flags in arrays.
@@ -810,9 +829,9 @@ fn packed_backward_of<B: GpuAttention>(
     packed: Packed,
     inputs: Inputs<B>,
     [out, lse, grad]: [FloatTensor<B>; 3],
-    [bias, pd, sinks]: [bool; 3],
+    [q, kv, bias, pd, sinks]: [bool; 5],
 ) -> PackedGrads<B> {
-    B::gpu_attention_backward_packed(spec, packed, inputs, out, lse, grad, bias, pd, sinks)
+    B::gpu_attention_backward_packed(spec, packed, inputs, out, lse, grad, q, kv, bias, pd, sinks)
 }
 
 /// Attention over `[query, key, value, bias?, pd?, sinks?]`, with the mask and the
@@ -933,16 +952,24 @@ impl<B: GpuAttention> Op<B> for AttentionOp<B> {
             position += usize::from(present);
             wanted
         });
+        // The query's gradient, and the key's and value's, only where asked for (the
+        // packed tensor's, all three).
+        let [q_grad, kv_grad] = match packed {
+            Some(_) => [wanted[0]; 2],
+            None => [wanted[0], wanted[1] || wanted[2]],
+        };
+        let [bias_grad, pd_grad, sinks_grad] = extra_wanted;
+        let flags = [q_grad, kv_grad, bias_grad, pd_grad, sinks_grad];
         let inputs = inputs_of(floats, packed, extras, mask, seq);
         let tensors = [out, lse, grad];
         let (mut in_order, others) = match packed {
             Some(packed) => {
-                let grads = packed_backward_of::<B>(spec, packed, inputs, tensors, extra_wanted);
+                let grads = packed_backward_of::<B>(spec, packed, inputs, tensors, flags);
                 let others = [grads.dbias, grads.dpd, grads.dsinks];
                 (vec![Some(grads.dqkv)], others)
             }
             None => {
-                let grads = backward_of::<B>(spec, inputs, tensors, extra_wanted);
+                let grads = backward_of::<B>(spec, inputs, tensors, flags);
                 let others = [grads.dbias, grads.dpd, grads.dsinks];
                 (vec![Some(grads.dq), Some(grads.dk), Some(grads.dv)], others)
             }

@@ -519,7 +519,7 @@ fn run(client: &Client, case: &Case, data: &Data, visibility: &Visibility) -> Ru
             scoring,
             [&out_binding, &lse_binding],
             &grad,
-            [case.bias_grad, false],
+            [true, true, case.bias_grad, false],
             packed,
         )
     };
