@@ -601,8 +601,9 @@ impl GpuAttention for CubeBackend {
 }
 
 /// The kernels' backward pass over `inputs` (see [`launch::backward`], which `packed`
-/// asks to write dQ, dK and dV side by side): their handles, and the gradients of the
-/// bias, the bias by distance and the sinks where `[bias, pd, sinks]` ask for them.
+/// asks to write dQ, dK and dV side by side): their handles (dQ's computed where `[q,
+/// ..]` asks for it, dK's and dV's where `[_, kv, ..]` does), and the gradients of the
+/// bias, the bias by distance and the sinks where `[.., bias, pd, sinks]` ask for them.
 fn cube_backward(
     spec: Spec,
     inputs: Inputs<CubeBackend>,
