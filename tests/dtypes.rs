@@ -267,24 +267,24 @@ fn silu_in_f64_keeps_f64s_digits() {
     }
 }
 
-/// One cast for any module: a decoder stack with T5 relative biases and an encoder stack
-/// with learned absolute positions, cast to each other dtype a backend computes in, have
-/// every parameter in it (tables and embeddings included), give the f32 stack's output
-/// to 4 times that dtype's absolute tolerance (util's, for one attention against f64: a
-/// stack is two blocks of attention, feed-forward and norms), and the f32 stack's
-/// gradient to each parameter.
-#[test]
-fn one_cast_reaches_every_parameter_of_a_stack() {
-    let t5 = Positions::T5 {
+/// T5's relative biases, causal: 8 buckets up to distance 20.
+fn t5() -> Positions {
+    Positions::T5 {
         num_buckets: 8,
         max_distance: 20,
         bidirectional: false,
-    };
+    }
+}
+
+/// The stacks the whole-module tests take: two decoder blocks with T5 relative biases and
+/// two causal encoder blocks with learned absolute positions, 16 wide, 4 heads, without
+/// dropout.
+fn stacks() -> (DecoderConfig, EncoderConfig) {
     let decoder = DecoderConfig::new(
         DecoderBlockConfig::new(16, 4)
             .with_d_ff(Some(32))
             .with_dropout(0.0)
-            .with_positions(t5),
+            .with_positions(t5()),
         2,
     );
     let encoder = EncoderConfig::new(
@@ -295,6 +295,18 @@ fn one_cast_reaches_every_parameter_of_a_stack() {
             .with_positions(Positions::Learned { max_len: 16 }),
         2,
     );
+    (decoder, encoder)
+}
+
+/// One cast for any module: a decoder stack with T5 relative biases and an encoder stack
+/// with learned absolute positions, cast to each other dtype a backend computes in, have
+/// every parameter in it (tables and embeddings included), give the f32 stack's output
+/// to 4 times that dtype's absolute tolerance (util's, for one attention against f64: a
+/// stack is two blocks of attention, feed-forward and norms), and the f32 stack's
+/// gradient to each parameter.
+#[test]
+fn one_cast_reaches_every_parameter_of_a_stack() {
+    let (decoder, encoder) = stacks();
     for b in backends() {
         let dev = b.autodiff();
         let x = randn([2, 6, 16], 1, &dev);
@@ -584,45 +596,24 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
         );
     }
 
-    let t5 = Positions::T5 {
-        num_buckets: 8,
-        max_distance: 20,
-        bidirectional: false,
-    };
+    let (decoder, encoder) = stacks();
     for b in backends() {
         let device = b.device.clone();
         let x = randn([2, 6, 16], 1, &device);
         let memory = randn([2, 5, 16], 2, &device);
         let attention = MultiHeadAttentionConfig::new(16, 4)
             .with_sinks(true)
-            .with_positions(t5.clone())
+            .with_positions(t5())
             .init(&device);
         check(&b, "attention", attention, |m| {
             m.forward(MhaInput::causal(x.clone()).mask(AttentionMask::none()))
                 .context
         });
-        let decoder = DecoderConfig::new(
-            DecoderBlockConfig::new(16, 4)
-                .with_d_ff(Some(32))
-                .with_dropout(0.0)
-                .with_positions(t5.clone()),
-            2,
-        )
-        .init(&device);
-        check(&b, "decoder", decoder, |m| {
+        check(&b, "decoder", decoder.init(&device), |m| {
             let input = StackInput::new(x.clone()).memory(memory.clone());
             m.forward(input).unwrap().output
         });
-        let encoder = EncoderConfig::new(
-            EncoderBlockConfig::new(16, 4)
-                .with_d_ff(Some(32))
-                .with_dropout(0.0)
-                .with_causal(true)
-                .with_positions(Positions::Learned { max_len: 16 }),
-            2,
-        )
-        .init(&device);
-        check(&b, "encoder", encoder, |m| {
+        check(&b, "encoder", encoder.init(&device), |m| {
             m.forward(StackInput::new(x.clone())).unwrap().output
         });
         // Cast to another dtype, the quantized parameters stay quantized, read in it.

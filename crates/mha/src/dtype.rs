@@ -128,13 +128,7 @@ impl<M: Module> ModuleDType for M {}
 /// is cut from it: a slice of a quantized tensor may be quantized again on some backends.
 pub(crate) fn dequantized<const D: usize>(param: Tensor<D>, dtype: DType) -> Tensor<D> {
     match param.dtype() {
-        DType::QFloat(_) => {
-            let value = param.dequantize();
-            match value.dtype() == dtype {
-                true => value,
-                false => value.cast(dtype),
-            }
-        }
+        DType::QFloat(_) => float_value(param).cast(dtype),
         _ => param,
     }
 }

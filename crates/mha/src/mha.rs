@@ -397,15 +397,12 @@ impl MultiHeadAttentionConfig {
                 .positions
                 .buckets()
                 .map(|buckets| Initializer::Zeros.init([self.n_heads, buckets.len()], device)),
-            sinks: match (self.sinks, self.quiet_softmax) {
-                (_, true) => Some(
-                    Initializer::Zeros
-                        .init([self.n_heads], device)
-                        .set_require_grad(false),
-                ),
-                (true, false) => Some(Initializer::Zeros.init([self.n_heads], device)),
-                (false, false) => None,
-            },
+            // Quiet softmax's are fixed.
+            sinks: (self.sinks || self.quiet_softmax).then(|| {
+                Initializer::Zeros
+                    .init([self.n_heads], device)
+                    .set_require_grad(!self.quiet_softmax)
+            }),
             quiet_softmax: self.quiet_softmax,
             pruned_from: None,
         })

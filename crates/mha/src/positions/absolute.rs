@@ -135,7 +135,7 @@ impl AbsolutePositions {
                 sinusoids(0, end.max(1), d_model, &device).cast(x.dtype())
             }
             AbsolutePositions::Learned(l) => {
-                crate::dtype::dequantized(l.embedding.weight.val(), x.dtype()).cast(x.dtype())
+                crate::dtype::float_value(l.embedding.weight.val()).cast(x.dtype())
             }
         };
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [batch * len]), &device);
