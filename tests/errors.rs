@@ -1291,6 +1291,30 @@ fn config_numbers_no_model_takes_are_named_as_the_file_names_them() {
             "`num_hidden_layers` of config.json: must be at least 1, got 0",
         ),
         (
+            llama(&[("rope_parameters", serde_json::json!({"rope_theta": 1.0}))]),
+            "`rope_parameters` of config.json: RoPE's base must be above 1, got 1",
+        ),
+        (
+            llama(&[
+                ("rope_parameters", serde_json::Value::Null),
+                ("rope_theta", (-2.0).into()),
+            ]),
+            "`rope_theta` of config.json: RoPE's base must be above 1, got -2",
+        ),
+        (
+            llama(&[("head_dim", 9.into())]),
+            "`head_dim` of config.json: RoPE needs heads of an even width, got 9",
+        ),
+        (
+            llama(&[
+                ("hidden_size", 36.into()),
+                ("num_attention_heads", 4.into()),
+                ("head_dim", serde_json::Value::Null),
+            ]),
+            "`hidden_size` of config.json: RoPE needs heads of an even width, got 36 / \
+             num_attention_heads 4 = 9",
+        ),
+        (
             gpt2(&[("n_inner", 0.into())]),
             "`n_inner` of config.json: must be at least 1, got 0",
         ),

@@ -410,6 +410,16 @@ impl HfConfig {
             .and_then(|p| p.rope_theta)
             .or(self.rope_theta)
             .unwrap_or(10_000.0);
+        if !(theta.is_finite() && theta > 1.0) {
+            let field = match parameters.and_then(|p| p.rope_theta) {
+                Some(_) => field,
+                None => "rope_theta",
+            };
+            return Err(convention(
+                field,
+                format!("RoPE's base must be above 1, got {theta}"),
+            ));
+        }
         // The fields each family reads: Llama both biases, Qwen3 the attention's, Mistral
         // and Qwen2 neither (transformers fixes theirs).
         let attention_bias = match family {
@@ -422,6 +432,23 @@ impl HfConfig {
             "qwen3" => Some(self.head_dim.unwrap_or(128)),
             _ => self.head_dim,
         };
+        // RoPE turns pairs of a head's dims (heads that do not divide the width are the
+        // blocks' error, named as the file names them).
+        let (heads, width) = (self.num_attention_heads, self.hidden_size);
+        let odd = match head_dim {
+            Some(dim) => (dim % 2 == 1).then(|| ("head_dim", format!("{dim}"))),
+            None if heads > 0 && width.is_multiple_of(heads) && (width / heads) % 2 == 1 => {
+                let dim = format!("{width} / num_attention_heads {heads} = {}", width / heads);
+                Some(("hidden_size", dim))
+            }
+            None => None,
+        };
+        if let Some((field, dim)) = odd {
+            return Err(convention(
+                field,
+                format!("RoPE needs heads of an even width, got {dim}"),
+            ));
+        }
         let config = EncoderBlockConfig::new(self.hidden_size, self.num_attention_heads)
             .with_n_kv_heads(self.num_key_value_heads)
             .with_head_dim(head_dim)
