@@ -1385,3 +1385,69 @@ fn language_models_refuse_token_ids_past_their_tables_by_place() {
         assert!(message.contains(expected), "{message:?} lacks {expected:?}");
     }
 }
+
+#[test]
+fn tensors_on_another_device_are_refused_naming_both_devices() {
+    use burn::tensor::Tensor;
+    use mha::{SdpaOptions, scaled_dot_product_attention};
+    let d = dev();
+    let Some(other) = crate::util::backends().find(|b| b.device != d) else {
+        eprintln!("one backend compiled in: no other device to refuse");
+        return;
+    };
+    let o = other.device;
+    let m = MultiHeadAttentionConfig::new(8, 2).init(&d);
+    let x = randn([1, 3, 8], 1, &d);
+    let q = randn([1, 2, 3, 4], 2, &d);
+    // Nothing blocked: only the device is wrong.
+    let blocked = |device: &Device| randn([1, 1, 1, 3], 9, device).greater_elem(1e9);
+    let sdpa = |k: Tensor<4>, mask: AttentionMask| {
+        let q = q.clone();
+        panic_message(move || {
+            scaled_dot_product_attention(q, k.clone(), k, &mask, SdpaOptions::default());
+        })
+    };
+    let forward = |input: MhaInput| {
+        let m = m.clone();
+        panic_message(move || {
+            m.forward(input);
+        })
+    };
+    let cases = [
+        (
+            sdpa(randn([1, 2, 3, 4], 3, &o), AttentionMask::none()),
+            format!("scaled_dot_product_attention: the key is on {o:?} and the query on {d:?}"),
+        ),
+        (
+            sdpa(q.clone(), AttentionMask::bias(randn([1, 1, 3, 3], 4, &o))),
+            format!("attention mask: the additive bias is on {o:?} and the scores on {d:?}"),
+        ),
+        (
+            sdpa(q.clone(), AttentionMask::blocking(blocked(&o))),
+            format!("attention mask: the boolean mask is on {o:?} and the scores on {d:?}"),
+        ),
+        (
+            sdpa(q.clone(), AttentionMask::sinks(randn([2], 5, &o))),
+            format!("attention mask: the sinks tensor is on {o:?} and the scores on {d:?}"),
+        ),
+        (
+            forward(MhaInput::self_attn(randn([1, 3, 8], 6, &o))),
+            format!("MultiHeadAttention: the query is on {o:?} and the module on {d:?}"),
+        ),
+        (
+            forward(MhaInput::cross(x.clone(), randn([1, 4, 8], 7, &o))),
+            format!("MultiHeadAttention: the context is on {o:?} and the module on {d:?}"),
+        ),
+        (
+            forward(MhaInput::causal(x.clone()).mask(AttentionMask::blocking(blocked(&o)))),
+            format!("attention mask: the boolean mask is on {o:?} and the scores on {d:?}"),
+        ),
+        (
+            forward(MhaInput::causal(x.clone()).head_mask(randn([2], 8, &o))),
+            format!("MultiHeadAttention: the head mask is on {o:?} and the module on {d:?}"),
+        ),
+    ];
+    for (got, want) in cases {
+        assert!(got.contains(&want), "{got:?} lacks {want:?}");
+    }
+}

@@ -447,7 +447,8 @@ impl MultiHeadAttention {
     /// shapes, or if the mask does not broadcast to the scores; if the module has
     /// positions and `input` attends to another sequence ([`MhaInput::cross`],
     /// [`MhaInput::new`]), naming the positions and the call; if the module has attention
-    /// sinks and the mask has its own.
+    /// sinks and the mask has its own; if an input, a part of the mask or the head mask is
+    /// on another device than the module, naming both devices.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
         let MhaInput {
             query,
@@ -563,7 +564,7 @@ impl MultiHeadAttention {
         // A mask that does not fit the keys the call sees, or places them from another
         // query, panics before the cache changes.
         let seen = cache.keys_seen(tokens);
-        mask.check([batch, self.n_heads, tokens, seen]);
+        mask.check([batch, self.n_heads, tokens, seen], &q.device());
         // What the attention refuses, refused before the cache changes.
         self.check_attend(&mask, head_mask.as_ref());
         if tokens == 0 {
@@ -616,8 +617,8 @@ impl MultiHeadAttention {
     /// projecting the memory again. Dropout does not act.
     ///
     /// # Panics
-    /// If `x` has the wrong width or another batch than the memory, or if the module has
-    /// positions (see [`MultiHeadAttentionConfig::positions`]).
+    /// If `x` has the wrong width, or another batch or device than the memory, or if the
+    /// module has positions (see [`MultiHeadAttentionConfig::positions`]).
     pub fn cross_attention_cached(
         &self,
         x: Tensor<3>,
@@ -645,6 +646,12 @@ impl MultiHeadAttention {
             batch, memory_batch,
             "MultiHeadAttention: the query's batch is {batch}, the memory's {memory_batch}"
         );
+        let (at, device) = (memory.keys.device(), x.device());
+        assert!(
+            at == device,
+            "MultiHeadAttention: the memory's keys and values are on {at:?} and the query on \
+             {device:?}"
+        );
         let q = self.project_q(x);
         let q = self.query_heads(q);
         let (k, v) = (memory.keys.clone(), memory.values.clone());
@@ -656,7 +663,10 @@ impl MultiHeadAttention {
     /// call sees, sinks given twice (a stack checks every layer's before the first writes).
     pub(crate) fn check_cached_call(&self, x: &Tensor<3>, cache: &KvCache, mask: &AttentionMask) {
         let [batch, tokens, _] = x.dims();
-        mask.check([batch, self.n_heads, tokens, cache.keys_seen(tokens)]);
+        mask.check(
+            [batch, self.n_heads, tokens, cache.keys_seen(tokens)],
+            &x.device(),
+        );
         self.check_attend(mask, None);
         assert!(
             !self.adds_position_bias() || mask.position().is_none(),
@@ -685,6 +695,11 @@ impl MultiHeadAttention {
                 heads, self.n_heads,
                 "MultiHeadAttention: the head mask has {heads} weights for {} heads",
                 self.n_heads
+            );
+            let (at, device) = (head_mask.device(), self.device());
+            assert!(
+                at == device,
+                "MultiHeadAttention: the head mask is on {at:?} and the module on {device:?}"
             );
         }
         assert!(
@@ -736,7 +751,8 @@ impl MultiHeadAttention {
                 // What scaled_dot_product_attention checks of the mask and the options.
                 let scores = [batch, self.n_heads, queries, queries];
                 let d_k = self.head_dim;
-                let scores = crate::attention::checked_scores(&options, mask, scores, d_k);
+                let device = qkv.device();
+                let scores = crate::attention::checked_scores(&options, mask, scores, d_k, &device);
                 let context = crate::gpu::packed_attention(qkv, packed, mask, scores);
                 (context, None)
             }
@@ -832,11 +848,16 @@ impl MultiHeadAttention {
         self.forward(MhaInput::cross(x, context).mask(mask)).context
     }
 
+    /// The device of the module's parameters (its output projection's).
+    fn device(&self) -> Device {
+        self.out_proj.weight.val().device()
+    }
+
     /// Projects the inputs to Q `[B, Tq, H·Dh]`, K and V `[B, Tk, Hkv·Dh]`.
     fn project(&self, query: Tensor<3>, source: Source) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
         let d_model = self.d_model();
         let [batch, _, _] = query.dims();
-        check_input("query", &query, batch, d_model);
+        check_input("query", &query, batch, d_model, &self.device());
         let q_width = self.n_heads * self.head_dim;
         let kv_width = self.n_kv_heads * self.head_dim;
         match (&self.in_proj, source) {
@@ -850,8 +871,8 @@ impl MultiHeadAttention {
                 (linear_columns(proj, query, 0, q_width), k, v)
             }
             (InputProjection::Packed(proj), Source::KeyValue(key, value)) => {
-                check_input("key", &key, batch, d_model);
-                check_input("value", &value, batch, d_model);
+                check_input("key", &key, batch, d_model, &self.device());
+                check_input("value", &value, batch, d_model, &self.device());
                 check_same_len(&key, &value);
                 (
                     linear_columns(proj, query, 0, q_width),
@@ -871,8 +892,8 @@ impl MultiHeadAttention {
                     }
                     Source::KeyValue(key, value) => (key, value),
                 };
-                check_input("key", &key, batch, self.kdim);
-                check_input("value", &value, batch, self.vdim);
+                check_input("key", &key, batch, self.kdim, &self.device());
+                check_input("value", &value, batch, self.vdim, &self.device());
                 check_same_len(&key, &value);
                 (
                     crate::ops::linear::forward(&proj.q_proj, query),
@@ -886,7 +907,7 @@ impl MultiHeadAttention {
     /// Q `[B, Tq, H·Dh]` alone.
     fn project_q(&self, query: Tensor<3>) -> Tensor<3> {
         let batch = query.dims()[0];
-        check_input("query", &query, batch, self.d_model());
+        check_input("query", &query, batch, self.d_model(), &self.device());
         match &self.in_proj {
             InputProjection::Packed(proj) => {
                 linear_columns(proj, query, 0, self.n_heads * self.head_dim)
@@ -900,7 +921,7 @@ impl MultiHeadAttention {
         let kv_width = self.n_kv_heads * self.head_dim;
         match &self.in_proj {
             InputProjection::Packed(proj) => {
-                check_input("context", &context, batch, self.d_model());
+                check_input("context", &context, batch, self.d_model(), &self.device());
                 let q_width = self.n_heads * self.head_dim;
                 let kv = linear_columns(proj, context, q_width, 2 * kv_width); // [B, Tk, 2·Hkv·Dh]
                 (
@@ -910,8 +931,8 @@ impl MultiHeadAttention {
             }
             InputProjection::Separate(proj) => {
                 self.check_one_source("MultiHeadAttention::memory_kv(memory)");
-                check_input("key", &context, batch, self.kdim);
-                check_input("value", &context, batch, self.vdim);
+                check_input("key", &context, batch, self.kdim, &self.device());
+                check_input("value", &context, batch, self.vdim, &self.device());
                 (
                     crate::ops::linear::forward(&proj.k_proj, context.clone()),
                     crate::ops::linear::forward(&proj.v_proj, context),
@@ -946,7 +967,7 @@ impl MultiHeadAttention {
                 let keys = k.dims()[2];
                 if mask.rule().packed.is_some() {
                     // The positions restart at each packed sequence: its rows must fit.
-                    mask.check([batch, heads, queries, keys]);
+                    mask.check([batch, heads, queries, keys], &q.device());
                 }
                 let q = rope.apply(q, &token_positions(&mask, q_offset, queries));
                 let k = rope.apply(k, &token_positions(&mask, k_offset, keys));
@@ -1104,11 +1125,17 @@ fn linear_columns(proj: &Linear, x: Tensor<3>, start: usize, len: usize) -> Tens
     crate::ops::linear::columns(x, proj.weight.val(), bias, Some([start, len]))
 }
 
-fn check_input(name: &str, x: &Tensor<3>, batch: usize, width: usize) {
+/// Checks that input `name` is `[batch, T, width]` and on the module's `device`.
+fn check_input(name: &str, x: &Tensor<3>, batch: usize, width: usize, device: &Device) {
     let dims = x.dims();
     assert!(
         dims[0] == batch && dims[2] == width,
         "MultiHeadAttention: expected {name} of shape [B = {batch}, T, {width}], got {dims:?}"
+    );
+    let at = x.device();
+    assert!(
+        at == *device,
+        "MultiHeadAttention: the {name} is on {at:?} and the module on {device:?}"
     );
 }
 

@@ -130,7 +130,7 @@ impl LayerStatsBuilder {
     ) {
         let dims = weights.dims();
         let [batch, heads, queries, keys] = dims;
-        mask.check(dims);
+        mask.check(dims, &weights.device());
         if let Some(lengths) = query_lengths {
             assert_eq!(
                 lengths.len(),

@@ -22,8 +22,9 @@ use crate::problem::Scores;
 ///
 /// # Panics
 /// As [`scaled_dot_product_attention`](super::scaled_dot_product_attention): if the
-/// shapes disagree, if the mask does not broadcast to the scores, or if the scale or the
-/// soft cap is not positive and finite.
+/// shapes disagree, if the mask does not broadcast to the scores, if the scale or the
+/// soft cap is not positive and finite, or if the key or a part of the mask is on another
+/// device than the query.
 pub fn attention_weights(
     query: Tensor<4>,
     key: Tensor<4>,
@@ -33,7 +34,9 @@ pub fn attention_weights(
     let [batch, heads, queries, d_k] = query.dims();
     let keys = key.dims()[2];
     super::check_shapes("attention_weights", query.dims(), key.dims(), None);
-    let scores = super::checked_scores(&options, mask, [batch, heads, queries, keys], d_k);
+    let device = query.device();
+    super::check_devices("attention_weights", &device, &[("key", &key)]);
+    let scores = super::checked_scores(&options, mask, [batch, heads, queries, keys], d_k, &device);
     if batch * heads * queries * keys == 0 {
         let (device, dtype) = (query.device(), query.dtype());
         let links = [query, key].into_iter().map(crate::empty::zero_of);

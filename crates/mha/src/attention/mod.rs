@@ -30,7 +30,7 @@
 mod empty;
 mod explicit;
 
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 
 pub use explicit::attention_weights;
 
@@ -124,7 +124,8 @@ pub struct AttentionOutput {
 /// # Panics
 /// If the shapes disagree (naming the tensors and their shapes), if `H` is not a multiple
 /// of `Hkv`, if the dropout is outside `[0, 1)` or the scale or the soft cap is not
-/// positive and finite.
+/// positive and finite, if the key, the value or a part of the mask is on another device
+/// than the query (naming both devices).
 pub fn scaled_dot_product_attention(
     query: Tensor<4>,
     key: Tensor<4>,
@@ -140,7 +141,10 @@ pub fn scaled_dot_product_attention(
         key.dims(),
         Some(value.dims()),
     );
-    let scores = checked_scores(&options, mask, [batch, heads, queries, keys], d_k);
+    let device = query.device();
+    let others = [("key", &key), ("value", &value)];
+    check_devices("scaled_dot_product_attention", &device, &others);
+    let scores = checked_scores(&options, mask, [batch, heads, queries, keys], d_k, &device);
 
     let keeps_weights = options.weights != AttentionWeights::None || options.dropout > 0.0;
     let call = AttentionCall::of([&query, &key, &value], mask, keeps_weights);
@@ -180,8 +184,9 @@ pub(crate) fn checked_scores(
     mask: &AttentionMask,
     scores: [usize; 4],
     d_k: usize,
+    device: &Device,
 ) -> Scores {
-    mask.check(scores);
+    mask.check(scores, device);
     assert!(
         (0.0..1.0).contains(&options.dropout),
         "scaled_dot_product_attention: dropout must be in [0, 1), got {}",
@@ -204,6 +209,18 @@ pub(crate) fn checked_scores(
     Scores {
         scale,
         softcap: options.softcap,
+    }
+}
+
+/// Checks that the tensors `others` (named) of a call of `caller` are on the query's
+/// `device`, naming both devices.
+pub(crate) fn check_devices(caller: &str, device: &Device, others: &[(&str, &Tensor<4>)]) {
+    for &(name, t) in others {
+        let at = t.device();
+        assert!(
+            at == *device,
+            "{caller}: the {name} is on {at:?} and the query on {device:?}"
+        );
     }
 }
 

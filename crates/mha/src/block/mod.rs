@@ -621,6 +621,6 @@ pub(crate) fn check_memory(
         memory_batch == batch,
         "DecoderBlock: the memory's batch is {memory_batch} and the input's {batch}"
     );
-    memory_mask.check([batch, attention.n_heads, tokens, length]);
+    memory_mask.check([batch, attention.n_heads, tokens, length], &x.device());
     attention.check_attend(memory_mask, None);
 }

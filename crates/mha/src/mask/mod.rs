@@ -530,12 +530,33 @@ impl AttentionMask {
         &self.rule
     }
 
-    /// Checks that the boolean and additive parts broadcast to `[B, H, Tq, Tk]`, and that
-    /// packed sequences fit it.
+    /// Checks that the boolean and additive parts broadcast to `[B, H, Tq, Tk]`, that
+    /// packed sequences fit it, and that the tensors are on the scores' `device`.
     ///
     /// # Panics
-    /// Naming the part, its shape and the target shape, if they do not fit.
-    pub(crate) fn check(&self, target: [usize; 4]) {
+    /// Naming the part, its shape and the target shape, if they do not fit; naming the
+    /// part and both devices, if it is on another device.
+    pub(crate) fn check(&self, target: [usize; 4], device: &Device) {
+        let devices = [
+            ("boolean mask", self.blocked.as_ref().map(|t| t.device())),
+            ("additive bias", self.bias.as_ref().map(|t| t.device())),
+            ("sinks tensor", self.sinks.as_ref().map(|t| t.device())),
+            (
+                "position table",
+                match &self.position {
+                    Some(PositionBias::Learned { table, .. }) => Some(table.device()),
+                    _ => None,
+                },
+            ),
+        ];
+        for (part, at) in devices {
+            if let Some(at) = at {
+                assert!(
+                    at == *device,
+                    "attention mask: the {part} is on {at:?} and the scores on {device:?}"
+                );
+            }
+        }
         if let Some(blocked) = &self.blocked {
             check_broadcast("boolean mask", blocked.dims(), target);
         }
