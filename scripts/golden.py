@@ -162,8 +162,10 @@ def sdpa_gqa_bias_scale():
 
 
 def sdpa_fully_blocked_row():
-    """Query row 2 of batch 0 sees no key: its output and weights are 0 (PyTorch: NaN).
-    The reference runs PyTorch without that row and puts zeros in its place."""
+    """Query row 2 of batch 0 sees no key: its output and weights are 0 (as recent
+    PyTorch's SDPA gives; nn.MultiheadAttention's weights are NaN, and so was SDPA's
+    output in older versions). The reference runs PyTorch without that row and puts
+    zeros in its place, so that it holds whatever PyTorch's version."""
     torch.manual_seed(5)
     B, H, T, D = 2, 2, 4, 8
     dead_b, dead_t = 0, 2
