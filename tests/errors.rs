@@ -1446,6 +1446,20 @@ fn tensors_on_another_device_are_refused_naming_both_devices() {
             forward(MhaInput::causal(x.clone()).head_mask(randn([2], 8, &o))),
             format!("MultiHeadAttention: the head mask is on {o:?} and the module on {d:?}"),
         ),
+        (
+            {
+                let there = MultiHeadAttentionConfig::new(8, 2).init(&o);
+                let kv = there.memory_kv(randn([1, 4, 8], 10, &o));
+                let (m, x) = (m.clone(), x.clone());
+                panic_message(move || {
+                    m.cross_attention_cached(x, &kv, AttentionMask::none());
+                })
+            },
+            format!(
+                "MultiHeadAttention: the memory's keys and values are on {o:?} and the query on \
+                 {d:?}"
+            ),
+        ),
     ];
     for (got, want) in cases {
         assert!(got.contains(&want), "{got:?} lacks {want:?}");
