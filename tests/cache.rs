@@ -1,7 +1,9 @@
 //! Decoding with a cache: a prompt, then tokens one at a time (and a few at once), gives
 //! the rows of the forward pass over the whole sequence, on every backend, for every kind
 //! of position, GQA, a sliding window kept in a ring, decoder-only and encoder-decoder
-//! stacks; and bad calls are refused by name, leaving the cache as it was.
+//! stacks; beams reordered and spread (`select_rows`) and drafts rolled back (`truncate`)
+//! decode as their whole sequences; and bad calls are refused by name, leaving the cache
+//! as it was.
 
 use std::ops::Range;
 
@@ -771,4 +773,206 @@ fn a_stack_refuses_before_its_first_layer_writes() {
         "StackCache: layer 1's cache holds 0 positions and layer 0's 5 (caches of different \
          sequences; reset it to start another sequence)"
     );
+}
+
+/// `x` `[B, T, D]` decoded one token per call after `prompt` tokens were cached.
+fn one_by_one(x: &Tensor<3>, mut decode: impl FnMut(Tensor<3>) -> Tensor<3>) -> Tensor<3> {
+    let calls: Vec<Range<usize>> = (0..x.dims()[1]).map(|t| t..t + 1).collect();
+    decoded(x, &calls, &mut decode)
+}
+
+/// The batch rows `rows` of `x`, in that order.
+fn rows_of(x: &Tensor<3>, rows: &[usize]) -> Tensor<3> {
+    Tensor::cat(rows.iter().map(|&b| x.clone().narrow(0, b, 1)).collect(), 0)
+}
+
+#[test]
+fn beams_reordered_and_spread_decode_as_each_sequence_alone() {
+    // Two prompts of 5 cached, then beam search's reordering: row 1 kept twice, row 0
+    // once; 3 tokens more for each of the 3 beams. Each beam's outputs are those of the
+    // whole sequence it holds (its prompt's row, then its own tokens).
+    let rows = [1, 0, 1];
+    for be in backends() {
+        for (n, positions) in [
+            Positions::Learned { max_len: 8 },
+            Positions::rope(),
+            Positions::t5(false),
+            Positions::Alibi,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for window in [None, Some(4)] {
+                let what = format!("[{}] beams, {positions:?}, window {window:?}", be.name);
+                let block = encoder_block(positions.clone()).with_window(window);
+                let stack = EncoderConfig::new(block, 2).init(&be.device);
+                let prompt = randn([2, 5, D_MODEL], 90 + n as u64, &be.device);
+                let next = randn([3, 3, D_MODEL], 95 + n as u64, &be.device);
+                let whole = Tensor::cat(vec![rows_of(&prompt, &rows), next.clone()], 1);
+                let want = stack
+                    .forward(StackInput::new(whole))
+                    .unwrap()
+                    .output
+                    .narrow(1, 5, 3);
+                let mut cache = stack.cache(match window {
+                    Some(w) => KvCache::sliding(w),
+                    None => KvCache::new(8),
+                });
+                stack
+                    .forward(StackInput::new(prompt).cache(&mut cache))
+                    .unwrap();
+                cache.select_rows(&rows).unwrap();
+                assert_eq!(cache.len(), 5, "{what}");
+                let slots = window.unwrap_or(8);
+                let dims = Some([3, 2, slots, D_MODEL / HEADS]);
+                assert!(cache.layers().iter().all(|l| l.dims() == dims), "{what}");
+                let got = one_by_one(&next, |x| {
+                    let input = StackInput::new(x).cache(&mut cache);
+                    stack.forward(input).unwrap().output
+                });
+                assert_close(&what, got, want, be.forward_tol());
+            }
+        }
+    }
+}
+
+#[test]
+fn an_encoder_decoders_beams_keep_their_sources() {
+    // Each beam attends to its own source: the memory (and the mask of its padding,
+    // which the caller reorders as it reorders the beams) follows the rows kept.
+    let rows = [1, 1, 0];
+    for be in backends() {
+        let what = format!("[{}] encoder-decoder beams", be.name);
+        let block = DecoderBlockConfig::new(D_MODEL, HEADS)
+            .with_n_kv_heads(Some(2))
+            .with_d_ff(Some(32))
+            .with_dropout(0.0)
+            .with_positions(Positions::rope());
+        let stack = DecoderConfig::new(block, 2).init(&be.device);
+        let memory = randn([2, 7, D_MODEL], 100, &be.device);
+        let lengths = [7, 5];
+        let prompt = randn([2, 4, D_MODEL], 101, &be.device);
+        let next = randn([3, 2, D_MODEL], 102, &be.device);
+        let beam_mask = || {
+            let lengths: Vec<usize> = rows.iter().map(|&b| lengths[b]).collect();
+            AttentionMask::key_lengths(&lengths, 7, &be.device)
+        };
+        let whole = Tensor::cat(vec![rows_of(&prompt, &rows), next.clone()], 1);
+        let input = StackInput::new(whole)
+            .memory(rows_of(&memory, &rows))
+            .memory_mask(beam_mask());
+        let want = stack.forward(input).unwrap().output.narrow(1, 4, 2);
+        let mut cache = stack.cache(memory, KvCache::new(6));
+        let mask = AttentionMask::key_lengths(&lengths, 7, &be.device);
+        let input = StackInput::new(prompt).memory_mask(mask);
+        stack.forward(input.cache(&mut cache)).unwrap();
+        cache.select_rows(&rows).unwrap();
+        let got = one_by_one(&next, |x| {
+            let input = StackInput::new(x).memory_mask(beam_mask());
+            stack.forward(input.cache(&mut cache)).unwrap().output
+        });
+        assert_close(&what, got, want, be.forward_tol());
+    }
+}
+
+#[test]
+fn a_cache_rolled_back_decodes_as_if_the_rejected_tokens_never_came() {
+    // Speculative decoding: a prompt of 5, a draft of 3 tokens checked in one call, the
+    // first `accepted` of them kept (the cache truncated), then 2 tokens one by one: the
+    // outputs of the whole accepted sequence. A sliding cache of 4 has written the draft
+    // over the oldest positions: it goes back one position at most.
+    for be in backends() {
+        for (n, positions) in [Positions::Learned { max_len: 10 }, Positions::rope()]
+            .into_iter()
+            .enumerate()
+        {
+            for (window, accepted) in [(None, 1), (None, 0), (Some(4), 2)] {
+                let what = format!(
+                    "[{}] rollback, {positions:?}, window {window:?}, {accepted} accepted",
+                    be.name
+                );
+                let block = encoder_block(positions.clone()).with_window(window);
+                let stack = EncoderConfig::new(block, 2).init(&be.device);
+                let prompt = randn([2, 5, D_MODEL], 110 + n as u64, &be.device);
+                let draft = randn([2, 3, D_MODEL], 112 + n as u64, &be.device);
+                let next = randn([2, 2, D_MODEL], 114 + n as u64, &be.device);
+                let mut parts = vec![prompt.clone()];
+                if accepted > 0 {
+                    parts.push(draft.clone().narrow(1, 0, accepted));
+                }
+                parts.push(next.clone());
+                let whole = Tensor::cat(parts, 1);
+                let want = stack
+                    .forward(StackInput::new(whole))
+                    .unwrap()
+                    .output
+                    .narrow(1, 5 + accepted, 2);
+                let mut cache = stack.cache(match window {
+                    Some(w) => KvCache::sliding(w),
+                    None => KvCache::new(8),
+                });
+                for x in [prompt, draft] {
+                    stack.forward(StackInput::new(x).cache(&mut cache)).unwrap();
+                }
+                if window.is_some() {
+                    // Back to 6 would need position 2, written over by position 6.
+                    let err = cache.truncate(5 + accepted - 1).unwrap_err();
+                    let expected = CacheError::Truncate {
+                        len: 6,
+                        cached: 8,
+                        earliest: 7,
+                    };
+                    assert_eq!(err, expected, "{what}");
+                    assert_eq!(cache.len(), 8, "{what}: a refusal changes nothing");
+                }
+                cache.truncate(5 + accepted).unwrap();
+                assert_eq!(cache.len(), 5 + accepted, "{what}");
+                let got = one_by_one(&next, |x| {
+                    let input = StackInput::new(x).cache(&mut cache);
+                    stack.forward(input).unwrap().output
+                });
+                assert_close(&what, got, want, be.forward_tol());
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_past_the_batch_are_refused_and_change_nothing() {
+    let device = crate::util::first_device();
+    let stack = EncoderConfig::new(encoder_block(Positions::rope()), 2).init(&device);
+    let mut cache = stack.cache(KvCache::new(8));
+    // Nothing cached: nothing to select, whatever the rows.
+    cache.select_rows(&[7]).unwrap();
+    let prompt = randn([2, 3, D_MODEL], 120, &device);
+    stack
+        .forward(StackInput::new(prompt).cache(&mut cache))
+        .unwrap();
+    let err = cache.select_rows(&[0, 2, 1]).unwrap_err();
+    assert_eq!(
+        err,
+        CacheError::Row {
+            at: 1,
+            row: 2,
+            batch: 2
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "KvCache: rows[1] = 2 is not a row of the cached batch of 2"
+    );
+    let dims = Some([2, 2, 8, D_MODEL / HEADS]);
+    assert!(
+        cache
+            .layers()
+            .iter()
+            .all(|l| l.dims() == dims && l.len() == 3)
+    );
+    // Keeping more positions than are cached changes nothing; no row at all is a batch
+    // of none.
+    cache.truncate(5).unwrap();
+    assert_eq!(cache.len(), 3);
+    cache.select_rows(&[]).unwrap();
+    let dims = Some([0, 2, 8, D_MODEL / HEADS]);
+    assert!(cache.layers().iter().all(|l| l.dims() == dims));
 }

@@ -20,10 +20,15 @@
 //! computed once per source ([`MemoryKv`]). Prompts of different lengths decode together
 //! padded on the left ([`BlockInput::left_padding`](crate::BlockInput::left_padding)).
 //!
+//! Beam search keeps and reorders its beams with [`KvCache::select_rows`] (or
+//! [`StackCache::select_rows`], which selects a decoder's sources too), which also spreads
+//! one prompt's cache over several continuations; speculative decoding forgets the
+//! rejected draft tokens with [`KvCache::truncate`].
+//!
 //! Decode on a device without autodiff: under autodiff every step's graph would keep the
 //! storage alive, and each write would copy it.
 
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::error::CacheError;
 use crate::mask::{AttentionMask, CausalAlignment};
@@ -31,7 +36,8 @@ use crate::mask::{AttentionMask, CausalAlignment};
 /// The key/value cache of one self-attention layer (see the [module docs](self)).
 ///
 /// Cloning a cache is cheap and safe: the clones share the storage until one writes,
-/// which then copies it (for beam search, say).
+/// which then copies it (to decode continuations apart; beams that decode as one batch
+/// are reordered with [`select_rows`](Self::select_rows)).
 #[derive(Clone, Debug)]
 pub struct KvCache {
     /// Positions of storage: the capacity, or the window.
@@ -191,6 +197,78 @@ impl KvCache {
     /// have another batch size, dtype or device: the storage is then allocated again).
     pub fn reset(&mut self) {
         self.len = 0;
+    }
+
+    /// Keeps the batch rows `rows` of what is cached, in that order: the new batch row `i`
+    /// is the old row `rows[i]`. A row may be kept several times or not at all: beam
+    /// search's reordering of its beams after each step, or one prompt's cache spread
+    /// over several continuations (`[0, 0, 0, 0]`). The next calls bring `rows.len()`
+    /// rows (their left padding, if any, reordered the same way). With nothing cached
+    /// there is nothing to select.
+    ///
+    /// # Errors
+    /// [`CacheError::Row`] for a row past the cached batch; the cache is unchanged.
+    pub fn select_rows(&mut self, rows: &[usize]) -> Result<(), CacheError> {
+        self.check_rows(rows)?;
+        if self.len > 0
+            && let Some(store) = self.store.take()
+        {
+            self.store = Some(Store {
+                keys: select_rows(store.keys, rows),
+                values: select_rows(store.values, rows),
+            });
+        }
+        Ok(())
+    }
+
+    /// What [`select_rows`](Self::select_rows) refuses.
+    fn check_rows(&self, rows: &[usize]) -> Result<(), CacheError> {
+        let batch = match &self.store {
+            Some(store) if self.len > 0 => store.keys.dims()[0],
+            _ => return Ok(()),
+        };
+        match rows.iter().position(|&row| row >= batch) {
+            Some(at) => Err(CacheError::Row {
+                at,
+                row: rows[at],
+                batch,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Keeps the first `len` positions and forgets the later ones, which the next call
+    /// writes over: the rejected tokens of speculative decoding rolled back. Keeping
+    /// `len` positions or more of a cache that holds fewer changes nothing.
+    ///
+    /// A sliding cache has written the positions past its window over older ones: it can
+    /// go back to any length while it holds at most `window` positions, and then one
+    /// position back only (a window of `W` needs the `W - 1` positions before the next
+    /// one).
+    ///
+    /// # Errors
+    /// [`CacheError::Truncate`] for a sliding cache whose window would need overwritten
+    /// positions; the cache is unchanged.
+    pub fn truncate(&mut self, len: usize) -> Result<(), CacheError> {
+        self.check_truncate(len)?;
+        self.len = self.len.min(len);
+        Ok(())
+    }
+
+    /// What [`truncate`](Self::truncate) refuses.
+    fn check_truncate(&self, len: usize) -> Result<(), CacheError> {
+        let earliest = match self.ring && self.len > self.slots {
+            true => self.len - 1,
+            false => 0,
+        };
+        match len < earliest {
+            true => Err(CacheError::Truncate {
+                len,
+                cached: self.len,
+                earliest,
+            }),
+            false => Ok(()),
+        }
     }
 
     /// Caches `keys` and `values` `[B, Hkv, T, Dh]` of the next `T` positions and returns
@@ -414,6 +492,19 @@ fn check_like(cached: &Tensor<4>, new: &Brought) -> Result<(), CacheError> {
     Ok(())
 }
 
+/// Batch rows `rows` of `store` (`[B, Hkv, slots, Dh]`), in that order.
+fn select_rows(store: Tensor<4>, rows: &[usize]) -> Tensor<4> {
+    let [_, heads, slots, width] = store.dims();
+    if rows.is_empty() || heads * slots * width == 0 {
+        let (device, dtype) = (store.device(), store.dtype());
+        return Tensor::zeros([rows.len(), heads, slots, width], (&device, dtype));
+    }
+    let index: Vec<i64> = rows.iter().map(|&row| row as i64).collect();
+    let index = TensorData::new(index, [rows.len()]);
+    let index = Tensor::<1, Int>::from_data(index, &store.device());
+    store.select(0, index)
+}
+
 /// `store` with `rows` (`[B, Hkv, n, Dh]`) written over slots `at..at + n`, in place when
 /// the storage is not shared.
 fn write_slots(store: Tensor<4>, at: usize, rows: Tensor<4>) -> Tensor<4> {
@@ -478,6 +569,31 @@ impl MemoryKv {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Keeps the batch rows `rows`, in that order, as [`KvCache::select_rows`] does: the
+    /// sources of the beams a beam search keeps.
+    ///
+    /// # Errors
+    /// [`CacheError::Row`] for a row past the batch; the keys and values are unchanged.
+    pub fn select_rows(&mut self, rows: &[usize]) -> Result<(), CacheError> {
+        self.check_rows(rows)?;
+        self.keys = select_rows(self.keys.clone(), rows);
+        self.values = select_rows(self.values.clone(), rows);
+        Ok(())
+    }
+
+    /// What [`select_rows`](Self::select_rows) refuses.
+    fn check_rows(&self, rows: &[usize]) -> Result<(), CacheError> {
+        let batch = self.keys.dims()[0];
+        match rows.iter().position(|&row| row >= batch) {
+            Some(at) => Err(CacheError::Row {
+                at,
+                row: rows[at],
+                batch,
+            }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The caches of a stack's layers, one [`KvCache`] per layer (and for a
@@ -517,6 +633,43 @@ impl StackCache {
     pub fn reset(&mut self) {
         self.layers.iter_mut().for_each(KvCache::reset);
         self.memory.clear();
+    }
+
+    /// Keeps the batch rows `rows`, in that order, in every layer's cache (and a
+    /// decoder's source): see [`KvCache::select_rows`].
+    ///
+    /// # Errors
+    /// [`CacheError::Row`] for a row past a layer's batch; nothing is changed.
+    pub fn select_rows(&mut self, rows: &[usize]) -> Result<(), CacheError> {
+        for layer in &self.layers {
+            layer.check_rows(rows)?;
+        }
+        for memory in &self.memory {
+            memory.check_rows(rows)?;
+        }
+        for layer in &mut self.layers {
+            layer.select_rows(rows)?;
+        }
+        for memory in &mut self.memory {
+            memory.select_rows(rows)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the first `len` positions of every layer's cache: see
+    /// [`KvCache::truncate`].
+    ///
+    /// # Errors
+    /// [`CacheError::Truncate`] where a sliding cache cannot go back that far; nothing is
+    /// changed.
+    pub fn truncate(&mut self, len: usize) -> Result<(), CacheError> {
+        for layer in &self.layers {
+            layer.check_truncate(len)?;
+        }
+        for layer in &mut self.layers {
+            layer.truncate(len)?;
+        }
+        Ok(())
     }
 }
 

@@ -183,6 +183,27 @@ pub enum CacheError {
         /// The cache's window, if it slides.
         cache: Option<usize>,
     },
+    /// A batch row to keep ([`KvCache::select_rows`](crate::KvCache::select_rows)) is past
+    /// the cached batch.
+    Row {
+        /// Its place in the rows given.
+        at: usize,
+        /// The row.
+        row: usize,
+        /// The cached batch.
+        batch: usize,
+    },
+    /// A sliding cache cannot go back to `len` positions
+    /// ([`KvCache::truncate`](crate::KvCache::truncate)): the window there needs
+    /// positions it has written over.
+    Truncate {
+        /// The length asked for.
+        len: usize,
+        /// The positions cached.
+        cached: usize,
+        /// The shortest length it can go back to.
+        earliest: usize,
+    },
 }
 
 impl fmt::Display for CacheError {
@@ -252,6 +273,20 @@ impl fmt::Display for CacheError {
                     Some(other) => format!("slides over {other}"),
                     None => "does not slide".into(),
                 }
+            ),
+            CacheError::Row { at, row, batch } => write!(
+                f,
+                "KvCache: rows[{at}] = {row} is not a row of the cached batch of {batch}"
+            ),
+            CacheError::Truncate {
+                len,
+                cached,
+                earliest,
+            } => write!(
+                f,
+                "KvCache: a sliding cache of {cached} positions cannot go back to {len}: its \
+                 window there needs positions written over since; it can go back to \
+                 {earliest} at the earliest"
             ),
         }
     }
