@@ -17,6 +17,8 @@ mod paths;
 mod cache;
 // Bad configurations, shapes and weight files give errors naming what is wrong.
 mod errors;
+// Configurations saved as JSON load back, older files with their newer fields at the defaults.
+mod configs;
 // Whole modules in other dtypes: the cast, half-precision weights, bf16 and f16 against PyTorch.
 mod dtypes;
 // Head statistics, head masks, importance, pruning, attention maps.

@@ -12,6 +12,7 @@ pub mod analysis;
 pub mod attention;
 pub mod block;
 pub mod cache;
+mod configs;
 #[cfg(feature = "cpu-kernels")]
 mod cpu;
 mod dispatch;

@@ -4,7 +4,6 @@
 //!
 //! Shapes are batch-first, `[B, T, d_model]` (PyTorch's `batch_first=True`).
 
-use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::tensor::{Device, Tensor};
@@ -16,77 +15,67 @@ use crate::mask::AttentionMask;
 use crate::norm::LayerNorm;
 use crate::positions::{PositionBias, Positions, Rope, alibi_slopes};
 
-/// Configuration of [`MultiHeadAttention`].
-#[derive(Config, Debug)]
-pub struct MultiHeadAttentionConfig {
-    /// Model width (PyTorch's `embed_dim`): width of the query input and of the output.
-    pub d_model: usize,
-    /// Number of query heads `H`; the head width is `head_dim`, by default
-    /// `d_model / n_heads`.
-    pub n_heads: usize,
-    /// Number of key/value heads `Hkv`: `n_heads` is classic multi-head attention, fewer
-    /// is grouped-query attention (GQA), 1 is multi-query attention (MQA). Default:
-    /// `n_heads`.
-    #[config(default = "None")]
-    pub n_kv_heads: Option<usize>,
-    /// Head width `Dh`, when the heads together are not `d_model` wide (Qwen3's and
-    /// Gemma's `head_dim`): the queries are `n_heads · head_dim` wide and the output
-    /// projection takes them back to `d_model`. Default: `d_model / n_heads`, which must
-    /// then divide evenly.
-    #[config(default = "None")]
-    pub head_dim: Option<usize>,
-    /// Width of the key input (PyTorch's `kdim`). Default: `d_model`.
-    #[config(default = "None")]
-    pub kdim: Option<usize>,
-    /// Width of the value input (PyTorch's `vdim`). Default: `d_model`.
-    #[config(default = "None")]
-    pub vdim: Option<usize>,
-    /// Whether the projections have a bias. Default: `true`, as in PyTorch.
-    #[config(default = true)]
-    pub bias: bool,
-    /// Whether the output projection has a bias, when it differs from the input
-    /// projections' (Qwen2 has biases on q, k and v, none on o). Default: `bias`.
-    #[config(default = "None")]
-    pub out_bias: Option<bool>,
-    /// An RMS norm over each head's queries and each head's keys, with this epsilon,
-    /// before RoPE (Qwen3's `q_norm` and `k_norm`; Hugging Face's `rms_norm_eps`).
-    /// Default: none.
-    #[config(default = "None")]
-    pub qk_norm_eps: Option<f64>,
-    /// Attention sinks: a learned logit per query head that joins every row's softmax
-    /// as a key without a value (gpt-oss's `sinks`; see
-    /// [`AttentionMask::sinks`]), initialised to 0. Default: none.
-    #[config(default = false)]
-    pub sinks: bool,
-    /// Burn's `quiet_softmax`: sinks of 0, fixed (not trained), so that a row's weights
-    /// may sum to less than 1. A module converted from Burn's with `quiet_softmax` has
-    /// them; build one this way to load its record (`sinks: true` would train them).
-    /// Default: `false`.
-    #[config(default = false)]
-    pub quiet_softmax: bool,
-    /// Dropout on the attention weights after the softmax, in training only. Default: 0,
-    /// as PyTorch's (Burn's module defaults to 0.1).
-    #[config(default = 0.0)]
-    pub dropout: f64,
-    /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(head_dim)`.
-    #[config(default = "None")]
-    pub scale: Option<f64>,
-    /// Logit soft-capping: the scaled scores become `cap · tanh(s / cap)` (Gemma 2 uses
-    /// 50). Default: none.
-    #[config(default = "None")]
-    pub softcap: Option<f64>,
-    /// How self-attention knows where tokens are: RoPE, ALiBi or a learned relative bias
-    /// (absolute positions are added to the input, by a stack or the model). Default: none.
-    ///
-    /// Positions belong to self-attention: a module with positions refuses to attend to
-    /// another sequence ([`MhaInput::cross`], [`MhaInput::new`], [`memory_kv`]), as
-    /// Hugging Face's encoder-decoders have no positions in their cross-attention (T5's has
-    /// no relative bias, Moonshine's no RoPE). Configure a cross-attention with
-    /// `Positions::None`, as [`DecoderBlock`](crate::DecoderBlock) does.
-    ///
-    /// [`memory_kv`]: MultiHeadAttention::memory_kv
-    #[config(default = "Positions::None")]
-    pub positions: Positions,
+crate::configs::config! {
+    /// Configuration of [`MultiHeadAttention`].
+    #[derive(Debug)]
+    pub struct MultiHeadAttentionConfig {
+        /// Model width (PyTorch's `embed_dim`): width of the query input and of the output.
+        pub d_model: usize,
+        /// Number of query heads `H`; the head width is `head_dim`, by default
+        /// `d_model / n_heads`.
+        pub n_heads: usize,
+        ;
+        /// Number of key/value heads `Hkv`: `n_heads` is classic multi-head attention, fewer
+        /// is grouped-query attention (GQA), 1 is multi-query attention (MQA). Default:
+        /// `n_heads`.
+        pub n_kv_heads: Option<usize> = None => with_n_kv_heads,
+        /// Head width `Dh`, when the heads together are not `d_model` wide (Qwen3's and
+        /// Gemma's `head_dim`): the queries are `n_heads · head_dim` wide and the output
+        /// projection takes them back to `d_model`. Default: `d_model / n_heads`, which must
+        /// then divide evenly.
+        pub head_dim: Option<usize> = None => with_head_dim,
+        /// Width of the key input (PyTorch's `kdim`). Default: `d_model`.
+        pub kdim: Option<usize> = None => with_kdim,
+        /// Width of the value input (PyTorch's `vdim`). Default: `d_model`.
+        pub vdim: Option<usize> = None => with_vdim,
+        /// Whether the projections have a bias. Default: `true`, as in PyTorch.
+        pub bias: bool = true => with_bias,
+        /// Whether the output projection has a bias, when it differs from the input
+        /// projections' (Qwen2 has biases on q, k and v, none on o). Default: `bias`.
+        pub out_bias: Option<bool> = None => with_out_bias,
+        /// An RMS norm over each head's queries and each head's keys, with this epsilon,
+        /// before RoPE (Qwen3's `q_norm` and `k_norm`; Hugging Face's `rms_norm_eps`).
+        /// Default: none.
+        pub qk_norm_eps: Option<f64> = None => with_qk_norm_eps,
+        /// Attention sinks: a learned logit per query head that joins every row's softmax
+        /// as a key without a value (gpt-oss's `sinks`; see
+        /// [`AttentionMask::sinks`]), initialised to 0. Default: none.
+        pub sinks: bool = false => with_sinks,
+        /// Burn's `quiet_softmax`: sinks of 0, fixed (not trained), so that a row's weights
+        /// may sum to less than 1. A module converted from Burn's with `quiet_softmax` has
+        /// them; build one this way to load its record (`sinks: true` would train them).
+        /// Default: `false`.
+        pub quiet_softmax: bool = false => with_quiet_softmax,
+        /// Dropout on the attention weights after the softmax, in training only. Default: 0,
+        /// as PyTorch's (Burn's module defaults to 0.1).
+        pub dropout: f64 = 0.0 => with_dropout,
+        /// Multiplies `Q Kᵀ`. Default: `1 / sqrt(head_dim)`.
+        pub scale: Option<f64> = None => with_scale,
+        /// Logit soft-capping: the scaled scores become `cap · tanh(s / cap)` (Gemma 2 uses
+        /// 50). Default: none.
+        pub softcap: Option<f64> = None => with_softcap,
+        /// How self-attention knows where tokens are: RoPE, ALiBi or a learned relative bias
+        /// (absolute positions are added to the input, by a stack or the model). Default: none.
+        ///
+        /// Positions belong to self-attention: a module with positions refuses to attend to
+        /// another sequence ([`MhaInput::cross`], [`MhaInput::new`], [`memory_kv`]), as
+        /// Hugging Face's encoder-decoders have no positions in their cross-attention (T5's has
+        /// no relative bias, Moonshine's no RoPE). Configure a cross-attention with
+        /// `Positions::None`, as [`DecoderBlock`](crate::DecoderBlock) does.
+        ///
+        /// [`memory_kv`]: MultiHeadAttention::memory_kv
+        pub positions: Positions = Positions::None => with_positions,
+    }
 }
 
 /// The input projection: PyTorch's packed `in_proj` when keys and values have width

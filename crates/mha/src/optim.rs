@@ -32,7 +32,6 @@
 
 use std::collections::HashSet;
 
-use burn::config::Config;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{
     AdamWState, AdaptiveMomentumState, GradientsParams, LearningRate, ModuleOptimizer, Optimizer,
@@ -44,24 +43,23 @@ use crate::error::{Check, ConfigError};
 #[cfg(feature = "cpu-kernels")]
 use crate::ops::{adamw, squares};
 
-/// The numbers of an [`AdamW`]: the moments' decays, epsilon and the weight decay.
-/// Defaults are PyTorch's `torch.optim.AdamW`'s (Burn's `AdamWConfig` has epsilon 1e-5 and
-/// a weight decay of 1e-4).
-#[derive(Config, Debug)]
-pub struct AdamWConfig {
-    /// The first moment's decay, in `[0, 1)`. Default: 0.9.
-    #[config(default = 0.9)]
-    pub beta_1: f32,
-    /// The second moment's decay, in `[0, 1)`. Default: 0.999.
-    #[config(default = 0.999)]
-    pub beta_2: f32,
-    /// Added to the square root of the second moment, above 0. Default: 1e-8.
-    #[config(default = 1e-8)]
-    pub epsilon: f32,
-    /// Decoupled weight decay: each step multiplies a parameter by `1 - lr · weight_decay`
-    /// before the update; 0 or more. Default: 0.01.
-    #[config(default = 0.01)]
-    pub weight_decay: f32,
+crate::configs::config! {
+    /// The numbers of an [`AdamW`]: the moments' decays, epsilon and the weight decay.
+    /// Defaults are PyTorch's `torch.optim.AdamW`'s (Burn's `AdamWConfig` has epsilon 1e-5 and
+    /// a weight decay of 1e-4).
+    #[derive(Debug)]
+    pub struct AdamWConfig {
+        ;
+        /// The first moment's decay, in `[0, 1)`. Default: 0.9.
+        pub beta_1: f32 = 0.9 => with_beta_1,
+        /// The second moment's decay, in `[0, 1)`. Default: 0.999.
+        pub beta_2: f32 = 0.999 => with_beta_2,
+        /// Added to the square root of the second moment, above 0. Default: 1e-8.
+        pub epsilon: f32 = 1e-8 => with_epsilon,
+        /// Decoupled weight decay: each step multiplies a parameter by `1 - lr · weight_decay`
+        /// before the update; 0 or more. Default: 0.01.
+        pub weight_decay: f32 = 0.01 => with_weight_decay,
+    }
 }
 
 impl AdamWConfig {

@@ -2,7 +2,6 @@
 //! residual stream un-normalised) or any other asked for: PyTorch's
 //! `nn.TransformerEncoder(layer, N, norm)` and `nn.TransformerDecoder`.
 
-use burn::config::Config;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 
@@ -17,36 +16,40 @@ use crate::mask::AttentionMask;
 use crate::norm::LayerNorm;
 use crate::positions::{AbsolutePositions, Positions};
 
-/// Configuration of [`Encoder`].
-#[derive(Config, Debug)]
-pub struct EncoderConfig {
-    /// Every block's configuration.
-    pub block: EncoderBlockConfig,
-    /// Number of blocks.
-    pub n_layers: usize,
-    /// A norm after the last block (PyTorch's `nn.TransformerEncoder(layer, N, norm)`), of the
-    /// blocks' kind and epsilon. Default: `block.norm_first` (a pre-norm stack's blocks
-    /// leave the residual stream un-normalised); PyTorch's `norm=None` (its default) is
-    /// `Some(false)`, and `nn.Transformer`'s post-norm stacks, which have one, are
-    /// `Some(true)`.
-    #[config(default = "None")]
-    pub final_norm: Option<bool>,
+crate::configs::config! {
+    /// Configuration of [`Encoder`].
+    #[derive(Debug)]
+    pub struct EncoderConfig {
+        /// Every block's configuration.
+        pub block: EncoderBlockConfig,
+        /// Number of blocks.
+        pub n_layers: usize,
+        ;
+        /// A norm after the last block (PyTorch's `nn.TransformerEncoder(layer, N, norm)`), of the
+        /// blocks' kind and epsilon. Default: `block.norm_first` (a pre-norm stack's blocks
+        /// leave the residual stream un-normalised); PyTorch's `norm=None` (its default) is
+        /// `Some(false)`, and `nn.Transformer`'s post-norm stacks, which have one, are
+        /// `Some(true)`.
+        pub final_norm: Option<bool> = None => with_final_norm,
+    }
 }
 
-/// Configuration of [`Decoder`].
-#[derive(Config, Debug)]
-pub struct DecoderConfig {
-    /// Every block's configuration.
-    pub block: DecoderBlockConfig,
-    /// Number of blocks.
-    pub n_layers: usize,
-    /// A norm after the last block (PyTorch's `nn.TransformerDecoder(layer, N, norm)`), of the
-    /// blocks' kind and epsilon. Default: `block.norm_first` (a pre-norm stack's blocks
-    /// leave the residual stream un-normalised); PyTorch's `norm=None` (its default) is
-    /// `Some(false)`, and `nn.Transformer`'s post-norm stacks, which have one, are
-    /// `Some(true)`.
-    #[config(default = "None")]
-    pub final_norm: Option<bool>,
+crate::configs::config! {
+    /// Configuration of [`Decoder`].
+    #[derive(Debug)]
+    pub struct DecoderConfig {
+        /// Every block's configuration.
+        pub block: DecoderBlockConfig,
+        /// Number of blocks.
+        pub n_layers: usize,
+        ;
+        /// A norm after the last block (PyTorch's `nn.TransformerDecoder(layer, N, norm)`), of the
+        /// blocks' kind and epsilon. Default: `block.norm_first` (a pre-norm stack's blocks
+        /// leave the residual stream un-normalised); PyTorch's `norm=None` (its default) is
+        /// `Some(false)`, and `nn.Transformer`'s post-norm stacks, which have one, are
+        /// `Some(true)`.
+        pub final_norm: Option<bool> = None => with_final_norm,
+    }
 }
 
 /// A block configuration a stack repeats.

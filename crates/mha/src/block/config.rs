@@ -2,7 +2,6 @@
 //! are declared once (`block_config!`), and what both blocks build from them (the
 //! attentions, the feed-forward, the norms, the dropouts) is built once, by `Parts`.
 
-use burn::config::Config;
 use burn::nn::{Dropout, DropoutConfig, LayerNormConfig, LinearConfig};
 use burn::tensor::Device;
 
@@ -15,71 +14,60 @@ use crate::positions::Positions;
 /// A block configuration: the hyperparameters both blocks share, then `$own` fields.
 macro_rules! block_config {
     ($(#[$doc:meta])* $name:ident { $($own:tt)* }) => {
+        crate::configs::config! {
         $(#[$doc])*
-        #[derive(Config, Debug)]
+        #[derive(Debug)]
         pub struct $name {
             /// Model width.
             pub d_model: usize,
             /// Attention heads.
             pub n_heads: usize,
+            ;
             /// Key/value heads (GQA). Default: `n_heads`.
-            #[config(default = "None")]
-            pub n_kv_heads: Option<usize>,
+            pub n_kv_heads: Option<usize> = None => with_n_kv_heads,
             /// Head width, when the heads together are not `d_model` wide (see
             /// [`MultiHeadAttentionConfig::head_dim`]). Default: `d_model / n_heads`.
-            #[config(default = "None")]
-            pub head_dim: Option<usize>,
+            pub head_dim: Option<usize> = None => with_head_dim,
             /// Hidden width of the feed-forward. Default: `4 · d_model`.
-            #[config(default = "None")]
-            pub d_ff: Option<usize>,
+            pub d_ff: Option<usize> = None => with_d_ff,
             /// Dropout on attention weights, the feed-forward hidden layer and each
             /// residual branch, in training only. Default: 0.1, as PyTorch.
-            #[config(default = 0.1)]
-            pub dropout: f64,
+            pub dropout: f64 = 0.1 => with_dropout,
             /// Feed-forward activation. Default: GELU.
-            #[config(default = "FeedForwardActivation::Gelu")]
-            pub activation: FeedForwardActivation,
+            pub activation: FeedForwardActivation = FeedForwardActivation::Gelu
+                => with_activation,
             /// A gated feed-forward (`linear2(activation(linear1(x)) · up(x))`, SwiGLU
             /// with SiLU: Llama's MLP) instead of PyTorch's two layers. Default: false.
-            #[config(default = false)]
-            pub gated: bool,
+            pub gated: bool = false => with_gated,
             /// Pre-norm (`x + f(norm(x))`, PyTorch's `norm_first=True`) when true,
             /// post-norm (`norm(x + f(x))`) when false. Default: true.
-            #[config(default = true)]
-            pub norm_first: bool,
+            pub norm_first: bool = true => with_norm_first,
             /// The norms' kind: layer normalisation, or RMS normalisation (Llama's
             /// `RMSNorm`, which has no shift whatever `bias` says). Default: layer.
-            #[config(default = "NormKind::Layer")]
-            pub norm: NormKind,
+            pub norm: NormKind = NormKind::Layer => with_norm,
             /// The norms' epsilon (Hugging Face's `layer_norm_eps` or `rms_norm_eps`).
             /// Default: 1e-5.
-            #[config(default = 1e-5)]
-            pub layer_norm_eps: f64,
+            pub layer_norm_eps: f64 = 1e-5 => with_layer_norm_eps,
             /// Bias in the linear layers and LayerNorms. Default: true.
-            #[config(default = true)]
-            pub bias: bool,
+            pub bias: bool = true => with_bias,
             /// Bias in the attention's query, key and value projections, when it differs
             /// from `bias` (Qwen2: yes, in a model without other biases). Default: `bias`.
-            #[config(default = "None")]
-            pub attention_bias: Option<bool>,
+            pub attention_bias: Option<bool> = None => with_attention_bias,
             /// Bias in the attention's output projection, when it differs from the other
             /// projections' (Qwen2: no). Default: as the query, key and value's.
-            #[config(default = "None")]
-            pub attention_out_bias: Option<bool>,
+            pub attention_out_bias: Option<bool> = None => with_attention_out_bias,
             /// QK-norm in the self-attention: an RMS norm of each query and key head with
             /// this epsilon, before RoPE (Qwen3's). Default: none.
-            #[config(default = "None")]
-            pub qk_norm_eps: Option<f64>,
+            pub qk_norm_eps: Option<f64> = None => with_qk_norm_eps,
             /// Attention sinks in the self-attention: a learned logit per head that joins
             /// every row's softmax without a value (gpt-oss's; see
             /// [`MultiHeadAttentionConfig::sinks`]). Default: false.
-            #[config(default = false)]
-            pub attention_sinks: bool,
+            pub attention_sinks: bool = false => with_attention_sinks,
             /// Multiplies the attention's `Q Kᵀ`, in the self- and the cross-attention
             /// (GPT-2's `scale_attn_weights: false` is 1). Default: `1 / sqrt(head_dim)`.
-            #[config(default = "None")]
-            pub attention_scale: Option<f64>,
+            pub attention_scale: Option<f64> = None => with_attention_scale,
             $($own)*
+        }
         }
 
         impl $name {
@@ -138,17 +126,14 @@ block_config!(
     /// Configuration of [`EncoderBlock`].
     EncoderBlockConfig {
         /// Whether the self-attention is causal. Default: false.
-        #[config(default = false)]
-        pub causal: bool,
+        pub causal: bool = false => with_causal,
         /// A causal block's sliding window: each token attends to the last `window`
         /// tokens, itself included (Mistral's `sliding_window`); decode it with
         /// [`KvCache::sliding`](crate::KvCache::sliding). Default: none.
-        #[config(default = "None")]
-        pub window: Option<usize>,
+        pub window: Option<usize> = None => with_window,
         /// How the self-attention knows where tokens are (see [`Positions`]); a stack
         /// adds absolute positions to its input once. Default: none.
-        #[config(default = "Positions::None")]
-        pub positions: Positions,
+        pub positions: Positions = Positions::None => with_positions,
     }
 );
 
@@ -160,13 +145,11 @@ block_config!(
         /// only hints that the mask is causal). A decoder block that is not (DETR's object queries, non-autoregressive
         /// decoding: `tgt_mask=None`) attends to every position and cannot decode through
         /// a cache. Default: true.
-        #[config(default = true)]
-        pub causal: bool,
+        pub causal: bool = true => with_causal,
         /// How the self-attention knows where tokens are (see [`Positions`]; the
         /// cross-attention reads the memory as it is); a stack adds absolute positions to
         /// its input once. Default: none.
-        #[config(default = "Positions::None")]
-        pub positions: Positions,
+        pub positions: Positions = Positions::None => with_positions,
     }
 );
 
