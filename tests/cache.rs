@@ -103,24 +103,28 @@ fn decoding_attention_with_a_cache_gives_the_causal_forward() {
 #[test]
 fn a_sliding_cache_gives_sliding_window_attention_of_any_length() {
     // Window 3 over 11 tokens: a prompt longer than the window, single tokens around the
-    // ring, a call of 3 across its end.
+    // ring, a call of 3 across its end; a ring of the window, and one of 2 slots more.
     let calls = [0..5, 5..6, 6..7, 7..8, 8..11];
     for be in backends() {
         for (n, positions) in positions().into_iter().enumerate() {
-            let what = format!("[{}] window 3, {positions:?}", be.name);
-            let m = attention(positions, 2, 30 + n as u64, &be.device);
-            let x = randn([2, 11, D_MODEL], 40 + n as u64, &be.device);
-            let window = AttentionMask::sliding_window(3);
-            let want = m
-                .forward(MhaInput::self_attn(x.clone()).mask(window))
-                .context;
-            let mut cache = KvCache::sliding(3);
-            let got = decoded(&x, &calls, |x| {
-                m.forward_cached(x, &mut cache, AttentionMask::none())
-                    .unwrap()
-            });
-            assert_eq!(cache.dims(), Some([2, 2, 3, D_MODEL / HEADS]), "{what}");
-            assert_close(&what, got, want, be.forward_tol());
+            for slack in [0, 2] {
+                let what = format!("[{}] window 3, slack {slack}, {positions:?}", be.name);
+                let m = attention(positions.clone(), 2, 30 + n as u64, &be.device);
+                let x = randn([2, 11, D_MODEL], 40 + n as u64, &be.device);
+                let window = AttentionMask::sliding_window(3);
+                let want = m
+                    .forward(MhaInput::self_attn(x.clone()).mask(window))
+                    .context;
+                let mut cache = KvCache::sliding(3).with_rollback(slack);
+                assert_eq!(cache.window(), Some(3));
+                let got = decoded(&x, &calls, |x| {
+                    m.forward_cached(x, &mut cache, AttentionMask::none())
+                        .unwrap()
+                });
+                let slots = 3 + slack;
+                assert_eq!(cache.dims(), Some([2, 2, slots, D_MODEL / HEADS]), "{what}");
+                assert_close(&what, got, want, be.forward_tol());
+            }
         }
     }
 }
@@ -880,15 +884,23 @@ fn a_cache_rolled_back_decodes_as_if_the_rejected_tokens_never_came() {
     // Speculative decoding: a prompt of 5, a draft of 3 tokens checked in one call, the
     // first `accepted` of them kept (the cache truncated), then 2 tokens one by one: the
     // outputs of the whole accepted sequence. A sliding cache of 4 has written the draft
-    // over the oldest positions: it goes back one position at most.
+    // over the oldest positions: it goes back one position, or one more than the
+    // positions it keeps beyond its window.
     for be in backends() {
         for (n, positions) in [Positions::Learned { max_len: 10 }, Positions::rope()]
             .into_iter()
             .enumerate()
         {
-            for (window, accepted) in [(None, 1), (None, 0), (Some(4), 2)] {
+            for (window, slack, accepted) in [
+                (None, 0, 1),
+                (None, 0, 0),
+                (Some(4), 0, 2),
+                (Some(4), 1, 1),
+                (Some(4), 2, 0),
+            ] {
                 let what = format!(
-                    "[{}] rollback, {positions:?}, window {window:?}, {accepted} accepted",
+                    "[{}] rollback, {positions:?}, window {window:?} with {slack} more, \
+                     {accepted} accepted",
                     be.name
                 );
                 let block = encoder_block(positions.clone()).with_window(window);
@@ -908,19 +920,21 @@ fn a_cache_rolled_back_decodes_as_if_the_rejected_tokens_never_came() {
                     .output
                     .narrow(1, 5 + accepted, 2);
                 let mut cache = stack.cache(match window {
-                    Some(w) => KvCache::sliding(w),
+                    Some(w) => KvCache::sliding(w).with_rollback(slack),
                     None => KvCache::new(8),
                 });
                 for x in [prompt, draft] {
                     stack.forward(StackInput::new(x).cache(&mut cache)).unwrap();
                 }
                 if window.is_some() {
-                    // Back to 6 would need position 2, written over by position 6.
-                    let err = cache.truncate(5 + accepted - 1).unwrap_err();
+                    // One position further back would need one written over: back to 6,
+                    // position 2 (written over by position 6 in a ring of 4).
+                    let len = 5 + accepted - 1;
+                    let err = cache.truncate(len).unwrap_err();
                     let expected = CacheError::Truncate {
-                        len: 6,
+                        len,
                         cached: 8,
-                        earliest: 7,
+                        earliest: 7 - slack,
                     };
                     assert_eq!(err, expected, "{what}");
                     assert_eq!(cache.len(), 8, "{what}: a refusal changes nothing");

@@ -8,10 +8,11 @@
 //! values and reads the cached ones where they lie, with no concatenation of the whole
 //! cache. Keys are stored as attention uses them (RoPE already applied at their
 //! positions). With a window ([`KvCache::sliding`]) the storage is a ring of `W` slots
-//! that keeps the last `W` positions, for sliding-window attention of any length; a step
-//! reads the ring as it lies where the order of the keys does not matter, and in the order
-//! of their positions (the window's `W - 1` cached keys and values copied once per step)
-//! where it does: a mask over them, a bias by distance, the weights asked for.
+//! (more with [`KvCache::with_rollback`]) that keeps the last `W` positions, for
+//! sliding-window attention of any length; a step reads a ring of `W` as it lies where
+//! the order of the keys does not matter, and in the order of their positions (the
+//! window's `W - 1` cached keys and values copied once per step) where it does: a mask
+//! over them, a bias by distance, the weights asked for.
 //!
 //! [`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)
 //! decodes one layer; the blocks and stacks decode through their `forward`, given a cache
@@ -23,7 +24,8 @@
 //! Beam search keeps and reorders its beams with [`KvCache::select_rows`] (or
 //! [`StackCache::select_rows`], which selects a decoder's sources too), which also spreads
 //! one prompt's cache over several continuations; speculative decoding forgets the
-//! rejected draft tokens with [`KvCache::truncate`].
+//! rejected draft tokens with [`KvCache::truncate`] (a sliding cache built
+//! [`with_rollback`](KvCache::with_rollback) as far back as it checks drafts).
 //!
 //! Decode on a device without autodiff: under autodiff every step's graph would keep the
 //! storage alive, and each write would copy it.
@@ -40,8 +42,10 @@ use crate::mask::{AttentionMask, CausalAlignment};
 /// are reordered with [`select_rows`](Self::select_rows)).
 #[derive(Clone, Debug)]
 pub struct KvCache {
-    /// Positions of storage: the capacity, or the window.
+    /// Positions of storage: the capacity, or the window and the slack.
     slots: usize,
+    /// Positions a ring keeps beyond its window, for [`KvCache::truncate`] to go back to.
+    slack: usize,
     /// A ring of the last `slots` positions rather than positions `0..slots`.
     ring: bool,
     /// Allocated at the first call, when the batch, heads and dtype are known.
@@ -80,6 +84,7 @@ impl KvCache {
         );
         Self {
             slots: capacity,
+            slack: 0,
             ring: false,
             store: None,
             len: 0,
@@ -114,6 +119,20 @@ impl KvCache {
         }
     }
 
+    /// The same sliding cache keeping `positions` positions more than its window, so that
+    /// [`truncate`](Self::truncate) can go back that many (and one more) once its ring has
+    /// wrapped: for speculative decoding, the most draft tokens a step checks. Its ring
+    /// has `window + positions` slots, and a step reads the window's keys in the order
+    /// of their positions (a ring of the window alone may be read as it lies). A cache
+    /// by position can go back to any length: it is left as it is.
+    pub fn with_rollback(mut self, positions: usize) -> Self {
+        if self.ring {
+            self.slots += positions - self.slack;
+            self.slack = positions;
+        }
+        self
+    }
+
     /// Positions cached so far: the position the next token will have.
     pub fn len(&self) -> usize {
         self.len
@@ -124,6 +143,11 @@ impl KvCache {
         self.len == 0
     }
 
+    /// The window of a sliding cache, which may keep more positions than it (`slack`).
+    fn window_len(&self) -> usize {
+        self.slots - self.slack
+    }
+
     /// Positions it can hold, or `None` for a sliding cache (any number).
     pub fn capacity(&self) -> Option<usize> {
         (!self.ring).then_some(self.slots)
@@ -131,7 +155,7 @@ impl KvCache {
 
     /// The window of a sliding cache.
     pub fn window(&self) -> Option<usize> {
-        self.ring.then_some(self.slots)
+        self.ring.then_some(self.window_len())
     }
 
     /// The keys a call of `tokens` new tokens attends to, in order: the cached positions
@@ -140,7 +164,7 @@ impl KvCache {
     /// call covers these keys.
     pub fn keys_seen(&self, tokens: usize) -> usize {
         match (self.ring, self.fixed) {
-            (true, _) => self.len.min(self.slots - 1) + tokens,
+            (true, _) => self.len.min(self.window_len() - 1) + tokens,
             (false, true) => self.slots,
             (false, false) => self.len + tokens,
         }
@@ -241,10 +265,10 @@ impl KvCache {
     /// writes over: the rejected tokens of speculative decoding rolled back. Keeping
     /// `len` positions or more of a cache that holds fewer changes nothing.
     ///
-    /// A sliding cache has written the positions past its window over older ones: it can
-    /// go back to any length while it holds at most `window` positions, and then one
-    /// position back only (a window of `W` needs the `W - 1` positions before the next
-    /// one).
+    /// A sliding cache writes each position over the oldest of its ring: it can go back to
+    /// any length while it holds no more positions than its ring has slots, and then one
+    /// position back, or `k + 1` with [`with_rollback(k)`](Self::with_rollback) (a window
+    /// of `W` needs the `W - 1` positions before the next one).
     ///
     /// # Errors
     /// [`CacheError::Truncate`] for a sliding cache whose window would need overwritten
@@ -257,8 +281,10 @@ impl KvCache {
 
     /// What [`truncate`](Self::truncate) refuses.
     fn check_truncate(&self, len: usize) -> Result<(), CacheError> {
+        // A ring has written positions `..len - slots` over; the window of the next
+        // position after `len'` starts at `len' - (window - 1)`.
         let earliest = match self.ring && self.len > self.slots {
-            true => self.len - 1,
+            true => self.len - self.slack - 1,
             false => 0,
         };
         match len < earliest {
@@ -372,7 +398,8 @@ impl KvCache {
         (store, seen)
     }
 
-    /// The next positions of a ring of `W` slots (position `p` in slot `p % W`).
+    /// The next positions of a ring of `S` slots (position `p` in slot `p % S`; `S` is
+    /// the window `W`, or more with a slack).
     fn write_ring(
         &self,
         store: Store,
@@ -380,8 +407,8 @@ impl KvCache {
         values: Tensor<4>,
         ordered: bool,
     ) -> (Store, Seen) {
-        let (window, tokens) = (self.slots, keys.dims()[2]);
-        if tokens == 1 && !ordered {
+        let (slots, window, tokens) = (self.slots, self.window_len(), keys.dims()[2]);
+        if tokens == 1 && !ordered && slots == window {
             // One token: it sees every slot in use after its own write (the last `W`
             // positions, itself included), in any order.
             let store = Store {
@@ -397,11 +424,11 @@ impl KvCache {
             return (store, seen);
         }
         // The last `W - 1` cached positions in order, then the new ones; the window
-        // decides what each new query sees. Then the ring keeps the last `W` of them.
+        // decides what each new query sees. Then the ring keeps the last `S` of them.
         let prior = self.len.min(window - 1);
         let start = self.len - prior;
         let read = |store: &Tensor<4>, new: &Tensor<4>| {
-            let mut parts = ring_read(store, start, prior, window);
+            let mut parts = ring_read(store, start, prior, slots);
             parts.push(new.clone());
             Tensor::cat(parts, 2)
         };
@@ -410,20 +437,20 @@ impl KvCache {
             values: read(&store.values, &values),
             mask: bottom_right(AttentionMask::sliding_window(window)),
         };
-        let kept = tokens.min(window);
+        let kept = tokens.min(slots);
         let first = self.len + tokens - kept;
         let store = Store {
             keys: write_ring(
                 store.keys,
                 first,
                 keys.narrow(2, tokens - kept, kept),
-                window,
+                slots,
             ),
             values: write_ring(
                 store.values,
                 first,
                 values.narrow(2, tokens - kept, kept),
-                window,
+                slots,
             ),
         };
         (store, seen)
@@ -515,12 +542,12 @@ fn write_slots(store: Tensor<4>, at: usize, rows: Tensor<4>) -> Tensor<4> {
     store.slice_assign([0..batch, 0..heads, at..at + n, 0..width], rows)
 }
 
-/// `store`, a ring of `window` slots, with `rows` (`[B, Hkv, n <= window, Dh]`) written at
+/// `store`, a ring of `slots` slots, with `rows` (`[B, Hkv, n <= slots, Dh]`) written at
 /// positions `first..first + n`: one or two slot ranges.
-fn write_ring(store: Tensor<4>, first: usize, rows: Tensor<4>, window: usize) -> Tensor<4> {
+fn write_ring(store: Tensor<4>, first: usize, rows: Tensor<4>, slots: usize) -> Tensor<4> {
     let n = rows.dims()[2];
-    let slot = first % window;
-    let head = n.min(window - slot);
+    let slot = first % slots;
+    let head = n.min(slots - slot);
     match head == n {
         true => write_slots(store, slot, rows),
         false => {
@@ -530,11 +557,11 @@ fn write_ring(store: Tensor<4>, first: usize, rows: Tensor<4>, window: usize) ->
     }
 }
 
-/// Positions `start..start + n` of a ring of `window` slots, in order (`n < window`): no
+/// Positions `start..start + n` of a ring of `slots` slots, in order (`n < slots`): no
 /// part, one, or two where they wrap around.
-fn ring_read(store: &Tensor<4>, start: usize, n: usize, window: usize) -> Vec<Tensor<4>> {
-    let slot = start % window;
-    let head = n.min(window - slot);
+fn ring_read(store: &Tensor<4>, start: usize, n: usize, slots: usize) -> Vec<Tensor<4>> {
+    let slot = start % slots;
+    let head = n.min(slots - slot);
     let parts = [(slot, head), (0, n - head)];
     parts
         .into_iter()
