@@ -7,9 +7,15 @@
 //! CPU costs more than the layer it masks (a fifth of a training step of nanoGPT's GPU
 //! recipe, whose attention weights alone are 25 million elements a layer). On flex and
 //! ndarray the mask here is SplitMix64 of each element's index from a seed drawn from the
-//! device's generator: every thread writes its part, and a seeded device draws the same
-//! masks every run. Elsewhere (wgpu, cuda, whose generators run on the device) it is
-//! Burn's.
+//! backend's generator: every thread writes its part, and after `device.seed(s)` the same
+//! draws in the same order give the same masks every run. Elsewhere (wgpu, cuda, whose
+//! generators run on the device) it is Burn's.
+//!
+//! Burn's generator is one per backend for the whole process, not one per device or
+//! thread (seeding one device seeds the others of its backend): where several threads
+//! draw random numbers on one backend at once (dropout, `Tensor::random`, a module's
+//! initialisation), which thread gets which draw depends on their timing, and seeded runs
+//! repeat their masks only when they draw on that backend from one thread.
 
 use burn::nn::Dropout;
 use burn::tensor::{Device, Distribution, Tensor};
@@ -91,7 +97,7 @@ mod cpu {
         let device = x.device();
         let dims = x.dims();
         let n: usize = dims.iter().product();
-        // A seed from the device's generator: seeding the device repeats the masks.
+        // A seed from the backend's generator: seeding it repeats the masks.
         let drawn: Vec<f32> = Tensor::<1>::random([2], Distribution::Default, &device)
             .into_data()
             .convert::<f32>()
