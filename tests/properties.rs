@@ -240,3 +240,38 @@ fn stacks_add_absolute_positions_once() {
         );
     }
 }
+
+/// Whether `T` can be shared by threads (a server's `Arc<Model>`) and sent to one.
+fn shared_across_threads<T: Send + Sync>() {}
+
+#[test]
+fn modules_caches_and_masks_can_be_shared_by_threads() {
+    shared_across_threads::<MultiHeadAttention>();
+    shared_across_threads::<mha::EncoderBlock>();
+    shared_across_threads::<mha::DecoderBlock>();
+    shared_across_threads::<mha::Encoder>();
+    shared_across_threads::<mha::Decoder>();
+    shared_across_threads::<mha::hf::CausalLm>();
+    shared_across_threads::<mha::hf::BertModel>();
+    shared_across_threads::<mha::KvCache>();
+    shared_across_threads::<mha::StackCache>();
+    shared_across_threads::<mha::MemoryKv>();
+    shared_across_threads::<AttentionMask>();
+    shared_across_threads::<mha::PyTorchWeights>();
+    // And a module called from two threads at once computes what it computes alone.
+    for be in backends() {
+        let m = std::sync::Arc::new(module(1, &be.device));
+        let x = randn([1, 12, 32], 7, &be.device);
+        let alone = m.forward(MhaInput::causal(x.clone())).context;
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let (m, x) = (m.clone(), x.clone());
+                std::thread::spawn(move || m.forward(MhaInput::causal(x)).context)
+            })
+            .collect();
+        for t in threads {
+            let got = t.join().unwrap();
+            assert_eq!(max_abs_diff(got, alone.clone()), 0.0, "[{}]", be.name);
+        }
+    }
+}
