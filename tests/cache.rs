@@ -926,21 +926,24 @@ fn a_cache_rolled_back_decodes_as_if_the_rejected_tokens_never_came() {
                 for x in [prompt, draft] {
                     stack.forward(StackInput::new(x).cache(&mut cache)).unwrap();
                 }
+                // One position further back would need one written over: back to 6 in a
+                // ring of 4, positions 3..6 (3 written over by 7); and so would a second
+                // step back.
+                let len = 5 + accepted - 1;
+                let too_far = |cached| CacheError::Truncate {
+                    len,
+                    cached,
+                    earliest: 7 - slack,
+                };
                 if window.is_some() {
-                    // One position further back would need one written over: back to 6,
-                    // position 2 (written over by position 6 in a ring of 4).
-                    let len = 5 + accepted - 1;
-                    let err = cache.truncate(len).unwrap_err();
-                    let expected = CacheError::Truncate {
-                        len,
-                        cached: 8,
-                        earliest: 7 - slack,
-                    };
-                    assert_eq!(err, expected, "{what}");
+                    assert_eq!(cache.truncate(len), Err(too_far(8)), "{what}");
                     assert_eq!(cache.len(), 8, "{what}: a refusal changes nothing");
                 }
                 cache.truncate(5 + accepted).unwrap();
                 assert_eq!(cache.len(), 5 + accepted, "{what}");
+                if window.is_some() {
+                    assert_eq!(cache.truncate(len), Err(too_far(5 + accepted)), "{what}");
+                }
                 let got = one_by_one(&next, |x| {
                     let input = StackInput::new(x).cache(&mut cache);
                     stack.forward(input).unwrap().output
@@ -989,4 +992,22 @@ fn rows_past_the_batch_are_refused_and_change_nothing() {
     cache.select_rows(&[]).unwrap();
     let dims = Some([0, 2, 8, D_MODEL / HEADS]);
     assert!(cache.layers().iter().all(|l| l.dims() == dims));
+    // A rollback is given to a cache before it decodes, and set, not added.
+    let m = attention(Positions::None, 2, 121, &device);
+    let x = randn([1, 2, D_MODEL], 122, &device);
+    let mut again = KvCache::sliding(4).with_rollback(2).with_rollback(1);
+    m.forward_cached(x.clone(), &mut again, AttentionMask::none())
+        .unwrap();
+    assert_eq!(again.window(), Some(4));
+    assert_eq!(again.dims(), Some([1, 2, 5, D_MODEL / HEADS]));
+    let mut sliding = KvCache::sliding(4);
+    m.forward_cached(x, &mut sliding, AttentionMask::none())
+        .unwrap();
+    let message = crate::util::panic_message(move || {
+        let _ = sliding.with_rollback(2);
+    });
+    assert!(
+        message.contains("KvCache::with_rollback: the cache holds 2 positions"),
+        "{message}"
+    );
 }

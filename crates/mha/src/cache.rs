@@ -52,6 +52,9 @@ pub struct KvCache {
     store: Option<Store>,
     /// Positions cached so far: the position of the next token.
     len: usize,
+    /// The furthest length written since the last reset, `len` or more after a
+    /// [`KvCache::truncate`]: a ring has written positions `..reach - slots` over.
+    reach: usize,
     /// Every call reads all the slots (see [`KvCache::fixed_reads`]).
     fixed: bool,
 }
@@ -88,6 +91,7 @@ impl KvCache {
             ring: false,
             store: None,
             len: 0,
+            reach: 0,
             fixed: false,
         }
     }
@@ -125,10 +129,21 @@ impl KvCache {
     /// has `window + positions` slots, and a step reads the window's keys in the order
     /// of their positions (a ring of the window alone may be read as it lies). A cache
     /// by position can go back to any length: it is left as it is.
+    ///
+    /// # Panics
+    /// If the cache holds positions (build it with its rollback before decoding).
     pub fn with_rollback(mut self, positions: usize) -> Self {
+        assert!(
+            self.len == 0,
+            "KvCache::with_rollback: the cache holds {} positions; give it its rollback \
+             before the first call",
+            self.len
+        );
         if self.ring {
-            self.slots += positions - self.slack;
+            self.slots = self.window_len() + positions;
             self.slack = positions;
+            // Storage of another size, from an earlier sequence.
+            self.store = None;
         }
         self
     }
@@ -221,6 +236,7 @@ impl KvCache {
     /// have another batch size, dtype or device: the storage is then allocated again).
     pub fn reset(&mut self) {
         self.len = 0;
+        self.reach = 0;
     }
 
     /// Keeps the batch rows `rows` of what is cached, in that order: the new batch row `i`
@@ -281,10 +297,10 @@ impl KvCache {
 
     /// What [`truncate`](Self::truncate) refuses.
     fn check_truncate(&self, len: usize) -> Result<(), CacheError> {
-        // A ring has written positions `..len - slots` over; the window of the next
+        // A ring has written positions `..reach - slots` over; the window of the next
         // position after `len'` starts at `len' - (window - 1)`.
-        let earliest = match self.ring && self.len > self.slots {
-            true => self.len - self.slack - 1,
+        let earliest = match self.ring && self.reach > self.slots {
+            true => self.reach - self.slack - 1,
             false => 0,
         };
         match len < earliest {
@@ -344,6 +360,7 @@ impl KvCache {
         };
         self.store = Some(store);
         self.len += tokens;
+        self.reach = self.reach.max(self.len);
         Ok(seen)
     }
 
