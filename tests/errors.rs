@@ -1388,14 +1388,22 @@ fn language_models_refuse_token_ids_past_their_tables_by_place() {
 
 #[test]
 fn tensors_on_another_device_are_refused_naming_both_devices() {
+    let devices: Vec<Device> = crate::util::backends().map(|b| b.device).collect();
+    if devices.len() < 2 {
+        eprintln!("one backend compiled in: no other device to refuse");
+    }
+    // The module and the query on each device in turn, the other tensor on each other.
+    for d in &devices {
+        for o in devices.iter().filter(|o| *o != d) {
+            refused_on(d.clone(), o.clone());
+        }
+    }
+}
+
+/// The calls of a module on `d` (and queries on `d`) given one tensor on `o`.
+fn refused_on(d: Device, o: Device) {
     use burn::tensor::Tensor;
     use mha::{SdpaOptions, scaled_dot_product_attention};
-    let d = dev();
-    let Some(other) = crate::util::backends().find(|b| b.device != d) else {
-        eprintln!("one backend compiled in: no other device to refuse");
-        return;
-    };
-    let o = other.device;
     let m = MultiHeadAttentionConfig::new(8, 2).init(&d);
     let x = randn([1, 3, 8], 1, &d);
     let q = randn([1, 2, 3, 4], 2, &d);
@@ -1459,6 +1467,26 @@ fn tensors_on_another_device_are_refused_naming_both_devices() {
                 "MultiHeadAttention: the memory's keys and values are on {o:?} and the query on \
                  {d:?}"
             ),
+        ),
+        (
+            {
+                let block = EncoderBlockConfig::new(8, 2).init(&d);
+                let padding = randn([1, 3], 11, &o).greater_elem(1e9);
+                let input = BlockInput::new(x.clone())
+                    .left_padding(vec![1])
+                    .mask(AttentionMask::key_padding(padding));
+                panic_message(move || {
+                    let _ = block.forward(input);
+                })
+            },
+            format!("attention mask: the boolean mask is on {o:?} and the input on {d:?}"),
+        ),
+        (
+            panic_message(|| {
+                let _ =
+                    AttentionMask::blocking(blocked(&d)).and(AttentionMask::blocking(blocked(&o)));
+            }),
+            format!("AttentionMask::and: the boolean masks are on {d:?} and {o:?}"),
         ),
     ];
     for (got, want) in cases {

@@ -453,6 +453,8 @@ impl MultiHeadAttention {
         }
         let self_attention = matches!(source, Source::SelfAttention);
         let dropout = crate::dropout::probability(&self.dropout, &query.device());
+        let batch = query.dims()[0];
+        check_input("query", &query, batch, self.d_model(), &self.device());
         #[cfg(feature = "gpu-kernels")]
         if self_attention && let Some(packed) = self.packed_heads(&query, &mask, weights, dropout) {
             // One product by the whole packed weight, its output the kernels' input.

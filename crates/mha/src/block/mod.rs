@@ -484,6 +484,10 @@ impl SelfAttention {
 /// `mask` and the left padding `pads` of a self-attention call of `tokens` tokens through
 /// `cache` (or none): the keys it sees blocked where they are padding (a call of no token
 /// weighs no key: `mask` as it is).
+///
+/// # Panics
+/// Naming both devices, if a part of `mask` is on another device than the input's
+/// (`device`).
 pub(crate) fn with_padding(
     mask: AttentionMask,
     pads: &[usize],
@@ -494,6 +498,7 @@ pub(crate) fn with_padding(
     if tokens == 0 {
         return mask;
     }
+    mask.check_device(device, "the input");
     let (first, keys) = match cache {
         Some(cache) => (cache.first_key_position(tokens), cache.keys_seen(tokens)),
         None => (0, tokens),

@@ -404,7 +404,8 @@ impl AttentionMask {
     /// # Panics
     /// If both are aligned differently and both place keys by position, if they pack
     /// different sequences, or both have a position bias or both have sinks; if their
-    /// boolean parts, or their biases, do not broadcast together (naming both shapes).
+    /// boolean parts, or their biases, do not broadcast together (naming both shapes) or
+    /// are on different devices (naming both).
     pub fn and(mut self, mut other: Self) -> Self {
         if !self.by_position() && other.rule.alignment.is_some() {
             self.rule.alignment = None;
@@ -422,9 +423,11 @@ impl AttentionMask {
         );
         if let (Some(a), Some(b)) = (&self.blocked, &other.blocked) {
             check_together("boolean masks", a.dims(), b.dims());
+            check_same_device("boolean masks", a.device(), b.device());
         }
         if let (Some(a), Some(b)) = (&self.bias, &other.bias) {
             check_together("biases", a.dims(), b.dims());
+            check_same_device("biases", a.device(), b.device());
         }
         Self {
             rule: self.rule.and(other.rule),
@@ -530,13 +533,12 @@ impl AttentionMask {
         &self.rule
     }
 
-    /// Checks that the boolean and additive parts broadcast to `[B, H, Tq, Tk]`, that
-    /// packed sequences fit it, and that the tensors are on the scores' `device`.
+    /// Checks that the mask's tensors are on `device`, that of `against` (named in the
+    /// message, e.g. `the scores`).
     ///
     /// # Panics
-    /// Naming the part, its shape and the target shape, if they do not fit; naming the
-    /// part and both devices, if it is on another device.
-    pub(crate) fn check(&self, target: [usize; 4], device: &Device) {
+    /// Naming the part and both devices, if one is on another device.
+    pub(crate) fn check_device(&self, device: &Device, against: &str) {
         let devices = [
             ("boolean mask", self.blocked.as_ref().map(|t| t.device())),
             ("additive bias", self.bias.as_ref().map(|t| t.device())),
@@ -553,10 +555,20 @@ impl AttentionMask {
             if let Some(at) = at {
                 assert!(
                     at == *device,
-                    "attention mask: the {part} is on {at:?} and the scores on {device:?}"
+                    "attention mask: the {part} is on {at:?} and {against} on {device:?}"
                 );
             }
         }
+    }
+
+    /// Checks that the boolean and additive parts broadcast to `[B, H, Tq, Tk]`, that
+    /// packed sequences fit it, and that the tensors are on the scores' `device`.
+    ///
+    /// # Panics
+    /// Naming the part, its shape and the target shape, if they do not fit; naming the
+    /// part and both devices, if it is on another device.
+    pub(crate) fn check(&self, target: [usize; 4], device: &Device) {
+        self.check_device(device, "the scores");
         if let Some(blocked) = &self.blocked {
             check_broadcast("boolean mask", blocked.dims(), target);
         }
@@ -686,6 +698,14 @@ fn add_biases(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
 ///
 /// # Panics
 /// Naming `what` and both shapes.
+/// Panics, naming both devices, when two masks' `what` are on different devices.
+fn check_same_device(what: &str, a: Device, b: Device) {
+    assert!(
+        a == b,
+        "AttentionMask::and: the {what} are on {a:?} and {b:?}"
+    );
+}
+
 fn check_together(what: &str, a: [usize; 4], b: [usize; 4]) {
     let fits = a.iter().zip(b).all(|(&x, y)| x == y || x == 1 || y == 1);
     assert!(
