@@ -140,8 +140,8 @@ fn configs_saved_without_their_newer_fields_load_with_the_defaults() {
 
 #[test]
 fn configs_load_back_the_values_they_were_saved_with() {
-    // Values other than the defaults, nested configurations, enums with fields, `null`
-    // where the default is not.
+    // Values other than the defaults, nested configurations, enums with fields, a `null`
+    // for an optional field.
     let block = EncoderBlockConfig::new(32, 8)
         .with_n_kv_heads(Some(2))
         .with_d_ff(Some(48))
@@ -167,7 +167,7 @@ fn configs_load_back_the_values_they_were_saved_with() {
     saved.insert("out_bias".into(), Value::Null);
     let json = serde_json::to_vec(&saved).unwrap();
     let loaded = MultiHeadAttentionConfig::load_binary(&json).unwrap();
-    assert_eq!(loaded.out_bias, None, "a null is a value");
+    assert_eq!(loaded.out_bias, None);
     assert!(!loaded.bias);
     assert_eq!(fields(&loaded), saved);
 }
