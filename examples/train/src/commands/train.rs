@@ -244,6 +244,9 @@ fn prepare_resume(
         }
         return Ok((config, Start::Evaluate(Box::new(summary)), devices, lock));
     }
+    // On this machine, which may not be the one the run started on; before anything of
+    // the run is removed.
+    crate::memory::training(&config).check(backend)?;
     run.forget_after(done)?;
     if config != stored {
         run.write_config(&config)?;
