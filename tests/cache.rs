@@ -1011,3 +1011,29 @@ fn rows_past_the_batch_are_refused_and_change_nothing() {
         "{message}"
     );
 }
+
+#[test]
+fn a_cached_call_under_autodiff_gives_the_gradient_of_the_whole_forward() {
+    // The last token's gradient through a cached call is its gradient through the whole
+    // causal forward (the cached tokens are constants of both).
+    for be in backends() {
+        let device = be.autodiff();
+        let what = format!("[{}] cached call under autodiff", be.name);
+        let m = attention(Positions::rope(), 2, 130, &device);
+        let prompt = randn([2, 3, D_MODEL], 131, &device);
+        let token = || randn([2, 1, D_MODEL], 132, &device).require_grad();
+        let mut cache = KvCache::new(4);
+        m.forward_cached(prompt.clone(), &mut cache, AttentionMask::none())
+            .unwrap();
+        let last = token();
+        let y = m
+            .forward_cached(last.clone(), &mut cache, AttentionMask::none())
+            .unwrap();
+        let got = last.grad(&(y * 3.0).sum().backward()).unwrap();
+        let last = token();
+        let whole = Tensor::cat(vec![prompt, last.clone()], 1);
+        let y = m.forward(MhaInput::causal(whole)).context.narrow(1, 3, 1);
+        let want = last.grad(&(y * 3.0).sum().backward()).unwrap();
+        assert_close(&what, got, want, be.grad_tol());
+    }
+}

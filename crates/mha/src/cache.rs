@@ -27,8 +27,12 @@
 //! rejected draft tokens with [`KvCache::truncate`] (a sliding cache built
 //! [`with_rollback`](KvCache::with_rollback) as far back as it checks drafts).
 //!
-//! Decode on a device without autodiff: under autodiff every step's graph would keep the
-//! storage alive, and each write would copy it.
+//! Decode on a device without autodiff (`model.valid()`). Under autodiff Burn keeps the
+//! graph of each call that no backward pass consumed, and a call's graph reaches back
+//! through the cache to every earlier call's (the keys it reads came from them: its
+//! gradient is the whole sequence's); each write then copies the storage, which the
+//! graphs hold. Memory grows with every step: a stack of 4 blocks (d_model 256, batch 4,
+//! a window of 64) on flex grew by about 2.5 MB a step with a cache, 0.5 MB without.
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
