@@ -1640,6 +1640,17 @@ fn llama_family_fields_left_out_take_transformers_defaults() {
     let both = json!({"rope_theta": 5e5, "rope_parameters": {"rope_theta": 500.0},
                       "rope_scaling": {"rope_type": "default"}});
     assert_eq!(theta(both), 5e5);
+    // An empty rope_scaling is none: rope_parameters', whose scaling is refused.
+    let empty = json!({"rope_parameters": {"rope_theta": 500.0}, "rope_scaling": {}});
+    assert_eq!(theta(empty), 500.0);
+    let linear = json!({"rope_scaling": {},
+                        "rope_parameters": {"rope_type": "linear", "factor": 2.0}});
+    let err = block(linear, &[]).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`rope_parameters` of config.json: RoPE scaling `linear`"),
+        "{err}"
+    );
     let err = block(json!({"partial_rotary_factor": 0.5}), &[]).unwrap_err();
     assert!(
         err.to_string()

@@ -212,6 +212,18 @@ pub struct RopeParameters {
     pub sliding_attention: Option<Box<RopeParameters>>,
 }
 
+impl RopeParameters {
+    /// Whether it gives nothing (`{}`), which transformers reads as no settings.
+    fn is_empty(&self) -> bool {
+        self.rope_theta.is_none()
+            && self.rope_type.is_none()
+            && self.kind.is_none()
+            && self.partial_rotary_factor.is_none()
+            && self.full_attention.is_none()
+            && self.sliding_attention.is_none()
+    }
+}
+
 fn silu() -> String {
     "silu".into()
 }
@@ -368,9 +380,10 @@ impl HfConfig {
                 ));
             }
         }
-        // transformers 5 reads `rope_scaling` where there is one, else `rope_parameters`;
-        // the base is that one's, else the top level's.
-        let (field, parameters) = match &self.rope_scaling {
+        // transformers 5 reads `rope_scaling` where there is one (an empty one is none),
+        // else `rope_parameters`; the base is that one's, else the top level's.
+        let scaling = self.rope_scaling.as_ref().filter(|s| !s.is_empty());
+        let (field, parameters) = match scaling {
             Some(scaling) => ("rope_scaling", Some(scaling)),
             None => ("rope_parameters", self.rope_parameters.as_ref()),
         };
