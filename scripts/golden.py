@@ -790,8 +790,10 @@ def bert_model():
     """A 2-layer `BertModel` (transformers' own, a tiny random configuration offline: 32
     wide, 4 heads, feed-forward 48, 16 positions, two token types, random norm scales),
     without its pooler, eager attention: the last hidden state of two sequences of 9
-    tokens, two segments, the last two keys of the second padding; the gradients of
-    every parameter, in f64; the configuration beside it as `bert_model.json`."""
+    tokens, two segments, the last two keys of the second padding, the padding token (0)
+    at two attended places, whose embedding row the lookup gives no gradient; the
+    gradients of every parameter, in f64; the configuration beside it as
+    `bert_model.json`."""
     import transformers
 
     torch.manual_seed(53)
@@ -807,6 +809,7 @@ def bert_model():
                 p.copy_(torch.randn(p.shape) * 0.3 + (1.0 if p.numel() == 32 else 0.0))
     model = model.double().eval()
     ids = torch.randint(0, 50, (2, 9))
+    ids[0, 2] = ids[1, 4] = config.pad_token_id
     types = torch.zeros(2, 9, dtype=torch.long)
     types[:, 5:] = 1
     attending = torch.ones(2, 9, dtype=torch.long)

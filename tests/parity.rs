@@ -2567,3 +2567,54 @@ fn a_checkpoint_in_shards_loads_as_its_single_file() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A Llama-family model's `pad_token_id` (transformers' `nn.Embedding(.., padding_idx)`):
+/// the lookup gives the padding token's row no gradient, the other rows theirs, and the
+/// logits are those of the same model without one (to the backend's rounding); a negative
+/// id counts from the end, one past the table is refused by name.
+#[test]
+fn the_padding_tokens_embedding_row_gets_no_gradient_from_the_lookup() {
+    let config = |pad: &str| -> HfConfig {
+        serde_json::from_str(&format!(
+            r#"{{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "rms_norm_eps": 1e-6,
+                "vocab_size": 10, "pad_token_id": {pad}}}"#
+        ))
+        .unwrap()
+    };
+    for b in backends() {
+        let dev = b.autodiff();
+        let plain = config("null").init_causal_lm(&dev).unwrap();
+        for (pad, row) in [("3", 3), ("-1", 9)] {
+            let what = format!("[{}] pad_token_id {pad}", b.name);
+            let made = config(pad).init_causal_lm(&dev).unwrap();
+            assert_eq!(made.pad_token, Some(row), "{what}");
+            let lm = mha::hf::CausalLm {
+                pad_token: Some(row),
+                ..plain.clone()
+            };
+            let ids = [1, row as i64, 4, row as i64, 9 - row as i64, 2];
+            let ids = burn::tensor::TensorData::new(ids.to_vec(), [2, 3]);
+            let ids = Tensor::<2, burn::tensor::Int>::from_data(ids, &dev);
+            let logits = lm.forward(ids.clone(), AttentionMask::none());
+            let want = plain.forward(ids, AttentionMask::none());
+            assert_close(&what, logits.clone(), want, b.forward_tol());
+            let grads = logits.powi_scalar(2).sum().backward();
+            let table = lm.embed_tokens.weight.grad(&grads).unwrap();
+            let rows = crate::util::to_vec(table.abs().sum_dim(1));
+            for (r, total) in rows.iter().enumerate() {
+                match r {
+                    r if r == row => assert_eq!(*total, 0.0, "{what}: row {r}"),
+                    1 | 2 | 4 => assert!(*total > 0.0, "{what}: row {r}"),
+                    r if r == 9 - row => assert!(*total > 0.0, "{what}: row {r}"),
+                    _ => assert_eq!(*total, 0.0, "{what}: row {r}, not read"),
+                }
+            }
+        }
+    }
+    let err = config("10").init_causal_lm(&Device::default()).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "`pad_token_id` of config.json: 10 is not a row of the 10 token embeddings (vocab_size)"
+    );
+}

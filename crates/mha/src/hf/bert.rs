@@ -53,6 +53,15 @@ pub struct BertConfig {
     /// Token types (segments) with a learned embedding.
     #[serde(default = "token_types")]
     pub type_vocab_size: usize,
+    /// The padding token, whose embedding row the lookup gives no gradient
+    /// (transformers' `nn.Embedding(.., padding_idx)`; BERT's is 0; a negative id counts
+    /// from the end).
+    #[serde(default = "pad_token")]
+    pub pad_token_id: Option<i64>,
+}
+
+fn pad_token() -> Option<i64> {
+    Some(0)
 }
 
 fn positions() -> usize {
@@ -207,6 +216,10 @@ pub struct BertModel {
     pub embeddings_norm: LayerNorm,
     /// The layers (`encoder.layer.N`).
     pub layers: Vec<EncoderBlock>,
+    /// The padding token (`pad_token_id`), whose embedding row the lookup gives no
+    /// gradient.
+    #[module(skip)]
+    pub pad_token: Option<usize>,
 }
 
 impl BertModel {
@@ -256,7 +269,8 @@ impl BertModel {
                 .reshape([1, len])
                 .expand([batch, len]),
         };
-        let x = self.word_embeddings.forward(tokens)
+        let words = self.word_embeddings.forward(tokens.clone());
+        let x = super::padded_lookup(words, &tokens, self.pad_token)
             + self.token_type_embeddings.forward(token_types)
             + self.position_embeddings.forward(positions);
         let mut x = self.embeddings_norm.forward(x);
@@ -294,6 +308,7 @@ impl BertConfig {
         let embedding = |n| EmbeddingConfig::new(n, self.hidden_size).init(device);
         let norm = LayerNormConfig::new(self.hidden_size).with_epsilon(self.layer_norm_eps);
         Ok(BertModel {
+            pad_token: super::pad_row(self.pad_token_id, self.vocab_size)?,
             word_embeddings: embedding(self.vocab_size),
             position_embeddings: embedding(self.max_position_embeddings),
             token_type_embeddings: embedding(self.type_vocab_size),

@@ -189,6 +189,8 @@ impl Gpt2Config {
         }
         let (vocab, width) = (self.vocab_size, self.n_embd);
         Ok(CausalLm {
+            // GPT-2's embedding has no padding row.
+            pad_token: None,
             embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
             model,
             lm_head: (!self.tie_word_embeddings).then(|| {

@@ -35,7 +35,19 @@
 //! fields that size the model (`model_type`, `hidden_size`, `intermediate_size`,
 //! `num_hidden_layers`, `num_attention_heads`, `rms_norm_eps`, `vocab_size`) are
 //! required; of the others, one the file leaves out takes transformers' default for the
-//! model type (see [`HfConfig::from_json`]).
+//! model type (see [`HfConfig::from_json`]). The padding token (`pad_token_id`, BERT's 0)
+//! gets no gradient from the embedding's lookup, as transformers' `padding_idx`.
+//!
+//! Every import builds its blocks without dropout (`attention_dropout`, BERT's
+//! `hidden_dropout_prob` and `attention_probs_dropout_prob`, GPT-2's `resid_pdrop`,
+//! `embd_pdrop` and `attn_pdrop` are read past): a block configuration's one `dropout`
+//! acts on the attention weights, the feed-forward's hidden layer and each residual
+//! branch, where transformers' layers drop out at fewer places (none in the
+//! feed-forward's hidden layer; in the Llama family, only on the attention weights).
+//! Evaluation is the same. To fine-tune with transformers' dropout, set each loaded
+//! block's own: `self_attn.dropout` (the attention weights), `dropout1` and `dropout2`
+//! (the residual branches), the feed-forward's left at 0; the embeddings' dropout
+//! (`hidden_dropout_prob` there, `embd_pdrop`) has no counterpart.
 
 use std::path::Path;
 
@@ -179,6 +191,10 @@ pub struct HfConfig {
     /// Whether the language-model head is the token embedding (no `lm_head.weight`).
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
+    /// The padding token, whose embedding row the lookup gives no gradient
+    /// (transformers' `nn.Embedding(.., padding_idx)`; a negative id counts from the end).
+    #[serde(default)]
+    pub pad_token_id: Option<i64>,
     /// The longest sequence the model was trained on (left out of the file,
     /// transformers' default for the model type, see [`from_json`](Self::from_json)): the
     /// blocks compute any length; a caller may hold generation to it.
@@ -548,6 +564,52 @@ pub struct CausalLm {
     /// The head `[hidden_size, vocab_size]` (`lm_head.weight`), or `None` when it is the
     /// embedding.
     pub lm_head: Option<Linear>,
+    /// The padding token (`pad_token_id`), whose embedding row the lookup gives no
+    /// gradient.
+    #[module(skip)]
+    pub pad_token: Option<usize>,
+}
+
+/// `pad_token_id` of a `config.json` as a row of an embedding of `vocab` rows: a negative
+/// id counts from the end, as PyTorch's `padding_idx`.
+///
+/// # Errors
+/// [`ImportError::Config`] naming `pad_token_id`, if it is not a row of the table.
+pub(crate) fn pad_row(id: Option<i64>, vocab: usize) -> Result<Option<usize>, ImportError> {
+    let Some(id) = id else {
+        return Ok(None);
+    };
+    let row = match id < 0 {
+        true => vocab as i64 + id,
+        false => id,
+    };
+    match (0..vocab as i64).contains(&row) {
+        true => Ok(Some(row as usize)),
+        false => Err(ImportError::Config {
+            what: "`pad_token_id` of config.json".into(),
+            message: format!("{id} is not a row of the {vocab} token embeddings (vocab_size)"),
+        }),
+    }
+}
+
+/// The embeddings `x` `[B, T, D]` of `tokens` `[B, T]`, those of the padding token `pad`
+/// cut from the graph: the lookup gives its row no gradient (PyTorch's `padding_idx`).
+/// The values are unchanged; nothing is done outside autodiff.
+pub(crate) fn padded_lookup(
+    x: Tensor<3>,
+    tokens: &Tensor<2, Int>,
+    pad: Option<usize>,
+) -> Tensor<3> {
+    let Some(pad) = pad.filter(|_| x.is_tracked()) else {
+        return x;
+    };
+    let [batch, len, width] = x.dims();
+    let padding = tokens
+        .clone()
+        .equal_elem(pad as i64)
+        .reshape([batch, len, 1])
+        .expand([batch, len, width]);
+    x.clone().mask_where(padding, x.detach())
 }
 
 /// Checks that every id of `ids` `[B, T]` (the input `what` of `model`) is an index of a
@@ -661,7 +723,8 @@ impl CausalLm {
     fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let vocab = self.vocab_size();
         check_ids("CausalLm", "tokens", &tokens, vocab, "vocab_size");
-        self.embed_tokens.forward(tokens)
+        let x = self.embed_tokens.forward(tokens.clone());
+        padded_lookup(x, &tokens, self.pad_token)
     }
 
     /// The tokens it reads and predicts.
@@ -693,7 +756,9 @@ impl HfConfig {
             .try_init(device)
             .map_err(|err| unbuildable(err, LLAMA_NAMES))?;
         let (vocab, width) = (self.vocab_size, self.hidden_size);
+        let pad_token = pad_row(self.pad_token_id, vocab)?;
         Ok(CausalLm {
+            pad_token,
             embed_tokens: EmbeddingConfig::new(vocab, width).init(device),
             model,
             lm_head: (!self.tie_word_embeddings.unwrap_or(false)).then(|| {
