@@ -267,17 +267,9 @@ impl KvCache {
 
     /// What [`select_rows`](Self::select_rows) refuses.
     fn check_rows(&self, rows: &[usize]) -> Result<(), CacheError> {
-        let batch = match &self.store {
-            Some(store) if self.len > 0 => store.keys.dims()[0],
-            _ => return Ok(()),
-        };
-        match rows.iter().position(|&row| row >= batch) {
-            Some(at) => Err(CacheError::Row {
-                at,
-                row: rows[at],
-                batch,
-            }),
-            None => Ok(()),
+        match &self.store {
+            Some(store) if self.len > 0 => rows_of(rows, store.keys.dims()[0]),
+            _ => Ok(()),
         }
     }
 
@@ -540,6 +532,19 @@ fn check_like(cached: &Tensor<4>, new: &Brought) -> Result<(), CacheError> {
     Ok(())
 }
 
+/// # Errors
+/// [`CacheError::Row`] for the first of `rows` past a batch of `batch`.
+fn rows_of(rows: &[usize], batch: usize) -> Result<(), CacheError> {
+    match rows.iter().position(|&row| row >= batch) {
+        Some(at) => Err(CacheError::Row {
+            at,
+            row: rows[at],
+            batch,
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Batch rows `rows` of `store` (`[B, Hkv, slots, Dh]`), in that order.
 fn select_rows(store: Tensor<4>, rows: &[usize]) -> Tensor<4> {
     let [_, heads, slots, width] = store.dims();
@@ -632,15 +637,7 @@ impl MemoryKv {
 
     /// What [`select_rows`](Self::select_rows) refuses.
     fn check_rows(&self, rows: &[usize]) -> Result<(), CacheError> {
-        let batch = self.keys.dims()[0];
-        match rows.iter().position(|&row| row >= batch) {
-            Some(at) => Err(CacheError::Row {
-                at,
-                row: rows[at],
-                batch,
-            }),
-            None => Ok(()),
-        }
+        rows_of(rows, self.keys.dims()[0])
     }
 }
 
