@@ -202,18 +202,21 @@ fn a_resumed_run_retraces_the_uninterrupted_one() {
 
 #[test]
 fn a_resume_that_would_not_fit_in_memory_is_refused_before_it_changes_the_run() {
-    // The run as a machine with far too little memory sees it: its configuration edited
-    // to batches of 100 million sequences (one step's logits alone are terabytes).
+    // A run killed in its third epoch (whose metric logs a resume from epoch 2 removes),
+    // as a machine with far too little memory sees it: its configuration edited to
+    // batches of 100 million sequences (one step's logits alone are terabytes).
     let root = scratch("resume-memory");
     let dir = root.join("run");
-    tiny_run(&dir, "1");
+    tiny_run(&dir, "3");
+    killed_after_epoch_2(&dir);
+    assert!(dir.join("train/epoch-3").exists());
     let path = dir.join("config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     config["batch_size"] = 100_000_000.into();
     std::fs::write(&path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
     let before = checksums(&dir);
-    let out = run(on_flex(&["--resume", "--epochs", "2", "--out"]).arg(&dir));
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
     assert_error(
         &out,
         &["this run needs about", "this machine has available"],
