@@ -45,9 +45,11 @@
 //! branch, where transformers' layers drop out at fewer places (none in the
 //! feed-forward's hidden layer; in the Llama family, only on the attention weights).
 //! Evaluation is the same. To fine-tune with transformers' dropout, set each loaded
-//! block's own: `self_attn.dropout` (the attention weights), `dropout1` and `dropout2`
-//! (the residual branches), the feed-forward's left at 0; the embeddings' dropout
-//! (`hidden_dropout_prob` there, `embd_pdrop`) has no counterpart.
+//! block's own, the feed-forward's left at 0: `self_attn.dropout` (the attention weights:
+//! `attention_probs_dropout_prob`, `attn_pdrop`, `attention_dropout`), `dropout1` and
+//! `dropout2` (the residual branches: `hidden_dropout_prob`, `resid_pdrop`; 0 in the
+//! Llama family); the embeddings' dropout (`hidden_dropout_prob` there, `embd_pdrop`) has
+//! no counterpart.
 
 use std::path::Path;
 
