@@ -170,6 +170,35 @@ fn a_quiet_softmax_module_loads_pytorch_weights_with_its_sinks_fixed() {
     }
 }
 
+/// A quiet-softmax module computes with sinks of 0 whatever its parameter holds: unfrozen
+/// whole (Burn's `unfreeze`, the LoRA recipe's `unfreeze_group`), its sinks get no
+/// gradient, and sinks loaded into it (a record of a module with learned sinks) change
+/// nothing.
+#[test]
+fn a_quiet_softmax_module_keeps_its_sinks_at_zero_when_unfrozen_or_loaded() {
+    for b in backends() {
+        let dev = b.autodiff();
+        let quiet = MultiHeadAttentionConfig::new(16, 4)
+            .with_quiet_softmax(true)
+            .init(&dev)
+            .unfreeze();
+        let x = crate::util::randn([2, 5, 16], 140, &dev);
+        let want = quiet.forward(MhaInput::causal(x.clone())).context;
+        let grads = want.clone().powi_scalar(2).sum().backward();
+        let sinks = quiet.sinks.as_ref().expect("sinks");
+        assert!(sinks.val().is_require_grad(), "[{}] unfrozen", b.name);
+        assert!(
+            sinks.grad(&grads).is_none(),
+            "[{}] a gradient of the sinks",
+            b.name
+        );
+        let mut loaded = quiet.clone();
+        loaded.sinks = Some(Param::from_tensor(crate::util::randn([4], 141, &dev) * 3.0));
+        let got = loaded.forward(MhaInput::causal(x)).context;
+        assert_close(&format!("[{}] sinks loaded", b.name), got, want, 0.0);
+    }
+}
+
 #[test]
 fn mha_cross_attention_kdim_vdim_padding_no_bias_averaged_weights() {
     let f = Fixture::load("mha_cross_kdim_vdim");

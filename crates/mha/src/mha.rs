@@ -152,7 +152,8 @@ pub struct MultiHeadAttention {
     /// includes `exp(sinks[h])` for a key without a value (see [`AttentionMask::sinks`]).
     pub sinks: Option<Param<Tensor<1>>>,
     /// The sinks are Burn's quiet softmax, fixed at 0 (the configuration's
-    /// `quiet_softmax`): not learned, so a weight file's `sinks` is refused.
+    /// `quiet_softmax`): not learned, so a weight file's `sinks` is refused, and attention
+    /// computes with zeros whatever the parameter holds.
     #[module(skip)]
     pub quiet_softmax: bool,
     /// For a module made by [`Heads::prune`](crate::analysis::Heads::prune), where its
@@ -718,9 +719,8 @@ impl MultiHeadAttention {
         self.check_attend(mask, head_mask.as_ref());
         let (batch, queries) = heads.batch_and_queries();
         let with_sinks;
-        let mask = match &self.sinks {
+        let mask = match self.sink_logits() {
             Some(sinks) => {
-                let sinks = crate::dtype::float_value(sinks.val());
                 with_sinks = mask.clone().and(AttentionMask::sinks(sinks));
                 &with_sinks
             }
@@ -796,10 +796,8 @@ impl MultiHeadAttention {
             return None;
         }
         let mask = self.position_bias(mask.clone());
-        let mask = match &self.sinks {
-            Some(sinks) if mask.sink_logits().is_none() => {
-                mask.and(AttentionMask::sinks(crate::dtype::float_value(sinks.val())))
-            }
+        let mask = match self.sink_logits() {
+            Some(sinks) if mask.sink_logits().is_none() => mask.and(AttentionMask::sinks(sinks)),
             _ => mask,
         };
         let keeps_weights = weights != AttentionWeights::None || dropout > 0.0;
@@ -837,6 +835,17 @@ impl MultiHeadAttention {
     ) -> Tensor<3> {
         self.refuse_positions("MultiHeadAttention::cross_attention(x, context, mask)");
         self.forward(MhaInput::cross(x, context).mask(mask)).context
+    }
+
+    /// The sinks' logits attention adds to its mask, if the module has sinks: Burn's quiet
+    /// softmax's are zeros whatever the parameter holds (a module unfrozen whole, or a
+    /// record of learned sinks loaded into it, would change them), in its dtype.
+    fn sink_logits(&self) -> Option<Tensor<1>> {
+        let sinks = crate::dtype::float_value(self.sinks.as_ref()?.val());
+        Some(match self.quiet_softmax {
+            true => sinks.zeros_like(),
+            false => sinks,
+        })
     }
 
     /// The device of the module's parameters (its output projection's).
