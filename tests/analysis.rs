@@ -86,6 +86,23 @@ fn a_bias_of_minus_infinity_blocks_in_the_statistics_as_the_causal_rule_does() {
 }
 
 #[test]
+fn the_normalised_entropy_of_rows_with_sinks_is_that_of_their_keys_share() {
+    // Rows whose sink took 0.1, 0.5 and all: spread evenly over two keys (1), all on one
+    // key (0), nothing left to spread (0); the entropy reads the weights as they are.
+    for be in backends() {
+        let weights = [0.45, 0.45, 0.5, 0.0, 0.0, 0.0];
+        let weights =
+            Tensor::<4>::from_data(TensorData::new(weights.to_vec(), [3, 1, 1, 2]), &be.device);
+        let stats = LayerStats::from_weights("l", weights, &AttentionMask::none(), None);
+        let head = &stats.heads[0];
+        let name = |s: &str| format!("[{}] {s}", be.name);
+        close(&name("normalised"), head.normalized_entropy, 1.0 / 3.0);
+        let entropy = -(2.0 * 0.45 * 0.45f64.ln() + 0.5 * 0.5f64.ln()) / 3.0;
+        close(&name("entropy"), head.entropy, entropy);
+    }
+}
+
+#[test]
 fn head_statistics_match_values_computed_by_hand() {
     for be in backends() {
         let weights =

@@ -5,7 +5,8 @@
 //!
 //! With attention sinks ([`AttentionMask::sinks`]) a row's weights over the keys sum to
 //! less than 1 (the sink takes the rest) and are read as they are: a head that parks its
-//! weight on its sink has small weights everywhere, and the entropy of what is left.
+//! weight on its sink has small weights everywhere, and the entropy of what is left; the
+//! normalised entropy reads them scaled to sum to 1 (how evenly the rest is spread).
 
 use core::fmt;
 use std::collections::BTreeMap;
@@ -51,7 +52,9 @@ pub struct HeadStats {
     pub entropy: f64,
     /// Mean entropy divided by the log of the row's visible keys: 0 for a head that puts
     /// all its weight on one key, 1 for one that spreads it evenly (rows that see a single
-    /// key count as 0).
+    /// key count as 0). With sinks, of a row's weights over its keys scaled to sum to 1:
+    /// how evenly it spreads what it does not give its sink (a row that gives it all
+    /// counts as 0).
     pub normalized_entropy: f64,
     /// Mean attention distance, in positions: `Σ p |key - query|`.
     pub distance: f64,
@@ -290,8 +293,10 @@ impl Accumulator {
         };
         let mut entropy = 0.0;
         let mut distance = 0.0;
+        let mut total = 0.0;
         for (k, &p) in weights.iter().enumerate() {
             let p = p as f64;
+            total += p;
             if p > 0.0 {
                 entropy -= p * p.ln();
             }
@@ -312,8 +317,11 @@ impl Accumulator {
         }
         self.rows += 1;
         self.entropy += entropy;
-        if visible > 1 {
-            self.normalized += entropy / (visible as f64).ln();
+        if visible > 1 && total > 0.0 {
+            // Of the weights over the keys made to sum to 1 (with sinks they sum to
+            // `total` < 1): `H(p / s) = H(p) / s + ln s`.
+            let spread = entropy / total + total.ln();
+            self.normalized += spread / (visible as f64).ln();
         }
         self.distance += distance;
         self.same += at(own);
