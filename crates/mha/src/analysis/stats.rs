@@ -84,6 +84,11 @@ impl LayerStats {
     /// `mask` (what blocked keys: padding, the causal rule...), over the first
     /// `query_lengths[b]` query rows of batch row `b` (all rows when `None`).
     ///
+    /// Positions count from the first key of the weights: the sequence's first token,
+    /// except for the weights of a step through a sliding cache once its ring has wrapped,
+    /// whose first key is the window's oldest (`first` is then the share of that key, and
+    /// the links' positions count from it).
+    ///
     /// # Panics
     /// If `query_lengths` does not have `B` entries, or the mask does not broadcast to
     /// the weights.
