@@ -685,6 +685,26 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
     }
 }
 
+/// PyTorch's weights go into float parameters: a quantized module refuses them by key,
+/// saying to load before quantizing.
+#[test]
+fn a_quantized_module_refuses_pytorch_weights_saying_to_load_first() {
+    use mha::LoadPyTorch;
+    let f = crate::util::Fixture::load("mha_causal_self");
+    for b in backends() {
+        let attention = MultiHeadAttentionConfig::new(16, 4).init(&b.device);
+        let quantized = attention.quantize_weights(&mut q8(&b.device));
+        let err = quantized.load_pytorch(&f.weights, "model.").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "key `model.in_proj_weight`: the module's parameter is quantized: load PyTorch's \
+             weights into the module before quantizing it (Module::quantize_weights)",
+            "[{}]",
+            b.name
+        );
+    }
+}
+
 /// QLoRA (Burn's `Module::apply_qlora`: every parameter quantized, a LoRA adapter on each
 /// weight matrix) on an encoder block: with the adapters moved off their initial values
 /// (the second factor starts at 0, which adds nothing), the block computes what its

@@ -529,12 +529,24 @@ impl Place {
     }
 
     /// The tensor under `key`, of shape `shape`, in this place's dtype.
+    ///
+    /// # Errors
+    /// As [`PyTorchWeights::tensor_as`]; [`ImportError::Convention`] for a quantized
+    /// parameter (Burn's `quantize_weights`), which takes no float weights.
     pub(crate) fn load<const D: usize>(
         &self,
         weights: &PyTorchWeights,
         key: &str,
         shape: [usize; D],
     ) -> Result<Tensor<D>, ImportError> {
+        if let DType::QFloat(_) = self.dtype {
+            return Err(ImportError::Convention {
+                key: key.to_string(),
+                message: "the module's parameter is quantized: load PyTorch's weights into \
+                          the module before quantizing it (Module::quantize_weights)"
+                    .into(),
+            });
+        }
         weights.tensor_as(key, shape, self.dtype, &self.device)
     }
 }
