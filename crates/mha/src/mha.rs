@@ -276,8 +276,10 @@ impl MultiHeadAttentionConfig {
     /// # Errors
     /// A [`ConfigError`] naming the field and values when a size is zero, `d_model` is
     /// not divisible by `n_heads` (without a `head_dim`), `n_heads` not by `n_kv_heads`,
-    /// the dropout is outside `[0, 1)`, or the scale, the soft cap or `qk_norm_eps` is not
-    /// positive and finite.
+    /// the dropout is outside `[0, 1)`, the scale, the soft cap or `qk_norm_eps` is not
+    /// positive and finite, `positions` do not fit the heads (RoPE over heads of an odd
+    /// width or of a base of 1 or less, unusable buckets), are absolute (a stack's) or come
+    /// with `kdim`/`vdim`, or both `sinks` and `quiet_softmax` are set.
     pub fn try_init(&self, device: &Device) -> Result<MultiHeadAttention, ConfigError> {
         let check = Check("MultiHeadAttentionConfig");
         let n_kv_heads = self.n_kv_heads.unwrap_or(self.n_heads);
@@ -437,7 +439,9 @@ impl MultiHeadAttention {
     /// shapes, or if the mask does not broadcast to the scores; if the module has
     /// positions and `input` attends to another sequence ([`MhaInput::cross`],
     /// [`MhaInput::new`]), naming the positions and the call; if the module has attention
-    /// sinks and the mask has its own; if an input, a part of the mask or the head mask is
+    /// sinks and the mask has its own, or adds a position bias (ALiBi, a learned table) and
+    /// the mask has one too; if the head mask does not have a weight per head; if the key
+    /// and the value differ in length; if an input, a part of the mask or the head mask is
     /// on another device than the module, naming both devices.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
         let MhaInput {
@@ -502,7 +506,8 @@ impl MultiHeadAttention {
     ///
     /// # Errors
     /// [`CacheError::Full`] past the cache's capacity, [`CacheError::Mismatch`] when the
-    /// batch differs from the cached one ([`CacheError::DType`] the dtype,
+    /// batch, the key/value heads or the head width differ from the cached ones
+    /// ([`CacheError::DType`] the dtype,
     /// [`CacheError::Device`] the device: a cache reset takes another),
     /// [`CacheError::Packed`] for a packed mask; the cache is then unchanged.
     ///
@@ -590,8 +595,8 @@ impl MultiHeadAttention {
     /// [`cross_attention_cached`](Self::cross_attention_cached).
     ///
     /// # Panics
-    /// If the module's `kdim` and `vdim` differ, if `memory` is not `kdim` wide, or if the
-    /// module has positions (see
+    /// If the module's `kdim` and `vdim` differ, if `memory` is not `kdim` wide or is on
+    /// another device than the module, or if the module has positions (see
     /// [`MultiHeadAttentionConfig::positions`]).
     pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
         self.refuse_positions("MultiHeadAttention::memory_kv(memory)");
@@ -609,8 +614,10 @@ impl MultiHeadAttention {
     /// projecting the memory again. Dropout does not act.
     ///
     /// # Panics
-    /// If `x` has the wrong width, or another batch or device than the memory, or if the
-    /// module has positions (see [`MultiHeadAttentionConfig::positions`]).
+    /// If `x` has the wrong width, or another batch or device than the memory, if the
+    /// memory's keys and values are of other heads or head width than the module's, if
+    /// `mask` does not broadcast to `[B, H, Tq, Tk]`, if both the module and the mask have
+    /// sinks, or if the module has positions (see [`MultiHeadAttentionConfig::positions`]).
     pub fn cross_attention_cached(
         &self,
         x: Tensor<3>,
@@ -813,11 +820,17 @@ impl MultiHeadAttention {
     }
 
     /// Self-attention of `x` `[B, T, d_model]` under `mask`; returns `[B, T, d_model]`.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward).
     pub fn self_attention(&self, x: Tensor<3>, mask: AttentionMask) -> Tensor<3> {
         self.forward(MhaInput::self_attn(x).mask(mask)).context
     }
 
     /// Causal self-attention of `x` `[B, T, d_model]`; returns `[B, T, d_model]`.
+    ///
+    /// # Panics
+    /// As [`forward`](Self::forward).
     pub fn causal_self_attention(&self, x: Tensor<3>) -> Tensor<3> {
         self.forward(MhaInput::causal(x)).context
     }

@@ -476,8 +476,9 @@ impl Encoder {
     /// a refused call leaves the cache as it was. Without a cache, none.
     ///
     /// # Panics
-    /// As [`EncoderBlock::forward`], and if the head mask's heads per attention layer are
-    /// not the stack's ([`head_counts`](Self::head_counts)).
+    /// As [`EncoderBlock::forward`], if the head mask's heads per attention layer are not
+    /// the stack's ([`head_counts`](Self::head_counts)), and, without a cache, if the input
+    /// runs past the learned positions.
     pub fn forward(&self, input: StackInput) -> Result<BlockOutput, CacheError> {
         self.stack().forward(input)
     }
@@ -538,8 +539,9 @@ impl Decoder {
     /// layer's checked before the first writes. Without a cache, none.
     ///
     /// # Panics
-    /// As [`DecoderBlock::forward`], and if the head mask's heads per attention layer are
-    /// not the stack's ([`head_counts`](Self::head_counts)).
+    /// As [`DecoderBlock::forward`], if the head mask's heads per attention layer are not
+    /// the stack's ([`head_counts`](Self::head_counts)), and, without a cache, if the input
+    /// runs past the learned positions.
     pub fn forward(&self, input: StackInput) -> Result<BlockOutput, CacheError> {
         self.stack().forward(input)
     }
@@ -547,6 +549,9 @@ impl Decoder {
     /// Caches for decoding against `memory` `[B, Tk, d_model]` (the encoder's output):
     /// every layer's cross-attention keys and values, computed here once, and a
     /// self-attention cache per layer like `cache`; for [`BlockInput::cache`].
+    ///
+    /// # Panics
+    /// As [`DecoderBlock::memory_kv`].
     pub fn cache(&self, memory: Tensor<3>, cache: KvCache) -> StackCache {
         let mut caches = StackCache::new(self.layers.len(), cache);
         caches.memory = self

@@ -22,9 +22,10 @@ use crate::problem::Scores;
 ///
 /// # Panics
 /// As [`scaled_dot_product_attention`](super::scaled_dot_product_attention): if the
-/// shapes disagree, if the mask does not broadcast to the scores, if the scale or the
-/// soft cap is not positive and finite, or if the key or a part of the mask is on another
-/// device than the query.
+/// shapes disagree, if the mask does not broadcast to the scores, if the dropout is
+/// outside `[0, 1)` (it is checked, though weights are computed without it), if the scale
+/// or the soft cap is not positive and finite, or if the key or a part of the mask is on
+/// another device than the query.
 pub fn attention_weights(
     query: Tensor<4>,
     key: Tensor<4>,

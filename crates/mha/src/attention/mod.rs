@@ -123,9 +123,11 @@ pub struct AttentionOutput {
 ///
 /// # Panics
 /// If the shapes disagree (naming the tensors and their shapes), if `H` is not a multiple
-/// of `Hkv`, if the dropout is outside `[0, 1)` or the scale or the soft cap is not
-/// positive and finite, if the key, the value or a part of the mask is on another device
-/// than the query (naming both devices).
+/// of `Hkv`, if the mask does not fit the scores (a part that does not broadcast to
+/// `[B, H, Tq, Tk]`, sinks or a position bias of another number of heads, packed
+/// sequences of another batch or past `Tk`, or with `Tq != Tk`), if the dropout is outside
+/// `[0, 1)` or the scale or the soft cap is not positive and finite, if the key, the value
+/// or a part of the mask is on another device than the query (naming both devices).
 pub fn scaled_dot_product_attention(
     query: Tensor<4>,
     key: Tensor<4>,

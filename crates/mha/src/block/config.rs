@@ -276,7 +276,8 @@ impl EncoderBlockConfig {
     ///
     /// # Errors
     /// A [`ConfigError`] naming the field and values (see
-    /// [`MultiHeadAttentionConfig::try_init`], and `d_ff`, `dropout`, `layer_norm_eps`).
+    /// [`MultiHeadAttentionConfig::try_init`], and `d_ff`, `dropout`, `layer_norm_eps`,
+    /// a `window` of 0 or on a block that is not causal).
     pub fn try_init(&self, device: &Device) -> Result<EncoderBlock, ConfigError> {
         const CONFIG: &str = "EncoderBlockConfig";
         let parts = self.parts();

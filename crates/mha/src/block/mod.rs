@@ -179,8 +179,10 @@ impl EncoderBlock {
     ///
     /// # Panics
     /// If `x` is not `[B, T, d_model]`, the mask does not broadcast, the input has a
-    /// memory (an encoder block has no cross-attention), or the head mask is not one layer
-    /// of `H` heads.
+    /// memory or a memory mask (an encoder block has no cross-attention), or the head mask
+    /// is not one layer of `H` heads; as the attention's [`forward`](MultiHeadAttention::forward)
+    /// for the mask (sinks or a position bias given twice, another device) and, with a
+    /// cache, as [`forward_cached`](MultiHeadAttention::forward_cached) for its alignment.
     pub fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
         let weights = input.attention_weights();
         let BlockInput {
@@ -310,7 +312,10 @@ impl DecoderBlock {
     /// # Panics
     /// If the shapes disagree, a mask does not broadcast, the input has no memory (or one
     /// on another device or of another dtype than `x`), or the head mask does not have
-    /// the block's two attention layers.
+    /// the block's two attention layers; as the attention's
+    /// [`forward`](MultiHeadAttention::forward) for the masks (sinks or a position bias
+    /// given twice, another device) and, with a cache, as
+    /// [`forward_cached`](MultiHeadAttention::forward_cached) for its alignment.
     pub fn forward(&self, input: BlockInput) -> Result<BlockOutput, CacheError> {
         let weights = input.attention_weights();
         let BlockInput {
@@ -367,6 +372,10 @@ impl DecoderBlock {
 
     /// The cross-attention's keys and values of `memory` `[B, Tk, d_model]`, computed once
     /// for every decoding step ([`BlockInput::memory_kv`]).
+    ///
+    /// # Panics
+    /// As [`MultiHeadAttention::memory_kv`]: if `memory` is not `d_model` wide or is on
+    /// another device than the block.
     pub fn memory_kv(&self, memory: Tensor<3>) -> MemoryKv {
         self.cross_attn.memory_kv(memory)
     }

@@ -647,7 +647,9 @@ impl CausalLm {
     ///
     /// # Panics
     /// If an id of `tokens` is not below the vocabulary's size, naming it and its place
-    /// (the ids are read back to the host for that, as `cross_entropy` reads its targets).
+    /// (the ids are read back to the host for that, as `cross_entropy` reads its targets);
+    /// as [`Encoder::forward`](crate::Encoder::forward) for the mask (one that does not
+    /// broadcast to the scores, or on another device).
     pub fn forward(&self, tokens: Tensor<2, Int>, mask: AttentionMask) -> Tensor<3> {
         let x = self.embed(tokens);
         let input = BlockInput::new(x).mask(mask);
@@ -666,7 +668,11 @@ impl CausalLm {
     /// decode together through [`forward_cached_padded`](Self::forward_cached_padded).
     ///
     /// # Errors
-    /// The cache's ([`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)).
+    /// The stack's with a cache ([`Encoder::forward`](crate::Encoder::forward)): the
+    /// cache of another model ([`CacheError::Layers`]), layers' caches at different
+    /// positions ([`CacheError::Uneven`]), a cache that does not slide over the model's
+    /// window ([`CacheError::Window`]), and each layer's
+    /// ([`MultiHeadAttention::forward_cached`](crate::MultiHeadAttention::forward_cached)).
     ///
     /// # Panics
     /// As [`forward`](Self::forward), for an id past the vocabulary.
@@ -712,7 +718,12 @@ impl CausalLm {
     }
 
     /// Caches for every layer, each holding up to `capacity` tokens; the last `window`
-    /// tokens, in a ring, when the layers attend to a sliding window.
+    /// tokens, in a ring, when the layers attend to a sliding window (for speculative
+    /// decoding, build the caches with [`KvCache::with_rollback`] through
+    /// `self.model.cache`).
+    ///
+    /// # Panics
+    /// If `capacity` is 0 and the layers have no window.
     pub fn cache(&self, capacity: usize) -> StackCache {
         let window = self.model.layers.first().and_then(|layer| layer.window);
         self.model.cache(match window {
@@ -751,7 +762,9 @@ impl HfConfig {
     /// [`load_causal_lm`]).
     ///
     /// # Errors
-    /// As [`block`](Self::block).
+    /// As [`block`](Self::block); [`ImportError::Config`] naming the field of config.json
+    /// when the stack cannot be built of these numbers (no layers, a width its heads do
+    /// not divide, ..) or `pad_token_id` is not a row of the embedding.
     pub fn init_causal_lm(&self, device: &Device) -> Result<CausalLm, ImportError> {
         let block = self.block()?;
         let model = crate::stack::EncoderConfig::new(block, self.num_hidden_layers)
