@@ -686,22 +686,28 @@ fn quantized_modules_compute_with_their_dequantized_weights() {
 }
 
 /// PyTorch's weights go into float parameters: a quantized module refuses them by key,
-/// saying to load before quantizing.
+/// saying to load before quantizing, and so does a QLoRA module (whose quantized bases
+/// the weights would have replaced with dense ones).
 #[test]
 fn a_quantized_module_refuses_pytorch_weights_saying_to_load_first() {
+    use burn::module::{Lora, QLora};
     use mha::LoadPyTorch;
     let f = crate::util::Fixture::load("mha_causal_self");
     for b in backends() {
-        let attention = MultiHeadAttentionConfig::new(16, 4).init(&b.device);
-        let quantized = attention.quantize_weights(&mut q8(&b.device));
-        let err = quantized.load_pytorch(&f.weights, "model.").unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "key `model.in_proj_weight`: the module's parameter is quantized: load PyTorch's \
-             weights into the module before quantizing it (Module::quantize_weights)",
-            "[{}]",
-            b.name
-        );
+        let attention = || MultiHeadAttentionConfig::new(16, 4).init(&b.device);
+        let quantized = attention().quantize_weights(&mut q8(&b.device));
+        let qlora = attention().apply_qlora(QLora::new(Lora::new(2, 4.0), q8(&b.device)));
+        for (what, module) in [("quantized", quantized), ("QLoRA", qlora)] {
+            let err = module.load_pytorch(&f.weights, "model.").unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                "key `model.in_proj_weight`: the module's parameter is quantized: load \
+                 PyTorch's weights into the module before quantizing it \
+                 (Module::quantize_weights)",
+                "[{}] {what}",
+                b.name
+            );
+        }
     }
 }
 

@@ -521,7 +521,8 @@ pub(crate) struct Place {
 
 impl Place {
     pub(crate) fn of<const D: usize>(param: &Param<Tensor<D>>) -> Self {
-        let value = param.val();
+        // The stored tensor: an adapted parameter's (LoRA, QLoRA) without its adapter.
+        let value = param.base();
         Self {
             device: value.device(),
             dtype: value.dtype(),
