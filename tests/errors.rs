@@ -1493,3 +1493,20 @@ fn refused_on(d: Device, o: Device) {
         assert!(got.contains(&want), "{got:?} lacks {want:?}");
     }
 }
+
+#[test]
+fn cross_attention_refuses_the_memory_of_another_module_by_its_heads() {
+    let d = dev();
+    let attention = MultiHeadAttentionConfig::new(16, 4).init(&d);
+    let grouped = MultiHeadAttentionConfig::new(16, 4)
+        .with_n_kv_heads(Some(2))
+        .init(&d);
+    let memory = grouped.memory_kv(randn([2, 5, 16], 1, &d));
+    let x = randn([2, 3, 16], 2, &d);
+    let message = panic_message(|| {
+        attention.cross_attention_cached(x, &memory, AttentionMask::none());
+    });
+    let expected = "MultiHeadAttention: the memory's keys and values are 2 heads 4 wide and \
+                    the module's 4 heads 4 wide (MemoryKv of another module)";
+    assert!(message.contains(expected), "{message:?} lacks {expected:?}");
+}

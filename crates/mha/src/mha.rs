@@ -651,6 +651,14 @@ impl MultiHeadAttention {
             "MultiHeadAttention: the memory's keys and values are on {at:?} and the query on \
              {device:?}"
         );
+        let [_, heads, _, head_dim] = memory.keys_dims();
+        assert!(
+            [heads, head_dim] == [self.n_kv_heads, self.head_dim],
+            "MultiHeadAttention: the memory's keys and values are {heads} heads {head_dim} \
+             wide and the module's {} heads {} wide (MemoryKv of another module)",
+            self.n_kv_heads,
+            self.head_dim
+        );
         let q = self.project_q(x);
         let q = self.query_heads(q);
         let (k, v) = (memory.keys.clone(), memory.values.clone());

@@ -649,7 +649,8 @@ impl CausalLm {
     /// If an id of `tokens` is not below the vocabulary's size, naming it and its place
     /// (the ids are read back to the host for that, as `cross_entropy` reads its targets);
     /// as [`Encoder::forward`](crate::Encoder::forward) for the mask (one that does not
-    /// broadcast to the scores, or on another device).
+    /// broadcast to the scores, or on another device) and, for GPT-2's learned positions,
+    /// for an input past `n_positions`.
     pub fn forward(&self, tokens: Tensor<2, Int>, mask: AttentionMask) -> Tensor<3> {
         let x = self.embed(tokens);
         let input = BlockInput::new(x).mask(mask);
