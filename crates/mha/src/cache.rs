@@ -8,7 +8,8 @@
 //! values and reads the cached ones where they lie, with no concatenation of the whole
 //! cache. Keys are stored as attention uses them (RoPE already applied at their
 //! positions). With a window ([`KvCache::sliding`]) the storage is a ring of `W` slots
-//! (more with [`KvCache::with_rollback`]) that keeps the last `W` positions, for
+//! that keeps the last `W` positions (`W + k` of each with
+//! [`with_rollback(k)`](KvCache::with_rollback)), for
 //! sliding-window attention of any length; a step reads a ring of `W` as it lies where
 //! the order of the keys does not matter, and in the order of their positions (the
 //! window's `W - 1` cached keys and values copied once per step) where it does: a mask
@@ -280,9 +281,10 @@ impl KvCache {
     /// `len` positions or more of a cache that holds fewer changes nothing.
     ///
     /// A sliding cache writes each position over the oldest of its ring: it can go back to
-    /// any length while it holds no more positions than its ring has slots, and then one
-    /// position back, or `k + 1` with [`with_rollback(k)`](Self::with_rollback) (a window
-    /// of `W` needs the `W - 1` positions before the next one).
+    /// any length until it has written more positions than its ring has slots; after that,
+    /// to one position before the furthest it has written, or `k + 1` with
+    /// [`with_rollback(k)`](Self::with_rollback), however far an earlier truncate took it
+    /// (a window of `W` needs the `W - 1` positions before the next one).
     ///
     /// # Errors
     /// [`CacheError::Truncate`] for a sliding cache whose window would need overwritten
@@ -686,7 +688,8 @@ impl StackCache {
     /// decoder's source): see [`KvCache::select_rows`].
     ///
     /// # Errors
-    /// [`CacheError::Row`] for a row past a layer's batch; nothing is changed.
+    /// [`CacheError::Row`] for a row past a layer's batch or a decoder source's; nothing is
+    /// changed.
     pub fn select_rows(&mut self, rows: &[usize]) -> Result<(), CacheError> {
         for layer in &self.layers {
             layer.check_rows(rows)?;

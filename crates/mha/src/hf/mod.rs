@@ -160,8 +160,8 @@ pub struct HfConfig {
     /// RoPE's base and kind, in configurations written by transformers 5.
     #[serde(default)]
     pub rope_parameters: Option<RopeParameters>,
-    /// RoPE scaling, in configurations written before `rope_parameters` (`null` when
-    /// there is none).
+    /// RoPE scaling, in configurations written before `rope_parameters` (`null` or `{}`
+    /// when there is none).
     #[serde(default)]
     pub rope_scaling: Option<RopeParameters>,
     /// Biases in the attention's projections (read for Llama and Qwen3; Mistral has none,

@@ -694,10 +694,6 @@ fn add_biases(a: Tensor<4>, b: Tensor<4>) -> Tensor<4> {
     cast(a) + cast(b)
 }
 
-/// Checks that two parts of masks joined by [`AttentionMask::and`] broadcast together.
-///
-/// # Panics
-/// Naming `what` and both shapes.
 /// Panics, naming both devices, when two masks' `what` are on different devices.
 fn check_same_device(what: &str, a: Device, b: Device) {
     assert!(
@@ -706,6 +702,10 @@ fn check_same_device(what: &str, a: Device, b: Device) {
     );
 }
 
+/// Checks that two parts of masks joined by [`AttentionMask::and`] broadcast together.
+///
+/// # Panics
+/// Naming `what` and both shapes.
 fn check_together(what: &str, a: [usize; 4], b: [usize; 4]) {
     let fits = a.iter().zip(b).all(|(&x, y)| x == y || x == 1 || y == 1);
     assert!(

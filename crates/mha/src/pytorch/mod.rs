@@ -467,7 +467,9 @@ pub trait LoadPyTorch: Sized {
     ///
     /// # Errors
     /// An [`ImportError`] naming the key, when a key is missing, unexpected, or of
-    /// another shape than this module's configuration implies.
+    /// another shape than this module's configuration implies; [`ImportError::Convention`]
+    /// for a quantized parameter (`quantize_weights`, `apply_qlora`): load before
+    /// quantizing.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError>;
 }
 
