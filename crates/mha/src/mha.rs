@@ -869,9 +869,11 @@ impl MultiHeadAttention {
         })
     }
 
-    /// The device of the module's parameters (its output projection's).
+    /// The device of the module's parameters (its output projection's), read without
+    /// computing the weight (`val` would materialize a LoRA adapter's product at every
+    /// check).
     fn device(&self) -> Device {
-        self.out_proj.weight.val().device()
+        self.out_proj.weight.lazy_device()
     }
 
     /// Projects the inputs to Q `[B, Tq, H·Dh]`, K and V `[B, Tk, Hkv·Dh]`.
