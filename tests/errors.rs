@@ -1229,6 +1229,127 @@ fn imports_refuse_layers_and_sinks_the_module_cannot_take() {
     }
 }
 
+/// Weights that are NaN or infinite, or finite but past the range of the dtype they load
+/// into (70000 into f16, 1e39 into f32), are refused naming the key, the element and its
+/// value (they loaded, as PyTorch's `load_state_dict` copies them: a NaN weight made every
+/// output NaN); the largest value a dtype holds loads.
+#[test]
+fn imports_refuse_weights_that_are_not_finite_in_the_modules_dtype() {
+    use mha::ModuleDType;
+    use safetensors::Dtype;
+    let floats =
+        |values: &[f32]| -> Vec<u8> { values.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    // An attention module's weights: `out_proj.weight` [8, 8] as `out` (of `dtype`), and
+    // sinks where given.
+    let weights = |dtype: Dtype, out: Vec<u8>, sinks: Option<[f32; 2]>| {
+        let mut tensors = vec![
+            (
+                "in_proj_weight",
+                Dtype::F32,
+                vec![24, 8],
+                floats(&[0.1; 192]),
+            ),
+            ("out_proj.weight", dtype, vec![8, 8], out),
+        ];
+        if let Some(sinks) = sinks {
+            tensors.push(("sinks", Dtype::F32, vec![2], floats(&sinks)));
+        }
+        let views = tensors.iter().map(|(key, dtype, shape, bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes);
+            (key.to_string(), view.unwrap())
+        });
+        PyTorchWeights::from_bytes(&safetensors::serialize(views, None).unwrap(), "t").unwrap()
+    };
+    let f32s = |at: usize, x: f32| -> Vec<u8> {
+        let mut values = [0.25f32; 64];
+        values[at] = x;
+        floats(&values)
+    };
+    let f64s = |at: usize, x: f64| -> Vec<u8> {
+        let mut values = [0.25f64; 64];
+        values[at] = x;
+        values.iter().flat_map(|x| x.to_le_bytes()).collect()
+    };
+    let load = |weights: &PyTorchWeights, device: &Device, half: bool| {
+        let sinks = weights.contains("sinks");
+        let module = MultiHeadAttentionConfig::new(8, 2)
+            .with_bias(false)
+            .with_sinks(sinks)
+            .init(device);
+        let module = match half {
+            true => module.to_dtype(burn::tensor::FloatDType::F16),
+            false => module,
+        };
+        module.load_pytorch(weights, "").map(|_| ())
+    };
+    let d = dev();
+    let cases = [
+        (
+            weights(Dtype::F32, f32s(21, f32::NAN), None),
+            "key `out_proj.weight`: element [2, 5] is NaN: weights must be finite",
+        ),
+        (
+            weights(Dtype::F32, f32s(0, f32::NEG_INFINITY), None),
+            "key `out_proj.weight`: element [0, 0] is -inf: weights must be finite",
+        ),
+        (
+            weights(Dtype::F64, f64s(63, 1e39), None),
+            "key `out_proj.weight`: element [7, 7] is 1e39, past the range of f32, the dtype \
+             it loads into (load it into a wider one)",
+        ),
+    ];
+    for (weights, want) in cases {
+        let err = load(&weights, &d, false).unwrap_err();
+        assert!(matches!(err, ImportError::Value { .. }), "{err:?}");
+        assert_eq!(err.to_string(), want);
+        // Read alone, the values are as they are.
+        let read =
+            weights.tensor_as::<2>("out_proj.weight", [8, 8], burn::tensor::FloatDType::F32, &d);
+        assert!(read.is_ok(), "{want}");
+    }
+    // f32's largest value loads, and a sink of -inf (no sink).
+    load(
+        &weights(Dtype::F64, f64s(5, f32::MAX.into()), None),
+        &d,
+        false,
+    )
+    .unwrap();
+    let no_sink = Some([0.5, f32::NEG_INFINITY]);
+    load(&weights(Dtype::F32, f32s(5, 1.0), no_sink), &d, false).unwrap();
+    // Into f16, on each device that computes in it: 65504 (f16's largest) loads, 70000
+    // does not, in a weight or a sink.
+    let mut tried = 0;
+    for b in crate::util::backends().filter(|b| b.device.supports_dtype(burn::tensor::DType::F16)) {
+        tried += 1;
+        let label = b.name;
+        let fits = weights(
+            Dtype::F32,
+            f32s(10, -65504.0),
+            Some([65504.0, f32::NEG_INFINITY]),
+        );
+        load(&fits, &b.device, true).unwrap_or_else(|e| panic!("[{label}] {e}"));
+        let err = load(
+            &weights(Dtype::F32, f32s(10, 70000.0), None),
+            &b.device,
+            true,
+        );
+        assert_eq!(
+            err.unwrap_err().to_string(),
+            "key `out_proj.weight`: element [1, 2] is 70000.0, past the range of f16, the \
+             dtype it loads into (load it into a wider one)",
+            "[{label}]"
+        );
+        let sink = weights(Dtype::F32, f32s(10, 1.0), Some([0.5, -1e5]));
+        assert_eq!(
+            load(&sink, &b.device, true).unwrap_err().to_string(),
+            "key `sinks`: element [1] is -100000.0, past the range of f16, the dtype it loads \
+             into (load it into a wider one)",
+            "[{label}]"
+        );
+    }
+    assert!(tried > 0, "no backend computes in f16 (flex does)");
+}
+
 /// Numbers of a `config.json` no model can be built with are named as the file names
 /// them (they were named by the blocks' fields: `EncoderBlockConfig.d_ff`), with the
 /// file's names of the other fields the message speaks of; a BERT of no layers has its

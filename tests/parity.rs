@@ -2588,12 +2588,79 @@ fn a_checkpoint_in_shards_loads_as_its_single_file() {
         err.contains("model.safetensors.index.json: not a safetensors index with a weight_map"),
         "{err}"
     );
+    // A shard is a file of the directory: one elsewhere (a path out of it, absolute, or
+    // a device, which reads without end) is refused by its key and name.
+    for file in [
+        "../model.safetensors",
+        "/dev/null",
+        "shards/a.safetensors",
+        "",
+    ] {
+        let index = serde_json::json!({ "weight_map": { "lm_head.weight": file } });
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let err = load_pretrained(&dir, &device).unwrap_err().to_string();
+        assert!(
+            err.ends_with(&format!(
+                "model.safetensors.index.json: weight_map's `lm_head.weight` is in {file:?}, \
+                 which is not the name of a file in the model's directory"
+            )),
+            "{err}"
+        );
+    }
+    // A device or a folder given as the weights' file is named, not read.
+    for path in [std::path::Path::new("/dev/zero"), &dir] {
+        let err = mha::PyTorchWeights::from_file(path).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "cannot read {}: not a regular file (a directory, a device or a pipe)",
+                path.display()
+            )
+        );
+    }
     std::fs::remove_file(dir.join("model.safetensors.index.json")).unwrap();
     let err = load_pretrained(&dir, &device).unwrap_err().to_string();
     assert!(
         err.contains("neither model.safetensors nor model.safetensors.index.json"),
         "{err}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `config.json` whose sizes the weights do not have is refused by the first weight's
+/// shape, without building the model's random weights of the configured sizes first: a
+/// vocabulary of 2^40 tokens aborted the process (it allocated the table, terabytes,
+/// before comparing shapes).
+#[test]
+fn a_config_larger_than_its_weights_is_refused_by_shape_without_allocating() {
+    use mha::hf::load_pretrained;
+    let model = crate::util::root().join("tests/fixtures/hf_tiny_llama");
+    let dir = std::env::temp_dir().join(format!("mha-huge-vocab-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        model.join("model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    let width = config["hidden_size"].as_u64().unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    config["vocab_size"] = (1u64 << 40).into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    for b in backends() {
+        let err = load_pretrained(&dir, &b.device).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            format!(
+                "key `model.embed_tokens.weight`: expected shape [{}, {width}], found \
+                 [{vocab}, {width}]",
+                1u64 << 40
+            ),
+            "[{}]",
+            b.name
+        );
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

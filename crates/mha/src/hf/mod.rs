@@ -51,7 +51,7 @@
 //! Llama family); the embeddings' dropout (`hidden_dropout_prob` there, `embd_pdrop`) has
 //! no counterpart.
 
-use std::path::Path;
+use std::path::{Component, Path};
 
 use burn::config::Config;
 use burn::module::Module;
@@ -830,11 +830,32 @@ pub fn read_pretrained(dir: impl AsRef<Path>) -> Result<(HfConfig, PyTorchWeight
     let weights = match (single.exists(), index.exists()) {
         (true, _) => PyTorchWeights::from_file(&single)?,
         (false, true) => {
-            let bytes = read_file(&index)?;
+            let index_path = index;
+            let bytes = read_file(&index_path)?;
             let index = ShardIndex::load_binary(&bytes).map_err(|err| ImportError::Config {
-                what: index.display().to_string(),
+                what: index_path.display().to_string(),
                 message: format!("not a safetensors index with a weight_map ({err})"),
             })?;
+            // A shard is a file of the model's directory: a path elsewhere (absolute, or
+            // through `..`) is refused, as is a device (`/dev/zero` reads without end).
+            let elsewhere = index.weight_map.iter().find(|(_, file)| {
+                let mut parts = Path::new(file.as_str())
+                    .components()
+                    .filter(|part| *part != Component::CurDir);
+                !matches!(
+                    (parts.next(), parts.next()),
+                    (Some(Component::Normal(_)), None)
+                )
+            });
+            if let Some((key, file)) = elsewhere {
+                return Err(ImportError::Config {
+                    what: index_path.display().to_string(),
+                    message: format!(
+                        "weight_map's `{key}` is in {file:?}, which is not the name of a file \
+                         in the model's directory"
+                    ),
+                });
+            }
             let files: std::collections::BTreeSet<&String> = index.weight_map.values().collect();
             PyTorchWeights::from_files(files.into_iter().map(|file| dir.join(file)))?
         }

@@ -52,7 +52,7 @@ fn load_sinks(
             Ok(Some(sinks.clone()))
         }
         Some(sinks) => {
-            let loaded = Place::of(sinks).load(weights, key, [mha.n_heads])?;
+            let loaded = Place::of(sinks).load_as_stored(weights, key, [mha.n_heads])?;
             // A logit of +inf or NaN makes every row's weights NaN or 0: refused here,
             // where it is read once (-inf: that head has no sink).
             let values = loaded.clone().into_data().convert::<f32>();
@@ -259,7 +259,7 @@ pub(crate) fn load_projections(
     let kv_width = mha.n_kv_heads * mha.head_dim;
     mha.in_proj = match mha.in_proj {
         InputProjection::Packed(proj) => {
-            let [d_in, _] = proj.weight.shape().dims::<2>();
+            let [d_in, _] = proj.weight.lazy_shape().dims::<2>();
             let weight = Place::of(&proj.weight);
             let parts = [(&q, q_width), (&k, kv_width), (&v, kv_width)];
             let loaded = parts

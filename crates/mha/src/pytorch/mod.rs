@@ -98,7 +98,7 @@ use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::Linear;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData, bf16, f16};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::block::{DecoderBlock, EncoderBlock, FeedForward};
@@ -175,6 +175,18 @@ pub enum ImportError {
         /// What is wrong, and what the modules take.
         message: String,
     },
+    /// A weight is NaN or infinite, or a finite value past the range of the dtype it loads
+    /// into (70000 into f16), which the conversion would make infinite.
+    Value {
+        /// The full key.
+        key: String,
+        /// Where in the stored tensor (its own layout, PyTorch's).
+        index: Vec<usize>,
+        /// The value as stored.
+        value: f64,
+        /// The dtype it loads into.
+        dtype: DType,
+    },
     /// A tensor was asked for in a dtype its device does not compute in.
     DeviceDtype {
         /// The full key.
@@ -208,6 +220,23 @@ impl fmt::Display for ImportError {
             }
             Self::Convention { key, message } => write!(f, "key `{key}`: {message}"),
             Self::Config { what, message } => write!(f, "{what}: {message}"),
+            Self::Value {
+                key,
+                index,
+                value,
+                dtype,
+            } if value.is_finite() => write!(
+                f,
+                "key `{key}`: element {index:?} is {value:?}, past the range of {}, the dtype \
+                 it loads into (load it into a wider one)",
+                dtype.name()
+            ),
+            Self::Value {
+                key, index, value, ..
+            } => write!(
+                f,
+                "key `{key}`: element {index:?} is {value:?}: weights must be finite"
+            ),
             Self::DeviceDtype { key, dtype, device } => write!(
                 f,
                 "key `{key}`: {}, which the device {device} does not compute in (ask for \
@@ -383,7 +412,8 @@ impl PyTorchWeights {
     }
 
     /// The tensor under `key` converted to `dtype` (on the host, before it reaches the
-    /// device), checked to have shape `expected`.
+    /// device), checked to have shape `expected`. Its values are read as they are: a
+    /// value past `dtype`'s range becomes infinite (a module's import refuses it).
     ///
     /// # Errors
     /// As [`tensor`](Self::tensor), [`ImportError::DeviceDtype`] when `device` does not
@@ -473,12 +503,63 @@ pub trait LoadPyTorch: Sized {
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError>;
 }
 
-/// The bytes of the file at `path`, or [`ImportError::Io`] naming it.
+/// The bytes of the file at `path`, or [`ImportError::Io`] naming it (also for a path that
+/// is not a regular file: a device or a pipe may read without end).
 pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, ImportError> {
-    std::fs::read(path).map_err(|source| ImportError::Io {
+    let error = |source| ImportError::Io {
         path: path.to_path_buf(),
         source,
-    })
+    };
+    if std::fs::metadata(path).map_err(error)?.is_file() {
+        return std::fs::read(path).map_err(error);
+    }
+    let other = "not a regular file (a directory, a device or a pipe)";
+    Err(error(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        other,
+    )))
+}
+
+/// The first element of `data` (flat index, stored value) that is not a finite number once
+/// converted to `dtype`: NaN, an infinity, or a finite value past `dtype`'s range (only the
+/// last where `stored_ok`).
+fn first_unfit(data: &TensorData, dtype: DType, stored_ok: bool) -> Option<(usize, f64)> {
+    let fits = |x: f64| match dtype {
+        _ if stored_ok && !x.is_finite() => true,
+        DType::F64 => x.is_finite(),
+        DType::F16 => f16::from_f64(x).is_finite(),
+        DType::BF16 => bf16::from_f64(x).is_finite(),
+        _ => (x as f32).is_finite(),
+    };
+    // Read from the bytes (little-endian, as safetensors stores them): no alignment needed.
+    fn first<const N: usize>(
+        data: &TensorData,
+        wide: impl Fn([u8; N]) -> f64,
+        fits: impl Fn(f64) -> bool,
+    ) -> Option<(usize, f64)> {
+        data.as_bytes()
+            .chunks_exact(N)
+            .map(|bytes| wide(bytes.try_into().expect("chunks of N bytes")))
+            .enumerate()
+            .find(|(_, x)| !fits(*x))
+    }
+    match data.dtype() {
+        DType::F64 => first(data, f64::from_le_bytes, fits),
+        DType::F32 => first(data, |b| f32::from_le_bytes(b).into(), fits),
+        DType::F16 => first(data, |b| f16::from_le_bytes(b).into(), fits),
+        DType::BF16 => first(data, |b| bf16::from_le_bytes(b).into(), fits),
+        _ => None,
+    }
+}
+
+/// The index of each axis of the element at `flat` in a row-major tensor of `shape`.
+fn unravel(mut flat: usize, shape: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; shape.len()];
+    for (i, len) in index.iter_mut().zip(shape).rev() {
+        *i = flat % len;
+        flat /= len;
+    }
+    index
 }
 
 /// Replaces a parameter's value, keeping its id, whether it is trained, and what Burn
@@ -489,13 +570,19 @@ pub(crate) fn set<const D: usize>(param: Param<Tensor<D>>, value: Tensor<D>) -> 
     struct Set<const D: usize>(Option<Tensor<D>>);
     impl<const D: usize> ModuleMapper for Set<D> {
         fn map_float<const E: usize>(&mut self, param: Param<Tensor<E>>) -> Param<Tensor<E>> {
-            match self.0.take() {
-                Some(value) => param.map(|old| {
-                    // The base is the parameter mapped first: `E` is `D` (its shape).
-                    let value: Tensor<E> = value.reshape(old.shape());
-                    value.set_require_grad(old.is_require_grad())
-                }),
-                None => param,
+            // The base is the parameter mapped first: `E` is `D` (its shape).
+            let Some(value) = self.0.take() else {
+                return param;
+            };
+            let value: Tensor<E> = value.reshape(param.lazy_shape());
+            match param.is_initialized() {
+                true => param.map(|old| value.set_require_grad(old.is_require_grad())),
+                // Not built yet: replaced as Burn loads a record into it, without building
+                // its random value first.
+                false => {
+                    let id = param.id;
+                    param.transform_for_load(value, id)
+                }
             }
         }
     }
@@ -509,7 +596,7 @@ pub(crate) fn load_param<const D: usize>(
     weights: &PyTorchWeights,
     key: &str,
 ) -> Result<Param<Tensor<D>>, ImportError> {
-    let shape = param.shape().dims::<D>();
+    let shape = param.lazy_shape().dims::<D>();
     let value = Place::of(&param).load(weights, key, shape)?;
     Ok(set(param, value))
 }
@@ -523,6 +610,15 @@ pub(crate) struct Place {
 
 impl Place {
     pub(crate) fn of<const D: usize>(param: &Param<Tensor<D>>) -> Self {
+        if !param.is_initialized() {
+            // Not built yet (Burn's initializers build on first use): it would be built on
+            // its device in the device's float dtype. Reading its value would build a
+            // random tensor of the whole shape, only to replace it (for a shape a config
+            // got wrong, before the weights' shape is checked against it).
+            let device = param.lazy_device();
+            let dtype = device.settings().float_dtype.into();
+            return Self { device, dtype };
+        }
         // The stored tensor: an adapted parameter's (LoRA, QLoRA) without its adapter.
         let value = param.base();
         Self {
@@ -542,15 +638,53 @@ impl Place {
         key: &str,
         shape: [usize; D],
     ) -> Result<Tensor<D>, ImportError> {
-        if let DType::QFloat(_) = self.dtype {
-            return Err(ImportError::Convention {
+        self.load_checked(weights, key, shape, false)
+    }
+
+    /// As [`load`](Self::load), but a value stored NaN or infinite is let through, for a
+    /// parameter whose loader gives some a meaning and refuses the others itself (a sink
+    /// of -inf is none); a finite value past the dtype's range is refused all the same.
+    pub(crate) fn load_as_stored<const D: usize>(
+        &self,
+        weights: &PyTorchWeights,
+        key: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ImportError> {
+        self.load_checked(weights, key, shape, true)
+    }
+
+    /// The tensor under `key` in this place's dtype, refused ([`ImportError::Value`]) at
+    /// its first element that is NaN or infinite there (but for one stored so, where
+    /// `stored_ok`).
+    fn load_checked<const D: usize>(
+        &self,
+        weights: &PyTorchWeights,
+        key: &str,
+        shape: [usize; D],
+        stored_ok: bool,
+    ) -> Result<Tensor<D>, ImportError> {
+        self.refuse_quantized(key)?;
+        if let Some((at, value)) = first_unfit(weights.data(key, &shape)?, self.dtype, stored_ok) {
+            return Err(ImportError::Value {
+                key: key.to_string(),
+                index: unravel(at, &shape),
+                value,
+                dtype: self.dtype,
+            });
+        }
+        weights.tensor_as(key, shape, self.dtype, &self.device)
+    }
+
+    fn refuse_quantized(&self, key: &str) -> Result<(), ImportError> {
+        match self.dtype {
+            DType::QFloat(_) => Err(ImportError::Convention {
                 key: key.to_string(),
                 message: "the module's parameter is quantized: load PyTorch's weights into \
                           the module before quantizing it (Module::quantize_weights)"
                     .into(),
-            });
+            }),
+            _ => Ok(()),
         }
-        weights.tensor_as(key, shape, self.dtype, &self.device)
     }
 }
 
@@ -596,7 +730,7 @@ fn load_linear_from(
     weight_at: Stored,
     bias_at: Stored,
 ) -> Result<Linear, ImportError> {
-    let [d_in, d_out] = linear.weight.shape().dims::<2>();
+    let [d_in, d_out] = linear.weight.lazy_shape().dims::<2>();
     let Linear { weight, bias } = linear;
     let w = weight_at.load(weights, d_out, [0, d_in], &Place::of(&weight))?;
     let weight = set(weight, w.transpose());

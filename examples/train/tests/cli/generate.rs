@@ -55,39 +55,54 @@ fn generate_reads_the_task_grammar_strictly() {
 #[test]
 fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
     let root = scratch("symbols");
-    let dir = root.join("run");
-    let out = run(on_flex(&[
-        "--task",
-        "copy",
-        "--min-len",
-        "2",
-        "--max-len",
-        "3",
-        "--symbols",
-        "70",
-    ])
-    .args([
-        "--positions",
-        "learned",
-        "--d-model",
-        "32",
-        "--epochs",
-        "1",
-        "--steps-per-epoch",
-        "10",
-        "--eval-examples",
-        "8",
-    ])
-    .arg("--out")
-    .arg(&dir));
-    assert!(out.status.success());
-    let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("65 3 69"));
-    assert!(out.status.success());
-    let answer = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        answer
-            .split_whitespace()
-            .all(|w| w.parse::<usize>().is_ok_and(|n| n < 70)),
-        "{answer}"
-    );
+    // A model this briefly trained may end its answer at once (then nothing is printed
+    // to check): seeds in turn until one answers, every answer checked.
+    let mut answered = 0;
+    for seed in ["1", "2", "3", "4", "5", "6"] {
+        let dir = root.join(format!("run-{seed}"));
+        let out = run(on_flex(&[
+            "--task",
+            "copy",
+            "--min-len",
+            "2",
+            "--max-len",
+            "3",
+            "--symbols",
+            "70",
+        ])
+        .args([
+            "--positions",
+            "learned",
+            "--d-model",
+            "32",
+            "--epochs",
+            "1",
+            "--steps-per-epoch",
+            "10",
+            "--eval-examples",
+            "8",
+            "--seed",
+            seed,
+        ])
+        .arg("--out")
+        .arg(&dir));
+        assert!(out.status.success());
+        let out = run(on_flex(&["generate", "--out"]).arg(&dir).arg("65 3 69"));
+        assert!(out.status.success());
+        let answer = String::from_utf8_lossy(&out.stdout);
+        if answer.contains("(nothing: the model ended its answer at once)") {
+            continue;
+        }
+        assert!(
+            answer
+                .split_whitespace()
+                .all(|w| w.parse::<usize>().is_ok_and(|n| n < 70)),
+            "seed {seed}: {answer}"
+        );
+        answered += 1;
+        if answered == 2 {
+            return;
+        }
+    }
+    panic!("{answered} of 6 seeds' models answered (2 wanted)");
 }
