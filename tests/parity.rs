@@ -1592,12 +1592,31 @@ fn llama_family_fields_left_out_take_transformers_defaults() {
             config[key] = value.clone();
         }
         let bytes = serde_json::to_vec(&config).unwrap();
-        HfConfig::from_json(&bytes, "config.json")
+        let parsed = HfConfig::from_json(&bytes, "config.json");
+        // Read by Burn's `Config::load_binary` (and `load`), the same defaults (they
+        // had none).
+        if let Ok(config) = &parsed {
+            let burns = <HfConfig as burn::config::Config>::load_binary(&bytes).unwrap();
+            assert_eq!(
+                serde_json::to_value(burns).unwrap(),
+                serde_json::to_value(config).unwrap()
+            );
+        }
+        parsed
     };
     let block = |changes, removed: &[&str]| parse(changes, removed).and_then(|c| c.block());
     let window = |changes, removed: &[&str]| block(changes, removed).unwrap().window;
     let none: &[&str] = &["sliding_window"];
     assert_eq!(window(json!({"model_type": "mistral"}), none), Some(4096));
+    // As Burn's `Config::load` reads a file.
+    let path = std::env::temp_dir().join(format!("mha-mistral-{}.json", std::process::id()));
+    let mut mistral = base.clone();
+    mistral["model_type"] = "mistral".into();
+    mistral.as_object_mut().unwrap().remove("sliding_window");
+    std::fs::write(&path, mistral.to_string()).unwrap();
+    let loaded = <HfConfig as burn::config::Config>::load(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(loaded.sliding_window, Some(4096));
     let off = json!({"model_type": "mistral", "sliding_window": null});
     assert_eq!(window(off, &[]), None);
     assert_eq!(window(json!({"model_type": "llama"}), none), None);

@@ -130,7 +130,9 @@ fn parse_config<C: Config>(json: &[u8], source: &str, family: &str) -> Result<C,
 }
 
 /// The fields of a Llama-family `config.json` that shape a decoder layer (the others
-/// are read past). Field names are Hugging Face's.
+/// are read past). Field names are Hugging Face's. Read by [`from_json`](Self::from_json)
+/// or Burn's `Config::load`, a field the file leaves out takes transformers' default for
+/// the model type; serde's `Deserialize` alone reads the fields as the file gives them.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct HfConfig {
     /// `llama`, `mistral`, `qwen2` or `qwen3`.
@@ -272,7 +274,31 @@ impl<'de> Deserialize<'de> for Given {
     }
 }
 
-impl Config for HfConfig {}
+/// An [`HfConfig`] as the file gives it, before transformers' defaults.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+struct AsGiven(HfConfig);
+
+impl Config for AsGiven {}
+
+/// Burn's `load` and `load_binary` give transformers' defaults too, as
+/// [`HfConfig::from_json`] does.
+impl Config for HfConfig {
+    fn load<P: AsRef<Path>>(file: P) -> Result<Self, burn::config::ConfigError> {
+        let path = file.as_ref();
+        let bytes = std::fs::read(path).map_err(|_| {
+            burn::config::ConfigError::FileNotFound(path.to_string_lossy().into_owned())
+        })?;
+        Self::load_binary(&bytes)
+    }
+
+    fn load_binary(data: &[u8]) -> Result<Self, burn::config::ConfigError> {
+        let AsGiven(mut config) = AsGiven::load_binary(data)?;
+        let given = GivenFields::load_binary(data)?;
+        config.default_absent(&given);
+        Ok(config)
+    }
+}
 
 impl HfConfig {
     /// Reads a model's `config.json`.
@@ -296,17 +322,22 @@ impl HfConfig {
     /// # Errors
     /// [`ImportError::Config`] when it is not a configuration with the fields above.
     pub fn from_json(json: &[u8], source: &str) -> Result<Self, ImportError> {
-        let mut config: Self = parse_config(json, source, "Llama-family")?;
-        let given: GivenFields = parse_config(json, source, "Llama-family")?;
-        let family = config.model_type.as_str();
+        parse_config(json, source, "Llama-family")
+    }
+
+    /// Gives each optional field the file leaves out (`given` says which it has, `null`
+    /// included) transformers' default for the model type (see
+    /// [`from_json`](Self::from_json)).
+    fn default_absent(&mut self, given: &GivenFields) {
+        let family = self.model_type.as_str();
         if matches!(family, "mistral" | "qwen2" | "qwen3") && !given.sliding_window.0 {
-            config.sliding_window = Some(4096);
+            self.sliding_window = Some(4096);
         }
         if matches!(family, "qwen2" | "qwen3") && !given.max_window_layers.0 {
-            config.max_window_layers = Some(28);
+            self.max_window_layers = Some(28);
         }
         if !given.max_position_embeddings.0 {
-            config.max_position_embeddings = match family {
+            self.max_position_embeddings = match family {
                 "llama" => Some(2048),
                 "mistral" => Some(131_072),
                 "qwen2" | "qwen3" => Some(32_768),
@@ -314,13 +345,12 @@ impl HfConfig {
             };
         }
         if !given.num_key_value_heads.0 {
-            config.num_key_value_heads = match family {
+            self.num_key_value_heads = match family {
                 "mistral" => Some(8),
                 "qwen2" | "qwen3" => Some(32),
                 _ => None,
             };
         }
-        Ok(config)
     }
 
     /// The configuration of one decoder layer as a causal [`EncoderBlock`].
