@@ -1010,6 +1010,18 @@ fn rows_past_the_batch_are_refused_and_change_nothing() {
         message.contains("KvCache::with_rollback: the cache holds 2 positions"),
         "{message}"
     );
+    // More slots than a usize counts: named (it overflowed: "attempt to add with
+    // overflow" in a debug build; in a release build a ring of 3 slots).
+    let message = crate::util::panic_message(|| {
+        let _ = KvCache::sliding(4).with_rollback(usize::MAX);
+    });
+    assert!(
+        message.contains(
+            "KvCache::with_rollback: a window of 4 and 18446744073709551615 positions of \
+             rollback are more slots than a usize counts"
+        ),
+        "{message}"
+    );
 }
 
 #[test]

@@ -1439,6 +1439,28 @@ fn config_numbers_no_model_takes_are_named_as_the_file_names_them() {
             gpt2(&[("n_inner", 0.into())]),
             "`n_inner` of config.json: must be at least 1, got 0",
         ),
+        // Sizes whose products overflow (in a debug build they panicked, "attempt to
+        // multiply with overflow"; in a release build they wrapped).
+        (
+            llama(&[("head_dim", (1u64 << 62).into())]),
+            "`head_dim` of config.json: d_model = 32 · n_heads + 2 n_kv_heads = 8 · \
+             head_dim = 4611686018427387904 make a weight of more than the \
+             1152921504606846975 elements a tensor can hold",
+        ),
+        (
+            gpt2(&[
+                ("n_embd", (1u64 << 62).into()),
+                ("n_head", 1.into()),
+                ("n_inner", serde_json::Value::Null),
+            ]),
+            "`n_embd` of config.json: 4611686018427387904 is too large: the feed-forward's \
+             width (n_inner, unset: 4 n_embd) overflows a usize",
+        ),
+        (
+            gpt2(&[("n_inner", (1u64 << 62).into())]),
+            "`n_inner` of config.json: d_model = 32 · d_ff = 4611686018427387904 make a \
+             weight of more than the 1152921504606846975 elements a tensor can hold",
+        ),
         (
             bert(&[
                 ("num_hidden_layers", 0.into()),

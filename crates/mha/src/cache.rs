@@ -138,7 +138,8 @@ impl KvCache {
     /// by position can go back to any length: it is left as it is.
     ///
     /// # Panics
-    /// If the cache holds positions (build it with its rollback before decoding).
+    /// If the cache holds positions (build it with its rollback before decoding), or if
+    /// `window + positions` overflows a `usize`.
     pub fn with_rollback(mut self, positions: usize) -> Self {
         assert!(
             self.len == 0,
@@ -147,7 +148,13 @@ impl KvCache {
             self.len
         );
         if self.ring {
-            self.slots = self.window_len() + positions;
+            let window = self.window_len();
+            self.slots = window.checked_add(positions).unwrap_or_else(|| {
+                panic!(
+                    "KvCache::with_rollback: a window of {window} and {positions} positions \
+                     of rollback are more slots than a usize counts"
+                )
+            });
             self.slack = positions;
             // Storage of another size, from an earlier sequence.
             self.store = None;

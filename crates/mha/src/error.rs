@@ -96,6 +96,27 @@ impl Check {
         }
         Ok(())
     }
+
+    /// The product of `factors` (a weight's element count, each factor named) is an
+    /// allocation's worth: at most `isize::MAX` bytes of f64.
+    pub fn fits(&self, field: &'static str, factors: &[(&str, u128)]) -> Result<(), ConfigError> {
+        let most = isize::MAX as u128 / 8;
+        let product = factors
+            .iter()
+            .try_fold(1u128, |product, (_, factor)| product.checked_mul(*factor));
+        if product.is_some_and(|product| product <= most) {
+            return Ok(());
+        }
+        let named: Vec<String> = factors
+            .iter()
+            .map(|(name, value)| format!("{name} = {value}"))
+            .collect();
+        let message = format!(
+            "{} make a weight of more than the {most} elements a tensor can hold",
+            named.join(" · ")
+        );
+        Err(self.err(field, message))
+    }
 }
 
 /// A call with a [`KvCache`](crate::cache::KvCache) was refused; nothing was written to

@@ -315,6 +315,22 @@ impl MultiHeadAttentionConfig {
         }
         let head_dim = self.head_dim.unwrap_or(self.d_model / self.n_heads);
         check.nonzero("head_dim", head_dim)?;
+        // The projections' weights: [d_model, (n_heads + 2 n_kv_heads) head_dim] packed,
+        // [kdim or vdim, n_kv_heads head_dim] apart.
+        let [d_model, kdim_, vdim_, heads, kv_heads, width] =
+            [self.d_model, kdim, vdim, self.n_heads, n_kv_heads, head_dim].map(|n| n as u128);
+        check.fits(
+            "head_dim",
+            &[
+                ("d_model", d_model),
+                ("n_heads + 2 n_kv_heads", heads + 2 * kv_heads),
+                ("head_dim", width),
+            ],
+        )?;
+        for (field, dim) in [("kdim", kdim_), ("vdim", vdim_)] {
+            let factors = [(field, dim), ("n_kv_heads", kv_heads), ("head_dim", width)];
+            check.fits(field, &factors)?;
+        }
         self.positions
             .validate("MultiHeadAttentionConfig", head_dim)?;
         if self.positions.is_absolute() {

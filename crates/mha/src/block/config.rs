@@ -91,7 +91,7 @@ macro_rules! block_config {
                     n_heads: self.n_heads,
                     n_kv_heads: self.n_kv_heads,
                     head_dim: self.head_dim,
-                    d_ff: self.d_ff.unwrap_or(4 * self.d_model),
+                    d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
                     dropout: self.dropout,
                     activation: self.activation,
                     gated: self.gated,
@@ -197,6 +197,11 @@ impl Parts {
         check.nonzero("d_model", self.d_model)?;
         check.nonzero("n_heads", self.n_heads)?;
         check.nonzero("d_ff", self.d_ff)?;
+        let factors = [
+            ("d_model", self.d_model as u128),
+            ("d_ff", self.d_ff as u128),
+        ];
+        check.fits("d_ff", &factors)?;
         check.probability("dropout", self.dropout)?;
         check.positive_f32("layer_norm_eps", self.layer_norm_eps)
     }

@@ -155,8 +155,20 @@ impl Gpt2Config {
                     .into(),
             ));
         }
+        // transformers' default width, 4 n_embd, named by n_embd where it overflows.
+        let d_ff = match self.n_inner {
+            Some(d_ff) => d_ff,
+            None => self.n_embd.checked_mul(4).ok_or_else(|| {
+                let message = format!(
+                    "{} is too large: the feed-forward's width (n_inner, unset: 4 n_embd) \
+                     overflows a usize",
+                    self.n_embd
+                );
+                refuse("n_embd", message)
+            })?,
+        };
         Ok(EncoderBlockConfig::new(self.n_embd, self.n_head)
-            .with_d_ff(Some(self.n_inner.unwrap_or(4 * self.n_embd)))
+            .with_d_ff(Some(d_ff))
             .with_dropout(0.0)
             .with_activation(activation)
             .with_norm(NormKind::Layer)
