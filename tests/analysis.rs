@@ -1212,7 +1212,7 @@ mod maps {
         assert_eq!(&png[1..4], b"PNG");
         let be32 = |at: usize| u32::from_be_bytes(png[at..at + 4].try_into().unwrap());
         assert_eq!(
-            (be32(16), be32(20)),
+            (u64::from(be32(16)), u64::from(be32(20))),
             (w, h),
             "the PNG header's width and height"
         );
@@ -1235,6 +1235,41 @@ mod maps {
             .collect();
         names.sort();
         assert_eq!(names, ["map.png", "map.svg"]);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// A bitmap of more than `i32::MAX` pixels (a head over 2,000,000 keys, or one of
+    /// 4,620 x 4,620 weights) is refused before its buffer is allocated, naming its size,
+    /// and nothing is written; it panicked inside the drawing library (its offsets
+    /// overflow there). SVG has no such limit.
+    #[test]
+    fn a_bitmap_too_large_to_draw_is_refused_by_its_size() {
+        let keys = 2_000_000;
+        let weights = Tensor::<2>::zeros([1, keys], &crate::util::first_device());
+        let a = AttentionMap::head(weights, &labels(1), &labels(keys));
+        let (width, height) = a.size();
+        assert!(width * height > i32::MAX as u64 && width.max(height) < i32::MAX as u64);
+        let too_large = MapError::TooLarge {
+            width,
+            height,
+            bitmap: true,
+        };
+        assert_eq!(
+            too_large.to_string(),
+            format!(
+                "attention map: {width} x {height} pixels is too large: a bitmap holds \
+                 2147483647 pixels (PNG, to_rgb); save it as .svg, or draw fewer tokens or heads"
+            )
+        );
+        assert_eq!(a.to_rgb().unwrap_err(), too_large);
+        let dir = std::env::temp_dir().join(format!("mha-large-map-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(a.save(dir.join("map.png")).unwrap_err(), too_large);
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            0,
+            "nothing written"
+        );
         std::fs::remove_dir_all(&dir).ok();
     }
 }

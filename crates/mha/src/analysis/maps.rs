@@ -38,12 +38,22 @@ pub fn register_font() -> Result<(), MapError> {
 }
 
 /// Why a map could not be drawn or written.
-#[derive(Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MapError {
     /// The file's extension is neither `png` nor `svg`.
     Format(String),
     /// Drawing or writing failed.
     Draw(String),
+    /// The picture is larger than the drawing can be: a side past `i32::MAX` pixels, or a
+    /// bitmap (PNG, [`AttentionMap::to_rgb`]) of more than `i32::MAX` pixels in all.
+    TooLarge {
+        /// The picture's width in pixels.
+        width: u64,
+        /// Its height.
+        height: u64,
+        /// Whether it was to be a bitmap.
+        bitmap: bool,
+    },
 }
 
 impl fmt::Display for MapError {
@@ -55,6 +65,21 @@ impl fmt::Display for MapError {
             ),
             MapError::Draw(message) => {
                 write!(f, "attention map: {message}")
+            }
+            MapError::TooLarge {
+                width,
+                height,
+                bitmap,
+            } => {
+                let limit = match bitmap {
+                    true => "a bitmap holds 2147483647 pixels (PNG, to_rgb); save it as .svg",
+                    false => "a side holds 2147483647 pixels",
+                };
+                write!(
+                    f,
+                    "attention map: {width} x {height} pixels is too large: {limit}, or draw \
+                     fewer tokens or heads"
+                )
             }
         }
     }
@@ -142,30 +167,52 @@ impl AttentionMap {
     }
 
     /// The picture's size in pixels, `(width, height)`.
-    pub fn size(&self) -> (u32, u32) {
+    pub fn size(&self) -> (u64, u64) {
         self.layout().size
+    }
+
+    /// The size, as the drawing takes it, when it can be drawn: each side in `i32` (the
+    /// drawing's coordinates), a `bitmap`'s pixels too (its buffer's offsets).
+    fn drawable(&self, bitmap: bool) -> Result<(u32, u32), MapError> {
+        let (width, height) = self.size();
+        let most = i32::MAX as u64;
+        let fits = width <= most && height <= most && (!bitmap || width * height <= most);
+        match fits {
+            true => Ok((width as u32, height as u32)),
+            false => Err(MapError::TooLarge {
+                width,
+                height,
+                bitmap,
+            }),
+        }
     }
 
     /// Writes the map to `path`, as PNG or SVG after its extension.
     ///
     /// # Errors
-    /// [`MapError::Format`] for another extension, [`MapError::Draw`] when drawing or
-    /// writing fails.
+    /// [`MapError::Format`] for another extension, [`MapError::TooLarge`] for a picture
+    /// larger than the format can be (checked before anything is written),
+    /// [`MapError::Draw`] when drawing or writing fails.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), MapError> {
         let path = path.as_ref();
         let extension = path
             .extension()
             .and_then(|e| e.to_str())
             .map(str::to_ascii_lowercase);
-        let size = self.size();
         // Drawn under a temporary name beside the file (its extension kept: it says the
         // format), then renamed: a crash leaves the old file or none, never half a map.
         let stem = path.file_stem().unwrap_or_default().to_string_lossy();
         let ext = path.extension().unwrap_or_default().to_string_lossy();
         let drawn = path.with_file_name(format!("{stem}.partial.{ext}"));
         let result = match extension.as_deref() {
-            Some("png") => self.draw(BitMapBackend::new(&drawn, size).into_drawing_area()),
-            Some("svg") => self.draw(SVGBackend::new(&drawn, size).into_drawing_area()),
+            Some("png") => {
+                let size = self.drawable(true)?;
+                self.draw(BitMapBackend::new(&drawn, size).into_drawing_area())
+            }
+            Some("svg") => {
+                let size = self.drawable(false)?;
+                self.draw(SVGBackend::new(&drawn, size).into_drawing_area())
+            }
             _ => return Err(MapError::Format(path.display().to_string())),
         };
         result
@@ -181,10 +228,12 @@ impl AttentionMap {
     /// The map as SVG text.
     ///
     /// # Errors
-    /// [`MapError::Draw`] when drawing fails.
+    /// [`MapError::TooLarge`] for a side past `i32::MAX` pixels, [`MapError::Draw`] when
+    /// drawing fails.
     pub fn to_svg(&self) -> Result<String, MapError> {
+        let size = self.drawable(false)?;
         let mut svg = String::new();
-        self.draw(SVGBackend::with_string(&mut svg, self.size()).into_drawing_area())?;
+        self.draw(SVGBackend::with_string(&mut svg, size).into_drawing_area())?;
         Ok(svg)
     }
 
@@ -192,9 +241,10 @@ impl AttentionMap {
     /// [`size`](Self::size)).
     ///
     /// # Errors
-    /// [`MapError::Draw`] when drawing fails.
+    /// [`MapError::TooLarge`] for more than `i32::MAX` pixels (checked before the buffer is
+    /// allocated), [`MapError::Draw`] when drawing fails.
     pub fn to_rgb(&self) -> Result<Vec<u8>, MapError> {
-        let (w, h) = self.size();
+        let (w, h) = self.drawable(true)?;
         let mut pixels = vec![0u8; 3 * w as usize * h as usize];
         self.draw(BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area())?;
         Ok(pixels)
@@ -204,14 +254,15 @@ impl AttentionMap {
         let heads = self.heads.len().max(1);
         let per_row = heads.min(4);
         let grid_rows = heads.div_ceil(per_row);
-        let cell = 22u32.min(520 / self.cols.len().max(1) as u32).max(10);
-        let panel_w = 60 + cell * self.cols.len() as u32 + 20;
-        let panel_h = 50 + cell * self.rows.len() as u32 + 40;
+        // In u64: a picture too large to draw is measured, then refused (`drawable`).
+        let cell = (520 / self.cols.len().max(1) as u64).clamp(10, 22);
+        let panel_w = 60 + cell * self.cols.len() as u64 + 20;
+        let panel_h = 50 + cell * self.rows.len() as u64 + 40;
         let title = if self.title.is_empty() { 10 } else { 50 };
         Layout {
             size: (
-                panel_w * per_row as u32 + BAR_WIDTH,
-                panel_h * grid_rows as u32 + title,
+                panel_w * per_row as u64 + BAR_WIDTH,
+                panel_h * grid_rows as u64 + title,
             ),
             per_row,
             grid_rows,
@@ -224,7 +275,7 @@ impl AttentionMap {
         let layout = self.layout();
         let (rows, cols) = (&self.rows, &self.cols);
         root.fill(&WHITE).map_err(draw)?;
-        let (main, scale) = root.split_horizontally(layout.size.0 - BAR_WIDTH);
+        let (main, scale) = root.split_horizontally((layout.size.0 - BAR_WIDTH) as u32);
         let main = match self.title.is_empty() {
             true => main.margin(10, 0, 0, 0),
             false => main.titled(&self.title, (FONT_FAMILY, 22)).map_err(draw)?,
@@ -236,8 +287,8 @@ impl AttentionMap {
             let mut chart = ChartBuilder::on(panel)
                 .caption(caption, (FONT_FAMILY, 17))
                 .margin(5)
-                .x_label_area_size(cell.max(18))
-                .y_label_area_size(cell.max(18))
+                .x_label_area_size(cell.max(18) as u32)
+                .y_label_area_size(cell.max(18) as u32)
                 .build_cartesian_2d(0..cols.len(), 0..rows.len())
                 .map_err(draw)?;
             chart
@@ -299,13 +350,13 @@ impl AttentionMap {
 }
 
 /// The width of the colour bar's column, in pixels.
-const BAR_WIDTH: u32 = 110;
+const BAR_WIDTH: u64 = 110;
 
 struct Layout {
-    size: (u32, u32),
+    size: (u64, u64),
     per_row: usize,
     grid_rows: usize,
-    cell: u32,
+    cell: u64,
 }
 
 fn draw<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> MapError {
