@@ -378,6 +378,92 @@ fn a_decoder_block_asks_for_its_memory() {
     let _ = block.forward(BlockInput::new(randn([2, 5, 16], 1, &dev())));
 }
 
+/// A module whose `positions` field is set by hand to positions that take a learned
+/// table, without one, is refused naming the field (it attended with no position bias
+/// at all, without a word).
+#[test]
+fn positions_set_by_hand_without_their_table_are_refused() {
+    let d = dev();
+    let mut m = MultiHeadAttentionConfig::new(16, 4).init(&d);
+    m.positions = Positions::t5(true);
+    let message = panic_message(|| {
+        let _ = m.forward(MhaInput::self_attn(randn([1, 3, 16], 1, &d)));
+    });
+    assert!(
+        message.contains(
+            "MultiHeadAttention: positions T5 { num_buckets: 32, max_distance: 128, \
+             bidirectional: true } take a learned table, and the module has none \
+             (position_table is None)"
+        ),
+        "{message}"
+    );
+    // A cached call (causal: T5's decoder) is refused before it writes.
+    m.positions = Positions::t5(false);
+    let mut cache = mha::KvCache::new(8);
+    let message = panic_message(std::panic::AssertUnwindSafe(|| {
+        let x = randn([1, 3, 16], 1, &d);
+        let _ = m.forward_cached(x, &mut cache, AttentionMask::none());
+    }));
+    assert!(message.contains("(position_table is None)"), "{message}");
+    assert_eq!(cache.len(), 0);
+}
+
+/// A decoder block put together by hand (its `cross_attn` replaced) whose
+/// cross-attention cannot take the memory at all (given positions, keys and values of
+/// two widths for one tensor, another width than the block's) is refused before its
+/// self-attention writes to the cache: the cross-attention panicked after the write,
+/// leaving the cache 3 positions ahead of what the caller accepted.
+#[test]
+fn a_hand_built_decoder_blocks_cross_attention_is_checked_before_the_cache_is_written() {
+    let d = dev();
+    let x = randn([2, 3, 16], 1, &d);
+    let memory = randn([2, 5, 16], 2, &d);
+    let kv = DecoderBlockConfig::new(16, 4)
+        .init(&d)
+        .memory_kv(memory.clone());
+    let rope = MultiHeadAttentionConfig::new(16, 4).with_positions(Positions::rope());
+    let two_widths = MultiHeadAttentionConfig::new(16, 4).with_vdim(Some(12));
+    let cases = [
+        (
+            rope.init(&d),
+            Some(memory.clone()),
+            "MultiHeadAttention: DecoderBlock's cross-attention attends to another sequence, \
+             and this module's positions (Rope",
+        ),
+        (
+            rope.init(&d),
+            None,
+            "MultiHeadAttention: DecoderBlock's cross-attention attends to another sequence",
+        ),
+        (
+            two_widths.init(&d),
+            Some(memory.clone()),
+            "MultiHeadAttention: BlockInput::memory(memory) takes one tensor as the keys and \
+             the values, and this module's keys are kdim = 16 wide and its values vdim = 12",
+        ),
+        (
+            MultiHeadAttentionConfig::new(8, 2).init(&d),
+            Some(memory.clone()),
+            "DecoderBlock: the input is 16 wide and the cross-attention takes 8",
+        ),
+    ];
+    for (cross_attn, memory, expected) in cases {
+        let mut block = DecoderBlockConfig::new(16, 4).init(&d);
+        block.cross_attn = cross_attn;
+        let mut cache = mha::KvCache::new(8);
+        let message = panic_message(std::panic::AssertUnwindSafe(|| {
+            let input = BlockInput::new(x.clone()).cache(&mut cache);
+            let input = match memory {
+                Some(memory) => input.memory(memory),
+                None => input.memory_kv(&kv),
+            };
+            let _ = block.forward(input);
+        }));
+        assert!(message.contains(expected), "{message}");
+        assert_eq!(cache.len(), 0, "{expected}");
+    }
+}
+
 /// A decoder block's memory missing, of another batch or width, is refused before the
 /// self-attention writes the call's keys to the cache: the cache keeps its length, and the
 /// next call decodes at the right position.

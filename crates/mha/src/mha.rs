@@ -690,6 +690,7 @@ impl MultiHeadAttention {
     /// `cache` would, before anything is written: a mask that does not fit the keys the
     /// call sees, sinks given twice (a stack checks every layer's before the first writes).
     pub(crate) fn check_cached_call(&self, x: &Tensor<3>, cache: &KvCache, mask: &AttentionMask) {
+        self.check_position_table();
         let [batch, tokens, _] = x.dims();
         mask.check(
             [batch, self.n_heads, tokens, cache.keys_seen(tokens)],
@@ -702,6 +703,21 @@ impl MultiHeadAttention {
              mask has one too (AttentionMask::position_bias); give one of the two",
             self.positions
         );
+    }
+
+    /// Panics, naming them, when the module's positions take a learned table and it has
+    /// none (its `positions` field set by hand): it would attend with no position bias at
+    /// all, wrong numbers without a word.
+    fn check_position_table(&self) {
+        if self.positions.buckets().is_some() && self.position_table.is_none() {
+            panic!(
+                "MultiHeadAttention: positions {:?} take a learned table, and the module has \
+                 none (position_table is None): build it with \
+                 MultiHeadAttentionConfig::with_positions rather than setting its positions \
+                 field",
+                self.positions
+            );
+        }
     }
 
     /// Whether the module adds a position bias to the mask it is called with (ALiBi, or a
@@ -1045,6 +1061,10 @@ impl MultiHeadAttention {
                         AttentionMask::position_bias(PositionBias::Learned { table, buckets });
                     mask.without_idle_alignment().and(bias)
                 }
+                (Some(_), None) => {
+                    self.check_position_table();
+                    mask
+                }
                 _ => mask,
             },
         }
@@ -1052,7 +1072,7 @@ impl MultiHeadAttention {
 
     /// Panics, naming the positions and `call`, when the module has positions: `call`
     /// attends to another sequence, where they have no meaning of their own.
-    fn refuse_positions(&self, call: &str) {
+    pub(crate) fn refuse_positions(&self, call: &str) {
         if self.positions != Positions::None {
             panic!(
                 "MultiHeadAttention: {call} attends to another sequence, and this module's \
@@ -1069,7 +1089,7 @@ impl MultiHeadAttention {
     /// Panics naming `call` where one tensor is to be the keys and the values (and, where
     /// `call` is `"self-attention"`, the queries) and this module's `kdim` and `vdim` make
     /// that impossible, before a width check names an input the caller did not pass.
-    fn check_one_source(&self, call: &str) {
+    pub(crate) fn check_one_source(&self, call: &str) {
         let d_model = self.d_model();
         let (kdim, vdim) = (self.kdim, self.vdim);
         let self_attention = call == "self-attention";

@@ -586,20 +586,29 @@ pub(crate) fn check_no_memory(memory: &Memory, memory_mask: &AttentionMask) {
 /// than the input `x`'s, a tensor not as wide as `attention` takes, keys and values of
 /// another module's heads, a memory mask that does not broadcast to the
 /// cross-attention's scores `[B, H, tokens, memory length]`, or one with attention sinks
-/// where the cross-attention has its own.
+/// where the cross-attention has its own; and a cross-attention that cannot take the
+/// memory whatever it is (one given positions, or `kdim` and `vdim` that differ for one
+/// tensor, in a block put together by hand) or not as wide as `x`.
 pub(crate) fn check_memory(
     memory: &Memory,
     memory_mask: &AttentionMask,
     attention: &MultiHeadAttention,
     x: &Tensor<3>,
 ) {
-    let [batch, tokens, _] = x.dims();
+    let [batch, tokens, width] = x.dims();
+    attention.refuse_positions("DecoderBlock's cross-attention");
+    assert!(
+        width == attention.d_model(),
+        "DecoderBlock: the input is {width} wide and the cross-attention takes {}",
+        attention.d_model()
+    );
     let (memory_batch, length, device, dtype) = match memory {
         Memory::None => panic!(
             "DecoderBlock: the input has no memory for the cross-attention \
              (BlockInput::memory or BlockInput::memory_kv)"
         ),
         Memory::Tensor(memory) => {
+            attention.check_one_source("BlockInput::memory(memory)");
             let [b, length, width] = memory.dims();
             assert!(
                 width == attention.kdim,
