@@ -94,6 +94,7 @@ fn configs_saved_without_their_newer_fields_load_with_the_defaults() {
         "qk_norm_eps",
         "attention_sinks",
         "attention_scale",
+        "attention_softcap",
         "causal",
         "positions",
     ];

@@ -161,6 +161,13 @@ fn bad_block_and_stack_configs_name_the_field_and_values() {
         "DecoderBlockConfig.attention_scale: must be positive and finite, got -1"
     );
     assert_eq!(
+        err(EncoderBlockConfig::new(16, 4)
+            .with_attention_softcap(Some(0.0))
+            .try_init(&d)
+            .map(|_| ())),
+        "EncoderBlockConfig.attention_softcap: must be positive and finite, got 0"
+    );
+    assert_eq!(
         err(DecoderBlockConfig::new(15, 4).try_init(&d).map(|_| ())),
         "DecoderBlockConfig.d_model: 15 is not divisible by n_heads = 4"
     );

@@ -275,3 +275,45 @@ fn modules_caches_and_masks_can_be_shared_by_threads() {
         }
     }
 }
+
+/// A block's `attention_softcap` caps the scores of its self- and cross-attention as
+/// their own `softcap` does: the same outputs as a block whose attentions were given
+/// the cap by hand, on every backend (and other outputs than without it).
+#[test]
+fn a_blocks_attention_softcap_is_its_attentions_softcap() {
+    use burn::module::Module;
+    use mha::{BlockInput, DecoderBlockConfig};
+    for b in backends() {
+        let d = b.device.clone();
+        let config = DecoderBlockConfig::new(16, 4).with_dropout(0.0);
+        let capped = config.clone().with_attention_softcap(Some(0.5)).init(&d);
+        assert_eq!(
+            (capped.self_attn.softcap, capped.cross_attn.softcap),
+            (Some(0.5), Some(0.5)),
+            "[{}]",
+            b.name
+        );
+        let plain = config.init(&d).load_record(capped.clone().into_record());
+        let mut by_hand = plain.clone();
+        by_hand.self_attn.softcap = Some(0.5);
+        by_hand.cross_attn.softcap = Some(0.5);
+        let x = randn([2, 5, 16], 1, &d) * 4.0;
+        let memory = randn([2, 7, 16], 2, &d) * 4.0;
+        let out = |block: &mha::DecoderBlock| {
+            let input = BlockInput::new(x.clone()).memory(memory.clone());
+            block.forward(input).unwrap().output
+        };
+        assert_eq!(
+            max_abs_diff(out(&capped), out(&by_hand)),
+            0.0,
+            "[{}]",
+            b.name
+        );
+        let apart = max_abs_diff(out(&capped), out(&plain));
+        assert!(
+            apart > 1e-3,
+            "[{}] the cap changed nothing: {apart}",
+            b.name
+        );
+    }
+}

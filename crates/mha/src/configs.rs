@@ -33,7 +33,7 @@ macro_rules! config {
         }
     ) => {
         $(#[$meta])*
-        #[derive(Clone, burn::serde::Serialize)]
+        #[derive(Clone, PartialEq, burn::serde::Serialize)]
         #[serde(crate = "burn::serde")]
         pub struct $name {
             $( $(#[$rdoc])* pub $req: $rty, )*

@@ -66,6 +66,10 @@ macro_rules! block_config {
             /// Multiplies the attention's `Q Kᵀ`, in the self- and the cross-attention
             /// (GPT-2's `scale_attn_weights: false` is 1). Default: `1 / sqrt(head_dim)`.
             pub attention_scale: Option<f64> = None => with_attention_scale,
+            /// Logit soft-capping in the self- and the cross-attention: the scaled scores
+            /// become `cap · tanh(s / cap)` (Gemma 2's `attn_logit_softcapping`, 50; see
+            /// [`MultiHeadAttentionConfig::softcap`]). Default: none.
+            pub attention_softcap: Option<f64> = None => with_attention_softcap,
             $($own)*
         }
         }
@@ -104,6 +108,7 @@ macro_rules! block_config {
                     qk_norm_eps: self.qk_norm_eps,
                     attention_sinks: self.attention_sinks,
                     attention_scale: self.attention_scale,
+                    attention_softcap: self.attention_softcap,
                 }
             }
 
@@ -173,14 +178,17 @@ struct Parts {
     qk_norm_eps: Option<f64>,
     attention_sinks: bool,
     attention_scale: Option<f64>,
+    attention_softcap: Option<f64>,
 }
 
 /// `err` of a block's attention as the block's `config` names it: the same fields, but
-/// the sinks (`attention_sinks`) and the scale (`attention_scale`).
+/// the sinks (`attention_sinks`), the scale (`attention_scale`) and the soft cap
+/// (`attention_softcap`).
 fn of_block(config: &'static str, err: ConfigError) -> ConfigError {
     let field = match err.field {
         "sinks" => "attention_sinks",
         "scale" => "attention_scale",
+        "softcap" => "attention_softcap",
         field => field,
     };
     ConfigError {
@@ -241,6 +249,7 @@ impl Parts {
             .with_out_bias(self.attention_out_bias)
             .with_dropout(self.dropout)
             .with_scale(self.attention_scale)
+            .with_softcap(self.attention_softcap)
             .with_positions(positions)
     }
 
