@@ -107,6 +107,12 @@ impl Corpus {
     pub fn read(path: &Path, block: usize) -> anyhow::Result<Self> {
         let what = path.display().to_string();
         let len = std::fs::metadata(path).with_context(|| format!("cannot read {what}"))?;
+        // A device or a pipe has no length to check, and may read without end.
+        anyhow::ensure!(
+            len.is_file(),
+            "--data {what}: not a regular file (a directory, a device or a pipe); give a text \
+             file"
+        );
         crate::memory::check_text(&what, len.len())?;
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {what}"))?;
         let text = std::str::from_utf8(&bytes).map_err(|err| {
@@ -332,6 +338,22 @@ mod tests {
             ),
             "{err}"
         );
+        // A folder, or a device (which has no length to check and may read without end).
+        let mut others = vec![dir.clone()];
+        if cfg!(unix) {
+            others.push("/dev/zero".into());
+        }
+        for path in others {
+            let err = Corpus::read(&path, 1).unwrap_err().to_string();
+            assert_eq!(
+                err,
+                format!(
+                    "--data {}: not a regular file (a directory, a device or a pipe); give a \
+                     text file",
+                    path.display()
+                )
+            );
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::batch::SeqBatcher;
 use crate::config::TrainConfig;
 use crate::model::Model;
-use crate::run_dir::{RunDir, install_weights, load_model, verify, write_atomically};
+use crate::run_dir::{RunDir, install_weights, load_model, remove, verify, write_atomically};
 use crate::tasks::{Example, Split};
 use crate::text::plural;
 use crate::{plots, training};
@@ -317,9 +317,14 @@ fn prune_and_compare(
         .clone()
         .save_file(&written)
         .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", written.display()))?;
-    install_weights(&written, &file)?;
     let json = serde_json::to_string_pretty(&plan).context("a plan serialises")?;
-    write_atomically(&out.join("plan.json"), json.as_bytes())?;
+    // The old plan goes first: a crash before the new one is written leaves a model
+    // without a plan (which `load_pruned` refuses, saying so), never a model beside the
+    // plan of another (whose heads it would name, whose ALiBi slopes it would take).
+    let plan_path = out.join("plan.json");
+    remove(&plan_path)?;
+    install_weights(&written, &file)?;
+    write_atomically(&plan_path, json.as_bytes())?;
     let reloaded = load_pruned(config, model_path, &out, device)?;
 
     let forward = |m: &Model| {
@@ -373,11 +378,15 @@ pub fn load_pruned(
     device: &Device,
 ) -> anyhow::Result<Model> {
     let plan_path = dir.join("plan.json");
-    let plan: PrunePlan = serde_json::from_str(
-        &std::fs::read_to_string(&plan_path)
-            .with_context(|| format!("cannot read {}", plan_path.display()))?,
-    )
-    .with_context(|| format!("{}: not a pruning plan", plan_path.display()))?;
+    let plan: PrunePlan =
+        serde_json::from_str(&std::fs::read_to_string(&plan_path).with_context(|| {
+            format!(
+                "cannot read {} (a pruning interrupted before writing its plan leaves its \
+                 model without one: run inspect --prune again)",
+                plan_path.display()
+            )
+        })?)
+        .with_context(|| format!("{}: not a pruning plan", plan_path.display()))?;
     let file = dir.join("model.bpk");
     verify(&file)?;
     let skeleton = load_model(config, model_path, device)?.prune(&plan)?;

@@ -468,22 +468,35 @@ impl RunDir {
     }
 
     /// The newest complete checkpoint that loads whole and holds finite weights, with a
-    /// warning for each newer one passed over; `None` when there is none.
+    /// warning for each newer one passed over (damaged: cut short, not Burn's, not its
+    /// checksum's, not finite); `None` when there is none.
+    ///
+    /// # Errors
+    /// When a newer checkpoint's file cannot be read at all (permission denied, a folder
+    /// in its place, an I/O error): it may be whole, and passing over it would have
+    /// `--resume` remove it with the epochs it trains again.
     pub fn newest_usable_checkpoint(
         &self,
         config: &TrainConfig,
         device: &burn::tensor::Device,
-    ) -> Option<usize> {
+    ) -> anyhow::Result<Option<usize>> {
         let mut epochs = self.complete_epochs();
         epochs.sort_unstable_by(|a, b| b.cmp(a));
         for epoch in epochs {
             let usable = self.check_checkpoint(config, epoch, device).map(|_| ());
             match usable {
-                Ok(()) => return Some(epoch),
+                Ok(()) => return Ok(Some(epoch)),
+                Err(e) if unreadable(&e) => {
+                    return Err(e.context(format!(
+                        "the checkpoint of epoch {epoch} cannot be read, so whether it is whole \
+                         is unknown: make it readable (or move it away) and try again; nothing \
+                         was changed"
+                    )));
+                }
                 Err(e) => eprintln!("warning: passing over the checkpoint of epoch {epoch}: {e:#}"),
             }
         }
-        None
+        Ok(None)
     }
 
     /// Makes the directory ready for a new run: absent or empty, or (with `overwrite`)
@@ -674,6 +687,20 @@ impl RunDir {
     }
 }
 
+/// Whether `err` says a file could not be read at all (the system refused, or it is not
+/// a file), rather than that what was read is damaged (cut short, not valid).
+fn unreadable(err: &anyhow::Error) -> bool {
+    use std::io::ErrorKind;
+    err.chain()
+        .filter_map(|cause| cause.downcast_ref::<std::io::Error>())
+        .any(|io| {
+            !matches!(
+                io.kind(),
+                ErrorKind::InvalidData | ErrorKind::UnexpectedEof | ErrorKind::NotFound
+            )
+        })
+}
+
 /// Loads model weights from `path` into a model of `config`, with an error naming the
 /// file and what is wrong: one that does not load, or whose weights are not all finite
 /// (a damaged file, or a checkpoint of a run that diverged).
@@ -683,7 +710,12 @@ pub fn load_model(
     device: &burn::tensor::Device,
 ) -> anyhow::Result<Model> {
     use burn::module::Module;
-    anyhow::ensure!(path.exists(), "{}: no such model", path.display());
+    // An error the system gives (a folder that may not be read) is not "no such model":
+    // `newest_usable_checkpoint` tells it from a damaged checkpoint by its `io::Error`.
+    let exists = path
+        .try_exists()
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    anyhow::ensure!(exists, "{}: no such model", path.display());
     verify(path)?;
     let model = config
         .init_model(device)?
@@ -832,6 +864,13 @@ pub fn install_weights(written: &Path, path: &Path) -> anyhow::Result<()> {
 /// When the file or its checksum cannot be read, or they differ: the file was damaged
 /// after the trainer wrote it.
 pub fn verify(path: &Path) -> anyhow::Result<()> {
+    // Readable, checksum or not (an error the system gives, which a caller can tell from
+    // a damaged file's).
+    let opened = std::fs::File::open(path).and_then(|file| match file.metadata()?.is_dir() {
+        true => Err(std::io::Error::other("a folder, not a file")),
+        false => Ok(()),
+    });
+    opened.with_context(|| format!("cannot read {}", path.display()))?;
     let sum = checksum_file(path);
     let expected = match std::fs::read_to_string(&sum) {
         Ok(expected) => expected,
@@ -873,7 +912,10 @@ fn partial(path: &Path) -> PathBuf {
 }
 
 /// Removes a file or a folder, if it is there.
-fn remove(path: &Path) -> anyhow::Result<()> {
+///
+/// # Errors
+/// When it is there and cannot be removed.
+pub fn remove(path: &Path) -> anyhow::Result<()> {
     // A link goes, not what it points to: as a file, or (a Windows link to a folder) as
     // an empty folder.
     let kind = std::fs::symlink_metadata(path).map(|m| m.file_type());

@@ -237,7 +237,12 @@ pub fn train(
     if let Some(step) = reached.diverged {
         summary.status = Status::Diverged;
         summary.diverged_at_step = Some(step);
-        summary.last_checkpoint_epoch = run.newest_usable_checkpoint(config, device);
+        summary.last_checkpoint_epoch = run
+            .newest_usable_checkpoint(config, device)
+            .unwrap_or_else(|err| {
+                eprintln!("warning: no checkpoint recorded in the summary: {err:#}");
+                None
+            });
         return Ok(summary);
     }
     if result.interrupted.is_some() || interrupt::requested() {

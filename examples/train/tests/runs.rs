@@ -99,6 +99,34 @@ fn a_finished_model_is_replaced_only_with_overwrite() {
     );
 }
 
+/// A checkpoint that cannot be read at all may be whole (here a folder where its
+/// optimizer state's checksum goes, which the system refuses to read as permission denied
+/// would): --resume names it and changes nothing. It passed over it as damaged, trained
+/// again from the epoch before, and removed it.
+#[test]
+fn an_unreadable_checkpoint_stops_a_resume_and_is_kept() {
+    let root = scratch("unreadable");
+    let dir = root.join("run");
+    finished(&dir, "2");
+    // Stopped before its model was installed: --resume goes to the checkpoints.
+    std::fs::remove_file(dir.join("model.bpk")).unwrap();
+    let sum = dir.join("checkpoints/epoch-2/optim.bpk.sum");
+    std::fs::remove_file(&sum).unwrap();
+    std::fs::create_dir(&sum).unwrap();
+    let before = checksums(&dir);
+    let out = run(on_flex(&["--resume", "--out"]).arg(&dir));
+    assert_fails(
+        &out,
+        &[
+            "the checkpoint of epoch 2 cannot be read",
+            "make it readable (or move it away) and try again; nothing was changed",
+            "optim.bpk.sum",
+        ],
+    );
+    assert_eq!(checksums(&dir), before);
+    assert!(sum.is_dir());
+}
+
 /// A run extended and stopped between its last checkpoint and installing its model
 /// (`model.bpk` still the shorter run's, the summary saying so): --resume installs and
 /// evaluates the last epoch's checkpoint (it evaluated, and kept, the shorter run's).

@@ -117,7 +117,7 @@ fn load(run: &RunDir, config: &TrainConfig, device: &Device) -> anyhow::Result<M
         true => run.model(),
         false => {
             let epoch = run
-                .newest_usable_checkpoint(config, device)
+                .newest_usable_checkpoint(config, device)?
                 .ok_or_else(|| {
                     anyhow::anyhow!("{dir}: the run has no model or usable checkpoint yet")
                 })?;

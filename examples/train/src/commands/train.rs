@@ -160,7 +160,7 @@ fn prepare_resume(
     );
     let device = backend.device()?;
     let complete = run.last_complete_epoch();
-    let done = run.newest_usable_checkpoint(&stored, &device).unwrap_or(0);
+    let done = run.newest_usable_checkpoint(&stored, &device)?.unwrap_or(0);
     // A finished model is replaced only by training past it, never by training it again.
     // (Without the summary's record of its epochs: at least one.)
     let recorded = run.model_epochs(&stored);
