@@ -147,7 +147,8 @@ impl Generation {
     /// `config.json`'s (the end tokens from `config.json` too where the first has none).
     ///
     /// # Errors
-    /// When a file is not JSON, or `repetition_penalty` is not a positive number.
+    /// When a file is not JSON, `eos_token_id` is not a token id or a list of them, or
+    /// `repetition_penalty` is not a positive number (in f32).
     fn read(dir: &Path) -> anyhow::Result<Self> {
         let read = |name: &str| -> anyhow::Result<Option<(PathBuf, serde_json::Value)>> {
             let path = dir.join(name);
@@ -164,16 +165,32 @@ impl Generation {
             .into_iter()
             .flatten()
             .collect();
-        let end = files
+        // The first file that names the end: one token id or a list of them, each a
+        // token's id (a number past u32, negative or not whole is refused, not cut).
+        let end = match files
             .iter()
-            .find_map(|(_, json)| match &json["eos_token_id"] {
-                serde_json::Value::Number(n) => Some(n.as_u64().into_iter().collect()),
-                serde_json::Value::Array(list) => {
-                    Some(list.iter().filter_map(|v| v.as_u64()).collect())
-                }
-                _ => None,
-            });
-        let end: Vec<u64> = end.unwrap_or_default();
+            .find(|(_, json)| !json["eos_token_id"].is_null())
+        {
+            None => Vec::new(),
+            Some((path, json)) => {
+                let value = &json["eos_token_id"];
+                let ids = match value {
+                    serde_json::Value::Array(list) => list.iter().collect(),
+                    one => vec![one],
+                };
+                ids.into_iter()
+                    .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .with_context(|| {
+                        format!(
+                            "{}: eos_token_id {value} is not a token id (or a list of them) \
+                             from 0 to {}",
+                            path.display(),
+                            u32::MAX
+                        )
+                    })?
+            }
+        };
         let Some((path, json)) = files.first() else {
             return Ok(Self {
                 end: Vec::new(),
@@ -181,10 +198,12 @@ impl Generation {
                 not_applied: Vec::new(),
             });
         };
+        // Checked as the f32 it is applied in (1e39 would be infinite there).
         let penalty = match &json["repetition_penalty"] {
             serde_json::Value::Null => 1.0,
             value => value
                 .as_f64()
+                .map(|p| p as f32)
                 .filter(|p| p.is_finite() && *p > 0.0)
                 .with_context(|| {
                     format!(
@@ -194,8 +213,8 @@ impl Generation {
                 })?,
         };
         Ok(Self {
-            end: end.into_iter().map(|id| id as u32).collect(),
-            repetition_penalty: penalty as f32,
+            end,
+            repetition_penalty: penalty,
             not_applied: not_applied(json),
         })
     }
@@ -542,12 +561,38 @@ mod tests {
                 ],
             }
         );
-        write("generation_config.json", r#"{"repetition_penalty": 0}"#);
-        let err = Generation::read(&dir).unwrap_err().to_string();
+        // A penalty past f32's range, an end token past u32's, negative or not whole: named
+        // (they became an infinite penalty and token 2).
+        let cases = [
+            (
+                r#"{"repetition_penalty": 0}"#,
+                "generation_config.json: repetition_penalty 0 is not a positive number",
+            ),
+            (
+                r#"{"repetition_penalty": 1e39}"#,
+                "generation_config.json: repetition_penalty 1e+39 is not a positive number",
+            ),
+            (
+                r#"{"eos_token_id": 4294967298}"#,
+                "generation_config.json: eos_token_id 4294967298 is not a token id (or a list \
+                 of them) from 0 to 4294967295",
+            ),
+            (
+                r#"{"eos_token_id": [2, -1]}"#,
+                "generation_config.json: eos_token_id [2,-1] is not a token id (or a list of \
+                 them) from 0 to 4294967295",
+            ),
+            (
+                r#"{"eos_token_id": 2.5}"#,
+                "generation_config.json: eos_token_id 2.5 is not a token id (or a list of \
+                 them) from 0 to 4294967295",
+            ),
+        ];
+        for (text, want) in cases {
+            write("generation_config.json", text);
+            let err = Generation::read(&dir).unwrap_err().to_string();
+            assert!(err.ends_with(want), "{err} (want {want})");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
-        assert!(
-            err.ends_with("generation_config.json: repetition_penalty 0 is not a positive number"),
-            "{err}"
-        );
     }
 }
