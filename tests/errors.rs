@@ -160,6 +160,12 @@ fn bad_block_and_stack_configs_name_the_field_and_values() {
             .map(|_| ())),
         "DecoderBlockConfig.attention_scale: must be positive and finite, got -1"
     );
+    // The default d_ff, 4 d_model, overflowing: named by d_model, which was given.
+    assert_eq!(
+        err(EncoderBlockConfig::new(1 << 62, 1).try_init(&d).map(|_| ())),
+        "EncoderBlockConfig.d_model: 4611686018427387904 is too large: the feed-forward's \
+         width, 4 d_model (d_ff, unset), overflows a usize"
+    );
     assert_eq!(
         err(EncoderBlockConfig::new(16, 4)
             .with_attention_softcap(Some(0.0))

@@ -96,6 +96,7 @@ macro_rules! block_config {
                     n_kv_heads: self.n_kv_heads,
                     head_dim: self.head_dim,
                     d_ff: self.d_ff.unwrap_or(self.d_model.saturating_mul(4)),
+                    d_ff_given: self.d_ff.is_some(),
                     dropout: self.dropout,
                     activation: self.activation,
                     gated: self.gated,
@@ -166,6 +167,8 @@ struct Parts {
     n_kv_heads: Option<usize>,
     head_dim: Option<usize>,
     d_ff: usize,
+    /// Whether `d_ff` was given (else it is 4 `d_model`, saturated).
+    d_ff_given: bool,
     dropout: f64,
     activation: FeedForwardActivation,
     gated: bool,
@@ -205,6 +208,17 @@ impl Parts {
         check.nonzero("d_model", self.d_model)?;
         check.nonzero("n_heads", self.n_heads)?;
         check.nonzero("d_ff", self.d_ff)?;
+        if !self.d_ff_given && self.d_model.checked_mul(4).is_none() {
+            return Err(ConfigError {
+                config,
+                field: "d_model",
+                message: format!(
+                    "{} is too large: the feed-forward's width, 4 d_model (d_ff, unset), \
+                     overflows a usize",
+                    self.d_model
+                ),
+            });
+        }
         let factors = [
             ("d_model", self.d_model as u128),
             ("d_ff", self.d_ff as u128),
