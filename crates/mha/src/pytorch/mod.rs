@@ -521,11 +521,14 @@ pub(crate) fn read_file(path: &Path) -> Result<Vec<u8>, ImportError> {
 }
 
 /// The first element of `data` (flat index, stored value) that is not a finite number once
-/// converted to `dtype`: NaN, an infinity, or a finite value past `dtype`'s range (only the
-/// last where `stored_ok`).
+/// converted to `dtype`: NaN, an infinity, or a finite value past `dtype`'s range (only a
+/// positive one where `stored_ok`).
 fn first_unfit(data: &TensorData, dtype: DType, stored_ok: bool) -> Option<(usize, f64)> {
     let fits = |x: f64| match dtype {
         _ if stored_ok && !x.is_finite() => true,
+        // Stored as it is, a value below the dtype's range is -inf there, which acts as
+        // it does (a sink's weight underflows to 0 either way).
+        _ if stored_ok && x < 0.0 => true,
         DType::F64 => x.is_finite(),
         DType::F16 => f16::from_f64(x).is_finite(),
         DType::BF16 => bf16::from_f64(x).is_finite(),
@@ -643,7 +646,8 @@ impl Place {
 
     /// As [`load`](Self::load), but a value stored NaN or infinite is let through, for a
     /// parameter whose loader gives some a meaning and refuses the others itself (a sink
-    /// of -inf is none); a finite value past the dtype's range is refused all the same.
+    /// of -inf is none), and so is one below the dtype's range (-inf there, which acts as
+    /// it does); one above it is refused all the same.
     pub(crate) fn load_as_stored<const D: usize>(
         &self,
         weights: &PyTorchWeights,
