@@ -56,9 +56,10 @@ fn generate_reads_the_task_grammar_strictly() {
 fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
     let root = scratch("symbols");
     // A model this briefly trained may end its answer at once (then nothing is printed
-    // to check): seeds in turn until one answers, every answer checked.
+    // to check; after 10 steps 5 of 6 seeds' models were silent in one run): trained for
+    // 60 steps (8 of 8 seeds answered), 4 seeds, every answer checked, one at least.
     let mut answered = 0;
-    for seed in ["1", "2", "3", "4", "5", "6"] {
+    for seed in ["1", "2", "3", "4"] {
         let dir = root.join(format!("run-{seed}"));
         let out = run(on_flex(&[
             "--task",
@@ -78,7 +79,7 @@ fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
             "--epochs",
             "1",
             "--steps-per-epoch",
-            "10",
+            "60",
             "--eval-examples",
             "8",
             "--seed",
@@ -100,9 +101,6 @@ fn symbols_past_the_alphabet_print_as_numbers_that_read_back() {
             "seed {seed}: {answer}"
         );
         answered += 1;
-        if answered == 2 {
-            return;
-        }
     }
-    panic!("{answered} of 6 seeds' models answered (2 wanted)");
+    assert!(answered > 0, "no seed's model answered");
 }
