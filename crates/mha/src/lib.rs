@@ -79,4 +79,25 @@ pub(crate) mod testing {
         all.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
         all.into_iter().map(Device::autodiff).collect()
     }
+
+    /// Runs the ignored test `name` (its full path, `module::tests::name`) of this test
+    /// binary in a process of its own, and fails with its output if it fails: for a test
+    /// that seeds a backend's generator, which every test drawing random values on another
+    /// thread of this process shares.
+    pub(crate) fn in_own_process(name: &str) {
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary"))
+            .args([name, "--exact", "--ignored", "--test-threads=1"])
+            .output()
+            .expect("the test binary runs");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "{name} failed in its own process:\n{text}"
+        );
+        assert!(text.contains("1 passed"), "{name} did not run: {text}");
+    }
 }

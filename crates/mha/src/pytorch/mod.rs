@@ -497,9 +497,10 @@ pub trait LoadPyTorch: Sized {
     ///
     /// # Errors
     /// An [`ImportError`] naming the key, when a key is missing, unexpected, or of
-    /// another shape than this module's configuration implies; [`ImportError::Convention`]
-    /// for a quantized parameter (`quantize_weights`, `apply_qlora`): load before
-    /// quantizing.
+    /// another shape than this module's configuration implies; [`ImportError::Value`] for a
+    /// weight that is NaN, infinite, or past the range of the dtype it loads into;
+    /// [`ImportError::Convention`] for a quantized parameter (`quantize_weights`,
+    /// `apply_qlora`): load before quantizing.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError>;
 }
 
