@@ -866,18 +866,20 @@ pub fn install_weights(written: &Path, path: &Path) -> anyhow::Result<()> {
 pub fn verify(path: &Path) -> anyhow::Result<()> {
     // Readable, checksum or not (an error the system gives, which a caller can tell from
     // a damaged file's).
+    let cannot_read = || format!("cannot read {}", path.display());
     let opened = std::fs::File::open(path).and_then(|file| match file.metadata()?.is_dir() {
         true => Err(std::io::Error::other("a folder, not a file")),
-        false => Ok(()),
+        false => Ok(file),
     });
-    opened.with_context(|| format!("cannot read {}", path.display()))?;
+    let mut file = opened.with_context(cannot_read)?;
     let sum = checksum_file(path);
     let expected = match std::fs::read_to_string(&sum) {
         Ok(expected) => expected,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", sum.display())),
     };
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut file, &mut bytes).with_context(cannot_read)?;
     anyhow::ensure!(
         checksum(&bytes).trim() == expected.trim(),
         "{}: the file is damaged: its contents are not what the trainer wrote (their \

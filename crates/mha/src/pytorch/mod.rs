@@ -425,16 +425,7 @@ impl PyTorchWeights {
         dtype: impl Into<DType>,
         device: &Device,
     ) -> Result<Tensor<D>, ImportError> {
-        let data = self.data(key, &expected)?;
-        let dtype = dtype.into();
-        if !(dtype.is_float() && device.supports_dtype(dtype)) {
-            return Err(ImportError::DeviceDtype {
-                key: key.to_string(),
-                dtype,
-                device: format!("{device:?}"),
-            });
-        }
-        Ok(Tensor::from_data(data.clone(), (device, dtype)))
+        on_device(key, self.data(key, &expected)?, dtype.into(), device)
     }
 
     /// The data under `key`, checked to be a float tensor of shape `expected`.
@@ -502,6 +493,24 @@ pub trait LoadPyTorch: Sized {
     /// [`ImportError::Convention`] for a quantized parameter (`quantize_weights`,
     /// `apply_qlora`): load before quantizing.
     fn load_pytorch(self, weights: &PyTorchWeights, prefix: &str) -> Result<Self, ImportError>;
+}
+
+/// `data` (stored under `key`) as a tensor of `dtype` on `device`, or
+/// [`ImportError::DeviceDtype`] where the device does not compute in it.
+fn on_device<const D: usize>(
+    key: &str,
+    data: &TensorData,
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor<D>, ImportError> {
+    if !(dtype.is_float() && device.supports_dtype(dtype)) {
+        return Err(ImportError::DeviceDtype {
+            key: key.to_string(),
+            dtype,
+            device: format!("{device:?}"),
+        });
+    }
+    Ok(Tensor::from_data(data.clone(), (device, dtype)))
 }
 
 /// The bytes of the file at `path`, or [`ImportError::Io`] naming it (also for a path that
@@ -669,7 +678,8 @@ impl Place {
         stored_ok: bool,
     ) -> Result<Tensor<D>, ImportError> {
         self.refuse_quantized(key)?;
-        if let Some((at, value)) = first_unfit(weights.data(key, &shape)?, self.dtype, stored_ok) {
+        let data = weights.data(key, &shape)?;
+        if let Some((at, value)) = first_unfit(data, self.dtype, stored_ok) {
             return Err(ImportError::Value {
                 key: key.to_string(),
                 index: unravel(at, &shape),
@@ -677,7 +687,7 @@ impl Place {
                 dtype: self.dtype,
             });
         }
-        weights.tensor_as(key, shape, self.dtype, &self.device)
+        on_device(key, data, self.dtype, &self.device)
     }
 
     fn refuse_quantized(&self, key: &str) -> Result<(), ImportError> {
