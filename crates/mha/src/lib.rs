@@ -3,11 +3,6 @@
 #![doc = include_str!("../README.md")]
 #![warn(missing_docs)]
 
-/// The repository's README, whose examples run as doctests.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-pub struct RootReadme;
-
 pub mod analysis;
 pub mod attention;
 pub mod block;
