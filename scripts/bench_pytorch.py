@@ -202,7 +202,12 @@ def bench_long_core(seq, device, runs, dtype):
 
     if device.type == "cuda":
         # What the caching allocator kept of the measurements before this one is not this
-        # one's: handed back first, so that the peak is this call's alone.
+        # one's: handed back first, so that the peak is this call's alone. cuBLAS's
+        # workspaces (kept by the linear layers' products) are in the allocator too, and
+        # `empty_cache` leaves them: cleared first where this PyTorch can.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     ms, n, _ = timed(min(runs, 3), device, forward_backward, queue=False)
@@ -345,7 +350,7 @@ def main():
         if args.json:
             tmp = f"{args.json}.tmp"
             with open(tmp, "w") as f:
-                json.dump(dict(torch=torch.__version__, device=args.device, threads=args.threads, records=records), f, indent=1)
+                json.dump(dict(torch=torch.__version__, device=args.device, device_name=where, threads=args.threads, records=records), f, indent=1)
             os.replace(tmp, args.json)
 
     if args.trainer:

@@ -94,7 +94,14 @@ pack() {
     if [ -n "$vulkan" ]; then strip -o "$dir/bench-spirv" "$vulkan"; fi
     if [ -n "$tests" ]; then strip -o "$dir/mha-tests" "$tests"; fi
     xz -T0 "-$xz_level" "$dir"/bench-* $([ -z "$tests" ] || echo "$dir/mha-tests")
-    git rev-parse HEAD > "$dir/commit" 2>/dev/null || echo unknown > "$dir/commit"
+    # The commit the binaries were built from, marked `-dirty` where tracked files differ
+    # from it (the binaries hold the changes, which the commit does not).
+    local commit
+    commit=$(git rev-parse HEAD 2>/dev/null) || commit=unknown
+    if [ "$commit" != unknown ] && ! git diff --quiet HEAD 2>/dev/null; then
+        commit="$commit-dirty"
+    fi
+    echo "$commit" > "$dir/commit"
 }
 
 # `lib_tests FEATURES`: the path of mha's unit-test binary built with FEATURES (built at

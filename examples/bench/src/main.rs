@@ -1302,6 +1302,16 @@ fn bench(cli: Cli) -> anyhow::Result<()> {
     let mut records = Vec::new();
     for backend in backends {
         let device = backend.device()?;
+        // Which adapter the numbers are of (a GPU build may open a software one where the
+        // card's driver is missing).
+        let software = match backend.software_adapter(&device) {
+            Some(_) => " (a software adapter: no GPU behind it)",
+            None => "",
+        };
+        println!(
+            "\n{backend} runs on {}{software}",
+            train::backend::device_name(&device)
+        );
         let mut mine = Vec::new();
         let timed = match overhead_only(&cli) {
             true => &[][..],
