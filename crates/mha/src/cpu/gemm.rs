@@ -160,8 +160,10 @@ pub(super) mod avx2 {
                 tile::<MR, V>(k, at, (b, ldb), (c.add(i * ldc), ldc), add);
                 i += MR;
             }
-            let at = (a.add(i * rsa), rsa, csa);
-            let ct = (c.add(i * ldc), ldc);
+            // Where no row is left (`m` a multiple of `MR`) these point past the panels,
+            // and are not used: computed without `add`'s promise to stay inside them.
+            let at = (a.wrapping_add(i * rsa), rsa, csa);
+            let ct = (c.wrapping_add(i * ldc), ldc);
             match m - i {
                 5 => tile::<5, V>(k, at, (b, ldb), ct, add),
                 4 => tile::<4, V>(k, at, (b, ldb), ct, add),
@@ -275,8 +277,10 @@ pub(super) mod avx512 {
                 tile::<MR, V>(k, at, (b, ldb), (c.add(i * ldc), ldc), add);
                 i += MR;
             }
-            let at = (a.add(i * rsa), rsa, csa);
-            let ct = (c.add(i * ldc), ldc);
+            // Where no row is left (`m` a multiple of `MR`) these point past the panels,
+            // and are not used: computed without `add`'s promise to stay inside them.
+            let at = (a.wrapping_add(i * rsa), rsa, csa);
+            let ct = (c.wrapping_add(i * ldc), ldc);
             match m - i {
                 7 => tile::<7, V>(k, at, (b, ldb), ct, add),
                 6 => tile::<6, V>(k, at, (b, ldb), ct, add),

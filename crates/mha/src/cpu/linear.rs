@@ -366,15 +366,19 @@ fn backward_in(
         let mut own = slope
             .filter(|_| through_out.is_none())
             .map(|_| Vec::<f32>::with_capacity(n * d_out));
-        let through: Option<&mut [MaybeUninit<f32>]> = match (&mut own, through_out) {
-            (Some(own), _) => Some(&mut own.spare_capacity_mut()[..n * d_out]),
-            // SAFETY: the block's rows of `through_all` are its own.
-            (None, Some(all)) => Some(unsafe {
-                std::slice::from_raw_parts_mut(all.at(range.start * d_out).cast(), n * d_out)
-            }),
+        // The pointer first, the slice `Prepare` writes made from it: read through the
+        // pointer once the slice is gone (a pointer taken from the slice would not stay
+        // valid past its writes).
+        let through_ptr: Option<*mut MaybeUninit<f32>> = match (&mut own, through_out) {
+            (Some(own), _) => Some(own.spare_capacity_mut()[..n * d_out].as_mut_ptr()),
+            (None, Some(all)) => Some(all.at(range.start * d_out).cast()),
             (None, None) => None,
         };
-        let through_ptr = through.as_ref().map(|t| t.as_ptr().cast::<f32>());
+        // SAFETY: either holds n·d_out floats of the block's own (its cache's capacity, or
+        // its rows of `through_all`), which nothing else reads or writes meanwhile.
+        let through =
+            through_ptr.map(|ptr| unsafe { std::slice::from_raw_parts_mut(ptr, n * d_out) });
+        let through_ptr = through_ptr.map(|ptr| ptr.cast_const().cast::<f32>());
         // SAFETY: the block's share of db is its own, zeroed (its buffer's spare capacity
         // is not yet initialised) before a slice of it is made.
         let db = want_bias.then(|| unsafe {

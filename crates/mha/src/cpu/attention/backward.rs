@@ -72,6 +72,12 @@ pub(super) fn backward_on(
         ..
     } = dims;
     let group = dims.group();
+    // Every query head in a group, or rows of dQ below would be left unwritten.
+    assert_eq!(
+        heads,
+        kv_heads * group,
+        "{heads} query heads over {kv_heads} key/value heads"
+    );
     let scale = extra.scoring.scale;
     // Not zeroed (a pass over each on this thread while the others wait): the tasks
     // below write every row of dK and dV (each key of each key/value head belongs to one
