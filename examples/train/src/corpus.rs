@@ -47,6 +47,8 @@ pub struct Corpus {
     pub ids: Vec<u32>,
     /// The first validation character: `ids[..split]` train, `ids[split..]` validate.
     pub split: usize,
+    /// The text's checksum, as a run keeps it (`task.text_checksum`).
+    pub checksum: String,
 }
 
 impl Corpus {
@@ -96,7 +98,14 @@ impl Corpus {
             block.saturating_add(1),
             plural(Self::shortest_text(block), "character"),
         );
-        Ok(Self { vocab, ids, split })
+        Ok(Self {
+            vocab,
+            ids,
+            split,
+            checksum: crate::run_dir::checksum(text.as_bytes())
+                .trim_end()
+                .to_string(),
+        })
     }
 
     /// The corpus of the UTF-8 file at `path`.

@@ -63,6 +63,8 @@ pub const DATA: Field = field(
 );
 /// `task.vocab`.
 pub const VOCAB: Field = field("task.vocab", None, &["vocabulary"], false);
+/// `task.text_checksum`.
+pub const TEXT_CHECKSUM: Field = field("task.text_checksum", None, &["checksum"], false);
 /// `model.kind`.
 pub const MODEL_KIND: Field = field("model.kind", Some("--model"), &["model"], false);
 /// `model.d_model`.
@@ -140,6 +142,7 @@ pub const FIELDS: &[Field] = &[
     BLOCK_SIZE,
     DATA,
     VOCAB,
+    TEXT_CHECKSUM,
     MODEL_KIND,
     D_MODEL,
     N_LAYERS,
@@ -169,7 +172,7 @@ pub const FIELDS: &[Field] = &[
 ];
 
 /// The fields that only the text task reads: set on a synthetic task, they are refused.
-pub const TEXT_ONLY: &[Field] = &[BLOCK_SIZE, DATA, VOCAB];
+pub const TEXT_ONLY: &[Field] = &[BLOCK_SIZE, DATA, VOCAB, TEXT_CHECKSUM];
 
 /// The fields that only the synthetic tasks read: set on the text task (whose examples are
 /// windows of its text, validated by their loss), they are refused.

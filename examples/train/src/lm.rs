@@ -30,7 +30,7 @@ use crate::backend::Backend;
 use crate::batch::{FixedShape, SeqBatch};
 use crate::config::TrainConfig;
 use crate::corpus::{Corpus, TextSplit, batch_start, splitmix64, valid_starts};
-use crate::fields::{self, BLOCK_SIZE, Field, MODEL_KIND, PACK, VOCAB};
+use crate::fields::{self, BLOCK_SIZE, DATA, Field, MODEL_KIND, PACK, TEXT_CHECKSUM, VOCAB};
 use crate::kind::{Data, Decoding, TaskKind};
 use crate::model::{Model, ModelConfig, ModelKind, PositionKind};
 use crate::precision::Mixed;
@@ -191,13 +191,42 @@ pub fn corpus(config: &TrainConfig) -> anyhow::Result<Corpus> {
     }
 }
 
-/// Reads the corpus of a text run and sets the run's vocabulary to its characters; a
-/// vocabulary the configuration gives already (a resumed run's) must be the corpus's.
+/// Reads the corpus of a text run and sets the run's vocabulary and the text's checksum;
+/// those the configuration gives already (a resumed run's) must be the corpus's.
 ///
 /// # Errors
-/// As [`corpus`], and when the text's characters are not the run's vocabulary.
+/// As [`corpus`], and when the text's characters are not the run's vocabulary, or the
+/// text is not the one the run started on (its checksum).
 pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
-    let corpus = corpus(config)?;
+    let text = || {
+        config
+            .task
+            .data
+            .as_ref()
+            .map_or("the Shakespeare corpus".into(), |p| p.display().to_string())
+    };
+    let corpus = match corpus(config) {
+        Ok(corpus) => corpus,
+        // A run's own text (it has a vocabulary): named as the run's setting, and where a
+        // relative path is read from (a run started elsewhere).
+        Err(err) if config.task.vocab.is_some() => {
+            let relative = config.task.data.as_ref().is_some_and(|p| p.is_relative());
+            return Err(err.context(format!(
+                "the run's text ({} {}{})",
+                DATA.name(),
+                text(),
+                match (relative, std::env::current_dir()) {
+                    (true, Ok(here)) => format!(
+                        ", a relative path, read from {}: resume from the directory the \
+                         run started in",
+                        here.display()
+                    ),
+                    _ => String::new(),
+                }
+            )));
+        }
+        Err(err) => return Err(err),
+    };
     let vocab: String = corpus.vocab.iter().collect();
     match &config.task.vocab {
         Some(given) if *given != vocab => {
@@ -233,6 +262,18 @@ pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
         }
         Some(_) => {}
         None => config.task.vocab = Some(vocab),
+    }
+    match &config.task.text_checksum {
+        Some(given) if *given != corpus.checksum => anyhow::bail!(
+            "{}: it is not the text the run started on: its checksum is {}, the run's ({}) \
+             {given}; the text changed since the run started (its batches would not be the \
+             run's), or the configuration gives another text's; train a new run on it",
+            text(),
+            corpus.checksum,
+            TEXT_CHECKSUM.name(),
+        ),
+        Some(_) => {}
+        None => config.task.text_checksum = Some(corpus.checksum),
     }
     Ok(())
 }

@@ -899,7 +899,7 @@ fn checksum_file(path: &Path) -> PathBuf {
 
 /// `bytes`' checksum as written beside a weights file: the 64-bit FNV-1a hash and the
 /// length, `fnv1a-64 <hash> <bytes>`.
-fn checksum(bytes: &[u8]) -> String {
+pub(crate) fn checksum(bytes: &[u8]) -> String {
     let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
     });

@@ -147,6 +147,7 @@ fn sample(
         vocab,
         ids: Vec::new(),
         split: 0,
+        checksum: String::new(),
     };
     // Without a prompt: a newline where the text has one (a new line of verse), else its
     // first character.

@@ -2,6 +2,7 @@
 //! `--resume` of one (the run's own configuration, changed only as
 //! [`TrainConfig::resumed`] allows); then how it ended, and its pictures.
 
+use anyhow::Context;
 use burn::tensor::Device;
 
 use super::{run_dir, warn_if_software};
@@ -118,6 +119,13 @@ fn prepare_new(
         None => TrainConfig::defaults(args.task.unwrap_or(TrainConfig::default().task.task)),
     };
     let mut config = args.apply(base);
+    // The text kept by its whole path (checked as the others: UTF-8, for config.json): a
+    // run resumed from another directory reads it.
+    if let Some(data) = &config.task.data {
+        let whole = std::path::absolute(data)
+            .with_context(|| format!("--data {:?}: no such file", data.display()))?;
+        config.task.data = Some(whole);
+    }
     config.validate()?;
     config.kind().prepare(&mut config)?;
     crate::memory::training(&config).check(backend)?;

@@ -40,8 +40,9 @@ pub enum Task {
     /// The input is `a + b` with `len` decimal digits each, the output is the sum's digits.
     Add,
     /// Language modelling on a text, one character a token: each position predicts the
-    /// next character (the Shakespeare corpus, or `--data`; see [`crate::corpus`]). It
-    /// has no synthetic rules: the trainer takes its own path for it ([`crate::lm`]).
+    /// next character (the Shakespeare corpus, or `--data`).
+    // No synthetic rules: the trainer takes its own path for it (`crate::lm`, reading
+    // `crate::corpus`).
     Text,
 }
 
@@ -169,6 +170,9 @@ pub struct TaskConfig {
     /// its `i`-th character), written by the trainer when the run starts; a configuration
     /// that gives it must give the text's own.
     pub vocab: Option<String>,
+    /// Text task: the text's checksum (`fnv1a-64 <hash> <bytes>` of its UTF-8), written by
+    /// the trainer when the run starts: `--resume` refuses a text that changed since.
+    pub text_checksum: Option<String>,
 }
 
 impl Default for TaskConfig {
@@ -181,6 +185,7 @@ impl Default for TaskConfig {
             block_size: 64,
             data: None,
             vocab: None,
+            text_checksum: None,
         }
     }
 }

@@ -141,7 +141,9 @@ fn the_text_task_learns_on_every_backend_and_samples() {
 /// run); an empty file, a file that is not UTF-8 (the offset of the first bad byte), a
 /// text too short for one block in each split and a missing file are clear errors that
 /// write nothing; settings the text task cannot take are refused; a resumed text run
-/// retraces the uninterrupted one, and refuses a text whose characters changed.
+/// retraces the uninterrupted one (resumed from another directory, a text given by a
+/// relative path is still the run's), and refuses a text that changed (its characters,
+/// or its order alone).
 #[test]
 fn text_from_a_file_is_checked_before_anything_is_written() {
     let root = scratch("data");
@@ -225,12 +227,14 @@ fn text_from_a_file_is_checked_before_anything_is_written() {
         .collect();
     let own = write("own.txt", text.as_bytes());
     let [whole, resumed] = [root.join("whole"), root.join("resumed")];
-    for dir in [&whole, &resumed] {
+    // The second started in `root` with the text's relative path.
+    for (dir, data) in [(&whole, own.as_path()), (&resumed, Path::new("own.txt"))] {
         let out = run(on_flex(TINY_TEXT)
             .args(["--epochs", "2", "--steps-per-epoch", "10", "--data"])
-            .arg(&own)
+            .arg(data)
             .arg("--out")
-            .arg(dir));
+            .arg(dir)
+            .current_dir(&root));
         assert!(out.status.success());
     }
     let config: serde_json::Value =
@@ -240,7 +244,15 @@ fn text_from_a_file_is_checked_before_anything_is_written() {
     std::fs::remove_dir_all(resumed.join("checkpoints/epoch-2")).unwrap();
     std::fs::remove_file(resumed.join("model.bpk")).unwrap();
     std::fs::remove_file(resumed.join("summary.json")).unwrap();
-    let out = run(on_flex(&["--resume", "--out"]).arg(&resumed));
+    // Resumed from another directory, which holds an `own.txt` of the same characters in
+    // another order: the run reads its own.
+    let elsewhere = root.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let reversed: String = text.chars().rev().collect();
+    std::fs::write(elsewhere.join("own.txt"), &reversed).unwrap();
+    let out = run(on_flex(&["--resume", "--out"])
+        .arg(&resumed)
+        .current_dir(&elsewhere));
     assert!(out.status.success());
     for log in ["train/epoch-2/Loss.log", "valid/epoch-2/Loss.log"] {
         let [a, b] = [&whole, &resumed].map(|dir| std::fs::read_to_string(dir.join(log)).unwrap());
@@ -264,9 +276,24 @@ fn text_from_a_file_is_checked_before_anything_is_written() {
         "the text task's default"
     );
     assert_eq!(written["adam_beta2"], 0.99, "the text task's default");
-    // The text changed under the run: its characters are no longer the vocabulary.
-    std::fs::write(&own, text.replace('z', "Z")).unwrap();
+    // The text changed under the run, its characters the same: not its batches.
+    std::fs::write(&own, &reversed).unwrap();
     let before = checksums(&whole);
+    let out = run(on_flex(&["--resume", "--epochs", "3", "--out"]).arg(&whole));
+    assert_error(
+        &out,
+        &[
+            "own.txt: it is not the text the run started on",
+            "`task.text_checksum`",
+        ],
+    );
+    assert_eq!(
+        checksums(&whole),
+        before,
+        "a refused resume changes nothing"
+    );
+    // Its characters are no longer the vocabulary.
+    std::fs::write(&own, text.replace('z', "Z")).unwrap();
     let out = run(on_flex(&["--resume", "--epochs", "3", "--out"]).arg(&whole));
     assert_error(
         &out,
