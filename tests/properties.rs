@@ -317,3 +317,74 @@ fn a_blocks_attention_softcap_is_its_attentions_softcap() {
         );
     }
 }
+
+/// Heads one feature wide, the queries made through a reduction over that feature (`q ·
+/// mean(q²)` of a `[B, T, H, D]` tensor seen as `[B, H, T, D]`; a module's QK-norm at
+/// head dim 1): every backend's input gradients are flex's, through the fused kernels and
+/// through the explicit path, bare and in a module. (On wgpu the kernels' dQ, laid out
+/// with the heads inside, went through the reduction's backward with values from the
+/// wrong places: off by 3 where the largest is 4.)
+#[test]
+fn one_wide_heads_through_a_reduction_get_every_backends_gradients() {
+    use burn::module::Module;
+    use mha::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
+
+    let (b, t, h, d) = (2, 9, 4, 1);
+    // flex's first: the reference of the others.
+    let mut reference: Option<Vec<Tensor<4>>> = None;
+    let mut reference_module: Option<(MultiHeadAttention, Tensor<3>)> = None;
+    for be in backends() {
+        let device = be.autodiff();
+        let x = randn([b, t, h, d], 3, &device).require_grad();
+        let k = randn([b, h, t, d], 4, &device);
+        let v = randn([b, h, t, d], 5, &device);
+        let grad = |(weights, mask): (bool, AttentionMask)| {
+            let q = x.clone().swap_dims(1, 2);
+            let q = q.clone() * q.square().mean_dim(3);
+            let options = match weights {
+                true => SdpaOptions::default().with_weights(AttentionWeights::PerHead),
+                false => SdpaOptions::default(),
+            };
+            let out = scaled_dot_product_attention(q, k.clone(), v.clone(), &mask, options);
+            let out = out.context;
+            let grad: Tensor<4> = x.grad(&(out.clone() * out).sum().backward()).unwrap();
+            grad.to_device(&be.device)
+        };
+        let grads: Vec<Tensor<4>> = [
+            (false, AttentionMask::none()),
+            (false, AttentionMask::causal()),
+            (true, AttentionMask::causal()),
+        ]
+        .map(grad)
+        .into();
+        let reference = reference.get_or_insert_with(|| grads.clone());
+        for (n, (grad, want)) in grads.into_iter().zip(reference.iter()).enumerate() {
+            let want = want.clone().to_device(&be.device);
+            let what = format!("[{}] dx of call {n}", be.name);
+            crate::util::assert_grad_close(&be, &what, grad, want);
+        }
+        // A module of head dim 1 with QK-norm, the same weights on every backend.
+        let (module, input) = reference_module.get_or_insert_with(|| {
+            let module = MultiHeadAttentionConfig::new(8, 4)
+                .with_n_kv_heads(Some(1))
+                .with_head_dim(Some(1))
+                .with_qk_norm_eps(Some(1e-5))
+                .init(&device);
+            (module, randn([2, 9, 8], 6, &device))
+        });
+        let module = module.clone().to_device(&device);
+        let input = input.clone().to_device(&device).require_grad();
+        let out = module.causal_self_attention(input.clone());
+        let dx: Tensor<3> = input.grad(&(out.clone() * out).sum().backward()).unwrap();
+        let dx = dx.to_device(&be.device);
+        let flex = {
+            let (module, input) = reference_module.as_ref().unwrap();
+            let input = input.clone().require_grad();
+            let out = module.causal_self_attention(input.clone());
+            let dx: Tensor<3> = input.grad(&(out.clone() * out).sum().backward()).unwrap();
+            dx
+        };
+        let what = format!("[{}] the module's dx", be.name);
+        crate::util::assert_grad_close(&be, &what, dx, flex.to_device(&be.device));
+    }
+}

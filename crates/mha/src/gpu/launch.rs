@@ -1203,8 +1203,16 @@ pub(crate) fn contiguous_strides(shape: [usize; 4]) -> [usize; 4] {
 
 /// The strides of a `[B, H, T, D]` tensor laid out `[B, T, H, D]`: the heads of a `[B, T,
 /// H·D]` tensor, which a module's projections give and take without a copy.
-pub(crate) fn heads_inside_strides([_, heads, len, d]: [usize; 4]) -> [usize; 4] {
-    [len * heads * d, d, heads * d, 1]
+pub(crate) fn heads_inside_strides(shape: [usize; 4]) -> [usize; 4] {
+    let [_, heads, len, d] = shape;
+    match d {
+        // One feature a head: contiguous instead. Laid out with the heads inside, the heads
+        // and the features both have stride 1, which Burn's wgpu backend misreads through
+        // some later operations (a reduction over the features, `q · mean(q²)`, took its
+        // gradient's values from the wrong places).
+        1 => contiguous_strides(shape),
+        _ => [len * heads * d, d, heads * d, 1],
+    }
 }
 
 /// `handle` as a contiguous tensor of `shape`.
