@@ -417,3 +417,75 @@ fn one_wide_heads_through_a_reduction_get_every_backends_gradients() {
         crate::util::assert_grad_close(&be, &what, dx, flex.to_device(&be.device));
     }
 }
+
+/// A key and a value shared by the batch (`[1, Hkv, T, D]` expanded to `[B, Hkv, T, D]`,
+/// whose backward sums their gradients over the batch) get every backend's gradients
+/// equal to flex's, on every path: the fused kernels, the explicit one (weights asked),
+/// `attention_weights` alone, with GQA. (On wgpu, with weights asked, the shared key's
+/// gradient was off by more than its size: Burn's backward of the explicit path's `Kᵀ`
+/// handed back a transposed view, which Burn's wgpu reduction over the batch misreads.)
+#[test]
+fn a_key_shared_by_the_batch_gets_every_backends_gradients() {
+    use mha::attention::attention_weights;
+    use mha::{AttentionWeights, SdpaOptions, scaled_dot_product_attention};
+
+    // (B, H, Hkv, T, D)
+    let shapes = [(2, 2, 2, 3, 4), (3, 4, 2, 5, 8), (2, 4, 4, 4, 2)];
+    let asked = [
+        AttentionWeights::None,
+        AttentionWeights::PerHead,
+        AttentionWeights::Averaged,
+    ];
+    let mut reference: Vec<Vec<Tensor<4>>> = Vec::new();
+    for be in backends() {
+        let device = be.autodiff();
+        let mut n = 0;
+        for (b, h, hkv, t, d) in shapes {
+            for mask in [AttentionMask::none(), AttentionMask::causal()] {
+                for call in 0..asked.len() + 1 {
+                    let shared_k = randn([1, hkv, t, d], 2, &device).require_grad();
+                    let shared_v = randn([1, hkv, t, d], 3, &device).require_grad();
+                    let q = randn([b, h, t, d], 1, &device).require_grad();
+                    let k = shared_k.clone().expand([b, hkv, t, d]);
+                    let v = shared_v.clone().expand([b, hkv, t, d]);
+                    let (loss, what) = match asked.get(call) {
+                        Some(&weights) => {
+                            let options = SdpaOptions::default().with_weights(weights);
+                            let out = scaled_dot_product_attention(q.clone(), k, v, &mask, options);
+                            let w = randn([b, h, t, d], 4, &device);
+                            ((out.context * w).sum(), format!("{weights:?}"))
+                        }
+                        None => {
+                            let p = attention_weights(q.clone(), k, &mask, SdpaOptions::default());
+                            let w = randn([b, h, t, t], 4, &device);
+                            ((p * w).sum(), "attention_weights".to_string())
+                        }
+                    };
+                    let grads = loss.backward();
+                    let mut got = vec![q.grad(&grads).unwrap(), shared_k.grad(&grads).unwrap()];
+                    if call < asked.len() {
+                        got.push(shared_v.grad(&grads).unwrap());
+                    }
+                    let got: Vec<Tensor<4>> =
+                        got.into_iter().map(|g| g.to_device(&be.device)).collect();
+                    if reference.len() == n {
+                        reference.push(got.clone());
+                    }
+                    for (grad, (want, name)) in got
+                        .into_iter()
+                        .zip(reference[n].iter().zip(["dQ", "dK", "dV"]))
+                    {
+                        let what = format!("[{}] {what} {:?} {name}", be.name, (b, h, hkv, t, d));
+                        crate::util::assert_grad_close(
+                            &be,
+                            &what,
+                            grad,
+                            want.clone().to_device(&be.device),
+                        );
+                    }
+                    n += 1;
+                }
+            }
+        }
+    }
+}

@@ -60,7 +60,7 @@ pub(super) fn weights(
     let blocked_score = blocked_score(query_dtype);
     // [B, Hkv, g·Tq, Dk] x [B, Hkv, Dk, Tk]: GQA without copying K. The scale goes on
     // the queries, `Dk` times fewer values than the scores (forward and backward).
-    let s = grouped_matmul(query * scores.scale, key.transpose(), kv_heads); // [B, H, Tq, Tk]
+    let s = grouped_matmul(query * scores.scale, transposed(key), kv_heads); // [B, H, Tq, Tk]
     let s = match scores.softcap {
         // A product by the reciprocal: Burn's backward of a division by a scalar takes
         // the reciprocal in f32, which an f64 gradient shows.
@@ -197,6 +197,25 @@ pub(super) fn context(
         with_weights([q, k, v], &sub, scores, 0.0).0
     });
     Tensor::cat(parts.collect(), 2)
+}
+
+/// `key` `[B, Hkv, Tk, Dk]` as `Kᵀ` `[B, Hkv, Dk, Tk]`, its gradient handed back laid out
+/// contiguously. Burn's backward of a transpose hands `dK` back as a transposed view, and
+/// Burn's wgpu reduction over an outer axis of such a view reads the wrong elements (the
+/// vector width it picks assumes the view's fastest axis is the output's): a key broadcast
+/// over the batch (`expand`), whose backward sums `dK` over the batch, got a gradient off
+/// by more than its size. Through a reshape merging its last two axes, which a transposed
+/// view cannot make without a copy, `dK` comes back as a contiguous copy (`Tk · Dk` values
+/// a head: the scores are `Tq` times more).
+fn transposed(key: Tensor<4>) -> Tensor<4> {
+    let [batch, heads, keys, d_k] = key.dims();
+    if keys * d_k == 0 {
+        // Nothing to misread; and Burn's reshape reads a 0 as "this axis as it is".
+        return key.transpose();
+    }
+    key.reshape([batch, heads, keys * d_k])
+        .reshape([batch, heads, keys, d_k])
+        .transpose()
 }
 
 /// `a @ b` where `a` has `H` heads and `b` has `Hkv`, query head `h` pairing with
