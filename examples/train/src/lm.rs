@@ -187,7 +187,19 @@ pub fn corpus(config: &TrainConfig) -> anyhow::Result<Corpus> {
     let block = config.task.block_size;
     match &config.task.data {
         Some(path) => Corpus::read(path, block),
-        None => Corpus::new(crate::corpus::SHAKESPEARE, "the Shakespeare corpus", block),
+        None => Corpus::new(crate::corpus::SHAKESPEARE, SHAKESPEARE_NAME, block),
+    }
+}
+
+/// What the messages call the built-in text.
+const SHAKESPEARE_NAME: &str = "the Shakespeare corpus";
+
+/// The text a run reads, as its messages name it: its `--data` path as given, or the
+/// Shakespeare corpus.
+fn text_name(config: &TrainConfig) -> String {
+    match &config.task.data {
+        Some(path) => path.display().to_string(),
+        None => SHAKESPEARE_NAME.to_string(),
     }
 }
 
@@ -198,13 +210,6 @@ pub fn corpus(config: &TrainConfig) -> anyhow::Result<Corpus> {
 /// As [`corpus`], and when the text's characters are not the run's vocabulary, or the
 /// text is not the one the run started on (its checksum).
 pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
-    let text = || {
-        config
-            .task
-            .data
-            .as_ref()
-            .map_or("the Shakespeare corpus".into(), |p| p.display().to_string())
-    };
     let corpus = match corpus(config) {
         Ok(corpus) => corpus,
         // A run's own text (it has a vocabulary): named as the run's setting, and where a
@@ -214,7 +219,7 @@ pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
             return Err(err.context(format!(
                 "the run's text ({} {}{})",
                 DATA.name(),
-                text(),
+                text_name(config),
                 match (relative, std::env::current_dir()) {
                     (true, Ok(here)) => format!(
                         ", a relative path, read from {}: resume from the directory the \
@@ -237,11 +242,7 @@ pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
                 "{}: its characters are not the run's vocabulary (`task.vocab`, {} characters): \
                  {}{}; the text changed since the run started, or the configuration gives \
                  another text's vocabulary",
-                config
-                    .task
-                    .data
-                    .as_ref()
-                    .map_or("the Shakespeare corpus".into(), |p| p.display().to_string()),
+                text_name(config),
                 given.len(),
                 match missing.is_empty() {
                     true => String::new(),
@@ -268,7 +269,7 @@ pub fn load_vocab(config: &mut TrainConfig) -> anyhow::Result<()> {
             "{}: it is not the text the run started on: its checksum is {}, the run's ({}) \
              {given}; the text changed since the run started (its batches would not be the \
              run's), or the configuration gives another text's; train a new run on it",
-            text(),
+            text_name(config),
             corpus.checksum,
             TEXT_CHECKSUM.name(),
         ),
@@ -421,11 +422,7 @@ impl TaskKind for Text {
         format!(
             "task text ({}, a vocabulary of {}, windows of {}), {model}, {} of {} ({} each), \
              validating on {} after each",
-            config
-                .task
-                .data
-                .as_ref()
-                .map_or("the Shakespeare corpus".into(), |p| p.display().to_string()),
+            text_name(config),
             plural(config.task.vocab_size(), "character"),
             plural(config.task.block_size, "character"),
             plural(config.epochs, "epoch"),
