@@ -124,6 +124,18 @@ impl Corpus {
         );
         crate::memory::check_text(&what, len.len())?;
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {what}"))?;
+        // UTF-16, which some editors save "Unicode" text as: with its byte-order mark it is
+        // not UTF-8, and without one its ASCII reads as UTF-8 with a NUL after every
+        // character, which would train as text.
+        anyhow::ensure!(
+            !(bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff])),
+            "{what} is UTF-16 text (it starts with UTF-16's byte-order mark): save it as UTF-8"
+        );
+        if let Some(at) = bytes.iter().position(|&b| b == 0) {
+            anyhow::bail!(
+                "{what} holds a NUL byte (at offset {at}), which no text has: UTF-16 without                  a byte-order mark, or a binary file? Give UTF-8 text"
+            );
+        }
         let text = std::str::from_utf8(&bytes).map_err(|err| {
             let at = err.valid_up_to();
             anyhow::anyhow!(
@@ -347,6 +359,49 @@ mod tests {
             ),
             "{err}"
         );
+        // UTF-16 with and without its byte-order mark (little- and big-endian), and a NUL
+        // inside UTF-8 text.
+        let utf16 = |big: bool, mark: bool| -> Vec<u8> {
+            let units = mark
+                .then_some(0xfeff)
+                .into_iter()
+                .chain("To be, or not".encode_utf16());
+            units
+                .flat_map(|u: u16| {
+                    if big {
+                        u.to_be_bytes()
+                    } else {
+                        u.to_le_bytes()
+                    }
+                })
+                .collect()
+        };
+        for (bytes, wanted) in [
+            (
+                utf16(false, true),
+                "is UTF-16 text (it starts with UTF-16's byte-order mark)",
+            ),
+            (
+                utf16(true, true),
+                "is UTF-16 text (it starts with UTF-16's byte-order mark)",
+            ),
+            (
+                utf16(false, false),
+                "holds a NUL byte (at offset 1), which no text has",
+            ),
+            (
+                utf16(true, false),
+                "holds a NUL byte (at offset 0), which no text has",
+            ),
+            (
+                b"To be\0 or not".to_vec(),
+                "holds a NUL byte (at offset 5), which no text has",
+            ),
+        ] {
+            std::fs::write(&path, bytes).unwrap();
+            let err = Corpus::read(&path, 1).unwrap_err().to_string();
+            assert!(err.contains(wanted), "{err}");
+        }
         // A folder, or a device (which has no length to check and may read without end).
         let mut others = vec![dir.clone()];
         if cfg!(unix) {
