@@ -460,13 +460,20 @@ fn main() -> anyhow::Result<()> {
         s.dtype
     );
 
-    let decode = |ids: &[u32]| tokenizer.decode(ids, true).unwrap_or_default();
-    let prompt_text = decode(&prompt);
+    // An id the tokenizer does not know (a model's vocabulary padded past the
+    // tokenizer's) is an error naming it, not an empty text.
+    let decode = |ids: &[u32]| {
+        tokenizer.decode(ids, true).map_err(|err| {
+            let last = ids.last().map_or(String::from("none"), u32::to_string);
+            anyhow::anyhow!("the tokenizer cannot decode the ids (the last {last}): {err}")
+        })
+    };
+    let prompt_text = decode(&prompt)?;
     // The text the generated `ids` add after the prompt.
-    let added = |ids: &[u32]| {
-        let text = decode(&[&prompt[..], ids].concat());
+    let added = |ids: &[u32]| -> anyhow::Result<String> {
+        let text = decode(&[&prompt[..], ids].concat())?;
         match text.strip_prefix(prompt_text.as_str()) {
-            Some(added) => added.to_string(),
+            Some(added) => Ok(added.to_string()),
             None => decode(ids),
         }
     };
@@ -477,8 +484,8 @@ fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let generated = generate(&lm, &prompt, s.tokens, &generation, &device, |ids| {
         // Print what the text gained; a token that ends inside a character waits for the
-        // next one.
-        let text = added(ids);
+        // next one, and one the tokenizer cannot decode for the end, which names it.
+        let Ok(text) = added(ids) else { return };
         if let Some(new) = text.strip_prefix(shown.as_str())
             && !new.ends_with('\u{FFFD}')
         {
@@ -487,7 +494,7 @@ fn main() -> anyhow::Result<()> {
             shown = text;
         }
     })?;
-    let text = added(&generated);
+    let text = added(&generated)?;
     match text.strip_prefix(shown.as_str()) {
         Some(rest) => writeln!(out, "{rest}")?,
         None => writeln!(out, "\n{text}")?,
