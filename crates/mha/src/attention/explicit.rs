@@ -78,7 +78,7 @@ pub(super) fn weights(
     let s = match mask.position() {
         Some(position) => {
             let offset = mask.visibility(queries, keys).offset;
-            let bias = position.tensor(0..queries, 0..keys, offset, &device);
+            let bias = position.tensor(0..queries, 0..keys, offset, &device, query_dtype);
             s + bias.cast(query_dtype)
         }
         None => s,
@@ -193,7 +193,7 @@ pub(super) fn context(
         let v = value
             .clone()
             .slice([0..batch, 0..kv_heads, seen.clone(), 0..d_v]);
-        let sub = mask.sub(rows, seen, [queries, keys], &device);
+        let sub = mask.sub(rows, seen, [queries, keys], &device, query.dtype());
         with_weights([q, k, v], &sub, scores, 0.0).0
     });
     Tensor::cat(parts.collect(), 2)

@@ -1062,7 +1062,7 @@ fn call(
     let pd = mask.position().map(|position| {
         let first = -(queries as i64 - 1) - visibility.offset;
         let per_distance = position
-            .per_distance(first, queries + keys - 1, device)
+            .per_distance(first, queries + keys - 1, device, DType::F32)
             .cast(dtype);
         let [heads, columns] = per_distance.dims();
         per_distance.reshape([1, 1, heads, columns])

@@ -633,13 +633,14 @@ impl AttentionMask {
     /// The mask of the sub-problem made of query rows `rows` and keys `keys` of a
     /// `[.., queries, keys]` problem: what blocks by position becomes a boolean part for
     /// that rectangle, the boolean and additive parts are sliced where they are not
-    /// broadcast.
+    /// broadcast, a bias by position is made for queries of `dtype`.
     pub(crate) fn sub(
         &self,
         rows: Range<usize>,
         key_range: Range<usize>,
         [queries, keys]: [usize; 2],
         device: &Device,
+        dtype: DType,
     ) -> Self {
         let cut = |dims: [usize; 4]| {
             let [b, h, tq, tk] = dims;
@@ -660,14 +661,20 @@ impl AttentionMask {
             .as_ref()
             .map(|t| t.clone().slice(cut(t.dims())));
         let bias = self.bias.as_ref().map(|t| t.clone().slice(cut(t.dims())));
-        let position = self
-            .position
-            .as_ref()
-            .map(|p| p.tensor(rows.clone(), key_range.clone(), visibility.offset, device));
+        let position = self.position.as_ref().map(|p| {
+            p.tensor(
+                rows.clone(),
+                key_range.clone(),
+                visibility.offset,
+                device,
+                dtype,
+            )
+        });
         Self {
             rule: Rule::default(),
             blocked: merge(blocked, rule, |a, b| a.bool_or(b)),
-            // In the wider dtype (ALiBi's is made in f32: an f16 bias rounded it).
+            // In the wider dtype (ALiBi's is made in f32, f64 for f64 queries: an f16 bias
+            // rounded it).
             bias: merge(bias, position, add_biases),
             position: None,
             sinks: self.sinks.clone(),

@@ -4,7 +4,7 @@
 //! into attention, where the CPU tiles compute it per score (no `[H, Tq, Tk]` tensor) and
 //! the explicit path builds it.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 /// ALiBi's head slopes (Press et al., "Train Short, Test Long"): for `H` a power of two,
 /// `2^(-8h/H)` for `h = 1..=H`; otherwise those of the largest power of two below `H`,
@@ -212,6 +212,7 @@ impl PositionBias {
         keys: std::ops::Range<usize>,
         offset: i64,
         device: &Device,
+        dtype: DType,
     ) -> Tensor<4> {
         let (r, k, h) = (rows.len(), keys.len(), self.heads());
         if r == 0 || k == 0 {
@@ -219,17 +220,33 @@ impl PositionBias {
         }
         // Column `c` holds the distance `first + c`: the last row's first key at `c = 0`.
         let first = keys.start as i64 - (rows.end as i64 - 1 + offset);
-        let per_distance = self.per_distance(first, r + k - 1, device);
+        let per_distance = self.per_distance(first, r + k - 1, device, dtype);
         diagonals(per_distance, r, k).unsqueeze()
     }
 
     /// The bias of each query head at the `count` distances `first ..` (key minus the
     /// query's own position), `[H, count]`: a learned table's gradient flows through a
-    /// select of those columns.
-    pub(crate) fn per_distance(&self, first: i64, count: usize, device: &Device) -> Tensor<2> {
+    /// select of those columns. ALiBi's is made in f64 for `dtype` f64 (its products of
+    /// the slopes and distances exact to f64's precision), else in f32.
+    pub(crate) fn per_distance(
+        &self,
+        first: i64,
+        count: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Tensor<2> {
         let h = self.heads();
         let distances = (0..count as i64).map(|c| first + c);
         match self {
+            PositionBias::Alibi { slopes } if dtype == DType::F64 => {
+                // Made as f64: a device's default float dtype (f32) would round them.
+                let f64 = (device, DType::F64);
+                let far: Vec<f64> = distances.map(|d| -(d.abs() as f64)).collect();
+                let far = Tensor::<2>::from_data(TensorData::new(far, [1, count]), f64);
+                let slopes: Vec<f64> = slopes.iter().map(|&s| s as f64).collect();
+                let slopes = Tensor::<2>::from_data(TensorData::new(slopes, [h, 1]), f64);
+                slopes * far
+            }
             PositionBias::Alibi { slopes } => {
                 let far: Vec<f32> = distances.map(|d| -(d.abs() as f32)).collect();
                 let far = Tensor::<2>::from_data(TensorData::new(far, [1, count]), device);
@@ -313,8 +330,8 @@ mod tests {
         };
         for (rows, keys, offset) in [(0..1, 0..1, 0), (5..12, 0..30, 4), (3..40, 10..13, -7)] {
             let (r, k) = (rows.len(), keys.len());
-            let got = learned.tensor(rows.clone(), keys.clone(), offset, &device);
-            let got_alibi = alibi.tensor(rows.clone(), keys.clone(), offset, &device);
+            let got = learned.tensor(rows.clone(), keys.clone(), offset, &device, DType::F32);
+            let got_alibi = alibi.tensor(rows.clone(), keys.clone(), offset, &device, DType::F32);
             let got: Vec<f32> = got.into_data().try_into_vec::<f32>().unwrap();
             let got_alibi: Vec<f32> = got_alibi.into_data().try_into_vec::<f32>().unwrap();
             for h in 0..3 {
