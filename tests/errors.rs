@@ -346,6 +346,8 @@ fn masks_of_other_libraries_shapes_name_the_way_to_give_them() {
     expected = "the boolean mask of shape [1, 1, 4, 4] does not broadcast to the scores [B, H, Tq, Tk] = [2, 4, 5, 5]"
 )]
 fn mask_of_the_wrong_size_panics_naming_the_shapes_on_the_gpu_path() {
+    // The GPU's turn: its module draws from wgpu's generator and tunes its product.
+    let _turn = crate::util::gpu_turn();
     let d = Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
     let m = MultiHeadAttentionConfig::new(16, 4).init(&d);
     let mask = burn::tensor::Tensor::<2, burn::tensor::Bool>::from_data(

@@ -327,6 +327,22 @@ impl std::str::FromStr for Devices {
     }
 }
 
+/// The GPU to one test at a time, while `backend` is a GPU's (held until dropped).
+/// CubeCL's autotuner marks a kernel choice pending while one thread measures its
+/// candidates, and another thread asking for that choice meanwhile runs the first
+/// candidate instead of the winner, which rounds differently: two tests tuning the same
+/// products at once could make a test's two paths take different kernels, and its exact
+/// comparisons fail by chance. A seeded test's weights are drawn from the backend's one
+/// generator too.
+#[cfg(test)]
+pub(crate) fn gpu_turn(backend: Backend) -> Option<std::sync::MutexGuard<'static, ()>> {
+    static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    backend.is_gpu().then(|| {
+        GPU.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,6 +366,7 @@ mod tests {
     #[test]
     fn devices_are_those_the_backend_has_or_refused_naming_it() {
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let one = backend.device().unwrap();
             assert_eq!(
                 backend.devices(&Devices::Count(1)).unwrap(),

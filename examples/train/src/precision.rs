@@ -274,6 +274,7 @@ mod tests {
     fn gradients_reach_the_f32_weights_through_the_cast_copy() {
         use burn::nn::LinearConfig;
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let device = backend.device().unwrap();
             let dtypes = [Precision::F16, Precision::Bf16]
                 .into_iter()

@@ -210,6 +210,7 @@ mod tests {
         let examples: Vec<_> = (0..12).map(|i| short.example(5, Split::Valid, i)).collect();
         let inputs: Vec<Vec<usize>> = examples.iter().map(|e| e.input.clone()).collect();
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let device = backend.device().unwrap();
             let kinds = [ModelKind::DecoderOnly, ModelKind::EncoderDecoder];
             let all = [
@@ -277,7 +278,9 @@ mod tests {
 
     #[test]
     fn greedy_stops_each_row_at_eos_and_all_at_the_limit() {
-        let device = Backend::compiled()[0].device().unwrap();
+        let backend = Backend::compiled()[0];
+        let _turn = crate::backend::gpu_turn(backend);
+        let device = backend.device().unwrap();
         // Logits `[B, 1, V]` whose most likely token is each row's in `tokens`.
         let logits = |tokens: &[usize]| {
             let v = 8;

@@ -282,6 +282,7 @@ mod tests {
         let examples: Vec<_> = (0..6).map(|i| task.example(3, Split::Valid, i)).collect();
         let max_len = task.max_input() + task.max_output() + 2;
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let device = backend.device().unwrap();
             for kind in [ModelKind::DecoderOnly, ModelKind::EncoderDecoder] {
                 device.seed(5);

@@ -560,6 +560,7 @@ mod tests {
         use burn::data::dataloader::batcher::Batcher;
         let (vocab, block, d, layers) = (17, 8, 64, 2);
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let device = backend.device().unwrap().autodiff();
             device.seed(1);
             let config = ModelConfig {
@@ -671,6 +672,7 @@ mod tests {
         let examples: Vec<_> = (0..9).map(|i| task.example(8, Split::Train, i)).collect();
         let width = 2 * (task.max_input() + task.max_output() + 2);
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let device = backend.device().unwrap();
             for positions in [
                 PositionKind::Learned,

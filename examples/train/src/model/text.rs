@@ -210,6 +210,7 @@ mod tests {
     fn cached_and_recomputed_decoding_give_the_same_logits_past_the_block() {
         let (vocab, block) = (11, 8);
         for backend in Backend::compiled() {
+            let _turn = crate::backend::gpu_turn(backend);
             let device = backend.device().unwrap();
             for positions in [
                 PositionKind::Learned,
