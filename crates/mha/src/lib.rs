@@ -60,11 +60,15 @@ pub use workers::on_cpu_workers;
 /// What the unit tests share.
 #[cfg(test)]
 pub(crate) mod testing {
+    use std::cell::Cell;
+    use std::sync::{Mutex, MutexGuard, PoisonError};
+
     use burn::tensor::Device;
 
-    /// Every device compiled in, with autodiff.
+    /// Every device compiled in, with autodiff, and the GPU's turn where one is among
+    /// them (held while the list or its iterator lives).
     #[allow(deprecated, clippy::vec_init_then_push)] // Burn 0.22 deprecates ndarray.
-    pub(crate) fn devices() -> Vec<Device> {
+    pub(crate) fn devices() -> Devices {
         let mut all = Vec::new();
         #[cfg(feature = "flex")]
         all.push(Device::flex());
@@ -72,7 +76,87 @@ pub(crate) mod testing {
         all.push(Device::ndarray());
         #[cfg(feature = "wgpu")]
         all.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
-        all.into_iter().map(Device::autodiff).collect()
+        Devices {
+            _turn: cfg!(feature = "wgpu").then(GpuTurn::take),
+            list: all.into_iter().map(Device::autodiff).collect(),
+        }
+    }
+
+    /// The devices of [`devices`], with the GPU's turn.
+    pub(crate) struct Devices {
+        list: Vec<Device>,
+        _turn: Option<GpuTurn>,
+    }
+
+    impl Devices {
+        /// The devices in order.
+        pub(crate) fn iter(&self) -> std::slice::Iter<'_, Device> {
+            self.list.iter()
+        }
+
+        /// The device at `index`.
+        pub(crate) fn remove(mut self, index: usize) -> Device {
+            self.list.remove(index)
+        }
+    }
+
+    impl IntoIterator for Devices {
+        type Item = Device;
+        type IntoIter = DevicesIter;
+
+        /// The devices, the GPU's turn held until the iterator is dropped.
+        fn into_iter(self) -> DevicesIter {
+            DevicesIter {
+                list: self.list.into_iter(),
+                _turn: self._turn,
+            }
+        }
+    }
+
+    /// The devices of [`devices`] one by one, with the GPU's turn.
+    pub(crate) struct DevicesIter {
+        list: std::vec::IntoIter<Device>,
+        _turn: Option<GpuTurn>,
+    }
+
+    impl Iterator for DevicesIter {
+        type Item = Device;
+
+        fn next(&mut self) -> Option<Device> {
+            self.list.next()
+        }
+    }
+
+    /// The GPU to one test thread at a time: CubeCL's autotuner marks a kernel choice
+    /// pending while one thread measures its candidates, and another thread asking for it
+    /// meanwhile runs the first candidate instead of the winner, which rounds differently
+    /// (a test comparing two runs bit for bit would fail by chance). A thread may take its
+    /// turn again while it holds it.
+    pub(crate) struct GpuTurn {
+        _guard: Option<MutexGuard<'static, ()>>,
+    }
+
+    static GPU: Mutex<()> = Mutex::new(());
+
+    thread_local! {
+        /// The turns this thread holds.
+        static TURNS: Cell<usize> = const { Cell::new(0) };
+    }
+
+    impl GpuTurn {
+        /// Waits for the GPU's turn (at once if this thread holds it).
+        fn take() -> Self {
+            let guard =
+                (TURNS.get() == 0).then(|| GPU.lock().unwrap_or_else(PoisonError::into_inner));
+            TURNS.set(TURNS.get() + 1);
+            GpuTurn { _guard: guard }
+        }
+    }
+
+    impl Drop for GpuTurn {
+        fn drop(&mut self) {
+            TURNS.set(TURNS.get() - 1);
+        }
     }
 
     /// Runs the ignored test `name` (its full path, `module::tests::name`) of this test
