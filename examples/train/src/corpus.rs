@@ -124,16 +124,25 @@ impl Corpus {
         );
         crate::memory::check_text(&what, len.len())?;
         let bytes = std::fs::read(path).with_context(|| format!("cannot read {what}"))?;
-        // UTF-16, which some editors save "Unicode" text as: with its byte-order mark it is
-        // not UTF-8, and without one its ASCII reads as UTF-8 with a NUL after every
-        // character, which would train as text.
+        // UTF-16 (or UTF-32), which some editors save "Unicode" text as: with its
+        // byte-order mark it is not UTF-8, and without one its ASCII reads as UTF-8 with a
+        // NUL after every character, which would train as text. A NUL byte in UTF-8 is the
+        // character U+0000 (never part of another), refused too.
+        let utf32 =
+            bytes.starts_with(&[0xff, 0xfe, 0, 0]) || bytes.starts_with(&[0, 0, 0xfe, 0xff]);
+        anyhow::ensure!(
+            !utf32,
+            "{what} is UTF-32 text (it starts with UTF-32's byte-order mark): save it as UTF-8"
+        );
         anyhow::ensure!(
             !(bytes.starts_with(&[0xff, 0xfe]) || bytes.starts_with(&[0xfe, 0xff])),
             "{what} is UTF-16 text (it starts with UTF-16's byte-order mark): save it as UTF-8"
         );
         if let Some(at) = bytes.iter().position(|&b| b == 0) {
             anyhow::bail!(
-                "{what} holds a NUL byte (at offset {at}), which no text has: UTF-16 without                  a byte-order mark, or a binary file? Give UTF-8 text"
+                "{what} holds a NUL character (U+0000, the byte at offset {at}), which the text \
+                 task does not take: UTF-16 without a byte-order mark, or a binary file? Give \
+                 UTF-8 text without NULs"
             );
         }
         let text = std::str::from_utf8(&bytes).map_err(|err| {
@@ -359,8 +368,8 @@ mod tests {
             ),
             "{err}"
         );
-        // UTF-16 with and without its byte-order mark (little- and big-endian), and a NUL
-        // inside UTF-8 text.
+        // UTF-16 with and without its byte-order mark (little- and big-endian), a NUL
+        // inside UTF-8 text, and UTF-32 with its mark.
         let utf16 = |big: bool, mark: bool| -> Vec<u8> {
             let units = mark
                 .then_some(0xfeff)
@@ -387,15 +396,21 @@ mod tests {
             ),
             (
                 utf16(false, false),
-                "holds a NUL byte (at offset 1), which no text has",
+                "holds a NUL character (U+0000, the byte at offset 1)",
             ),
             (
                 utf16(true, false),
-                "holds a NUL byte (at offset 0), which no text has",
+                "holds a NUL character (U+0000, the byte at offset 0)",
             ),
             (
                 b"To be\0 or not".to_vec(),
-                "holds a NUL byte (at offset 5), which no text has",
+                "holds a NUL character (U+0000, the byte at offset 5), which the text task does \
+                 not take: UTF-16 without a byte-order mark, or a binary file? Give UTF-8 text \
+                 without NULs",
+            ),
+            (
+                [&[0xff, 0xfe, 0, 0][..], b"T\0\0\0"].concat(),
+                "is UTF-32 text (it starts with UTF-32's byte-order mark)",
             ),
         ] {
             std::fs::write(&path, bytes).unwrap();
