@@ -460,13 +460,12 @@ fn main() -> anyhow::Result<()> {
         s.dtype
     );
 
-    // An id the tokenizer does not know (a model's vocabulary padded past the
-    // tokenizer's) is an error naming it, not an empty text.
+    // A decoder's error is an error, not an empty text. (An id the tokenizer does not
+    // know, past its vocabulary in a model's padded one, it leaves out of the text.)
     let decode = |ids: &[u32]| {
-        tokenizer.decode(ids, true).map_err(|err| {
-            let last = ids.last().map_or(String::from("none"), u32::to_string);
-            anyhow::anyhow!("the tokenizer cannot decode the ids (the last {last}): {err}")
-        })
+        tokenizer
+            .decode(ids, true)
+            .map_err(|err| anyhow::anyhow!("the tokenizer cannot decode the ids: {err}"))
     };
     let prompt_text = decode(&prompt)?;
     // The text the generated `ids` add after the prompt.
@@ -484,7 +483,7 @@ fn main() -> anyhow::Result<()> {
     let start = Instant::now();
     let generated = generate(&lm, &prompt, s.tokens, &generation, &device, |ids| {
         // Print what the text gained; a token that ends inside a character waits for the
-        // next one, and one the tokenizer cannot decode for the end, which names it.
+        // next one, and ids the tokenizer cannot decode for the end, which reports it.
         let Ok(text) = added(ids) else { return };
         if let Some(new) = text.strip_prefix(shown.as_str())
             && !new.ends_with('\u{FFFD}')
