@@ -647,8 +647,12 @@ fn rounded(values: &[f32], dtype: FloatDType) -> Vec<f32> {
         .collect()
 }
 
-/// The case of [`other_dtypes_match_f64_attention_at_their_precision`] run in f64 only.
-const F64_ALIBI: &str = "causal, ALiBi of 12 heads, Tq 300, Tk 260";
+/// The cases of [`other_dtypes_match_f64_attention_at_their_precision`] run in f64 only:
+/// names, queries and keys.
+const F64_ALIBI: [(&str, usize, usize); 2] = [
+    ("causal, ALiBi of 12 heads, Tq 300, Tk 260", 300, 260),
+    ("causal, ALiBi of 12 heads, Tq 40, Tk 50", 40, 50),
+];
 
 #[test]
 fn other_dtypes_match_f64_attention_at_their_precision() {
@@ -683,23 +687,25 @@ fn other_dtypes_match_f64_attention_at_their_precision() {
         // products by the distances (f64 was 1e-7 off). In f64 only: in f16 such a bias
         // (down to -180 here) is itself rounded by up to 0.06, which f16's tolerance
         // does not allow for.
-        .chain([Case {
-            name: F64_ALIBI.into(),
-            sizes: sizes([2, 12, 4, 300, 260, 8, 8]),
+        // In query chunks and in one call.
+        .chain(F64_ALIBI.map(|(name, queries, keys)| Case {
+            name: name.into(),
+            sizes: sizes([2, 12, 4, queries, keys, 8, 8]),
             mask: MaskSpec {
                 position: Some(Position::Alibi(alibi_slopes(12))),
                 ..MaskSpec::causal()
             },
-        }])
+        }))
         .collect();
-    assert_eq!(cases.len(), 6);
+    assert_eq!(cases.len(), 7);
     for (n, case) in cases.iter().enumerate() {
         let s = case.sizes;
         let inputs = [s.query(), s.key(), s.value(), s.output()]
             .map(|dims| normal(dims.iter().product(), 900 + n as u64 + dims[2] as u64));
         for be in backends() {
             for dtype in be.other_float_dtypes() {
-                if case.name == F64_ALIBI && dtype != FloatDType::F64 {
+                let f64_only = F64_ALIBI.iter().any(|(name, ..)| case.name == *name);
+                if f64_only && dtype != FloatDType::F64 {
                     continue;
                 }
                 let inputs = inputs.clone().map(|x| rounded(&x, dtype));
