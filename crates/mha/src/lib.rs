@@ -94,7 +94,8 @@ pub(crate) mod testing {
             self.list.iter()
         }
 
-        /// The device at `index`.
+        /// The device at `index`, without the GPU's turn: for a test of a CPU device (the
+        /// first one where flex or ndarray is compiled in).
         pub(crate) fn remove(mut self, index: usize) -> Device {
             self.list.remove(index)
         }

@@ -351,19 +351,10 @@ mod tests {
     /// A select of more indices than wgpu's select backward takes at once: every
     /// gradient arrives, on every backend compiled in.
     #[test]
-    #[allow(deprecated, clippy::vec_init_then_push)] // ndarray is deprecated in Burn 0.22
     fn long_selects_pass_every_gradient_back() {
-        let mut devices: Vec<Device> = Vec::new();
-        #[cfg(feature = "flex")]
-        devices.push(Device::flex());
-        #[cfg(feature = "ndarray")]
-        devices.push(Device::ndarray());
-        #[cfg(feature = "wgpu")]
-        devices.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice));
         let n = 70_000; // past 65,535, in three selects
         let index: Vec<i64> = (0..n).map(|i| (i * 7 % 5) as i64).collect();
-        for device in devices {
-            let device = device.autodiff();
+        for device in crate::testing::devices() {
             let table = Tensor::<2>::zeros([2, 5], &device).require_grad();
             let picked = select_columns(table.clone(), &index, &device);
             let weights = Tensor::<2>::ones([2, n], &device);
