@@ -238,20 +238,18 @@ impl PositionBias {
         let h = self.heads();
         let distances = (0..count as i64).map(|c| first + c);
         match self {
-            PositionBias::Alibi { slopes } if dtype == DType::F64 => {
-                // Made as f64: a device's default float dtype (f32) would round them.
-                let f64 = (device, DType::F64);
-                let far: Vec<f64> = distances.map(|d| -(d.abs() as f64)).collect();
-                let far = Tensor::<2>::from_data(TensorData::new(far, [1, count]), f64);
-                let slopes: Vec<f64> = slopes.iter().map(|&s| s as f64).collect();
-                let slopes = Tensor::<2>::from_data(TensorData::new(slopes, [h, 1]), f64);
-                slopes * far
-            }
             PositionBias::Alibi { slopes } => {
-                let far: Vec<f32> = distances.map(|d| -(d.abs() as f32)).collect();
-                let far = Tensor::<2>::from_data(TensorData::new(far, [1, count]), device);
+                // Made in the dtype itself: `from_data` on a device's default float dtype
+                // (f32) would round f64 values.
+                let dtype = match dtype {
+                    DType::F64 => DType::F64,
+                    _ => DType::F32,
+                };
+                let far: Vec<f64> = distances.map(|d| -(d.abs() as f64)).collect();
+                let far = Tensor::<2>::from_data(TensorData::new(far, [1, count]), (device, dtype));
+                let slopes: Vec<f64> = slopes.iter().map(|&s| s as f64).collect();
                 let slopes =
-                    Tensor::<2>::from_data(TensorData::new(slopes.clone(), [h, 1]), device);
+                    Tensor::<2>::from_data(TensorData::new(slopes, [h, 1]), (device, dtype));
                 slopes * far
             }
             PositionBias::Learned { table, buckets } => {
